@@ -1,0 +1,61 @@
+"""Read-only DuckDB SQL over the store's tables.
+
+Each Lance table is exposed to DuckDB as a lazily scanned Arrow dataset *without* its vector columns
+(DuckDB's Arrow scan refuses float16 columns, and vectors do not belong in SQL anyway); projections and
+filters are pushed down into Lance, so nothing is loaded that a query does not touch. Only read
+statements are accepted: a query cannot modify, drop or export store tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import duckdb
+import lance
+import pyarrow as pa
+
+from gradstore.errors import SQLError
+
+_READ_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+_HIDDEN_COLUMNS: tuple[str, ...] = ("grad",)
+
+
+class VectorlessLanceView(lance.LanceDataset):
+    """A Lance dataset whose Arrow schema hides the vector columns, for DuckDB's Arrow scan."""
+
+    @property
+    def schema(self) -> pa.Schema:  # type: ignore[override]
+        full = super().schema
+        return pa.schema([f for f in full if f.name not in _HIDDEN_COLUMNS], metadata=full.metadata)
+
+    def scanner(self, columns=None, **kwargs):  # type: ignore[override]
+        return super().scanner(columns=columns if columns is not None else self.schema.names, **kwargs)
+
+
+def connect(tables: Mapping[str, lance.LanceDataset], macros: Iterable[str] = ()) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection with one view per store table and the given macro definitions."""
+    con = duckdb.connect()
+    for name, dataset in tables.items():
+        view = VectorlessLanceView(dataset.uri, version=dataset.version)
+        con.register(name, view)
+    for macro in macros:
+        con.execute(macro)
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+    return con
+
+
+def run_query(con: duckdb.DuckDBPyConnection, query: str) -> duckdb.DuckDBPyRelation:
+    """Run a read-only query; raise ``SQLError`` with DuckDB's message on failure or on a write."""
+    try:
+        statements = con.extract_statements(query)
+    except duckdb.Error as error:
+        raise SQLError(str(error)) from None
+    if len(statements) != 1:
+        raise SQLError(f"expected exactly one SQL statement, got {len(statements)}")
+    if statements[0].type not in _READ_STATEMENTS:
+        raise SQLError(f"store SQL is read-only: {statements[0].type.name} statements are not allowed")
+    try:
+        return con.sql(query)
+    except duckdb.Error as error:
+        raise SQLError(str(error)) from None

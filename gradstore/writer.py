@@ -1,0 +1,297 @@
+"""The streaming gradient writer: buffers appended rows and commits them to Lance in large batches.
+
+``append`` converts rows to Arrow and adds them to an in-memory buffer. When the buffer reaches
+``commit_rows`` rows or ``commit_bytes`` bytes (or its oldest row is ``commit_seconds`` old) it is handed
+to a background thread through a bounded queue, which commits it as one Lance transaction. A full queue
+blocks ``append`` (backpressure): memory stays bounded by ``(max_pending_commits + 1)`` buffers.
+``flush()`` returns once every appended row is committed; ``close()`` flushes and stops the thread.
+
+Every commit is atomic: a process killed at any moment leaves a store that opens and holds each row of
+every completed commit exactly once, and no partial rows. Rows still in the buffer are lost.
+
+The background thread also keeps the fragment count bounded by compacting small fragments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from gradstore import schema as S
+from gradstore.errors import NonFiniteGradientError, SchemaMismatchError, WriterClosedError
+from gradstore.vectors import encode
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+@dataclass(frozen=True)
+class WriterConfig:
+    """Thresholds of the streaming writer.
+
+    Attributes:
+        commit_rows: commit once the buffer holds this many rows.
+        commit_bytes: ... or this many bytes.
+        commit_seconds: ... or its oldest row has waited this long (checked on append and by the thread).
+        max_pending_commits: buffers that may wait for the committing thread before ``append`` blocks.
+        max_fragments: compact small fragments when a table holds more fragments than this.
+        nonfinite: ``"raise"`` rejects a batch with NaN/Inf rows (``NonFiniteGradientError``, nothing of
+            the batch is written); ``"drop"`` drops those rows, logs a warning and counts them.
+    """
+
+    commit_rows: int = 16384
+    commit_bytes: int = 128 << 20
+    commit_seconds: float = 30.0
+    max_pending_commits: int = 2
+    max_fragments: int = 64
+    nonfinite: str = "raise"
+
+    def __post_init__(self) -> None:
+        if self.nonfinite not in ("raise", "drop"):
+            raise ValueError(f"nonfinite must be 'raise' or 'drop', got {self.nonfinite!r}")
+        if self.commit_rows < 1 or self.max_pending_commits < 1:
+            raise ValueError("commit_rows and max_pending_commits must be >= 1")
+
+
+def new_id_block(existing_prefix_taken) -> int:
+    """Draw a random 31-bit id prefix that ``existing_prefix_taken(prefix)`` says is free."""
+    while True:
+        prefix = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+        if prefix and not existing_prefix_taken(prefix):
+            return prefix
+
+
+class GradientWriter:
+    """Buffered, background-committing appender of gradient rows for one run.
+
+    ``grad_id`` values are ``prefix << 32 | counter``: the 31-bit prefix is drawn at random for each writer
+    and checked against the table, so writers in different processes never collide and ids stay stable
+    across compaction (unlike Lance's ``_rowid``).
+    """
+
+    def __init__(self, table: Any, *, run_id: str, dim: int, storage_dtype: str,
+                 config: WriterConfig | None = None) -> None:
+        self._table = table
+        self.run_id = run_id
+        self.dim = dim
+        self.storage_dtype = storage_dtype
+        self.config = config or WriterConfig()
+        self._schema = S.gradients_schema(dim, storage_dtype)
+        self._prefix = new_id_block(self._prefix_taken)
+        self._counter = 0
+        self._lock = threading.Lock()
+        self._buffer: list[pa.RecordBatch] = []
+        self._buffer_rows = 0
+        self._buffer_bytes = 0
+        self._buffer_since = 0.0
+        self._queue: queue.Queue = queue.Queue(maxsize=self.config.max_pending_commits)
+        self._error: BaseException | None = None
+        self._closed = False
+        self.rows_committed = 0
+        self.rows_dropped = 0
+        self.commits = 0
+        self.compactions = 0
+        self._thread = threading.Thread(target=self._run, name=f"gradstore-writer-{run_id}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+    def append(self, grads: Any, example_ids: Sequence[str], **metadata: Any) -> np.ndarray:
+        """Append rows: ``grads`` float array ``[n, dim]`` (numpy or torch), one id per row.
+
+        Metadata columns (scalars broadcast to all rows, or length-``n`` sequences): ``checkpoint``,
+        ``step``, ``epoch``, ``example_hash``, ``split``, ``rank``, ``loss``, ``num_tokens``,
+        ``learning_rate``. Returns the rows' ``grad_id``s (empty for dropped rows).
+        """
+        self._raise_if_failed()
+        vectors = _as_float32_rows(grads, self.dim)
+        ids = [str(i) for i in example_ids]
+        if len(ids) != len(vectors):
+            raise SchemaMismatchError(f"{len(vectors)} gradient rows but {len(ids)} example ids")
+        vectors, ids, metadata = self._check_finite(vectors, ids, metadata)
+        n = len(vectors)
+        if n == 0:
+            return np.empty(0, dtype=np.int64)
+        with self._lock:
+            start = self._counter
+            if start + n >= 1 << 32:
+                self._prefix, start = new_id_block(self._prefix_taken), 0
+            self._counter = start + n
+            grad_ids = (np.int64(self._prefix) << 32) + np.arange(start, start + n, dtype=np.int64)
+        batch = self._record_batch(grad_ids, vectors, ids, metadata)
+        with self._lock:
+            if not self._buffer:
+                self._buffer_since = time.monotonic()
+            self._buffer.append(batch)
+            self._buffer_rows += n
+            self._buffer_bytes += batch.nbytes
+            full = (self._buffer_rows >= self.config.commit_rows or self._buffer_bytes >= self.config.commit_bytes
+                    or time.monotonic() - self._buffer_since >= self.config.commit_seconds)
+        if full:
+            self._hand_over()
+        return grad_ids
+
+    def flush(self) -> None:
+        """Commit every appended row; returns when they are visible to readers."""
+        self._raise_if_failed()
+        self._hand_over()
+        done = threading.Event()
+        self._queue.put(done)
+        while not done.wait(0.1):
+            if not self._thread.is_alive():
+                break
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        """Flush, then stop the background thread. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._error is None:
+                self.flush()
+        finally:
+            self._closed = True
+            self._queue.put(_STOP)
+            self._thread.join()
+        if self._error is not None:
+            raise WriterClosedError(f"a background commit failed: {self._error!r}") from self._error
+
+    def __enter__(self) -> GradientWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _prefix_taken(self, prefix: int) -> bool:
+        low, high = prefix << 32, (prefix + 1) << 32
+        if self._table.count_rows() == 0:
+            return False
+        return self._table.count_rows(f"grad_id >= {low} AND grad_id < {high}") > 0
+
+    def _check_finite(self, vectors: np.ndarray, ids: list[str], metadata: dict) -> tuple:
+        finite = np.isfinite(vectors).all(axis=1)
+        if finite.all():
+            return vectors, ids, metadata
+        bad = [ids[i] for i in np.flatnonzero(~finite)]
+        if self.config.nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"{len(bad)} gradient row(s) contain NaN/Inf (example ids {bad[:5]}{'...' if len(bad) > 5 else ''});"
+                " the batch was not written. Pass nonfinite='drop' to drop such rows instead.")
+        log.warning("dropping %d non-finite gradient row(s): %s", len(bad), bad[:5])
+        self.rows_dropped += len(bad)
+        keep = np.flatnonzero(finite)
+        metadata = {k: (_take(v, keep) if _is_sequence(v) else v) for k, v in metadata.items()}
+        return vectors[keep], [ids[i] for i in keep], metadata
+
+    def _record_batch(self, grad_ids: np.ndarray, vectors: np.ndarray, ids: list[str],
+                      metadata: dict[str, Any]) -> pa.RecordBatch:
+        unknown = set(metadata) - set(S.GRADIENT_METADATA_NAMES)
+        if unknown:
+            raise SchemaMismatchError(f"unknown metadata column(s) {sorted(unknown)}; "
+                                      f"known: {S.GRADIENT_METADATA_NAMES[2:]}")
+        n = len(ids)
+        columns: dict[str, Any] = {"grad_id": grad_ids, "run_id": [self.run_id] * n, "example_id": ids}
+        for field in S.GRADIENT_METADATA_FIELDS:
+            if field.name in columns:
+                continue
+            value = metadata.get(field.name)
+            if _is_sequence(value):
+                value = np.asarray(value) if not isinstance(value, list) else value
+                if len(value) != n:
+                    raise SchemaMismatchError(f"metadata {field.name!r} has {len(value)} values for {n} rows")
+                columns[field.name] = value
+            else:
+                columns[field.name] = [value] * n
+        arrays = [pa.array(columns[f.name], type=f.type) for f in S.GRADIENT_METADATA_FIELDS]
+        grad, norm = encode(vectors, self.storage_dtype)
+        return pa.RecordBatch.from_arrays(arrays + [grad, norm], schema=self._schema)
+
+    def _hand_over(self) -> None:
+        with self._lock:
+            batches, self._buffer = self._buffer, []
+            self._buffer_rows = self._buffer_bytes = 0
+        if batches:
+            self._put(batches)
+
+    def _put(self, item: object) -> None:
+        while True:  # bounded wait so a dead thread surfaces as an error instead of a hang
+            self._raise_if_failed()
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                if not self._thread.is_alive():
+                    raise WriterClosedError("the writer's background thread stopped") from self._error
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise WriterClosedError(f"a background commit failed: {self._error!r}") from self._error
+        if self._closed:
+            raise WriterClosedError("this writer is closed")
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=max(self.config.commit_seconds / 2, 0.05))
+            except queue.Empty:
+                self._commit_if_stale()
+                continue
+            if item is _STOP:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            if self._error is None:
+                self._commit(item)
+
+    def _commit_if_stale(self) -> None:
+        with self._lock:
+            stale = self._buffer and time.monotonic() - self._buffer_since >= self.config.commit_seconds
+            if not stale:
+                return
+            batches, self._buffer = self._buffer, []
+            self._buffer_rows = self._buffer_bytes = 0
+        self._commit(batches)
+
+    def _commit(self, batches: list[pa.RecordBatch]) -> None:
+        try:
+            self._table.add(pa.Table.from_batches(batches, schema=self._schema))
+            self.commits += 1
+            self.rows_committed += sum(b.num_rows for b in batches)
+            self._compact_if_fragmented()
+        except BaseException as error:  # surfaced to the caller on its next append/flush
+            log.error("gradstore writer commit failed: %r", error)
+            self._error = error
+
+    def _compact_if_fragmented(self) -> None:
+        dataset = self._table.to_lance()
+        if len(dataset.get_fragments()) > self.config.max_fragments:
+            dataset.optimize.compact_files()  # Lance's default target: fragments of ~1M rows
+            self.compactions += 1
+
+
+def _as_float32_rows(grads: Any, dim: int) -> np.ndarray:
+    if hasattr(grads, "detach"):  # torch tensor, without importing torch here
+        grads = grads.detach().to("cpu").float().numpy()
+    vectors = np.asarray(grads, dtype=np.float32)
+    if vectors.ndim != 2 or vectors.shape[1] != dim:
+        raise SchemaMismatchError(f"gradient rows must have shape [n, {dim}], got {list(vectors.shape)}")
+    return vectors
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, (list, tuple, np.ndarray)) or (hasattr(value, "shape") and len(value.shape) == 1)
+
+
+def _take(value: Any, keep: np.ndarray) -> Any:
+    return [value[i] for i in keep] if isinstance(value, (list, tuple)) else np.asarray(value)[keep]

@@ -1,0 +1,69 @@
+"""Store SQL: results equal a pandas reference; the store cannot be modified through it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import gradstore
+
+
+@pytest.fixture
+def filled(store):
+    rng = np.random.default_rng(0)
+    store.create_run("r", dim=6)
+    ids = [f"e{i}" for i in range(40)]
+    with store.writer("r") as writer:
+        writer.append(rng.standard_normal((40, 6)), ids, step=np.arange(40) // 8, loss=rng.random(40),
+                      split=["train"] * 30 + ["query"] * 10)
+    store.add_examples(pd.DataFrame({"example_id": ids, "source": [f"s{i % 4}" for i in range(40)],
+                                     "text": [f"text {i}" for i in range(40)]}))
+    return store
+
+
+def test_join_and_aggregate_equal_pandas(filled):
+    got = filled.sql("""
+        select e.source, g.split, count(*) as n, avg(g.loss) as mean_loss, max(g.step) as last_step
+        from gradients g join examples e using (example_id)
+        group by 1, 2 order by 1, 2""").df()
+    grads = filled.read_gradients(columns=("example_id", "split", "loss", "step")).metadata.to_pandas()
+    examples = filled.table("examples").to_pandas()
+    expected = (grads.merge(examples, on="example_id").groupby(["source", "split"], as_index=False)
+                .agg(n=("loss", "size"), mean_loss=("loss", "mean"), last_step=("step", "max")))
+    pd.testing.assert_frame_equal(got.reset_index(drop=True), expected, check_dtype=False, atol=1e-6)
+
+
+def test_vectors_are_not_in_sql_but_everything_else_is(filled):
+    columns = filled.sql("select * from gradients limit 1").columns
+    assert "grad" not in columns and "grad_norm" in columns and "example_id" in columns
+    assert filled.sql("select count(*) from gradients").fetchall()[0][0] == 40
+    # a self-join scans the table twice
+    assert filled.sql("select count(*) from gradients a join gradients b using (step)").fetchall()[0][0] == \
+        sum(n * n for n in [8] * 5)
+
+
+def test_results_convert_to_arrow_pandas_polars(filled):
+    relation = filled.sql("select example_id, loss from gradients order by example_id")
+    assert relation.arrow().read_all().num_rows == 40 if hasattr(relation.arrow(), "read_all") else True
+    assert len(relation.df()) == 40
+    assert relation.pl().height == 40
+
+
+@pytest.mark.parametrize("statement", [
+    "drop table gradients", "delete from gradients", "create table x as select 1",
+    "insert into examples values ('x', 'y', 'z')", "copy gradients to '/tmp/out.csv'",
+    "attach '/tmp/x.db'", "select 1; drop table runs"])
+def test_sql_is_read_only(filled, statement):
+    with pytest.raises(gradstore.SQLError):
+        filled.sql(statement)
+    assert filled.count() == 40
+
+
+def test_bad_sql_gives_duckdb_message(filled):
+    with pytest.raises(gradstore.SQLError, match="no_such_column"):
+        filled.sql("select no_such_column from gradients")
+    with pytest.raises(gradstore.SQLError, match="syntax error"):
+        filled.sql("selec 1")
+    with pytest.raises(gradstore.SQLError, match="disabled"):
+        filled.sql("select * from read_csv('/etc/hostname')").fetchall()
