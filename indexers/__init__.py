@@ -1,0 +1,30 @@
+"""Search side of gradstore: preconditioners and top-k inner-product indexes (exact in torch, FAISS).
+
+Works on numpy/torch arrays and re-iterable sources of ``(ids, vectors)`` blocks; imports neither
+``gradstore`` nor ``ingest``. FAISS is optional and imported only when a FAISS index is used.
+"""
+
+from indexers.blocks import VectorBlocks, blocks_from_arrays
+from indexers.errors import IndexMismatchError, NotFittedError
+from indexers.exact import ExactIndex
+from indexers.faiss_index import FaissIndex, default_nprobe, gpu_available, require_faiss
+from indexers.manifest import check_manifest, manifest_diff
+from indexers.preconditioners import (
+    CosinePreconditioner,
+    DiagonalPreconditioner,
+    FisherPreconditioner,
+    IdentityPreconditioner,
+    KroneckerPreconditioner,
+    Preconditioner,
+    load_preconditioner,
+    make_preconditioner,
+)
+from indexers.recall import choose_index_kind, measure_recall, recall_at_k
+
+__all__ = [
+    "CosinePreconditioner", "DiagonalPreconditioner", "ExactIndex", "FaissIndex", "FisherPreconditioner",
+    "IdentityPreconditioner", "IndexMismatchError", "KroneckerPreconditioner", "NotFittedError", "Preconditioner",
+    "VectorBlocks", "blocks_from_arrays", "check_manifest", "choose_index_kind", "default_nprobe",
+    "gpu_available", "load_preconditioner", "make_preconditioner", "manifest_diff", "measure_recall",
+    "recall_at_k", "require_faiss",
+]

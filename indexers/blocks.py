@@ -1,0 +1,45 @@
+"""Sources of (ids, vectors) blocks and the conversions every index and preconditioner shares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+
+VectorBlocks = Callable[[], Iterator[tuple[np.ndarray, np.ndarray]]]
+"""A re-iterable source: each call yields ``(ids int64 [n], vectors [n, d])`` blocks from the start.
+
+It may be called several times (multi-pass algorithms such as sampling for IVF training)."""
+
+ArrayLike = np.ndarray | torch.Tensor
+
+
+def blocks_from_arrays(ids: np.ndarray, vectors: ArrayLike, block_rows: int = 65536) -> VectorBlocks:
+    """Wrap in-memory ``ids [n]`` and ``vectors [n, d]`` as a :data:`VectorBlocks` source (row slices, no copy)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.ndim != 1 or len(ids) != len(vectors):
+        raise ValueError(f"ids must be 1-D with one id per vector row; got {ids.shape} for {tuple(vectors.shape)}")
+    if block_rows < 1:
+        raise ValueError("block_rows must be >= 1")
+
+    def source() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for start in range(0, len(ids), block_rows):
+            yield ids[start : start + block_rows], vectors[start : start + block_rows]
+
+    return source
+
+
+def as_tensor(block: ArrayLike, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """Convert a numpy or torch block to a 2-D tensor of ``dtype`` on ``device`` (no copy when already so)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(block)) if isinstance(block, np.ndarray) else block
+    if tensor.ndim == 1:
+        tensor = tensor.unsqueeze(0)
+    if tensor.ndim != 2:
+        raise ValueError(f"expected a [rows, dim] block, got shape {tuple(tensor.shape)}")
+    return tensor.to(device=device if device is not None else tensor.device, dtype=dtype)
+
+
+def count_rows(source: VectorBlocks) -> int:
+    """Number of rows a source yields (one pass over the ids only)."""
+    return sum(len(ids) for ids, _ in source())

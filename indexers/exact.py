@@ -1,0 +1,82 @@
+"""Exact top-k inner-product search: blocked matrix multiply and a running top-k, in torch (CPU or GPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from indexers.blocks import ArrayLike, VectorBlocks, as_tensor, blocks_from_arrays
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ExactIndex:
+    """Brute-force search over a source of vector blocks, never holding more than one block of scores.
+
+    Results equal a full ``Q @ X.T`` followed by a sort (best score first, ties broken by the smaller id).
+    Blocks of any float dtype are upcast to float32 one block at a time (e.g. the store's float16 rows).
+    """
+
+    def __init__(self, device: str | torch.device | None = None, block_rows: int = 65536):
+        if block_rows < 1:
+            raise ValueError("block_rows must be >= 1")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.block_rows = block_rows
+
+    def search(self, queries: ArrayLike, source: VectorBlocks | tuple[np.ndarray, ArrayLike], k: int,
+               largest: bool = True, transform: Transform | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k (or bottom-k with ``largest=False``) stored vectors by inner product with each query.
+
+        ``queries`` is ``[q, d]`` (or ``[d]``); ``source`` is a :data:`VectorBlocks` callable or in-memory
+        ``(ids, vectors)``; ``transform`` is applied to every float32 vector block before scoring (e.g. a
+        preconditioner's ``apply_both``). Returns ``(scores float32 [q, k'], ids int64 [q, k'])`` with
+        ``k' = min(k, rows)``, best first: largest scores for top-k, smallest for bottom-k.
+        """
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if isinstance(source, tuple):
+            source = blocks_from_arrays(*source, block_rows=self.block_rows)
+        signed = as_tensor(queries, torch.float32, self.device)
+        signed = signed if largest else -signed
+        best_scores = torch.empty(signed.shape[0], 0, dtype=torch.float32, device=self.device)
+        best_ids = torch.empty(signed.shape[0], 0, dtype=torch.int64, device=self.device)
+        for ids, vectors in source():
+            for start in range(0, len(ids), self.block_rows):
+                block_ids = torch.from_numpy(np.asarray(ids[start : start + self.block_rows], np.int64))
+                block = as_tensor(vectors[start : start + self.block_rows], torch.float32, self.device)
+                if transform is not None:
+                    block = transform(block).to(torch.float32)
+                if block.shape[1] != signed.shape[1]:
+                    raise ValueError(f"queries have dimension {signed.shape[1]}, stored vectors {block.shape[1]}")
+                scores, candidate_ids = _block_top_k(signed @ block.T, block_ids.to(self.device), k)
+                best_scores, best_ids = _merge(torch.cat([best_scores, scores], 1),
+                                               torch.cat([best_ids, candidate_ids], 1), k)
+        scores = best_scores if largest else -best_scores
+        return scores.cpu().numpy(), best_ids.cpu().numpy()
+
+
+def _block_top_k(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``min(k, n)`` best columns of ``scores [q, n]`` per row, ties at the cut going to the smaller ids."""
+    k = min(k, scores.shape[1])
+    values, positions = scores.topk(k, dim=1, sorted=False)
+    candidate_ids = ids[positions]
+    cut = values.min(dim=1).values
+    tied_rows = ((scores >= cut[:, None]).sum(dim=1) > k).nonzero().flatten().tolist()
+    for row in tied_rows:
+        # torch.topk picks arbitrarily among equal scores at the cut; take every score >= cut and re-rank.
+        columns = (scores[row] >= cut[row]).nonzero().flatten()
+        row_scores, row_ids = _merge(scores[row, columns][None], ids[columns][None], k)
+        values[row], candidate_ids[row] = row_scores[0], row_ids[0]
+    return values, candidate_ids
+
+
+def _merge(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort candidates by score descending, then id ascending (two stable sorts), and keep the first ``k``."""
+    ids, by_id = ids.sort(dim=1, stable=True)
+    scores = scores.gather(1, by_id)
+    scores, by_score = scores.sort(dim=1, descending=True, stable=True)
+    return scores[:, :k], ids.gather(1, by_score)[:, :k]

@@ -1,0 +1,266 @@
+"""Approximate (or flat) inner-product search with FAISS: ids, random-sample training, persistence, GPU.
+
+FAISS is an optional dependency (``pip install 'gradstore[cpu]'`` or ``'gradstore[gpu]'``) and is imported
+lazily. ``nprobe`` defaults to :func:`default_nprobe` (``max(8, nlist // 8)``, at most ``nlist``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from indexers.blocks import ArrayLike, VectorBlocks, count_rows
+from indexers.manifest import check_manifest, normalize_manifest
+
+INDEX_FILE = "index.faiss"
+MANIFEST_FILE = "manifest.json"
+GPU_MAX_K = 2048
+"""The largest k FAISS GPU indexes search; beyond it searches run on a CPU copy."""
+METRICS = ("ip", "l2")
+
+
+def require_faiss() -> Any:
+    """The ``faiss`` module, or an ImportError saying which extra to install."""
+    try:
+        import faiss
+    except ImportError as error:
+        raise ImportError("FAISS is not installed: pip install 'gradstore[cpu]' "
+                          "(or 'gradstore[gpu]' for CUDA GPUs)") from error
+    return faiss
+
+
+@functools.cache
+def gpu_available() -> bool:
+    """True when faiss has GPU support, a CUDA driver answers, and FAISS sees at least one GPU.
+
+    The driver is probed through ``libcuda`` before any FAISS GPU call, so a GPU build of FAISS on a machine
+    without a driver is reported as ``False`` instead of failing."""
+    try:
+        faiss = require_faiss()
+    except ImportError:
+        return False
+    if not hasattr(faiss, "StandardGpuResources") or _cuda_driver_devices() == 0:
+        return False
+    return faiss.get_num_gpus() > 0
+
+
+def _cuda_driver_devices() -> int:
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+def default_nprobe(nlist: int) -> int:
+    """The documented default number of IVF lists probed: ``min(nlist, max(8, nlist // 8))``."""
+    return min(nlist, max(8, nlist // 8))
+
+
+def sample_rows(source: VectorBlocks, sample_size: int, seed: int = 0) -> np.ndarray:
+    """A uniform random sample (without replacement) of ``sample_size`` rows, as float32, in two passes."""
+    total = count_rows(source)
+    chosen = np.sort(np.random.default_rng(seed).choice(total, size=min(sample_size, total), replace=False))
+    parts, start = [], 0
+    for _, vectors in source():
+        stop = start + len(vectors)
+        local = chosen[np.searchsorted(chosen, start) : np.searchsorted(chosen, stop)] - start
+        if len(local):
+            parts.append(_float32(np.asarray(vectors)[local]))
+        start = stop
+    if not parts:
+        raise ValueError("cannot train an index on a source with no rows")
+    return np.concatenate(parts)
+
+
+def _float32(vectors: ArrayLike) -> np.ndarray:
+    array = vectors.detach().cpu().numpy() if hasattr(vectors, "detach") else np.asarray(vectors)
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+class FaissIndex:
+    """A FAISS index built from a factory string (``Flat``, ``IVF4096,Flat``, ``IVF1024,SQfp16``, ``IVF1024,PQ64``)
+    whose FAISS ids are the caller's ``grad_id``s.
+
+    ``metric`` is ``"ip"`` (inner product, larger is better) or ``"l2"`` (distance, smaller is better).
+    Non-IVF indexes are wrapped in ``IndexIDMap``; IVF indexes take ids natively.
+    """
+
+    def __init__(self, factory: str, dim: int, metric: str = "ip", nprobe: int | None = None):
+        faiss = require_faiss()
+        if metric not in METRICS:
+            raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+        metric_type = faiss.METRIC_INNER_PRODUCT if metric == "ip" else faiss.METRIC_L2
+        index = faiss.index_factory(int(dim), factory, metric_type)
+        ivf = faiss.try_extract_index_ivf(index)
+        if ivf is None:
+            index = faiss.IndexIDMap(index)
+        self.factory, self.dim, self.metric = factory, int(dim), metric
+        self.nlist: int | None = None if ivf is None else int(ivf.nlist)
+        """Number of IVF lists, or ``None`` for non-IVF indexes."""
+        self.manifest: dict[str, Any] = {}
+        self._index = index
+        self._on_gpu = False
+        self._mmap_path: Path | None = None
+        self._cpu_copy = None
+        self.nprobe = nprobe
+
+    @property
+    def ntotal(self) -> int:
+        """Number of vectors in the index."""
+        return int(self._index.ntotal)
+
+    @property
+    def nprobe(self) -> int | None:
+        """IVF lists probed per query (``None`` for non-IVF indexes)."""
+        return self._nprobe
+
+    @nprobe.setter
+    def nprobe(self, value: int | None) -> None:
+        nlist = self.nlist
+        if nlist is None:
+            self._nprobe = None
+            return
+        self._nprobe = min(int(value), nlist) if value is not None else default_nprobe(nlist)
+        faiss = require_faiss()
+        space = faiss.GpuParameterSpace() if self._on_gpu else faiss.ParameterSpace()
+        space.set_index_parameter(self._index, "nprobe", self._nprobe)
+
+    def train(self, source: VectorBlocks, sample_size: int | None = None, seed: int = 0) -> None:
+        """Train (e.g. IVF centroids) on a uniform random sample of the source; no-op if already trained.
+
+        ``sample_size`` defaults to ``max(10_000, 64 * nlist)`` rows."""
+        if self._index.is_trained:
+            return
+        if sample_size is None:
+            sample_size = max(10_000, 64 * (self.nlist or 0))
+        self._index.train(sample_rows(source, sample_size, seed))
+
+    def add(self, ids: np.ndarray, vectors: ArrayLike) -> None:
+        """Append ``vectors [n, dim]`` under ``ids [n]`` (incremental: rows appended since the build)."""
+        if not self._index.is_trained:
+            raise RuntimeError("train the index before adding vectors")
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        vectors = _float32(vectors)
+        if vectors.ndim != 2 or vectors.shape[1] != self.dim or len(ids) != len(vectors):
+            raise ValueError(f"expected ids [n] and vectors [n, {self.dim}], got {ids.shape} and {vectors.shape}")
+        if self._mmap_path is not None:
+            # Memory-mapped indexes are read-only in FAISS: load a writable copy first.
+            self._index = require_faiss().read_index(str(self._mmap_path))
+            self._mmap_path = None
+            self.nprobe = self._nprobe
+        self._index.add_with_ids(vectors, ids)
+        self._cpu_copy = None
+
+    def add_from(self, source: VectorBlocks) -> None:
+        """Add every block of a source (float16 blocks are converted to float32 one block at a time)."""
+        for ids, vectors in source():
+            self.add(ids, vectors)
+
+    def search(self, queries: ArrayLike, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(scores float32 [q, k'], ids int64 [q, k'])`` with ``k' = min(k, ntotal)``, best first.
+
+        Scores are inner products for ``"ip"`` and squared distances for ``"l2"``. IVF searches may find
+        fewer than ``k'`` rows; FAISS marks the missing ones with id ``-1``."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        queries = _float32(queries).reshape(-1, self.dim)
+        k = min(k, self.ntotal)
+        if k == 0:
+            return np.empty((len(queries), 0), np.float32), np.empty((len(queries), 0), np.int64)
+        index = self._index
+        if self._on_gpu and k > GPU_MAX_K:
+            warnings.warn(f"k={k} is above the FAISS GPU limit {GPU_MAX_K}; searching a CPU copy", stacklevel=2)
+            index = self._cpu_index()
+        scores, ids = index.search(queries, k)
+        return scores.astype(np.float32, copy=False), ids.astype(np.int64, copy=False)
+
+    def _cpu_index(self) -> Any:
+        if not self._on_gpu:
+            return self._index
+        if self._cpu_copy is None:
+            self._cpu_copy = require_faiss().index_gpu_to_cpu(self._index)
+            if self._nprobe is not None:
+                require_faiss().ParameterSpace().set_index_parameter(self._cpu_copy, "nprobe", self._nprobe)
+        return self._cpu_copy
+
+    def save(self, directory: str | os.PathLike, manifest: dict[str, Any]) -> None:
+        """Write ``index.faiss`` and ``manifest.json`` (the caller's manifest plus the index settings).
+
+        The manifest should say what the index was built from (store version, row count, projection
+        spec, preconditioner, metric); :meth:`load` compares it with the caller's expectation."""
+        faiss = require_faiss()
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        temporary = directory / (INDEX_FILE + ".tmp")
+        faiss.write_index(self._cpu_index(), str(temporary))
+        os.replace(temporary, directory / INDEX_FILE)
+        self.manifest = normalize_manifest(manifest)
+        settings = {"factory": self.factory, "dim": self.dim, "metric": self.metric, "nlist": self.nlist,
+                    "nprobe": self._nprobe,
+                    "ntotal": self.ntotal, "faiss_version": faiss.__version__}
+        text = json.dumps({"manifest": self.manifest, "index": settings}, indent=2, sort_keys=True)
+        (directory / (MANIFEST_FILE + ".tmp")).write_text(text)
+        os.replace(directory / (MANIFEST_FILE + ".tmp"), directory / MANIFEST_FILE)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, expected_manifest: dict[str, Any] | None = None,
+             mmap: bool = True) -> FaissIndex:
+        """Read an index written by :meth:`save`, memory-mapped by default.
+
+        Raises :class:`~indexers.errors.IndexMismatchError` naming the differing keys when
+        ``expected_manifest`` differs from the saved manifest (before reading the index file)."""
+        faiss = require_faiss()
+        directory = Path(directory)
+        saved = json.loads((directory / MANIFEST_FILE).read_text())
+        if expected_manifest is not None:
+            check_manifest(expected_manifest, saved["manifest"])
+        settings = saved["index"]
+        loaded = cls.__new__(cls)
+        loaded.factory, loaded.dim, loaded.metric = settings["factory"], settings["dim"], settings["metric"]
+        loaded.nlist = settings["nlist"]
+        loaded.manifest, loaded._on_gpu, loaded._cpu_copy = saved["manifest"], False, None
+        path = directory / INDEX_FILE
+        if mmap:
+            flag = faiss.IO_FLAG_MMAP if loaded.nlist is not None else faiss.IO_FLAG_MMAP_IFC
+            loaded._index = faiss.read_index(str(path), flag)
+            loaded._mmap_path = path
+        else:
+            loaded._index, loaded._mmap_path = faiss.read_index(str(path)), None
+        if loaded.ntotal != settings["ntotal"] or loaded._index.d != loaded.dim:
+            raise ValueError(f"{path} holds {loaded.ntotal} x {loaded._index.d} vectors but its manifest says "
+                             f"{settings['ntotal']} x {loaded.dim}: the index files are inconsistent")
+        loaded.nprobe = settings["nprobe"]
+        return loaded
+
+    def to_gpu(self) -> FaissIndex:
+        """A copy on all visible GPUs (sharded, float16 storage where FAISS allows it).
+
+        Without faiss GPU support or a CUDA driver this warns and returns ``self`` unchanged."""
+        if not gpu_available():
+            warnings.warn("no CUDA GPU usable by FAISS; the index stays on CPU", stacklevel=2)
+            return self
+        faiss = require_faiss()
+        options = faiss.GpuMultipleClonerOptions()
+        options.shard, options.useFloat16 = True, True
+        try:
+            gpu_index = faiss.index_cpu_to_all_gpus(self._index, co=options)
+        except RuntimeError:
+            options.useFloat16 = False  # e.g. PQ sizes whose float16 lookup tables FAISS refuses
+            gpu_index = faiss.index_cpu_to_all_gpus(self._index, co=options)
+        moved = FaissIndex.__new__(FaissIndex)
+        moved.factory, moved.dim, moved.metric, moved.manifest = self.factory, self.dim, self.metric, self.manifest
+        moved.nlist = self.nlist
+        moved._index, moved._on_gpu, moved._mmap_path, moved._cpu_copy = gpu_index, True, None, None
+        moved.nprobe = self._nprobe
+        return moved

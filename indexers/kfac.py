@@ -1,0 +1,198 @@
+"""Kronecker-factored (K-FAC) preconditioner per layer, with optional eigenvalue correction (EK-FAC).
+
+A layer's slice of the projected vector is the row-major flattening of its ``[k_out, k_in]`` gradient
+matrix ``G`` (vector index ``offset + o * k_in + i``). For ``G = s a^T`` the Fisher block is approximated by
+``S (x) A`` with ``A = E[a a^T]`` (input covariance, ``[k_in, k_in]``) and ``S = E[s s^T]`` (output-gradient
+covariance, ``[k_out, k_out]``). In the eigenbasis ``Q_S (x) Q_A`` the eigenvalues are ``lambda_S[o] *
+lambda_A[i]``; EK-FAC replaces them by ``mean_n ((Q_S^T G_n Q_A)[o, i])^2`` fitted from the gradients.
+
+When capture provides no covariances, the factors are estimated from the gradients themselves:
+``A = E[G^T G]`` and ``S = E[G G^T] / E[|G|_F^2]`` (exact when ``s`` and ``a`` are independent).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from indexers.blocks import ArrayLike
+from indexers.errors import NotFittedError
+from indexers.preconditioner import (
+    DeviceCache,
+    absolute_damping,
+    apply_rows,
+    check_damping,
+    check_tiling,
+    float64_blocks,
+    load_state,
+    save_state,
+)
+
+KroneckerLayout = Sequence[tuple[str, int, int, int]]
+"""``(layer_name, offset, k_in, k_out)`` per layer; the layers must tile the vector."""
+KroneckerFactors = Mapping[str, tuple[ArrayLike, ArrayLike]]
+"""``{layer_name: (A [k_in, k_in], S [k_out, k_out])}``: normalized (mean) covariances."""
+
+
+class KroneckerPreconditioner:
+    """``P_l = S_l (x) A_l + damping * mean(eig) * I`` per layer (or EK-FAC eigenvalues with ``eigen_correction``).
+
+    Damping is relative to the mean eigenvalue of each layer's Kronecker product; :meth:`with_damping`
+    re-damps without a pass over the data."""
+
+    name = "kfac"
+
+    def __init__(self, layout: KroneckerLayout, factors: KroneckerFactors | None = None, damping: float = 0.1,
+                 eigen_correction: bool = False):
+        self.layout = [(str(name), int(offset), int(k_in), int(k_out)) for name, offset, k_in, k_out in layout]
+        if not self.layout:
+            raise ValueError("kfac needs a kronecker_layout with at least one layer")
+        self.damping = check_damping(damping)
+        self.eigen_correction = bool(eigen_correction)
+        self.factors = None if factors is None else {name: factors[name] for name, *_ in self.layout}
+        self.dim: int | None = None
+        self.n_rows = 0
+        self.basis: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.eigenvalues: dict[str, torch.Tensor] = {}
+        self._cache = DeviceCache()
+
+    def fit(self, blocks: Iterable[ArrayLike]) -> KroneckerPreconditioner:
+        """Eigendecompose the factors; estimate them from the gradients if none were given; EK-FAC pass.
+
+        With factors given and no eigenvalue correction the blocks are not read.
+
+        Without factors and with ``eigen_correction`` two passes are needed, so ``blocks`` must then be a
+        re-iterable collection (a list, or an object whose ``__iter__`` restarts), not a one-shot iterator."""
+        self.dim, self.n_rows = None, 0
+        factors = self.factors
+        if factors is None:
+            if self.eigen_correction and iter(blocks) is blocks:
+                raise ValueError("EK-FAC without given factors makes two passes: pass a re-iterable, not an iterator")
+            factors = self._factors_from_gradients(blocks)
+        self.basis, self.eigenvalues = {}, {}
+        for name, _, k_in, k_out in self.layout:
+            a, s = (torch.as_tensor(np.asarray(f), dtype=torch.float64) for f in factors[name])
+            if a.shape != (k_in, k_in) or s.shape != (k_out, k_out):
+                raise ValueError(f"layer {name}: factors have shapes {tuple(a.shape)}, {tuple(s.shape)}; "
+                                 f"expected ({k_in}, {k_in}) and ({k_out}, {k_out})")
+            values_a, q_a = torch.linalg.eigh(a)
+            values_s, q_s = torch.linalg.eigh(s)
+            self.basis[name] = (q_a, q_s)
+            self.eigenvalues[name] = torch.outer(values_s.clamp_min(0.0), values_a.clamp_min(0.0))
+        if self.eigen_correction:
+            self._correct_eigenvalues(blocks)
+        if self.dim is None:
+            spans = [(offset, k_in * k_out) for _, offset, k_in, k_out in self.layout]
+            check_tiling(spans, sum(size for _, size in spans), "kronecker_layout layers")
+            self.dim = sum(size for _, size in spans)
+        self._cache = DeviceCache()
+        return self
+
+    def _layer_views(self, block: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        if self.dim is None:
+            check_tiling([(offset, k_in * k_out) for _, offset, k_in, k_out in self.layout], block.shape[1],
+                         "kronecker_layout layers")
+            self.dim = block.shape[1]
+        elif block.shape[1] != self.dim:
+            raise ValueError(f"blocks have dimension {block.shape[1]}, the layout covers {self.dim}")
+        for name, offset, k_in, k_out in self.layout:
+            yield name, block[:, offset : offset + k_in * k_out].reshape(-1, k_out, k_in)
+
+    def _factors_from_gradients(self, blocks: Iterable[ArrayLike]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        sums: dict[str, list] = {}
+        rows = 0
+        for block in float64_blocks(blocks):
+            for name, grads in self._layer_views(block):
+                a = torch.einsum("noi,noj->ij", grads, grads)
+                s = torch.einsum("noi,npi->op", grads, grads)
+                if name in sums:
+                    sums[name][0] += a
+                    sums[name][1] += s
+                else:
+                    sums[name] = [a, s]
+            rows += block.shape[0]
+        if rows == 0:
+            raise ValueError("cannot fit a preconditioner on zero rows")
+        self.n_rows = rows
+        factors = {}
+        for name, (a, s) in sums.items():
+            total = float(torch.trace(a))
+            factors[name] = (a / rows, s / total if total > 0 else s / rows)
+        return factors
+
+    def _correct_eigenvalues(self, blocks: Iterable[ArrayLike]) -> None:
+        sums = {name: torch.zeros_like(values) for name, values in self.eigenvalues.items()}
+        rows = 0
+        for block in float64_blocks(blocks):
+            for name, grads in self._layer_views(block):
+                q_a, q_s = self.basis[name]
+                sums[name] += (q_s.T @ grads @ q_a).square().sum(dim=0)
+            rows += block.shape[0]
+        if rows == 0:
+            raise ValueError("cannot fit EK-FAC eigenvalues on zero rows")
+        self.n_rows = rows
+        self.eigenvalues = {name: total / rows for name, total in sums.items()}
+
+    def with_damping(self, damping: float) -> KroneckerPreconditioner:
+        """A copy with another damping, sharing the eigenbases and eigenvalues (no pass over the data)."""
+        other = copy.copy(self)
+        other.damping, other._cache = check_damping(damping), DeviceCache()
+        return other
+
+    def _weights(self, name: str, power: float) -> torch.Tensor:
+        values = self.eigenvalues[name]
+        return (values + absolute_damping(self.damping, values)).pow(-power)
+
+    def _apply(self, x: torch.Tensor, power: float, variant: str) -> torch.Tensor:
+        if self.dim is None or not self.eigenvalues:
+            raise NotFittedError("fit the kfac preconditioner before applying or saving it")
+
+        def transform(rows: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(rows)
+            for name, offset, k_in, k_out in self.layout:
+                q_a = self._cache.get(f"qa:{name}", "", lambda: self.basis[name][0], rows)
+                q_s = self._cache.get(f"qs:{name}", "", lambda: self.basis[name][1], rows)
+                weights = self._cache.get(f"w:{name}", variant, lambda: self._weights(name, power), rows)
+                grads = rows[:, offset : offset + k_in * k_out].reshape(-1, k_out, k_in)
+                rotated = (q_s.T @ grads @ q_a) * weights
+                out[:, offset : offset + k_in * k_out] = (q_s @ rotated @ q_a.T).reshape(-1, k_in * k_out)
+            return out
+
+        return apply_rows(x, transform)
+
+    def apply_query(self, q: torch.Tensor) -> torch.Tensor:
+        """``P^-1 q`` layer by layer, in the Kronecker eigenbasis."""
+        return self._apply(q, 1.0, "query")
+
+    def apply_both(self, x: torch.Tensor) -> torch.Tensor:
+        """``P^-1/2 x`` layer by layer (the symmetric square root)."""
+        return self._apply(x, 0.5, "both")
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write layout, damping, the eigenbases and the (possibly corrected) eigenvalues."""
+        if self.dim is None or not self.eigenvalues:
+            raise NotFittedError("fit the kfac preconditioner before applying or saving it")
+        config = {"name": self.name, "damping": self.damping, "layout": self.layout, "dim": self.dim,
+                  "n_rows": self.n_rows, "eigen_correction": self.eigen_correction}
+        arrays = {}
+        for index, (name, *_) in enumerate(self.layout):
+            q_a, q_s = self.basis[name]
+            arrays[f"q_a_{index}"], arrays[f"q_s_{index}"] = q_a.numpy(), q_s.numpy()
+            arrays[f"eigenvalues_{index}"] = self.eigenvalues[name].numpy()
+        save_state(path, config, arrays)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> KroneckerPreconditioner:
+        """Read a saved kfac preconditioner (the raw factors are not kept, only their eigendecompositions)."""
+        config, arrays = load_state(path, cls.name)
+        loaded = cls(config["layout"], damping=config["damping"], eigen_correction=config["eigen_correction"])
+        loaded.dim, loaded.n_rows = config["dim"], config["n_rows"]
+        for index, (name, *_) in enumerate(loaded.layout):
+            q_a, q_s, values = (torch.from_numpy(np.asarray(arrays[f"{key}_{index}"], np.float64))
+                                for key in ("q_a", "q_s", "eigenvalues"))
+            loaded.basis[name], loaded.eigenvalues[name] = (q_a, q_s), values
+        return loaded

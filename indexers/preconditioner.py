@@ -1,0 +1,145 @@
+"""The preconditioner protocol and the plumbing its implementations share (dtype policy, damping, state files).
+
+A preconditioner ``P`` approximates the curvature of the loss in the projected gradient space. Scores are
+``q^T P^-1 g``: either apply ``P^-1`` to the query only (the stored vectors stay raw) or ``P^-1/2`` to both
+sides (cosine in the whitened space, self-influence ``g^T P^-1 g``). All statistics are accumulated in
+float64 while streaming over blocks of rows; applying runs in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from indexers.blocks import ArrayLike, as_tensor
+
+CONFIG_FILE = "preconditioner.json"
+STATE_FILE = "state.npz"
+
+
+@runtime_checkable
+class Preconditioner(Protocol):
+    """What every preconditioner offers; see the module docstring for the two ways of applying it."""
+
+    name: str
+
+    def fit(self, blocks: Iterable[ArrayLike]) -> Preconditioner:
+        """Accumulate statistics over ``[rows, dim]`` gradient blocks (streaming, float64); returns ``self``."""
+        ...
+
+    def apply_query(self, q: torch.Tensor) -> torch.Tensor:
+        """``P^-1 q`` for ``q`` of shape ``[dim]`` or ``[m, dim]``."""
+        ...
+
+    def apply_both(self, x: torch.Tensor) -> torch.Tensor:
+        """``P^-1/2 x``, applied to queries and stored vectors alike."""
+        ...
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the fitted state to the directory ``path`` (JSON config + npz arrays)."""
+        ...
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Preconditioner:
+        """Read a preconditioner written by :meth:`save`."""
+        ...
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 stays float64; everything else (float16, bfloat16, float32) is computed in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def float64_blocks(blocks: Iterable[ArrayLike]) -> Iterable[torch.Tensor]:
+    """Each block as a float64 CPU tensor of shape ``[rows, dim]``, checking that the dimension is constant."""
+    dim = None
+    for block in blocks:
+        tensor = as_tensor(block, torch.float64, "cpu")
+        if dim is not None and tensor.shape[1] != dim:
+            raise ValueError(f"blocks disagree on the vector dimension: {dim} then {tensor.shape[1]}")
+        dim = tensor.shape[1]
+        yield tensor
+
+
+def apply_rows(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Run ``fn`` on ``x`` as a ``[m, dim]`` tensor in the compute dtype; a 1-D ``x`` gives a 1-D result."""
+    rows = x.to(compute_dtype(x))
+    if rows.ndim == 1:
+        return fn(rows.unsqueeze(0)).squeeze(0)
+    if rows.ndim != 2:
+        raise ValueError(f"expected a vector or a [m, dim] matrix, got shape {tuple(x.shape)}")
+    return fn(rows)
+
+
+def check_damping(damping: float) -> float:
+    """Damping must be a finite non-negative number."""
+    damping = float(damping)
+    if not np.isfinite(damping) or damping < 0:
+        raise ValueError(f"damping must be finite and >= 0, got {damping}")
+    return damping
+
+
+def absolute_damping(damping: float, eigenvalues: torch.Tensor) -> float:
+    """The damping added to the eigenvalues: ``damping * mean(eigenvalues)``.
+
+    If every eigenvalue is zero (e.g. all-zero gradients) the damping is used as an absolute value."""
+    mean = float(eigenvalues.mean()) if eigenvalues.numel() else 0.0
+    return damping * mean if mean > 0 else damping
+
+
+def check_tiling(spans: Sequence[tuple[int, int]], dim: int, what: str) -> None:
+    """Raise unless the ``(offset, size)`` spans cover ``[0, dim)`` exactly, without overlap."""
+    position = 0
+    for offset, size in sorted(spans):
+        if offset != position or size <= 0:
+            raise ValueError(f"{what} must tile the {dim}-dim vector without gaps or overlaps; got {list(spans)}")
+        position = offset + size
+    if position != dim:
+        raise ValueError(f"{what} cover {position} of {dim} dims; they must cover the whole vector")
+
+
+def save_state(path: str | os.PathLike, config: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """Write ``config`` (JSON, must contain ``name``) and ``arrays`` (npz) into the directory ``path``."""
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    np.savez(directory / STATE_FILE, **arrays)
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON config of a saved preconditioner."""
+    config_path = Path(path) / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no saved preconditioner at {path} (missing {CONFIG_FILE})")
+    return json.loads(config_path.read_text())
+
+
+def load_state(path: str | os.PathLike, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Read ``(config, arrays)`` written by :func:`save_state`, checking the saved name."""
+    config = read_config(path)
+    if config.get("name") != name:
+        raise ValueError(f"{path} holds a {config.get('name')!r} preconditioner, not {name!r}")
+    with np.load(Path(path) / STATE_FILE) as state:
+        arrays = {key: state[key] for key in state.files}
+    return config, arrays
+
+
+class DeviceCache:
+    """Copies of float64 state tensors, converted once per (device, dtype) for applying."""
+
+    def __init__(self) -> None:
+        self._copies: dict[tuple[str, str, torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, key: str, variant: str, make: Callable[[], torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """The tensor ``make()`` (float64, CPU) as ``like``'s device and compute dtype, built on first use."""
+        dtype = compute_dtype(like)
+        cache_key = (key, variant, like.device, dtype)
+        if cache_key not in self._copies:
+            self._copies[cache_key] = make().to(device=like.device, dtype=dtype)
+        return self._copies[cache_key]

@@ -1,0 +1,64 @@
+"""Building preconditioners by name and loading saved ones.
+
+Names: ``identity``, ``cosine``, ``diagonal``, ``fisher``, ``kfac``. For ``diagonal``, ``fisher`` and
+``kfac`` the damping is relative: ``damping * mean eigenvalue`` (per block or layer) is added to the
+eigenvalues before inverting, so the same default (0.1) suits gradients of any scale.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from indexers.diagonal import DiagonalPreconditioner
+from indexers.fisher import FisherPreconditioner
+from indexers.identity import CosinePreconditioner, IdentityPreconditioner
+from indexers.kfac import KroneckerFactors, KroneckerLayout, KroneckerPreconditioner
+from indexers.preconditioner import Preconditioner, read_config
+
+PRECONDITIONERS: dict[str, type] = {
+    cls.name: cls
+    for cls in (IdentityPreconditioner, CosinePreconditioner, DiagonalPreconditioner, FisherPreconditioner,
+                KroneckerPreconditioner)
+}
+
+__all__ = [
+    "PRECONDITIONERS", "CosinePreconditioner", "DiagonalPreconditioner", "FisherPreconditioner",
+    "IdentityPreconditioner", "KroneckerPreconditioner", "Preconditioner", "load_preconditioner",
+    "make_preconditioner",
+]
+
+
+def make_preconditioner(name: str, *, damping: float = 0.1, blocks: Sequence[tuple[int, int]] | None = None,
+                        kronecker_layout: KroneckerLayout | None = None,
+                        kronecker_factors: KroneckerFactors | None = None,
+                        eigen_correction: bool = False) -> Preconditioner:
+    """An unfitted preconditioner by name (call ``fit`` on gradient blocks before applying it).
+
+    ``blocks`` ((offset, size) per layer block) applies to ``fisher``; ``kronecker_layout``,
+    ``kronecker_factors`` and ``eigen_correction`` apply to ``kfac``; ``damping`` to all but
+    ``identity``/``cosine``. Arguments that do not apply to ``name`` are refused."""
+    if name not in PRECONDITIONERS:
+        raise ValueError(f"unknown preconditioner {name!r}; choose one of {sorted(PRECONDITIONERS)}")
+    if blocks is not None and name != "fisher":
+        raise ValueError(f"blocks apply to the 'fisher' preconditioner, not {name!r}")
+    if (kronecker_layout is not None or kronecker_factors is not None or eigen_correction) and name != "kfac":
+        raise ValueError(f"kronecker_* and eigen_correction apply to the 'kfac' preconditioner, not {name!r}")
+    if name in ("identity", "cosine"):
+        return PRECONDITIONERS[name]()
+    if name == "diagonal":
+        return DiagonalPreconditioner(damping=damping)
+    if name == "fisher":
+        return FisherPreconditioner(damping=damping, blocks=blocks)
+    if kronecker_layout is None:
+        raise ValueError("the 'kfac' preconditioner needs kronecker_layout=[(layer_name, offset, k_in, k_out), ...]")
+    return KroneckerPreconditioner(kronecker_layout, kronecker_factors, damping=damping,
+                                   eigen_correction=eigen_correction)
+
+
+def load_preconditioner(path: str | os.PathLike) -> Preconditioner:
+    """Load a preconditioner saved with ``save``, whichever kind it is."""
+    name = read_config(path).get("name")
+    if name not in PRECONDITIONERS:
+        raise ValueError(f"{path} holds an unknown preconditioner {name!r}")
+    return PRECONDITIONERS[name].load(path)
