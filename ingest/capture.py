@@ -1,0 +1,356 @@
+"""GradientCapture: per-example (projected) gradients from every backward of an unchanged loop.
+
+Usage::
+
+    with GradientCapture(model, sink, CaptureConfig(), optimizer=opt) as cap:
+        for batch in loader:
+            loss = model(**batch).loss     # batch may carry `example_id`, removed before the model sees it
+            loss.backward()                 # -> sink(CapturedBatch) on a background thread
+            opt.step(); opt.zero_grad()
+
+See ``docs/capture.md`` for the hooks, the row layout, the cost rule, scaling and ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ingest.curvature import CurvatureStats
+from ingest.delivery import Delivery
+from ingest.hooks import ActiveBatch, LayerHook, in_backward
+from ingest.ids import content_hashes, find_inputs, find_mask, normalize_ids
+from ingest.layers import LayerInfo, select_layers
+from ingest.per_example import ROUTES
+from ingest.projection import ProjectionSpec, make_slot
+from ingest.scaling import REDUCTIONS, example_scales, example_token_counts
+
+PROJECTIONS = (None, "factorized", "dense")
+# A dense projection matrix larger than this many entries is refused (use "factorized").
+MAX_DENSE_ENTRIES = 1 << 27
+ID_KWARG = "example_id"
+
+
+def _default_rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@dataclass
+class CaptureConfig:
+    """How to capture; saved with every run so later queries can be checked against it.
+
+    ``projection``: ``None`` exact gradients, ``"factorized"`` (``k_out x k_in`` per layer),
+    ``"dense"`` (one JL matrix per layer, ``k_in * k_out`` dims, for small layers).
+    ``route``: factorized contraction route, ``"auto"`` (cost rule) or forced ``"project"`` /
+    ``"materialize"``. ``loss_reduction``/``loss_scale``: how the loop's loss was formed, undone so
+    rows are per-example gradients (see :mod:`ingest.scaling`).
+    """
+
+    projection: str | None = "factorized"
+    k_in: int = 16
+    k_out: int = 16
+    seed: int = 0
+    layer_types: tuple[str, ...] = ("linear", "conv1d", "embedding")
+    include: str | None = None
+    exclude: str | None = None
+    loss_reduction: str = "mean"
+    loss_scale: float = 1.0
+    route: str = "auto"
+    curvature: bool = False
+    max_pending_batches: int = 4
+    split: str = "train"
+    checkpoint: str = "train"
+    rank: int = field(default_factory=_default_rank)
+
+    def validate(self) -> None:
+        """Raise ValueError on an unknown option."""
+        if self.projection not in PROJECTIONS:
+            raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
+        if self.loss_reduction not in REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {self.loss_reduction!r}")
+        if self.route not in ("auto", *ROUTES):
+            raise ValueError(f"route must be 'auto' or one of {ROUTES}, got {self.route!r}")
+        if self.k_in < 1 or self.k_out < 1:
+            raise ValueError("k_in and k_out must be positive")
+
+
+@dataclass
+class CapturedBatch:
+    """One micro-batch of captured rows, as handed to the sink."""
+
+    grads: torch.Tensor  # float32 [B, dim], CPU
+    example_ids: list[str]
+    example_hash: list[str] | None
+    step: int
+    epoch: int
+    checkpoint: str
+    split: str
+    rank: int
+    learning_rate: float | None
+    loss: torch.Tensor | None  # float32 [B]
+    num_tokens: torch.Tensor  # int32 [B]
+
+
+def build_spec(layers: Sequence[LayerInfo], config: CaptureConfig) -> ProjectionSpec:
+    """The projection spec of ``layers`` under ``config`` (slots in module order)."""
+    mode = {None: "exact", "factorized": "factorized", "dense": "dense"}[config.projection]
+    slots, offset = [], 0
+    for info in layers:
+        slot = make_slot(info.name, info.kind, info.d_in, info.d_out, info.has_bias, mode, config.k_in, config.k_out, offset)
+        if mode == "dense" and slot.size * slot.d_out * slot.d_in_eff > MAX_DENSE_ENTRIES:
+            raise ValueError(
+                f"dense projection of layer {info.name!r} needs a {slot.size} x {slot.d_out * slot.d_in_eff} "
+                "matrix; use projection='factorized' or exclude the layer"
+            )
+        slots.append(slot)
+        offset += slot.size
+    kind = "none" if config.projection is None else config.projection
+    return ProjectionSpec(seed=config.seed, kind=kind, layers=tuple(slots))
+
+
+class GradientCapture:
+    """Context manager that hooks ``model`` and sends a :class:`CapturedBatch` to ``sink`` per backward.
+
+    ``optimizer``: counts steps (step post-hook) and gives the learning rate; when omitted, the
+    first optimizer that steps over this model's parameters is used. ``per_example_loss(outputs,
+    args, kwargs) -> [B]`` fills ``CapturedBatch.loss``. ``grad_scaler``: an AMP ``GradScaler`` whose
+    scale is divided out of the rows.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sink: Callable[[CapturedBatch], None],
+        config: CaptureConfig | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        per_example_loss: Callable[[Any, tuple, dict[str, Any]], torch.Tensor] | None = None,
+        grad_scaler: Any | None = None,
+    ) -> None:
+        self.config = config or CaptureConfig()
+        self.config.validate()
+        self.model = model
+        self.sink = sink
+        self.optimizer = optimizer
+        self.per_example_loss = per_example_loss
+        self.grad_scaler = grad_scaler
+        layers = select_layers(model, tuple(self.config.layer_types), self.config.include, self.config.exclude)
+        if not layers:
+            raise ValueError("capture: no supported layer (Linear, Conv1D, Embedding) matches the layer selection")
+        self.spec = build_spec(layers, self.config)
+        self.layer_hooks = [LayerHook(slot, info.module, self, self.config.seed) for slot, info in zip(self.spec.layers, layers)]
+        self.batch: ActiveBatch | None = None
+        self.is_paused = False
+        self.route = self.config.route
+        self.step = 0
+        self.epoch = 0
+        self.checkpoint = self.config.checkpoint
+        self.split = self.config.split
+        self._generation = 0
+        self._next_ids: list[str] | None = None
+        self._param_ids = {id(p) for p in model.parameters()}
+        self._curvature: dict[str, CurvatureStats] = {}
+        self._handles: list[Any] = []
+        self._delivery: Delivery | None = None
+
+    # context -----------------------------------------------------------------------------------
+
+    def __enter__(self) -> GradientCapture:
+        self._delivery = Delivery(self._deliver, self.config.max_pending_batches)
+        self._handles = [h.attach() for h in self.layer_hooks]
+        self._handles.append(self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._after_forward, with_kwargs=True))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
+        else:
+            self._handles.append(register_optimizer_step_post_hook(self._after_step))
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.batch = None
+        delivery, self._delivery = self._delivery, None
+        if delivery is not None:
+            delivery.close()
+            if exc_type is None:
+                delivery.raise_error()
+
+    # controls ----------------------------------------------------------------------------------
+
+    def set_ids(self, ids: Sequence[Any] | torch.Tensor) -> None:
+        """Example ids for the next (grad-enabled) forward of the model."""
+        self._next_ids = normalize_ids(ids)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch recorded on the following rows."""
+        self.epoch = int(epoch)
+
+    def set_step(self, step: int) -> None:
+        """Override the optimizer-step counter recorded on the following rows."""
+        self.step = int(step)
+
+    def set_checkpoint(self, name: str) -> None:
+        """Checkpoint name for the following rows (and curvature statistics)."""
+        self.checkpoint = name
+
+    def set_split(self, split: str) -> None:
+        """Split (``"train"``/``"query"``) recorded on the following rows."""
+        self.split = split
+
+    def pause(self) -> None:
+        """Stop capturing (hooks stay registered; ``example_id`` is still removed from kwargs)."""
+        self.is_paused = True
+
+    def resume(self) -> None:
+        """Capture again after :meth:`pause`."""
+        self.is_paused = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Context manager form of :meth:`pause` / :meth:`resume`."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
+
+    def flush(self) -> None:
+        """Wait until every finished batch reached the sink."""
+        if self._delivery is not None:
+            self._delivery.flush()
+
+    def curvature(self, checkpoint: str | None = None) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+        """Per layer ``(A [k_in, k_in], S [k_out, k_out], tokens)`` of a checkpoint (default: current)."""
+        if not self.config.curvature:
+            raise RuntimeError("curvature statistics were not requested (CaptureConfig.curvature=False)")
+        stats = self._curvature.get(self.checkpoint if checkpoint is None else checkpoint)
+        return {} if stats is None else stats.result()
+
+    # hook owner interface ----------------------------------------------------------------------
+
+    def rows(self, batch: ActiveBatch, device: torch.device) -> torch.Tensor:
+        """The batch's ``[B, dim]`` float32 row buffer (zeros at first use)."""
+        if batch.rows is None:
+            batch.rows = torch.zeros(batch.size, self.spec.dim, dtype=torch.float32, device=device)
+        return batch.rows
+
+    def curvature_stats(self) -> CurvatureStats | None:
+        """Accumulator of the current checkpoint, or None when curvature is off."""
+        if not self.config.curvature:
+            return None
+        return self._curvature.setdefault(self.checkpoint, CurvatureStats())
+
+    def gradient_arrived(self, batch: ActiveBatch) -> None:
+        """Arrange for ``batch`` to be finished when the running backward ends."""
+        if not batch.finalize_queued:
+            batch.finalize_queued = True
+            Variable._execution_engine.queue_callback(lambda: self._finish(batch))
+
+    # internals ---------------------------------------------------------------------------------
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        kwargs = dict(kwargs)
+        kwarg_ids = kwargs.pop(ID_KWARG, None)
+        if self.is_paused or not torch.is_grad_enabled() or in_backward():
+            return args, kwargs
+        set_ids, self._next_ids = self._next_ids, None
+        if kwarg_ids is not None and set_ids is not None:
+            raise ValueError(f"capture: ids were given both as `{ID_KWARG}` and through set_ids(); give one")
+        inputs = find_inputs(args, kwargs)
+        given = kwarg_ids if kwarg_ids is not None else set_ids
+        if inputs is None and given is None:
+            raise ValueError(
+                f"capture: cannot identify the examples: pass `{ID_KWARG}=...` to the model, call "
+                "set_ids(), or give the model a tensor input to hash"
+            )
+        size = inputs.shape[0] if inputs is not None else len(given)
+        ids = normalize_ids(given, size) if given is not None else None
+        mask = find_mask(kwargs, inputs)
+        device = inputs.device if inputs is not None else next(self.model.parameters()).device
+        self._generation += 1
+        self.batch = ActiveBatch(
+            generation=self._generation,
+            size=size,
+            scales=example_scales(self.config.loss_reduction, size, kwargs, self.config.loss_scale, device),
+            token_mask=None if mask is None else mask.bool(),
+            meta={
+                "ids": ids,
+                "hash_source": None if ids is not None else (inputs.detach().clone(), None if mask is None else mask.detach().clone()),
+                "num_tokens": example_token_counts(inputs, mask, size),
+                "step": self.step,
+                "epoch": self.epoch,
+                "checkpoint": self.checkpoint,
+                "split": self.split,
+                "loss": None,
+            },
+        )
+        return args, kwargs
+
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        batch = self.batch
+        if self.per_example_loss is None or batch is None or batch.meta["loss"] is not None:
+            return
+        if self.is_paused or not torch.is_grad_enabled() or in_backward():
+            return
+        with torch.no_grad():
+            loss = self.per_example_loss(output, args, kwargs).detach().float().reshape(-1)
+        if loss.shape[0] != batch.size:
+            raise ValueError(f"per_example_loss returned {loss.shape[0]} values for {batch.size} examples")
+        batch.meta["loss"] = loss
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.optimizer is None and any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"]):
+            self.optimizer = optimizer
+        if optimizer is self.optimizer:
+            self.step += 1
+
+    def _learning_rate(self) -> float | None:
+        if self.optimizer is None:
+            return None
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _finish(self, batch: ActiveBatch) -> None:
+        if self.batch is batch:
+            self.batch = None
+        if self._delivery is None or batch.rows is None:
+            return
+        rows = batch.rows * batch.scales.to(batch.rows.device).unsqueeze(1)
+        if self.grad_scaler is not None:
+            scale = getattr(self.grad_scaler, "_scale", None)
+            rows = rows / (scale.to(rows.device) if isinstance(scale, torch.Tensor) else self.grad_scaler.get_scale())
+        meta = dict(batch.meta, learning_rate=self._learning_rate())
+        if meta["loss"] is not None:
+            meta["loss"], _ = Delivery.to_host(meta["loss"])  # copied before the rows: their event covers it
+        host, event = Delivery.to_host(rows)
+        self._delivery.submit({"grads": host, **meta}, event)
+
+    def _deliver(self, item: dict[str, Any]) -> None:
+        ids, hashes = item["ids"], None
+        if ids is None:
+            hashes = content_hashes(*item["hash_source"])
+            ids = hashes
+        self.sink(
+            CapturedBatch(
+                grads=item["grads"],
+                example_ids=ids,
+                example_hash=hashes,
+                step=item["step"],
+                epoch=item["epoch"],
+                checkpoint=item["checkpoint"],
+                split=item["split"],
+                rank=self.config.rank,
+                learning_rate=item["learning_rate"],
+                loss=item["loss"],
+                num_tokens=item["num_tokens"].cpu().to(torch.int32),
+            )
+        )

@@ -1,0 +1,200 @@
+"""Module hooks: keep (projected) inputs in the forward, turn output gradients into row slices.
+
+A forward hook on each captured module saves what the backward will need (projected inputs for
+the ``project`` route, raw inputs/indices otherwise) and registers a tensor hook on the module's
+output. When autograd delivers the output gradient ``dy`` the hook computes the layer's block of
+every example's row and *adds* it into the batch's row buffer, so a module used several times in
+one forward sums its uses (the gradient of a shared weight is the sum over uses). Gradients are
+only read, never modified, so training is unchanged.
+
+Forwards under ``no_grad`` (or whose output does not require grad) are ignored. A forward that runs
+*during* a backward is a gradient-checkpointing recomputation: with non-reentrant checkpointing
+(``use_reentrant=False``, the Hugging Face default) the original forward's hooks already receive the
+gradients and the recomputation is skipped; with reentrant checkpointing the recomputed graph is
+backpropagated in a nested backward, which is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ingest.curvature import CurvatureStats
+from ingest.per_example import (
+    choose_route,
+    contract_tokens,
+    dense_project,
+    embedding_exact,
+    embedding_project_inputs,
+    linear_exact,
+    project_gradient,
+    project_inputs,
+    tokens_view,
+)
+from ingest.projection import LayerSlot, projection_matrix
+
+
+class RecomputationError(RuntimeError):
+    """A captured module was recomputed and backpropagated inside a backward (reentrant checkpointing)."""
+
+
+@dataclass
+class ActiveBatch:
+    """State of the micro-batch between its forward and the end of its backward."""
+
+    generation: int
+    size: int
+    scales: torch.Tensor  # [B] float32, per-example scale (see ingest.scaling)
+    token_mask: torch.Tensor | None  # [B, T] bool, excludes padding from curvature
+    meta: dict[str, Any] = field(default_factory=dict)
+    rows: torch.Tensor | None = None  # [B, dim] float32, allocated at the first gradient
+    finalize_queued: bool = False
+
+
+def in_backward() -> bool:
+    """True while the autograd engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class HookOwner(Protocol):
+    """What a layer hook needs from the capture that owns it."""
+
+    batch: ActiveBatch | None
+    is_paused: bool
+    route: str
+
+    def rows(self, batch: ActiveBatch, device: torch.device) -> torch.Tensor: ...
+
+    def curvature_stats(self) -> CurvatureStats | None: ...
+
+    def gradient_arrived(self, batch: ActiveBatch) -> None: ...
+
+
+class LayerHook:
+    """Capture of one module into its :class:`LayerSlot` of the row."""
+
+    def __init__(self, slot: LayerSlot, module: nn.Module, owner: HookOwner, seed: int) -> None:
+        self.slot = slot
+        self.module = module
+        self.owner = owner
+        self.seed = seed
+        self.padding_idx = getattr(module, "padding_idx", None) if slot.kind == "embedding" else None
+        self._matrices: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+
+    def attach(self) -> torch.utils.hooks.RemovableHandle:
+        """Register the forward hook on the module."""
+        return self.module.register_forward_hook(self._forward)
+
+    def matrix(self, side: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """This layer's projection matrix for ``side`` (cached per device and dtype)."""
+        key = (side, device, dtype)
+        if key not in self._matrices:
+            s = self.slot
+            if side == "in":
+                k, d = s.k_in, s.d_in_eff
+            elif side == "out":
+                k, d = s.k_out, s.d_out
+            else:
+                k, d = s.size, s.d_out * s.d_in_eff
+            self._matrices[key] = projection_matrix(self.seed, s.name, side, k, d, device, dtype)
+        return self._matrices[key]
+
+    # forward -----------------------------------------------------------------------------------
+
+    def _forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        batch = self.owner.batch
+        if self.owner.is_paused or batch is None or not torch.is_grad_enabled():
+            return
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        if in_backward():
+            output.register_hook(self._refuse_recomputation)
+            return
+        x = args[0].detach()
+        if x.shape[0] != batch.size:
+            raise ValueError(
+                f"capture: layer {self.slot.name!r} got a batch of {x.shape[0]} for a forward of {batch.size} "
+                "examples; capture needs batch-first inputs"
+            )
+        route, saved = self._save(x, batch.size)
+        output.register_hook(functools.partial(self._backward, batch.generation, route, saved))
+
+    def _save(self, x: torch.Tensor, batch_size: int) -> tuple[str, torch.Tensor]:
+        s = self.slot
+        if s.kind == "embedding":
+            idx = x.reshape(batch_size, -1)
+            if s.mode == "factorized":
+                return "project", embedding_project_inputs(idx, self.matrix("in", x.device, torch.float32), self.padding_idx)
+            return "materialize", idx
+        x = tokens_view(x, batch_size)
+        if s.mode != "factorized":
+            return "materialize", x
+        route = self.owner.route
+        if route == "auto":
+            route = choose_route(x.shape[1], s.d_in_eff, s.d_out, s.k_in, s.k_out)
+        if route == "project":
+            return route, project_inputs(x, self.matrix("in", x.device, x.dtype), s.has_bias)
+        return route, x
+
+    def _refuse_recomputation(self, grad: torch.Tensor) -> None:
+        raise RecomputationError(
+            f"capture: module {self.slot.name!r} was recomputed and backpropagated inside backward "
+            "(reentrant gradient checkpointing). Use non-reentrant checkpointing "
+            "(use_reentrant=False, e.g. gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+            "{'use_reentrant': False})) or disable gradient checkpointing while capturing."
+        )
+
+    # backward ----------------------------------------------------------------------------------
+
+    def _backward(self, generation: int, route: str, saved: torch.Tensor, dy: torch.Tensor) -> None:
+        batch = self.owner.batch
+        if batch is None or batch.generation != generation:
+            return  # a second backward through an already captured graph
+        with torch.no_grad():
+            dy = tokens_view(dy.detach(), batch.size)
+            block = self._block(route, saved, dy)
+            rows = self.owner.rows(batch, block.device)
+            rows[:, self.slot.offset : self.slot.offset + self.slot.size] += block
+            stats = self.owner.curvature_stats()
+            if stats is not None:
+                self._add_curvature(stats, batch, route, saved, dy)
+        self.owner.gradient_arrived(batch)
+
+    def _block(self, route: str, saved: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        s = self.slot
+        if route == "project":
+            dy_p = torch.matmul(dy, self.matrix("out", dy.device, dy.dtype).T)
+            return contract_tokens(saved, dy_p).flatten(1)
+        if s.kind == "embedding":
+            grad = embedding_exact(saved, dy, s.d_in, self.padding_idx)
+        else:
+            grad = linear_exact(saved, dy, s.has_bias)
+        if s.mode == "exact":
+            return grad.flatten(1)
+        if s.mode == "dense":
+            return dense_project(grad, self.matrix("dense", dy.device, torch.float32))
+        p_in = self.matrix("in", dy.device, torch.float32)
+        return project_gradient(grad, p_in, self.matrix("out", dy.device, torch.float32)).flatten(1)
+
+    def _add_curvature(
+        self, stats: CurvatureStats, batch: ActiveBatch, route: str, saved: torch.Tensor, dy: torch.Tensor
+    ) -> None:
+        s = self.slot
+        if s.mode == "dense" or (s.mode == "exact" and s.kind == "embedding"):
+            return  # no Kronecker structure / one-hot inputs: not collected (see docs/capture.md)
+        if s.mode == "exact":
+            ones = torch.ones(*saved.shape[:2], 1, dtype=saved.dtype, device=saved.device)
+            x_p = torch.cat([saved, ones], dim=-1) if s.has_bias else saved
+            dy_p = dy
+        else:
+            x_p = saved if route == "project" else project_inputs(saved, self.matrix("in", saved.device, saved.dtype), s.has_bias)
+            dy_p = torch.matmul(dy, self.matrix("out", dy.device, dy.dtype).T)
+        dy_p = dy_p * batch.scales.to(dy_p.device, dy_p.dtype).view(-1, 1, 1)
+        mask = batch.token_mask
+        if mask is not None and tuple(mask.shape) != tuple(x_p.shape[:2]):
+            mask = None
+        stats.add(s.name, x_p, dy_p, mask)

@@ -1,0 +1,59 @@
+"""Example ids: normalising given ids and hashing example contents."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+HASH_PREFIX = "h:"
+
+
+def normalize_ids(ids: Sequence[Any] | torch.Tensor, batch_size: int | None = None) -> list[str]:
+    """Ids as strings; raises ValueError when the count differs from ``batch_size``."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.reshape(-1).tolist()
+    elif isinstance(ids, (str, bytes)):
+        raise ValueError("example ids must be a sequence with one id per example, not a single string")
+    out = [str(i) for i in ids]
+    if batch_size is not None and len(out) != batch_size:
+        raise ValueError(f"got {len(out)} example ids for a batch of {batch_size} examples")
+    return out
+
+
+def find_inputs(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The tensor that identifies the examples: ``input_ids``, else the first tensor argument."""
+    if isinstance(kwargs.get("input_ids"), torch.Tensor):
+        return kwargs["input_ids"]
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def find_mask(kwargs: dict[str, Any], inputs: torch.Tensor | None) -> torch.Tensor | None:
+    """``attention_mask`` if it is a ``[B, T]`` mask aligned with ``inputs``, else None."""
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or inputs is None or mask.dim() != 2:
+        return None
+    if inputs.dim() < 2 or tuple(mask.shape) != tuple(inputs.shape[:2]):
+        return None
+    return mask
+
+
+def content_hashes(inputs: torch.Tensor, mask: torch.Tensor | None) -> list[str]:
+    """``"h:" + sha256`` of each example's inputs with padding (``mask == 0``) stripped.
+
+    Hashes the dtype and the bytes of the kept positions, so the same tokens give the same hash
+    whatever the padding or the batch they came in.
+    """
+    inputs = inputs.detach().cpu().contiguous()
+    keep = mask.detach().cpu().bool() if mask is not None else None
+    out = []
+    for b in range(inputs.shape[0]):
+        row = inputs[b][keep[b]] if keep is not None else inputs[b]
+        digest = hashlib.sha256(str(row.dtype).encode() + row.contiguous().numpy().tobytes()).hexdigest()
+        out.append(HASH_PREFIX + digest[:32])
+    return out

@@ -1,0 +1,171 @@
+"""Projection spec and seeded random projection matrices.
+
+A captured row is the concatenation of one slice per captured layer. Layer ``l`` owns
+``row[offset : offset + size]``. For ``exact`` and ``factorized`` slots that slice is the row-major
+flattening of a ``[k_out, k_in]`` matrix, so ``row[offset + o * k_in + i]`` is entry ``(o, i)``:
+
+* ``exact``: the per-example gradient of the layer's linear map, ``G = sum_t dy_t x_t^T`` with the
+  bias treated as an extra input column of ones (``k_in = d_in + 1`` when the layer has a bias,
+  ``k_out = d_out``). For ``nn.Linear`` this is ``[weight.grad | bias.grad]``; for Hugging Face
+  ``Conv1D`` (weight stored ``[in, out]``) and ``nn.Embedding`` (weight ``[num_embeddings, dim]``,
+  input = one-hot of the index) it is ``weight.grad.T``.
+* ``factorized``: ``P_out G P_in^T`` with ``P_in: [k_in, d_in (+1)]`` and ``P_out: [k_out, d_out]``,
+  i.e. ``(P_out kron P_in) vec(G)``; the bias column is projected with the inputs.
+* ``dense``: ``P vec(G)`` with one ``[size, d_out * (d_in + 1)]`` matrix; no Kronecker structure,
+  so ``k_in`` and ``k_out`` are ``None``.
+
+Matrices are never stored: they are regenerated from ``(seed, layer name, side)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+LAYER_KINDS = ("linear", "conv1d", "embedding")
+SLOT_MODES = ("exact", "factorized", "dense")
+SPEC_KINDS = ("none", "factorized", "dense")
+SIDES = ("in", "out", "dense")
+# Names the generator of the matrices; changing how matrices are drawn must change this.
+GENERATOR = "torch-cpu-randn/sqrt(k)-sha256-v1"
+
+
+class ProjectionMismatchError(ValueError):
+    """Two projection specs differ, so their vectors are not comparable."""
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    """Where one captured layer lives in the row vector, and how it was projected."""
+
+    name: str
+    kind: str
+    d_in: int
+    d_out: int
+    k_in: int | None
+    k_out: int | None
+    mode: str
+    offset: int
+    size: int
+    has_bias: bool
+
+    @property
+    def d_in_eff(self) -> int:
+        """Input width including the bias column of ones."""
+        return self.d_in + int(self.has_bias)
+
+
+@dataclass(frozen=True)
+class ProjectionSpec:
+    """Everything needed to reproduce (and check) the layout of captured vectors."""
+
+    seed: int
+    kind: str
+    layers: tuple[LayerSlot, ...]
+
+    @property
+    def dim(self) -> int:
+        """Total length of a captured row."""
+        return sum(slot.size for slot in self.layers)
+
+    def slot(self, name: str) -> LayerSlot:
+        """The slot of layer ``name`` (KeyError if absent)."""
+        for slot in self.layers:
+            if slot.name == name:
+                return slot
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (round-trips through :meth:`from_dict`)."""
+        return {
+            "generator": GENERATOR,
+            "seed": self.seed,
+            "kind": self.kind,
+            "dim": self.dim,
+            "layers": [asdict(slot) for slot in self.layers],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ProjectionSpec:
+        """Inverse of :meth:`to_dict`; refuses specs drawn by another matrix generator."""
+        if d.get("generator", GENERATOR) != GENERATOR:
+            raise ProjectionMismatchError(
+                f"spec was made with projection generator {d['generator']!r}, this code uses {GENERATOR!r}"
+            )
+        return cls(seed=int(d["seed"]), kind=d["kind"], layers=tuple(LayerSlot(**s) for s in d["layers"]))
+
+    def fingerprint(self) -> str:
+        """Stable hex hash of :meth:`to_dict`."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def check_matches(self, other: ProjectionSpec) -> None:
+        """Raise :class:`ProjectionMismatchError` naming what differs between the two specs."""
+        problems = []
+        for field in ("seed", "kind"):
+            if getattr(self, field) != getattr(other, field):
+                problems.append(f"{field}: {getattr(self, field)!r} != {getattr(other, field)!r}")
+        mine, theirs = [s.name for s in self.layers], [s.name for s in other.layers]
+        if mine != theirs:
+            missing = sorted(set(mine) - set(theirs))
+            extra = sorted(set(theirs) - set(mine))
+            problems.append(f"layers differ (only in this spec: {missing}, only in other: {extra}, or order)")
+        else:
+            for a, b in zip(self.layers, other.layers):
+                diffs = [f for f in asdict(a) if getattr(a, f) != getattr(b, f)]
+                if diffs:
+                    detail = ", ".join(f"{f} {getattr(a, f)!r} != {getattr(b, f)!r}" for f in diffs)
+                    problems.append(f"layer {a.name!r}: {detail}")
+        if problems:
+            raise ProjectionMismatchError("projection specs differ: " + "; ".join(problems))
+
+
+def _stream_seed(seed: int, layer_name: str, side: str) -> int:
+    digest = hashlib.sha256(f"{seed}\x00{layer_name}\x00{side}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def projection_matrix(
+    seed: int,
+    layer_name: str,
+    side: str,
+    k: int,
+    d: int,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The ``[k, d]`` Gaussian projection for ``(seed, layer_name, side)``, entries N(0, 1/k).
+
+    Drawn on the CPU with its own ``torch.Generator`` (so it is identical on every device and
+    run), then moved to ``device``/``dtype``. ``side`` is ``"in"``, ``"out"`` or ``"dense"``.
+    """
+    if side not in SIDES:
+        raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+    gen = torch.Generator(device="cpu").manual_seed(_stream_seed(seed, layer_name, side))
+    mat = torch.randn(k, d, generator=gen, dtype=torch.float32) / math.sqrt(k)
+    return mat.to(device=device, dtype=dtype)
+
+
+def make_slot(
+    name: str, kind: str, d_in: int, d_out: int, has_bias: bool, mode: str, k_in: int, k_out: int, offset: int
+) -> LayerSlot:
+    """Build the slot of one layer; ``k_in``/``k_out`` are the requested projection sizes.
+
+    ``exact`` slots record ``k_in = d_in + bias``, ``k_out = d_out``; ``dense`` slots have
+    ``size = k_in * k_out`` and no factor sizes.
+    """
+    if kind not in LAYER_KINDS:
+        raise ValueError(f"layer kind must be one of {LAYER_KINDS}, got {kind!r}")
+    d_in_eff = d_in + int(has_bias)
+    if mode == "exact":
+        return LayerSlot(name, kind, d_in, d_out, d_in_eff, d_out, mode, offset, d_in_eff * d_out, has_bias)
+    if mode == "factorized":
+        return LayerSlot(name, kind, d_in, d_out, k_in, k_out, mode, offset, k_in * k_out, has_bias)
+    if mode == "dense":
+        return LayerSlot(name, kind, d_in, d_out, None, None, mode, offset, k_in * k_out, has_bias)
+    raise ValueError(f"slot mode must be one of {SLOT_MODES}, got {mode!r}")

@@ -1,0 +1,58 @@
+"""Undo the loop's loss reduction so per-example gradients do not depend on their batch.
+
+The per-example gradient we record is the gradient of *that example's own loss*:
+
+* ``"sum"``: the loop's loss is a sum of per-example losses; scale 1.
+* ``"mean"``: the loop's loss is the batch mean; scale ``B``.
+* ``"token_mean"``: Hugging Face causal-LM loss, the mean over all non-ignored label tokens of the
+  batch (labels shifted by one, ``-100`` ignored, or divided by ``num_items_in_batch`` when the
+  model is given it). The example's own loss is the mean over its own label tokens, so the scale is
+  ``N_batch / n_i`` (0 for an example without label tokens, whose gradient is 0).
+
+All scales are finally divided by ``loss_scale`` (a constant the loop multiplies its loss with,
+e.g. ``1 / grad_accum_steps``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+REDUCTIONS = ("mean", "token_mean", "sum")
+IGNORE_INDEX = -100
+
+
+def label_token_counts(labels: torch.Tensor) -> torch.Tensor:
+    """Label tokens that count in a shifted causal-LM loss, per example: ``[B]`` int64."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+
+
+def example_token_counts(inputs: torch.Tensor | None, mask: torch.Tensor | None, batch_size: int) -> torch.Tensor:
+    """``num_tokens`` metadata: attention-mask sum, else sequence length for token ids, else 1."""
+    if mask is not None:
+        return mask.sum(dim=1).to(torch.int32)
+    if inputs is not None and inputs.dim() >= 2 and not inputs.is_floating_point():
+        return torch.full((batch_size,), inputs.shape[1], dtype=torch.int32, device=inputs.device)
+    return torch.ones(batch_size, dtype=torch.int32)
+
+
+def example_scales(
+    reduction: str, batch_size: int, kwargs: dict[str, Any], loss_scale: float, device: torch.device
+) -> torch.Tensor:
+    """Per-example factors ``[B]`` (float32, on ``device``) that turn captured rows into per-example gradients."""
+    if reduction == "sum":
+        scales = torch.ones(batch_size, device=device)
+    elif reduction == "mean":
+        scales = torch.full((batch_size,), float(batch_size), device=device)
+    elif reduction == "token_mean":
+        labels = kwargs.get("labels")
+        if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+            raise ValueError("loss_reduction='token_mean' needs a [B, T] `labels` tensor among the model kwargs")
+        counts = label_token_counts(labels).to(device=device, dtype=torch.float32)
+        total = kwargs.get("num_items_in_batch")
+        total = counts.sum() if total is None else torch.as_tensor(total, device=device, dtype=torch.float32)
+        scales = torch.where(counts > 0, total / counts.clamp(min=1), torch.zeros_like(counts))
+    else:
+        raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return scales / loss_scale
