@@ -1,0 +1,113 @@
+"""Exact index == numpy brute force (values and ids, ties broken by the smaller id)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from indexers import CosinePreconditioner, ExactIndex, blocks_from_arrays
+
+
+def brute_force(queries: np.ndarray, vectors: np.ndarray, ids: np.ndarray, k: int, largest: bool = True):
+    """Reference: full score matrix in float64, sorted by (score best first, id ascending)."""
+    scores = queries.astype(np.float64) @ vectors.astype(np.float64).T
+    keys = -scores if largest else scores
+    order = np.stack([np.lexsort((ids, row)) for row in keys])[:, :k]
+    return np.take_along_axis(scores, order, 1), ids[order]
+
+
+def integer_data(seed: int, n: int, d: int, q: int):
+    """Small integers: float32 sums are exact and ties are frequent, so results must match bit for bit."""
+    rng = np.random.default_rng(seed)
+    vectors = rng.integers(-2, 3, (n, d)).astype(np.float32)
+    queries = rng.integers(-2, 3, (q, d)).astype(np.float32)
+    return queries, vectors, rng.permutation(10 * n)[:n].astype(np.int64)
+
+
+@pytest.mark.parametrize("block_rows", [1, 7, 64, 1000])
+@pytest.mark.parametrize("k", [1, 5, 10, 150])
+@pytest.mark.parametrize("largest", [True, False])
+def test_matches_brute_force_with_ties_across_blocks(block_rows: int, k: int, largest: bool) -> None:
+    queries, vectors, ids = integer_data(0, 103, 6, 5)
+    scores, found = ExactIndex(device="cpu", block_rows=block_rows).search(queries, (ids, vectors), k, largest)
+    expected_scores, expected_ids = brute_force(queries, vectors, ids, k, largest)
+    assert scores.dtype == np.float32 and found.dtype == np.int64
+    assert found.shape == (5, min(k, 103))
+    np.testing.assert_array_equal(found, expected_ids)
+    np.testing.assert_array_equal(scores, expected_scores.astype(np.float32))
+
+
+def test_all_scores_tied_takes_smallest_ids() -> None:
+    vectors = np.ones((40, 3), np.float32)
+    ids = np.arange(40, dtype=np.int64)[::-1].copy()
+    scores, found = ExactIndex(device="cpu", block_rows=9).search(np.ones((2, 3), np.float32), (ids, vectors), 4)
+    np.testing.assert_array_equal(found, [[0, 1, 2, 3]] * 2)
+    np.testing.assert_array_equal(scores, np.full((2, 4), 3.0))
+
+
+def test_random_float_data_and_multi_block_source() -> None:
+    rng = np.random.default_rng(1)
+    vectors = rng.standard_normal((500, 32)).astype(np.float32)
+    queries = rng.standard_normal((8, 32)).astype(np.float32)
+    ids = rng.permutation(500).astype(np.int64) + 10_000
+    sizes = [13, 200, 1, 86, 200]
+
+    def source():
+        start = 0
+        for size in sizes:
+            yield ids[start : start + size], vectors[start : start + size]
+            start += size
+
+    scores, found = ExactIndex(device="cpu", block_rows=64).search(queries, source, 10)
+    expected_scores, expected_ids = brute_force(queries, vectors, ids, 10)
+    np.testing.assert_array_equal(found, expected_ids)
+    np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)
+
+
+def test_float16_blocks_torch_queries_and_1d_query() -> None:
+    queries, vectors, ids = integer_data(2, 70, 8, 3)
+    source = blocks_from_arrays(ids, vectors.astype(np.float16), block_rows=16)
+    scores, found = ExactIndex(device="cpu").search(torch.from_numpy(queries), source, 7)
+    expected_scores, expected_ids = brute_force(queries, vectors, ids, 7)
+    np.testing.assert_array_equal(found, expected_ids)
+    np.testing.assert_array_equal(scores, expected_scores.astype(np.float32))
+    one_scores, one_ids = ExactIndex(device="cpu").search(queries[1], source, 7)
+    np.testing.assert_array_equal(one_ids, expected_ids[1:2])
+
+
+def test_transform_is_applied_to_every_block() -> None:
+    rng = np.random.default_rng(3)
+    vectors = rng.standard_normal((90, 16)).astype(np.float32)
+    queries = rng.standard_normal((4, 16)).astype(np.float32)
+    ids = np.arange(90, dtype=np.int64)
+    cosine = CosinePreconditioner()
+    scores, found = ExactIndex(device="cpu", block_rows=20).search(
+        cosine.apply_both(torch.from_numpy(queries)), (ids, vectors), 5, transform=cosine.apply_both)
+    unit = lambda a: a / np.linalg.norm(a, axis=1, keepdims=True)  # noqa: E731
+    expected_scores, expected_ids = brute_force(unit(queries), unit(vectors), ids, 5)
+    np.testing.assert_array_equal(found, expected_ids)
+    np.testing.assert_allclose(scores, expected_scores, atol=1e-6)
+
+
+def test_empty_source_and_bad_arguments() -> None:
+    index = ExactIndex(device="cpu")
+    scores, found = index.search(np.ones((2, 4), np.float32), (np.empty(0, np.int64), np.empty((0, 4))), 3)
+    assert scores.shape == found.shape == (2, 0)
+    with pytest.raises(ValueError, match="k must be"):
+        index.search(np.ones((2, 4), np.float32), (np.arange(3), np.ones((3, 4))), 0)
+    with pytest.raises(ValueError, match="dimension"):
+        index.search(np.ones((2, 5), np.float32), (np.arange(3), np.ones((3, 4))), 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 60), d=st.integers(1, 5), k=st.integers(1, 70), block_rows=st.integers(1, 25),
+       largest=st.booleans(), seed=st.integers(0, 2**16))
+def test_property_matches_brute_force(n: int, d: int, k: int, block_rows: int, largest: bool, seed: int) -> None:
+    queries, vectors, ids = integer_data(seed, n, d, 3)
+    scores, found = ExactIndex(device="cpu", block_rows=block_rows).search(queries, (ids, vectors), k, largest)
+    expected_scores, expected_ids = brute_force(queries, vectors, ids, k, largest)
+    np.testing.assert_array_equal(found, expected_ids)
+    np.testing.assert_array_equal(scores, expected_scores.astype(np.float32))
