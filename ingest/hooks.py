@@ -105,16 +105,24 @@ class LayerHook:
 
     # forward -----------------------------------------------------------------------------------
 
-    def _forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _forward(self, module: nn.Module, args: tuple, output: Any) -> torch.Tensor | None:
         batch = self.owner.batch
         if self.owner.is_paused or batch is None or not torch.is_grad_enabled():
-            return
+            return None
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
-            return
+            return None
+        x = args[0].detach()
+        # A batch-1 input in a B-example forward is broadcast later (e.g. position embeddings): expand
+        # the output (a view) so autograd hands us per-example gradients. Expand's backward is the
+        # same sum_to reduction the broadcast would do, so parameter gradients are bit-identical.
+        broadcast = x.shape[0] == 1 and batch.size > 1 and output.shape[0] == 1
+        if broadcast:
+            x = x.expand(batch.size, *x.shape[1:])
+            output = output.expand(batch.size, *output.shape[1:])
+        replaced = output if broadcast else None
         if in_backward():
             output.register_hook(self._refuse_recomputation)
-            return
-        x = args[0].detach()
+            return replaced
         if x.shape[0] != batch.size:
             raise ValueError(
                 f"capture: layer {self.slot.name!r} got a batch of {x.shape[0]} for a forward of {batch.size} "
@@ -122,6 +130,7 @@ class LayerHook:
             )
         route, saved = self._save(x, batch.size)
         output.register_hook(functools.partial(self._backward, batch.generation, route, saved))
+        return replaced
 
     def _save(self, x: torch.Tensor, batch_size: int) -> tuple[str, torch.Tensor]:
         s = self.slot
