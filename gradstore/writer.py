@@ -1,6 +1,7 @@
 """The streaming gradient writer: buffers appended rows and commits them to Lance in large batches.
 
-``append`` converts rows to Arrow and adds them to an in-memory buffer. When the buffer reaches
+``append`` checks the rows, builds their metadata columns and adds them to an in-memory buffer; encoding
+the vectors for storage happens on the background thread, off the training loop. When the buffer reaches
 ``commit_rows`` rows or ``commit_bytes`` bytes (or its oldest row is ``commit_seconds`` old) it is handed
 to a background thread through a bounded queue, which commits it as one Lance transaction. A full queue
 blocks ``append`` (backpressure): memory stays bounded by ``(max_pending_commits + 1)`` buffers.
@@ -49,8 +50,8 @@ class WriterConfig:
             the batch is written); ``"drop"`` drops those rows, logs a warning and counts them.
     """
 
-    commit_rows: int = 16384
-    commit_bytes: int = 128 << 20
+    commit_rows: int = 8192
+    commit_bytes: int = 64 << 20
     commit_seconds: float = 30.0
     max_pending_commits: int = 2
     max_fragments: int = 64
@@ -87,10 +88,11 @@ class GradientWriter:
         self.storage_dtype = storage_dtype
         self.config = config or WriterConfig()
         self._schema = S.gradients_schema(dim, storage_dtype)
+        self._metadata_schema = pa.schema(S.GRADIENT_METADATA_FIELDS)
         self._prefix = new_id_block(self._prefix_taken)
         self._counter = 0
         self._lock = threading.Lock()
-        self._buffer: list[pa.RecordBatch] = []
+        self._buffer: list[tuple[pa.RecordBatch, np.ndarray]] = []  # (metadata, float32 vectors) per append
         self._buffer_rows = 0
         self._buffer_bytes = 0
         self._buffer_since = 0.0
@@ -127,13 +129,13 @@ class GradientWriter:
                 self._prefix, start = new_id_block(self._prefix_taken), 0
             self._counter = start + n
             grad_ids = (np.int64(self._prefix) << 32) + np.arange(start, start + n, dtype=np.int64)
-        batch = self._record_batch(grad_ids, vectors, ids, metadata)
+        chunk = (self._metadata_batch(grad_ids, ids, metadata), vectors.copy())
         with self._lock:
             if not self._buffer:
                 self._buffer_since = time.monotonic()
-            self._buffer.append(batch)
+            self._buffer.append(chunk)
             self._buffer_rows += n
-            self._buffer_bytes += batch.nbytes
+            self._buffer_bytes += chunk[0].nbytes + vectors.nbytes
             full = (self._buffer_rows >= self.config.commit_rows or self._buffer_bytes >= self.config.commit_bytes
                     or time.monotonic() - self._buffer_since >= self.config.commit_seconds)
         if full:
@@ -193,8 +195,7 @@ class GradientWriter:
         metadata = {k: (_take(v, keep) if _is_sequence(v) else v) for k, v in metadata.items()}
         return vectors[keep], [ids[i] for i in keep], metadata
 
-    def _record_batch(self, grad_ids: np.ndarray, vectors: np.ndarray, ids: list[str],
-                      metadata: dict[str, Any]) -> pa.RecordBatch:
+    def _metadata_batch(self, grad_ids: np.ndarray, ids: list[str], metadata: dict[str, Any]) -> pa.RecordBatch:
         unknown = set(metadata) - set(S.GRADIENT_METADATA_NAMES)
         if unknown:
             raise SchemaMismatchError(f"unknown metadata column(s) {sorted(unknown)}; "
@@ -213,8 +214,7 @@ class GradientWriter:
             else:
                 columns[field.name] = [value] * n
         arrays = [pa.array(columns[f.name], type=f.type) for f in S.GRADIENT_METADATA_FIELDS]
-        grad, norm = encode(vectors, self.storage_dtype)
-        return pa.RecordBatch.from_arrays(arrays + [grad, norm], schema=self._schema)
+        return pa.RecordBatch.from_arrays(arrays, schema=self._metadata_schema)
 
     def _hand_over(self) -> None:
         with self._lock:
@@ -263,11 +263,16 @@ class GradientWriter:
             self._buffer_rows = self._buffer_bytes = 0
         self._commit(batches)
 
-    def _commit(self, batches: list[pa.RecordBatch]) -> None:
+    def _commit(self, chunks: list[tuple[pa.RecordBatch, np.ndarray]]) -> None:
         try:
-            self._table.add(pa.Table.from_batches(batches, schema=self._schema))
+            table = pa.Table.from_batches([meta for meta, _ in chunks], schema=self._metadata_schema)
+            grad, norm = encode(np.concatenate([vectors for _, vectors in chunks]), self.storage_dtype)
+            table = table.append_column(self._schema.field(S.VECTOR_COLUMN), grad)
+            table = table.append_column(self._schema.field(S.NORM_COLUMN), norm).replace_schema_metadata(
+                self._schema.metadata)
+            self._table.add(table)
             self.commits += 1
-            self.rows_committed += sum(b.num_rows for b in batches)
+            self.rows_committed += table.num_rows
             self._compact_if_fragmented()
         except BaseException as error:  # surfaced to the caller on its next append/flush
             log.error("gradstore writer commit failed: %r", error)
