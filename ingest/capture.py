@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from ingest.hooks import ActiveBatch, LayerHook, in_backward
 from ingest.ids import content_hashes, find_inputs, find_mask, normalize_ids
 from ingest.layers import LayerInfo, select_layers
 from ingest.per_example import ROUTES
-from ingest.projection import ProjectionSpec, make_slot
+from ingest.projection import LAYER_KINDS, ProjectionSpec, make_slot
 from ingest.scaling import REDUCTIONS, example_scales, example_token_counts
 
 PROJECTIONS = (None, "factorized", "dense")
@@ -79,6 +80,9 @@ class CaptureConfig:
             raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {self.loss_reduction!r}")
         if self.route not in ("auto", *ROUTES):
             raise ValueError(f"route must be 'auto' or one of {ROUTES}, got {self.route!r}")
+        unknown = set(self.layer_types) - set(LAYER_KINDS)
+        if unknown:
+            raise ValueError(f"unknown layer types {sorted(unknown)}; supported: {LAYER_KINDS}")
         if self.k_in < 1 or self.k_out < 1:
             raise ValueError("k_in and k_out must be positive")
 
@@ -105,7 +109,17 @@ def build_spec(layers: Sequence[LayerInfo], config: CaptureConfig) -> Projection
     mode = {None: "exact", "factorized": "factorized", "dense": "dense"}[config.projection]
     slots, offset = [], 0
     for info in layers:
-        slot = make_slot(info.name, info.kind, info.d_in, info.d_out, info.has_bias, mode, config.k_in, config.k_out, offset)
+        slot = make_slot(
+            info.name,
+            info.kind,
+            info.d_in,
+            info.d_out,
+            info.has_bias,
+            mode,
+            config.k_in,
+            config.k_out,
+            offset,
+        )
         if mode == "dense" and slot.size * slot.d_out * slot.d_in_eff > MAX_DENSE_ENTRIES:
             raise ValueError(
                 f"dense projection of layer {info.name!r} needs a {slot.size} x {slot.d_out * slot.d_in_eff} "
@@ -142,11 +156,18 @@ class GradientCapture:
         self.optimizer = optimizer
         self.per_example_loss = per_example_loss
         self.grad_scaler = grad_scaler
-        layers = select_layers(model, tuple(self.config.layer_types), self.config.include, self.config.exclude)
+        layers = select_layers(
+            model, tuple(self.config.layer_types), self.config.include, self.config.exclude
+        )
         if not layers:
-            raise ValueError("capture: no supported layer (Linear, Conv1D, Embedding) matches the layer selection")
+            raise ValueError(
+                "capture: no supported layer (Linear, Conv1D, Embedding) matches the layer selection"
+            )
         self.spec = build_spec(layers, self.config)
-        self.layer_hooks = [LayerHook(slot, info.module, self, self.config.seed) for slot, info in zip(self.spec.layers, layers)]
+        self.layer_hooks = [
+            LayerHook(slot, info.module, self, self.config.seed)
+            for slot, info in zip(self.spec.layers, layers)
+        ]
         self.batch: ActiveBatch | None = None
         self.is_paused = False
         self.route = self.config.route
@@ -174,7 +195,9 @@ class GradientCapture:
             self._handles.append(register_optimizer_step_post_hook(self._after_step))
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -258,7 +281,9 @@ class GradientCapture:
 
     # internals ---------------------------------------------------------------------------------
 
-    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    def _before_forward(
+        self, module: nn.Module, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[tuple, dict[str, Any]]:
         kwargs = dict(kwargs)
         kwarg_ids = kwargs.pop(ID_KWARG, None)
         if self.is_paused or not torch.is_grad_enabled() or in_backward():
@@ -285,7 +310,9 @@ class GradientCapture:
             token_mask=None if mask is None else mask.bool(),
             meta={
                 "ids": ids,
-                "hash_source": None if ids is not None else (inputs.detach().clone(), None if mask is None else mask.detach().clone()),
+                "hash_source": None
+                if ids is not None
+                else (inputs.detach().clone(), None if mask is None else mask.detach().clone()),
                 "num_tokens": example_token_counts(inputs, mask, size),
                 "step": self.step,
                 "epoch": self.epoch,
@@ -309,7 +336,9 @@ class GradientCapture:
         batch.meta["loss"] = loss
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.optimizer is None and any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"]):
+        if self.optimizer is None and any(
+            id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"]
+        ):
             self.optimizer = optimizer
         if optimizer is self.optimizer:
             self.step += 1
@@ -327,7 +356,9 @@ class GradientCapture:
         rows = batch.rows * batch.scales.to(batch.rows.device).unsqueeze(1)
         if self.grad_scaler is not None:
             scale = getattr(self.grad_scaler, "_scale", None)
-            rows = rows / (scale.to(rows.device) if isinstance(scale, torch.Tensor) else self.grad_scaler.get_scale())
+            rows = rows / (
+                scale.to(rows.device) if isinstance(scale, torch.Tensor) else self.grad_scaler.get_scale()
+            )
         meta = dict(batch.meta, learning_rate=self._learning_rate())
         if meta["loss"] is not None:
             meta["loss"], _ = Delivery.to_host(meta["loss"])  # copied before the rows: their event covers it

@@ -72,7 +72,7 @@ class Delivery:
                     event.synchronize()
                 if self._error is None:
                     self._deliver(item)
-            except BaseException as exc:  # the sink's failure is reported on the training thread
+            except Exception as exc:  # the sink's failure is reported on the training thread
                 self._error = exc
             finally:
                 self._queue.task_done()

@@ -125,8 +125,8 @@ class LayerHook:
             return replaced
         if x.shape[0] != batch.size:
             raise ValueError(
-                f"capture: layer {self.slot.name!r} got a batch of {x.shape[0]} for a forward of {batch.size} "
-                "examples; capture needs batch-first inputs"
+                f"capture: layer {self.slot.name!r} got a batch of {x.shape[0]} for a forward of "
+                f"{batch.size} examples; capture needs batch-first inputs"
             )
         route, saved = self._save(x, batch.size)
         output.register_hook(functools.partial(self._backward, batch.generation, route, saved))
@@ -137,7 +137,9 @@ class LayerHook:
         if s.kind == "embedding":
             idx = x.reshape(batch_size, -1)
             if s.mode == "factorized":
-                return "project", embedding_project_inputs(idx, self.matrix("in", x.device, torch.float32), self.padding_idx)
+                return "project", embedding_project_inputs(
+                    idx, self.matrix("in", x.device, torch.float32), self.padding_idx
+                )
             return "materialize", idx
         x = tokens_view(x, batch_size)
         if s.mode != "factorized":
@@ -200,7 +202,11 @@ class LayerHook:
             x_p = torch.cat([saved, ones], dim=-1) if s.has_bias else saved
             dy_p = dy
         else:
-            x_p = saved if route == "project" else project_inputs(saved, self.matrix("in", saved.device, saved.dtype), s.has_bias)
+            x_p = (
+                saved
+                if route == "project"
+                else project_inputs(saved, self.matrix("in", saved.device, saved.dtype), s.has_bias)
+            )
             dy_p = torch.matmul(dy, self.matrix("out", dy.device, dy.dtype).T)
         dy_p = dy_p * batch.scales.to(dy_p.device, dy_p.dtype).view(-1, 1, 1)
         mask = batch.token_mask

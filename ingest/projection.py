@@ -97,6 +97,8 @@ class ProjectionSpec:
             raise ProjectionMismatchError(
                 f"spec was made with projection generator {d['generator']!r}, this code uses {GENERATOR!r}"
             )
+        if d["kind"] not in SPEC_KINDS:
+            raise ValueError(f"spec kind must be one of {SPEC_KINDS}, got {d['kind']!r}")
         return cls(seed=int(d["seed"]), kind=d["kind"], layers=tuple(LayerSlot(**s) for s in d["layers"]))
 
     def fingerprint(self) -> str:

@@ -28,7 +28,9 @@ def label_token_counts(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
 
 
-def example_token_counts(inputs: torch.Tensor | None, mask: torch.Tensor | None, batch_size: int) -> torch.Tensor:
+def example_token_counts(
+    inputs: torch.Tensor | None, mask: torch.Tensor | None, batch_size: int
+) -> torch.Tensor:
     """``num_tokens`` metadata: attention-mask sum, else sequence length for token ids, else 1."""
     if mask is not None:
         return mask.sum(dim=1).to(torch.int32)
@@ -40,7 +42,7 @@ def example_token_counts(inputs: torch.Tensor | None, mask: torch.Tensor | None,
 def example_scales(
     reduction: str, batch_size: int, kwargs: dict[str, Any], loss_scale: float, device: torch.device
 ) -> torch.Tensor:
-    """Per-example factors ``[B]`` (float32, on ``device``) that turn captured rows into per-example gradients."""
+    """Per-example factors ``[B]`` (float32, on ``device``) turning captured rows into per-example grads."""
     if reduction == "sum":
         scales = torch.ones(batch_size, device=device)
     elif reduction == "mean":
@@ -48,7 +50,9 @@ def example_scales(
     elif reduction == "token_mean":
         labels = kwargs.get("labels")
         if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
-            raise ValueError("loss_reduction='token_mean' needs a [B, T] `labels` tensor among the model kwargs")
+            raise ValueError(
+                "loss_reduction='token_mean' needs a [B, T] `labels` tensor among the model kwargs"
+            )
         counts = label_token_counts(labels).to(device=device, dtype=torch.float32)
         total = kwargs.get("num_items_in_batch")
         total = counts.sum() if total is None else torch.as_tensor(total, device=device, dtype=torch.float32)

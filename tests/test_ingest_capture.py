@@ -20,8 +20,14 @@ transformers = pytest.importorskip("transformers")
 def tiny_gpt2(dropout: float = 0.0):
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=64,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        n_positions=32,
+        vocab_size=64,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
     )
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -64,7 +70,10 @@ def test_batch_composition_and_padding_do_not_change_rows():
 
 
 def test_same_seed_same_vectors_other_seed_differs():
-    runs = [run_lm(tiny_gpt2(), [lm_batch(SEQS)], CaptureConfig(loss_reduction="token_mean", seed=s))[1] for s in (3, 3, 4)]
+    runs = [
+        run_lm(tiny_gpt2(), [lm_batch(SEQS)], CaptureConfig(loss_reduction="token_mean", seed=s))[1]
+        for s in (3, 3, 4)
+    ]
     assert torch.equal(runs[0][0].grads, runs[1][0].grads)
     assert not torch.allclose(runs[0][0].grads, runs[2][0].grads)
     assert runs[0][0].grads.shape == (4, 256 * 11)  # 2 blocks x 4 Conv1D + wte + wpe + lm_head, 16 x 16 each
@@ -147,7 +156,9 @@ def test_bad_ids_raise_clear_errors():
 
 def test_per_example_loss_and_token_counts():
     model = tiny_gpt2()
-    _, out = run_lm(model, [lm_batch(SEQS)], CaptureConfig(loss_reduction="token_mean"), per_example_loss=causal_lm_loss)
+    _, out = run_lm(
+        model, [lm_batch(SEQS)], CaptureConfig(loss_reduction="token_mean"), per_example_loss=causal_lm_loss
+    )
     alone = torch.stack([model(**lm_batch([s])).loss.detach() for s in SEQS])
     assert torch.allclose(out[0].loss, alone, rtol=1e-5)
     assert out[0].num_tokens.tolist() == [9, 4, 12, 6] and out[0].num_tokens.dtype == torch.int32
@@ -195,10 +206,12 @@ def test_backpressure_order_pause_and_sink_errors():
     def failing_sink(batch):
         raise OSError("disk full")
 
-    with pytest.raises(RuntimeError, match="sink failed"):
-        with GradientCapture(model, failing_sink, CaptureConfig()) as cap:
-            model(x).sum().backward()
-            cap.flush()
+    with (
+        pytest.raises(RuntimeError, match="sink failed"),
+        GradientCapture(model, failing_sink, CaptureConfig()) as cap,
+    ):
+        model(x).sum().backward()
+        cap.flush()
 
 
 def test_grad_scaler_scale_is_undone():

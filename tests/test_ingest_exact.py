@@ -56,8 +56,14 @@ def test_mlp_matches_torch_func():
 def tiny_gpt2():
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        n_positions=32,
+        vocab_size=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     cfg._attn_implementation = "eager"
     return transformers.GPT2LMHeadModel(cfg)
@@ -111,10 +117,14 @@ def test_module_used_twice_sums_its_uses():
     shared = nn.Linear(4, 4)
     model = nn.Sequential(shared, nn.Tanh(), shared)
     x = torch.randn(3, 4)
-    spec, out = capture_rows(model, lambda: model(x).pow(2).sum().backward(), CaptureConfig(projection=None, loss_reduction="sum"))
+    spec, out = capture_rows(
+        model, lambda: model(x).pow(2).sum().backward(), CaptureConfig(projection=None, loss_reduction="sum")
+    )
     assert [s.name for s in spec.layers] == ["0"]  # one module, one slot
     params = {k: v.detach() for k, v in model.named_parameters()}
-    g = vmap(grad(lambda p, xi: functional_call(model, p, (xi[None],)).pow(2).sum()), in_dims=(None, 0))(params, x)
+    g = vmap(grad(lambda p, xi: functional_call(model, p, (xi[None],)).pow(2).sum()), in_dims=(None, 0))(
+        params, x
+    )
     assert rel_err(slot_matrix(spec, out[0].grads, "0"), linear_reference(g, "0")) < 1e-5
 
 
@@ -124,7 +134,9 @@ class Blocks(nn.Module):
         self.a, self.b, self.reentrant = nn.Linear(4, 8), nn.Linear(8, 2), reentrant
 
     def forward(self, x):
-        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=self.reentrant)
+        h = torch.utils.checkpoint.checkpoint(
+            lambda t: torch.tanh(self.a(t)), x, use_reentrant=self.reentrant
+        )
         return self.b(h)
 
 

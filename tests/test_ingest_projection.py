@@ -17,8 +17,11 @@ def test_projection_matrix_is_deterministic_and_keyed():
     a = projection_matrix(3, "h.0.mlp", "in", 8, 20)
     assert torch.equal(a, projection_matrix(3, "h.0.mlp", "in", 8, 20))
     assert a.shape == (8, 20) and a.dtype == torch.float32
-    for other in (projection_matrix(4, "h.0.mlp", "in", 8, 20), projection_matrix(3, "h.1.mlp", "in", 8, 20),
-                  projection_matrix(3, "h.0.mlp", "out", 8, 20)):
+    for other in (
+        projection_matrix(4, "h.0.mlp", "in", 8, 20),
+        projection_matrix(3, "h.1.mlp", "in", 8, 20),
+        projection_matrix(3, "h.0.mlp", "out", 8, 20),
+    ):
         assert not torch.allclose(a, other)
     assert projection_matrix(3, "h.0.mlp", "in", 8, 20, dtype=torch.float64).dtype == torch.float64
     big = projection_matrix(0, "x", "in", 64, 4000)
