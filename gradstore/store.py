@@ -155,6 +155,83 @@ class GradStore:
             raise UnknownRunError(f"unknown run {run_id!r}; the store holds runs {known}")
         return rows[0]
 
+    def has_run(self, run_id: str) -> bool:
+        """Whether the store holds run ``run_id``."""
+        return self.table(S.RUNS).count_rows(f"run_id = {_sql_literal(run_id)}") > 0
+
+    def run_config(self, run_id: str) -> dict:
+        """The JSON config a run was created with (capture options, notes)."""
+        return json.loads(self.run(run_id)["config"] or "{}")
+
+    def ensure_run(self, run_id: str, spec: Any, model_fingerprint: str | None = None,
+                   config: dict | None = None) -> None:
+        """Create run ``run_id`` for vectors of projection ``spec`` (an ``ingest.ProjectionSpec``), or check
+        that the existing run was captured with the same spec (raises ``ProjectionMismatchError``)."""
+        from ingest.projection import ProjectionSpec
+
+        if self.has_run(run_id):
+            stored = self.run_projection(run_id)
+            if stored is None:
+                raise SchemaMismatchError(f"run {run_id!r} was created without a projection spec")
+            ProjectionSpec.from_dict(stored).check_matches(spec)
+            return
+        projection = {**spec.to_dict(), "fingerprint": spec.fingerprint()}
+        self.create_run(run_id, dim=spec.dim, projection=projection, model_fingerprint=model_fingerprint,
+                        config=config)
+
+    def run_spec(self, run_id: str):
+        """The run's projection spec as an ``ingest.ProjectionSpec``."""
+        from ingest.projection import ProjectionSpec
+
+        stored = self.run_projection(run_id)
+        if stored is None:
+            raise SchemaMismatchError(f"run {run_id!r} has no projection spec")
+        return ProjectionSpec.from_dict(stored)
+
+    def capture(self, model: Any, run: str, *, optimizer: Any = None, per_example_loss: Any = None,
+                grad_scaler: Any = None, learning_rate: float | None = None,
+                writer: WriterConfig | None = None, **options: Any):
+        """Capture per-example gradients of ``model`` into run ``run`` (a context manager).
+
+        ``options`` are :class:`ingest.CaptureConfig` fields (``projection``, ``k_in``, ``k_out``, ``seed``,
+        ``include``, ``loss_reduction``, ``split``, ``checkpoint``, ``curvature``...). For an existing run the
+        projection and layer options default to the run's own, and a capture whose projection spec differs
+        is refused. ``learning_rate`` overrides the optimizer's (for checkpoint passes without one).
+        """
+        from gradstore.capture import StoreCapture, config_for_run
+
+        return StoreCapture(self, model, run, config_for_run(self, run, options), optimizer=optimizer,
+                            per_example_loss=per_example_loss, grad_scaler=grad_scaler,
+                            learning_rate=learning_rate, writer_config=writer)
+
+    # ------------------------------------------------------------------ side files (curvature, indexes)
+    def sidecar(self, *parts: str) -> Path:
+        """A directory beside the tables for derived state (curvature statistics, indexes), created on demand."""
+        if "://" in self.uri:
+            raise NotImplementedError("side files (indexes, curvature) need a local store directory")
+        path = Path(self.uri, "_gradstore", *parts)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def save_curvature(self, run_id: str, checkpoint: str, stats: dict) -> Path:
+        """Save per-layer Kronecker curvature statistics of a run's checkpoint."""
+        from gradstore.capture import curvature_arrays
+
+        path = self.sidecar("runs", run_id) / f"curvature-{checkpoint}.npz"
+        np.savez(path, **curvature_arrays(stats))
+        return path
+
+    def load_curvature(self, run_id: str, checkpoint: str) -> dict:
+        """Per layer ``(A, S, count)`` saved by a capture with ``curvature=True``."""
+        from gradstore.capture import curvature_from_arrays
+
+        path = Path(self.uri, "_gradstore", "runs", run_id, f"curvature-{checkpoint}.npz")
+        if not path.exists():
+            raise FileNotFoundError(f"no curvature statistics for run {run_id!r} checkpoint {checkpoint!r}: "
+                                    "capture with curvature=True")
+        with np.load(path) as arrays:
+            return curvature_from_arrays(arrays)
+
     def run_projection(self, run_id: str) -> dict | None:
         """The projection spec a run was captured with (``None`` for exact gradients)."""
         spec = self.run(run_id)["projection"]

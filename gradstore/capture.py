@@ -1,0 +1,167 @@
+"""``store.capture``: stream an unchanged training loop's per-example gradients into a store run.
+
+A thin composition of :class:`ingest.GradientCapture` (hooks, per-example math, projection) and the
+store's :class:`~gradstore.writer.GradientWriter` (buffered background commits). The run's projection
+spec is recorded on first use and checked on every later capture into the same run (training rows,
+checkpoint passes and query rows must share one projection).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ingest.capture import CaptureConfig, CapturedBatch, GradientCapture
+from ingest.projection import ProjectionSpec
+
+from gradstore.writer import WriterConfig
+
+if TYPE_CHECKING:
+    from gradstore.store import GradStore
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A hash of the model's parameter names, shapes and dtypes (its architecture, not its weights)."""
+    text = ";".join(f"{name}:{tuple(p.shape)}:{p.dtype}" for name, p in model.named_parameters())
+    return f"{type(model).__name__}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def config_for_run(store: GradStore, run: str, overrides: dict[str, Any]) -> CaptureConfig:
+    """The capture config of an existing run with ``overrides`` applied (a new run: defaults + overrides)."""
+    fields = {f.name for f in dataclasses.fields(CaptureConfig)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise TypeError(f"unknown capture option(s) {sorted(unknown)}; options: {sorted(fields)}")
+    saved: dict[str, Any] = {}
+    if store.has_run(run):
+        stored = store.run_config(run).get("capture", {})
+        # the projection/layer options define the vectors; split, checkpoint, rank... are per capture
+        saved = {k: v for k, v in stored.items()
+                 if k in ("projection", "k_in", "k_out", "seed", "layer_types", "include", "exclude", "route")}
+        if "layer_types" in saved:
+            saved["layer_types"] = tuple(saved["layer_types"])
+    return CaptureConfig(**{**saved, **overrides})
+
+
+class StoreCapture:
+    """Context manager returned by :meth:`GradStore.capture`; forwards the controls of
+    :class:`ingest.GradientCapture` (``set_ids``, ``set_epoch``, ``set_step``, ``set_checkpoint``,
+    ``set_split``, ``pause``/``resume``/``paused``, ``flush``)."""
+
+    def __init__(self, store: GradStore, model: nn.Module, run: str, config: CaptureConfig, *,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 per_example_loss: Callable[..., torch.Tensor] | None = None, grad_scaler: Any | None = None,
+                 learning_rate: float | None = None, writer_config: WriterConfig | None = None) -> None:
+        self.store = store
+        self.run_id = run
+        self.learning_rate = learning_rate
+        self.capture = GradientCapture(model, self._write, config, optimizer=optimizer,
+                                       per_example_loss=per_example_loss, grad_scaler=grad_scaler)
+        self.spec: ProjectionSpec = self.capture.spec
+        self._model = model
+        self._writer_config = writer_config
+        self._writer = None
+        self._seen: dict[str, dict[str, Any]] = {}  # checkpoint -> last step/epoch/lr of its training rows
+        self.rows_written = 0
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self) -> StoreCapture:
+        self.store.ensure_run(self.run_id, self.spec, model_fingerprint(self._model),
+                              {"capture": dataclasses.asdict(self.capture.config)})
+        self._writer = self.store.writer(self.run_id, self._writer_config)
+        try:
+            self.capture.__enter__()
+        except BaseException:
+            self._writer.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self.capture.__exit__(exc_type, exc, tb)  # drains every finished batch into the writer
+        finally:
+            self._writer.close()
+        for checkpoint, seen in self._seen.items():
+            self.store.record_checkpoint(self.run_id, checkpoint, **seen)
+        if self.capture.config.curvature:
+            for checkpoint in self._seen:
+                stats = self.capture.curvature(checkpoint)
+                if stats:
+                    self.store.save_curvature(self.run_id, checkpoint, stats)
+
+    # ------------------------------------------------------------------ controls
+    def set_ids(self, ids: Sequence[Any] | torch.Tensor) -> None:
+        """Example ids of the next forward (instead of an ``example_id`` batch entry or content hashes)."""
+        self.capture.set_ids(ids)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch recorded on the following rows."""
+        self.capture.set_epoch(epoch)
+
+    def set_step(self, step: int) -> None:
+        """Step recorded on the following rows (normally counted from the optimizer)."""
+        self.capture.set_step(step)
+
+    def set_checkpoint(self, name: str, learning_rate: float | None = None) -> None:
+        """Checkpoint name (and, for checkpoint passes without an optimizer, its learning rate)."""
+        self.capture.set_checkpoint(name)
+        if learning_rate is not None:
+            self.learning_rate = learning_rate
+
+    def set_split(self, split: str) -> None:
+        """Split (``"train"``/``"query"``) recorded on the following rows."""
+        self.capture.set_split(split)
+
+    def pause(self) -> None:
+        """Stop capturing until :meth:`resume`."""
+        self.capture.pause()
+
+    def resume(self) -> None:
+        """Capture again after :meth:`pause`."""
+        self.capture.resume()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forwards/backwards inside this block are not captured."""
+        with self.capture.paused():
+            yield
+
+    def flush(self) -> None:
+        """Wait until every captured row is committed to the store."""
+        self.capture.flush()
+        self._writer.flush()
+
+    # ------------------------------------------------------------------ sink
+    def _write(self, batch: CapturedBatch) -> None:
+        lr = self.learning_rate if self.learning_rate is not None else batch.learning_rate
+        self._writer.append(
+            batch.grads.numpy(), batch.example_ids, checkpoint=batch.checkpoint, step=batch.step,
+            epoch=batch.epoch, example_hash=batch.example_hash, split=batch.split, rank=batch.rank,
+            loss=None if batch.loss is None else batch.loss.numpy(), num_tokens=batch.num_tokens.numpy(),
+            learning_rate=lr)
+        self.rows_written += len(batch.example_ids)
+        if batch.split == "train":  # query rows describe no checkpoint of training
+            self._seen[batch.checkpoint] = {"step": batch.step, "epoch": batch.epoch, "learning_rate": lr}
+
+
+def curvature_arrays(stats: dict[str, tuple[np.ndarray, np.ndarray, int]]) -> dict[str, np.ndarray]:
+    """Flatten per-layer curvature statistics to named arrays (for an ``.npz`` file)."""
+    arrays: dict[str, np.ndarray] = {}
+    for layer, (a_cov, s_cov, count) in stats.items():
+        arrays[f"{layer}|A"], arrays[f"{layer}|S"] = a_cov, s_cov
+        arrays[f"{layer}|count"] = np.asarray(count)
+    return arrays
+
+
+def curvature_from_arrays(arrays: Any) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+    """Inverse of :func:`curvature_arrays`."""
+    layers = sorted({key.rsplit("|", 1)[0] for key in arrays.keys()})
+    return {layer: (np.asarray(arrays[f"{layer}|A"]), np.asarray(arrays[f"{layer}|S"]),
+                    int(arrays[f"{layer}|count"])) for layer in layers}
