@@ -24,9 +24,10 @@ def normalize_ids(ids: Sequence[Any] | torch.Tensor, batch_size: int | None = No
 
 
 def find_inputs(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """The tensor that identifies the examples: ``input_ids``, else the first tensor argument."""
-    if isinstance(kwargs.get("input_ids"), torch.Tensor):
-        return kwargs["input_ids"]
+    """The tensor that identifies the examples: ``input_ids``, ``inputs_embeds``, else the first tensor argument."""
+    for key in ("input_ids", "inputs_embeds"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return kwargs[key]
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
             return value
