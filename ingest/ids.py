@@ -24,7 +24,7 @@ def normalize_ids(ids: Sequence[Any] | torch.Tensor, batch_size: int | None = No
 
 
 def find_inputs(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """The tensor that identifies the examples: ``input_ids``, ``inputs_embeds``, else the first tensor argument."""
+    """The tensor identifying the examples: ``input_ids``, ``inputs_embeds``, else the first tensor."""
     for key in ("input_ids", "inputs_embeds"):
         if isinstance(kwargs.get(key), torch.Tensor):
             return kwargs[key]
