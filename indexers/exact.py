@@ -42,6 +42,8 @@ class ExactIndex:
             source = blocks_from_arrays(*source, block_rows=self.block_rows)
         signed = as_tensor(queries, torch.float32, self.device)
         signed = signed if largest else -signed
+        # [d, q] contiguous: block @ queries_t is the faster orientation for BLAS (tall output).
+        queries_t = signed.T.contiguous()
         best_scores = torch.empty(signed.shape[0], 0, dtype=torch.float32, device=self.device)
         best_ids = torch.empty(signed.shape[0], 0, dtype=torch.int64, device=self.device)
         for ids, vectors in source():
@@ -52,7 +54,7 @@ class ExactIndex:
                     block = transform(block).to(torch.float32)
                 if block.shape[1] != signed.shape[1]:
                     raise ValueError(f"queries have dimension {signed.shape[1]}, stored vectors {block.shape[1]}")
-                scores, candidate_ids = _block_top_k(signed @ block.T, block_ids.to(self.device), k)
+                scores, candidate_ids = _block_top_k((block @ queries_t).T, block_ids.to(self.device), k)
                 best_scores, best_ids = _merge(torch.cat([best_scores, scores], 1),
                                                torch.cat([best_ids, candidate_ids], 1), k)
         scores = best_scores if largest else -best_scores
@@ -61,14 +63,15 @@ class ExactIndex:
 
 def _block_top_k(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``min(k, n)`` best columns of ``scores [q, n]`` per row, ties at the cut going to the smaller ids."""
-    k = min(k, scores.shape[1])
-    values, positions = scores.topk(k, dim=1, sorted=False)
-    candidate_ids = ids[positions]
-    cut = values.min(dim=1).values
-    tied_rows = ((scores >= cut[:, None]).sum(dim=1) > k).nonzero().flatten().tolist()
+    if k >= scores.shape[1]:
+        return scores, ids.expand(scores.shape[0], -1)
+    # One extra candidate shows whether the cut is tied: more than k scores are >= the k-th iff the
+    # (k+1)-th equals it, and then torch.topk's choice among the tied scores is arbitrary.
+    values, positions = scores.topk(k + 1, dim=1)
+    tied_rows = (values[:, k] == values[:, k - 1]).nonzero().flatten().tolist()
+    values, candidate_ids = values[:, :k].clone(), ids[positions[:, :k]]
     for row in tied_rows:
-        # torch.topk picks arbitrarily among equal scores at the cut; take every score >= cut and re-rank.
-        columns = (scores[row] >= cut[row]).nonzero().flatten()
+        columns = (scores[row] >= values[row, k - 1]).nonzero().flatten()
         row_scores, row_ids = _merge(scores[row, columns][None], ids[columns][None], k)
         values[row], candidate_ids[row] = row_scores[0], row_ids[0]
     return values, candidate_ids
