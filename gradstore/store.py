@@ -294,7 +294,7 @@ class GradStore:
         for batch in _rebatch(scanner.to_reader(), block_rows):
             meta = pa.Table.from_batches([batch.select([c for c in wanted[1:-2]])]) if len(wanted) > 3 else \
                 pa.table({})
-            yield GradientBlock(grad_ids=batch.column("grad_id").to_numpy(),
+            yield GradientBlock(grad_ids=np.array(batch.column("grad_id").to_numpy()),
                                 vectors=decode(batch.column(S.VECTOR_COLUMN), batch.column(S.NORM_COLUMN), dtype),
                                 metadata=meta)
 
@@ -343,9 +343,50 @@ class GradStore:
     # ------------------------------------------------------------------ SQL
     def sql(self, query: str):
         """Run read-only DuckDB SQL over every table (vectors excluded); returns a DuckDB relation."""
+        from gradstore.macros import macros_for
+
         tables = {name: self.table(name).to_lance() for name in self.db.list_tables().tables}
-        self._sql_connection = store_sql.connect(tables)  # kept alive with the relation it returns
+        self._sql_connection = store_sql.connect(tables, macros_for(set(tables)))  # lives with its relation
         return store_sql.run_query(self._sql_connection, query)
+
+    # ------------------------------------------------------------------ attribution
+    def build_index(self, run: str, *, checkpoint: str | None = None, method: str = "grad-dot",
+                    damping: float | None = None, kind: str = "exact", split: str = "train",
+                    where: str | None = None, name: str | None = None, refit: bool = False,
+                    eigen_correction: bool = False):
+        """Fit ``method``'s preconditioner over the run's rows and build/persist an index (incremental when
+        rows were appended since). ``kind``: ``"exact"``, ``"auto"`` or a FAISS factory string."""
+        from gradstore.attribution import default_checkpoint
+        from gradstore.index import Selection, build_index
+
+        selection = Selection(run, checkpoint or default_checkpoint(self, run), split, where)
+        return build_index(self, selection, method, damping=damping, kind=kind, name=name, refit=refit,
+                           eigen_correction=eigen_correction)
+
+    def index(self, name: str):
+        """Load a persisted index by name (``IndexMismatchError`` if it does not match the store)."""
+        from gradstore.index import load_index
+
+        return load_index(self, name)
+
+    def attribute(self, queries: Any = None, *, run: str, k: int = 10, method: str = "grad-dot", **options: Any):
+        """Top-k proponents (and with ``opponents=True`` opponents) of each query; see
+        :func:`gradstore.attribution.attribute`. Returns a pyarrow Table, also appended to ``scores``."""
+        from gradstore.attribution import attribute
+
+        return attribute(self, queries, run=run, k=k, method=method, **options)
+
+    def self_influence(self, *, run: str, method: str = "fisher", **options: Any):
+        """Self-influence of every training row; see :func:`gradstore.attribution.self_influence`."""
+        from gradstore.attribution import self_influence
+
+        return self_influence(self, run=run, method=method, **options)
+
+    def select(self, target: Any = None, *, run: str, budget: float | int = 0.05, **options: Any):
+        """LESS-style data selection for a target set; see :func:`gradstore.selection.select`."""
+        from gradstore.selection import select
+
+        return select(self, target, run=run, budget=budget, **options)
 
     # ------------------------------------------------------------------ maintenance
     def compact(self, cleanup_older_than: timedelta | None = None) -> dict[str, int]:

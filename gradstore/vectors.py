@@ -70,11 +70,11 @@ def decode(column: pa.Array | pa.ChunkedArray, norms: pa.Array | pa.ChunkedArray
         column = column.combine_chunks()
     dim = column.type.list_size
     flat = column.flatten().to_numpy(zero_copy_only=False)
-    rows = flat.reshape(-1, dim).astype(np.float32, copy=False)
+    rows = flat.reshape(-1, dim)
     if check_storage_dtype(dtype) == "float16":
         norm = np.asarray(norms.to_numpy(zero_copy_only=False), dtype=np.float32)
-        rows = rows * norm[:, None]
-    return rows
+        return rows.astype(np.float32) * norm[:, None]
+    return rows if rows.flags.writeable else rows.copy()  # Arrow buffers are read-only
 
 
 def storage_dtype_of(grad_type: pa.DataType) -> str:

@@ -1,0 +1,47 @@
+"""DuckDB macros shipped with the store's SQL (see ``docs/sql.md`` for runnable examples).
+
+- ``top_proponents(query, k)``: the top-k proponents of a query with the example's columns.
+- ``top_opponents(query, k)``: the top-k opponents likewise.
+- ``influential_examples(k, min_queries)``: examples in the top-k of at least ``min_queries`` queries,
+  with how many queries and their mean score.
+- ``influence_by(column_name)``: proponent scores aggregated by an ``examples`` column (e.g. ``'source'``).
+- ``most_self_influential(n)``: the ``n`` training rows with the largest self-influence, with their columns.
+"""
+
+from __future__ import annotations
+
+SCORES_MACROS = [
+    """CREATE MACRO top_proponents(q, k) AS TABLE
+       SELECT s.query_id, s.rank, s.score, s.method, e.*
+       FROM scores s JOIN examples e USING (example_id)
+       WHERE s.query_id = q AND s.rank BETWEEN 1 AND k ORDER BY s.rank""",
+    """CREATE MACRO top_opponents(q, k) AS TABLE
+       SELECT s.query_id, -s.rank AS rank, s.score, s.method, e.*
+       FROM scores s JOIN examples e USING (example_id)
+       WHERE s.query_id = q AND s.rank BETWEEN -k AND -1 ORDER BY s.rank DESC""",
+    """CREATE MACRO influential_examples(k, min_queries) AS TABLE
+       SELECT * FROM (
+           SELECT example_id, count(DISTINCT query_id) AS queries, avg(score) AS mean_score
+           FROM scores WHERE rank BETWEEN 1 AND k GROUP BY example_id)
+       WHERE queries >= min_queries
+       ORDER BY queries DESC, mean_score DESC, example_id""",
+    """CREATE MACRO influence_by(column_name) AS TABLE
+       SELECT e[column_name] AS "group", count(*) AS hits, count(DISTINCT s.query_id) AS queries,
+              sum(s.score) AS total_score, avg(s.score) AS mean_score
+       FROM scores s JOIN (SELECT example_id, struct_pack(*COLUMNS(*)) AS e FROM examples) USING (example_id)
+       WHERE s.rank >= 1 GROUP BY 1 ORDER BY total_score DESC""",
+]
+SELF_INFLUENCE_MACROS = [
+    """CREATE MACRO most_self_influential(n) AS TABLE
+       SELECT s.self_influence, s.method, s.checkpoint, e.*
+       FROM self_influence s JOIN examples e USING (example_id)
+       ORDER BY s.self_influence DESC LIMIT n""",
+]
+
+
+def macros_for(tables: set[str]) -> list[str]:
+    """The macro definitions whose tables exist."""
+    if "examples" not in tables:
+        return []
+    return (SCORES_MACROS if "scores" in tables else []) + (
+        SELF_INFLUENCE_MACROS if "self_influence" in tables else [])

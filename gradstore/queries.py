@@ -1,0 +1,110 @@
+"""Resolving what the user calls "queries" into query ids and vectors.
+
+Accepted forms:
+- ``None``: every ``split = 'query'`` row of the run at the checkpoint;
+- a ``str``: a SQL filter on the gradients table (e.g. ``"split = 'query' AND example_id LIKE 'q1%'"``);
+- a list of example ids: the run's query rows with those ids (``KeyError`` naming any missing id);
+- a :class:`QueryBatch` (a model and a batch): captured on the fly with the run's projection, not stored;
+- an array ``[q, dim]``: raw query vectors (ids ``"q0"``, ``"q1"``, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from gradstore.errors import SchemaMismatchError
+
+if TYPE_CHECKING:
+    from gradstore.store import GradStore
+
+
+@dataclass
+class QueryBatch:
+    """Queries given as a model and a batch: their gradients are captured with the run's projection.
+
+    ``batch`` is passed to ``loss_fn(model, batch)`` (default: ``model(**batch).loss``) and backpropagated
+    with the model's gradients left untouched afterwards. ``ids`` name the queries (else an ``example_id``
+    entry of the batch, else content hashes). ``options`` override capture options such as ``loss_reduction``.
+    """
+
+    model: torch.nn.Module
+    batch: Any
+    ids: Sequence[str] | None = None
+    loss_fn: Any = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Queries:
+    """Resolved queries: one id and one raw vector per query."""
+
+    ids: list[str]
+    vectors: np.ndarray  # float32 [q, dim]
+
+
+def resolve_queries(store: GradStore, queries: Any, run: str, checkpoint: str) -> Queries:
+    """Turn any accepted query form into :class:`Queries` for ``run`` at ``checkpoint``."""
+    dim = store.run(run)["dim"]
+    if isinstance(queries, QueryBatch):
+        resolved = capture_queries(store, queries, run, checkpoint)
+    elif isinstance(queries, (np.ndarray, torch.Tensor)):
+        vectors = np.asarray(queries.detach().cpu() if isinstance(queries, torch.Tensor) else queries, np.float32)
+        vectors = vectors[None] if vectors.ndim == 1 else vectors
+        resolved = Queries([f"q{i}" for i in range(len(vectors))], vectors)
+    elif queries is None or isinstance(queries, str):
+        where = "split = 'query'" if queries is None else queries
+        block = store.read_gradients(run, checkpoint=checkpoint, where=where)
+        resolved = Queries(block.metadata.column("example_id").to_pylist(), block.vectors)
+    else:
+        wanted = [str(q) for q in queries]
+        block = store.read_gradients(run, checkpoint=checkpoint, split="query",
+                                     where=_in_list("example_id", wanted))
+        found = block.metadata.column("example_id").to_pylist()
+        missing = sorted(set(wanted) - set(found))
+        if missing:
+            raise KeyError(f"no query rows for example ids {missing[:10]} in run {run!r} at checkpoint "
+                           f"{checkpoint!r}: capture them with split='query'")
+        position = {qid: i for i, qid in enumerate(found)}
+        order = [position[q] for q in wanted]
+        resolved = Queries(wanted, block.vectors[order])
+    if not resolved.ids:
+        raise ValueError(f"no queries selected in run {run!r} at checkpoint {checkpoint!r}")
+    if resolved.vectors.shape[1] != dim:
+        raise SchemaMismatchError(f"query vectors have {resolved.vectors.shape[1]} dims; run {run!r} has {dim}")
+    if not np.isfinite(resolved.vectors).all():
+        raise ValueError("query vectors contain NaN/Inf")
+    return resolved
+
+
+def capture_queries(store: GradStore, queries: QueryBatch, run: str, checkpoint: str) -> Queries:
+    """Capture the gradients of a :class:`QueryBatch` with the run's projection (nothing is stored)."""
+    from ingest.capture import GradientCapture
+
+    from gradstore.capture import config_for_run
+
+    config = config_for_run(store, run, {"split": "query", "checkpoint": checkpoint, **queries.options})
+    collected: list[Any] = []
+    model = queries.model
+    saved_grads = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+    capture = GradientCapture(model, collected.append, config)
+    store.run_spec(run).check_matches(capture.spec)
+    with capture:
+        if queries.ids is not None:
+            capture.set_ids(list(queries.ids))
+        loss = queries.loss_fn(model, queries.batch) if queries.loss_fn else model(**queries.batch).loss
+        loss.backward()
+    for name, p in model.named_parameters():  # leave the model's gradients as they were
+        p.grad = saved_grads[name]
+    ids = [i for batch in collected for i in batch.example_ids]
+    vectors = torch.cat([batch.grads for batch in collected]).numpy() if collected else np.empty((0, 0), np.float32)
+    return Queries(ids, vectors)
+
+
+def _in_list(column: str, values: Sequence[str]) -> str:
+    quoted = ", ".join("'" + v.replace("'", "''") + "'" for v in values)
+    return f"{column} IN ({quoted})"
