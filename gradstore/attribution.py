@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 def default_checkpoint(store: GradStore, run: str) -> str:
     """The run's latest recorded checkpoint (by step), or ``"train"`` when none is recorded."""
+    store.run(run)  # UnknownRunError for a run the store does not hold
     checkpoints = store.checkpoints(run)
     if checkpoints.num_rows == 0:
         return "train"
@@ -100,6 +101,7 @@ def _append(store: GradStore, name: str, table: pa.Table, schema: pa.Schema) -> 
 # ---------------------------------------------------------------------------------------------- TracIn
 def learning_rates(store: GradStore, run: str, checkpoints: Sequence[str] | None) -> dict[str, float]:
     """``checkpoint -> learning rate`` of a run (all recorded checkpoints with a learning rate by default)."""
+    store.run(run)
     table = store.checkpoints(run)
     recorded = dict(zip(table.column("checkpoint").to_pylist(), table.column("learning_rate").to_pylist()))
     wanted = list(checkpoints) if checkpoints is not None else [c for c, lr in recorded.items() if lr is not None]

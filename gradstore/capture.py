@@ -21,7 +21,7 @@ from torch import nn
 from ingest.capture import CaptureConfig, CapturedBatch, GradientCapture
 from ingest.projection import ProjectionSpec
 
-from gradstore.writer import WriterConfig
+from gradstore.writer import GradientWriter, WriterConfig
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore
@@ -75,7 +75,7 @@ class StoreCapture:
     def __enter__(self) -> StoreCapture:
         self.store.ensure_run(self.run_id, self.spec, model_fingerprint(self._model),
                               {"capture": dataclasses.asdict(self.capture.config)})
-        self._writer = self.store.writer(self.run_id, self._writer_config)
+        self._writer = self._open_writer()
         try:
             self.capture.__enter__()
         except BaseException:
@@ -88,6 +88,14 @@ class StoreCapture:
             self.capture.__exit__(exc_type, exc, tb)  # drains every finished batch into the writer
         finally:
             self._writer.close()
+        self._record_run()
+
+    def _open_writer(self) -> GradientWriter:
+        """The writer this capture's rows go to (distributed captures stage them instead of committing)."""
+        return self.store.writer(self.run_id, self._writer_config)
+
+    def _record_run(self) -> None:
+        """Record the checkpoints seen (step, epoch, learning rate) and their curvature statistics."""
         for checkpoint, seen in self._seen.items():
             self.store.record_checkpoint(self.run_id, checkpoint, **seen)
         if self.capture.config.curvature:

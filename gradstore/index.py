@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MANIFEST_FILE = "manifest.json"
+IDS_FILE = "ids.npy"
 DEFAULT_CACHE_BYTES = 2 << 30
 
 
@@ -122,6 +123,7 @@ class AttributionIndex:
         self.manifest = manifest
         self.preconditioner = preconditioner
         self.faiss_index = faiss_index
+        self.indexed_ids = np.empty(0, np.int64)  # grad_ids in the FAISS index (for incremental adds)
         self.cache_bytes = cache_bytes
         self._cache: tuple[int, np.ndarray, torch.Tensor] | None = None  # (version, ids, vectors)
 
@@ -197,6 +199,7 @@ class AttributionIndex:
         self.preconditioner.save(directory / "preconditioner")
         if self.faiss_index is not None:
             self.faiss_index.save(directory / "faiss", self.manifest)
+            np.save(directory / "faiss" / IDS_FILE, self.indexed_ids)
         (directory / MANIFEST_FILE).write_text(json.dumps(self.manifest, indent=2, sort_keys=True, default=str))
 
 
@@ -259,7 +262,11 @@ def _build_faiss(index: AttributionIndex, kind: str, source: VectorBlocks) -> Fa
     faiss_index = FaissIndex(kind, index.manifest["dim"], metric="ip")
     prepared = _prepared_source(index, source)
     faiss_index.train(prepared)
-    faiss_index.add_from(prepared)
+    added = []
+    for ids, vectors in prepared():
+        faiss_index.add(ids, vectors)
+        added.append(ids)
+    index.indexed_ids = np.concatenate(added)
     return faiss_index
 
 
@@ -289,15 +296,11 @@ def _add_new_rows(index: AttributionIndex) -> None:
     if rows == index.manifest["rows"]:
         return
     if index.faiss_index is not None:
-        known = set()
-        directory = index.directory / "faiss"
-        ids_file = directory / "ids.npy"
-        if ids_file.exists():
-            known = set(np.load(ids_file).tolist())
         for ids, vectors in index.selection.blocks(index.store)():
-            fresh = np.array([i not in known for i in ids.tolist()], dtype=bool)
+            fresh = ~np.isin(ids, index.indexed_ids)
             if fresh.any():
                 index.faiss_index.add(ids[fresh], index.prepare_rows(torch.from_numpy(vectors[fresh])).numpy())
+                index.indexed_ids = np.concatenate([index.indexed_ids, ids[fresh]])
     index.manifest.update(rows=rows, gradients_version=index.store.table("gradients").version)
     index.save()
 
@@ -319,10 +322,11 @@ def load_index(store: GradStore, name: str, *, missing_ok: bool = False) -> Attr
     if differences:
         raise IndexMismatchError(differences)
     preconditioner = load_preconditioner(directory / "preconditioner")
-    faiss_index = None
+    index = AttributionIndex(store, manifest, preconditioner)
     if manifest["kind"] != "exact":
-        faiss_index = FaissIndex.load(directory / "faiss", expected_manifest=manifest)
-    return AttributionIndex(store, manifest, preconditioner, faiss_index)
+        index.faiss_index = FaissIndex.load(directory / "faiss", expected_manifest=manifest)
+        index.indexed_ids = np.load(directory / "faiss" / IDS_FILE)
+    return index
 
 
 def index_summary(index: AttributionIndex) -> dict[str, Any]:

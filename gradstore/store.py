@@ -302,7 +302,10 @@ class GradStore:
         """All matching rows in one block (for small selections; prefer :meth:`iter_gradients`)."""
         blocks = list(self.iter_gradients(run, **filters))
         if not blocks:
-            return GradientBlock(np.empty(0, np.int64), np.empty((0, self.dim or 0), np.float32), pa.table({}))
+            columns = [c for c in filters.get("columns", ("example_id",)) if c != "grad_id"]
+            schema = pa.schema([self.table(S.GRADIENTS).schema.field(c) for c in columns]) if self.dim else None
+            empty = schema.empty_table() if schema is not None else pa.table({})
+            return GradientBlock(np.empty(0, np.int64), np.empty((0, self.dim or 0), np.float32), empty)
         return GradientBlock(np.concatenate([b.grad_ids for b in blocks]),
                              np.concatenate([b.vectors for b in blocks]),
                              pa.concat_tables([b.metadata for b in blocks]))

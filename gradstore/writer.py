@@ -45,7 +45,8 @@ class WriterConfig:
         commit_bytes: ... or this many bytes.
         commit_seconds: ... or its oldest row has waited this long (checked on append and by the thread).
         max_pending_commits: buffers that may wait for the committing thread before ``append`` blocks.
-        max_fragments: compact small fragments when a table holds more fragments than this.
+        max_fragments: compact small fragments when a table holds more fragments than this (0: never, for
+            writers whose rows another process commits, see :mod:`gradstore.distributed`).
         nonfinite: ``"raise"`` rejects a batch with NaN/Inf rows (``NonFiniteGradientError``, nothing of
             the batch is written); ``"drop"`` drops those rows, logs a warning and counts them.
     """
@@ -279,6 +280,8 @@ class GradientWriter:
             self._error = error
 
     def _compact_if_fragmented(self) -> None:
+        if not self.config.max_fragments:
+            return
         dataset = self._table.to_lance()
         if len(dataset.get_fragments()) > self.config.max_fragments:
             dataset.optimize.compact_files()  # Lance's default target: fragments of ~1M rows
