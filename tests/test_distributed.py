@@ -1,0 +1,157 @@
+"""Two-process gloo runs on CPU: DDP and FSDP2 capture equals a single-process reference, row for row;
+ranks commit together (few commits); a rank killed mid-run leaves exactly the committed rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import gradstore
+
+WORLD = 2
+N_EXAMPLES, GLOBAL_BATCH, STEPS = 16, 8, 4
+OPTIONS = {"projection": "factorized", "k_in": 4, "k_out": 4, "seed": 3, "loss_reduction": "mean"}
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def make_data() -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(N_EXAMPLES, 6, generator=gen)
+    y = torch.randn(N_EXAMPLES, 3, generator=gen)
+    return x, y, [f"ex{i}" for i in range(N_EXAMPLES)]
+
+
+def global_batch(step: int) -> slice:
+    start = (step * GLOBAL_BATCH) % N_EXAMPLES
+    return slice(start, start + GLOBAL_BATCH)
+
+
+def train(model: nn.Module, cap, opt, rank: int, world: int, steps: int, *, on_backward=None) -> None:
+    """The unchanged loop: each rank takes its contiguous share of the global batch, mean loss."""
+    x, y, ids = make_data()
+    for step in range(steps):
+        if hasattr(cap, "set_epoch"):
+            cap.set_epoch(step * GLOBAL_BATCH // N_EXAMPLES)
+        sl = global_batch(step)
+        share = GLOBAL_BATCH // world
+        lo, hi = sl.start + rank * share, sl.start + (rank + 1) * share
+        cap.set_ids(ids[lo:hi])
+        loss = nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi])
+        loss.backward()
+        if on_backward is not None:
+            on_backward(step)
+        opt.step()
+        opt.zero_grad()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, store_path: str, mode: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LANCE_LOG="error")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from gradstore.distributed import distributed_capture
+
+    model = make_model()
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        wrapped = model
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    store = gradstore.open(store_path, storage_dtype="float32")
+    if mode == "kill":
+        with distributed_capture(store, wrapped, "ddp", optimizer=opt, commit_every=2, **OPTIONS) as cap:
+            def die_after_staging(step: int) -> None:
+                if step == 2:  # rows of steps 0-1 were committed after the second optimizer step
+                    cap.capture.flush()
+                    cap._writer.flush()  # step 2's rows are now data files that no version references
+                    dist.barrier()
+                    if rank == 1:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    dist.barrier()  # never returns: the job is torn down
+
+            train(wrapped, cap, opt, rank, WORLD, 3, on_backward=die_after_staging)
+        return
+    with distributed_capture(store, wrapped, mode, optimizer=opt, commit_every=2, **OPTIONS) as cap:
+        train(wrapped, cap, opt, rank, WORLD, STEPS)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"commits": cap._committer.commits, "rows": cap.rows_committed}))
+    dist.destroy_process_group()
+
+
+def reference_rows(tmp_path: Path) -> dict[tuple[str, int], np.ndarray]:
+    store = gradstore.open(tmp_path / "reference", storage_dtype="float32")
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with store.capture(model, "ref", optimizer=opt, **OPTIONS) as cap:
+        train(model, cap, opt, 0, 1, STEPS)
+    return rows_by_key(store, "ref")
+
+
+def rows_by_key(store, run: str) -> dict[tuple[str, int], np.ndarray]:
+    block = store.read_gradients(run, columns=("example_id", "step", "rank"))
+    keys = list(zip(block.metadata.column("example_id").to_pylist(), block.metadata.column("step").to_pylist()))
+    assert len(set(keys)) == len(keys), "a row is duplicated"
+    return dict(zip(keys, block.vectors))
+
+
+def spawn(tmp_path: Path, mode: str) -> tuple[Path, dict]:
+    store_path, out = tmp_path / "store", tmp_path / "out.json"
+    mp.spawn(_worker, args=(free_port(), str(store_path), mode, str(out)), nprocs=WORLD, join=True)
+    return store_path, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_ranks_write_exactly_the_single_process_rows(tmp_path, mode):
+    store_path, stats = spawn(tmp_path, mode)
+    reference = reference_rows(tmp_path)
+    store = gradstore.open(store_path)
+    got = rows_by_key(store, mode)
+    assert set(got) == set(reference) and len(got) == STEPS * GLOBAL_BATCH
+    for key, vector in reference.items():
+        assert np.linalg.norm(got[key] - vector) <= 1e-5 * np.linalg.norm(vector), key
+    ranks = store.sql(f"SELECT rank, count(*) AS n FROM gradients WHERE run_id = '{mode}' GROUP BY rank "
+                      "ORDER BY rank").fetchall()
+    assert ranks == [(0, STEPS * GLOBAL_BATCH // 2), (1, STEPS * GLOBAL_BATCH // 2)]
+    # both ranks' rows went in through one commit per flush point: after steps 2 and 4 (none at exit)
+    assert stats == {"commits": 2, "rows": STEPS * GLOBAL_BATCH}
+    versions = store.table("gradients").to_lance().versions()
+    assert len(versions) == 1 + 2  # table creation + the two collective commits
+
+
+def test_a_killed_rank_leaves_exactly_the_committed_rows(tmp_path):
+    store_path = tmp_path / "store"
+    with pytest.raises(mp.ProcessExitedException):
+        mp.spawn(_worker, args=(free_port(), str(store_path), "kill", ""), nprocs=WORLD, join=True)
+    store = gradstore.open(store_path)
+    got = rows_by_key(store, "ddp")
+    assert sorted(got) == sorted((f"ex{i}", s) for s in (0, 1) for i in range(s * 8 % 16, s * 8 % 16 + 8))
+    # step 2's rows were written as data files by both ranks, but never committed
+    data_files = list((store_path / "gradients.lance" / "data").glob("*.lance"))
+    referenced = {f.path for frag in store.table("gradients").to_lance().get_fragments()
+                  for f in frag.metadata.files}
+    assert len(data_files) > len(referenced)
