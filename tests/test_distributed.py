@@ -70,20 +70,10 @@ def _worker(rank: int, port: int, store_path: str, mode: str, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     from gradstore.distributed import distributed_capture
 
-    model = make_model()
-    if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
-        wrapped = model
-    else:
-        wrapped = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     store = gradstore.open(store_path, storage_dtype="float32")
     if mode == "kill":
+        wrapped = nn.parallel.DistributedDataParallel(make_model())
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
         with distributed_capture(store, wrapped, "ddp", optimizer=opt, commit_every=2, **OPTIONS) as cap:
             def die_after_staging(step: int) -> None:
                 if step == 2:  # rows of steps 0-1 were committed after the second optimizer step
@@ -96,11 +86,28 @@ def _worker(rank: int, port: int, store_path: str, mode: str, out: str) -> None:
 
             train(wrapped, cap, opt, rank, WORLD, 3, on_backward=die_after_staging)
         return
-    with distributed_capture(store, wrapped, mode, optimizer=opt, commit_every=2, **OPTIONS) as cap:
-        train(wrapped, cap, opt, rank, WORLD, STEPS)
+    stats = {}
+    for run in ("ddp", "fsdp"):  # one spawn for both (process start-up dominates on a small CPU)
+        wrapped = wrap(make_model(), run)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        with distributed_capture(store, wrapped, run, optimizer=opt, commit_every=2, **OPTIONS) as cap:
+            train(wrapped, cap, opt, rank, WORLD, STEPS)
+        stats[run] = {"commits": cap._committer.commits, "rows": cap.rows_committed}
     if rank == 0:
-        Path(out).write_text(json.dumps({"commits": cap._committer.commits, "rows": cap.rows_committed}))
+        Path(out).write_text(json.dumps(stats))
     dist.destroy_process_group()
+
+
+def wrap(model: nn.Module, how: str) -> nn.Module:
+    """DDP, or FSDP2 with every Linear and the root sharded."""
+    if how == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
 
 
 def reference_rows(tmp_path: Path) -> dict[tuple[str, int], np.ndarray]:
@@ -119,28 +126,24 @@ def rows_by_key(store, run: str) -> dict[tuple[str, int], np.ndarray]:
     return dict(zip(keys, block.vectors))
 
 
-def spawn(tmp_path: Path, mode: str) -> tuple[Path, dict]:
+def test_ddp_and_fsdp2_ranks_write_exactly_the_single_process_rows(tmp_path):
     store_path, out = tmp_path / "store", tmp_path / "out.json"
-    mp.spawn(_worker, args=(free_port(), str(store_path), mode, str(out)), nprocs=WORLD, join=True)
-    return store_path, json.loads(out.read_text())
-
-
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_ranks_write_exactly_the_single_process_rows(tmp_path, mode):
-    store_path, stats = spawn(tmp_path, mode)
+    mp.spawn(_worker, args=(free_port(), str(store_path), "ddp+fsdp", str(out)), nprocs=WORLD, join=True)
+    stats = json.loads(out.read_text())
     reference = reference_rows(tmp_path)
     store = gradstore.open(store_path)
-    got = rows_by_key(store, mode)
-    assert set(got) == set(reference) and len(got) == STEPS * GLOBAL_BATCH
-    for key, vector in reference.items():
-        assert np.linalg.norm(got[key] - vector) <= 1e-5 * np.linalg.norm(vector), key
-    ranks = store.sql(f"SELECT rank, count(*) AS n FROM gradients WHERE run_id = '{mode}' GROUP BY rank "
-                      "ORDER BY rank").fetchall()
-    assert ranks == [(0, STEPS * GLOBAL_BATCH // 2), (1, STEPS * GLOBAL_BATCH // 2)]
-    # both ranks' rows went in through one commit per flush point: after steps 2 and 4 (none at exit)
-    assert stats == {"commits": 2, "rows": STEPS * GLOBAL_BATCH}
+    for run in ("ddp", "fsdp"):
+        got = rows_by_key(store, run)
+        assert set(got) == set(reference) and len(got) == STEPS * GLOBAL_BATCH
+        for key, vector in reference.items():
+            assert np.linalg.norm(got[key] - vector) <= 1e-5 * np.linalg.norm(vector), (run, key)
+        ranks = store.sql(f"SELECT rank, count(*) AS n FROM gradients WHERE run_id = '{run}' GROUP BY rank "
+                          "ORDER BY rank").fetchall()
+        assert ranks == [(0, STEPS * GLOBAL_BATCH // 2), (1, STEPS * GLOBAL_BATCH // 2)]
+        # both ranks' rows went in through one commit per flush point: after steps 2 and 4 (none at exit)
+        assert stats[run] == {"commits": 2, "rows": STEPS * GLOBAL_BATCH}
     versions = store.table("gradients").to_lance().versions()
-    assert len(versions) == 1 + 2  # table creation + the two collective commits
+    assert len(versions) == 1 + 2 + 2  # table creation + two collective commits per run
 
 
 def test_a_killed_rank_leaves_exactly_the_committed_rows(tmp_path):
