@@ -30,14 +30,16 @@ def blocks_from_arrays(ids: np.ndarray, vectors: ArrayLike, block_rows: int = 65
     return source
 
 
-def as_tensor(block: ArrayLike, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
-    """Convert a numpy or torch block to a 2-D tensor of ``dtype`` on ``device`` (no copy when already so)."""
+def as_tensor(block: ArrayLike, dtype: torch.dtype | None, device: torch.device | str | None = None) -> torch.Tensor:
+    """Convert a numpy or torch block to a 2-D tensor of ``dtype`` (``None``: keep it) on ``device``.
+
+    No copy when the block already has that dtype and device."""
     tensor = torch.from_numpy(np.ascontiguousarray(block)) if isinstance(block, np.ndarray) else block
     if tensor.ndim == 1:
         tensor = tensor.unsqueeze(0)
     if tensor.ndim != 2:
         raise ValueError(f"expected a [rows, dim] block, got shape {tuple(tensor.shape)}")
-    return tensor.to(device=device if device is not None else tensor.device, dtype=dtype)
+    return tensor.to(device=device if device is not None else tensor.device, dtype=dtype or tensor.dtype)
 
 
 def count_rows(source: VectorBlocks) -> int:
