@@ -10,7 +10,9 @@ import torch
 VectorBlocks = Callable[[], Iterator[tuple[np.ndarray, np.ndarray]]]
 """A re-iterable source: each call yields ``(ids int64 [n], vectors [n, d])`` blocks from the start.
 
-It may be called several times (multi-pass algorithms such as sampling for IVF training)."""
+It may be called several times (multi-pass algorithms such as sampling for IVF training). A block may
+carry a third element, ``scales float32 [n]``: the stored row is then ``scales[:, None] * vectors`` (the
+store's float16 unit rows plus a float32 norm column), without materializing the product."""
 
 ArrayLike = np.ndarray | torch.Tensor
 
@@ -42,6 +44,14 @@ def as_tensor(block: ArrayLike, dtype: torch.dtype | None, device: torch.device 
     return tensor.to(device=device if device is not None else tensor.device, dtype=dtype or tensor.dtype)
 
 
+def unpack_block(block: tuple) -> tuple[np.ndarray, ArrayLike, np.ndarray | None]:
+    """``(ids, vectors, scales or None)`` from a source's 2- or 3-element block."""
+    if len(block) == 2:
+        return block[0], block[1], None
+    ids, vectors, scales = block
+    return ids, vectors, np.asarray(scales, dtype=np.float32)
+
+
 def count_rows(source: VectorBlocks) -> int:
     """Number of rows a source yields (one pass over the ids only)."""
-    return sum(len(ids) for ids, _ in source())
+    return sum(len(block[0]) for block in source())

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from indexers.blocks import ArrayLike, VectorBlocks, as_tensor, blocks_from_arrays
+from indexers.blocks import ArrayLike, VectorBlocks, as_tensor, blocks_from_arrays, unpack_block
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -33,7 +33,9 @@ class ExactIndex:
 
         ``queries`` is ``[q, d]`` (or ``[d]``); ``source`` is a :data:`VectorBlocks` callable or in-memory
         ``(ids, vectors)``; ``transform`` is applied to every float32 vector block before scoring (e.g. a
-        preconditioner's ``apply_both``). Returns ``(scores float32 [q, k'], ids int64 [q, k'])`` with
+        preconditioner's ``apply_both``). Blocks with ``scales`` score ``scales * (transform(vectors) @ q)``,
+        which equals scoring the scaled rows for linear transforms (every preconditioner's ``apply_both``
+        except ``cosine``, which needs no scales). Returns ``(scores float32 [q, k'], ids int64 [q, k'])`` with
         ``k' = min(k, rows)``, best first: largest scores for top-k, smallest for bottom-k.
         """
         if k < 1:
@@ -47,7 +49,7 @@ class ExactIndex:
         best_scores = torch.empty(signed.shape[0], 0, dtype=torch.float32, device=self.device)
         best_ids = torch.empty(signed.shape[0], 0, dtype=torch.int64, device=self.device)
         buffer: torch.Tensor | None = None
-        for ids, vectors in source():
+        for ids, vectors, scales in map(unpack_block, source()):
             for start in range(0, len(ids), self.block_rows):
                 block_ids = torch.from_numpy(np.asarray(ids[start : start + self.block_rows], np.int64))
                 block, buffer = self._float32_block(vectors[start : start + self.block_rows], buffer)
@@ -55,7 +57,10 @@ class ExactIndex:
                     block = transform(block).to(torch.float32)
                 if block.shape[1] != signed.shape[1]:
                     raise ValueError(f"queries have dimension {signed.shape[1]}, stored vectors {block.shape[1]}")
-                scores, candidate_ids = _block_top_k((block @ queries_t).T, block_ids.to(self.device), k)
+                scores = block @ queries_t
+                if scales is not None:
+                    scores *= torch.from_numpy(scales[start : start + self.block_rows]).to(self.device)[:, None]
+                scores, candidate_ids = _block_top_k(scores.T, block_ids.to(self.device), k)
                 best_scores, best_ids = _merge(torch.cat([best_scores, scores], 1),
                                                torch.cat([best_ids, candidate_ids], 1), k)
         scores = best_scores if largest else -best_scores

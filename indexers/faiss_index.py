@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from indexers.blocks import ArrayLike, VectorBlocks, count_rows
+from indexers.blocks import ArrayLike, VectorBlocks, count_rows, unpack_block
 from indexers.manifest import check_manifest, normalize_manifest
 
 INDEX_FILE = "index.faiss"
@@ -72,20 +72,21 @@ def sample_rows(source: VectorBlocks, sample_size: int, seed: int = 0) -> np.nda
     total = count_rows(source)
     chosen = np.sort(np.random.default_rng(seed).choice(total, size=min(sample_size, total), replace=False))
     parts, start = [], 0
-    for _, vectors in source():
+    for _, vectors, scales in map(unpack_block, source()):
         stop = start + len(vectors)
         local = chosen[np.searchsorted(chosen, start) : np.searchsorted(chosen, stop)] - start
         if len(local):
-            parts.append(_float32(np.asarray(vectors)[local]))
+            parts.append(_float32(vectors[local], None if scales is None else scales[local]))
         start = stop
     if not parts:
         raise ValueError("cannot train an index on a source with no rows")
     return np.concatenate(parts)
 
 
-def _float32(vectors: ArrayLike) -> np.ndarray:
+def _float32(vectors: ArrayLike, scales: np.ndarray | None = None) -> np.ndarray:
     array = vectors.detach().cpu().numpy() if hasattr(vectors, "detach") else np.asarray(vectors)
-    return np.ascontiguousarray(array, dtype=np.float32)
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    return array if scales is None else array * scales[:, None]
 
 
 class FaissIndex:
@@ -163,9 +164,9 @@ class FaissIndex:
         self._cpu_copy = None
 
     def add_from(self, source: VectorBlocks) -> None:
-        """Add every block of a source (float16 blocks are converted to float32 one block at a time)."""
-        for ids, vectors in source():
-            self.add(ids, vectors)
+        """Add every block of a source (float16 or scaled blocks become float32 rows one block at a time)."""
+        for ids, vectors, scales in map(unpack_block, source()):
+            self.add(ids, _float32(vectors, scales))
 
     def search(self, queries: ArrayLike, k: int) -> tuple[np.ndarray, np.ndarray]:
         """``(scores float32 [q, k'], ids int64 [q, k'])`` with ``k' = min(k, ntotal)``, best first.

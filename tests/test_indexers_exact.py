@@ -111,3 +111,24 @@ def test_property_matches_brute_force(n: int, d: int, k: int, block_rows: int, l
     expected_scores, expected_ids = brute_force(queries, vectors, ids, k, largest)
     np.testing.assert_array_equal(found, expected_ids)
     np.testing.assert_array_equal(scores, expected_scores.astype(np.float32))
+
+
+def test_scaled_blocks_score_like_the_scaled_rows() -> None:
+    """The store's layout: float16 unit rows and a float32 norm column, passed as a block's third element."""
+    rng = np.random.default_rng(4)
+    vectors = rng.standard_normal((150, 24)).astype(np.float32)
+    queries = rng.standard_normal((5, 24)).astype(np.float32)
+    norms = np.linalg.norm(vectors, axis=1).astype(np.float32)
+    unit16 = (vectors / norms[:, None]).astype(np.float16)
+    ids = np.arange(150, dtype=np.int64)
+
+    def source():
+        for start in range(0, 150, 40):
+            yield ids[start : start + 40], unit16[start : start + 40], norms[start : start + 40]
+
+    for largest in (True, False):
+        scores, found = ExactIndex(device="cpu", block_rows=32).search(queries, source, 8, largest)
+        stored = unit16.astype(np.float32) * norms[:, None]
+        expected_scores, expected_ids = brute_force(queries, stored, ids, 8, largest)
+        np.testing.assert_array_equal(found, expected_ids)
+        np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)

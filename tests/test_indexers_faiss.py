@@ -84,6 +84,18 @@ def test_ivf_recall_on_mlp_gradients_at_default_nprobe(mlp_gradients) -> None:
     assert measure_recall(index, queries, source, k=10) >= 0.95
 
 
+def test_add_from_scaled_float16_blocks(random_rows) -> None:
+    ids, vectors, queries = random_rows
+    norms = np.linalg.norm(vectors, axis=1).astype(np.float32)
+    unit16 = (vectors / norms[:, None]).astype(np.float16)
+    scaled = FaissIndex("Flat", 32)
+    scaled.add_from(lambda: iter([(ids[:250], unit16[:250], norms[:250]), (ids[250:], unit16[250:], norms[250:])]))
+    plain = FaissIndex("Flat", 32)
+    plain.add(ids, unit16.astype(np.float32) * norms[:, None])
+    for got, expected in zip(scaled.search(queries, 10), plain.search(queries, 10)):
+        np.testing.assert_array_equal(got, expected)
+
+
 def test_training_sample_is_random_and_reproducible() -> None:
     vectors = np.arange(1000, dtype=np.float32)[:, None].repeat(4, 1)
     source = blocks_from_arrays(np.arange(1000), vectors, block_rows=128)
