@@ -30,6 +30,7 @@ from ingest.delivery import Delivery
 from ingest.hooks import ActiveBatch, LayerHook, in_backward
 from ingest.ids import content_hashes, find_inputs, find_mask, normalize_ids
 from ingest.layers import LayerInfo, select_layers
+from ingest.normalizers import NORMALIZERS, adam_second_moment, factored_scales
 from ingest.per_example import ROUTES
 from ingest.projection import LAYER_KINDS, ProjectionSpec, make_slot
 from ingest.scaling import REDUCTIONS, example_scales, example_token_counts
@@ -53,7 +54,9 @@ class CaptureConfig:
     ``"dense"`` (one JL matrix per layer, ``k_in * k_out`` dims, for small layers).
     ``route``: factorized contraction route, ``"auto"`` (cost rule) or forced ``"project"`` /
     ``"materialize"``. ``loss_reduction``/``loss_scale``: how the loop's loss was formed, undone so
-    rows are per-example gradients (see :mod:`ingest.scaling`).
+    rows are per-example gradients (see :mod:`ingest.scaling`). ``normalizer``: ``"adam_factored"``
+    records LESS-style rows normalised by the optimizer's Adam second moments in factored form (see
+    :mod:`ingest.normalizers`); forwards before the optimizer holds state are not captured.
     """
 
     projection: str | None = "factorized"
@@ -71,6 +74,7 @@ class CaptureConfig:
     split: str = "train"
     checkpoint: str = "train"
     rank: int = field(default_factory=_default_rank)
+    normalizer: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError on an unknown option."""
@@ -85,6 +89,10 @@ class CaptureConfig:
             raise ValueError(f"unknown layer types {sorted(unknown)}; supported: {LAYER_KINDS}")
         if self.k_in < 1 or self.k_out < 1:
             raise ValueError("k_in and k_out must be positive")
+        if self.normalizer not in NORMALIZERS:
+            raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {self.normalizer!r}")
+        if self.normalizer is not None and self.curvature:
+            raise ValueError("curvature statistics of normalised rows are not supported: capture them raw")
 
 
 @dataclass
@@ -168,6 +176,7 @@ class GradientCapture:
             LayerHook(slot, info.module, self, self.config.seed)
             for slot, info in zip(self.spec.layers, layers)
         ]
+        self._normalized = self.config.normalizer is None  # False until the optimizer holds second moments
         self.batch: ActiveBatch | None = None
         self.is_paused = False
         self.route = self.config.route
@@ -193,6 +202,7 @@ class GradientCapture:
             self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
         else:
             self._handles.append(register_optimizer_step_post_hook(self._after_step))
+        self._refresh_normalizer()
         return self
 
     def __exit__(
@@ -286,7 +296,7 @@ class GradientCapture:
     ) -> tuple[tuple, dict[str, Any]]:
         kwargs = dict(kwargs)
         kwarg_ids = kwargs.pop(ID_KWARG, None)
-        if self.is_paused or not torch.is_grad_enabled() or in_backward():
+        if self.is_paused or not torch.is_grad_enabled() or in_backward() or not self._normalized:
             return args, kwargs
         set_ids, self._next_ids = self._next_ids, None
         if kwarg_ids is not None and set_ids is not None:
@@ -342,6 +352,19 @@ class GradientCapture:
             self.optimizer = optimizer
         if optimizer is self.optimizer:
             self.step += 1
+            self._refresh_normalizer()
+
+    def _refresh_normalizer(self) -> None:
+        """Fold the optimizer's current second moments into the layers (``normalizer`` set)."""
+        if self.config.normalizer is None or self.optimizer is None:
+            return
+        moments = [adam_second_moment(self.optimizer, h.module, h.slot.kind, h.slot.has_bias)
+                   for h in self.layer_hooks]
+        if any(v is None for v in moments):
+            return  # no state yet (before the first step): keep not capturing
+        for hook, v in zip(self.layer_hooks, moments):
+            hook.set_scales(factored_scales(v))
+        self._normalized = True
 
     def _learning_rate(self) -> float | None:
         if self.optimizer is None:

@@ -84,13 +84,32 @@ class LayerHook:
         self.seed = seed
         self.padding_idx = getattr(module, "padding_idx", None) if slot.kind == "embedding" else None
         self._matrices: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+        self._scaled: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None  # (out [d_out], in [d_in_eff]) normaliser
+
+    def set_scales(self, scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Diagonal factors ``(D_out, D_in)`` applied as ``D_out G D_in`` before projection (see
+        :mod:`ingest.normalizers`); ``None`` removes them."""
+        self.scales = scales
+        self._scaled = {}
 
     def attach(self) -> torch.utils.hooks.RemovableHandle:
         """Register the forward hook on the module."""
         return self.module.register_forward_hook(self._forward)
 
     def matrix(self, side: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """This layer's projection matrix for ``side`` (cached per device and dtype)."""
+        """This layer's projection matrix for ``side`` (cached per device and dtype), with the normaliser's
+        diagonal factor folded in (``P_in D_in``, ``P_out D_out``) when one is set."""
+        base = self._base_matrix(side, device, dtype)
+        if self.scales is None or side == "dense":
+            return base
+        key = (side, device, dtype)
+        if key not in self._scaled:
+            factor = self.scales[1] if side == "in" else self.scales[0]
+            self._scaled[key] = base * factor.to(device=device, dtype=dtype)
+        return self._scaled[key]
+
+    def _base_matrix(self, side: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (side, device, dtype)
         if key not in self._matrices:
             s = self.slot
@@ -184,6 +203,9 @@ class LayerHook:
             grad = embedding_exact(saved, dy, s.d_in, self.padding_idx)
         else:
             grad = linear_exact(saved, dy, s.has_bias)
+        if self.scales is not None and s.mode != "factorized":  # factorized: folded into the matrices
+            out_scale, in_scale = (f.to(grad.device) for f in self.scales)
+            grad = grad * (out_scale.unsqueeze(1) * in_scale.unsqueeze(0))
         if s.mode == "exact":
             return grad.flatten(1)
         if s.mode == "dense":

@@ -1,0 +1,64 @@
+"""Optimizer-aware rows (LESS): gradients normalised by Adam's second moments, in a projection-compatible form.
+
+LESS scores training examples with Adam's update direction, roughly ``G / sqrt(v)`` elementwise, where ``v`` is
+Adam's (bias-corrected) second moment of the weight. An elementwise division does not commute with a
+Kronecker projection, so we use an **Adafactor-style factored** second moment: for the layer's
+``[d_out, d_in (+1 bias column)]`` matrix ``V``, ``V ~= r c^T / sum(r)`` with row sums ``r`` and column sums
+``c``. Then
+
+    G / sqrt(V) ~= D_out G D_in,   D_out = diag((r / sum(r))^-1/2),   D_in = diag(c^-1/2)
+
+and the projected row is ``P_out D_out G D_in P_in^T = (P_out D_out) G (P_in D_in)^T``: the normalisation is
+folded into the projection matrices (or applied to the materialised gradient for exact/dense slots), so the
+factorized route keeps its cost. The factors are refreshed from the optimizer after every optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+NORMALIZERS = (None, "adam_factored")
+
+
+def factored_scales(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_scale [d_out], in_scale [d_in])`` with ``out_o * in_i = (r_o c_i / sum(r))^-1/2`` for a
+    non-negative ``v: [d_out, d_in]`` (row sums ``r``, column sums ``c``); float32."""
+    v = v.detach().double().clamp(min=0)
+    rows, cols = v.sum(dim=1), v.sum(dim=0)
+    tiny = torch.finfo(torch.float32).tiny
+    out_scale = (rows / rows.sum().clamp(min=tiny)).clamp(min=tiny).rsqrt()
+    in_scale = cols.clamp(min=tiny).rsqrt()
+    return out_scale.float(), in_scale.float()
+
+
+def adam_second_moment(optimizer: torch.optim.Optimizer, module: nn.Module, kind: str,
+                       has_bias: bool) -> torch.Tensor | None:
+    """Bias-corrected Adam second moment ``v_hat`` of a layer in ``[d_out, d_in (+1)]`` orientation (bias as
+    the last column), or ``None`` while the optimizer holds no state for its weight."""
+    weight = module.weight
+    state = optimizer.state.get(weight, {})
+    if "exp_avg_sq" not in state:
+        return None
+    v = _full(state["exp_avg_sq"]) / _bias_correction(optimizer, weight, state)
+    v = v if kind == "linear" else v.T  # Conv1D weights are [in, out]; embeddings [num, dim] (in = the index)
+    if has_bias:
+        bias_state = optimizer.state.get(module.bias, {})
+        if "exp_avg_sq" not in bias_state:
+            return None
+        v_b = _full(bias_state["exp_avg_sq"]) / _bias_correction(optimizer, module.bias, bias_state)
+        v = torch.cat([v, v_b.reshape(-1, 1)], dim=1)
+    return v
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 DTensor state (collective)
+
+
+def _bias_correction(optimizer: torch.optim.Optimizer, param: torch.Tensor, state: dict[str, Any]) -> float:
+    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+    beta2 = group.get("betas", (0.9, 0.999))[1]
+    step = float(state.get("step", 1))
+    return 1.0 - beta2 ** max(step, 1.0)

@@ -1,0 +1,87 @@
+"""Optimizer-aware rows (LESS, normalizer="adam_factored"): rows equal D_out G D_in (projected) with the
+factored Adam second moment of the optimizer's state at the time of the backward."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import gradstore
+from ingest.capture import CaptureConfig, GradientCapture
+from ingest.normalizers import adam_second_moment, factored_scales
+from ingest.projection import projection_matrix
+
+
+def test_factored_scales_invert_a_rank_one_second_moment():
+    a, b = torch.rand(4) + 0.1, torch.rand(6) + 0.1
+    out_scale, in_scale = factored_scales(torch.outer(a, b))
+    torch.testing.assert_close(torch.outer(out_scale, in_scale), torch.outer(a, b).rsqrt(), rtol=1e-5, atol=0)
+
+
+def per_example_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xi, yi):
+        return nn.functional.mse_loss(functional_call(model, p, (xi[None],)), yi[None])
+
+    return vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+
+
+def run(projection: str | None) -> tuple[list, nn.Module, list]:
+    """Three Adam steps under capture; returns the captured batches and the expected rows of steps 1-2."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = torch.randn(3, 6, 5), torch.randn(3, 6, 3)
+    batches, expected = [], []
+    config = CaptureConfig(projection=projection, k_in=3, k_out=2, normalizer="adam_factored", seed=1)
+    with GradientCapture(model, batches.append, config, optimizer=opt) as cap:
+        for step in range(3):
+            if step > 0:  # the optimizer holds state: what the row should be
+                with cap.paused():
+                    g = per_example_grads(model, x[step], y[step])
+                blocks = []
+                for hook in cap.layer_hooks:
+                    name = hook.slot.name
+                    full = torch.cat([g[f"{name}.weight"], g[f"{name}.bias"].unsqueeze(-1)], dim=-1)
+                    out_scale, in_scale = factored_scales(adam_second_moment(opt, hook.module, "linear", True))
+                    normalized = full * torch.outer(out_scale, in_scale)
+                    if projection == "factorized":
+                        p_in = projection_matrix(1, name, "in", 3, hook.slot.d_in_eff)
+                        p_out = projection_matrix(1, name, "out", 2, hook.slot.d_out)
+                        normalized = p_out @ normalized @ p_in.T
+                    blocks.append(normalized.flatten(1))
+                expected.append(torch.cat(blocks, dim=1))
+            nn.functional.mse_loss(model(x[step]), y[step]).backward()
+            opt.step()
+            opt.zero_grad()
+        cap.flush()
+    return batches, model, expected
+
+
+def test_exact_rows_are_adam_normalized_from_the_second_step():
+    batches, _, expected = run(None)
+    assert [b.step for b in batches] == [1, 2]  # no state before the first step: not captured
+    for batch, rows in zip(batches, expected):
+        torch.testing.assert_close(batch.grads, rows, rtol=1e-4, atol=1e-6)
+
+
+def test_factorized_rows_fold_the_normalizer_into_the_projection():
+    batches, _, expected = run("factorized")
+    assert [b.step for b in batches] == [1, 2]
+    for batch, rows in zip(batches, expected):
+        torch.testing.assert_close(batch.grads, rows, rtol=1e-4, atol=1e-6)
+
+
+def test_the_run_config_says_which_form_the_rows_hold(tmp_path):
+    store = gradstore.open(tmp_path / "store")
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    with store.capture(model, "less", optimizer=opt, normalizer="adam_factored", k_in=2, k_out=2):
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert store.run_config("less")["capture"]["normalizer"] == "adam_factored"
+    assert store.count() == 3  # the second batch only
