@@ -1,14 +1,17 @@
-"""W-capture through the Hugging Face Trainer: step time with GradstoreCallback / without it.
+"""W-capture through the Hugging Face Trainer: step time with GradstoreCallback capturing / not capturing.
 
 The workload of WORKLOADS.md (GPT-2 4 x 256, batches of 16 x 128 random tokens, AdamW lr 1e-4), trained by
-``transformers.Trainer``; the callback captures the 16 Linear/Conv1D layers of the blocks at 16 x 16 into a
-real store (float16 rows, default writer). Pairing arms step by step inside one Trainer is impractical (the
-callback owns the capture for the whole ``train()``), so whole Trainer runs alternate: plain, captured,
-plain, captured... on the same batches. Each run's step times (``on_step_begin`` -> ``on_step_end``: forward,
-backward, optimizer step, zero_grad) after its warm-up steps give a median; the ratio of each captured run
-to the plain run just before it is one paired ratio; the result is their median.
+``transformers.Trainer`` with ``GradstoreCallback`` capturing the 16 Linear/Conv1D layers of the blocks at
+16 x 16 into a real store (float16 rows, default writer).
 
-    python bench/capture_hf.py [--rounds 4] [--steps 8] [--warmup 2]
+Paired per step inside one Trainer run (the machine is shared and noisy; whole runs drift apart): after the
+warm-up, steps alternate plain / captured. A plain step runs with the capture paused (its hooks return at
+their first line: a few microseconds against a step of about a second); a captured step is timed until its
+rows have reached the writer (``flush`` of the delivery queue), so its background work is not pushed into
+the next, plain step. Step time = ``on_step_begin`` -> ``on_step_end`` (forward, backward, optimizer step,
+zero_grad). The result is the median of the per-pair ratios captured / plain.
+
+    python bench/capture_hf.py [--pairs 10] [--warmup 2]
 """
 
 from __future__ import annotations
@@ -28,8 +31,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import datasets  # noqa: E402
 import torch  # noqa: E402
-from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,  # noqa: E402
-                          TrainingArguments)
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import gradstore  # noqa: E402
 from gradstore.hf import GradstoreCallback, with_example_ids  # noqa: E402
@@ -37,18 +39,31 @@ from gradstore.hf import GradstoreCallback, with_example_ids  # noqa: E402
 BATCH, SEQ, VOCAB = 16, 128, 512
 
 
-class StepTimer(TrainerCallback):
-    """Wall time of every optimizer step."""
+class PairedTimer(TrainerCallback):
+    """Alternates plain (capture paused) and captured steps after the warm-up and times each."""
 
-    def __init__(self) -> None:
-        self.times: list[float] = []
+    def __init__(self, capture: GradstoreCallback, warmup: int) -> None:
+        self.capture = capture
+        self.warmup = warmup
+        self.plain: list[float] = []
+        self.captured: list[float] = []
         self._start = 0.0
 
+    def _captures(self, step: int) -> bool:
+        return step < self.warmup or (step - self.warmup) % 2 == 1
+
     def on_step_begin(self, args, state, control, **kwargs) -> None:
+        cap = self.capture.capture
+        cap.resume() if self._captures(state.global_step) else cap.pause()
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
-        self.times.append(time.perf_counter() - self._start)
+        step = state.global_step - 1  # on_step_end runs after the increment
+        if self._captures(step):
+            self.capture.capture.capture.flush()  # rows handed to the writer
+        elapsed = time.perf_counter() - self._start
+        if step >= self.warmup:
+            (self.captured if self._captures(step) else self.plain).append(elapsed)
 
 
 def model() -> GPT2LMHeadModel:
@@ -67,44 +82,30 @@ def collate(features: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def run(data: datasets.Dataset, steps: int, out: str, store=None, name: str = "") -> list[float]:
-    timer = StepTimer()
-    callbacks = [timer] if store is None else [GradstoreCallback(store, name, include=r"^transformer\.h\.",
-                                                                 layer_types=("conv1d", "linear")), timer]
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=BATCH, max_steps=steps, learning_rate=1e-4,
-                             optim="adamw_torch", lr_scheduler_type="constant", weight_decay=0.0,
-                             save_strategy="no", logging_strategy="no", report_to=[], use_cpu=True,
-                             remove_unused_columns=False, disable_tqdm=True, dataloader_num_workers=0, seed=0)
-    Trainer(model=model(), args=args, train_dataset=data, data_collator=with_example_ids(collate),
-            callbacks=callbacks).train()
-    return timer.times
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per Trainer run")
-    parser.add_argument("--warmup", type=int, default=2, help="steps of each run left out of its median")
+    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2, help="captured steps before the measured pairs")
     opts = parser.parse_args()
     torch.set_num_threads(2)
-    data = dataset(opts.steps)
+    steps = opts.warmup + 2 * opts.pairs
     with tempfile.TemporaryDirectory() as tmp:
         store = gradstore.open(os.path.join(tmp, "store"))
-        ratios, plain_all, captured_all = [], [], []
-        for r in range(opts.rounds):
-            plain = run(data, opts.steps, os.path.join(tmp, "out"))[opts.warmup:]
-            captured = run(data, opts.steps, os.path.join(tmp, "out"), store, f"bench-{r}")[opts.warmup:]
-            plain_all += plain
-            captured_all += captured
-            ratios.append(statistics.median(captured) / statistics.median(plain))
-            print(f"round {r}: plain {statistics.median(plain) * 1e3:.0f} ms/step, "
-                  f"captured {statistics.median(captured) * 1e3:.0f} ms/step, ratio {ratios[-1]:.3f}", flush=True)
-        rows = store.count()
-        dim = store.dim
-    expected = opts.rounds * opts.steps * BATCH
-    print(f"rows written {rows} (expected {expected}), dim {dim}, measured steps per arm {len(plain_all)}")
-    print(f"median step: plain {statistics.median(plain_all) * 1e3:.0f} ms, captured "
-          f"{statistics.median(captured_all) * 1e3:.0f} ms; paired run ratios {[round(x, 3) for x in ratios]}")
+        callback = GradstoreCallback(store, "bench", include=r"^transformer\.h\.", layer_types=("conv1d", "linear"))
+        timer = PairedTimer(callback, opts.warmup)
+        args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=BATCH,
+                                 max_steps=steps, learning_rate=1e-4, optim="adamw_torch",
+                                 lr_scheduler_type="constant", weight_decay=0.0, save_strategy="no",
+                                 logging_strategy="no", report_to=[], use_cpu=True, remove_unused_columns=False,
+                                 disable_tqdm=True, dataloader_num_workers=0, seed=0)
+        Trainer(model=model(), args=args, train_dataset=dataset(steps), data_collator=with_example_ids(collate),
+                callbacks=[callback, timer]).train()
+        rows, dim, layers = store.count(), store.dim, len(store.run_spec("bench").layers)
+    ratios = [c / p for p, c in zip(timer.plain, timer.captured)]
+    expected = (opts.warmup + opts.pairs) * BATCH
+    print(f"layers {layers}, dim {dim}, rows written {rows} (expected {expected}), pairs {len(ratios)}")
+    print(f"median step: plain {statistics.median(timer.plain) * 1e3:.0f} ms, captured "
+          f"{statistics.median(timer.captured) * 1e3:.0f} ms; pair ratios {[round(r, 3) for r in ratios]}")
     ratio = statistics.median(ratios)
     ok = ratio <= 1.05 and rows == expected
     print(f"RESULT capture_hf_overhead={ratio:.3f} target<=1.05 {'PASS' if ok else 'MISS'}")
