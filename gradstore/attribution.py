@@ -100,18 +100,28 @@ def _append(store: GradStore, name: str, table: pa.Table, schema: pa.Schema) -> 
 
 # ---------------------------------------------------------------------------------------------- TracIn
 def learning_rates(store: GradStore, run: str, checkpoints: Sequence[str] | None) -> dict[str, float]:
-    """``checkpoint -> learning rate`` of a run (all recorded checkpoints with a learning rate by default)."""
+    """``checkpoint -> learning rate`` of a run. By default: every recorded checkpoint that has a learning
+    rate and query rows (checkpoint passes), in step order."""
     store.run(run)
     table = store.checkpoints(run)
     recorded = dict(zip(table.column("checkpoint").to_pylist(), table.column("learning_rate").to_pylist()))
-    wanted = list(checkpoints) if checkpoints is not None else [c for c, lr in recorded.items() if lr is not None]
+    if checkpoints is None:
+        with_queries = set(store.sql(f"select distinct checkpoint from gradients where run_id = '{_escape(run)}' "
+                                     "and split = 'query'").df().checkpoint)
+        wanted = [c for c, lr in recorded.items() if lr is not None and c in with_queries]
+    else:
+        wanted = list(checkpoints)
     if not wanted:
-        raise ValueError(f"run {run!r} records no checkpoint with a learning rate: capture checkpoint passes with "
-                         "learning_rate=... (or give checkpoints=)")
+        raise ValueError(f"run {run!r} records no checkpoint with a learning rate and query rows: capture "
+                         "checkpoint passes with learning_rate=... (or give checkpoints=)")
     missing = [c for c in wanted if recorded.get(c) is None]
     if missing:
         raise ValueError(f"checkpoints {missing} of run {run!r} have no recorded learning rate")
     return {c: float(recorded[c]) for c in wanted}
+
+
+def _escape(value: str) -> str:
+    return value.replace("'", "''")
 
 
 class ExampleScores:

@@ -100,8 +100,8 @@ class FragmentStager:
 class CollectiveCommit:
     """Commits every rank's staged fragments in one Lance transaction (rank 0), collectively."""
 
-    def __init__(self, table: Any, group: Any, max_fragments: int) -> None:
-        self._table = table
+    def __init__(self, table: Any | None, group: Any, max_fragments: int) -> None:
+        self.table = table  # the LanceDB gradients table (rank 0 commits into it)
         self._group = group
         self._max_fragments = max_fragments
         self.rank = dist.get_rank()
@@ -142,7 +142,7 @@ class CollectiveCommit:
     def _append(self, fragments: list[FragmentMetadata]) -> int:
         if not fragments:
             return 0
-        dataset = self._table.to_lance()
+        dataset = self.table.to_lance()
         dataset = lance.LanceDataset.commit(dataset.uri, lance.LanceOperation.Append(fragments),
                                             read_version=dataset.version)
         self.commits += 1
@@ -177,13 +177,23 @@ class DistributedCapture(StoreCapture):
 
     def __enter__(self) -> DistributedCapture:
         group = dist.new_group(backend="gloo", timeout=self._timeout)  # collective; CPU objects on any backend
+        self._committer = committer = CollectiveCommit(None, group,
+                                                       (self._writer_config or WriterConfig()).max_fragments)
+        failure = None
         if dist.get_rank() == 0:  # one rank creates the run; the others then check their spec against it
+            try:
+                StoreCapture.__enter__(self)
+            except Exception as error:  # told to every rank, so none waits in a collective
+                failure = repr(error)
+                raise
+            finally:
+                committer.broadcast(failure)
+        else:
+            failure = committer.broadcast(None)
+            if failure is not None:
+                raise RuntimeError(f"gradstore: rank 0 could not start the capture: {failure}")
             StoreCapture.__enter__(self)
-        dist.barrier(group=group)
-        if dist.get_rank() != 0:
-            StoreCapture.__enter__(self)
-        self._committer = CollectiveCommit(self.store.table(S.GRADIENTS), group,
-                                           (self._writer_config or WriterConfig()).max_fragments)
+        committer.table = self.store.table(S.GRADIENTS)
         self._hook = register_optimizer_step_post_hook(self._after_step)
         return self
 
