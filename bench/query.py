@@ -13,14 +13,17 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 
-from indexers import ExactIndex, FaissIndex, blocks_from_arrays, recall_at_k, require_faiss
+from indexers import ExactIndex, FaissIndex, blocks_from_arrays, default_nprobe, recall_at_k, require_faiss
 
 K = 10
+EXACT, TORCH, READ = "exact index (float32 rows)", "torch.topk(X @ Q.T)", "read vectors once (torch sum)"
+Row = tuple[float, float | None, str]
+"""(median seconds, recall@K against exact or None, note)"""
 
 
 def log(message: str) -> None:
@@ -49,6 +52,81 @@ def numpy_top_k(x: np.ndarray, q: np.ndarray) -> np.ndarray:
     return np.take_along_axis(top, order, 0).T
 
 
+def paired_arms(x: np.ndarray, q: np.ndarray, steps: int) -> tuple[dict[str, Row], np.ndarray]:
+    """Exact (float32, float16 store layout), torch, numpy and read-once arms, alternated step by step."""
+    ids = np.arange(len(x), dtype=np.int64)
+    norms = np.linalg.norm(x, axis=1).astype(np.float32)
+    unit16 = (x / norms[:, None]).astype(np.float16)  # the store's default: float16 unit rows + float32 norm
+
+    def store_rows() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        yield ids, unit16, norms  # a VectorBlocks block with scales
+
+    xt, qt = torch.from_numpy(x), torch.from_numpy(q)
+    exact = ExactIndex(device="cpu")
+    arms: dict[str, Callable[[], object]] = {
+        EXACT: lambda: exact.search(q, (ids, x), K),
+        "exact index (float16 unit rows x norm)": lambda: exact.search(q, store_rows, K),
+        TORCH: lambda: torch.topk(xt @ qt.T, K, dim=0),
+        "numpy X @ Q.T + argpartition": lambda: numpy_top_k(x, q),
+        READ: lambda: xt.sum(),
+    }
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    log(f"paired arms: 1 warm-up + {steps} steps")
+    for step in range(steps + 1):
+        names = list(arms)
+        for name in names[step % len(names) :] + names[: step % len(names)]:
+            elapsed, _ = timed(arms[name])
+            if step:
+                times[name].append(elapsed)
+    _, exact_ids = exact.search(q, (ids, x), K)
+    found = {
+        "exact index (float16 unit rows x norm)": exact.search(q, store_rows, K)[1],
+        TORCH: torch.topk(xt @ qt.T, K, dim=0).indices.T.numpy(),
+        "numpy X @ Q.T + argpartition": numpy_top_k(x, q),
+    }
+    rows = {
+        name: (statistics.median(values), recall_at_k(found[name], exact_ids) if name in found else None, "")
+        for name, values in times.items()
+    }
+    return rows, exact_ids
+
+
+def faiss_arms(
+    x: np.ndarray, q: np.ndarray, exact_ids: np.ndarray, args: argparse.Namespace
+) -> dict[str, Row]:
+    """FAISS Flat, then one IVF index searched at two nprobe settings (recall against exact)."""
+    ids = np.arange(len(x), dtype=np.int64)
+    rows: dict[str, Row] = {}
+    log("FAISS Flat")
+    flat = FaissIndex("Flat", args.dim)
+    build, _ = timed(lambda: flat.add(ids, x))
+    rows["FAISS Flat"] = searched(flat, q, exact_ids, args.faiss_steps, f"build {build:.1f} s")
+    flat = None  # free its copy of the rows before building the IVF index
+    log(f"FAISS IVF{args.nlist},Flat: training on {args.train_sample} random rows")
+    source = blocks_from_arrays(ids, x)
+    ivf = FaissIndex(f"IVF{args.nlist},Flat", args.dim)
+    train, _ = timed(lambda: ivf.train(source, sample_size=args.train_sample))
+    add, _ = timed(lambda: ivf.add_from(source))
+    for nprobe in args.nprobes:
+        ivf.nprobe = nprobe
+        note = f"train {train:.0f} s, add {add:.0f} s" + (
+            " (default nprobe)" if nprobe == default_nprobe(args.nlist) else ""
+        )
+        rows[f"FAISS IVF{args.nlist},Flat nprobe={nprobe}"] = searched(
+            ivf, q, exact_ids, args.faiss_steps, note
+        )
+    return rows
+
+
+def searched(index: FaissIndex, q: np.ndarray, exact_ids: np.ndarray, steps: int, note: str) -> Row:
+    """Median search time over ``steps`` searches, recall@K against exact, and a note."""
+    times, found = [], None
+    for _ in range(steps):
+        elapsed, (_, found) = timed(lambda: index.search(q, K))
+        times.append(elapsed)
+    return statistics.median(times), recall_at_k(found, exact_ids), note
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000)
@@ -67,75 +145,19 @@ def main() -> None:
     log(f"generating {args.rows} x {args.dim} float32 rows")
     x = standard_normal(args.rows, args.dim, seed=0)
     q = standard_normal(args.queries, args.dim, seed=1)
-    ids = np.arange(args.rows, dtype=np.int64)
-    norms = np.linalg.norm(x, axis=1).astype(np.float32)
-    x16 = (x / norms[:, None]).astype(np.float16)  # the store's default: float16 unit rows + float32 norm
-    store_rows = lambda: iter([(ids, x16, norms)])  # noqa: E731  (a VectorBlocks with scales)
-    xt, qt = torch.from_numpy(x), torch.from_numpy(q)
-    exact = ExactIndex(device="cpu")
+    rows, exact_ids = paired_arms(x, q, args.steps)
+    rows.update(faiss_arms(x, q, exact_ids, args))
 
-    arms: dict[str, Callable[[], object]] = {
-        "exact index (float32 rows)": lambda: exact.search(q, (ids, x), K),
-        "exact index (float16 unit rows x norm)": lambda: exact.search(q, store_rows, K),
-        "torch.topk(X @ Q.T)": lambda: torch.topk(xt @ qt.T, K, dim=0),
-        "numpy X @ Q.T + argpartition": lambda: numpy_top_k(x, q),
-        "read vectors once (torch sum)": lambda: xt.sum(),
-    }
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    log(f"paired arms: 1 warm-up + {args.steps} steps")
-    for step in range(args.steps + 1):
-        names = list(arms)
-        for name in names[step % len(names) :] + names[: step % len(names)]:
-            elapsed, _ = timed(arms[name])
-            if step:
-                times[name].append(elapsed)
-    _, exact_ids = exact.search(q, (ids, x), K)
-    torch_ids = torch.topk(xt @ qt.T, K, dim=0).indices.T.numpy()
-    numpy_ids = numpy_top_k(x, q)
-    _, store_ids = exact.search(q, store_rows, K)
-    del x16, store_rows
-    rows = {name: (statistics.median(values), None, "") for name, values in times.items()}
-    rows["torch.topk(X @ Q.T)"] = (*rows["torch.topk(X @ Q.T)"][:1], recall_at_k(torch_ids, exact_ids), "")
-    rows["numpy X @ Q.T + argpartition"] = (rows["numpy X @ Q.T + argpartition"][0],
-                                            recall_at_k(numpy_ids, exact_ids), "")
-    rows["exact index (float16 unit rows x norm)"] = (rows["exact index (float16 unit rows x norm)"][0],
-                                                      recall_at_k(store_ids, exact_ids), "float16 rounding")
-
-    log("FAISS Flat")
-    flat = FaissIndex("Flat", args.dim)
-    build, _ = timed(lambda: flat.add(ids, x))
-    flat_times = []
-    for _ in range(args.faiss_steps):
-        elapsed, (_, flat_ids) = timed(lambda: flat.search(q, K))
-        flat_times.append(elapsed)
-    rows["FAISS Flat"] = (statistics.median(flat_times), recall_at_k(flat_ids, exact_ids), f"build {build:.1f} s")
-    del flat
-
-    log(f"FAISS IVF{args.nlist},Flat: training on {args.train_sample} random rows")
-    source = blocks_from_arrays(ids, x)
-    ivf = FaissIndex(f"IVF{args.nlist},Flat", args.dim)
-    train, _ = timed(lambda: ivf.train(source, sample_size=args.train_sample))
-    add, _ = timed(lambda: ivf.add_from(source))
-    for nprobe in args.nprobes:
-        ivf.nprobe = nprobe
-        ivf_times = []
-        for _ in range(args.faiss_steps):
-            elapsed, (_, ivf_ids) = timed(lambda: ivf.search(q, K))
-            ivf_times.append(elapsed)
-        rows[f"FAISS IVF{args.nlist},Flat nprobe={nprobe}"] = (
-            statistics.median(ivf_times), recall_at_k(ivf_ids, exact_ids), f"train {train:.0f} s, add {add:.0f} s")
-
-    torch_s = rows["torch.topk(X @ Q.T)"][0]
-    exact_s = rows["exact index (float32 rows)"][0]
-    print(f"W-query large: {args.rows} x {args.dim} float32 N(0,1), {args.queries} queries, top-{K}, "
-          f"2 threads; medians of {args.steps} paired steps (FAISS: {args.faiss_steps} steps)")
+    torch_s, exact_s, read_s = rows[TORCH][0], rows[EXACT][0], rows[READ][0]
+    print(
+        f"W-query large: {args.rows} x {args.dim} float32 N(0,1), {args.queries} queries, top-{K}, "
+        f"2 threads; medians of {args.steps} paired steps (FAISS: {args.faiss_steps} steps)"
+    )
     print(f"| arm | median s | vs torch | recall@{K} | notes |")
     print("|---|---:|---:|---:|---|")
     for name, (seconds, recall, note) in rows.items():
-        recall_text = "1.000 (reference)" if name.startswith("exact index (float32") else (
-            "-" if recall is None else f"{recall:.3f}")
+        recall_text = "1.000 (reference)" if name == EXACT else "-" if recall is None else f"{recall:.3f}"
         print(f"| {name} | {seconds:.3f} | {seconds / torch_s:.2f}x | {recall_text} | {note} |")
-    read_s = rows["read vectors once (torch sum)"][0]
     gflops = 2 * args.rows * args.dim * args.queries / exact_s / 1e9
     print(f"exact / read-once = {exact_s / read_s:.2f}x; exact throughput {gflops:.0f} GFLOP/s")
     ratio = exact_s / torch_s

@@ -27,15 +27,22 @@ class ExactIndex:
         self.device = torch.device(device)
         self.block_rows = block_rows
 
-    def search(self, queries: ArrayLike, source: VectorBlocks | tuple[np.ndarray, ArrayLike], k: int,
-               largest: bool = True, transform: Transform | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self,
+        queries: ArrayLike,
+        source: VectorBlocks | tuple[np.ndarray, ArrayLike],
+        k: int,
+        largest: bool = True,
+        transform: Transform | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k (or bottom-k with ``largest=False``) stored vectors by inner product with each query.
 
         ``queries`` is ``[q, d]`` (or ``[d]``); ``source`` is a :data:`VectorBlocks` callable or in-memory
         ``(ids, vectors)``; ``transform`` is applied to every float32 vector block before scoring (e.g. a
         preconditioner's ``apply_both``). Blocks with ``scales`` score ``scales * (transform(vectors) @ q)``,
         which equals scoring the scaled rows for linear transforms (every preconditioner's ``apply_both``
-        except ``cosine``, which needs no scales). Returns ``(scores float32 [q, k'], ids int64 [q, k'])`` with
+        except ``cosine``, which needs no scales).
+        Returns ``(scores float32 [q, k'], ids int64 [q, k'])`` with
         ``k' = min(k, rows)``, best first: largest scores for top-k, smallest for bottom-k.
         """
         if k < 1:
@@ -56,20 +63,27 @@ class ExactIndex:
                 if transform is not None:
                     block = transform(block).to(torch.float32)
                 if block.shape[1] != signed.shape[1]:
-                    raise ValueError(f"queries have dimension {signed.shape[1]}, stored vectors {block.shape[1]}")
+                    raise ValueError(
+                        f"queries have dimension {signed.shape[1]}, stored vectors {block.shape[1]}"
+                    )
                 scores = block @ queries_t
                 if scales is not None:
-                    scores *= torch.from_numpy(scales[start : start + self.block_rows]).to(self.device)[:, None]
+                    scores *= torch.from_numpy(scales[start : start + self.block_rows]).to(self.device)[
+                        :, None
+                    ]
                 scores, candidate_ids = _block_top_k(scores.T, block_ids.to(self.device), k)
-                best_scores, best_ids = _merge(torch.cat([best_scores, scores], 1),
-                                               torch.cat([best_ids, candidate_ids], 1), k)
+                best_scores, best_ids = _merge(
+                    torch.cat([best_scores, scores], 1), torch.cat([best_ids, candidate_ids], 1), k
+                )
         scores = best_scores if largest else -best_scores
         return scores.cpu().numpy(), best_ids.cpu().numpy()
 
-    def _float32_block(self, vectors: ArrayLike, buffer: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _float32_block(
+        self, vectors: ArrayLike, buffer: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block as float32 on the device; other dtypes are upcast into one reused buffer.
 
-        Reusing the buffer matters: a fresh 1 GB tensor per block costs more in page faults than the upcast."""
+        Reusing the buffer matters: a fresh 1 GB tensor per block costs more (page faults) than the upcast."""
         raw = as_tensor(vectors, None)
         if raw.dtype == torch.float32:
             return raw.to(self.device), buffer
@@ -81,7 +95,7 @@ class ExactIndex:
 
 
 def _block_top_k(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``min(k, n)`` best columns of ``scores [q, n]`` per row, ties at the cut going to the smaller ids."""
+    """The ``min(k, n)`` best columns of ``scores [q, n]`` per row; ties at the cut go to smaller ids."""
     if k >= scores.shape[1]:
         return scores, ids.expand(scores.shape[0], -1)
     # One extra candidate shows whether the cut is tied: more than k scores are >= the k-th iff the

@@ -31,8 +31,9 @@ def require_faiss() -> Any:
     try:
         import faiss
     except ImportError as error:
-        raise ImportError("FAISS is not installed: pip install 'gradstore[cpu]' "
-                          "(or 'gradstore[gpu]' for CUDA GPUs)") from error
+        raise ImportError(
+            "FAISS is not installed: pip install 'gradstore[cpu]' (or 'gradstore[gpu]' for CUDA GPUs)"
+        ) from error
     return faiss
 
 
@@ -90,7 +91,7 @@ def _float32(vectors: ArrayLike, scales: np.ndarray | None = None) -> np.ndarray
 
 
 class FaissIndex:
-    """A FAISS index built from a factory string (``Flat``, ``IVF4096,Flat``, ``IVF1024,SQfp16``, ``IVF1024,PQ64``)
+    """A FAISS index built from a factory string (``Flat``, ``IVF1024,SQfp16``, ``IVF1024,PQ64``)
     whose FAISS ids are the caller's ``grad_id``s.
 
     ``metric`` is ``"ip"`` (inner product, larger is better) or ``"l2"`` (distance, smaller is better).
@@ -154,7 +155,9 @@ class FaissIndex:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         vectors = _float32(vectors)
         if vectors.ndim != 2 or vectors.shape[1] != self.dim or len(ids) != len(vectors):
-            raise ValueError(f"expected ids [n] and vectors [n, {self.dim}], got {ids.shape} and {vectors.shape}")
+            raise ValueError(
+                f"expected ids [n] and vectors [n, {self.dim}], got {ids.shape} and {vectors.shape}"
+            )
         if self._mmap_path is not None:
             # Memory-mapped indexes are read-only in FAISS: load a writable copy first.
             self._index = require_faiss().read_index(str(self._mmap_path))
@@ -181,7 +184,9 @@ class FaissIndex:
             return np.empty((len(queries), 0), np.float32), np.empty((len(queries), 0), np.int64)
         index = self._index
         if self._on_gpu and k > GPU_MAX_K:
-            warnings.warn(f"k={k} is above the FAISS GPU limit {GPU_MAX_K}; searching a CPU copy", stacklevel=2)
+            warnings.warn(
+                f"k={k} is above the FAISS GPU limit {GPU_MAX_K}; searching a CPU copy", stacklevel=2
+            )
             index = self._cpu_index()
         scores, ids = index.search(queries, k)
         return scores.astype(np.float32, copy=False), ids.astype(np.int64, copy=False)
@@ -207,16 +212,23 @@ class FaissIndex:
         faiss.write_index(self._cpu_index(), str(temporary))
         os.replace(temporary, directory / INDEX_FILE)
         self.manifest = normalize_manifest(manifest)
-        settings = {"factory": self.factory, "dim": self.dim, "metric": self.metric, "nlist": self.nlist,
-                    "nprobe": self._nprobe,
-                    "ntotal": self.ntotal, "faiss_version": faiss.__version__}
+        settings = {
+            "factory": self.factory,
+            "dim": self.dim,
+            "metric": self.metric,
+            "nlist": self.nlist,
+            "nprobe": self._nprobe,
+            "ntotal": self.ntotal,
+            "faiss_version": faiss.__version__,
+        }
         text = json.dumps({"manifest": self.manifest, "index": settings}, indent=2, sort_keys=True)
         (directory / (MANIFEST_FILE + ".tmp")).write_text(text)
         os.replace(directory / (MANIFEST_FILE + ".tmp"), directory / MANIFEST_FILE)
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, expected_manifest: dict[str, Any] | None = None,
-             mmap: bool = True) -> FaissIndex:
+    def load(
+        cls, directory: str | os.PathLike, expected_manifest: dict[str, Any] | None = None, mmap: bool = True
+    ) -> FaissIndex:
         """Read an index written by :meth:`save`, memory-mapped by default.
 
         Raises :class:`~indexers.errors.IndexMismatchError` naming the differing keys when
@@ -239,8 +251,10 @@ class FaissIndex:
         else:
             loaded._index, loaded._mmap_path = faiss.read_index(str(path)), None
         if loaded.ntotal != settings["ntotal"] or loaded._index.d != loaded.dim:
-            raise ValueError(f"{path} holds {loaded.ntotal} x {loaded._index.d} vectors but its manifest says "
-                             f"{settings['ntotal']} x {loaded.dim}: the index files are inconsistent")
+            raise ValueError(
+                f"{path} holds {loaded.ntotal} x {loaded._index.d} vectors but its manifest says "
+                f"{settings['ntotal']} x {loaded.dim}: the index files are inconsistent"
+            )
         loaded.nprobe = settings["nprobe"]
         return loaded
 
@@ -260,7 +274,12 @@ class FaissIndex:
             options.useFloat16 = False  # e.g. PQ sizes whose float16 lookup tables FAISS refuses
             gpu_index = faiss.index_cpu_to_all_gpus(self._index, co=options)
         moved = FaissIndex.__new__(FaissIndex)
-        moved.factory, moved.dim, moved.metric, moved.manifest = self.factory, self.dim, self.metric, self.manifest
+        moved.factory, moved.dim, moved.metric, moved.manifest = (
+            self.factory,
+            self.dim,
+            self.metric,
+            self.manifest,
+        )
         moved.nlist = self.nlist
         moved._index, moved._on_gpu, moved._mmap_path, moved._cpu_copy = gpu_index, True, None, None
         moved.nprobe = self._nprobe

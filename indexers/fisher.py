@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Iterable, Sequence
+from functools import partial
 
 import numpy as np
 import torch
@@ -53,7 +54,7 @@ class FisherPreconditioner:
                 check_tiling(spans, block.shape[1], "Fisher blocks")
                 self.dim = block.shape[1]
                 grams = [torch.zeros(size, size, dtype=torch.float64) for _, size in spans]
-            for gram, (offset, size) in zip(grams, spans):
+            for gram, (offset, size) in zip(grams, spans, strict=True):
                 part = block[:, offset : offset + size]
                 gram.addmm_(part.T, part)
             rows += block.shape[0]
@@ -90,7 +91,7 @@ class FisherPreconditioner:
         def transform(rows: torch.Tensor) -> torch.Tensor:
             out = torch.empty_like(rows)
             for index, (offset, size) in enumerate(spans):
-                matrix = self._cache.get(f"m{index}", variant, lambda: self._matrix(index, power), rows)
+                matrix = self._cache.get(f"m{index}", variant, partial(self._matrix, index, power), rows)
                 out[:, offset : offset + size] = rows[:, offset : offset + size] @ matrix
             return out
 
@@ -107,8 +108,13 @@ class FisherPreconditioner:
     def save(self, path: str | os.PathLike) -> None:
         """Write damping, blocks, row count and the per-block eigendecompositions."""
         spans = self._spans()
-        config = {"name": self.name, "damping": self.damping, "blocks": self.blocks, "dim": self.dim,
-                  "n_rows": self.n_rows}
+        config = {
+            "name": self.name,
+            "damping": self.damping,
+            "blocks": self.blocks,
+            "dim": self.dim,
+            "n_rows": self.n_rows,
+        }
         arrays = {}
         for index in range(len(spans)):
             arrays[f"eigenvalues_{index}"] = self.eigenvalues[index].numpy()
@@ -122,6 +128,10 @@ class FisherPreconditioner:
         loaded = cls(damping=config["damping"], blocks=config["blocks"])
         loaded.dim, loaded.n_rows = config["dim"], config["n_rows"]
         for index in range(len(loaded._spans())):
-            loaded.eigenvalues.append(torch.from_numpy(np.asarray(arrays[f"eigenvalues_{index}"], np.float64)))
-            loaded.eigenvectors.append(torch.from_numpy(np.asarray(arrays[f"eigenvectors_{index}"], np.float64)))
+            loaded.eigenvalues.append(
+                torch.from_numpy(np.asarray(arrays[f"eigenvalues_{index}"], np.float64))
+            )
+            loaded.eigenvectors.append(
+                torch.from_numpy(np.asarray(arrays[f"eigenvectors_{index}"], np.float64))
+            )
         return loaded

@@ -14,7 +14,7 @@ COSINE_EPS = 1e-12
 
 
 class IdentityPreconditioner:
-    """``P = I``: scores are raw inner products of gradients (grad-dot; TracIn when summed over checkpoints)."""
+    """``P = I``: scores are raw inner products of gradients (grad-dot, TracIn)."""
 
     name = "identity"
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 
 import numpy as np
 import torch
@@ -39,16 +40,23 @@ KroneckerFactors = Mapping[str, tuple[ArrayLike, ArrayLike]]
 
 
 class KroneckerPreconditioner:
-    """``P_l = S_l (x) A_l + damping * mean(eig) * I`` per layer (or EK-FAC eigenvalues with ``eigen_correction``).
+    """``P_l = S_l (x) A_l + damping * mean(eig) * I`` per layer (EK-FAC: ``eigen_correction``).
 
     Damping is relative to the mean eigenvalue of each layer's Kronecker product; :meth:`with_damping`
     re-damps without a pass over the data."""
 
     name = "kfac"
 
-    def __init__(self, layout: KroneckerLayout, factors: KroneckerFactors | None = None, damping: float = 0.1,
-                 eigen_correction: bool = False):
-        self.layout = [(str(name), int(offset), int(k_in), int(k_out)) for name, offset, k_in, k_out in layout]
+    def __init__(
+        self,
+        layout: KroneckerLayout,
+        factors: KroneckerFactors | None = None,
+        damping: float = 0.1,
+        eigen_correction: bool = False,
+    ):
+        self.layout = [
+            (str(name), int(offset), int(k_in), int(k_out)) for name, offset, k_in, k_out in layout
+        ]
         if not self.layout:
             raise ValueError("kfac needs a kronecker_layout with at least one layer")
         self.damping = check_damping(damping)
@@ -71,14 +79,18 @@ class KroneckerPreconditioner:
         factors = self.factors
         if factors is None:
             if self.eigen_correction and iter(blocks) is blocks:
-                raise ValueError("EK-FAC without given factors makes two passes: pass a re-iterable, not an iterator")
+                raise ValueError(
+                    "EK-FAC without given factors makes two passes: pass a re-iterable, not an iterator"
+                )
             factors = self._factors_from_gradients(blocks)
         self.basis, self.eigenvalues = {}, {}
         for name, _, k_in, k_out in self.layout:
             a, s = (torch.as_tensor(np.asarray(f), dtype=torch.float64) for f in factors[name])
             if a.shape != (k_in, k_in) or s.shape != (k_out, k_out):
-                raise ValueError(f"layer {name}: factors have shapes {tuple(a.shape)}, {tuple(s.shape)}; "
-                                 f"expected ({k_in}, {k_in}) and ({k_out}, {k_out})")
+                raise ValueError(
+                    f"layer {name}: factors have shapes {tuple(a.shape)}, {tuple(s.shape)}; "
+                    f"expected ({k_in}, {k_in}) and ({k_out}, {k_out})"
+                )
             values_a, q_a = torch.linalg.eigh(a)
             values_s, q_s = torch.linalg.eigh(s)
             self.basis[name] = (q_a, q_s)
@@ -94,15 +106,20 @@ class KroneckerPreconditioner:
 
     def _layer_views(self, block: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         if self.dim is None:
-            check_tiling([(offset, k_in * k_out) for _, offset, k_in, k_out in self.layout], block.shape[1],
-                         "kronecker_layout layers")
+            check_tiling(
+                [(offset, k_in * k_out) for _, offset, k_in, k_out in self.layout],
+                block.shape[1],
+                "kronecker_layout layers",
+            )
             self.dim = block.shape[1]
         elif block.shape[1] != self.dim:
             raise ValueError(f"blocks have dimension {block.shape[1]}, the layout covers {self.dim}")
         for name, offset, k_in, k_out in self.layout:
             yield name, block[:, offset : offset + k_in * k_out].reshape(-1, k_out, k_in)
 
-    def _factors_from_gradients(self, blocks: Iterable[ArrayLike]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _factors_from_gradients(
+        self, blocks: Iterable[ArrayLike]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         sums: dict[str, list] = {}
         rows = 0
         for block in float64_blocks(blocks):
@@ -143,6 +160,9 @@ class KroneckerPreconditioner:
         other.damping, other._cache = check_damping(damping), DeviceCache()
         return other
 
+    def _basis(self, name: str, which: int) -> torch.Tensor:
+        return self.basis[name][which]
+
     def _weights(self, name: str, power: float) -> torch.Tensor:
         values = self.eigenvalues[name]
         return (values + absolute_damping(self.damping, values)).pow(-power)
@@ -154,9 +174,9 @@ class KroneckerPreconditioner:
         def transform(rows: torch.Tensor) -> torch.Tensor:
             out = torch.empty_like(rows)
             for name, offset, k_in, k_out in self.layout:
-                q_a = self._cache.get(f"qa:{name}", "", lambda: self.basis[name][0], rows)
-                q_s = self._cache.get(f"qs:{name}", "", lambda: self.basis[name][1], rows)
-                weights = self._cache.get(f"w:{name}", variant, lambda: self._weights(name, power), rows)
+                q_a = self._cache.get(f"qa:{name}", "", partial(self._basis, name, 0), rows)
+                q_s = self._cache.get(f"qs:{name}", "", partial(self._basis, name, 1), rows)
+                weights = self._cache.get(f"w:{name}", variant, partial(self._weights, name, power), rows)
                 grads = rows[:, offset : offset + k_in * k_out].reshape(-1, k_out, k_in)
                 rotated = (q_s.T @ grads @ q_a) * weights
                 out[:, offset : offset + k_in * k_out] = (q_s @ rotated @ q_a.T).reshape(-1, k_in * k_out)
@@ -176,8 +196,14 @@ class KroneckerPreconditioner:
         """Write layout, damping, the eigenbases and the (possibly corrected) eigenvalues."""
         if self.dim is None or not self.eigenvalues:
             raise NotFittedError("fit the kfac preconditioner before applying or saving it")
-        config = {"name": self.name, "damping": self.damping, "layout": self.layout, "dim": self.dim,
-                  "n_rows": self.n_rows, "eigen_correction": self.eigen_correction}
+        config = {
+            "name": self.name,
+            "damping": self.damping,
+            "layout": self.layout,
+            "dim": self.dim,
+            "n_rows": self.n_rows,
+            "eigen_correction": self.eigen_correction,
+        }
         arrays = {}
         for index, (name, *_) in enumerate(self.layout):
             q_a, q_s = self.basis[name]
@@ -192,7 +218,9 @@ class KroneckerPreconditioner:
         loaded = cls(config["layout"], damping=config["damping"], eigen_correction=config["eigen_correction"])
         loaded.dim, loaded.n_rows = config["dim"], config["n_rows"]
         for index, (name, *_) in enumerate(loaded.layout):
-            q_a, q_s, values = (torch.from_numpy(np.asarray(arrays[f"{key}_{index}"], np.float64))
-                                for key in ("q_a", "q_s", "eigenvalues"))
+            q_a, q_s, values = (
+                torch.from_numpy(np.asarray(arrays[f"{key}_{index}"], np.float64))
+                for key in ("q_a", "q_s", "eigenvalues")
+            )
             loaded.basis[name], loaded.eigenvalues[name] = (q_a, q_s), values
         return loaded

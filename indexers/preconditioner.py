@@ -1,4 +1,4 @@
-"""The preconditioner protocol and the plumbing its implementations share (dtype policy, damping, state files).
+"""The preconditioner protocol and the plumbing its implementations share (dtypes, damping, files).
 
 A preconditioner ``P`` approximates the curvature of the loss in the projected gradient space. Scores are
 ``q^T P^-1 g``: either apply ``P^-1`` to the query only (the stored vectors stay raw) or ``P^-1/2`` to both
@@ -30,7 +30,7 @@ class Preconditioner(Protocol):
     name: str
 
     def fit(self, blocks: Iterable[ArrayLike]) -> Preconditioner:
-        """Accumulate statistics over ``[rows, dim]`` gradient blocks (streaming, float64); returns ``self``."""
+        """Accumulate statistics over ``[rows, dim]`` gradient blocks (streaming, float64); returns self."""
         ...
 
     def apply_query(self, q: torch.Tensor) -> torch.Tensor:
@@ -57,7 +57,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def float64_blocks(blocks: Iterable[ArrayLike]) -> Iterable[torch.Tensor]:
-    """Each block as a float64 CPU tensor of shape ``[rows, dim]``, checking that the dimension is constant."""
+    """Each block as a float64 CPU tensor of shape ``[rows, dim]``, checking the dimension is constant."""
     dim = None
     for block in blocks:
         tensor = as_tensor(block, torch.float64, "cpu")
@@ -98,7 +98,9 @@ def check_tiling(spans: Sequence[tuple[int, int]], dim: int, what: str) -> None:
     position = 0
     for offset, size in sorted(spans):
         if offset != position or size <= 0:
-            raise ValueError(f"{what} must tile the {dim}-dim vector without gaps or overlaps; got {list(spans)}")
+            raise ValueError(
+                f"{what} must tile the {dim}-dim vector without gaps or overlaps; got {list(spans)}"
+            )
         position = offset + size
     if position != dim:
         raise ValueError(f"{what} cover {position} of {dim} dims; they must cover the whole vector")
@@ -136,7 +138,9 @@ class DeviceCache:
     def __init__(self) -> None:
         self._copies: dict[tuple[str, str, torch.device, torch.dtype], torch.Tensor] = {}
 
-    def get(self, key: str, variant: str, make: Callable[[], torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    def get(
+        self, key: str, variant: str, make: Callable[[], torch.Tensor], like: torch.Tensor
+    ) -> torch.Tensor:
         """The tensor ``make()`` (float64, CPU) as ``like``'s device and compute dtype, built on first use."""
         dtype = compute_dtype(like)
         cache_key = (key, variant, like.device, dtype)

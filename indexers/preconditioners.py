@@ -18,21 +18,37 @@ from indexers.preconditioner import Preconditioner, read_config
 
 PRECONDITIONERS: dict[str, type] = {
     cls.name: cls
-    for cls in (IdentityPreconditioner, CosinePreconditioner, DiagonalPreconditioner, FisherPreconditioner,
-                KroneckerPreconditioner)
+    for cls in (
+        IdentityPreconditioner,
+        CosinePreconditioner,
+        DiagonalPreconditioner,
+        FisherPreconditioner,
+        KroneckerPreconditioner,
+    )
 }
 
 __all__ = [
-    "PRECONDITIONERS", "CosinePreconditioner", "DiagonalPreconditioner", "FisherPreconditioner",
-    "IdentityPreconditioner", "KroneckerPreconditioner", "Preconditioner", "load_preconditioner",
+    "PRECONDITIONERS",
+    "CosinePreconditioner",
+    "DiagonalPreconditioner",
+    "FisherPreconditioner",
+    "IdentityPreconditioner",
+    "KroneckerPreconditioner",
+    "Preconditioner",
+    "load_preconditioner",
     "make_preconditioner",
 ]
 
 
-def make_preconditioner(name: str, *, damping: float = 0.1, blocks: Sequence[tuple[int, int]] | None = None,
-                        kronecker_layout: KroneckerLayout | None = None,
-                        kronecker_factors: KroneckerFactors | None = None,
-                        eigen_correction: bool = False) -> Preconditioner:
+def make_preconditioner(
+    name: str,
+    *,
+    damping: float = 0.1,
+    blocks: Sequence[tuple[int, int]] | None = None,
+    kronecker_layout: KroneckerLayout | None = None,
+    kronecker_factors: KroneckerFactors | None = None,
+    eigen_correction: bool = False,
+) -> Preconditioner:
     """An unfitted preconditioner by name (call ``fit`` on gradient blocks before applying it).
 
     ``blocks`` ((offset, size) per layer block) applies to ``fisher``; ``kronecker_layout``,
@@ -51,9 +67,12 @@ def make_preconditioner(name: str, *, damping: float = 0.1, blocks: Sequence[tup
     if name == "fisher":
         return FisherPreconditioner(damping=damping, blocks=blocks)
     if kronecker_layout is None:
-        raise ValueError("the 'kfac' preconditioner needs kronecker_layout=[(layer_name, offset, k_in, k_out), ...]")
-    return KroneckerPreconditioner(kronecker_layout, kronecker_factors, damping=damping,
-                                   eigen_correction=eigen_correction)
+        raise ValueError(
+            "the 'kfac' preconditioner needs kronecker_layout=[(layer_name, offset, k_in, k_out), ...]"
+        )
+    return KroneckerPreconditioner(
+        kronecker_layout, kronecker_factors, damping=damping, eigen_correction=eigen_correction
+    )
 
 
 def load_preconditioner(path: str | os.PathLike) -> Preconditioner:

@@ -23,21 +23,24 @@ MIN_POINTS_PER_LIST = 39
 
 
 def recall_at_k(approx_ids: np.ndarray, exact_ids: np.ndarray) -> float:
-    """Mean over queries of ``|approx & exact| / |exact|`` for ``[q, k]`` id arrays (``-1`` ids never match)."""
+    """Mean over queries of ``|approx & exact| / |exact|`` for ``[q, k]`` ids (``-1`` never matches)."""
     approx_ids, exact_ids = np.atleast_2d(approx_ids), np.atleast_2d(exact_ids)
     if len(approx_ids) != len(exact_ids):
         raise ValueError(f"got {len(approx_ids)} approximate and {len(exact_ids)} exact result rows")
     if exact_ids.size == 0:
         return 1.0
-    hits = [len(np.intersect1d(a[a >= 0], e)) / len(e) for a, e in zip(approx_ids, exact_ids)]
+    hits = [len(np.intersect1d(a[a >= 0], e)) / len(e) for a, e in zip(approx_ids, exact_ids, strict=True)]
     return float(np.mean(hits))
 
 
-def measure_recall(index: FaissIndex, queries: ArrayLike, source: VectorBlocks, k: int = 10,
-                   exact: ExactIndex | None = None) -> float:
+def measure_recall(
+    index: FaissIndex, queries: ArrayLike, source: VectorBlocks, k: int = 10, exact: ExactIndex | None = None
+) -> float:
     """recall@k of an inner-product FAISS index against exact search over the same source."""
     if index.metric != "ip":
-        raise ValueError("recall is measured against exact inner-product search; the index metric is not 'ip'")
+        raise ValueError(
+            "recall is measured against exact inner-product search; the index metric is not 'ip'"
+        )
     _, exact_ids = (exact or ExactIndex()).search(queries, source, k)
     _, approx_ids = index.search(queries, k)
     return recall_at_k(approx_ids, exact_ids)
@@ -51,8 +54,14 @@ def ivf_nlist(n_rows: int) -> int:
     return nlist
 
 
-def choose_index_kind(n_rows: int, dim: int, n_queries: int = 64, time_budget_s: float = 1.0,
-                      memory_budget_bytes: int = 8 * 2**30, flops_per_s: float = EXACT_FLOPS_PER_S) -> str:
+def choose_index_kind(
+    n_rows: int,
+    dim: int,
+    n_queries: int = 64,
+    time_budget_s: float = 1.0,
+    memory_budget_bytes: int = 8 * 2**30,
+    flops_per_s: float = EXACT_FLOPS_PER_S,
+) -> str:
     """``"exact"`` or a FAISS factory string for a store of ``n_rows x dim`` vectors (see the module rule)."""
     if 2.0 * n_rows * dim * n_queries / flops_per_s <= time_budget_s:
         return "exact"

@@ -32,7 +32,9 @@ def integer_data(seed: int, n: int, d: int, q: int):
 @pytest.mark.parametrize("largest", [True, False])
 def test_matches_brute_force_with_ties_across_blocks(block_rows: int, k: int, largest: bool) -> None:
     queries, vectors, ids = integer_data(0, 103, 6, 5)
-    scores, found = ExactIndex(device="cpu", block_rows=block_rows).search(queries, (ids, vectors), k, largest)
+    scores, found = ExactIndex(device="cpu", block_rows=block_rows).search(
+        queries, (ids, vectors), k, largest
+    )
     expected_scores, expected_ids = brute_force(queries, vectors, ids, k, largest)
     assert scores.dtype == np.float32 and found.dtype == np.int64
     assert found.shape == (5, min(k, 103))
@@ -43,7 +45,9 @@ def test_matches_brute_force_with_ties_across_blocks(block_rows: int, k: int, la
 def test_all_scores_tied_takes_smallest_ids() -> None:
     vectors = np.ones((40, 3), np.float32)
     ids = np.arange(40, dtype=np.int64)[::-1].copy()
-    scores, found = ExactIndex(device="cpu", block_rows=9).search(np.ones((2, 3), np.float32), (ids, vectors), 4)
+    scores, found = ExactIndex(device="cpu", block_rows=9).search(
+        np.ones((2, 3), np.float32), (ids, vectors), 4
+    )
     np.testing.assert_array_equal(found, [[0, 1, 2, 3]] * 2)
     np.testing.assert_array_equal(scores, np.full((2, 4), 3.0))
 
@@ -85,7 +89,8 @@ def test_transform_is_applied_to_every_block() -> None:
     ids = np.arange(90, dtype=np.int64)
     cosine = CosinePreconditioner()
     scores, found = ExactIndex(device="cpu", block_rows=20).search(
-        cosine.apply_both(torch.from_numpy(queries)), (ids, vectors), 5, transform=cosine.apply_both)
+        cosine.apply_both(torch.from_numpy(queries)), (ids, vectors), 5, transform=cosine.apply_both
+    )
     unit = lambda a: a / np.linalg.norm(a, axis=1, keepdims=True)  # noqa: E731
     expected_scores, expected_ids = brute_force(unit(queries), unit(vectors), ids, 5)
     np.testing.assert_array_equal(found, expected_ids)
@@ -103,11 +108,21 @@ def test_empty_source_and_bad_arguments() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 60), d=st.integers(1, 5), k=st.integers(1, 70), block_rows=st.integers(1, 25),
-       largest=st.booleans(), seed=st.integers(0, 2**16))
-def test_property_matches_brute_force(n: int, d: int, k: int, block_rows: int, largest: bool, seed: int) -> None:
+@given(
+    n=st.integers(1, 60),
+    d=st.integers(1, 5),
+    k=st.integers(1, 70),
+    block_rows=st.integers(1, 25),
+    largest=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_brute_force(
+    n: int, d: int, k: int, block_rows: int, largest: bool, seed: int
+) -> None:
     queries, vectors, ids = integer_data(seed, n, d, 3)
-    scores, found = ExactIndex(device="cpu", block_rows=block_rows).search(queries, (ids, vectors), k, largest)
+    scores, found = ExactIndex(device="cpu", block_rows=block_rows).search(
+        queries, (ids, vectors), k, largest
+    )
     expected_scores, expected_ids = brute_force(queries, vectors, ids, k, largest)
     np.testing.assert_array_equal(found, expected_ids)
     np.testing.assert_array_equal(scores, expected_scores.astype(np.float32))

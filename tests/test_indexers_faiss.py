@@ -1,4 +1,4 @@
-"""FAISS indexes: Flat == exact, IVF recall on captured gradients, persistence, manifests, GPU (skipped here)."""
+"""FAISS indexes: Flat == exact, IVF recall on captured gradients, persistence, manifests, GPU (skips)."""
 
 from __future__ import annotations
 
@@ -26,15 +26,24 @@ from indexers import (  # noqa: E402
 from indexers.faiss_index import GPU_MAX_K, sample_rows  # noqa: E402
 from indexers.recall import ivf_nlist  # noqa: E402
 
-MANIFEST = {"store_version": 7, "rows": 500, "projection": {"seed": 0, "dims": [16, 16]}, "preconditioner": "identity",
-            "metric": "ip"}
+MANIFEST = {
+    "store_version": 7,
+    "rows": 500,
+    "projection": {"seed": 0, "dims": [16, 16]},
+    "preconditioner": "identity",
+    "metric": "ip",
+}
 
 
 @pytest.fixture(scope="module")
 def random_rows() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((500, 32)).astype(np.float32)
-    return rng.permutation(5000)[:500].astype(np.int64), vectors, rng.standard_normal((6, 32)).astype(np.float32)
+    return (
+        rng.permutation(5000)[:500].astype(np.int64),
+        vectors,
+        rng.standard_normal((6, 32)).astype(np.float32),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +98,12 @@ def test_add_from_scaled_float16_blocks(random_rows) -> None:
     norms = np.linalg.norm(vectors, axis=1).astype(np.float32)
     unit16 = (vectors / norms[:, None]).astype(np.float16)
     scaled = FaissIndex("Flat", 32)
-    scaled.add_from(lambda: iter([(ids[:250], unit16[:250], norms[:250]), (ids[250:], unit16[250:], norms[250:])]))
+    scaled.add_from(
+        lambda: iter([(ids[:250], unit16[:250], norms[:250]), (ids[250:], unit16[250:], norms[250:])])
+    )
     plain = FaissIndex("Flat", 32)
     plain.add(ids, unit16.astype(np.float32) * norms[:, None])
-    for got, expected in zip(scaled.search(queries, 10), plain.search(queries, 10)):
+    for got, expected in zip(scaled.search(queries, 10), plain.search(queries, 10), strict=True):
         np.testing.assert_array_equal(got, expected)
 
 
@@ -118,11 +129,13 @@ def test_save_load_and_incremental_add_equal_rebuild(tmp_path, random_rows, fact
     incremental = FaissIndex.load(tmp_path / "trained", mmap=False)
     incremental.add(ids[:300], vectors[:300])
     incremental.save(tmp_path / "part", {**MANIFEST, "rows": 300})
-    reloaded = FaissIndex.load(tmp_path / "part", expected_manifest={**MANIFEST, "rows": 300})  # memory-mapped
+    reloaded = FaissIndex.load(
+        tmp_path / "part", expected_manifest={**MANIFEST, "rows": 300}
+    )  # memory-mapped
     assert reloaded.ntotal == 300 and reloaded.nprobe == rebuilt.nprobe and reloaded.manifest["rows"] == 300
     np.testing.assert_array_equal(reloaded.search(queries, 10)[1], incremental.search(queries, 10)[1])
     reloaded.add(ids[300:], vectors[300:])
-    for got, expected in zip(reloaded.search(queries, 10), rebuilt.search(queries, 10)):
+    for got, expected in zip(reloaded.search(queries, 10), rebuilt.search(queries, 10), strict=True):
         np.testing.assert_array_equal(got, expected)
 
 

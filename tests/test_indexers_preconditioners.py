@@ -75,7 +75,9 @@ def test_fisher_full_closed_form() -> None:
 def test_fisher_block_diagonal_closed_form_blocks_in_any_order() -> None:
     fisher = make_preconditioner("fisher", damping=0.3, blocks=[(3, 7), (0, 3)]).fit(chunks(GRADS))
     first, second = GRADS[:, :3], GRADS[:, 3:]
-    inverse = block_diagonal(damped_inverse(first.T @ first / 300, 0.3), damped_inverse(second.T @ second / 300, 0.3))
+    inverse = block_diagonal(
+        damped_inverse(first.T @ first / 300, 0.3), damped_inverse(second.T @ second / 300, 0.3)
+    )
     check_inverse(fisher, inverse)
 
 
@@ -118,7 +120,9 @@ def test_ekfac_eigenvalue_correction_closed_form() -> None:
         g = gradient_matrices(name).reshape(len(GRADS), -1)
         eigenvalues = ((g @ basis) ** 2).mean(0)
         inverses.append(basis @ np.diag(1 / (eigenvalues + 0.1 * eigenvalues.mean())) @ basis.T)
-    kfac = make_preconditioner("kfac", kronecker_layout=LAYOUT, kronecker_factors=factors, eigen_correction=True)
+    kfac = make_preconditioner(
+        "kfac", kronecker_layout=LAYOUT, kronecker_factors=factors, eigen_correction=True
+    )
     check_inverse(kfac.fit(iter(chunks(GRADS))), block_diagonal(*inverses))
 
 
@@ -169,7 +173,9 @@ def test_dtypes_and_one_dimensional_inputs() -> None:
     fisher = make_preconditioner("fisher").fit(chunks(GRADS.astype(np.float32)))
     half = torch.from_numpy(QUERIES).to(torch.float16)
     assert fisher.apply_query(half).dtype == torch.float32
-    np.testing.assert_allclose(fisher.apply_query(half[0]).numpy(), fisher.apply_query(half)[0].numpy(), rtol=1e-6)
+    np.testing.assert_allclose(
+        fisher.apply_query(half[0]).numpy(), fisher.apply_query(half)[0].numpy(), rtol=1e-6
+    )
     assert fisher.apply_both(torch.from_numpy(QUERIES)).dtype == torch.float64
 
 
