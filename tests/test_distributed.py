@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gradstore
+from gradstore.distributed import distributed_capture
 
 WORLD = 2
 N_EXAMPLES, GLOBAL_BATCH, STEPS = 16, 8, 4
@@ -64,28 +65,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, store_path: str, mode: str, out: str) -> None:
+def _worker(rank: int, port: int, store_path: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LANCE_LOG="error")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    from gradstore.distributed import distributed_capture
-
     store = gradstore.open(store_path, storage_dtype="float32")
-    if mode == "kill":
-        wrapped = nn.parallel.DistributedDataParallel(make_model())
-        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-        with distributed_capture(store, wrapped, "ddp", optimizer=opt, commit_every=2, **OPTIONS) as cap:
-            def die_after_staging(step: int) -> None:
-                if step == 2:  # rows of steps 0-1 were committed after the second optimizer step
-                    cap.capture.flush()
-                    cap._writer.flush()  # step 2's rows are now data files that no version references
-                    dist.barrier()
-                    if rank == 1:
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    dist.barrier()  # never returns: the job is torn down
-
-            train(wrapped, cap, opt, rank, WORLD, 3, on_backward=die_after_staging)
-        return
     stats = {}
     for run in ("ddp", "fsdp"):  # one spawn for both (process start-up dominates on a small CPU)
         wrapped = wrap(make_model(), run)
@@ -95,7 +79,25 @@ def _worker(rank: int, port: int, store_path: str, mode: str, out: str) -> None:
         stats[run] = {"commits": cap._committer.commits, "rows": cap.rows_committed}
     if rank == 0:
         Path(out).write_text(json.dumps(stats))
-    dist.destroy_process_group()
+    die_mid_run(rank, store)
+
+
+def die_mid_run(rank: int, store) -> None:
+    """Run "killed": rows of steps 0-1 are committed after the second step, then both ranks stage step 2's
+    rows as data files and rank 1 is SIGKILLed (the spawner then tears the job down, as torchrun would)."""
+    wrapped = nn.parallel.DistributedDataParallel(make_model())
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    with distributed_capture(store, wrapped, "killed", optimizer=opt, commit_every=2, **OPTIONS) as cap:
+        def die_after_staging(step: int) -> None:
+            if step == 2:
+                cap.capture.flush()
+                cap._writer.flush()  # step 2's rows are now data files that no version references
+                dist.barrier()
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                dist.barrier()  # never returns: the job is torn down
+
+        train(wrapped, cap, opt, rank, WORLD, 3, on_backward=die_after_staging)
 
 
 def wrap(model: nn.Module, how: str) -> nn.Module:
@@ -126,10 +128,18 @@ def rows_by_key(store, run: str) -> dict[tuple[str, int], np.ndarray]:
     return dict(zip(keys, block.vectors))
 
 
-def test_ddp_and_fsdp2_ranks_write_exactly_the_single_process_rows(tmp_path):
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One 2-rank job (process start-up dominates on a small CPU): runs "ddp" and "fsdp", then "killed"."""
+    tmp_path = tmp_path_factory.mktemp("distributed")
     store_path, out = tmp_path / "store", tmp_path / "out.json"
-    mp.spawn(_worker, args=(free_port(), str(store_path), "ddp+fsdp", str(out)), nprocs=WORLD, join=True)
-    stats = json.loads(out.read_text())
+    with pytest.raises(mp.ProcessExitedException):
+        mp.spawn(_worker, args=(free_port(), str(store_path), str(out)), nprocs=WORLD, join=True)
+    return tmp_path, store_path, json.loads(out.read_text())
+
+
+def test_ddp_and_fsdp2_ranks_write_exactly_the_single_process_rows(job):
+    tmp_path, store_path, stats = job
     reference = reference_rows(tmp_path)
     store = gradstore.open(store_path)
     for run in ("ddp", "fsdp"):
@@ -143,15 +153,13 @@ def test_ddp_and_fsdp2_ranks_write_exactly_the_single_process_rows(tmp_path):
         # both ranks' rows went in through one commit per flush point: after steps 2 and 4 (none at exit)
         assert stats[run] == {"commits": 2, "rows": STEPS * GLOBAL_BATCH}
     versions = store.table("gradients").to_lance().versions()
-    assert len(versions) == 1 + 2 + 2  # table creation + two collective commits per run
+    assert len(versions) == 1 + 2 + 2 + 1  # creation, two collective commits per run, one before the kill
 
 
-def test_a_killed_rank_leaves_exactly_the_committed_rows(tmp_path):
-    store_path = tmp_path / "store"
-    with pytest.raises(mp.ProcessExitedException):
-        mp.spawn(_worker, args=(free_port(), str(store_path), "kill", ""), nprocs=WORLD, join=True)
+def test_a_killed_rank_leaves_exactly_the_committed_rows(job):
+    _, store_path, _ = job
     store = gradstore.open(store_path)
-    got = rows_by_key(store, "ddp")
+    got = rows_by_key(store, "killed")
     assert sorted(got) == sorted((f"ex{i}", s) for s in (0, 1) for i in range(s * 8 % 16, s * 8 % 16 + 8))
     # step 2's rows were written as data files by both ranks, but never committed
     data_files = list((store_path / "gradients.lance" / "data").glob("*.lance"))
