@@ -29,12 +29,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import datasets  # noqa: E402
-import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+import datasets
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-import gradstore  # noqa: E402
-from gradstore.hf import GradstoreCallback, with_example_ids  # noqa: E402
+import gradstore
+from gradstore.hf import GradstoreCallback, with_example_ids
 
 BATCH, SEQ, VOCAB = 16, 128, 512
 

@@ -11,12 +11,12 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import datasets  # noqa: E402
-import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+import datasets
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-import gradstore  # noqa: E402
-from gradstore.hf import GradstoreCallback, with_example_ids  # noqa: E402
+import gradstore
+from gradstore.hf import GradstoreCallback, with_example_ids
 
 
 def collate(features: list[dict]) -> dict[str, torch.Tensor]:

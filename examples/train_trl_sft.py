@@ -15,15 +15,15 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import datasets  # noqa: E402
-import torch  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast  # noqa: E402
-from trl import SFTConfig, SFTTrainer  # noqa: E402
-from trl.trainer.sft_trainer import DataCollatorForLanguageModeling  # noqa: E402
+import datasets
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+from trl import SFTConfig, SFTTrainer
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-import gradstore  # noqa: E402
-from gradstore.hf import GradstoreCallback, with_example_ids  # noqa: E402
+import gradstore
+from gradstore.hf import GradstoreCallback, with_example_ids
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

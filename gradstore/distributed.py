@@ -88,7 +88,7 @@ class FragmentStager:
             fragments, self._pending = self._pending, []
         return fragments
 
-    def count_rows(self, filter: str | None = None) -> int:  # noqa: A002 - LanceDB's argument name
+    def count_rows(self, filter: str | None = None) -> int:
         """Committed rows of the real table matching ``filter``."""
         return self._table.count_rows(filter)
 

@@ -28,10 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from gradstore.distributed import distributed_capture, is_distributed
 from ingest.capture import CaptureConfig
 from ingest.layers import select_layers
-
-from gradstore.distributed import distributed_capture, is_distributed
 
 if TYPE_CHECKING:
     from gradstore.capture import StoreCapture

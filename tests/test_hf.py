@@ -13,10 +13,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-import gradstore  # noqa: E402
-from gradstore.hf import GradstoreCallback, with_example_ids  # noqa: E402
+import gradstore
+from gradstore.hf import GradstoreCallback, with_example_ids
 
 N, SEQ, LR = 12, 16, 1e-3
 OPTIONS = {"projection": "factorized", "k_in": 8, "k_out": 8}
@@ -82,7 +82,7 @@ def plain_run(tmp_path_factory):
 
 
 def test_trainer_rows_have_the_trainers_steps_epochs_and_learning_rates(plain_run):
-    tmp_path, store, got = plain_run
+    _, store, got = plain_run
     steps_per_epoch, total = N // 4, 2 * N // 4  # batch 2 x accumulation 2
     assert len(got) == 2 * N
     per_step = {}
