@@ -26,9 +26,9 @@ if TYPE_CHECKING:
 
 
 def default_checkpoint(store: GradStore, run: str) -> str:
-    """The run's latest recorded checkpoint (by step), or ``"train"`` when none is recorded."""
+    """The run's latest recorded checkpoint (by step, then recording time), or ``"train"`` when none is."""
     store.run(run)  # UnknownRunError for a run the store does not hold
-    checkpoints = store.checkpoints(run)
+    checkpoints = store.checkpoints(run).sort_by([("step", "ascending"), ("created_at", "ascending")])
     if checkpoints.num_rows == 0:
         return "train"
     return checkpoints.column("checkpoint")[checkpoints.num_rows - 1].as_py()

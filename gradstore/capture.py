@@ -105,6 +105,11 @@ class StoreCapture:
                     self.store.save_curvature(self.run_id, checkpoint, stats)
 
     # ------------------------------------------------------------------ controls
+    @property
+    def step(self) -> int:
+        """The step recorded on the next rows (optimizer steps counted so far, or as set)."""
+        return self.capture.step
+
     def set_ids(self, ids: Sequence[Any] | torch.Tensor) -> None:
         """Example ids of the next forward (instead of an ``example_id`` batch entry or content hashes)."""
         self.capture.set_ids(ids)

@@ -101,5 +101,114 @@ def compact(store: StoreArg,
     typer.echo(json.dumps({"fragments": counts}))
 
 
+def _print_table(table, limit: int = 50) -> None:
+    typer.echo(table.to_pandas().to_string(index=False, max_rows=limit))
+
+
+def _csv_list(value: Optional[str]) -> Optional[list[str]]:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+@app.command("build-index")
+def build_index_command(
+        store: StoreArg,
+        run: Annotated[str, typer.Option(help="Run whose training rows are indexed.")],
+        checkpoint: Annotated[Optional[str], typer.Option(help="Checkpoint (default: the run's latest).")] = None,
+        method: Annotated[str, typer.Option(help="grad-dot, cosine, diagonal, fisher, kfac.")] = "grad-dot",
+        damping: Annotated[Optional[float], typer.Option(help="Relative damping (default 0.1).")] = None,
+        kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
+        refit: Annotated[bool, typer.Option(help="Rebuild from scratch instead of adding new rows.")] = False) -> None:
+    """Fit a preconditioner and build (or update) a persisted index."""
+    from gradstore.index import index_summary
+
+    try:
+        index = _open(store).build_index(run, checkpoint=checkpoint, method=method, damping=damping, kind=kind,
+                                         refit=refit)
+    except (GradstoreError, ValueError, KeyError) as error:
+        _fail(error)
+    typer.echo(json.dumps(index_summary(index), indent=2))
+
+
+@app.command()
+def attribute(
+        store: StoreArg,
+        run: Annotated[str, typer.Option(help="Run to attribute against.")],
+        queries: Annotated[Optional[str], typer.Option(
+            help="Comma-separated query example ids (default: every query row).")] = None,
+        where: Annotated[Optional[str], typer.Option(help="SQL filter selecting query rows instead.")] = None,
+        k: Annotated[int, typer.Option("-k", "--k", help="Results per query.")] = 10,
+        method: Annotated[str, typer.Option(help="grad-dot, cosine, diagonal, fisher, kfac, tracin.")] = "grad-dot",
+        checkpoint: Annotated[Optional[str], typer.Option(help="Checkpoint (default: the run's latest).")] = None,
+        damping: Annotated[Optional[float], typer.Option(help="Relative damping (default 0.1).")] = None,
+        kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
+        opponents: Annotated[bool, typer.Option(help="Also list the k strongest opponents.")] = False,
+        out: Annotated[Optional[Path], typer.Option(help="Also write the results to this parquet file.")] = None) -> None:
+    """Top-k proponents (and opponents) of query examples; results are appended to the scores table."""
+    selected = _csv_list(queries) if queries else where
+    try:
+        table = _open(store).attribute(selected, run=run, k=k, method=method, checkpoint=checkpoint,
+                                       damping=damping, kind=kind, opponents=opponents)
+    except (GradstoreError, ValueError, KeyError) as error:
+        _fail(error)
+    if out is not None:
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, out)
+    _print_table(table.select(["query_id", "rank", "example_id", "score", "method"]))
+
+
+@app.command()
+def select(
+        store: StoreArg,
+        run: Annotated[str, typer.Option(help="Run holding the candidate training rows.")],
+        target: Annotated[Optional[str], typer.Option(
+            help="Comma-separated target query ids (default: every query row).")] = None,
+        budget: Annotated[float, typer.Option(help="Fraction (<= 1) or number of examples to select.")] = 0.05,
+        preconditioner: Annotated[str, typer.Option(help="Space of the cosine: grad-dot, diagonal, fisher.")] = "grad-dot",
+        aggregate: Annotated[str, typer.Option(help="max (LESS) or mean over the target set.")] = "max",
+        out: Annotated[Optional[Path], typer.Option(help="Write the selection to this parquet file.")] = None) -> None:
+    """LESS-style data selection: the training examples most aligned with a target set."""
+    from gradstore.selection import export_selection
+
+    try:
+        table = _open(store).select(_csv_list(target), run=run, budget=int(budget) if budget > 1 else budget,
+                                    preconditioner=preconditioner, aggregate=aggregate)
+    except (GradstoreError, ValueError, KeyError) as error:
+        _fail(error)
+    if out is not None:
+        export_selection(table, out)
+        typer.echo(f"wrote {table.num_rows} selected examples to {out}", err=True)
+    _print_table(table)
+
+
+@app.command("self-influence")
+def self_influence_command(
+        store: StoreArg,
+        run: Annotated[str, typer.Option(help="Run whose training rows are scored.")],
+        method: Annotated[str, typer.Option(help="grad-dot, diagonal, fisher, kfac.")] = "fisher",
+        checkpoint: Annotated[Optional[str], typer.Option(help="Checkpoint (default: the run's latest).")] = None,
+        top: Annotated[int, typer.Option(help="Rows shown.")] = 20) -> None:
+    """Self-influence of every training row (written to the self_influence table); shows the largest."""
+    try:
+        table = _open(store).self_influence(run=run, method=method, checkpoint=checkpoint)
+    except (GradstoreError, ValueError, KeyError) as error:
+        _fail(error)
+    _print_table(table.select(["example_id", "self_influence", "checkpoint", "method"]), limit=top)
+
+
+@app.command()
+def demo(store: Annotated[Path, typer.Option(help="Store directory (replaced if it holds a store).")] = Path(
+             "gradstore-demo"),
+         epochs: Annotated[int, typer.Option(help="Training epochs.")] = 24,
+         places: Annotated[int, typer.Option(help="Invented places (2 facts each).")] = 24) -> None:
+    """Run the whole job on a built-in corpus: train a tiny GPT under capture, attribute, report recall."""
+    from gradstore.demo import DemoConfig, run_demo
+
+    try:
+        run_demo(store, DemoConfig(epochs=epochs, places=places), log=typer.echo)
+    except GradstoreError as error:
+        _fail(error)
+
+
 if __name__ == "__main__":
     app()

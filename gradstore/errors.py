@@ -30,6 +30,13 @@ class UnknownRunError(GradstoreError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class MissingIdsError(GradstoreError, KeyError):
+    """Example or query ids that the store does not hold."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class SQLError(GradstoreError, ValueError):
     """A SQL query failed (DuckDB's message) or tried to modify the store."""
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from gradstore.errors import SchemaMismatchError
+from gradstore.errors import MissingIdsError, SchemaMismatchError
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore
@@ -67,7 +67,7 @@ def resolve_queries(store: GradStore, queries: Any, run: str, checkpoint: str) -
         found = block.metadata.column("example_id").to_pylist()
         missing = sorted(set(wanted) - set(found))
         if missing:
-            raise KeyError(f"no query rows for example ids {missing[:10]} in run {run!r} at checkpoint "
+            raise MissingIdsError(f"no query rows for example ids {missing[:10]} in run {run!r} at checkpoint "
                            f"{checkpoint!r}: capture them with split='query'")
         position = {qid: i for i, qid in enumerate(found)}
         order = [position[q] for q in wanted]

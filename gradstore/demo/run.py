@@ -59,10 +59,11 @@ def _checkpoint_epochs(config: DemoConfig) -> list[int]:
 
 
 def _capture_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus,
-                  name: str, learning_rate: float, batch_size: int) -> None:
-    """Per-example gradients of every training example and question at the current weights."""
+                  name: str, step: int, learning_rate: float, batch_size: int) -> None:
+    """Per-example gradients of every training example and query at the current weights (step ``step``)."""
     model.eval()  # no dropout here; weights are not updated
     with store.capture(model, RUN, checkpoint=name, learning_rate=learning_rate) as cap:
+        cap.set_step(step)
         for batch in _batches(corpus.train, batch_size):
             inputs = tokenizer.batch([e.text for e in batch])
             model(**inputs, example_id=[e.example_id for e in batch]).loss.backward()
@@ -97,7 +98,8 @@ def train_under_capture(store: gradstore.GradStore, corpus: Corpus, config: Demo
                 optimizer.zero_grad()
         progress.set_postfix(loss=f"{loss.item():.3f}")
         if epoch in checkpoint_epochs:
-            _capture_pass(store, model, tokenizer, corpus, f"epoch-{epoch}", config.learning_rate, config.batch_size)
+            _capture_pass(store, model, tokenizer, corpus, f"epoch-{epoch}", cap.step, config.learning_rate,
+                          config.batch_size)
     log(f"trained {config.epochs} epochs on {len(corpus.train)} examples; final batch loss {loss.item():.3f}")
     return model, tokenizer
 
