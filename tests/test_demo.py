@@ -1,0 +1,41 @@
+"""The demo runs end to end on a reduced setting and traces facts better than chance."""
+
+from __future__ import annotations
+
+import gradstore
+from gradstore.demo import DemoConfig, run_demo
+from gradstore.demo.bm25 import BM25
+from gradstore.demo.corpus import build_corpus
+
+
+def test_corpus_is_deterministic_and_holds_out_one_phrasing_per_fact():
+    corpus = build_corpus(n_places=5, phrasings=6, seed=3)
+    assert corpus == build_corpus(n_places=5, phrasings=6, seed=3)
+    assert len(corpus.queries) == 10 and len(corpus.train) == 10 * 5 + 5 * 4
+    train_texts = {e.text for e in corpus.train}
+    for query in corpus.queries:
+        assert query.text not in train_texts
+        assert query.text.index(query.answer) > 0  # the value follows the place
+        assert sum(e.fact_id == query.fact_id for e in corpus.train) == 5
+
+
+def test_bm25_prefers_documents_sharing_rare_terms():
+    scores = BM25(["the capital of a is b .", "the weather is cold .", "the capital of c is d ."]).scores(
+        "capital of a")
+    assert scores.argmax() == 0 and scores[1] == 0.0
+
+
+def test_demo_end_to_end_reduced(tmp_path):
+    config = DemoConfig(places=6, phrasings=8, epochs=10, checkpoints=2, methods=("grad-dot", "fisher", "tracin"),
+                        shown_queries=1)
+    lines: list[str] = []
+    summary = run_demo(tmp_path / "demo", config, log=lines.append)
+    recall = summary["recall"]
+    assert set(recall) == {"grad-dot", "fisher", "tracin", "bm25 (lexical)", "random"}
+    assert recall["fisher"] > recall["random"] and recall["tracin"] > recall["random"]
+    store = gradstore.open(tmp_path / "demo", create=False)
+    n_train, n_queries = 6 * 2 * 7 + 6 * 4, 12
+    assert store.count("gradients", "checkpoint = 'train'") == 10 * n_train
+    assert store.count("gradients", "split = 'query'") == 2 * n_queries
+    assert store.count("scores") == 3 * n_queries * 10
+    assert any("top proponents" in line for line in lines)
