@@ -37,21 +37,15 @@ import argparse
 import copy
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path, where bench/ingest.py would shadow the
-# `ingest` package that gradstore.capture imports: look modules up from the repository instead.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
-import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
-
-import gradstore  # noqa: E402
-from gradstore import schema as S  # noqa: E402
+import gradstore
+from gradstore import schema as S
 
 TARGET = 1.05
 BATCH = 16

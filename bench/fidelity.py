@@ -55,10 +55,6 @@ import torch.nn.functional as F
 from scipy.stats import rankdata
 from torch import nn
 
-# ``python bench/fidelity.py`` puts bench/ first on sys.path, where bench/ingest.py would shadow the
-# ``ingest`` package that gradstore imports; drop it (``python -m bench.fidelity`` needs no such fix).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
 import gradstore
 
 RUN = "digits"
