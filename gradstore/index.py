@@ -236,8 +236,10 @@ def build_index(store: GradStore, selection: Selection, method: str = "grad-dot"
             return existing
     shutil.rmtree(index_directory(store, name), ignore_errors=True)
     source = selection.blocks(store)
-    preconditioner = make_method_preconditioner(store, selection, resolved, damping, eigen_correction)
-    preconditioner.fit(_Passes(source))
+    preconditioner = None if refit else _redamped_sibling(store, selection, resolved, damping, rows, eigen_correction)
+    if preconditioner is None:
+        preconditioner = make_method_preconditioner(store, selection, resolved, damping, eigen_correction)
+        preconditioner.fit(_Passes(source))
     manifest = {"name": name, "run_id": selection.run, "checkpoint": selection.checkpoint, "split": selection.split,
                 "where": selection.where, "method": resolved.name, "damping": damping if resolved.damped else None,
                 "kind": kind, "metric": "ip", "rows": rows, "eigen_correction": eigen_correction,
@@ -250,6 +252,28 @@ def build_index(store: GradStore, selection: Selection, method: str = "grad-dot"
         log.info("index %s: FAISS %s recall@10 vs exact = %.3f", name, kind, index.manifest["recall_at_10"])
     index.save()
     return index
+
+
+def _redamped_sibling(store: GradStore, selection: Selection, method: Method, damping: float, rows: int,
+                      eigen_correction: bool) -> Preconditioner | None:
+    """The preconditioner of an up-to-date index of the same rows and method, re-damped without a data pass
+    (its eigendecomposition is kept), or ``None`` if there is none."""
+    if not method.damped:
+        return None
+    root = Path(store.uri, "_gradstore", "indexes")
+    for manifest_path in sorted(root.glob(f"*/{MANIFEST_FILE}")) if root.exists() else []:
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError:
+            continue
+        same_rows = Selection(manifest["run_id"], manifest["checkpoint"], manifest["split"], manifest["where"])
+        if (same_rows == selection and manifest["method"] == method.name and manifest["rows"] == rows
+                and manifest.get("eigen_correction") == eigen_correction
+                and manifest.get("gradients_version") == store.table("gradients").version):
+            fitted = load_preconditioner(manifest_path.parent / "preconditioner")
+            if hasattr(fitted, "with_damping"):
+                return fitted.with_damping(damping)
+    return None
 
 
 def _same_build(manifest: dict[str, Any], selection: Selection, method: Method, damping: float, kind: str) -> bool:

@@ -244,3 +244,20 @@ def test_bad_attribution_requests(captured):
         store.attribute(run="missing")
     with pytest.raises(ValueError, match="k must be"):
         store.attribute(run="run", k=0)
+
+
+def test_new_damping_reuses_the_fit_and_equals_a_refit(captured, monkeypatch):
+    store, _, _ = captured
+    store.build_index("run", checkpoint="c1", method="fisher", damping=0.5)
+    from indexers import FisherPreconditioner
+
+    calls = []
+    original = FisherPreconditioner.fit
+    monkeypatch.setattr(FisherPreconditioner, "fit", lambda self, blocks: calls.append(1) or original(self, blocks))
+    redamped = store.build_index("run", checkpoint="c1", method="fisher", damping=0.05)
+    assert calls == []  # no pass over the data
+    refit = store.build_index("run", checkpoint="c1", method="fisher", damping=0.05, refit=True)
+    assert calls == [1]
+    queries = torch.randn(3, store.dim)
+    torch.testing.assert_close(redamped.prepare_queries(queries), refit.prepare_queries(queries), rtol=1e-4,
+                               atol=1e-6)
