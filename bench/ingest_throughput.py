@@ -63,8 +63,9 @@ def main() -> None:
     ratio = streaming / bulk
     print(f"rows {n}  dim {args.dim}  dtype {args.dtype}  {megabytes:.0f} MB  appends of {args.append_rows} rows")
     print(f"streaming writer  {streaming:8.1f} MB/s  ({streaming_s:.2f} s, {commits} commits, {fragments} fragments)")
-    print(f"bulk write        {bulk:8.1f} MB/s  ({bulk_s:.2f} s: encode {encoded_s:.2f} s + write {write_only_s:.2f} s)")
-    print(f"streaming / bulk write alone (rows pre-encoded): {megabytes / streaming_s / (megabytes / write_only_s):.2f}")
+    print(f"bulk write        {bulk:8.1f} MB/s  ({bulk_s:.2f} s: encode {encoded_s:.2f} s"
+          f" + write {write_only_s:.2f} s)")
+    print(f"streaming / bulk write alone (rows pre-encoded): {write_only_s / streaming_s:.2f}")
     verdict = "PASS" if ratio >= 0.9 and fragments <= 64 else "MISS"
     print(f"RESULT ingest_ratio={ratio:.2f} target>=0.9 {verdict}")
 

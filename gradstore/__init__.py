@@ -8,12 +8,33 @@ import os
 
 os.environ.setdefault("LANCE_LOG", "error")  # Lance logs a warning for every table it creates
 
-from gradstore.errors import (GradstoreError, NonFiniteGradientError, NotAStoreError, SchemaMismatchError,  # noqa: E402
-                              SQLError, StoreCorruptError, UnknownRunError, WriterClosedError)
-from gradstore.store import GradientBlock, GradStore, open_store as open  # noqa: A001, E402
-from gradstore.writer import GradientWriter, WriterConfig  # noqa: E402
+from gradstore.errors import (
+                              GradstoreError,
+                              NonFiniteGradientError,
+                              NotAStoreError,
+                              SchemaMismatchError,
+                              SQLError,
+                              StoreCorruptError,
+                              UnknownRunError,
+                              WriterClosedError,
+)
+from gradstore.store import GradientBlock, GradStore
+from gradstore.store import open_store as open
+from gradstore.writer import GradientWriter, WriterConfig
 
-__all__ = ["open", "GradStore", "GradientBlock", "GradientWriter", "WriterConfig", "GradstoreError",
-           "NotAStoreError", "StoreCorruptError", "SchemaMismatchError", "NonFiniteGradientError",
-           "UnknownRunError", "SQLError", "WriterClosedError"]
+__all__ = [
+                              "GradStore",
+                              "GradientBlock",
+                              "GradientWriter",
+                              "GradstoreError",
+                              "NonFiniteGradientError",
+                              "NotAStoreError",
+                              "SQLError",
+                              "SchemaMismatchError",
+                              "StoreCorruptError",
+                              "UnknownRunError",
+                              "WriterClosedError",
+                              "WriterConfig",
+                              "open",
+]
 __version__ = "0.1.0"

@@ -18,10 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradstore.writer import GradientWriter, WriterConfig
 from ingest.capture import CaptureConfig, CapturedBatch, GradientCapture
 from ingest.projection import ProjectionSpec
-
-from gradstore.writer import GradientWriter, WriterConfig
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore
@@ -175,6 +174,6 @@ def curvature_arrays(stats: dict[str, tuple[np.ndarray, np.ndarray, int]]) -> di
 
 def curvature_from_arrays(arrays: Any) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
     """Inverse of :func:`curvature_arrays`."""
-    layers = sorted({key.rsplit("|", 1)[0] for key in arrays.keys()})
+    layers = sorted({key.rsplit("|", 1)[0] for key in arrays})
     return {layer: (np.asarray(arrays[f"{layer}|A"]), np.asarray(arrays[f"{layer}|S"]),
                     int(arrays[f"{layer}|count"])) for layer in layers}

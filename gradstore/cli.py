@@ -7,7 +7,7 @@ import sys
 from datetime import timedelta
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -58,7 +58,7 @@ def info(store: StoreArg,
 @app.command()
 def sql(store: StoreArg, query: Annotated[str, typer.Argument(help="One read-only DuckDB SQL statement.")],
         format: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write to this file.")] = None,
+        out: Annotated[Path | None, typer.Option("--out", "-o", help="Write to this file.")] = None,
         max_rows: Annotated[int, typer.Option(help="Rows shown in table format.")] = 50) -> None:
     """Run DuckDB SQL over the store's tables (runs, checkpoints, gradients, examples, scores, ...)."""
     handle = _open(store)
@@ -93,7 +93,7 @@ def sql(store: StoreArg, query: Annotated[str, typer.Argument(help="One read-onl
 
 @app.command()
 def compact(store: StoreArg,
-            cleanup_days: Annotated[Optional[float], typer.Option(
+            cleanup_days: Annotated[float | None, typer.Option(
                 help="Also delete table versions older than this many days.")] = None) -> None:
     """Compact every table's fragments (and optionally delete old versions)."""
     older = timedelta(days=cleanup_days) if cleanup_days is not None else None
@@ -105,7 +105,7 @@ def _print_table(table, limit: int = 50) -> None:
     typer.echo(table.to_pandas().to_string(index=False, max_rows=limit))
 
 
-def _csv_list(value: Optional[str]) -> Optional[list[str]]:
+def _csv_list(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
 
@@ -113,9 +113,9 @@ def _csv_list(value: Optional[str]) -> Optional[list[str]]:
 def build_index_command(
         store: StoreArg,
         run: Annotated[str, typer.Option(help="Run whose training rows are indexed.")],
-        checkpoint: Annotated[Optional[str], typer.Option(help="Checkpoint (default: the run's latest).")] = None,
+        checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
         method: Annotated[str, typer.Option(help="grad-dot, cosine, diagonal, fisher, kfac.")] = "grad-dot",
-        damping: Annotated[Optional[float], typer.Option(help="Relative damping (default 0.1).")] = None,
+        damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
         kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
         refit: Annotated[bool, typer.Option(help="Rebuild from scratch instead of adding new rows.")] = False) -> None:
     """Fit a preconditioner and build (or update) a persisted index."""
@@ -133,16 +133,16 @@ def build_index_command(
 def attribute(
         store: StoreArg,
         run: Annotated[str, typer.Option(help="Run to attribute against.")],
-        queries: Annotated[Optional[str], typer.Option(
+        queries: Annotated[str | None, typer.Option(
             help="Comma-separated query example ids (default: every query row).")] = None,
-        where: Annotated[Optional[str], typer.Option(help="SQL filter selecting query rows instead.")] = None,
+        where: Annotated[str | None, typer.Option(help="SQL filter selecting query rows instead.")] = None,
         k: Annotated[int, typer.Option("-k", "--k", help="Results per query.")] = 10,
         method: Annotated[str, typer.Option(help="grad-dot, cosine, diagonal, fisher, kfac, tracin.")] = "grad-dot",
-        checkpoint: Annotated[Optional[str], typer.Option(help="Checkpoint (default: the run's latest).")] = None,
-        damping: Annotated[Optional[float], typer.Option(help="Relative damping (default 0.1).")] = None,
+        checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
+        damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
         kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
         opponents: Annotated[bool, typer.Option(help="Also list the k strongest opponents.")] = False,
-        out: Annotated[Optional[Path], typer.Option(help="Also write the results to this parquet file.")] = None) -> None:
+        out: Annotated[Path | None, typer.Option(help="Also write the results to this parquet file.")] = None) -> None:
     """Top-k proponents (and opponents) of query examples; results are appended to the scores table."""
     selected = _csv_list(queries) if queries else where
     try:
@@ -161,12 +161,13 @@ def attribute(
 def select(
         store: StoreArg,
         run: Annotated[str, typer.Option(help="Run holding the candidate training rows.")],
-        target: Annotated[Optional[str], typer.Option(
+        target: Annotated[str | None, typer.Option(
             help="Comma-separated target query ids (default: every query row).")] = None,
         budget: Annotated[float, typer.Option(help="Fraction (<= 1) or number of examples to select.")] = 0.05,
-        preconditioner: Annotated[str, typer.Option(help="Space of the cosine: grad-dot, diagonal, fisher.")] = "grad-dot",
+        preconditioner: Annotated[str, typer.Option(
+            help="Space of the cosine: grad-dot, diagonal, fisher.")] = "grad-dot",
         aggregate: Annotated[str, typer.Option(help="max (LESS) or mean over the target set.")] = "max",
-        out: Annotated[Optional[Path], typer.Option(help="Write the selection to this parquet file.")] = None) -> None:
+        out: Annotated[Path | None, typer.Option(help="Write the selection to this parquet file.")] = None) -> None:
     """LESS-style data selection: the training examples most aligned with a target set."""
     from gradstore.selection import export_selection
 
@@ -186,7 +187,7 @@ def self_influence_command(
         store: StoreArg,
         run: Annotated[str, typer.Option(help="Run whose training rows are scored.")],
         method: Annotated[str, typer.Option(help="grad-dot, diagonal, fisher, kfac.")] = "fisher",
-        checkpoint: Annotated[Optional[str], typer.Option(help="Checkpoint (default: the run's latest).")] = None,
+        checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
         top: Annotated[int, typer.Option(help="Rows shown.")] = 20) -> None:
     """Self-influence of every training row (written to the self_influence table); shows the largest."""
     try:

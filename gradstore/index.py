@@ -24,11 +24,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from indexers import (ExactIndex, FaissIndex, IndexMismatchError, VectorBlocks, choose_index_kind, load_preconditioner,
-                      make_preconditioner, manifest_diff)
-from indexers.preconditioners import Preconditioner
-
 from gradstore.methods import DEFAULT_DAMPING, FULL_FISHER_MAX_DIM, Method, resolve_method
+from indexers import (
+    ExactIndex,
+    FaissIndex,
+    IndexMismatchError,
+    VectorBlocks,
+    choose_index_kind,
+    load_preconditioner,
+    make_preconditioner,
+    manifest_diff,
+)
+from indexers.preconditioners import Preconditioner
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore
@@ -359,4 +366,4 @@ def index_summary(index: AttributionIndex) -> dict[str, Any]:
     return {k: index.manifest.get(k) for k in keys}
 
 
-__all__ = ["AttributionIndex", "Selection", "build_index", "load_index", "index_summary", "asdict"]
+__all__ = ["AttributionIndex", "Selection", "asdict", "build_index", "index_summary", "load_index"]

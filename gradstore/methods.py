@@ -1,13 +1,13 @@
 """Attribution methods: which preconditioner each uses, and on which side it is applied.
 
-| method       | score of training row g for query q                     | preconditioner |
-|--------------|---------------------------------------------------------|----------------|
-| ``grad-dot`` | ``q . g``                                               | identity       |
-| ``cosine``   | ``q . g / (|q| |g|)``                                   | cosine (both sides) |
-| ``diagonal`` | ``q^T (D + damping)^-1 g``                              | diagonal second moment |
-| ``fisher``   | ``q^T (G^T G / n + damping * mean_eig * I)^-1 g``       | projected empirical Fisher/GGN, block-diagonal per layer |
-| ``kfac``     | ``q^T (S (x) A + damping * mean_eig * I)^-1 g`` per layer | Kronecker factors from capture (``curvature=True``) |
-| ``tracin``   | ``sum_c lr_c * q_c . g_c`` over checkpoints ``c``        | identity per checkpoint |
+| method       | score of training row g for query q              | preconditioner                          |
+|--------------|--------------------------------------------------|-----------------------------------------|
+| ``grad-dot`` | ``q . g``                                        | identity                                |
+| ``cosine``   | ``q . g / (|q| |g|)``                            | cosine (both sides)                     |
+| ``diagonal`` | ``q^T (D + damping)^-1 g``                       | diagonal second moment                  |
+| ``fisher``   | ``q^T (G^T G / n + damping * mean_eig * I)^-1 g`` | projected empirical Fisher, per layer   |
+| ``kfac``     | ``q^T (S (x) A + damping * mean_eig * I)^-1 g``  | Kronecker factors (``curvature=True``)  |
+| ``tracin``   | ``sum_c lr_c * q_c . g_c`` over checkpoints      | identity per checkpoint                 |
 
 ``influence`` is an alias of ``fisher``. Damping is relative to the mean eigenvalue (default 0.1).
 """

@@ -83,9 +83,8 @@ def resolve_queries(store: GradStore, queries: Any, run: str, checkpoint: str) -
 
 def capture_queries(store: GradStore, queries: QueryBatch, run: str, checkpoint: str) -> Queries:
     """Capture the gradients of a :class:`QueryBatch` with the run's projection (nothing is stored)."""
-    from ingest.capture import GradientCapture
-
     from gradstore.capture import config_for_run
+    from ingest.capture import GradientCapture
 
     config = config_for_run(store, run, {"split": "query", "checkpoint": checkpoint, **queries.options})
     collected: list[Any] = []

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 AGGREGATES = ("max", "mean")
 
 
-def select(store: GradStore, target: Any = None, *, run: str, budget: float | int = 0.05,
+def select(store: GradStore, target: Any = None, *, run: str, budget: float = 0.05,
            preconditioner: str = "grad-dot", aggregate: str = "max", checkpoints: Sequence[str] | None = None,
            damping: float | None = None, split: str = "train", where: str | None = None) -> pa.Table:
     """Select training examples for ``target`` queries (any form :func:`resolve_queries` accepts).
@@ -72,7 +72,7 @@ def select(store: GradStore, target: Any = None, *, run: str, budget: float | in
                      "rank": pa.array(np.arange(1, count + 1, dtype=np.int32))})
 
 
-def budget_count(budget: float | int, n_examples: int) -> int:
+def budget_count(budget: float, n_examples: int) -> int:
     """Examples to select: ``budget`` in (0, 1] is a fraction (rounded up), an int >= 1 a count."""
     if isinstance(budget, bool) or budget <= 0:
         raise ValueError(f"budget must be a fraction in (0, 1] or a positive count, got {budget!r}")

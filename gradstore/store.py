@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from gradstore import schema as S
 from gradstore import sql as store_sql
-from gradstore.errors import (NotAStoreError, SchemaMismatchError, StoreCorruptError, UnknownRunError)
+from gradstore.errors import NotAStoreError, SchemaMismatchError, StoreCorruptError, UnknownRunError
 from gradstore.tabular import to_arrow_table
 from gradstore.vectors import DEFAULT_STORAGE_DTYPE, check_storage_dtype, decode, storage_dtype_of
 from gradstore.writer import GradientWriter, WriterConfig
@@ -385,7 +385,7 @@ class GradStore:
 
         return self_influence(self, run=run, method=method, **options)
 
-    def select(self, target: Any = None, *, run: str, budget: float | int = 0.05, **options: Any):
+    def select(self, target: Any = None, *, run: str, budget: float = 0.05, **options: Any):
         """LESS-style data selection for a target set; see :func:`gradstore.selection.select`."""
         from gradstore.selection import select
 

@@ -13,10 +13,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
-import gradstore
-from gradstore.hf import GradstoreCallback, with_example_ids
+import gradstore  # noqa: E402
+from gradstore.hf import GradstoreCallback, with_example_ids  # noqa: E402
 
 N, SEQ, LR = 12, 16, 1e-3
 OPTIONS = {"projection": "factorized", "k_in": 8, "k_out": 8}

@@ -11,7 +11,7 @@ from torch.func import functional_call, grad, vmap
 
 pytest.importorskip("faiss")
 
-from indexers import (  # noqa: E402
+from indexers import (
     ExactIndex,
     FaissIndex,
     IndexMismatchError,
@@ -23,8 +23,8 @@ from indexers import (  # noqa: E402
     recall_at_k,
     require_faiss,
 )
-from indexers.faiss_index import GPU_MAX_K, sample_rows  # noqa: E402
-from indexers.recall import ivf_nlist  # noqa: E402
+from indexers.faiss_index import GPU_MAX_K, sample_rows
+from indexers.recall import ivf_nlist
 
 MANIFEST = {
     "store_version": 7,

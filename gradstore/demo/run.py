@@ -11,9 +11,10 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -172,7 +173,7 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
                          f"where method = '{best}' order by rank").df()
         log(f"\n{question}\n  top proponents ({best}):\n" + rows.to_string(index=False))
 
-    log("\nfact-tracing recall@%d (share of a question's top-%d that state its fact):" % (config.k, config.k))
+    log(f"\nfact-tracing recall@{config.k} (share of a query's top-{config.k} that state its fact):")
     for name, value in recalls.items():
         log(f"  {name:16s} {value:.3f}")
     return {"recall": recalls, "rows": store.count(), "dim": store.dim, "store": str(store_dir),
