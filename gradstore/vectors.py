@@ -47,20 +47,25 @@ def row_norms(vectors: np.ndarray) -> np.ndarray:
     return norms
 
 
-def encode(vectors: np.ndarray, dtype: str) -> tuple[pa.FixedSizeListArray, pa.Array]:
-    """Encode float32 rows ``[n, dim]`` as the ``grad`` column and the ``grad_norm`` column.
+def encode_rows(vectors: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Encode float32 rows ``[n, dim]`` for storage: ``(values [n, dim], norms float64 [n])``.
 
+    Never modifies ``vectors`` and never returns a view of it. A row holding NaN/Inf gets a non-finite norm.
     Runs on torch's vectorised CPU kernels (numpy's float16 cast is several times slower).
     """
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     norms = row_norms(vectors)
-    if check_storage_dtype(dtype) == "float16":
-        scale = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
-        scale = torch.from_numpy(scale.astype(np.float32))[:, None]
-        values = (torch.from_numpy(vectors) * scale).to(torch.float16).numpy()
-    else:
-        values = vectors
-    column = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), vectors.shape[1])
+    if check_storage_dtype(dtype) == "float32":
+        return vectors.copy(), norms
+    scale = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
+    scale = torch.from_numpy(scale.astype(np.float32))[:, None]
+    return (torch.from_numpy(vectors) * scale).to(torch.float16).numpy(), norms
+
+
+def encode(vectors: np.ndarray, dtype: str) -> tuple[pa.FixedSizeListArray, pa.Array]:
+    """Encode float32 rows ``[n, dim]`` as the ``grad`` column and the ``grad_norm`` column."""
+    values, norms = encode_rows(vectors, dtype)
+    column = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
     return column, pa.array(norms.astype(np.float32))
 
 

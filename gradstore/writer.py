@@ -1,7 +1,8 @@
 """The streaming gradient writer: buffers appended rows and commits them to Lance in large batches.
 
-``append`` checks the rows, builds their metadata columns and adds them to an in-memory buffer; encoding
-the vectors for storage happens on the background thread, off the training loop. When the buffer reaches
+``append`` checks the rows and adds a copy to an in-memory buffer; encoding the vectors for storage and
+building the Arrow table happen once per buffer on the background thread, off the training loop (large
+vectorised passes, never small multi-threaded kernels on the hot path). When the buffer reaches
 ``commit_rows`` rows or ``commit_bytes`` bytes (or its oldest row is ``commit_seconds`` old) it is handed
 to a background thread through a bounded queue, which commits it as one Lance transaction. A full queue
 blocks ``append`` (backpressure): memory stays bounded by ``(max_pending_commits + 1)`` buffers.
@@ -51,7 +52,7 @@ class WriterConfig:
             the batch is written); ``"drop"`` drops those rows, logs a warning and counts them.
     """
 
-    commit_rows: int = 8192
+    commit_rows: int = 4096
     commit_bytes: int = 64 << 20
     commit_seconds: float = 30.0
     max_pending_commits: int = 2
@@ -89,11 +90,10 @@ class GradientWriter:
         self.storage_dtype = storage_dtype
         self.config = config or WriterConfig()
         self._schema = S.gradients_schema(dim, storage_dtype)
-        self._metadata_schema = pa.schema(S.GRADIENT_METADATA_FIELDS)
         self._prefix = new_id_block(self._prefix_taken)
         self._counter = 0
         self._lock = threading.Lock()
-        self._buffer: list[tuple[pa.RecordBatch, np.ndarray]] = []  # (metadata, float32 vectors) per append
+        self._buffer: list[_Chunk] = []
         self._buffer_rows = 0
         self._buffer_bytes = 0
         self._buffer_since = 0.0
@@ -120,8 +120,9 @@ class GradientWriter:
         ids = [str(i) for i in example_ids]
         if len(ids) != len(vectors):
             raise SchemaMismatchError(f"{len(vectors)} gradient rows but {len(ids)} example ids")
+        metadata = self._checked_metadata(metadata, len(ids))
         vectors, ids, metadata = self._check_finite(vectors, ids, metadata)
-        n = len(vectors)
+        n = len(ids)
         if n == 0:
             return np.empty(0, dtype=np.int64)
         with self._lock:
@@ -130,13 +131,13 @@ class GradientWriter:
                 self._prefix, start = new_id_block(self._prefix_taken), 0
             self._counter = start + n
             grad_ids = (np.int64(self._prefix) << 32) + np.arange(start, start + n, dtype=np.int64)
-        chunk = (self._metadata_batch(grad_ids, ids, metadata), vectors.copy())
+        chunk = _Chunk(grad_ids, ids, metadata, np.array(vectors, dtype=np.float32, copy=True))
         with self._lock:
             if not self._buffer:
                 self._buffer_since = time.monotonic()
             self._buffer.append(chunk)
             self._buffer_rows += n
-            self._buffer_bytes += chunk[0].nbytes + vectors.nbytes
+            self._buffer_bytes += chunk.vectors.nbytes + 64 * n
             full = (self._buffer_rows >= self.config.commit_rows or self._buffer_bytes >= self.config.commit_bytes
                     or time.monotonic() - self._buffer_since >= self.config.commit_seconds)
         if full:
@@ -196,26 +197,36 @@ class GradientWriter:
         metadata = {k: (_take(v, keep) if _is_sequence(v) else v) for k, v in metadata.items()}
         return vectors[keep], [ids[i] for i in keep], metadata
 
-    def _metadata_batch(self, grad_ids: np.ndarray, ids: list[str], metadata: dict[str, Any]) -> pa.RecordBatch:
+    @staticmethod
+    def _checked_metadata(metadata: dict[str, Any], n: int) -> dict[str, Any]:
+        """Metadata with known names only and one value per row for sequences (torch tensors to numpy)."""
         unknown = set(metadata) - set(S.GRADIENT_METADATA_NAMES)
         if unknown:
             raise SchemaMismatchError(f"unknown metadata column(s) {sorted(unknown)}; "
                                       f"known: {S.GRADIENT_METADATA_NAMES[2:]}")
-        n = len(ids)
-        columns: dict[str, Any] = {"grad_id": grad_ids, "run_id": [self.run_id] * n, "example_id": ids}
-        for field in S.GRADIENT_METADATA_FIELDS:
-            if field.name in columns:
-                continue
-            value = metadata.get(field.name)
+        checked = {}
+        for name, value in metadata.items():
             if _is_sequence(value):
-                value = np.asarray(value) if not isinstance(value, list) else value
+                value = value if isinstance(value, list) else np.asarray(value)
                 if len(value) != n:
-                    raise SchemaMismatchError(f"metadata {field.name!r} has {len(value)} values for {n} rows")
-                columns[field.name] = value
-            else:
-                columns[field.name] = [value] * n
-        arrays = [pa.array(columns[f.name], type=f.type) for f in S.GRADIENT_METADATA_FIELDS]
-        return pa.RecordBatch.from_arrays(arrays, schema=self._metadata_schema)
+                    raise SchemaMismatchError(f"metadata {name!r} has {len(value)} values for {n} rows")
+            checked[name] = value
+        return checked
+
+    def _table_of(self, chunks: list[_Chunk]) -> pa.Table:
+        """One Arrow table of the buffered chunks (metadata columns built once per commit)."""
+        n = sum(len(c.example_ids) for c in chunks)
+        columns: dict[str, pa.Array] = {
+            "grad_id": pa.array(np.concatenate([c.grad_ids for c in chunks]), pa.int64()),
+            "run_id": pa.array([self.run_id] * n, pa.string()),
+            "example_id": pa.array([i for c in chunks for i in c.example_ids], pa.string()),
+        }
+        for field in S.GRADIENT_METADATA_FIELDS:
+            if field.name not in columns:
+                columns[field.name] = _metadata_column(field, chunks)
+        vectors = chunks[0].vectors if len(chunks) == 1 else np.concatenate([c.vectors for c in chunks])
+        columns[S.VECTOR_COLUMN], columns[S.NORM_COLUMN] = encode(vectors, self.storage_dtype)
+        return pa.Table.from_arrays([columns[name] for name in self._schema.names], schema=self._schema)
 
     def _hand_over(self) -> None:
         with self._lock:
@@ -264,13 +275,9 @@ class GradientWriter:
             self._buffer_rows = self._buffer_bytes = 0
         self._commit(batches)
 
-    def _commit(self, chunks: list[tuple[pa.RecordBatch, np.ndarray]]) -> None:
+    def _commit(self, chunks: list[_Chunk]) -> None:
         try:
-            table = pa.Table.from_batches([meta for meta, _ in chunks], schema=self._metadata_schema)
-            grad, norm = encode(np.concatenate([vectors for _, vectors in chunks]), self.storage_dtype)
-            table = table.append_column(self._schema.field(S.VECTOR_COLUMN), grad)
-            table = table.append_column(self._schema.field(S.NORM_COLUMN), norm).replace_schema_metadata(
-                self._schema.metadata)
+            table = self._table_of(chunks)
             self._table.add(table)
             self.commits += 1
             self.rows_committed += table.num_rows
@@ -286,6 +293,27 @@ class GradientWriter:
         if len(dataset.get_fragments()) > self.config.max_fragments:
             dataset.optimize.compact_files()  # Lance's default target: fragments of ~1M rows
             self.compactions += 1
+
+
+@dataclass
+class _Chunk:
+    """The rows of one ``append``: ids, validated metadata and a float32 copy of the vectors."""
+
+    grad_ids: np.ndarray
+    example_ids: list[str]
+    metadata: dict[str, Any]  # scalars (broadcast) or one value per row
+    vectors: np.ndarray
+
+
+def _metadata_column(field: pa.Field, chunks: list[_Chunk]) -> pa.Array:
+    """A metadata column over all chunks: per-row sequences concatenated, scalars broadcast."""
+    parts = []
+    for chunk in chunks:
+        value = chunk.metadata.get(field.name)
+        parts.append(value if _is_sequence(value) else [value] * len(chunk.example_ids))
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return pa.array(np.concatenate(parts), field.type)
+    return pa.array([v for p in parts for v in (p.tolist() if isinstance(p, np.ndarray) else p)], field.type)
 
 
 def _as_float32_rows(grads: Any, dim: int) -> np.ndarray:
