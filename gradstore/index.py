@@ -31,6 +31,7 @@ from indexers import (
     IndexMismatchError,
     VectorBlocks,
     choose_index_kind,
+    gpu_available,
     load_preconditioner,
     make_preconditioner,
     manifest_diff,
@@ -131,6 +132,7 @@ class AttributionIndex:
         self.preconditioner = preconditioner
         self.faiss_index = faiss_index
         self.indexed_ids = np.empty(0, np.int64)  # grad_ids in the FAISS index (for incremental adds)
+        self._gpu_copy: FaissIndex | None = None
         self.cache_bytes = cache_bytes
         self._cache: tuple[int, np.ndarray, torch.Tensor] | None = None  # (version, ids, vectors)
 
@@ -174,7 +176,7 @@ class AttributionIndex:
         if self.faiss_index is not None:
             if not largest:
                 raise ValueError("opponents (bottom-k) need an exact index: FAISS returns the largest scores only")
-            return self.faiss_index.search(prepared.numpy(), k)
+            return self._searchable().search(prepared.numpy(), k)
         return ExactIndex().search(prepared, self._rows(), k, largest=largest)
 
     def _rows(self) -> VectorBlocks | tuple[np.ndarray, torch.Tensor]:
@@ -198,6 +200,12 @@ class AttributionIndex:
                    else torch.empty(0, self.manifest["dim"]))
         self._cache = (version, ids, self.prepare_rows(vectors))
         return self._cache[1], self._cache[2]
+
+    def _searchable(self) -> FaissIndex:
+        """The FAISS index to search: a copy on all GPUs when faiss-gpu and a CUDA driver are present."""
+        if self._gpu_copy is None:
+            self._gpu_copy = self.faiss_index.to_gpu() if gpu_available() else self.faiss_index
+        return self._gpu_copy
 
     # ------------------------------------------------------------------ persistence
     def save(self) -> None:
@@ -331,6 +339,7 @@ def _add_new_rows(index: AttributionIndex) -> None:
             fresh = ~np.isin(ids, index.indexed_ids)
             if fresh.any():
                 index.faiss_index.add(ids[fresh], index.prepare_rows(torch.from_numpy(vectors[fresh])).numpy())
+                index._gpu_copy = None
                 index.indexed_ids = np.concatenate([index.indexed_ids, ids[fresh]])
     index.manifest.update(rows=rows, gradients_version=index.store.table("gradients").version)
     index.save()
