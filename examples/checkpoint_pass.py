@@ -4,7 +4,7 @@ What it shows:
 1. training with no capture at all, and at a few checkpoints a *capture pass* over the whole training set and
    the queries at fixed weights (``_toy.capture_pass``: ``store.capture(model, run, checkpoint=...,
    learning_rate=...)`` around forward + backward, no optimizer step). Gradients are exact (``projection=None``,
-   676 dims for this MLP); each checkpoint's learning rate lands in the ``checkpoints`` table;
+   548 dims for this MLP); each checkpoint's learning rate lands in the ``checkpoints`` table;
 2. ``method="tracin"``: ``sum_c lr_c * q_c . g_c`` over the checkpoint passes, summed exactly before ranking;
 3. ``method="fisher"`` (influence with the projected empirical Fisher, damping 0.1 x its mean eigenvalue) at
    the last checkpoint;
@@ -36,6 +36,7 @@ def main(store_path: str, *, n_train: int, epochs: int, pass_every: int, k: int 
     train, queries = _toy.make_data(n_train, 40, mislabel=0.05, seed=1)
     store = gradstore.open(store_path)
     store.add_examples(train.frame())
+    store.add_examples(queries.frame())  # the queries' labels, for SQL and for choosing damping (docs/concepts.md)
     model = _toy.train_with_passes(store, RUN, train, queries, epochs=epochs, pass_every=pass_every,
                                    projection=None)
     print(f"train accuracy {_toy.accuracy(model, train):.2f} (labels as given, flips included), "
