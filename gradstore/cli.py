@@ -194,7 +194,7 @@ def self_influence_command(
         table = _open(store).self_influence(run=run, method=method, checkpoint=checkpoint)
     except (GradstoreError, ValueError, KeyError) as error:
         _fail(error)
-    _print_table(table.select(["example_id", "self_influence", "checkpoint", "method"]), limit=top)
+    _print_table(table.select(["example_id", "self_influence", "checkpoint", "method"]).slice(0, top), limit=top)
 
 
 @app.command()

@@ -70,3 +70,29 @@ def test_compact(store_path):
     assert result.exit_code == 0
     assert json.loads(result.output)["fragments"]["gradients"] == 1
     assert gradstore.open(store_path).count() == 5
+
+
+def test_attribution_commands(tmp_path):
+    from gradstore.demo import DemoConfig, run_demo
+
+    path = tmp_path / "demo"
+    run_demo(path, DemoConfig(places=3, phrasings=4, epochs=2, checkpoints=1, methods=("grad-dot",),
+                              shown_queries=0), log=lambda line: None)
+    store = gradstore.open(path)
+    query = store.sql("select example_id from gradients where split = 'query' limit 1").fetchall()[0][0]
+    out = tmp_path / "scores.parquet"
+    result = runner.invoke(app, ["attribute", str(path), "--run", "demo", "--queries", query, "-k", "3",
+                                 "--method", "fisher", "--opponents", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert sorted(pq.read_table(out).column("rank").to_pylist()) == [-3, -2, -1, 1, 2, 3]
+    top = runner.invoke(app, ["self-influence", str(path), "--run", "demo", "--top", "2"])
+    assert top.exit_code == 0 and len(top.output.strip().splitlines()) == 3  # header + 2 rows
+    best = store.sql("select example_id from self_influence order by self_influence desc limit 1").fetchall()[0][0]
+    assert best in top.output.splitlines()[1]
+    chosen = tmp_path / "chosen.parquet"
+    selected = runner.invoke(app, ["select", str(path), "--run", "demo", "--budget", "4", "--out", str(chosen)])
+    assert selected.exit_code == 0 and pq.read_table(chosen).num_rows == 4
+    index = runner.invoke(app, ["build-index", str(path), "--run", "demo", "--kind", "Flat"])
+    assert index.exit_code == 0 and json.loads(index.output)["recall_at_10"] == 1.0
+    missing = runner.invoke(app, ["attribute", str(path), "--run", "demo", "--queries", "nope"])
+    assert missing.exit_code == 1 and "nope" in missing.output
