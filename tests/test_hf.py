@@ -13,20 +13,14 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+from tiny_models import tiny_gpt2  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import gradstore  # noqa: E402
 from gradstore.hf import GradstoreCallback, with_example_ids  # noqa: E402
 
 N, SEQ, LR = 12, 16, 1e-3
 OPTIONS = {"projection": "factorized", "k_in": 8, "k_out": 8}
-
-
-def tiny_gpt2() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=64,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(config)
 
 
 def token_dataset() -> datasets.Dataset:

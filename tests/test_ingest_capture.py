@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from tiny_models import tiny_gpt2
 from torch import nn
 
 from ingest.capture import CaptureConfig, GradientCapture
@@ -15,21 +16,6 @@ from ingest.losses import causal_lm_loss
 from ingest.projection import projection_matrix
 
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_gpt2(dropout: float = 0.0):
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        n_positions=32,
-        vocab_size=64,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-    )
-    return transformers.GPT2LMHeadModel(cfg)
 
 
 def lm_batch(sequences: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_gpt2
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -53,22 +54,6 @@ def test_mlp_matches_torch_func():
         assert rel_err(slot_matrix(spec, out[0].grads, name), linear_reference(g, name)) < 1e-5
 
 
-def tiny_gpt2():
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        n_positions=32,
-        vocab_size=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    cfg._attn_implementation = "eager"
-    return transformers.GPT2LMHeadModel(cfg)
-
-
 def padded_batch():
     """Mixed lengths, right padding, labels -100 on padding."""
     lengths = torch.tensor([9, 4, 12, 6])
@@ -89,7 +74,7 @@ def gpt2_reference(model, ids, mask, labels):
 
 
 def test_gpt2_with_padding_matches_torch_func():
-    model = tiny_gpt2()
+    model = tiny_gpt2(attention="eager")
     ids, mask, labels = padded_batch()
     spec, out = capture_rows(
         model,
@@ -158,7 +143,7 @@ def test_reentrant_checkpointing_is_refused():
 
 
 def test_hf_gradient_checkpointing_gives_the_same_rows():
-    model = tiny_gpt2()
+    model = tiny_gpt2(attention="eager")
     model.train()
     ids, mask, labels = padded_batch()
     cfg = CaptureConfig(projection=None, loss_reduction="token_mean")
