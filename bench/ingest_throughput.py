@@ -1,8 +1,10 @@
 """W-ingest: the streaming writer vs one bulk Lance write of the same rows, in one run.
 
 Streams 4,096-dim rows in training-sized appends (32 rows per call) through ``GradientWriter`` for at least
-200 MB of stored data, then writes the same rows with one ``lance.write_dataset``. Prints MB/s of both,
-their ratio and the fragment count at the end. Target: ratio >= 0.9 with a bounded fragment count.
+200 MB of stored data, and writes the same float32 rows, encoded in one go, with one ``lance.write_dataset``.
+Both arms start from the same float32 rows and end with the same stored bytes. The arms alternate over
+several rounds (paired); prints median MB/s of both, the median per-round ratio and the fragment count.
+Target: ratio >= 0.9 with a bounded fragment count.
 """
 
 from __future__ import annotations
@@ -33,11 +35,37 @@ def _warm_up(root: Path, dim: int, dtype: str) -> None:
     lance.write_dataset(pa.table({"grad": grad, "grad_norm": norm}), root / "warm-up.lance")
 
 
+def _stream(root: Path, vectors: np.ndarray, ids: list[str], dtype: str, append_rows: int) -> tuple[float, int, int]:
+    """Seconds to stream every row through a fresh store's writer (until all are committed), commits, fragments."""
+    store = gradstore.open(root, storage_dtype=dtype)
+    store.create_run("bench", dim=vectors.shape[1])
+    start = time.perf_counter()
+    with store.writer("bench") as writer:
+        for i in range(0, len(ids), append_rows):
+            writer.append(vectors[i:i + append_rows], ids[i:i + append_rows], step=i, split="train")
+    seconds = time.perf_counter() - start
+    return seconds, writer.commits, len(store.table(S.GRADIENTS).to_lance().get_fragments())
+
+
+def _bulk(root: Path, vectors: np.ndarray, ids: list[str], dtype: str) -> tuple[float, float]:
+    """Seconds to encode the same rows in one go and write them in one Lance write; and the write alone."""
+    n = len(ids)
+    start = time.perf_counter()
+    grad, norm = encode(vectors, dtype)
+    table = pa.table({"grad_id": np.arange(n), "run_id": ["bench"] * n, "example_id": ids,
+                      "step": np.arange(n), "split": ["train"] * n, "grad": grad, "grad_norm": norm})
+    encoded = time.perf_counter()
+    lance.write_dataset(table, root)
+    done = time.perf_counter()
+    return done - start, done - encoded
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--megabytes", type=float, default=210.0)
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--append-rows", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5, help="paired rounds (arm order alternates)")
     parser.add_argument("--dtype", default="float16", choices=["float16", "float32"])
     args = parser.parse_args()
 
@@ -47,37 +75,34 @@ def main() -> None:
     ids = [f"ex{i}" for i in range(n)]
     megabytes = n * bytes_per_row / 1e6
     root = Path(tempfile.mkdtemp(prefix="gradstore-bench-ingest-"))
+    streams, bulks, writes = [], [], []
     try:
         _warm_up(root, args.dim, args.dtype)
-        store = gradstore.open(root / "store", storage_dtype=args.dtype)
-        store.create_run("bench", dim=args.dim)
-        start = time.perf_counter()
-        with store.writer("bench") as writer:
-            for i in range(0, n, args.append_rows):
-                writer.append(vectors[i:i + args.append_rows], ids[i:i + args.append_rows], step=i, split="train")
-        streaming_s = time.perf_counter() - start
-        fragments = len(store.table(S.GRADIENTS).to_lance().get_fragments())
-        commits = writer.commits
-
-        # bulk arm: the same float32 rows encoded in one go and written in one Lance write
-        start = time.perf_counter()
-        grad, norm = encode(vectors, args.dtype)
-        table = pa.table({"grad_id": np.arange(n), "run_id": ["bench"] * n, "example_id": ids,
-                          "step": np.arange(n), "split": ["train"] * n, "grad": grad, "grad_norm": norm})
-        encoded_s = time.perf_counter() - start
-        lance.write_dataset(table, root / "bulk.lance")
-        bulk_s = time.perf_counter() - start
-        write_only_s = bulk_s - encoded_s
+        for round_ in range(args.rounds):
+            arms = ["stream", "bulk"] if round_ % 2 == 0 else ["bulk", "stream"]
+            for arm in arms:
+                path = root / f"{arm}-{round_}"
+                if arm == "stream":
+                    seconds, commits, fragments = _stream(path, vectors, ids, args.dtype, args.append_rows)
+                    streams.append(seconds)
+                else:
+                    seconds, write_only = _bulk(path, vectors, ids, args.dtype)
+                    bulks.append(seconds)
+                    writes.append(write_only)
+                shutil.rmtree(path, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    streaming, bulk = megabytes / streaming_s, megabytes / bulk_s
-    ratio = streaming / bulk
-    print(f"rows {n}  dim {args.dim}  dtype {args.dtype}  {megabytes:.0f} MB  appends of {args.append_rows} rows")
-    print(f"streaming writer  {streaming:8.1f} MB/s  ({streaming_s:.2f} s, {commits} commits, {fragments} fragments)")
-    print(f"bulk write        {bulk:8.1f} MB/s  ({bulk_s:.2f} s: encode {encoded_s:.2f} s"
-          f" + write {write_only_s:.2f} s)")
-    print(f"streaming / bulk write alone (rows pre-encoded): {write_only_s / streaming_s:.2f}")
+    ratios = [b / s for s, b in zip(streams, bulks)]
+    ratio = float(np.median(ratios))
+    print(f"rows {n}  dim {args.dim}  dtype {args.dtype}  {megabytes:.0f} MB  appends of {args.append_rows} rows; "
+          f"{args.rounds} paired rounds, medians")
+    print(f"streaming writer  {megabytes / np.median(streams):8.1f} MB/s  ({np.median(streams):.2f} s, "
+          f"{commits} commits, {fragments} fragments at the end)")
+    print(f"bulk write        {megabytes / np.median(bulks):8.1f} MB/s  ({np.median(bulks):.2f} s, "
+          f"of which the Lance write {np.median(writes):.2f} s)")
+    print(f"per-round ratios (streaming MB/s / bulk MB/s): {', '.join(f'{r:.2f}' for r in ratios)}")
+    print(f"streaming vs the bulk Lance write alone (rows pre-encoded): {np.median(writes) / np.median(streams):.2f}")
     verdict = "PASS" if ratio >= 0.9 and fragments <= 64 else "MISS"
     print(f"RESULT ingest_ratio={ratio:.2f} target>=0.9 {verdict}")
 

@@ -16,6 +16,7 @@ The background thread also keeps the fragment count bounded by compacting small 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -218,8 +219,9 @@ class GradientWriter:
         n = sum(len(c.example_ids) for c in chunks)
         columns: dict[str, pa.Array] = {
             "grad_id": pa.array(np.concatenate([c.grad_ids for c in chunks]), pa.int64()),
-            "run_id": pa.array([self.run_id] * n, pa.string()),
-            "example_id": pa.array([i for c in chunks for i in c.example_ids], pa.string()),
+            "run_id": pa.repeat(pa.scalar(self.run_id, pa.string()), n),
+            "example_id": pa.array(itertools.chain.from_iterable(c.example_ids for c in chunks), pa.string(),
+                                   size=n),
         }
         for field in S.GRADIENT_METADATA_FIELDS:
             if field.name not in columns:
@@ -306,11 +308,16 @@ class _Chunk:
 
 
 def _metadata_column(field: pa.Field, chunks: list[_Chunk]) -> pa.Array:
-    """A metadata column over all chunks: per-row sequences concatenated, scalars broadcast."""
-    parts = []
-    for chunk in chunks:
-        value = chunk.metadata.get(field.name)
-        parts.append(value if _is_sequence(value) else [value] * len(chunk.example_ids))
+    """A metadata column over all chunks: per-row sequences concatenated, scalars broadcast (in C, not
+    row by row in Python: the usual case is one scalar per append for step, epoch, split, ...)."""
+    values = [chunk.metadata.get(field.name) for chunk in chunks]
+    counts = [len(chunk.example_ids) for chunk in chunks]
+    if not any(_is_sequence(v) for v in values):
+        if all(v is None for v in values):
+            return pa.nulls(sum(counts), field.type)
+        scalars = pa.array(values, field.type)
+        return scalars.take(pa.array(np.repeat(np.arange(len(values)), counts)))
+    parts = [v if _is_sequence(v) else [v] * n for v, n in zip(values, counts)]
     if all(isinstance(p, np.ndarray) for p in parts):
         return pa.array(np.concatenate(parts), field.type)
     return pa.array([v for p in parts for v in (p.tolist() if isinstance(p, np.ndarray) else p)], field.type)
