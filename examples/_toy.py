@@ -8,8 +8,10 @@ find. The model is a two-layer MLP in plain PyTorch. Everything is generated in 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import argparse
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 import torch
@@ -130,3 +132,12 @@ def train_with_passes(store: gradstore.GradStore, run: str, train: ToyData, quer
             capture_pass(store, run, model, train, queries, checkpoint=f"epoch-{epoch}",
                          learning_rate=optimizer.param_groups[0]["lr"], step=step, **options)
     return model
+
+
+def run_example(doc: str, main: Callable[..., None], quick: dict[str, Any], full: dict[str, Any]) -> None:
+    """Command line of every example: ``--store DIR`` (new or empty) and ``--quick`` (small sizes, for tests)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--store", required=True, help="new or empty store directory")
+    parser.add_argument("--quick", action="store_true", help="smaller data and fewer epochs (for tests)")
+    args = parser.parse_args()
+    main(args.store, **(quick if args.quick else full))

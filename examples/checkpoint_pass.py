@@ -20,8 +20,6 @@ The store directory must be new or empty.
 
 from __future__ import annotations
 
-import argparse
-
 import _toy
 import torch
 
@@ -73,11 +71,5 @@ def main(store_path: str, *, n_train: int, epochs: int, pass_every: int, k: int 
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store", required=True, help="new or empty store directory")
-    parser.add_argument("--quick", action="store_true", help="smaller data and fewer epochs (for tests)")
-    args = parser.parse_args()
-    if args.quick:
-        main(args.store, n_train=400, epochs=6, pass_every=3)
-    else:
-        main(args.store, n_train=1000, epochs=12, pass_every=4)
+    _toy.run_example(__doc__, main, quick=dict(n_train=400, epochs=6, pass_every=3),
+                     full=dict(n_train=1000, epochs=12, pass_every=4))

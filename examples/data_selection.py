@@ -21,7 +21,6 @@ The store directory must be new or empty; the parquet file and the dataset are w
 
 from __future__ import annotations
 
-import argparse
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -71,11 +70,5 @@ def main(store_path: str, *, n_train: int, epochs: int, pass_every: int, n_targe
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store", required=True, help="new or empty store directory")
-    parser.add_argument("--quick", action="store_true", help="smaller data and fewer epochs (for tests)")
-    args = parser.parse_args()
-    if args.quick:
-        main(args.store, n_train=300, epochs=4, pass_every=2)
-    else:
-        main(args.store, n_train=1200, epochs=9, pass_every=3)
+    _toy.run_example(__doc__, main, quick=dict(n_train=300, epochs=4, pass_every=2),
+                     full=dict(n_train=1200, epochs=9, pass_every=3))

@@ -18,8 +18,6 @@ The store directory must be new or empty.
 
 from __future__ import annotations
 
-import argparse
-
 import _toy
 import torch
 
@@ -81,8 +79,4 @@ def main(store_path: str, *, n_train: int, epochs: int, n_queries: int = 3, k: i
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store", required=True, help="new or empty store directory")
-    parser.add_argument("--quick", action="store_true", help="smaller data and fewer epochs (for tests)")
-    args = parser.parse_args()
-    main(args.store, n_train=300 if args.quick else 1000, epochs=3 if args.quick else 8)
+    _toy.run_example(__doc__, main, quick=dict(n_train=300, epochs=3), full=dict(n_train=1000, epochs=8))

@@ -21,8 +21,6 @@ The store directory must be new or empty. Afterwards try ``gradstore sql /tmp/sq
 
 from __future__ import annotations
 
-import argparse
-
 import _toy
 import torch
 
@@ -92,8 +90,4 @@ def main(store_path: str, *, n_train: int, epochs: int, k: int = 5) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store", required=True, help="new or empty store directory")
-    parser.add_argument("--quick", action="store_true", help="smaller data and fewer epochs (for tests)")
-    args = parser.parse_args()
-    main(args.store, n_train=300 if args.quick else 1000, epochs=4 if args.quick else 8)
+    _toy.run_example(__doc__, main, quick=dict(n_train=300, epochs=4), full=dict(n_train=1000, epochs=8))
