@@ -94,10 +94,8 @@ class GradientWriter:
         self._prefix = new_id_block(self._prefix_taken)
         self._counter = 0
         self._lock = threading.Lock()
-        self._buffer: list[_Chunk] = []
-        self._buffer_rows = 0
-        self._buffer_bytes = 0
-        self._buffer_since = 0.0
+        self._buffer: _Buffer | None = None
+        self._capacity = max(1, min(self.config.commit_rows, self.config.commit_bytes // (4 * dim + 64)))
         self._queue: queue.Queue = queue.Queue(maxsize=self.config.max_pending_commits)
         self._error: BaseException | None = None
         self._closed = False
@@ -132,15 +130,17 @@ class GradientWriter:
                 self._prefix, start = new_id_block(self._prefix_taken), 0
             self._counter = start + n
             grad_ids = (np.int64(self._prefix) << 32) + np.arange(start, start + n, dtype=np.int64)
-        chunk = _Chunk(grad_ids, ids, metadata, np.array(vectors, dtype=np.float32, copy=True))
+        chunk = _Chunk(grad_ids, ids, metadata)
         with self._lock:
-            if not self._buffer:
-                self._buffer_since = time.monotonic()
-            self._buffer.append(chunk)
-            self._buffer_rows += n
-            self._buffer_bytes += chunk.vectors.nbytes + 64 * n
-            full = (self._buffer_rows >= self.config.commit_rows or self._buffer_bytes >= self.config.commit_bytes
-                    or time.monotonic() - self._buffer_since >= self.config.commit_seconds)
+            overflow = self._buffer is not None and self._buffer.rows + n > self._buffer.capacity
+        if overflow:
+            self._hand_over()
+        with self._lock:
+            if self._buffer is None:
+                self._buffer = _Buffer(max(self._capacity, n), self.dim)
+            self._buffer.add(chunk, vectors)
+            full = (self._buffer.rows >= self._capacity
+                    or time.monotonic() - self._buffer.since >= self.config.commit_seconds)
         if full:
             self._hand_over()
         return grad_ids
@@ -214,9 +214,9 @@ class GradientWriter:
             checked[name] = value
         return checked
 
-    def _table_of(self, chunks: list[_Chunk]) -> pa.Table:
-        """One Arrow table of the buffered chunks (metadata columns built once per commit)."""
-        n = sum(len(c.example_ids) for c in chunks)
+    def _table_of(self, buffer: _Buffer) -> pa.Table:
+        """One Arrow table of a buffer (metadata columns built and vectors encoded once per commit)."""
+        chunks, n = buffer.chunks, buffer.rows
         columns: dict[str, pa.Array] = {
             "grad_id": pa.array(np.concatenate([c.grad_ids for c in chunks]), pa.int64()),
             "run_id": pa.repeat(pa.scalar(self.run_id, pa.string()), n),
@@ -226,16 +226,14 @@ class GradientWriter:
         for field in S.GRADIENT_METADATA_FIELDS:
             if field.name not in columns:
                 columns[field.name] = _metadata_column(field, chunks)
-        vectors = chunks[0].vectors if len(chunks) == 1 else np.concatenate([c.vectors for c in chunks])
-        columns[S.VECTOR_COLUMN], columns[S.NORM_COLUMN] = encode(vectors, self.storage_dtype)
+        columns[S.VECTOR_COLUMN], columns[S.NORM_COLUMN] = encode(buffer.vectors[:n], self.storage_dtype)
         return pa.Table.from_arrays([columns[name] for name in self._schema.names], schema=self._schema)
 
     def _hand_over(self) -> None:
         with self._lock:
-            batches, self._buffer = self._buffer, []
-            self._buffer_rows = self._buffer_bytes = 0
-        if batches:
-            self._put(batches)
+            buffer, self._buffer = self._buffer, None
+        if buffer is not None:
+            self._put(buffer)
 
     def _put(self, item: object) -> None:
         while True:  # bounded wait so a dead thread surfaces as an error instead of a hang
@@ -270,16 +268,15 @@ class GradientWriter:
 
     def _commit_if_stale(self) -> None:
         with self._lock:
-            stale = self._buffer and time.monotonic() - self._buffer_since >= self.config.commit_seconds
-            if not stale:
+            buffer = self._buffer
+            if buffer is None or time.monotonic() - buffer.since < self.config.commit_seconds:
                 return
-            batches, self._buffer = self._buffer, []
-            self._buffer_rows = self._buffer_bytes = 0
-        self._commit(batches)
+            self._buffer = None
+        self._commit(buffer)
 
-    def _commit(self, chunks: list[_Chunk]) -> None:
+    def _commit(self, buffer: _Buffer) -> None:
         try:
-            table = self._table_of(chunks)
+            table = self._table_of(buffer)
             self._table.add(table)
             self.commits += 1
             self.rows_committed += table.num_rows
@@ -299,12 +296,33 @@ class GradientWriter:
 
 @dataclass
 class _Chunk:
-    """The rows of one ``append``: ids, validated metadata and a float32 copy of the vectors."""
+    """The rows of one ``append``: their ids and validated metadata (the vectors go to the buffer's block)."""
 
     grad_ids: np.ndarray
     example_ids: list[str]
     metadata: dict[str, Any]  # scalars (broadcast) or one value per row
-    vectors: np.ndarray
+
+
+class _Buffer:
+    """Rows waiting for one commit: per-append chunks and one float32 block that appends copy into
+    (no per-append allocation, no concatenation at commit time)."""
+
+    def __init__(self, capacity: int, dim: int) -> None:
+        self.chunks: list[_Chunk] = []
+        self.vectors = np.empty((capacity, dim), dtype=np.float32)
+        self.rows = 0
+        self.since = time.monotonic()
+
+    @property
+    def capacity(self) -> int:
+        """Rows the block holds."""
+        return len(self.vectors)
+
+    def add(self, chunk: _Chunk, vectors: np.ndarray) -> None:
+        """Copy ``vectors`` (one row per id of ``chunk``) into the block."""
+        self.vectors[self.rows : self.rows + len(vectors)] = vectors
+        self.chunks.append(chunk)
+        self.rows += len(vectors)
 
 
 def _metadata_column(field: pa.Field, chunks: list[_Chunk]) -> pa.Array:
