@@ -20,6 +20,7 @@ from gradstore import schema as S
 from gradstore.index import AttributionIndex, Selection, build_index, make_method_preconditioner
 from gradstore.methods import DEFAULT_DAMPING, resolve_method
 from gradstore.queries import resolve_queries
+from gradstore.store import sql_literal
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore
@@ -106,7 +107,7 @@ def learning_rates(store: GradStore, run: str, checkpoints: Sequence[str] | None
     table = store.checkpoints(run)
     recorded = dict(zip(table.column("checkpoint").to_pylist(), table.column("learning_rate").to_pylist()))
     if checkpoints is None:
-        with_queries = set(store.sql(f"select distinct checkpoint from gradients where run_id = '{_escape(run)}' "
+        with_queries = set(store.sql(f"select distinct checkpoint from gradients where run_id = {sql_literal(run)} "
                                      "and split = 'query'").df().checkpoint)
         wanted = [c for c, lr in recorded.items() if lr is not None and c in with_queries]
     else:
@@ -118,10 +119,6 @@ def learning_rates(store: GradStore, run: str, checkpoints: Sequence[str] | None
     if missing:
         raise ValueError(f"checkpoints {missing} of run {run!r} have no recorded learning rate")
     return {c: float(recorded[c]) for c in wanted}
-
-
-def _escape(value: str) -> str:
-    return value.replace("'", "''")
 
 
 class ExampleScores:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from enum import Enum
 from pathlib import Path
@@ -32,6 +34,15 @@ def _open(store: Path, create: bool = False):
     try:
         return gradstore.open(store, create=create)
     except GradstoreError as error:
+        _fail(error)
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Turn the errors a user can cause (bad ids, runs, methods, options) into a message and exit code 1."""
+    try:
+        yield
+    except (GradstoreError, ValueError, KeyError) as error:
         _fail(error)
 
 
@@ -121,11 +132,9 @@ def build_index_command(
     """Fit a preconditioner and build (or update) a persisted index."""
     from gradstore.index import index_summary
 
-    try:
+    with _user_errors():
         index = _open(store).build_index(run, checkpoint=checkpoint, method=method, damping=damping, kind=kind,
                                          refit=refit)
-    except (GradstoreError, ValueError, KeyError) as error:
-        _fail(error)
     typer.echo(json.dumps(index_summary(index), indent=2))
 
 
@@ -145,11 +154,9 @@ def attribute(
         out: Annotated[Path | None, typer.Option(help="Also write the results to this parquet file.")] = None) -> None:
     """Top-k proponents (and opponents) of query examples; results are appended to the scores table."""
     selected = _csv_list(queries) if queries else where
-    try:
+    with _user_errors():
         table = _open(store).attribute(selected, run=run, k=k, method=method, checkpoint=checkpoint,
                                        damping=damping, kind=kind, opponents=opponents)
-    except (GradstoreError, ValueError, KeyError) as error:
-        _fail(error)
     if out is not None:
         import pyarrow.parquet as pq
 
@@ -171,11 +178,9 @@ def select(
     """LESS-style data selection: the training examples most aligned with a target set."""
     from gradstore.selection import export_selection
 
-    try:
+    with _user_errors():
         table = _open(store).select(_csv_list(target), run=run, budget=int(budget) if budget > 1 else budget,
                                     preconditioner=preconditioner, aggregate=aggregate)
-    except (GradstoreError, ValueError, KeyError) as error:
-        _fail(error)
     if out is not None:
         export_selection(table, out)
         typer.echo(f"wrote {table.num_rows} selected examples to {out}", err=True)
@@ -190,10 +195,8 @@ def self_influence_command(
         checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
         top: Annotated[int, typer.Option(help="Rows shown.")] = 20) -> None:
     """Self-influence of every training row (written to the self_influence table); shows the largest."""
-    try:
+    with _user_errors():
         table = _open(store).self_influence(run=run, method=method, checkpoint=checkpoint)
-    except (GradstoreError, ValueError, KeyError) as error:
-        _fail(error)
     _print_table(table.select(["example_id", "self_influence", "checkpoint", "method"]).slice(0, top), limit=top)
 
 

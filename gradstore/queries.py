@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from gradstore.errors import MissingIdsError, SchemaMismatchError
+from gradstore.store import sql_in
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore
@@ -63,7 +64,7 @@ def resolve_queries(store: GradStore, queries: Any, run: str, checkpoint: str) -
     else:
         wanted = [str(q) for q in queries]
         block = store.read_gradients(run, checkpoint=checkpoint, split="query",
-                                     where=_in_list("example_id", wanted))
+                                     where=sql_in("example_id", wanted))
         found = block.metadata.column("example_id").to_pylist()
         missing = sorted(set(wanted) - set(found))
         if missing:
@@ -102,8 +103,3 @@ def capture_queries(store: GradStore, queries: QueryBatch, run: str, checkpoint:
     ids = [i for batch in collected for i in batch.example_ids]
     vectors = torch.cat([batch.grads for batch in collected]).numpy() if collected else np.empty((0, 0), np.float32)
     return Queries(ids, vectors)
-
-
-def _in_list(column: str, values: Sequence[str]) -> str:
-    quoted = ", ".join("'" + v.replace("'", "''") + "'" for v in values)
-    return f"{column} IN ({quoted})"

@@ -42,8 +42,14 @@ class GradientBlock:
         return torch.from_numpy(self.vectors).to(device) if device else torch.from_numpy(self.vectors)
 
 
-def _sql_literal(value: str) -> str:
+def sql_literal(value: str) -> str:
+    """``value`` as a quoted SQL string literal (for Lance filters and DuckDB)."""
     return "'" + str(value).replace("'", "''") + "'"
+
+
+def sql_in(column: str, values: Sequence[str]) -> str:
+    """``column IN ('a', 'b', ...)``."""
+    return f"{column} IN ({', '.join(sql_literal(v) for v in values)})"
 
 
 def gradient_filter(run: str | Sequence[str] | None = None, checkpoint: str | Sequence[str] | None = None,
@@ -55,7 +61,7 @@ def gradient_filter(run: str | Sequence[str] | None = None, checkpoint: str | Se
         if value is None:
             continue
         values = [value] if isinstance(value, str) else list(value)
-        clauses.append(f"{column} IN ({', '.join(_sql_literal(v) for v in values)})")
+        clauses.append(sql_in(column, values))
     if steps is not None:
         low, high = steps
         if low is not None:
@@ -149,7 +155,7 @@ class GradStore:
 
     def run(self, run_id: str) -> dict:
         """The ``runs`` row of ``run_id`` as a dict (raises ``UnknownRunError``)."""
-        rows = self.table(S.RUNS).search().where(f"run_id = {_sql_literal(run_id)}").to_list()
+        rows = self.table(S.RUNS).search().where(f"run_id = {sql_literal(run_id)}").to_list()
         if not rows:
             known = self.table(S.RUNS).to_arrow().column("run_id").to_pylist()
             raise UnknownRunError(f"unknown run {run_id!r}; the store holds runs {known}")
@@ -157,7 +163,7 @@ class GradStore:
 
     def has_run(self, run_id: str) -> bool:
         """Whether the store holds run ``run_id``."""
-        return self.table(S.RUNS).count_rows(f"run_id = {_sql_literal(run_id)}") > 0
+        return self.table(S.RUNS).count_rows(f"run_id = {sql_literal(run_id)}") > 0
 
     def run_config(self, run_id: str) -> dict:
         """The JSON config a run was created with (capture options, notes)."""
@@ -255,7 +261,7 @@ class GradStore:
         """Checkpoints (of one run, or all), ordered by step."""
         query = self.table(S.CHECKPOINTS).search()
         if run_id is not None:
-            query = query.where(f"run_id = {_sql_literal(run_id)}")
+            query = query.where(f"run_id = {sql_literal(run_id)}")
         return query.to_arrow().sort_by([("run_id", "ascending"), ("step", "ascending")])
 
     # ------------------------------------------------------------------ writing and reading gradients
