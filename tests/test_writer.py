@@ -132,3 +132,17 @@ def test_sigkill_mid_run_loses_only_unflushed_rows(store_path):
     with store.writer("r") as again:
         again.append(np.ones((1, 32)), ["after"])
     assert store.count("gradients", "example_id = 'after'") == 1
+
+
+def test_appends_larger_than_a_commit_and_uneven_sizes_keep_every_row(store):
+    store.create_run("r", dim=3)
+    rows = np.arange(3 * 57, dtype=np.float32).reshape(57, 3)
+    sizes = [4, 25, 1, 9, 18]  # 25 exceeds commit_rows; 9 overflows a partly filled buffer
+    with store.writer("r", commit_rows=10) as writer:
+        start = 0
+        for size in sizes:
+            writer.append(rows[start:start + size], [str(i) for i in range(start, start + size)])
+            start += size
+    block = store.read_gradients("r")
+    order = np.argsort(block.metadata.column("example_id").to_numpy(zero_copy_only=False).astype(int))
+    np.testing.assert_allclose(block.vectors[order], rows, rtol=1e-3)
