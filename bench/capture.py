@@ -45,7 +45,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import gradstore
-from gradstore import schema as S
+from gradstore.core import schema as S
 
 TARGET = 1.05
 BATCH = 16

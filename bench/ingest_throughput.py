@@ -20,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 
 import gradstore
-from gradstore import schema as S
-from gradstore.vectors import encode
+from gradstore.core import schema as S
+from gradstore.core.vectors import encode
 
 
 def _warm_up(root: Path, dim: int, dtype: str) -> None:

@@ -8,25 +8,36 @@ import os
 
 os.environ.setdefault("LANCE_LOG", "error")  # Lance logs a warning for every table it creates
 
+from gradstore.attribution import ScoreMatrix
+from gradstore.core import GradientBlock, GradientWriter, StoreCore, WriterConfig
 from gradstore.errors import (
     GradstoreError,
+    IndexMismatchError,
+    InvalidArgumentError,
+    InvalidFilterError,
+    InvalidNameError,
+    MissingCurvatureError,
     MissingIdsError,
     NonFiniteGradientError,
     NotAStoreError,
+    ProjectionMismatchError,
+    RecomputationError,
     SchemaMismatchError,
     SQLError,
     StoreCorruptError,
+    UnknownIndexError,
     UnknownRunError,
     WriterClosedError,
 )
 from gradstore.queries import QueryBatch
-from gradstore.store import GradientBlock, GradStore
+from gradstore.store import GradStore
 from gradstore.store import open_store as open
-from gradstore.writer import GradientWriter, WriterConfig
 
 __all__ = [
-    "GradStore", "GradientBlock", "GradientWriter", "GradstoreError", "MissingIdsError", "NonFiniteGradientError",
-    "NotAStoreError", "QueryBatch", "SQLError", "SchemaMismatchError", "StoreCorruptError", "UnknownRunError",
+    "GradStore", "GradientBlock", "GradientWriter", "GradstoreError", "IndexMismatchError", "InvalidArgumentError",
+    "InvalidFilterError", "InvalidNameError", "MissingCurvatureError", "MissingIdsError", "NonFiniteGradientError",
+    "NotAStoreError", "ProjectionMismatchError", "QueryBatch", "RecomputationError", "SQLError",
+    "SchemaMismatchError", "ScoreMatrix", "StoreCore", "StoreCorruptError", "UnknownIndexError", "UnknownRunError",
     "WriterClosedError", "WriterConfig", "open",
 ]
 __version__ = "0.1.0"

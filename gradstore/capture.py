@@ -1,7 +1,7 @@
 """``store.capture``: stream an unchanged training loop's per-example gradients into a store run.
 
 A thin composition of :class:`ingest.GradientCapture` (hooks, per-example math, projection) and the
-store's :class:`~gradstore.writer.GradientWriter` (buffered background commits). The run's projection
+store's :class:`~gradstore.core.writer.GradientWriter` (buffered background commits). The run's projection
 spec is recorded on first use and checked on every later capture into the same run (training rows,
 checkpoint passes and query rows must share one projection).
 """
@@ -12,18 +12,28 @@ import dataclasses
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from gradstore.writer import GradientWriter, WriterConfig
-from ingest.capture import CaptureConfig, CapturedBatch, GradientCapture
-from ingest.projection import ProjectionSpec
+from gradstore.core import GradientWriter, StoreCore, WriterConfig
+from gradstore.errors import InvalidArgumentError, translated
+from ingest import CaptureConfig, CapturedBatch, GradientCapture, ProjectionSpec
 
-if TYPE_CHECKING:
-    from gradstore.store import GradStore
+#: Options that define a run's vectors (or how its loss was formed): later captures of the run reuse them.
+RUN_OPTIONS = ("projection", "k_in", "k_out", "seed", "layer_types", "include", "exclude", "route", "loss_reduction",
+               "loss_scale")
+
+
+class RunDefault:
+    """The default of a capture option that a run remembers: the run's own value, else the library default."""
+
+    def __repr__(self) -> str:
+        return "<the run's own>"
+
+
+RUN_DEFAULT: Any = RunDefault()
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -32,21 +42,27 @@ def model_fingerprint(model: nn.Module) -> str:
     return f"{type(model).__name__}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
-def config_for_run(store: GradStore, run: str, overrides: dict[str, Any]) -> CaptureConfig:
-    """The capture config of an existing run with ``overrides`` applied (a new run: defaults + overrides)."""
+def config_for_run(store: StoreCore, run: str, overrides: dict[str, Any]) -> CaptureConfig:
+    """The capture config of ``run``: the run's own :data:`RUN_OPTIONS` (a new run: the defaults) with
+    ``overrides`` applied; options given as :data:`RUN_DEFAULT` are not overrides."""
+    overrides = {k: v for k, v in overrides.items() if v is not RUN_DEFAULT}
     fields = {f.name for f in dataclasses.fields(CaptureConfig)}
     unknown = set(overrides) - fields
     if unknown:
-        raise TypeError(f"unknown capture option(s) {sorted(unknown)}; options: {sorted(fields)}")
+        raise InvalidArgumentError(f"unknown capture option(s) {sorted(unknown)}; options: {sorted(fields)}")
     saved: dict[str, Any] = {}
     if store.has_run(run):
         stored = store.run_config(run).get("capture", {})
-        # the projection/layer options define the vectors; split, checkpoint, rank... are per capture
-        saved = {k: v for k, v in stored.items()
-                 if k in ("projection", "k_in", "k_out", "seed", "layer_types", "include", "exclude", "route")}
+        # these define the vectors; split, checkpoint, rank, curvature... are per capture
+        saved = {k: v for k, v in stored.items() if k in RUN_OPTIONS}
         if "layer_types" in saved:
             saved["layer_types"] = tuple(saved["layer_types"])
-    return CaptureConfig(**{**saved, **overrides})
+    config = CaptureConfig(**{**saved, **overrides})
+    try:
+        config.validate()
+    except ValueError as error:
+        raise InvalidArgumentError(str(error)) from error
+    return config
 
 
 class StoreCapture:
@@ -54,7 +70,7 @@ class StoreCapture:
     :class:`ingest.GradientCapture` (``set_ids``, ``set_epoch``, ``set_step``, ``set_checkpoint``,
     ``set_split``, ``pause``/``resume``/``paused``, ``flush``)."""
 
-    def __init__(self, store: GradStore, model: nn.Module, run: str, config: CaptureConfig, *,
+    def __init__(self, store: StoreCore, model: nn.Module, run: str, config: CaptureConfig, *,
                  optimizer: torch.optim.Optimizer | None = None,
                  per_example_loss: Callable[..., torch.Tensor] | None = None, grad_scaler: Any | None = None,
                  learning_rate: float | None = None, writer_config: WriterConfig | None = None) -> None:
@@ -84,10 +100,18 @@ class StoreCapture:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
-            self.capture.__exit__(exc_type, exc, tb)  # drains every finished batch into the writer
-        finally:
-            self._writer.close()
+            try:
+                self.capture.__exit__(exc_type, exc, tb)  # drains every finished batch into the writer
+            finally:
+                self._writer.close()
+        except Exception as error:
+            ours = translated(error)
+            if ours is None:
+                raise
+            raise ours from error
         self._record_run()
+        if exc is not None and (ours := translated(exc)) is not None:
+            raise ours from exc
 
     def _open_writer(self) -> GradientWriter:
         """The writer this capture's rows go to (distributed captures stage them instead of committing)."""
@@ -161,19 +185,3 @@ class StoreCapture:
         self.rows_written += len(batch.example_ids)
         if batch.split == "train":  # query rows describe no checkpoint of training
             self._seen[batch.checkpoint] = {"step": batch.step, "epoch": batch.epoch, "learning_rate": lr}
-
-
-def curvature_arrays(stats: dict[str, tuple[np.ndarray, np.ndarray, int]]) -> dict[str, np.ndarray]:
-    """Flatten per-layer curvature statistics to named arrays (for an ``.npz`` file)."""
-    arrays: dict[str, np.ndarray] = {}
-    for layer, (a_cov, s_cov, count) in stats.items():
-        arrays[f"{layer}|A"], arrays[f"{layer}|S"] = a_cov, s_cov
-        arrays[f"{layer}|count"] = np.asarray(count)
-    return arrays
-
-
-def curvature_from_arrays(arrays: Any) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
-    """Inverse of :func:`curvature_arrays`."""
-    layers = sorted({key.rsplit("|", 1)[0] for key in arrays})
-    return {layer: (np.asarray(arrays[f"{layer}|A"]), np.asarray(arrays[f"{layer}|S"]),
-                    int(arrays[f"{layer}|count"])) for layer in layers}

@@ -1,6 +1,6 @@
 """Many ranks, one store: capture under ``torch.distributed`` (DDP, FSDP) with few commits.
 
-Every rank captures the examples of its own micro-batches. Its :class:`~gradstore.writer.GradientWriter`
+Every rank captures the examples of its own micro-batches. Its :class:`~gradstore.core.writer.GradientWriter`
 buffers rows as usual, but where a single process would commit, a rank only *writes data files*
 (Lance fragments, :func:`lance.fragment.write_fragments`) and keeps their metadata. At a flush point
 all ranks hand their fragment metadata to rank 0 (``gather_object`` on a dedicated gloo group), which
@@ -43,9 +43,9 @@ from lance.fragment import FragmentMetadata, write_fragments
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from gradstore import schema as S
 from gradstore.capture import StoreCapture, config_for_run
-from gradstore.writer import GradientWriter, WriterConfig
+from gradstore.core import schema as S
+from gradstore.core.writer import GradientWriter, WriterConfig
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Union
 
 import numpy as np
 import torch
 
-from gradstore.errors import MissingIdsError, SchemaMismatchError
-from gradstore.store import sql_in
-
-if TYPE_CHECKING:
-    from gradstore.store import GradStore
+from gradstore.capture import config_for_run
+from gradstore.core import StoreCore, sql_in
+from gradstore.core.database import check_spec
+from gradstore.errors import InvalidArgumentError, MissingIdsError, NonFiniteGradientError, SchemaMismatchError
+from ingest import GradientCapture
 
 
 @dataclass
@@ -40,6 +40,10 @@ class QueryBatch:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+QueryInput = Union[None, str, Sequence[str], QueryBatch, np.ndarray, torch.Tensor]
+"""Every form :func:`resolve_queries` accepts (see the module docstring)."""
+
+
 @dataclass
 class Queries:
     """Resolved queries: one id and one raw vector per query."""
@@ -48,7 +52,7 @@ class Queries:
     vectors: np.ndarray  # float32 [q, dim]
 
 
-def resolve_queries(store: GradStore, queries: Any, run: str, checkpoint: str) -> Queries:
+def resolve_queries(store: StoreCore, queries: QueryInput, run: str, checkpoint: str) -> Queries:
     """Turn any accepted query form into :class:`Queries` for ``run`` at ``checkpoint``."""
     dim = store.run(run)["dim"]
     if isinstance(queries, QueryBatch):
@@ -69,37 +73,36 @@ def resolve_queries(store: GradStore, queries: Any, run: str, checkpoint: str) -
         missing = sorted(set(wanted) - set(found))
         if missing:
             raise MissingIdsError(f"no query rows for example ids {missing[:10]} in run {run!r} at checkpoint "
-                           f"{checkpoint!r}: capture them with split='query'")
+                                  f"{checkpoint!r}: capture them with split='query'")
         position = {qid: i for i, qid in enumerate(found)}
         order = [position[q] for q in wanted]
         resolved = Queries(wanted, block.vectors[order])
     if not resolved.ids:
-        raise ValueError(f"no queries selected in run {run!r} at checkpoint {checkpoint!r}")
+        raise InvalidArgumentError(f"no queries selected in run {run!r} at checkpoint {checkpoint!r}")
     if resolved.vectors.shape[1] != dim:
         raise SchemaMismatchError(f"query vectors have {resolved.vectors.shape[1]} dims; run {run!r} has {dim}")
     if not np.isfinite(resolved.vectors).all():
-        raise ValueError("query vectors contain NaN/Inf")
+        raise NonFiniteGradientError("query vectors contain NaN/Inf")
     return resolved
 
 
-def capture_queries(store: GradStore, queries: QueryBatch, run: str, checkpoint: str) -> Queries:
+def capture_queries(store: StoreCore, queries: QueryBatch, run: str, checkpoint: str) -> Queries:
     """Capture the gradients of a :class:`QueryBatch` with the run's projection (nothing is stored)."""
-    from gradstore.capture import config_for_run
-    from ingest.capture import GradientCapture
-
     config = config_for_run(store, run, {"split": "query", "checkpoint": checkpoint, **queries.options})
     collected: list[Any] = []
     model = queries.model
     saved_grads = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
-    capture = GradientCapture(model, collected.append, config)
-    store.run_spec(run).check_matches(capture.spec)
-    with capture:
-        if queries.ids is not None:
-            capture.set_ids(list(queries.ids))
-        loss = queries.loss_fn(model, queries.batch) if queries.loss_fn else model(**queries.batch).loss
-        loss.backward()
-    for name, p in model.named_parameters():  # leave the model's gradients as they were
-        p.grad = saved_grads[name]
+    try:
+        capture = GradientCapture(model, collected.append, config)
+        check_spec(store.run_spec(run), capture.spec)
+        with capture:
+            if queries.ids is not None:
+                capture.set_ids(list(queries.ids))
+            loss = queries.loss_fn(model, queries.batch) if queries.loss_fn else model(**queries.batch).loss
+            loss.backward()
+    finally:
+        for name, p in model.named_parameters():  # leave the model's gradients as they were
+            p.grad = saved_grads[name]
     ids = [i for batch in collected for i in batch.example_ids]
     vectors = torch.cat([batch.grads for batch in collected]).numpy() if collected else np.empty((0, 0), np.float32)
     return Queries(ids, vectors)

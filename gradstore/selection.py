@@ -11,58 +11,53 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from gradstore.attribution import ExampleScores, _selection_blocks, learning_rates
-from gradstore.index import Selection, make_method_preconditioner
-from gradstore.methods import DEFAULT_DAMPING, resolve_method
-from gradstore.queries import resolve_queries
+from gradstore.attribution import ExampleScores, learning_rates
+from gradstore.core import StoreCore
+from gradstore.errors import InvalidArgumentError
+from gradstore.fitting import FitCache, Selection, fit_spec
+from gradstore.methods import BlockStructure, resolve_method
+from gradstore.queries import QueryInput, resolve_queries
+from gradstore.scoring import ScoringSpace
 
-if TYPE_CHECKING:
-    from gradstore.store import GradStore
-
-AGGREGATES = ("max", "mean")
+Aggregate = Literal["max", "mean"]
+AGGREGATES = get_args(Aggregate)
 
 
-def select(store: GradStore, target: Any = None, *, run: str, budget: float = 0.05,
-           preconditioner: str = "grad-dot", aggregate: str = "max", checkpoints: Sequence[str] | None = None,
-           damping: float | None = None, split: str = "train", where: str | None = None) -> pa.Table:
-    """Select training examples for ``target`` queries (any form :func:`resolve_queries` accepts).
-
-    ``preconditioner`` names the space the cosine is taken in: a method name whose preconditioner is used
-    (``grad-dot`` = identity, ``diagonal``, ``fisher``, ``kfac``). Returns ``(example_id, score, rank)`` for the
-    selected examples, best first.
-    """
+def select(store: StoreCore, fits: FitCache, target: QueryInput = None, *, run: str, budget: float = 0.05,
+           preconditioner: str = "grad-dot", aggregate: Aggregate = "max", checkpoints: Sequence[str] | None = None,
+           damping: float | None = None, blocks: BlockStructure = "auto", split: str = "train",
+           where: str | None = None) -> pa.Table:
+    """Select training examples for ``target`` queries; see :meth:`gradstore.GradStore.select`."""
     if aggregate not in AGGREGATES:
-        raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
+        raise InvalidArgumentError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
     method = resolve_method(preconditioner)
+    if method.over_checkpoints or method.name == "cosine":
+        raise InvalidArgumentError(f"select takes cosines in a preconditioned space: {method.name!r} is not one "
+                                   "(use grad-dot, diagonal, fisher, kfac or ekfac)")
     try:
         rates = learning_rates(store, run, checkpoints)
-    except ValueError:
+    except InvalidArgumentError:
         if checkpoints is not None:
             raise
-        from gradstore.attribution import default_checkpoint
-
-        rates = {default_checkpoint(store, run): 1.0}  # no learning rates recorded: one unweighted checkpoint
-    totals: ExampleScores | None = None
-    target_ids: list[str] | None = None
+        rates = {store.default_checkpoint(run): 1.0}  # no learning rates recorded: one unweighted checkpoint
+    totals = ExampleScores(1)
     for checkpoint, rate in rates.items():
         selection = Selection(run, checkpoint, split, where)
-        fitted = make_method_preconditioner(store, selection, method, DEFAULT_DAMPING if damping is None else damping)
-        fitted.fit(vectors for _, vectors in selection.blocks(store)())
+        space = ScoringSpace(method, fits.get(fit_spec(store, selection, method, blocks), damping))
         resolved = resolve_queries(store, target, run, checkpoint)
-        target_ids = target_ids or resolved.ids
-        queries = _unit(fitted.apply_both(torch.from_numpy(resolved.vectors).to(torch.float64)))
-        totals = totals or ExampleScores(1)
-        for example_ids, vectors in _selection_blocks(store, selection):
-            cosines = queries @ _unit(fitted.apply_both(vectors.to(torch.float64))).T
+        queries = _unit(space.whitened(torch.from_numpy(resolved.vectors)))
+        for block in store.iter_gradients(run, checkpoint=checkpoint, split=split, where=where,
+                                          columns=("example_id",)):
+            cosines = queries @ _unit(space.whitened(torch.from_numpy(block.vectors))).T
             reduced = cosines.max(dim=0).values if aggregate == "max" else cosines.mean(dim=0)
-            totals.add(example_ids, rate * reduced[None])
+            totals.add(block.metadata.column("example_id").to_pylist(), rate * reduced[None])
     scores = totals.matrix[0].numpy()
     example_ids = np.asarray(totals.example_ids, dtype=object)
     count = budget_count(budget, len(example_ids))
@@ -74,12 +69,12 @@ def select(store: GradStore, target: Any = None, *, run: str, budget: float = 0.
 
 def budget_count(budget: float, n_examples: int) -> int:
     """Examples to select: ``budget`` in (0, 1] is a fraction (rounded up), an int >= 1 a count."""
-    if isinstance(budget, bool) or budget <= 0:
-        raise ValueError(f"budget must be a fraction in (0, 1] or a positive count, got {budget!r}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise InvalidArgumentError(f"budget must be a fraction in (0, 1] or a positive count, got {budget!r}")
     if isinstance(budget, float) and budget <= 1.0:
         return min(n_examples, math.ceil(budget * n_examples))
     if float(budget) != int(budget):
-        raise ValueError(f"a budget above 1 must be a whole number of examples, got {budget!r}")
+        raise InvalidArgumentError(f"a budget above 1 must be a whole number of examples, got {budget!r}")
     return min(n_examples, int(budget))
 
 

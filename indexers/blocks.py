@@ -15,6 +15,8 @@ carry a third element, ``scales float32 [n]``: the stored row is then ``scales[:
 store's float16 unit rows plus a float32 norm column), without materializing the product."""
 
 ArrayLike = np.ndarray | torch.Tensor
+Rows = VectorBlocks | ArrayLike
+"""What preconditioners fit on: a :data:`VectorBlocks` source, or one in-memory ``[n, d]`` array."""
 
 
 def blocks_from_arrays(ids: np.ndarray, vectors: ArrayLike, block_rows: int = 65536) -> VectorBlocks:
@@ -32,6 +34,15 @@ def blocks_from_arrays(ids: np.ndarray, vectors: ArrayLike, block_rows: int = 65
             yield ids[start : start + block_rows], vectors[start : start + block_rows]
 
     return source
+
+
+def as_source(rows: Rows, block_rows: int = 65536) -> VectorBlocks:
+    """``rows`` as a :data:`VectorBlocks` source (an in-memory array gets ids ``0..n-1``)."""
+    if callable(rows):
+        return rows
+    if isinstance(rows, (np.ndarray, torch.Tensor)) and rows.ndim == 2:
+        return blocks_from_arrays(np.arange(len(rows)), rows, block_rows)
+    raise TypeError(f"expected a VectorBlocks source or a [rows, dim] array, got {type(rows).__name__}")
 
 
 def as_tensor(

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterable
 
 import numpy as np
 import torch
 
-from indexers.blocks import ArrayLike
+from indexers.blocks import Rows
 from indexers.errors import NotFittedError
 from indexers.preconditioner import (
     DeviceCache,
@@ -33,7 +32,7 @@ class DiagonalPreconditioner:
         self.n_rows = 0
         self._cache = DeviceCache()
 
-    def fit(self, blocks: Iterable[ArrayLike]) -> DiagonalPreconditioner:
+    def fit(self, blocks: Rows) -> DiagonalPreconditioner:
         """One streaming pass accumulating ``sum g^2`` per coordinate in float64."""
         total, rows = None, 0
         for block in float64_blocks(blocks):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 import numpy as np
 import torch
 
-from indexers.blocks import ArrayLike
+from indexers.blocks import Rows
 from indexers.errors import NotFittedError
 from indexers.preconditioner import (
     DeviceCache,
@@ -43,7 +43,7 @@ class FisherPreconditioner:
         self.eigenvectors: list[torch.Tensor] = []
         self._cache = DeviceCache()
 
-    def fit(self, blocks: Iterable[ArrayLike]) -> FisherPreconditioner:
+    def fit(self, blocks: Rows) -> FisherPreconditioner:
         """One streaming pass accumulating ``G_b^T G_b`` per block in float64, then an eigendecomposition."""
         grams: list[torch.Tensor] = []
         spans: list[tuple[int, int]] = []

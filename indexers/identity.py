@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 
 import torch
 
-from indexers.blocks import ArrayLike
+from indexers.blocks import Rows
 from indexers.preconditioner import apply_rows, load_state, save_state
 
 COSINE_EPS = 1e-12
@@ -18,7 +17,7 @@ class IdentityPreconditioner:
 
     name = "identity"
 
-    def fit(self, blocks: Iterable[ArrayLike]) -> IdentityPreconditioner:
+    def fit(self, blocks: Rows) -> IdentityPreconditioner:
         """Nothing to fit; the blocks are not read."""
         return self
 

@@ -20,7 +20,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from indexers.blocks import ArrayLike
+from indexers.blocks import ArrayLike, Rows
 from indexers.errors import NotFittedError
 from indexers.preconditioner import (
     DeviceCache,
@@ -68,20 +68,14 @@ class KroneckerPreconditioner:
         self.eigenvalues: dict[str, torch.Tensor] = {}
         self._cache = DeviceCache()
 
-    def fit(self, blocks: Iterable[ArrayLike]) -> KroneckerPreconditioner:
+    def fit(self, blocks: Rows) -> KroneckerPreconditioner:
         """Eigendecompose the factors; estimate them from the gradients if none were given; EK-FAC pass.
 
-        With factors given and no eigenvalue correction the blocks are not read.
-
-        Without factors and with ``eigen_correction`` two passes are needed, so ``blocks`` must then be a
-        re-iterable collection (a list, or an object whose ``__iter__`` restarts), not a one-shot iterator."""
+        With factors given and no eigenvalue correction the rows are not read; without factors and with
+        ``eigen_correction`` they are read twice (a :data:`~indexers.blocks.VectorBlocks` source restarts)."""
         self.dim, self.n_rows = None, 0
         factors = self.factors
         if factors is None:
-            if self.eigen_correction and iter(blocks) is blocks:
-                raise ValueError(
-                    "EK-FAC without given factors makes two passes: pass a re-iterable, not an iterator"
-                )
             factors = self._factors_from_gradients(blocks)
         self.basis, self.eigenvalues = {}, {}
         for name, _, k_in, k_out in self.layout:
@@ -118,7 +112,7 @@ class KroneckerPreconditioner:
             yield name, block[:, offset : offset + k_in * k_out].reshape(-1, k_out, k_in)
 
     def _factors_from_gradients(
-        self, blocks: Iterable[ArrayLike]
+        self, blocks: Rows
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         sums: dict[str, list] = {}
         rows = 0
@@ -141,7 +135,7 @@ class KroneckerPreconditioner:
             factors[name] = (a / rows, s / total if total > 0 else s / rows)
         return factors
 
-    def _correct_eigenvalues(self, blocks: Iterable[ArrayLike]) -> None:
+    def _correct_eigenvalues(self, blocks: Rows) -> None:
         sums = {name: torch.zeros_like(values) for name, values in self.eigenvalues.items()}
         rows = 0
         for block in float64_blocks(blocks):

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from indexers.blocks import ArrayLike, as_tensor
+from indexers.blocks import Rows, as_source, as_tensor, unpack_block
 
 CONFIG_FILE = "preconditioner.json"
 STATE_FILE = "state.npz"
@@ -29,8 +29,8 @@ class Preconditioner(Protocol):
 
     name: str
 
-    def fit(self, blocks: Iterable[ArrayLike]) -> Preconditioner:
-        """Accumulate statistics over ``[rows, dim]`` gradient blocks (streaming, float64); returns self."""
+    def fit(self, blocks: Rows) -> Preconditioner:
+        """Accumulate statistics over the rows of a block source or array (streaming, float64); returns self."""
         ...
 
     def apply_query(self, q: torch.Tensor) -> torch.Tensor:
@@ -56,11 +56,15 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def float64_blocks(blocks: Iterable[ArrayLike]) -> Iterable[torch.Tensor]:
-    """Each block as a float64 CPU tensor of shape ``[rows, dim]``, checking the dimension is constant."""
+def float64_blocks(rows: Rows) -> Iterator[torch.Tensor]:
+    """Each block of a source (or the one array) as a float64 CPU ``[rows, dim]`` tensor (scales applied),
+    checking the dimension is constant."""
     dim = None
-    for block in blocks:
-        tensor = as_tensor(block, torch.float64, "cpu")
+    for block in as_source(rows)():
+        _, vectors, scales = unpack_block(block)
+        tensor = as_tensor(vectors, torch.float64, "cpu")
+        if scales is not None:
+            tensor = tensor * torch.from_numpy(scales).to(torch.float64)[:, None]
         if dim is not None and tensor.shape[1] != dim:
             raise ValueError(f"blocks disagree on the vector dimension: {dim} then {tensor.shape[1]}")
         dim = tensor.shape[1]

@@ -1,0 +1,29 @@
+"""Capture side of gradstore: hooks on modules, per-example gradient math, random projection, ids.
+
+Produces :class:`CapturedBatch` rows for a sink; imports neither ``gradstore`` nor ``indexers``.
+
+>>> from ingest import CaptureConfig, GradientCapture
+>>> with GradientCapture(model, sink, CaptureConfig(k_in=16, k_out=16)) as capture:
+...     model(**batch).loss.backward()      # sink receives one CapturedBatch per backward
+"""
+
+from ingest.capture import CaptureConfig, CapturedBatch, GradientCapture, build_spec
+from ingest.curvature import CurvatureStats
+from ingest.hooks import RecomputationError
+from ingest.layers import LayerInfo, select_layers
+from ingest.projection import LayerSlot, ProjectionMismatchError, ProjectionSpec, projection_matrix
+
+__all__ = [
+    "CaptureConfig",
+    "CapturedBatch",
+    "CurvatureStats",
+    "GradientCapture",
+    "LayerInfo",
+    "LayerSlot",
+    "ProjectionMismatchError",
+    "ProjectionSpec",
+    "RecomputationError",
+    "build_spec",
+    "projection_matrix",
+    "select_layers",
+]

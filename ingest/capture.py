@@ -278,8 +278,9 @@ class GradientCapture:
         return batch.rows
 
     def curvature_stats(self) -> CurvatureStats | None:
-        """Accumulator of the current checkpoint, or None when curvature is off."""
-        if not self.config.curvature:
+        """Accumulator of the current checkpoint, or None when curvature is off or the rows are not
+        training rows (query rows describe no curvature of the training loss)."""
+        if not self.config.curvature or self.split != "train":
             return None
         return self._curvature.setdefault(self.checkpoint, CurvatureStats())
 
@@ -309,6 +310,9 @@ class GradientCapture:
                 "set_ids(), or give the model a tensor input to hash"
             )
         size = inputs.shape[0] if inputs is not None else len(given)
+        if size == 0:  # an empty batch has no rows to capture
+            self.batch = None
+            return args, kwargs
         ids = normalize_ids(given, size) if given is not None else None
         mask = find_mask(kwargs, inputs)
         device = inputs.device if inputs is not None else next(self.model.parameters()).device

@@ -57,10 +57,10 @@ class Delivery:
         self._thread.join()
 
     def raise_error(self) -> None:
-        """Re-raise (once) an exception raised by the sink on the worker thread."""
+        """Re-raise (once), as itself, an exception raised by the sink on the worker thread."""
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError("the capture sink failed") from error
+            raise error
 
     def _run(self) -> None:
         while True:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -217,7 +219,7 @@ def test_faiss_flat_index_equals_exact_and_is_incremental(captured):
 def test_index_from_another_projection_is_refused(captured):
     store, _, _ = captured
     index = store.build_index("run", checkpoint="c0", method="grad-dot")
-    path = index.directory / "manifest.json"
+    path = Path(store.files.path("indexes", index.name, "manifest.json"))
     text = path.read_text()
     try:
         path.write_text(text.replace(index.manifest["projection_fingerprint"], "0" * 32))

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import gradstore
-from gradstore.vectors import decode, encode
+from gradstore.core.vectors import decode, encode
 
 
 def _rows(n: int, dim: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:

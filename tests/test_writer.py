@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 import gradstore
-from gradstore.writer import WriterConfig
+from gradstore.core.writer import WriterConfig
 
 
 def test_appends_are_committed_in_large_batches(store):

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from gradstore import schema as S
+from gradstore.core import schema as S
+from gradstore.core.vectors import encode
 from gradstore.errors import NonFiniteGradientError, SchemaMismatchError, WriterClosedError
-from gradstore.vectors import encode
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from gradstore.vectors import vector_type
+from gradstore.core.vectors import vector_type
 
 FORMAT_KEY = b"gradstore.format"
 FORMAT_VERSION = b"1"

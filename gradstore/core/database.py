@@ -1,0 +1,423 @@
+"""The store's core: one LanceDB database holding runs, checkpoints, gradients, examples and results.
+
+:class:`StoreCore` is the data-access layer every higher module works on (tables, runs, checkpoints,
+gradient I/O, examples, result tables, side files, SQL, maintenance). It imports nothing above
+``gradstore.core``; the user-facing :class:`gradstore.GradStore` extends it with capture, attribution and
+selection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import lancedb
+import numpy as np
+import pyarrow as pa
+
+from gradstore.core import schema as S
+from gradstore.core import sql as store_sql
+from gradstore.core.curvature import LayerCurvature, load_curvature, save_curvature
+from gradstore.core.filters import StepRange, gradient_filter, sql_literal
+from gradstore.core.macros import macros_for
+from gradstore.core.sidefiles import SideFiles
+from gradstore.core.tabular import to_arrow_table
+from gradstore.core.vectors import DEFAULT_STORAGE_DTYPE, check_storage_dtype, decode, storage_dtype_of
+from gradstore.core.writer import GradientWriter, WriterConfig
+from gradstore.errors import (
+    InvalidArgumentError,
+    InvalidNameError,
+    NotAStoreError,
+    ProjectionMismatchError,
+    SchemaMismatchError,
+    StoreCorruptError,
+    UnknownRunError,
+)
+from ingest import ProjectionMismatchError as LowerProjectionMismatchError
+from ingest import ProjectionSpec
+
+log = logging.getLogger(__name__)
+
+Names = str | Sequence[str]
+
+
+@dataclass
+class GradientBlock:
+    """A block of stored gradients: float32 vectors with their ``grad_id``s and metadata columns."""
+
+    grad_ids: np.ndarray  # int64 [n]
+    vectors: np.ndarray  # float32 [n, dim]
+    metadata: pa.Table  # the requested metadata columns, row-aligned
+
+    def __len__(self) -> int:
+        return len(self.grad_ids)
+
+    def torch(self, device: str | None = None):
+        """The vectors as a torch tensor (zero-copy on CPU)."""
+        import torch
+
+        return torch.from_numpy(self.vectors).to(device) if device else torch.from_numpy(self.vectors)
+
+
+def check_run_name(run_id: str) -> str:
+    """A run id must be a non-empty string (it is never used as a path: side files hash it)."""
+    if not isinstance(run_id, str) or not run_id.strip():
+        raise InvalidNameError(f"a run id must be a non-empty string, got {run_id!r}")
+    return run_id
+
+
+class StoreCore:
+    """Tables, runs, checkpoints, gradient I/O, examples, results, side files and SQL of one store."""
+
+    def __init__(self, uri: str, db: lancedb.DBConnection, storage_dtype: str) -> None:
+        self.uri = uri
+        self.db = db
+        self._storage_dtype = storage_dtype
+        self._tables: dict[str, Any] = {}
+        self.files = SideFiles(uri)
+
+    # ------------------------------------------------------------------ tables
+    def has_table(self, name: str) -> bool:
+        """Whether the store holds table ``name``."""
+        return name in self._tables or name in self.db.list_tables().tables
+
+    def table(self, name: str):
+        """The LanceDB table ``name`` (``StoreCorruptError`` if it cannot be opened, ``KeyError`` if absent)."""
+        if name not in self._tables:
+            if not self.has_table(name):
+                raise KeyError(f"the store has no table {name!r} yet")
+            try:
+                self._tables[name] = self.db.open_table(name)
+            except Exception as error:
+                raise StoreCorruptError(f"table {name!r} of store {self.uri} cannot be opened: {error}") from error
+        return self._tables[name]
+
+    def _create_table(self, name: str, schema: pa.Schema):
+        self._tables[name] = self.db.create_table(name, schema=schema, exist_ok=True)
+        return self._tables[name]
+
+    def _ensure_fixed_tables(self) -> None:
+        for name, schema in S.FIXED_SCHEMAS.items():
+            if not self.has_table(name):
+                self._create_table(name, schema)
+
+    # ------------------------------------------------------------------ runs
+    @property
+    def dim(self) -> int | None:
+        """Dimension of the stored vectors (``None`` until the first run is created)."""
+        if not self.has_table(S.GRADIENTS):
+            return None
+        return self.table(S.GRADIENTS).schema.field(S.VECTOR_COLUMN).type.list_size
+
+    @property
+    def storage_dtype(self) -> str:
+        """Storage dtype of the vector column (see :mod:`gradstore.core.vectors`)."""
+        if self.has_table(S.GRADIENTS):
+            return storage_dtype_of(self.table(S.GRADIENTS).schema.field(S.VECTOR_COLUMN).type)
+        return self._storage_dtype
+
+    def create_run(self, run_id: str, *, dim: int, projection: dict | None = None,
+                   model_fingerprint: str | None = None, config: dict | None = None,
+                   exist_ok: bool = False) -> dict:
+        """Register a capture run of ``dim``-dimensional vectors with its projection spec.
+
+        Re-creating an existing run with ``exist_ok=True`` checks that the projection spec is the same.
+        """
+        check_run_name(run_id)
+        if dim <= 0:
+            raise InvalidArgumentError(f"dim must be positive, got {dim}")
+        if self.dim is None:
+            self._create_table(S.GRADIENTS, S.gradients_schema(dim, self._storage_dtype))
+        elif self.dim != dim:
+            raise SchemaMismatchError(f"this store holds {self.dim}-dimensional gradients; run {run_id!r} "
+                                      f"would write {dim}-dimensional ones (use another store)")
+        projection_json = json.dumps(projection, sort_keys=True) if projection is not None else None
+        existing = self.run(run_id) if self.has_run(run_id) else None
+        if existing is not None:
+            if not exist_ok:
+                raise InvalidArgumentError(f"run {run_id!r} already exists (pass exist_ok=True to append to it)")
+            if existing["projection"] != projection_json or existing["dim"] != dim:
+                raise SchemaMismatchError(f"run {run_id!r} exists with a different projection spec or dim")
+            return existing
+        row = {"run_id": run_id, "created_at": datetime.now(timezone.utc), "model_fingerprint": model_fingerprint,
+               "projection": projection_json, "projection_fingerprint": (projection or {}).get("fingerprint"),
+               "dim": dim, "config": json.dumps(config or {}, sort_keys=True, default=str)}
+        self.table(S.RUNS).add(pa.Table.from_pylist([row], schema=S.RUNS_SCHEMA))
+        return row
+
+    def run(self, run_id: str) -> dict:
+        """The ``runs`` row of ``run_id`` as a dict (raises ``UnknownRunError``)."""
+        rows = self.table(S.RUNS).search().where(f"run_id = {sql_literal(run_id)}").to_list()
+        if not rows:
+            known = self.table(S.RUNS).to_arrow().column("run_id").to_pylist()
+            raise UnknownRunError(f"unknown run {run_id!r}; the store holds runs {known}")
+        return rows[0]
+
+    def has_run(self, run_id: str) -> bool:
+        """Whether the store holds run ``run_id``."""
+        return self.table(S.RUNS).count_rows(f"run_id = {sql_literal(run_id)}") > 0
+
+    def runs(self) -> pa.Table:
+        """All runs as an Arrow table."""
+        return self.table(S.RUNS).to_arrow()
+
+    def run_config(self, run_id: str) -> dict:
+        """The JSON config a run was created with (capture options, notes)."""
+        return json.loads(self.run(run_id)["config"] or "{}")
+
+    def run_projection(self, run_id: str) -> dict | None:
+        """The projection spec a run was captured with as a dict (``None`` for a run created without one)."""
+        spec = self.run(run_id)["projection"]
+        return json.loads(spec) if spec else None
+
+    def run_spec(self, run_id: str) -> ProjectionSpec:
+        """The run's projection spec."""
+        stored = self.run_projection(run_id)
+        if stored is None:
+            raise SchemaMismatchError(f"run {run_id!r} has no projection spec")
+        return ProjectionSpec.from_dict(stored)
+
+    def ensure_run(self, run_id: str, spec: ProjectionSpec, model_fingerprint: str | None = None,
+                   config: dict | None = None) -> None:
+        """Create run ``run_id`` for vectors of projection ``spec``, or check that the existing run was
+        captured with the same spec (raises ``ProjectionMismatchError`` naming what differs)."""
+        if self.has_run(run_id):
+            check_spec(self.run_spec(run_id), spec)
+            return
+        projection = {**spec.to_dict(), "fingerprint": spec.fingerprint()}
+        self.create_run(run_id, dim=spec.dim, projection=projection, model_fingerprint=model_fingerprint,
+                        config=config)
+
+    # ------------------------------------------------------------------ checkpoints
+    def record_checkpoint(self, run_id: str, checkpoint: str, *, step: int | None = None,
+                          epoch: int | None = None, learning_rate: float | None = None) -> None:
+        """Record (or update) a checkpoint of a run with its step, epoch and learning rate."""
+        self.run(run_id)
+        row = pa.Table.from_pylist([{"run_id": run_id, "checkpoint": checkpoint, "step": step, "epoch": epoch,
+                                     "learning_rate": learning_rate, "created_at": datetime.now(timezone.utc)}],
+                                   schema=S.CHECKPOINTS_SCHEMA)
+        (self.table(S.CHECKPOINTS).merge_insert(["run_id", "checkpoint"])
+         .when_matched_update_all().when_not_matched_insert_all().execute(row))
+
+    def checkpoints(self, run_id: str | None = None) -> pa.Table:
+        """Checkpoints (of one run, or all), ordered by step."""
+        query = self.table(S.CHECKPOINTS).search()
+        if run_id is not None:
+            query = query.where(f"run_id = {sql_literal(run_id)}")
+        return query.to_arrow().sort_by([("run_id", "ascending"), ("step", "ascending")])
+
+    def default_checkpoint(self, run_id: str) -> str:
+        """The run's latest recorded checkpoint (by step, then recording time), or ``"train"`` when none is."""
+        self.run(run_id)
+        checkpoints = self.checkpoints(run_id).sort_by([("step", "ascending"), ("created_at", "ascending")])
+        if checkpoints.num_rows == 0:
+            return "train"
+        return checkpoints.column("checkpoint")[checkpoints.num_rows - 1].as_py()
+
+    def save_curvature(self, run_id: str, checkpoint: str, stats: LayerCurvature) -> None:
+        """Save per-layer Kronecker curvature statistics of a run's checkpoint (a side file)."""
+        self.run(run_id)
+        save_curvature(self.files, run_id, checkpoint, stats)
+
+    def load_curvature(self, run_id: str, checkpoint: str) -> LayerCurvature:
+        """Per layer ``(A, S, count)`` saved by a capture with ``curvature=True`` (``MissingCurvatureError``)."""
+        return load_curvature(self.files, run_id, checkpoint)
+
+    # ------------------------------------------------------------------ writing and reading gradients
+    def writer(self, run_id: str, config: WriterConfig | None = None, **thresholds: Any) -> GradientWriter:
+        """A streaming writer for ``run_id`` (see :class:`gradstore.core.writer.GradientWriter`).
+
+        Keyword arguments override :class:`~gradstore.core.writer.WriterConfig` fields.
+        """
+        self.run(run_id)
+        if thresholds:
+            config = WriterConfig(**{**(config or WriterConfig()).__dict__, **thresholds})
+        return GradientWriter(self.table(S.GRADIENTS), run_id=run_id, dim=self.dim,
+                              storage_dtype=self.storage_dtype, config=config)
+
+    def iter_gradients(self, run: Names | None = None, *, checkpoint: Names | None = None,
+                       split: Names | None = None, steps: StepRange | None = None, where: str | None = None,
+                       columns: Sequence[str] = ("example_id",), block_rows: int = 65536) -> Iterator[GradientBlock]:
+        """Stream matching gradient rows as float32 blocks of at most ``block_rows`` rows.
+
+        Filters combine with AND; ``where`` is a SQL filter on metadata columns. Only one block is
+        in memory at a time.
+        """
+        if self.dim is None:
+            return
+        for name in [run] if isinstance(run, str) else (run or []):
+            self.run(name)
+        wanted = ["grad_id", *[c for c in columns if c != "grad_id"], S.VECTOR_COLUMN, S.NORM_COLUMN]
+        unknown = set(wanted) - set(self.table(S.GRADIENTS).schema.names)
+        if unknown:
+            raise SchemaMismatchError(f"gradients table has no column(s) {sorted(unknown)}")
+        dataset = self.table(S.GRADIENTS).to_lance()
+        scanner = dataset.scanner(columns=wanted, filter=gradient_filter(run, checkpoint, split, steps, where),
+                                  batch_size=block_rows)
+        dtype = self.storage_dtype
+        metadata_columns = wanted[1:-2]
+        for batch in _rebatch(scanner.to_reader(), block_rows):
+            yield GradientBlock(grad_ids=np.array(batch.column("grad_id").to_numpy()),
+                                vectors=decode(batch.column(S.VECTOR_COLUMN), batch.column(S.NORM_COLUMN), dtype),
+                                metadata=pa.Table.from_batches([batch.select(metadata_columns)]))
+
+    def read_gradients(self, run: Names | None = None, *, checkpoint: Names | None = None,
+                       split: Names | None = None, steps: StepRange | None = None, where: str | None = None,
+                       columns: Sequence[str] = ("example_id",)) -> GradientBlock:
+        """All matching rows in one block (for small selections; prefer :meth:`iter_gradients`)."""
+        blocks = list(self.iter_gradients(run, checkpoint=checkpoint, split=split, steps=steps, where=where,
+                                          columns=columns))
+        if not blocks:
+            names = [c for c in columns if c != "grad_id"]
+            schema = pa.schema([self.table(S.GRADIENTS).schema.field(c) for c in names]) if self.dim else None
+            empty = schema.empty_table() if schema is not None else pa.table({})
+            return GradientBlock(np.empty(0, np.int64), np.empty((0, self.dim or 0), np.float32), empty)
+        return GradientBlock(np.concatenate([b.grad_ids for b in blocks]),
+                             np.concatenate([b.vectors for b in blocks]),
+                             pa.concat_tables([b.metadata for b in blocks]))
+
+    def count(self, table: str = S.GRADIENTS, where: str | None = None) -> int:
+        """Row count of a table (0 if it does not exist yet)."""
+        return self.table(table).count_rows(where) if self.has_table(table) else 0
+
+    def example_ids_for(self, grad_ids: np.ndarray) -> dict[int, str]:
+        """``grad_id -> example_id`` for the given ids (one filtered scan of two int/string columns)."""
+        unique = np.unique(grad_ids)
+        if len(unique) == 0:
+            return {}
+        table = self.table(S.GRADIENTS).to_lance().to_table(
+            columns=["grad_id", "example_id"], filter=f"grad_id IN ({', '.join(str(int(g)) for g in unique)})")
+        return dict(zip(table.column("grad_id").to_pylist(), table.column("example_id").to_pylist()))
+
+    # ------------------------------------------------------------------ examples and results
+    def add_examples(self, data: Any, id_column: str = "example_id") -> int:
+        """Add training/query examples (any tabular input, see :func:`gradstore.core.tabular.to_arrow_table`).
+
+        ``id_column`` names the column holding each example's id; it is stored as ``example_id`` (string).
+        Later additions must have the same columns. Returns the number of rows added.
+        """
+        table = to_arrow_table(data)
+        if id_column not in table.column_names:
+            raise SchemaMismatchError(f"examples have no id column {id_column!r}; columns: {table.column_names}")
+        ids = table.column(id_column).cast(pa.string())
+        if ids.null_count:
+            raise SchemaMismatchError(f"{ids.null_count} example(s) have no id in column {id_column!r}")
+        table = table.drop_columns([id_column])
+        if "example_id" in table.column_names:
+            raise SchemaMismatchError("examples carry both an 'example_id' column and another id column")
+        table = table.add_column(0, pa.field("example_id", pa.string(), nullable=False), ids)
+        if not self.has_table(S.EXAMPLES):
+            self._create_table(S.EXAMPLES, table.schema.with_metadata({S.FORMAT_KEY: S.FORMAT_VERSION}))
+        existing = self.table(S.EXAMPLES).schema
+        if set(existing.names) != set(table.column_names):
+            raise SchemaMismatchError(f"examples must have columns {existing.names}, got {table.column_names}")
+        try:
+            table = table.select(existing.names).cast(existing)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+            raise SchemaMismatchError(f"examples do not match the stored schema: {error}") from None
+        self.table(S.EXAMPLES).add(table)
+        return table.num_rows
+
+    def append_results(self, name: str, table: pa.Table) -> None:
+        """Append a result table (``scores``, ``self_influence``) stamped with the current time."""
+        schema = S.FIXED_SCHEMAS[name]
+        now = pa.array([datetime.now(timezone.utc)] * table.num_rows, schema.field("created_at").type)
+        self.table(name).add(table.append_column(schema.field("created_at"), now).select(schema.names).cast(schema))
+
+    # ------------------------------------------------------------------ SQL
+    def sql(self, query: str):
+        """Run read-only DuckDB SQL over every table (vectors excluded); returns a DuckDB relation."""
+        tables = {name: self.table(name).to_lance() for name in self.db.list_tables().tables}
+        self._sql_connection = store_sql.connect(tables, macros_for(set(tables)))  # lives with its relation
+        return store_sql.run_query(self._sql_connection, query)
+
+    # ------------------------------------------------------------------ maintenance
+    def compact(self, cleanup_older_than: timedelta | None = None) -> dict[str, int]:
+        """Compact every table's fragments; optionally delete versions older than ``cleanup_older_than``.
+
+        Returns the fragment count of each table after compaction.
+        """
+        counts = {}
+        for name in self.db.list_tables().tables:
+            dataset = self.table(name).to_lance()
+            if len(dataset.get_fragments()) > 1:
+                dataset.optimize.compact_files()
+            if cleanup_older_than is not None:
+                dataset.cleanup_old_versions(older_than=cleanup_older_than)
+            counts[name] = len(self.table(name).to_lance().get_fragments())
+        return counts
+
+    def info(self) -> dict[str, Any]:
+        """A summary: tables with rows, fragments and versions, runs, dim, dtype, bytes on disk."""
+        tables = {}
+        for name in sorted(self.db.list_tables().tables):
+            dataset = self.table(name).to_lance()
+            tables[name] = {"rows": dataset.count_rows(), "fragments": len(dataset.get_fragments()),
+                            "version": dataset.version}
+        path = Path(self.uri)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else None
+        runs = self.runs().column("run_id").to_pylist() if self.has_table(S.RUNS) else []
+        return {"uri": self.uri, "dim": self.dim, "storage_dtype": self.storage_dtype, "runs": runs,
+                "tables": tables, "bytes_on_disk": size}
+
+
+def check_spec(expected: ProjectionSpec, found: ProjectionSpec) -> None:
+    """``expected.check_matches(found)`` raising gradstore's ``ProjectionMismatchError``."""
+    try:
+        expected.check_matches(found)
+    except LowerProjectionMismatchError as error:
+        raise ProjectionMismatchError(*error.args) from error
+
+
+def _rebatch(reader: pa.RecordBatchReader, rows: int) -> Iterator[pa.RecordBatch]:
+    """Regroup a stream of record batches into batches of ``rows`` rows (the last may be shorter)."""
+    pending: list[pa.RecordBatch] = []
+    count = 0
+    for batch in reader:
+        pending.append(batch)
+        count += batch.num_rows
+        while count >= rows:
+            table = pa.Table.from_batches(pending)
+            yield table.slice(0, rows).combine_chunks().to_batches()[0]
+            rest = table.slice(rows)
+            pending, count = rest.combine_chunks().to_batches() if rest.num_rows else [], rest.num_rows
+    if count:
+        yield pa.Table.from_batches(pending).combine_chunks().to_batches()[0]
+
+
+def connect(uri: str | Path, store_class: type[StoreCore] = StoreCore, *, create: bool = True,
+            storage_dtype: str | None = None, read_consistency: timedelta = timedelta(0)) -> StoreCore:
+    """Create or open the store at ``uri`` as an instance of ``store_class`` (see :func:`gradstore.open`)."""
+    uri = str(uri)
+    if storage_dtype is not None:
+        check_storage_dtype(storage_dtype)
+    if "://" not in uri:
+        path = Path(uri)
+        if path.exists() and not path.is_dir():
+            raise NotAStoreError(f"{uri} is a file, not a gradstore store (a directory)")
+        is_new = not path.exists() or not any(path.iterdir())
+        if not is_new and not (path / f"{S.RUNS}.lance").exists():
+            raise NotAStoreError(f"{uri} exists but is not a gradstore store (no '{S.RUNS}' table)")
+        if is_new and not create:
+            raise NotAStoreError(f"no gradstore store at {uri} (pass create=True to make one)")
+    try:
+        db = lancedb.connect(uri, read_consistency_interval=read_consistency)
+        store = store_class(uri, db, storage_dtype or DEFAULT_STORAGE_DTYPE)
+        existing = set(db.list_tables().tables)
+    except Exception as error:
+        raise StoreCorruptError(f"cannot open store {uri}: {error}") from error
+    if S.RUNS in existing:
+        runs_schema = store.table(S.RUNS).schema
+        if (runs_schema.metadata or {}).get(S.FORMAT_KEY) != S.FORMAT_VERSION:
+            raise NotAStoreError(f"{uri} holds a '{S.RUNS}' table that gradstore did not write")
+        if storage_dtype is not None and store.dim is not None and store.storage_dtype != storage_dtype:
+            raise SchemaMismatchError(f"store {uri} stores {store.storage_dtype} vectors, not {storage_dtype}")
+    elif not create:
+        raise NotAStoreError(f"no gradstore store at {uri}")
+    store._ensure_fixed_tables()
+    return store

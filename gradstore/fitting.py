@@ -1,0 +1,180 @@
+"""One fitted-preconditioner cache for every way of scoring (attribute, self-influence, select, indexes).
+
+A fit is keyed by a frozen :class:`FitSpec` (the selected rows, the preconditioner, its block structure and
+eigenvalue correction). Damping is not part of the key: a fit keeps its eigendecomposition and is re-damped
+when it is used, so one fit serves every damping. Fits are held in memory and persisted as side files
+(``fits/<key>/``, a manifest written last) with the row count and largest ``grad_id`` they were fitted
+on; rows appended to the selection since make the fit stale, and it is fitted again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from gradstore.core import StoreCore, gradient_filter
+from gradstore.core import schema as S
+from gradstore.errors import InvalidArgumentError, MissingCurvatureError, StoreCorruptError
+from gradstore.methods import DEFAULT_DAMPING, FULL_FISHER_MAX_DIM, BlockStructure, Method, check_blocks
+from indexers import Preconditioner, VectorBlocks, load_preconditioner, make_preconditioner
+
+log = logging.getLogger(__name__)
+
+FITS = "fits"
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which stored rows a fit or an index covers."""
+
+    run: str
+    checkpoint: str
+    split: str = "train"
+    where: str | None = None
+
+    @property
+    def filter(self) -> str:
+        """The filter expression selecting the rows."""
+        return gradient_filter(self.run, self.checkpoint, self.split, None, self.where)
+
+    def blocks(self, store: StoreCore, block_rows: int = 65536) -> VectorBlocks:
+        """A re-iterable source of ``(grad_ids, float32 vectors)`` blocks of the selected rows."""
+
+        def source() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            for block in store.iter_gradients(self.run, checkpoint=self.checkpoint, split=self.split,
+                                              where=self.where, columns=(), block_rows=block_rows):
+                yield block.grad_ids, block.vectors
+
+        return source
+
+    def state(self, store: StoreCore) -> tuple[int, int]:
+        """``(rows, largest grad_id)`` of the selection now: a fit of other rows is stale."""
+        ids = store.table(S.GRADIENTS).to_lance().to_table(columns=["grad_id"], filter=self.filter).column(0)
+        return len(ids), (int(np.max(ids.to_numpy())) if len(ids) else -1)
+
+    def count(self, store: StoreCore) -> int:
+        """Rows currently selected."""
+        return store.count(S.GRADIENTS, self.filter)
+
+
+@dataclass(frozen=True)
+class FitSpec:
+    """Everything a fitted preconditioner depends on, except the damping."""
+
+    selection: Selection
+    preconditioner: str
+    blocks: Literal["layer", "full"] | None = None  # fisher only
+    eigen_correction: bool = False  # kfac only
+
+    def key(self) -> str:
+        """A stable file-system safe key."""
+        text = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def fit_spec(store: StoreCore, selection: Selection, method: Method, blocks: BlockStructure = "auto") -> FitSpec:
+    """The :class:`FitSpec` of ``method`` over ``selection`` (``blocks="auto"`` resolved by the run's dim)."""
+    check_blocks(blocks)
+    structure = None
+    if method.preconditioner == "fisher":
+        structure = blocks if blocks != "auto" else (
+            "full" if store.run(selection.run)["dim"] <= FULL_FISHER_MAX_DIM else "layer")
+    elif blocks != "auto":
+        raise InvalidArgumentError(f"blocks={blocks!r} applies to the fisher method, not {method.name!r}")
+    return FitSpec(selection, method.preconditioner, structure, method.eigen_correction)
+
+
+class FitCache:
+    """Fitted preconditioners of one store, by :class:`FitSpec`, in memory and in side files."""
+
+    def __init__(self, store: StoreCore) -> None:
+        self.store = store
+        self._fits: dict[FitSpec, tuple[tuple[int, int], Preconditioner]] = {}
+        self.fitted = 0  # passes over the data made by this cache (for tests and logs)
+
+    def get(self, spec: FitSpec, damping: float | None = None, *, refit: bool = False) -> Preconditioner:
+        """The preconditioner of ``spec`` re-damped to ``damping`` (default 0.1; ignored by undamped ones),
+        fitted now only if no up-to-date fit exists (or ``refit``)."""
+        state = spec.selection.state(self.store)
+        if state[0] == 0:
+            raise InvalidArgumentError(f"no rows match {spec.selection}: capture the run first")
+        fitted = None if refit else self._cached(spec, state)
+        if fitted is None:
+            fitted = self._fit(spec)
+            self._save(spec, state, fitted)
+        self._fits[spec] = (state, fitted)
+        damping = DEFAULT_DAMPING if damping is None else float(damping)
+        return fitted.with_damping(damping) if hasattr(fitted, "with_damping") else fitted
+
+    def _cached(self, spec: FitSpec, state: tuple[int, int]) -> Preconditioner | None:
+        if spec in self._fits and self._fits[spec][0] == state:
+            return self._fits[spec][1]
+        key = spec.key()
+        try:
+            manifest = json.loads(self.store.files.read_bytes(FITS, key, MANIFEST))
+        except FileNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError):
+            log.warning("fit %s has a damaged manifest; fitting again", key)
+            return None
+        if (manifest.get("rows"), manifest.get("max_grad_id")) != state:
+            return None
+        try:
+            with self.store.files.local_directory(FITS, key, "preconditioner") as directory:
+                return load_preconditioner(directory)
+        except (OSError, ValueError, KeyError) as error:
+            raise StoreCorruptError(f"fitted preconditioner {key} of store {self.store.uri} is damaged: {error}") \
+                from error
+
+    def _fit(self, spec: FitSpec) -> Preconditioner:
+        preconditioner = self._unfitted(spec)
+        self.fitted += 1
+        return preconditioner.fit(spec.selection.blocks(self.store))
+
+    def _unfitted(self, spec: FitSpec) -> Preconditioner:
+        name = spec.preconditioner
+        if name == "fisher":
+            layers = self.store.run_spec(spec.selection.run).layers
+            blocks = [(s.offset, s.size) for s in layers] if spec.blocks == "layer" else None
+            return make_preconditioner("fisher", damping=DEFAULT_DAMPING, blocks=blocks)
+        if name == "kfac":
+            return self._kronecker(spec)
+        if name in ("identity", "cosine"):
+            return make_preconditioner(name)
+        return make_preconditioner(name, damping=DEFAULT_DAMPING)
+
+    def _kronecker(self, spec: FitSpec) -> Preconditioner:
+        layers = self.store.run_spec(spec.selection.run).layers
+        dense = [s.name for s in layers if s.mode == "dense"]
+        if dense:
+            raise InvalidArgumentError(f"kfac needs Kronecker-structured rows; layers {dense} use a dense "
+                                       "projection")
+        layout = [(s.name, s.offset, s.k_in, s.k_out) for s in layers]
+        try:
+            curvature = self.store.load_curvature(spec.selection.run, spec.selection.checkpoint)
+            factors = {name: (a, s) for name, (a, s, _) in curvature.items()}
+        except MissingCurvatureError:
+            factors = None  # estimated from the gradients themselves
+        return make_preconditioner("kfac", damping=DEFAULT_DAMPING, kronecker_layout=layout,
+                                   kronecker_factors=factors, eigen_correction=spec.eigen_correction)
+
+    def _save(self, spec: FitSpec, state: tuple[int, int], fitted: Preconditioner) -> None:
+        key = spec.key()
+        self.store.files.remove(FITS, key)
+        with tempfile.TemporaryDirectory(prefix="gradstore-fit-") as scratch:
+            fitted.save(Path(scratch))
+            self.store.files.put_directory(Path(scratch), FITS, key, "preconditioner")
+        manifest = {**asdict(spec), "rows": state[0], "max_grad_id": state[1],
+                    "projection_fingerprint": self.store.run(spec.selection.run)["projection_fingerprint"],
+                    "fitted_at": datetime.now(timezone.utc).isoformat()}
+        self.store.files.write_bytes(json.dumps(manifest, indent=2, sort_keys=True).encode(), FITS, key, MANIFEST)

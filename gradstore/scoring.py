@@ -1,0 +1,48 @@
+"""The space a method scores in: a fitted preconditioner applied on the query side or on both sides.
+
+Every score gradstore computes goes through :class:`ScoringSpace`: top-k search (exact or FAISS), dense
+score matrices, TracIn sums, self-influence and LESS selection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gradstore.methods import Method
+from indexers import Preconditioner
+
+
+@dataclass
+class ScoringSpace:
+    """``score(q, g) = queries(q) . rows(g)`` for one method and its fitted preconditioner."""
+
+    method: Method
+    preconditioner: Preconditioner
+
+    def queries(self, queries: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Raw query vectors ``[q, dim]`` in the space the stored rows are searched in (float32)."""
+        raw = torch.as_tensor(np.asarray(queries, dtype=np.float32)) if isinstance(queries, np.ndarray) \
+            else queries.to(torch.float32)
+        if self.method.query_only:
+            return self.preconditioner.apply_query(raw).to(torch.float32)
+        return self.preconditioner.apply_both(raw).to(torch.float32)
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows in the searched space (unchanged for query-side preconditioning)."""
+        return rows if self.method.query_only else self.preconditioner.apply_both(rows).to(torch.float32)
+
+    def whitened(self, rows: torch.Tensor) -> torch.Tensor:
+        """``P^-1/2 rows`` in float64 (self-influence is its squared norm; LESS takes cosines of it)."""
+        return self.preconditioner.apply_both(rows.to(torch.float64))
+
+    def self_influence(self, rows: torch.Tensor) -> torch.Tensor:
+        """``g^T P^-1 g`` per row, float64."""
+        whitened = self.whitened(rows)
+        return (whitened * whitened).sum(dim=1)
+
+    def scores(self, prepared_queries: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Dense ``[q, rows]`` scores of prepared queries against raw stored rows."""
+        return prepared_queries @ self.rows(rows).T
