@@ -14,11 +14,32 @@ from typing import Annotated
 import typer
 
 from gradstore.errors import GradstoreError
+from gradstore.index import index_summary
 
 app = typer.Typer(help="gradstore: a gradient-store database for training data attribution.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 
 StoreArg = Annotated[Path, typer.Argument(help="Store directory (or object-store URI).")]
+
+
+class Method(str, Enum):
+    grad_dot = "grad-dot"
+    cosine = "cosine"
+    diagonal = "diagonal"
+    fisher = "fisher"
+    kfac = "kfac"
+    ekfac = "ekfac"
+    tracin = "tracin"
+
+
+class Blocks(str, Enum):
+    auto = "auto"
+    layer = "layer"
+    full = "full"
+
+
+MethodOption = Annotated[Method, typer.Option(help="Attribution method (fisher: projected Fisher influence).")]
+BlocksOption = Annotated[Blocks, typer.Option(help="Fisher blocks: one per layer, one full block, or auto.")]
 
 
 class OutputFormat(str, Enum):
@@ -125,16 +146,15 @@ def build_index_command(
         store: StoreArg,
         run: Annotated[str, typer.Option(help="Run whose training rows are indexed.")],
         checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
-        method: Annotated[str, typer.Option(help="grad-dot, cosine, diagonal, fisher, kfac.")] = "grad-dot",
+        method: MethodOption = Method.fisher,
         damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
         kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
-        refit: Annotated[bool, typer.Option(help="Rebuild from scratch instead of adding new rows.")] = False) -> None:
-    """Fit a preconditioner and build (or update) a persisted index."""
-    from gradstore.index import index_summary
-
+        blocks: BlocksOption = Blocks.auto,
+        refit: Annotated[bool, typer.Option(help="Fit again instead of reusing the store's fit.")] = False) -> None:
+    """Fit a preconditioner (or reuse the store's fit) and build (or update) a persisted index."""
     with _user_errors():
-        index = _open(store).build_index(run, checkpoint=checkpoint, method=method, damping=damping, kind=kind,
-                                         refit=refit)
+        index = _open(store).build_index(run, checkpoint=checkpoint, method=method.value, damping=damping,
+                                         kind=kind, blocks=blocks.value, refit=refit)
     typer.echo(json.dumps(index_summary(index), indent=2))
 
 
@@ -146,17 +166,18 @@ def attribute(
             help="Comma-separated query example ids (default: every query row).")] = None,
         where: Annotated[str | None, typer.Option(help="SQL filter selecting query rows instead.")] = None,
         k: Annotated[int, typer.Option("-k", "--k", help="Results per query.")] = 10,
-        method: Annotated[str, typer.Option(help="grad-dot, cosine, diagonal, fisher, kfac, tracin.")] = "grad-dot",
+        method: MethodOption = Method.fisher,
         checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
         damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
         kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
+        blocks: BlocksOption = Blocks.auto,
         opponents: Annotated[bool, typer.Option(help="Also list the k strongest opponents.")] = False,
         out: Annotated[Path | None, typer.Option(help="Also write the results to this parquet file.")] = None) -> None:
     """Top-k proponents (and opponents) of query examples; results are appended to the scores table."""
     selected = _csv_list(queries) if queries else where
     with _user_errors():
-        table = _open(store).attribute(selected, run=run, k=k, method=method, checkpoint=checkpoint,
-                                       damping=damping, kind=kind, opponents=opponents)
+        table = _open(store).attribute(selected, run=run, k=k, method=method.value, checkpoint=checkpoint,
+                                       damping=damping, kind=kind, blocks=blocks.value, opponents=opponents)
     if out is not None:
         import pyarrow.parquet as pq
 
@@ -179,7 +200,7 @@ def select(
     from gradstore.selection import export_selection
 
     with _user_errors():
-        table = _open(store).select(_csv_list(target), run=run, budget=int(budget) if budget > 1 else budget,
+        table = _open(store).select(_csv_list(target), run=run, budget=int(budget) if budget > 1 and budget.is_integer() else budget,
                                     preconditioner=preconditioner, aggregate=aggregate)
     if out is not None:
         export_selection(table, out)
@@ -191,12 +212,12 @@ def select(
 def self_influence_command(
         store: StoreArg,
         run: Annotated[str, typer.Option(help="Run whose training rows are scored.")],
-        method: Annotated[str, typer.Option(help="grad-dot, diagonal, fisher, kfac.")] = "fisher",
+        method: MethodOption = Method.fisher,
         checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
         top: Annotated[int, typer.Option(help="Rows shown.")] = 20) -> None:
     """Self-influence of every training row (written to the self_influence table); shows the largest."""
     with _user_errors():
-        table = _open(store).self_influence(run=run, method=method, checkpoint=checkpoint)
+        table = _open(store).self_influence(run=run, method=method.value, checkpoint=checkpoint)
     _print_table(table.select(["example_id", "self_influence", "checkpoint", "method"]).slice(0, top), limit=top)
 
 

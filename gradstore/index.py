@@ -200,7 +200,10 @@ def _same_build(manifest: dict[str, Any], spec: FitSpec, method: Method, damping
 
 
 def _build_faiss(index: AttributionIndex, kind: str, source: VectorBlocks) -> None:
-    faiss_index = FaissIndex(kind, index.manifest["dim"], metric="ip")
+    try:
+        faiss_index = FaissIndex(kind, index.manifest["dim"], metric="ip")
+    except ValueError as error:
+        raise InvalidArgumentError(f"index kind {kind!r}: {error}") from error
     prepared = _numpy_source(index.space, source)
     faiss_index.train(prepared)
     added = []

@@ -67,6 +67,8 @@ def resolve_queries(store: StoreCore, queries: QueryInput, run: str, checkpoint:
         resolved = Queries(block.metadata.column("example_id").to_pylist(), block.vectors)
     else:
         wanted = [str(q) for q in queries]
+        if not wanted:
+            raise InvalidArgumentError("an empty list of query ids selects no queries (pass None for all)")
         block = store.read_gradients(run, checkpoint=checkpoint, split="query",
                                      where=sql_in("example_id", wanted))
         found = block.metadata.column("example_id").to_pylist()

@@ -103,7 +103,10 @@ class FaissIndex:
         if metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
         metric_type = faiss.METRIC_INNER_PRODUCT if metric == "ip" else faiss.METRIC_L2
-        index = faiss.index_factory(int(dim), factory, metric_type)
+        try:
+            index = faiss.index_factory(int(dim), factory, metric_type)
+        except RuntimeError as error:  # FAISS reports an unknown factory string as a RuntimeError
+            raise ValueError(f"FAISS cannot build index kind {factory!r} for {dim} dims") from error
         ivf = faiss.try_extract_index_ivf(index)
         if ivf is None:
             index = faiss.IndexIDMap(index)

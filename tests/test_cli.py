@@ -96,3 +96,21 @@ def test_attribution_commands(tmp_path):
     assert index.exit_code == 0 and json.loads(index.output)["recall_at_10"] == 1.0
     missing = runner.invoke(app, ["attribute", str(path), "--run", "demo", "--queries", "nope"])
     assert missing.exit_code == 1 and "nope" in missing.output
+
+
+def test_attribute_defaults_to_fisher_and_user_errors_are_one_line(tmp_path):
+    from gradstore.demo import DemoConfig, run_demo
+
+    path = tmp_path / "demo"
+    run_demo(path, DemoConfig(places=3, phrasings=4, epochs=1, checkpoints=1, methods=("grad-dot",),
+                              shown_queries=0), log=lambda line: None)
+    default = runner.invoke(app, ["attribute", str(path), "--run", "demo", "-k", "1"])
+    assert default.exit_code == 0 and "fisher" in default.output and "grad-dot" not in default.output
+    for arguments, message in ((["--kind", "Bogus"], "Bogus"), (["--queries", "nope"], "nope"),
+                               (["--where", "split = 'nothing'"], "no queries"),
+                               (["--where", "1=1) OR (1=1"], "parenthesis")):
+        result = runner.invoke(app, ["attribute", str(path), "--run", "demo", *arguments])
+        assert result.exit_code == 1 and message in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    fractional = runner.invoke(app, ["select", str(path), "--run", "demo", "--budget", "2.5"])
+    assert fractional.exit_code == 1 and "whole number" in fractional.output
