@@ -200,7 +200,8 @@ def select(
     from gradstore.selection import export_selection
 
     with _user_errors():
-        table = _open(store).select(_csv_list(target), run=run, budget=int(budget) if budget > 1 and budget.is_integer() else budget,
+        count_or_fraction = int(budget) if budget > 1 and budget.is_integer() else budget
+        table = _open(store).select(_csv_list(target), run=run, budget=count_or_fraction,
                                     preconditioner=preconditioner, aggregate=aggregate)
     if out is not None:
         export_selection(table, out)
