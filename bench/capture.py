@@ -1,6 +1,6 @@
 """W-capture: cost of capturing per-example projected gradients into a real store during training.
 
-Workload (``/work/shared/WORKLOADS.md``, W-capture; issue 3 "Benchmark"):
+Workload (``../shared/WORKLOADS.md``, W-capture; issue 3 "Benchmark"):
 
 * ``GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=128, vocab_size=512))``,
   random init, on CPU with ``torch.set_num_threads(2)``.
