@@ -397,6 +397,14 @@ class GradStore:
 
         return select(self, target, run=run, budget=budget, **options)
 
+    def report(self, out: str | Path = "report.html", *, run: str | None = None, max_queries: int = 1000,
+               top: int = 10, selection: pa.Table | None = None) -> Path:
+        """Write a self-contained HTML attribution report (opens offline); see :mod:`gradstore.report`."""
+        from gradstore.report import ReportOptions, write_report
+
+        return write_report(self, out, options=ReportOptions(run=run, max_queries=max_queries, top=top),
+                            selection=selection)
+
     # ------------------------------------------------------------------ maintenance
     def compact(self, cleanup_older_than: timedelta | None = None) -> dict[str, int]:
         """Compact every table's fragments; optionally delete versions older than ``cleanup_older_than``.

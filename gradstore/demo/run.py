@@ -137,7 +137,7 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
     store = gradstore.open(store_dir)
     corpus = build_corpus(config.places, config.phrasings, config.seed)
     store.add_examples(pd.DataFrame([{"example_id": e.example_id, "text": e.text, "fact_id": e.fact_id,
-                                      "kind": e.kind} for e in corpus.train]))
+                                      "kind": e.kind} for e in corpus.train + corpus.queries]))
     log(f"corpus: {len(corpus.train)} training sentences, {len(corpus.queries)} queries (one held-out phrasing "
         f"per fact; {config.places} places x 2 facts x {config.phrasings - 1} training phrasings + distractors)")
 
@@ -176,5 +176,10 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
     log(f"\nfact-tracing recall@{config.k} (share of a query's top-{config.k} that state its fact):")
     for name, value in recalls.items():
         log(f"  {name:16s} {value:.3f}")
+
+    store.self_influence(run=RUN, method="fisher", checkpoint=final)
+    selection = store.select(run=RUN, budget=0.1, preconditioner="fisher")
+    report = store.report(store_dir / "report.html", run=RUN, selection=selection).resolve()
+    log(f"\nreport (open in a browser; self-influence outliers and a 10% data selection included):\n{report}")
     return {"recall": recalls, "rows": store.count(), "dim": store.dim, "store": str(store_dir),
-            "best_method": best}
+            "best_method": best, "report": str(report)}
