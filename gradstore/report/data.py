@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from gradstore.errors import SchemaMismatchError
 from gradstore.store import sql_in, sql_literal
 
 if TYPE_CHECKING:
@@ -123,7 +124,8 @@ class _Reader:
         schema = self.store.table("examples").schema
         if self.options.text_column is not None:
             if self.options.text_column not in schema.names:
-                raise ValueError(f"examples have no column {self.options.text_column!r}; columns: {schema.names}")
+                raise SchemaMismatchError(f"examples have no column {self.options.text_column!r}; "
+                                          f"columns: {schema.names}")
             return self.options.text_column
         strings = [f.name for f in schema if f.name != "example_id" and _is_text(f.type)]
         return "text" if "text" in strings else (strings[0] if strings else None)
@@ -194,7 +196,8 @@ class _Reader:
 
     # ------------------------------------------------------------------ per-token scores
     def token_scores(self, query_ids: set[str], notes: list[str]) -> dict[str, dict[str, list]]:
-        """``query_id -> {example_id or "" (the query itself) -> [[position, token, score], ...]}``."""
+        """``query_id -> {example_id -> [[position, token, score], ...]}`` for the training side, and under the
+        key ``""`` the query's own tokens with their scores summed over the examples they were scored against."""
         if not self._has_rows("token_scores") or not query_ids:
             return {}
         names = set(self.store.table("token_scores").schema.names)
@@ -204,13 +207,19 @@ class _Reader:
             notes.append(f"token_scores has no column(s) {missing}; per-token highlights are not shown.")
             return {}
         select = ", ".join(f'"{name}" AS {key}' for key, name in chosen.items())
-        frame = self._frame(f"SELECT {select} FROM token_scores WHERE {sql_in(chosen['query_id'], sorted(query_ids))} "
-                            f"ORDER BY query_id, example_id, side, position LIMIT {self.options.max_token_rows}")
+        limit = self.options.max_token_rows
+        frame = self._frame(f"SELECT {select} FROM token_scores WHERE {sql_in(chosen['query_id'], sorted(query_ids))}"
+                            f" ORDER BY query_id, example_id, side, position LIMIT {limit}")
+        if len(frame) == limit:
+            notes.append(f"token_scores: only the first {limit} token rows of the listed queries are shown.")
+        query_side = frame.side == "query"
+        summed = (frame[query_side].groupby(["query_id", "position", "token"], as_index=False).score.sum()
+                  .assign(example_id="", side="query"))  # query tokens summed over the examples scored
         result: dict[str, dict[str, list]] = {}
-        for (query_id, example_id, side), group in frame.groupby(["query_id", "example_id", "side"], sort=False):
-            key = "" if side == "query" else example_id
-            result.setdefault(query_id, {})[key] = [[int(p), str(t), float(s)] for p, t, s in
-                                                    zip(group.position, group.token, group.score)]
+        for frame_part in (frame[~query_side], summed):
+            for (query_id, example_id), group in frame_part.groupby(["query_id", "example_id"], sort=False):
+                result.setdefault(query_id, {})[example_id] = [
+                    [int(p), str(t), float(s)] for p, t, s in zip(group.position, group.token, group.score)]
         return result
 
     # ------------------------------------------------------------------ self-influence
@@ -237,7 +246,7 @@ class _Reader:
     # ------------------------------------------------------------------ selection
     def selection(self, selection: pa.Table) -> dict[str, Any]:
         if "example_id" not in selection.column_names:
-            raise ValueError(f"a selection needs an example_id column; it has {selection.column_names}")
+            raise SchemaMismatchError(f"a selection needs an example_id column; it has {selection.column_names}")
         chosen = selection.to_pandas()
         candidates = self._frame(f"SELECT DISTINCT example_id FROM gradients WHERE split = 'train' AND "
                                  f"{self.run_clause}") if "gradients" in self.tables else None

@@ -61,13 +61,13 @@
              marker: {color: scores.map((v) => (v >= 0 ? "#2e8b57" : "#c0392b"))},
              hovertemplate: "%{y}: %{x}<extra></extra>"}];
   }
-  function histogram(target, block, title) {
+  function histogram(target, block, title, xTitle) {
     const centres = block.counts.map((_, i) => (block.edges[i] + block.edges[i + 1]) / 2);
     const width = block.edges.length > 1 ? block.edges[1] - block.edges[0] : 1;
     Plotly.newPlot(target, [{type: "bar", x: centres, y: block.counts, width: width, marker: {color: "#4c72b0"},
                              hovertemplate: "%{x:.4g}: %{y}<extra></extra>"}],
                    {title: {text: plotText(title)}, height: 260, margin: {l: 50, r: 10, t: 40, b: 40},
-                    xaxis: {title: {text: "score"}}, yaxis: {title: {text: "rows"}}, bargap: 0.02}, PLOT_CONFIG);
+                    xaxis: {title: {text: plotText(xTitle)}}, yaxis: {title: {text: "rows"}}, bargap: 0.02}, PLOT_CONFIG);
   }
 
   // ---------------------------------------------------------------- notes and overview
@@ -119,6 +119,10 @@
     item.classList.add("selected");
     detail.replaceChildren(el("h3", {class: "query-title", text: query.id}),
                            el("p", {class: "query-full"}, [exampleText(query.id, query.tokens[""])]));
+    if (Object.keys(query.tokens).length) {
+      detail.appendChild(el("p", {class: "hint", text: "Token colours: per-token scores from token_scores (green " +
+        "supports, red opposes; the query's tokens are summed over the examples they were scored against)."}));
+    }
     query.results.forEach((result, i) => {
       const chart = el("div", {class: "score-bars", id: `score-bars-${i}`});
       const heading = `${result.method} · run ${result.run} · checkpoint ${result.checkpoint} · damping ` +
@@ -154,7 +158,7 @@
     data.histograms.forEach((block) => {
       const target = el("div", {class: "histogram"});
       grid.appendChild(target);
-      histogram(target, block, block.method);
+      histogram(target, block, block.method, "score");
     });
   }
 
@@ -167,11 +171,13 @@
       charts.push([target, block]);
       parts.push(el("h3", {text: `${block.method} · run ${block.run} · checkpoint ${block.checkpoint} · ` +
                                  `${block.rows_total} rows`}), target,
+                 el("p", {class: "hint", text: "robust z = (value - median) / median absolute deviation"}),
                  table(["self-influence", "robust z", "example", "text"], block.rows.map((r) =>
                    [r.value, r.robust_z, r.example_id, exampleText(r.example_id)]), "outliers"));
     }
     root.appendChild(section("self-influence", "Self-influence outliers", parts));
-    charts.forEach(([target, block]) => histogram(target, block, `self-influence (${block.method})`));
+    charts.forEach(([target, block]) => histogram(target, block, `self-influence (${block.method})`,
+                                                      "self-influence"));
   }
 
   // ---------------------------------------------------------------- selection
