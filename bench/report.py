@@ -10,6 +10,7 @@ size (target < 20 MB) and, last, the generation time (target < 30 s).
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -67,6 +68,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=1_000)
     parser.add_argument("--side", type=int, default=4, help="vectors have side**2 dimensions")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", type=Path, help="also copy the report here (to open it in a browser)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         log(f"building a store of {args.examples} examples and {args.queries} queries")
@@ -83,6 +85,8 @@ def main() -> None:
         out.write_text(render(data), encoding="utf-8")
         seconds = time.perf_counter() - start
         size_mb = out.stat().st_size / 1e6
+        if args.keep is not None:
+            shutil.copyfile(out, args.keep)
     print(f"queries listed {len(data.queries)} of {data.queries_total}; texts {len(data.texts)}")
     print(f"gather {gathered - start:.2f} s, render+write {seconds - (gathered - start):.2f} s")
     print(f"RESULT report_size_mb={size_mb:.2f} target<20 {'PASS' if size_mb < 20 else 'MISS'}")

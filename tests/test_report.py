@@ -128,6 +128,13 @@ def test_token_scores_and_evaluations_are_shown_when_present(token_store):
     assert data.evaluations == {"columns": ["method", "lds"], "rows": [["grad-dot", 0.41]]}
 
 
+def test_an_empty_store_gives_an_empty_report(store, tmp_path):
+    data = gather(store)
+    assert (data.queries, data.queries_total, data.histograms, data.self_influence) == ([], 0, [], [])
+    assert data.overview["runs"] == [] and data.overview["row_counts"]["scores"] == 0
+    assert '"queries":[]' in store.report(tmp_path / "empty.html").read_text(encoding="utf-8")
+
+
 def test_store_text_cannot_break_out_of_the_page(small_store, tmp_path):
     path = small_store.report(tmp_path / "report.html", run=RUN)
     page = path.read_text(encoding="utf-8").replace(plotly_js(), "")  # our markup and data only
@@ -246,4 +253,10 @@ def test_token_highlights_and_evaluations_in_the_browser(browser, token_store, t
     assert page.locator(".query-full .token").all_inner_texts() == ["what", "<is>"]
     assert page.locator("table.results .token").all_inner_texts() == ["x", "is"]
     assert page.locator("#evaluations td").all_inner_texts() == ["grad-dot", "0.4100"]
+    assert opened.errors == [] and opened.requests == [opened.url]
+
+
+def test_empty_report_in_the_browser(browser, store, tmp_path):
+    opened = PageLog(browser, store.report(tmp_path / "empty.html"))
+    assert "No attributions in the store yet" in opened.page.inner_text("#queries")
     assert opened.errors == [] and opened.requests == [opened.url]

@@ -328,6 +328,8 @@ def _cell(value: Any) -> Any:
         return value if math.isfinite(value) else None
     if isinstance(value, np.generic):
         return _cell(value.item())
+    if isinstance(value, datetime):  # pandas Timestamps too
+        return value.isoformat(timespec="seconds")
     try:
         import pandas as pd
 
