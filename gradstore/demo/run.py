@@ -178,7 +178,7 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
         log(f"  {name:16s} {value:.3f}")
 
     store.self_influence(run=RUN, method="fisher", checkpoint=final)
-    selection = store.select(run=RUN, budget=0.1, preconditioner="fisher")
+    selection = store.select(run=RUN, budget=0.1)
     report = store.report(store_dir / "report.html", run=RUN, selection=selection).resolve()
     log(f"\nreport (open in a browser; self-influence outliers and a 10% data selection included):\n{report}")
     return {"recall": recalls, "rows": store.count(), "dim": store.dim, "store": str(store_dir),
