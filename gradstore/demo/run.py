@@ -6,6 +6,8 @@
 3. Capture checkpoint passes over the training set and the held-out questions at a few checkpoints.
 4. Attribute every question with several methods, print the top proponents of a few through SQL, and
    report fact-tracing recall@10 against a random and a BM25 baseline computed in the same run.
+5. Compute self-influence and a 10% LESS selection, and write ``report.html`` (:mod:`gradstore.report`) into
+   the store directory.
 """
 
 from __future__ import annotations
