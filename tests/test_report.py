@@ -22,6 +22,7 @@ from ingest.projection import LayerSlot, ProjectionSpec
 
 RUN = "r"
 EVIL = "</script><script>window.__pwned = 1</script><img src=x onerror=\"window.__pwned = 2\"> & \u2028done"
+BOOKS = "<i>books</i>"  # a group label with markup: Plotly must show it as text
 N_TRAIN, N_QUERIES, SIDE = 60, 5, 3
 
 
@@ -46,7 +47,7 @@ def small_store(tmp_path_factory):
     texts[7] = EVIL
     texts[N_TRAIN] = "question 0 <b>bold?</b>"
     store.add_examples(pd.DataFrame({"example_id": train + queries, "text": texts,
-                                     "source": ["web" if i % 3 else "books" for i in range(N_TRAIN)] + ["q"] * 5}))
+                                     "source": ["web" if i % 3 else BOOKS for i in range(N_TRAIN)] + ["q"] * 5}))
     store.attribute(run=RUN, k=4, method="fisher", damping=0.3, opponents=True)
     store.attribute(run=RUN, k=4, method="grad-dot")
     store.self_influence(run=RUN, method="grad-dot")
@@ -97,8 +98,8 @@ def test_selection_breakdown_counts_candidates_and_selected(small_store):
     (source,) = [b for b in chosen["breakdown"] if b["column"] == "source"]
     picked = set(selection.column("example_id").to_pylist())
     books = {f"t-{i:03d}" for i in range(0, N_TRAIN, 3)}
-    assert dict(zip(source["groups"], source["candidates"])) == {"books": 20, "web": 40}
-    assert dict(zip(source["groups"], source["selected"])) == {"books": len(picked & books),
+    assert dict(zip(source["groups"], source["candidates"])) == {BOOKS: 20, "web": 40}
+    assert dict(zip(source["groups"], source["selected"])) == {BOOKS: len(picked & books),
                                                               "web": len(picked - books)}
     assert [r["example_id"] for r in chosen["top"]] == selection.column("example_id").to_pylist()
 
@@ -234,8 +235,10 @@ def test_demo_report_in_the_browser(browser, demo_report, tmp_path):
 
 
 def test_injected_text_stays_text_in_the_browser(browser, small_store, tmp_path):
-    opened = PageLog(browser, small_store.report(tmp_path / "report.html", run=RUN))
+    selection = small_store.select(run=RUN, budget=12)
+    opened = PageLog(browser, small_store.report(tmp_path / "report.html", run=RUN, selection=selection))
     page = opened.page
+    assert page.locator("#selection .breakdown .xtick text").all_text_contents() == [BOOKS, "web"]
     page.locator(".query-item").first.click()
     page.wait_for_selector(".score-bars .bars path")
     assert page.evaluate("window.__pwned") is None
