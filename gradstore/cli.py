@@ -223,6 +223,27 @@ def self_influence_command(
 
 
 @app.command()
+def report(
+        store: StoreArg,
+        run: Annotated[str | None, typer.Option(help="Only this run (default: every run).")] = None,
+        out: Annotated[Path, typer.Option("--out", "-o", help="HTML file to write.")] = Path("report.html"),
+        max_queries: Annotated[int, typer.Option(help="Queries listed (the rest are counted).")] = 1000,
+        top: Annotated[int, typer.Option(help="Proponents and opponents shown per query and method.")] = 10,
+        selection: Annotated[Path | None, typer.Option(
+            exists=True, dir_okay=False, help="A selection parquet file (from select --out) to break down.")] = None
+) -> None:
+    """Write one self-contained HTML attribution report that opens offline in a browser."""
+    chosen = None
+    if selection is not None:
+        import pyarrow.parquet as pq
+
+        chosen = pq.read_table(selection)
+    with _user_errors():
+        path = _open(store).report(out, run=run, max_queries=max_queries, top=top, selection=chosen)
+    typer.echo(str(path.resolve()))
+
+
+@app.command()
 def demo(store: Annotated[Path, typer.Option(help="Store directory (replaced if it holds a store).")] = Path(
              "gradstore-demo"),
          epochs: Annotated[int, typer.Option(help="Training epochs.")] = 24,

@@ -24,6 +24,7 @@ from gradstore.fitting import FitCache, Selection
 from gradstore.index import AttributionIndex, build_index, load_index
 from gradstore.methods import BlockStructure, MethodName
 from gradstore.queries import QueryInput
+from gradstore.report import ReportOptions, write_report
 from gradstore.selection import Aggregate, select
 
 Projection = Literal["factorized", "dense"] | None
@@ -138,6 +139,13 @@ class GradStore(StoreCore):
         return select(self, self.fits, target, run=run, budget=budget, preconditioner=preconditioner,
                       aggregate=aggregate, checkpoints=checkpoints, damping=damping, blocks=blocks, split=split,
                       where=where)
+
+    # ------------------------------------------------------------------ report
+    def report(self, out: str | Path = "report.html", *, run: str | None = None, max_queries: int = 1000,
+               top: int = 10, selection: pa.Table | None = None) -> Path:
+        """Write a self-contained HTML attribution report (opens offline); see :mod:`gradstore.report`."""
+        return write_report(self, out, options=ReportOptions(run=run, max_queries=max_queries, top=top),
+                            selection=selection)
 
 
 def open_store(uri: str | Path, *, create: bool = True, storage_dtype: str | None = None,

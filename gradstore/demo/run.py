@@ -6,6 +6,8 @@
 3. Capture checkpoint passes over the training set and the held-out questions at a few checkpoints.
 4. Attribute every question with several methods, print the top proponents of a few through SQL, and
    report fact-tracing recall@10 against a random and a BM25 baseline computed in the same run.
+5. Compute self-influence and a 10% LESS selection, and write ``report.html`` (:mod:`gradstore.report`) into
+   the store directory.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
     store = gradstore.open(store_dir)
     corpus = build_corpus(config.places, config.phrasings, config.seed)
     store.add_examples(pd.DataFrame([{"example_id": e.example_id, "text": e.text, "fact_id": e.fact_id,
-                                      "kind": e.kind} for e in corpus.train]))
+                                      "kind": e.kind} for e in corpus.train + corpus.queries]))
     log(f"corpus: {len(corpus.train)} training sentences, {len(corpus.queries)} queries (one held-out phrasing "
         f"per fact; {config.places} places x 2 facts x {config.phrasings - 1} training phrasings + distractors)")
 
@@ -176,5 +178,10 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
     log(f"\nfact-tracing recall@{config.k} (share of a query's top-{config.k} that state its fact):")
     for name, value in recalls.items():
         log(f"  {name:16s} {value:.3f}")
+
+    store.self_influence(run=RUN, method="fisher", checkpoint=final)
+    selection = store.select(run=RUN, budget=0.1)
+    report = store.report(store_dir / "report.html", run=RUN, selection=selection).resolve()
+    log(f"\nreport (open in a browser; self-influence outliers and a 10% data selection included):\n{report}")
     return {"recall": recalls, "rows": store.count(), "dim": store.dim, "store": str(store_dir),
-            "best_method": best}
+            "best_method": best, "report": str(report)}
