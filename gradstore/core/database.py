@@ -20,6 +20,7 @@ import lancedb
 import numpy as np
 import pyarrow as pa
 
+from gradstore.core import commits
 from gradstore.core import schema as S
 from gradstore.core import sql as store_sql
 from gradstore.core.curvature import LayerCurvature, load_curvature, save_curvature
@@ -92,9 +93,12 @@ class StoreCore:
             if not self.has_table(name):
                 raise KeyError(f"the store has no table {name!r} yet")
             try:
-                self._tables[name] = self.db.open_table(name)
+                table = self.db.open_table(name)
+                schema = table.schema
             except Exception as error:
                 raise StoreCorruptError(f"table {name!r} of store {self.uri} cannot be opened: {error}") from error
+            commits.check_inert(schema, f"table {name!r} of store {self.uri}")
+            self._tables[name] = table
         return self._tables[name]
 
     def _create_table(self, name: str, schema: pa.Schema):
@@ -147,7 +151,7 @@ class StoreCore:
         row = {"run_id": run_id, "created_at": datetime.now(timezone.utc), "model_fingerprint": model_fingerprint,
                "projection": projection_json, "projection_fingerprint": (projection or {}).get("fingerprint"),
                "dim": dim, "config": json.dumps(config or {}, sort_keys=True, default=str)}
-        self.table(S.RUNS).add(pa.Table.from_pylist([row], schema=S.RUNS_SCHEMA))
+        commits.append(self.table(S.RUNS), pa.Table.from_pylist([row], schema=S.RUNS_SCHEMA), "run creation")
         return row
 
     def run(self, run_id: str) -> dict:
@@ -201,8 +205,7 @@ class StoreCore:
         row = pa.Table.from_pylist([{"run_id": run_id, "checkpoint": checkpoint, "step": step, "epoch": epoch,
                                      "learning_rate": learning_rate, "created_at": datetime.now(timezone.utc)}],
                                    schema=S.CHECKPOINTS_SCHEMA)
-        (self.table(S.CHECKPOINTS).merge_insert(["run_id", "checkpoint"])
-         .when_matched_update_all().when_not_matched_insert_all().execute(row))
+        commits.upsert(self.table(S.CHECKPOINTS), row, ["run_id", "checkpoint"], "checkpoint record")
 
     def checkpoints(self, run_id: str | None = None) -> pa.Table:
         """Checkpoints (of one run, or all), ordered by step."""
@@ -320,14 +323,15 @@ class StoreCore:
             table = table.select(existing.names).cast(existing)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
             raise SchemaMismatchError(f"examples do not match the stored schema: {error}") from None
-        self.table(S.EXAMPLES).add(table)
+        commits.append(self.table(S.EXAMPLES), table, "add_examples")
         return table.num_rows
 
     def append_results(self, name: str, table: pa.Table) -> None:
         """Append a result table (``scores``, ``self_influence``) stamped with the current time."""
         schema = S.FIXED_SCHEMAS[name]
         now = pa.array([datetime.now(timezone.utc)] * table.num_rows, schema.field("created_at").type)
-        self.table(name).add(table.append_column(schema.field("created_at"), now).select(schema.names).cast(schema))
+        rows = table.append_column(schema.field("created_at"), now).select(schema.names).cast(schema)
+        commits.append(self.table(name), rows, f"{name} results")
 
     # ------------------------------------------------------------------ SQL
     def sql(self, query: str):
@@ -344,11 +348,10 @@ class StoreCore:
         """
         counts = {}
         for name in self.db.list_tables().tables:
-            dataset = self.table(name).to_lance()
-            if len(dataset.get_fragments()) > 1:
-                dataset.optimize.compact_files()
+            if len(self.table(name).to_lance().get_fragments()) > 1:
+                commits.compact(self.table(name), f"compaction of {name!r}")
             if cleanup_older_than is not None:
-                dataset.cleanup_old_versions(older_than=cleanup_older_than)
+                self.table(name).to_lance().cleanup_old_versions(older_than=cleanup_older_than)
             counts[name] = len(self.table(name).to_lance().get_fragments())
         return counts
 

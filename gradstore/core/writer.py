@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from gradstore.core import commits
 from gradstore.core import schema as S
 from gradstore.core.vectors import encode
 from gradstore.errors import NonFiniteGradientError, SchemaMismatchError, WriterClosedError
@@ -277,21 +278,25 @@ class GradientWriter:
     def _commit(self, buffer: _Buffer) -> None:
         try:
             table = self._table_of(buffer)
-            self._table.add(table)
+            commits.append(self._table, table, "gradient commit")
             self.commits += 1
             self.rows_committed += table.num_rows
-            self._compact_if_fragmented()
         except BaseException as error:  # surfaced to the caller on its next append/flush
             log.error("gradstore writer commit failed: %r", error)
             self._error = error
+            return
+        self._compact_if_fragmented()
 
     def _compact_if_fragmented(self) -> None:
+        """Compact when fragments pile up; housekeeping only, so a failure is logged and never stops ingest."""
         if not self.config.max_fragments:
             return
-        dataset = self._table.to_lance()
-        if len(dataset.get_fragments()) > self.config.max_fragments:
-            dataset.optimize.compact_files()  # Lance's default target: fragments of ~1M rows
-            self.compactions += 1
+        try:
+            if len(self._table.to_lance().get_fragments()) > self.config.max_fragments:
+                commits.compact(self._table, "writer compaction")  # Lance's default target: ~1M-row fragments
+                self.compactions += 1
+        except Exception as error:
+            log.warning("gradstore writer: compaction skipped (%r); the rows are committed", error)
 
 
 @dataclass
