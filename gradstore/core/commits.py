@@ -80,3 +80,23 @@ def upsert(table: Any, data: pa.Table, on: Sequence[str], what: str = "upsert") 
 def compact(table: Any, what: str = "compaction") -> None:
     """Compact a table's fragments (retried when a concurrent commit wins the race)."""
     retrying(lambda: table.to_lance().optimize.compact_files(), what)
+
+
+class InertTable:
+    """A LanceDB table as the streaming writer sees it (``add``, ``count_rows``, ``to_lance``), whose
+    ``add`` is :func:`append`."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def add(self, data: pa.Table) -> None:
+        """Append ``data`` (retried on conflicts, no LanceDB preprocessing)."""
+        append(self.table, data, "gradient commit")
+
+    def count_rows(self, filter: str | None = None) -> int:
+        """Rows matching ``filter``."""
+        return self.table.count_rows(filter)
+
+    def to_lance(self) -> Any:
+        """The Lance dataset."""
+        return self.table.to_lance()

@@ -240,7 +240,7 @@ class StoreCore:
         self.run(run_id)
         if thresholds:
             config = WriterConfig(**{**(config or WriterConfig()).__dict__, **thresholds})
-        return GradientWriter(self.table(S.GRADIENTS), run_id=run_id, dim=self.dim,
+        return GradientWriter(commits.InertTable(self.table(S.GRADIENTS)), run_id=run_id, dim=self.dim,
                               storage_dtype=self.storage_dtype, config=config)
 
     def iter_gradients(self, run: Names | None = None, *, checkpoint: Names | None = None,
