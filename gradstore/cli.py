@@ -47,7 +47,8 @@ def _user_errors() -> Iterator[None]:
 
 
 def _fail(error: Exception) -> None:
-    typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
+    lines = str(error).strip().splitlines()  # one line: DuckDB appends the query and a caret marker
+    typer.secho(f"error: {lines[0] if lines else type(error).__name__}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=1)
 
 
