@@ -20,7 +20,7 @@ import lancedb
 import numpy as np
 import pyarrow as pa
 
-from gradstore.core import commits
+from gradstore.core import commits, storage
 from gradstore.core import schema as S
 from gradstore.core import sql as store_sql
 from gradstore.core.curvature import LayerCurvature, load_curvature, save_curvature
@@ -75,12 +75,14 @@ def check_run_name(run_id: str) -> str:
 class StoreCore:
     """Tables, runs, checkpoints, gradient I/O, examples, results, side files and SQL of one store."""
 
-    def __init__(self, uri: str, db: lancedb.DBConnection, storage_dtype: str) -> None:
+    def __init__(self, uri: str, db: lancedb.DBConnection, storage_dtype: str,
+                 storage_options: dict[str, str] | None = None) -> None:
         self.uri = uri
         self.db = db
         self._storage_dtype = storage_dtype
+        self.storage_options = storage_options
         self._tables: dict[str, Any] = {}
-        self.files = SideFiles(uri)
+        self.files = SideFiles(uri, storage_options)
 
     # ------------------------------------------------------------------ tables
     def has_table(self, name: str) -> bool:
@@ -337,7 +339,8 @@ class StoreCore:
     def sql(self, query: str):
         """Run read-only DuckDB SQL over every table (vectors excluded); returns a DuckDB relation."""
         tables = {name: self.table(name).to_lance() for name in self.db.list_tables().tables}
-        self._sql_connection = store_sql.connect(tables, macros_for(set(tables)))  # lives with its relation
+        self._sql_connection = store_sql.connect(tables, macros_for(set(tables)),  # lives with its relation
+                                                 self.storage_options)
         return store_sql.run_query(self._sql_connection, query)
 
     # ------------------------------------------------------------------ maintenance
@@ -362,8 +365,7 @@ class StoreCore:
             dataset = self.table(name).to_lance()
             tables[name] = {"rows": dataset.count_rows(), "fragments": len(dataset.get_fragments()),
                             "version": dataset.version}
-        path = Path(self.uri)
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else None
+        size = self.files.bytes_under_store()
         runs = self.runs().column("run_id").to_pylist() if self.has_table(S.RUNS) else []
         return {"uri": self.uri, "dim": self.dim, "storage_dtype": self.storage_dtype, "runs": runs,
                 "tables": tables, "bytes_on_disk": size}
@@ -394,9 +396,11 @@ def _rebatch(reader: pa.RecordBatchReader, rows: int) -> Iterator[pa.RecordBatch
 
 
 def connect(uri: str | Path, store_class: type[StoreCore] = StoreCore, *, create: bool = True,
-            storage_dtype: str | None = None, read_consistency: timedelta = timedelta(0)) -> StoreCore:
+            storage_dtype: str | None = None, read_consistency: timedelta = timedelta(0),
+            storage_options: dict[str, str] | None = None) -> StoreCore:
     """Create or open the store at ``uri`` as an instance of ``store_class`` (see :func:`gradstore.open`)."""
     uri = str(uri)
+    options = storage.storage_options(uri, storage_options)
     if storage_dtype is not None:
         check_storage_dtype(storage_dtype)
     if "://" not in uri:
@@ -409,8 +413,8 @@ def connect(uri: str | Path, store_class: type[StoreCore] = StoreCore, *, create
         if is_new and not create:
             raise NotAStoreError(f"no gradstore store at {uri} (pass create=True to make one)")
     try:
-        db = lancedb.connect(uri, read_consistency_interval=read_consistency)
-        store = store_class(uri, db, storage_dtype or DEFAULT_STORAGE_DTYPE)
+        db = lancedb.connect(uri, read_consistency_interval=read_consistency, storage_options=options)
+        store = store_class(uri, db, storage_dtype or DEFAULT_STORAGE_DTYPE, options)
         existing = set(db.list_tables().tables)
     except Exception as error:
         raise StoreCorruptError(f"cannot open store {uri}: {error}") from error

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from gradstore.core import storage
 from gradstore.errors import InvalidNameError, StoreCorruptError
 
 ROOT = "_gradstore"
@@ -36,12 +37,8 @@ def check_component(part: str, what: str = "name") -> str:
 class SideFiles:
     """Files under ``<store uri>/_gradstore`` on the store's own filesystem."""
 
-    def __init__(self, store_uri: str, filesystem: pafs.FileSystem | None = None) -> None:
-        if filesystem is None:
-            filesystem, base = pafs.FileSystem.from_uri(store_uri if "://" in store_uri
-                                                        else str(Path(store_uri).resolve()))
-        else:
-            base = store_uri.split("://", 1)[-1]
+    def __init__(self, store_uri: str, storage_options: dict[str, str] | None = None) -> None:
+        filesystem, base = storage.filesystem(store_uri, storage_options)
         self.filesystem = filesystem
         self.root = f"{base.rstrip('/')}/{ROOT}"
         self.local = isinstance(filesystem, pafs.LocalFileSystem)
@@ -95,6 +92,13 @@ class SideFiles:
             self.filesystem.delete_dir(target)
         elif info.type == pafs.FileType.File:
             self.filesystem.delete_file(target)
+
+    def bytes_under_store(self) -> int:
+        """Total size of every file of the store (tables and side files), local or remote."""
+        store_root = self.root.rsplit("/", 1)[0]
+        selector = pafs.FileSelector(store_root, recursive=True, allow_not_found=True)
+        return sum(info.size or 0 for info in self.filesystem.get_file_info(selector)
+                   if info.type == pafs.FileType.File)
 
     def put_directory(self, local: Path, *parts: str) -> None:
         """Copy the files of a local directory (recursively) under a key."""

@@ -47,11 +47,12 @@ def _is_large(data_type: pa.DataType) -> bool:
             or pa.types.is_large_list(data_type))
 
 
-def connect(tables: Mapping[str, lance.LanceDataset], macros: Iterable[str] = ()) -> duckdb.DuckDBPyConnection:
+def connect(tables: Mapping[str, lance.LanceDataset], macros: Iterable[str] = (),
+            storage_options: dict[str, str] | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with one view per store table and the given macro definitions."""
     con = duckdb.connect()
     for name, dataset in tables.items():
-        view = VectorlessLanceView(dataset.uri, version=dataset.version)
+        view = VectorlessLanceView(dataset.uri, version=dataset.version, storage_options=storage_options)
         con.register(name, view)
     for macro in macros:
         con.execute(macro)
