@@ -16,9 +16,11 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import lance
 import lancedb
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from gradstore.core import commits, storage
 from gradstore.core import schema as S
@@ -86,8 +88,13 @@ class StoreCore:
 
     # ------------------------------------------------------------------ tables
     def has_table(self, name: str) -> bool:
-        """Whether the store holds table ``name``."""
-        return name in self._tables or name in self.db.list_tables().tables
+        """Whether the store holds table ``name`` (a table whose creation never committed does not count)."""
+        return name in self._tables or (name in self.db.list_tables().tables and self._committed(name))
+
+    def _committed(self, name: str) -> bool:
+        """Whether table ``name`` has a committed version (a process killed while creating it leaves none)."""
+        selector = pafs.FileSelector(f"{self.files.store_path}/{name}.lance/_versions", allow_not_found=True)
+        return any(info.base_name.endswith(".manifest") for info in self.files.filesystem.get_file_info(selector))
 
     def table(self, name: str):
         """The LanceDB table ``name`` (``StoreCorruptError`` if it cannot be opened, ``KeyError`` if absent)."""
@@ -104,8 +111,15 @@ class StoreCore:
         return self._tables[name]
 
     def _create_table(self, name: str, schema: pa.Schema):
-        self._tables[name] = self.db.create_table(name, schema=schema, exist_ok=True)
-        return self._tables[name]
+        """Create an empty table, or complete one whose creation was interrupted; idempotent and safe when
+        several processes create it at once (Lance commits the first version only if none exists)."""
+        try:
+            lance.write_dataset(schema.empty_table(), f"{self.uri.rstrip('/')}/{name}.lance", schema=schema,
+                                mode="create", storage_options=self.storage_options)
+        except OSError as error:
+            if "already exists" not in str(error):
+                raise
+        return self.table(name)
 
     def _ensure_fixed_tables(self) -> None:
         for name, schema in S.FIXED_SCHEMAS.items():
@@ -137,9 +151,9 @@ class StoreCore:
         check_run_name(run_id)
         if dim <= 0:
             raise InvalidArgumentError(f"dim must be positive, got {dim}")
-        if self.dim is None:
+        if self.dim is None:  # another process may create it first, with another dim: checked below
             self._create_table(S.GRADIENTS, S.gradients_schema(dim, self._storage_dtype))
-        elif self.dim != dim:
+        if self.dim != dim:
             raise SchemaMismatchError(f"this store holds {self.dim}-dimensional gradients; run {run_id!r} "
                                       f"would write {dim}-dimensional ones (use another store)")
         projection_json = json.dumps(projection, sort_keys=True) if projection is not None else None
@@ -415,10 +429,10 @@ def connect(uri: str | Path, store_class: type[StoreCore] = StoreCore, *, create
     try:
         db = lancedb.connect(uri, read_consistency_interval=read_consistency, storage_options=options)
         store = store_class(uri, db, storage_dtype or DEFAULT_STORAGE_DTYPE, options)
-        existing = set(db.list_tables().tables)
+        exists = store.has_table(S.RUNS)
     except Exception as error:
         raise StoreCorruptError(f"cannot open store {uri}: {error}") from error
-    if S.RUNS in existing:
+    if exists:
         runs_schema = store.table(S.RUNS).schema
         if (runs_schema.metadata or {}).get(S.FORMAT_KEY) != S.FORMAT_VERSION:
             raise NotAStoreError(f"{uri} holds a '{S.RUNS}' table that gradstore did not write")

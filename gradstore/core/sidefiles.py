@@ -40,7 +40,8 @@ class SideFiles:
     def __init__(self, store_uri: str, storage_options: dict[str, str] | None = None) -> None:
         filesystem, base = storage.filesystem(store_uri, storage_options)
         self.filesystem = filesystem
-        self.root = f"{base.rstrip('/')}/{ROOT}"
+        self.store_path = base.rstrip("/")  # the store's own directory (its tables live there too)
+        self.root = f"{self.store_path}/{ROOT}"
         self.local = isinstance(filesystem, pafs.LocalFileSystem)
 
     def path(self, *parts: str) -> str:
@@ -95,8 +96,7 @@ class SideFiles:
 
     def bytes_under_store(self) -> int:
         """Total size of every file of the store (tables and side files), local or remote."""
-        store_root = self.root.rsplit("/", 1)[0]
-        selector = pafs.FileSelector(store_root, recursive=True, allow_not_found=True)
+        selector = pafs.FileSelector(self.store_path, recursive=True, allow_not_found=True)
         return sum(info.size or 0 for info in self.filesystem.get_file_info(selector)
                    if info.type == pafs.FileType.File)
 
