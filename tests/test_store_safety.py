@@ -132,3 +132,16 @@ def test_a_run_name_with_dots_keeps_its_curvature_inside_the_store(tmp_path):
     assert store.count("gradients", f"run_id = {gradstore.core.sql_literal(run)}") == 5
     assert not any(".." in part for p in root.rglob("*") for part in p.relative_to(root).parts)
     assert os.listdir(tmp_path) == ["stores"]
+
+
+def test_examples_are_upserted_by_id(tmp_path):
+    store = _small_store(tmp_path / "store")
+    assert store.add_examples([{"example_id": "e0", "source": "a"}, {"example_id": "e1", "source": "b"}]) == 2
+    assert store.add_examples([{"example_id": "e1", "source": "B"}, {"example_id": "e2", "source": "c"},
+                               {"example_id": "e2", "source": "C"}]) == 2
+    rows = store.sql("select example_id, source from examples order by 1").fetchall()
+    assert rows == [("e0", "a"), ("e1", "B"), ("e2", "C")]
+    store.attribute(run="r", k=6)
+    joined = store.sql("select count(*) from scores s join examples e using (example_id) "
+                       "where s.query_id = 'q0'").fetchall()
+    assert joined == [(3,)]  # of the 6 proponents of q0, the 3 with examples, each once

@@ -315,10 +315,13 @@ class StoreCore:
 
     # ------------------------------------------------------------------ examples and results
     def add_examples(self, data: Any, id_column: str = "example_id") -> int:
-        """Add training/query examples (any tabular input, see :func:`gradstore.core.tabular.to_arrow_table`).
+        """Add or update training/query examples (any tabular input, see
+        :func:`gradstore.core.tabular.to_arrow_table`).
 
         ``id_column`` names the column holding each example's id; it is stored as ``example_id`` (string).
-        Later additions must have the same columns. Returns the number of rows added.
+        Examples are upserted by id: an id already stored gets the new row, and of several rows with one id
+        the last wins, so the table holds each id once. Later additions must have the same columns.
+        Returns the number of rows added or updated.
         """
         table = to_arrow_table(data)
         if id_column not in table.column_names:
@@ -339,7 +342,8 @@ class StoreCore:
             table = table.select(existing.names).cast(existing)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
             raise SchemaMismatchError(f"examples do not match the stored schema: {error}") from None
-        commits.append(self.table(S.EXAMPLES), table, "add_examples")
+        table = _last_row_per_id(table)
+        commits.upsert(self.table(S.EXAMPLES), table, ["example_id"], "add_examples")
         return table.num_rows
 
     def append_results(self, name: str, table: pa.Table) -> None:
@@ -391,6 +395,12 @@ def check_spec(expected: ProjectionSpec, found: ProjectionSpec) -> None:
         expected.check_matches(found)
     except LowerProjectionMismatchError as error:
         raise ProjectionMismatchError(*error.args) from error
+
+
+def _last_row_per_id(table: pa.Table) -> pa.Table:
+    """``table`` with only the last row of each ``example_id``."""
+    last = {example_id: i for i, example_id in enumerate(table.column("example_id").to_pylist())}
+    return table if len(last) == table.num_rows else table.take(sorted(last.values()))
 
 
 def _rebatch(reader: pa.RecordBatchReader, rows: int) -> Iterator[pa.RecordBatch]:
