@@ -113,6 +113,20 @@ def compact(store: StoreArg,
     typer.echo(json.dumps({"fragments": counts}))
 
 
+@app.command()
+def verify(store: StoreArg) -> None:
+    """Read every table and side file and report what is damaged (exit code 1 if anything is)."""
+    report = _open(store).verify()
+    for name, rows in report.tables.items():
+        typer.echo(f"table {name:16s}{rows:>12d} rows readable")
+    typer.echo(f"side files {report.side_files_checked} checked")
+    for problem in report.problems:
+        typer.secho(f"DAMAGED: {problem}", fg=typer.colors.RED, err=True)
+    if not report.ok:
+        raise typer.Exit(code=1)
+    typer.echo("ok")
+
+
 def _print_table(table, limit: int = 50) -> None:
     typer.echo(table.to_pandas().to_string(index=False, max_rows=limit))
 

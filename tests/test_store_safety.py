@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import gradstore
-from gradstore.core.sidefiles import ROOT
 
 
 def _small_store(path: Path) -> gradstore.GradStore:
@@ -104,10 +103,10 @@ def test_a_planted_index_manifest_cannot_write_outside_the_store(tmp_path):
     root = tmp_path / "stores" / "store"
     store = _small_store(root)
     index = store.build_index("r", kind="Flat")
-    manifest_path = root / ROOT / "indexes" / index.name / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
+    key = ("indexes", index.name, "manifest.json")
+    manifest = json.loads(store.files.read_bytes(*key))
     manifest["name"] = "../../../escaped"
-    manifest_path.write_text(json.dumps(manifest))
+    store.files.write_bytes(json.dumps(manifest).encode(), *key)  # planted with a matching checksum
     outside = _files_outside(tmp_path, root)
     with pytest.raises(gradstore.IndexMismatchError):
         store.index(index.name)

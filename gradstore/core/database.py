@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -31,6 +32,7 @@ from gradstore.core.macros import macros_for
 from gradstore.core.sidefiles import SideFiles
 from gradstore.core.tabular import to_arrow_table
 from gradstore.core.vectors import DEFAULT_STORAGE_DTYPE, check_storage_dtype, decode, storage_dtype_of
+from gradstore.core.verify import VerifyReport, verify_store
 from gradstore.core.writer import GradientWriter, WriterConfig
 from gradstore.errors import (
     InvalidArgumentError,
@@ -45,6 +47,9 @@ from ingest import ProjectionMismatchError as LowerProjectionMismatchError
 from ingest import ProjectionSpec
 
 log = logging.getLogger(__name__)
+
+#: What Lance raises when a table's files cannot be read (translated to ``StoreCorruptError``).
+_READ_ERRORS = (OSError, RuntimeError, pa.ArrowException)
 
 Names = str | Sequence[str]
 
@@ -109,6 +114,19 @@ class StoreCore:
             commits.check_inert(schema, f"table {name!r} of store {self.uri}")
             self._tables[name] = table
         return self._tables[name]
+
+    @contextmanager
+    def reading(self, name: str) -> Iterator[None]:
+        """Reads of table ``name`` inside this block that fail in Lance (a data file missing or unreadable)
+        raise ``StoreCorruptError`` naming the table and the file."""
+        try:
+            yield
+        except _READ_ERRORS as error:
+            raise self._unreadable(name, error) from error
+
+    def _unreadable(self, name: str, error: BaseException) -> StoreCorruptError:
+        return StoreCorruptError(f"table {name!r} of store {self.uri} cannot be read: {error} "
+                                 "(`gradstore verify` reports what is damaged)")
 
     def _create_table(self, name: str, schema: pa.Schema):
         """Create an empty table, or complete one whose creation was interrupted; idempotent and safe when
@@ -280,7 +298,18 @@ class StoreCore:
                                   batch_size=block_rows)
         dtype = self.storage_dtype
         metadata_columns = wanted[1:-2]
-        for batch in _rebatch(scanner.to_reader(), block_rows):
+
+        def read() -> Iterator[pa.RecordBatch]:  # opens the reader on the first next(), inside the try below
+            yield from _rebatch(scanner.to_reader(), block_rows)
+
+        batches = read()
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except _READ_ERRORS as error:
+                raise self._unreadable(S.GRADIENTS, error) from error
             yield GradientBlock(grad_ids=np.array(batch.column("grad_id").to_numpy()),
                                 vectors=decode(batch.column(S.VECTOR_COLUMN), batch.column(S.NORM_COLUMN), dtype),
                                 metadata=pa.Table.from_batches([batch.select(metadata_columns)]))
@@ -302,15 +331,19 @@ class StoreCore:
 
     def count(self, table: str = S.GRADIENTS, where: str | None = None) -> int:
         """Row count of a table (0 if it does not exist yet)."""
-        return self.table(table).count_rows(where) if self.has_table(table) else 0
+        if not self.has_table(table):
+            return 0
+        with self.reading(table):
+            return self.table(table).count_rows(where)
 
     def example_ids_for(self, grad_ids: np.ndarray) -> dict[int, str]:
         """``grad_id -> example_id`` for the given ids (one filtered scan of two int/string columns)."""
         unique = np.unique(grad_ids)
         if len(unique) == 0:
             return {}
-        table = self.table(S.GRADIENTS).to_lance().to_table(
-            columns=["grad_id", "example_id"], filter=f"grad_id IN ({', '.join(str(int(g)) for g in unique)})")
+        with self.reading(S.GRADIENTS):
+            table = self.table(S.GRADIENTS).to_lance().to_table(
+                columns=["grad_id", "example_id"], filter=f"grad_id IN ({', '.join(str(int(g)) for g in unique)})")
         return dict(zip(table.column("grad_id").to_pylist(), table.column("example_id").to_pylist()))
 
     # ------------------------------------------------------------------ examples and results
@@ -375,6 +408,10 @@ class StoreCore:
                 self.table(name).to_lance().cleanup_old_versions(older_than=cleanup_older_than)
             counts[name] = len(self.table(name).to_lance().get_fragments())
         return counts
+
+    def verify(self) -> VerifyReport:
+        """Read every table and side file and report what is damaged (see :mod:`gradstore.core.verify`)."""
+        return verify_store(self)
 
     def info(self) -> dict[str, Any]:
         """A summary: tables with rows, fragments and versions, runs, dim, dtype, bytes on disk."""

@@ -3,11 +3,13 @@
 They live under ``<store>/_gradstore/`` in the store's own storage, local directory or object store alike
 (through ``pyarrow.fs``). Every key is a sequence of validated path components, so no name stored in a
 store or passed by a user can reach outside that root. Each file is written whole (to a temporary name
-then renamed on local disk; one PUT on object storage), so a reader never sees half a file.
+then renamed on local disk; one PUT on object storage), so a reader never sees half a file, and its
+SHA-256 is kept beside it, so a damaged file is reported as such instead of being used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -23,6 +25,7 @@ from gradstore.core import storage
 from gradstore.errors import InvalidNameError, StoreCorruptError
 
 ROOT = "_gradstore"
+CHECKSUM_SUFFIX = ".sha256"
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
 
 
@@ -49,9 +52,14 @@ class SideFiles:
         return "/".join([self.root, *(check_component(p) for p in parts)])
 
     def write_bytes(self, data: bytes, *parts: str) -> None:
-        """Write a whole file (atomically: a reader sees the old or the new content, never a mix)."""
+        """Write a whole file (atomically: a reader sees the old or the new content, never a mix), then its
+        SHA-256 beside it (``<name>.sha256``), which :meth:`read_bytes` and :meth:`damaged` check."""
         target = self.path(*parts)
         self.filesystem.create_dir(target.rsplit("/", 1)[0], recursive=True)
+        self._put(target, data)
+        self._put(target + CHECKSUM_SUFFIX, hashlib.sha256(data).hexdigest().encode())
+
+    def _put(self, target: str, data: bytes) -> None:
         if self.local:
             temporary = f"{target}.{uuid.uuid4().hex}.tmp"
             with open(temporary, "wb") as handle:
@@ -66,6 +74,16 @@ class SideFiles:
     def read_bytes(self, *parts: str) -> bytes:
         """The content of a file (``FileNotFoundError`` if there is none)."""
         target = self.path(*parts)
+        data = self._get(target)
+        try:
+            expected = self._get(target + CHECKSUM_SUFFIX).decode().strip()
+        except FileNotFoundError:
+            return data  # written before checksums were kept
+        if hashlib.sha256(data).hexdigest() != expected:
+            raise StoreCorruptError(f"side file {target} is damaged: its content does not match its checksum")
+        return data
+
+    def _get(self, target: str) -> bytes:
         try:
             with self.filesystem.open_input_stream(target) as stream:
                 return stream.read()
@@ -75,6 +93,29 @@ class SideFiles:
             if self.filesystem.get_file_info(target).type == pafs.FileType.NotFound:
                 raise FileNotFoundError(target) from None
             raise StoreCorruptError(f"side file {target} cannot be read: {error}") from error
+
+    def damaged(self) -> tuple[list[str], int]:
+        """Check every side file against its checksum: ``(problems, files checked)``; a file written before
+        checksums were kept is not checked."""
+        selector = pafs.FileSelector(self.root, recursive=True, allow_not_found=True)
+        files = {info.path for info in self.filesystem.get_file_info(selector) if info.type == pafs.FileType.File
+                 and not info.path.endswith(".tmp")}
+        problems, checked = [], 0
+        for path in sorted(files):
+            if path.endswith(CHECKSUM_SUFFIX):
+                if path[: -len(CHECKSUM_SUFFIX)] not in files:
+                    problems.append(f"side file {path[: -len(CHECKSUM_SUFFIX)]} is missing")
+                continue
+            if path + CHECKSUM_SUFFIX not in files:
+                continue
+            checked += 1
+            try:
+                expected = self._get(path + CHECKSUM_SUFFIX).decode().strip()
+                if hashlib.sha256(self._get(path)).hexdigest() != expected:
+                    problems.append(f"side file {path} is damaged (checksum mismatch)")
+            except (OSError, StoreCorruptError, UnicodeDecodeError) as error:
+                problems.append(f"side file {path} cannot be read: {error}")
+        return problems, checked
 
     def exists(self, *parts: str) -> bool:
         """Whether a file (or directory) exists under the key."""
@@ -108,9 +149,11 @@ class SideFiles:
 
     @contextmanager
     def local_directory(self, *parts: str) -> Iterator[Path]:
-        """The files under a key as a local directory (in place on local disk, a temporary copy otherwise)."""
+        """The files under a key as a local directory (in place on local disk, a temporary copy otherwise),
+        each checked against its checksum (``StoreCorruptError`` naming a damaged file)."""
         base = self.path(*parts)
         if self.local:  # read in place
+            _check_directory(Path(base), base)
             yield Path(base)
             return
         scratch = Path(tempfile.mkdtemp(prefix="gradstore-"))
@@ -123,6 +166,23 @@ class SideFiles:
                     destination.parent.mkdir(parents=True, exist_ok=True)
                     with self.filesystem.open_input_stream(info.path) as stream:
                         destination.write_bytes(stream.read())
+            _check_directory(scratch, base)
             yield scratch
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _check_directory(directory: Path, shown: str) -> None:
+    """Raise ``StoreCorruptError`` if a file under ``directory`` does not match the checksum beside it."""
+    for checksum in directory.rglob(f"*{CHECKSUM_SUFFIX}"):
+        path = checksum.with_name(checksum.name[: -len(CHECKSUM_SUFFIX)])
+        digest = hashlib.sha256()
+        try:
+            with open(path, "rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 22), b""):
+                    digest.update(chunk)
+        except FileNotFoundError:
+            raise StoreCorruptError(f"side file {shown}/{path.relative_to(directory)} is missing") from None
+        if digest.hexdigest() != checksum.read_text().strip():
+            raise StoreCorruptError(f"side file {shown}/{path.relative_to(directory)} is damaged: its content does "
+                                    "not match its checksum")
