@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -90,3 +91,15 @@ def test_stores_killed_while_being_created_open_afterwards(tmp_path):
     proc.wait()
     for path in sorted(tmp_path.iterdir()):
         _works(path)
+
+
+def test_a_store_with_a_read_consistency_interval_sees_its_own_writes(store_path):
+    """Rows are committed through Lance, not the LanceDB handle: the handle is moved to the new version."""
+    store = gradstore.open(store_path, read_consistency=timedelta(minutes=10))
+    store.create_run("r", dim=2)
+    assert store.run("r")["dim"] == 2
+    with store.writer("r") as writer:
+        writer.append(np.ones((2, 2)), ["a", "b"], checkpoint="c", split="train")
+    store.record_checkpoint("r", "c", step=3)
+    store.add_examples([{"example_id": "a", "text": "x"}])
+    assert (store.count(), store.count("examples"), store.checkpoints("r").num_rows) == (2, 1, 1)

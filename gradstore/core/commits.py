@@ -69,12 +69,14 @@ def retrying(operation: Callable[[], T], what: str, attempts: int = MAX_ATTEMPTS
 def append(table: Any, data: pa.Table, what: str = "append") -> None:
     """Append ``data`` to a LanceDB table through its Lance dataset (no LanceDB preprocessing)."""
     retrying(lambda: table.to_lance().insert(data, mode="append"), what)
+    table.checkout_latest()  # this handle sees its own write whatever its read-consistency interval
 
 
 def upsert(table: Any, data: pa.Table, on: Sequence[str], what: str = "upsert") -> None:
     """Insert ``data``, replacing the rows whose ``on`` columns match (Lance ``merge_insert``)."""
     retrying(lambda: table.to_lance().merge_insert(list(on)).when_matched_update_all()
              .when_not_matched_insert_all().execute(data), what)
+    table.checkout_latest()
 
 
 def compact(table: Any, what: str = "compaction") -> None:
