@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from gradstore.core import GradientWriter, StoreCore, WriterConfig
-from gradstore.errors import InvalidArgumentError, translated
+from gradstore.errors import InvalidArgumentError, InvalidNameError, translated
 from ingest import CaptureConfig, CapturedBatch, GradientCapture, ProjectionSpec
 
 #: Options that define a run's vectors (or how its loss was formed): later captures of the run reuse them.
@@ -147,12 +147,16 @@ class StoreCapture:
 
     def set_checkpoint(self, name: str, learning_rate: float | None = None) -> None:
         """Checkpoint name (and, for checkpoint passes without an optimizer, its learning rate)."""
+        if not isinstance(name, str) or not name:
+            raise InvalidNameError(f"a checkpoint name must be a non-empty string, got {name!r}")
         self.capture.set_checkpoint(name)
         if learning_rate is not None:
             self.learning_rate = learning_rate
 
     def set_split(self, split: str) -> None:
         """Split (``"train"``/``"query"``) recorded on the following rows."""
+        if not isinstance(split, str) or not split:
+            raise InvalidArgumentError(f"a split must be a non-empty string, got {split!r}")
         self.capture.set_split(split)
 
     def pause(self) -> None:

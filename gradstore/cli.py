@@ -68,7 +68,8 @@ def _user_errors() -> Iterator[None]:
 
 
 def _fail(error: Exception) -> None:
-    typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
+    lines = str(error).strip().splitlines()  # one line: DuckDB appends the query and a caret marker
+    typer.secho(f"error: {lines[0] if lines else type(error).__name__}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=1)
 
 
@@ -131,6 +132,20 @@ def compact(store: StoreArg,
     older = timedelta(days=cleanup_days) if cleanup_days is not None else None
     counts = _open(store).compact(cleanup_older_than=older)
     typer.echo(json.dumps({"fragments": counts}))
+
+
+@app.command()
+def verify(store: StoreArg) -> None:
+    """Read every table and side file and report what is damaged (exit code 1 if anything is)."""
+    report = _open(store).verify()
+    for name, rows in report.tables.items():
+        typer.echo(f"table {name:16s}{rows:>12d} rows readable")
+    typer.echo(f"side files {report.side_files_checked} checked")
+    for problem in report.problems:
+        typer.secho(f"DAMAGED: {problem}", fg=typer.colors.RED, err=True)
+    if not report.ok:
+        raise typer.Exit(code=1)
+    typer.echo("ok")
 
 
 def _print_table(table, limit: int = 50) -> None:

@@ -44,6 +44,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from gradstore.capture import StoreCapture, config_for_run
+from gradstore.core import commits
 from gradstore.core import schema as S
 from gradstore.core.writer import GradientWriter, WriterConfig
 
@@ -142,9 +143,13 @@ class CollectiveCommit:
     def _append(self, fragments: list[FragmentMetadata]) -> int:
         if not fragments:
             return 0
-        dataset = self.table.to_lance()
-        dataset = lance.LanceDataset.commit(dataset.uri, lance.LanceOperation.Append(fragments),
-                                            read_version=dataset.version)
+
+        def commit() -> lance.LanceDataset:
+            dataset = self.table.to_lance()
+            return lance.LanceDataset.commit(dataset, lance.LanceOperation.Append(fragments),
+                                             read_version=dataset.version)
+
+        dataset = commits.retrying(commit, "collective commit")
         self.commits += 1
         if self._max_fragments and len(dataset.get_fragments()) > self._max_fragments:
             dataset.optimize.compact_files()

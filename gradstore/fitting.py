@@ -59,7 +59,8 @@ class Selection:
 
     def state(self, store: StoreCore) -> tuple[int, int]:
         """``(rows, largest grad_id)`` of the selection now: a fit of other rows is stale."""
-        ids = store.table(S.GRADIENTS).to_lance().to_table(columns=["grad_id"], filter=self.filter).column(0)
+        with store.reading(S.GRADIENTS):
+            ids = store.table(S.GRADIENTS).to_lance().to_table(columns=["grad_id"], filter=self.filter).column(0)
         return len(ids), (int(np.max(ids.to_numpy())) if len(ids) else -1)
 
     def count(self, store: StoreCore) -> int:

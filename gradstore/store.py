@@ -35,8 +35,9 @@ IndexKind = str  # "exact", "auto" or a FAISS factory string such as "Flat" or "
 class GradStore(StoreCore):
     """A gradient store. Create or open one with :func:`gradstore.open`."""
 
-    def __init__(self, uri: str, db: lancedb.DBConnection, storage_dtype: str) -> None:
-        super().__init__(uri, db, storage_dtype)
+    def __init__(self, uri: str, db: lancedb.DBConnection, storage_dtype: str,
+                 storage_options: dict[str, str] | None = None) -> None:
+        super().__init__(uri, db, storage_dtype, storage_options)
         self.fits = FitCache(self)
 
     # ------------------------------------------------------------------ capture
@@ -149,11 +150,15 @@ class GradStore(StoreCore):
 
 
 def open_store(uri: str | Path, *, create: bool = True, storage_dtype: str | None = None,
-               read_consistency: timedelta = timedelta(0)) -> GradStore:
-    """Create or open the store at ``uri`` (a local directory or an object-store URI LanceDB accepts).
+               read_consistency: timedelta = timedelta(0), storage_options: dict[str, str] | None = None) -> GradStore:
+    """Create or open the store at ``uri`` (a local directory or an object-store URI such as ``s3://bucket/x``).
 
     ``storage_dtype`` (``"float16"`` default, or ``"float32"``) applies when the gradients table is created;
     asking for a different one on an existing store is an error. ``read_consistency`` is how stale a read
-    may be (0: always see other writers' latest commits).
+    may be (0: always see other writers' latest commits). ``storage_options``: endpoint and credentials of
+    an object store (Lance's names: ``aws_endpoint``, ``aws_access_key_id``, ``aws_secret_access_key``,
+    ``aws_region``, ``allow_http``, ...); when not given for an ``s3://`` store they are read from the
+    standard AWS environment variables. Tables and side files use the same options.
     """
-    return connect(uri, GradStore, create=create, storage_dtype=storage_dtype, read_consistency=read_consistency)
+    return connect(uri, GradStore, create=create, storage_dtype=storage_dtype, read_consistency=read_consistency,
+                   storage_options=storage_options)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -219,17 +217,17 @@ def test_faiss_flat_index_equals_exact_and_is_incremental(captured):
 def test_index_from_another_projection_is_refused(captured):
     store, _, _ = captured
     index = store.build_index("run", checkpoint="c0", method="grad-dot")
-    path = Path(store.files.path("indexes", index.name, "manifest.json"))
-    text = path.read_text()
-    try:
-        path.write_text(text.replace(index.manifest["projection_fingerprint"], "0" * 32))
+    key = ("indexes", index.name, "manifest.json")
+    text = store.files.read_bytes(*key).decode()
+    try:  # written through the side-file API, so with a matching checksum: a well-formed foreign manifest
+        store.files.write_bytes(text.replace(index.manifest["projection_fingerprint"], "0" * 32).encode(), *key)
         with pytest.raises(IndexMismatchError, match="projection_fingerprint"):
             store.index(index.name)
-        path.write_text("{not json")
+        store.files.write_bytes(b"{not json", *key)
         with pytest.raises(IndexMismatchError):
             store.index(index.name)
     finally:
-        path.write_text(text)
+        store.files.write_bytes(text.encode(), *key)
     with pytest.raises(FileNotFoundError):
         store.index("no-such-index")
 

@@ -58,6 +58,10 @@ def test_errors_are_messages_not_tracebacks(store_path, tmp_path):
     assert bad.exit_code == 1 and "syntax error" in bad.output and "Traceback" not in bad.output
     write = runner.invoke(app, ["sql", str(store_path), "drop table runs"])
     assert write.exit_code == 1 and "read-only" in write.output
+    cast = runner.invoke(app, ["sql", str(store_path), "select cast(example_id as integer) from gradients"])
+    assert cast.exit_code == 1 and "Traceback" not in cast.output
+    assert cast.output.strip().splitlines() == ["error: Conversion Error: Could not convert string 'a' to INT32 "
+                                                "when casting from source column example_id"]
     missing = runner.invoke(app, ["info", str(tmp_path / "nothing")])
     assert missing.exit_code == 1 and "no gradstore store" in missing.output
 

@@ -12,9 +12,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
-from gradstore.core.schema import SCORES_SCHEMA
 
 import gradstore
+from gradstore.core.schema import SCORES_SCHEMA
 from gradstore.demo import DemoConfig, run_demo
 from gradstore.report import ReportOptions, gather
 from gradstore.report.html import plotly_js, script_safe_json

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 
 import gradstore
@@ -67,3 +68,28 @@ def test_bad_sql_gives_duckdb_message(filled):
         filled.sql("selec 1")
     with pytest.raises(gradstore.SQLError, match="disabled"):
         filled.sql("select * from read_csv('/etc/hostname')").fetchall()
+
+
+def test_filters_on_large_string_example_columns(store):
+    """pandas 3 makes ``large_string`` columns; Lance cannot push filters on them down, Arrow applies them."""
+    store.create_run("r", dim=2)
+    with store.writer("r") as writer:
+        writer.append(np.ones((4, 2)), ["a", "b", "c", "d"])
+    examples = pa.table({"example_id": pa.array(["a", "b", "c", "d"], pa.large_string()),
+                         "source": pa.array(["x", "y", "x", None], pa.large_string()),
+                         "n": [1, 2, 3, 4]})
+    store.add_examples(examples)
+    assert pa.types.is_large_string(store.table("examples").schema.field("source").type)
+    got = store.sql("select example_id from examples where source = 'x' and n > 1 order by 1").fetchall()
+    assert got == [("c",)]
+    joined = store.sql("select count(*) from gradients g join examples e using (example_id) "
+                       "where e.source like 'x%' or e.source is null").fetchall()
+    assert joined == [(3,)]
+
+
+@pytest.mark.parametrize("query", ["select cast('abc' as integer)", "select cast(split as integer) from gradients",
+                                   "select 1 / 0 :: hugeint, error('boom')"])
+def test_execution_time_errors_are_sql_errors(filled, query):
+    with pytest.raises(gradstore.SQLError) as raised:
+        filled.sql(query)
+    assert "Error" in str(raised.value) and raised.value.__cause__ is None

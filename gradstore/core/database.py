@@ -11,15 +11,19 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import lance
 import lancedb
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 
+from gradstore.core import commits, storage
 from gradstore.core import schema as S
 from gradstore.core import sql as store_sql
 from gradstore.core.curvature import LayerCurvature, load_curvature, save_curvature
@@ -28,6 +32,7 @@ from gradstore.core.macros import macros_for
 from gradstore.core.sidefiles import SideFiles
 from gradstore.core.tabular import to_arrow_table
 from gradstore.core.vectors import DEFAULT_STORAGE_DTYPE, check_storage_dtype, decode, storage_dtype_of
+from gradstore.core.verify import VerifyReport, verify_store
 from gradstore.core.writer import GradientWriter, WriterConfig
 from gradstore.errors import (
     InvalidArgumentError,
@@ -42,6 +47,9 @@ from ingest import ProjectionMismatchError as LowerProjectionMismatchError
 from ingest import ProjectionSpec
 
 log = logging.getLogger(__name__)
+
+#: What Lance raises when a table's files cannot be read (translated to ``StoreCorruptError``).
+_READ_ERRORS = (OSError, RuntimeError, pa.ArrowException)
 
 Names = str | Sequence[str]
 
@@ -74,17 +82,24 @@ def check_run_name(run_id: str) -> str:
 class StoreCore:
     """Tables, runs, checkpoints, gradient I/O, examples, results, side files and SQL of one store."""
 
-    def __init__(self, uri: str, db: lancedb.DBConnection, storage_dtype: str) -> None:
+    def __init__(self, uri: str, db: lancedb.DBConnection, storage_dtype: str,
+                 storage_options: dict[str, str] | None = None) -> None:
         self.uri = uri
         self.db = db
         self._storage_dtype = storage_dtype
+        self.storage_options = storage_options
         self._tables: dict[str, Any] = {}
-        self.files = SideFiles(uri)
+        self.files = SideFiles(uri, storage_options)
 
     # ------------------------------------------------------------------ tables
     def has_table(self, name: str) -> bool:
-        """Whether the store holds table ``name``."""
-        return name in self._tables or name in self.db.list_tables().tables
+        """Whether the store holds table ``name`` (a table whose creation never committed does not count)."""
+        return name in self._tables or (name in self.db.list_tables().tables and self._committed(name))
+
+    def _committed(self, name: str) -> bool:
+        """Whether table ``name`` has a committed version (a process killed while creating it leaves none)."""
+        selector = pafs.FileSelector(f"{self.files.store_path}/{name}.lance/_versions", allow_not_found=True)
+        return any(info.base_name.endswith(".manifest") for info in self.files.filesystem.get_file_info(selector))
 
     def table(self, name: str):
         """The LanceDB table ``name`` (``StoreCorruptError`` if it cannot be opened, ``KeyError`` if absent)."""
@@ -92,14 +107,37 @@ class StoreCore:
             if not self.has_table(name):
                 raise KeyError(f"the store has no table {name!r} yet")
             try:
-                self._tables[name] = self.db.open_table(name)
+                table = self.db.open_table(name)
+                schema = table.schema
             except Exception as error:
                 raise StoreCorruptError(f"table {name!r} of store {self.uri} cannot be opened: {error}") from error
+            commits.check_inert(schema, f"table {name!r} of store {self.uri}")
+            self._tables[name] = table
         return self._tables[name]
 
+    @contextmanager
+    def reading(self, name: str) -> Iterator[None]:
+        """Reads of table ``name`` inside this block that fail in Lance (a data file missing or unreadable)
+        raise ``StoreCorruptError`` naming the table and the file."""
+        try:
+            yield
+        except _READ_ERRORS as error:
+            raise self._unreadable(name, error) from error
+
+    def _unreadable(self, name: str, error: BaseException) -> StoreCorruptError:
+        return StoreCorruptError(f"table {name!r} of store {self.uri} cannot be read: {error} "
+                                 "(`gradstore verify` reports what is damaged)")
+
     def _create_table(self, name: str, schema: pa.Schema):
-        self._tables[name] = self.db.create_table(name, schema=schema, exist_ok=True)
-        return self._tables[name]
+        """Create an empty table, or complete one whose creation was interrupted; idempotent and safe when
+        several processes create it at once (Lance commits the first version only if none exists)."""
+        try:
+            lance.write_dataset(schema.empty_table(), f"{self.uri.rstrip('/')}/{name}.lance", schema=schema,
+                                mode="create", storage_options=self.storage_options)
+        except OSError as error:
+            if "already exists" not in str(error):
+                raise
+        return self.table(name)
 
     def _ensure_fixed_tables(self) -> None:
         for name, schema in S.FIXED_SCHEMAS.items():
@@ -131,9 +169,9 @@ class StoreCore:
         check_run_name(run_id)
         if dim <= 0:
             raise InvalidArgumentError(f"dim must be positive, got {dim}")
-        if self.dim is None:
+        if self.dim is None:  # another process may create it first, with another dim: checked below
             self._create_table(S.GRADIENTS, S.gradients_schema(dim, self._storage_dtype))
-        elif self.dim != dim:
+        if self.dim != dim:
             raise SchemaMismatchError(f"this store holds {self.dim}-dimensional gradients; run {run_id!r} "
                                       f"would write {dim}-dimensional ones (use another store)")
         projection_json = json.dumps(projection, sort_keys=True) if projection is not None else None
@@ -147,7 +185,7 @@ class StoreCore:
         row = {"run_id": run_id, "created_at": datetime.now(timezone.utc), "model_fingerprint": model_fingerprint,
                "projection": projection_json, "projection_fingerprint": (projection or {}).get("fingerprint"),
                "dim": dim, "config": json.dumps(config or {}, sort_keys=True, default=str)}
-        self.table(S.RUNS).add(pa.Table.from_pylist([row], schema=S.RUNS_SCHEMA))
+        commits.append(self.table(S.RUNS), pa.Table.from_pylist([row], schema=S.RUNS_SCHEMA), "run creation")
         return row
 
     def run(self, run_id: str) -> dict:
@@ -201,8 +239,7 @@ class StoreCore:
         row = pa.Table.from_pylist([{"run_id": run_id, "checkpoint": checkpoint, "step": step, "epoch": epoch,
                                      "learning_rate": learning_rate, "created_at": datetime.now(timezone.utc)}],
                                    schema=S.CHECKPOINTS_SCHEMA)
-        (self.table(S.CHECKPOINTS).merge_insert(["run_id", "checkpoint"])
-         .when_matched_update_all().when_not_matched_insert_all().execute(row))
+        commits.upsert(self.table(S.CHECKPOINTS), row, ["run_id", "checkpoint"], "checkpoint record")
 
     def checkpoints(self, run_id: str | None = None) -> pa.Table:
         """Checkpoints (of one run, or all), ordered by step."""
@@ -237,7 +274,7 @@ class StoreCore:
         self.run(run_id)
         if thresholds:
             config = WriterConfig(**{**(config or WriterConfig()).__dict__, **thresholds})
-        return GradientWriter(self.table(S.GRADIENTS), run_id=run_id, dim=self.dim,
+        return GradientWriter(commits.InertTable(self.table(S.GRADIENTS)), run_id=run_id, dim=self.dim,
                               storage_dtype=self.storage_dtype, config=config)
 
     def iter_gradients(self, run: Names | None = None, *, checkpoint: Names | None = None,
@@ -261,7 +298,18 @@ class StoreCore:
                                   batch_size=block_rows)
         dtype = self.storage_dtype
         metadata_columns = wanted[1:-2]
-        for batch in _rebatch(scanner.to_reader(), block_rows):
+
+        def read() -> Iterator[pa.RecordBatch]:  # opens the reader on the first next(), inside the try below
+            yield from _rebatch(scanner.to_reader(), block_rows)
+
+        batches = read()
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except _READ_ERRORS as error:
+                raise self._unreadable(S.GRADIENTS, error) from error
             yield GradientBlock(grad_ids=np.array(batch.column("grad_id").to_numpy()),
                                 vectors=decode(batch.column(S.VECTOR_COLUMN), batch.column(S.NORM_COLUMN), dtype),
                                 metadata=pa.Table.from_batches([batch.select(metadata_columns)]))
@@ -283,23 +331,30 @@ class StoreCore:
 
     def count(self, table: str = S.GRADIENTS, where: str | None = None) -> int:
         """Row count of a table (0 if it does not exist yet)."""
-        return self.table(table).count_rows(where) if self.has_table(table) else 0
+        if not self.has_table(table):
+            return 0
+        with self.reading(table):
+            return self.table(table).count_rows(where)
 
     def example_ids_for(self, grad_ids: np.ndarray) -> dict[int, str]:
         """``grad_id -> example_id`` for the given ids (one filtered scan of two int/string columns)."""
         unique = np.unique(grad_ids)
         if len(unique) == 0:
             return {}
-        table = self.table(S.GRADIENTS).to_lance().to_table(
-            columns=["grad_id", "example_id"], filter=f"grad_id IN ({', '.join(str(int(g)) for g in unique)})")
+        with self.reading(S.GRADIENTS):
+            table = self.table(S.GRADIENTS).to_lance().to_table(
+                columns=["grad_id", "example_id"], filter=f"grad_id IN ({', '.join(str(int(g)) for g in unique)})")
         return dict(zip(table.column("grad_id").to_pylist(), table.column("example_id").to_pylist()))
 
     # ------------------------------------------------------------------ examples and results
     def add_examples(self, data: Any, id_column: str = "example_id") -> int:
-        """Add training/query examples (any tabular input, see :func:`gradstore.core.tabular.to_arrow_table`).
+        """Add or update training/query examples (any tabular input, see
+        :func:`gradstore.core.tabular.to_arrow_table`).
 
         ``id_column`` names the column holding each example's id; it is stored as ``example_id`` (string).
-        Later additions must have the same columns. Returns the number of rows added.
+        Examples are upserted by id: an id already stored gets the new row, and of several rows with one id
+        the last wins, so the table holds each id once. Later additions must have the same columns.
+        Returns the number of rows added or updated.
         """
         table = to_arrow_table(data)
         if id_column not in table.column_names:
@@ -320,20 +375,23 @@ class StoreCore:
             table = table.select(existing.names).cast(existing)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
             raise SchemaMismatchError(f"examples do not match the stored schema: {error}") from None
-        self.table(S.EXAMPLES).add(table)
+        table = _last_row_per_id(table)
+        commits.upsert(self.table(S.EXAMPLES), table, ["example_id"], "add_examples")
         return table.num_rows
 
     def append_results(self, name: str, table: pa.Table) -> None:
         """Append a result table (``scores``, ``self_influence``) stamped with the current time."""
         schema = S.FIXED_SCHEMAS[name]
         now = pa.array([datetime.now(timezone.utc)] * table.num_rows, schema.field("created_at").type)
-        self.table(name).add(table.append_column(schema.field("created_at"), now).select(schema.names).cast(schema))
+        rows = table.append_column(schema.field("created_at"), now).select(schema.names).cast(schema)
+        commits.append(self.table(name), rows, f"{name} results")
 
     # ------------------------------------------------------------------ SQL
     def sql(self, query: str):
         """Run read-only DuckDB SQL over every table (vectors excluded); returns a DuckDB relation."""
         tables = {name: self.table(name).to_lance() for name in self.db.list_tables().tables}
-        self._sql_connection = store_sql.connect(tables, macros_for(set(tables)))  # lives with its relation
+        self._sql_connection = store_sql.connect(tables, macros_for(set(tables)),  # lives with its relation
+                                                 self.storage_options)
         return store_sql.run_query(self._sql_connection, query)
 
     # ------------------------------------------------------------------ maintenance
@@ -344,13 +402,16 @@ class StoreCore:
         """
         counts = {}
         for name in self.db.list_tables().tables:
-            dataset = self.table(name).to_lance()
-            if len(dataset.get_fragments()) > 1:
-                dataset.optimize.compact_files()
+            if len(self.table(name).to_lance().get_fragments()) > 1:
+                commits.compact(self.table(name), f"compaction of {name!r}")
             if cleanup_older_than is not None:
-                dataset.cleanup_old_versions(older_than=cleanup_older_than)
+                self.table(name).to_lance().cleanup_old_versions(older_than=cleanup_older_than)
             counts[name] = len(self.table(name).to_lance().get_fragments())
         return counts
+
+    def verify(self) -> VerifyReport:
+        """Read every table and side file and report what is damaged (see :mod:`gradstore.core.verify`)."""
+        return verify_store(self)
 
     def info(self) -> dict[str, Any]:
         """A summary: tables with rows, fragments and versions, runs, dim, dtype, bytes on disk."""
@@ -359,8 +420,7 @@ class StoreCore:
             dataset = self.table(name).to_lance()
             tables[name] = {"rows": dataset.count_rows(), "fragments": len(dataset.get_fragments()),
                             "version": dataset.version}
-        path = Path(self.uri)
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else None
+        size = self.files.bytes_under_store()
         runs = self.runs().column("run_id").to_pylist() if self.has_table(S.RUNS) else []
         return {"uri": self.uri, "dim": self.dim, "storage_dtype": self.storage_dtype, "runs": runs,
                 "tables": tables, "bytes_on_disk": size}
@@ -372,6 +432,12 @@ def check_spec(expected: ProjectionSpec, found: ProjectionSpec) -> None:
         expected.check_matches(found)
     except LowerProjectionMismatchError as error:
         raise ProjectionMismatchError(*error.args) from error
+
+
+def _last_row_per_id(table: pa.Table) -> pa.Table:
+    """``table`` with only the last row of each ``example_id``."""
+    last = {example_id: i for i, example_id in enumerate(table.column("example_id").to_pylist())}
+    return table if len(last) == table.num_rows else table.take(sorted(last.values()))
 
 
 def _rebatch(reader: pa.RecordBatchReader, rows: int) -> Iterator[pa.RecordBatch]:
@@ -391,9 +457,11 @@ def _rebatch(reader: pa.RecordBatchReader, rows: int) -> Iterator[pa.RecordBatch
 
 
 def connect(uri: str | Path, store_class: type[StoreCore] = StoreCore, *, create: bool = True,
-            storage_dtype: str | None = None, read_consistency: timedelta = timedelta(0)) -> StoreCore:
+            storage_dtype: str | None = None, read_consistency: timedelta = timedelta(0),
+            storage_options: dict[str, str] | None = None) -> StoreCore:
     """Create or open the store at ``uri`` as an instance of ``store_class`` (see :func:`gradstore.open`)."""
     uri = str(uri)
+    options = storage.storage_options(uri, storage_options)
     if storage_dtype is not None:
         check_storage_dtype(storage_dtype)
     if "://" not in uri:
@@ -406,12 +474,12 @@ def connect(uri: str | Path, store_class: type[StoreCore] = StoreCore, *, create
         if is_new and not create:
             raise NotAStoreError(f"no gradstore store at {uri} (pass create=True to make one)")
     try:
-        db = lancedb.connect(uri, read_consistency_interval=read_consistency)
-        store = store_class(uri, db, storage_dtype or DEFAULT_STORAGE_DTYPE)
-        existing = set(db.list_tables().tables)
+        db = lancedb.connect(uri, read_consistency_interval=read_consistency, storage_options=options)
+        store = store_class(uri, db, storage_dtype or DEFAULT_STORAGE_DTYPE, options)
+        exists = store.has_table(S.RUNS)
     except Exception as error:
         raise StoreCorruptError(f"cannot open store {uri}: {error}") from error
-    if S.RUNS in existing:
+    if exists:
         runs_schema = store.table(S.RUNS).schema
         if (runs_schema.metadata or {}).get(S.FORMAT_KEY) != S.FORMAT_VERSION:
             raise NotAStoreError(f"{uri} holds a '{S.RUNS}' table that gradstore did not write")

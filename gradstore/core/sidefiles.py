@@ -3,11 +3,13 @@
 They live under ``<store>/_gradstore/`` in the store's own storage, local directory or object store alike
 (through ``pyarrow.fs``). Every key is a sequence of validated path components, so no name stored in a
 store or passed by a user can reach outside that root. Each file is written whole (to a temporary name
-then renamed on local disk; one PUT on object storage), so a reader never sees half a file.
+then renamed on local disk; one PUT on object storage), so a reader never sees half a file, and its
+SHA-256 is kept beside it, so a damaged file is reported as such instead of being used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -19,9 +21,11 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from gradstore.core import storage
 from gradstore.errors import InvalidNameError, StoreCorruptError
 
 ROOT = "_gradstore"
+CHECKSUM_SUFFIX = ".sha256"
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
 
 
@@ -36,14 +40,11 @@ def check_component(part: str, what: str = "name") -> str:
 class SideFiles:
     """Files under ``<store uri>/_gradstore`` on the store's own filesystem."""
 
-    def __init__(self, store_uri: str, filesystem: pafs.FileSystem | None = None) -> None:
-        if filesystem is None:
-            filesystem, base = pafs.FileSystem.from_uri(store_uri if "://" in store_uri
-                                                        else str(Path(store_uri).resolve()))
-        else:
-            base = store_uri.split("://", 1)[-1]
+    def __init__(self, store_uri: str, storage_options: dict[str, str] | None = None) -> None:
+        filesystem, base = storage.filesystem(store_uri, storage_options)
         self.filesystem = filesystem
-        self.root = f"{base.rstrip('/')}/{ROOT}"
+        self.store_path = base.rstrip("/")  # the store's own directory (its tables live there too)
+        self.root = f"{self.store_path}/{ROOT}"
         self.local = isinstance(filesystem, pafs.LocalFileSystem)
 
     def path(self, *parts: str) -> str:
@@ -51,9 +52,14 @@ class SideFiles:
         return "/".join([self.root, *(check_component(p) for p in parts)])
 
     def write_bytes(self, data: bytes, *parts: str) -> None:
-        """Write a whole file (atomically: a reader sees the old or the new content, never a mix)."""
+        """Write a whole file (atomically: a reader sees the old or the new content, never a mix), then its
+        SHA-256 beside it (``<name>.sha256``), which :meth:`read_bytes` and :meth:`damaged` check."""
         target = self.path(*parts)
         self.filesystem.create_dir(target.rsplit("/", 1)[0], recursive=True)
+        self._put(target, data)
+        self._put(target + CHECKSUM_SUFFIX, hashlib.sha256(data).hexdigest().encode())
+
+    def _put(self, target: str, data: bytes) -> None:
         if self.local:
             temporary = f"{target}.{uuid.uuid4().hex}.tmp"
             with open(temporary, "wb") as handle:
@@ -68,6 +74,16 @@ class SideFiles:
     def read_bytes(self, *parts: str) -> bytes:
         """The content of a file (``FileNotFoundError`` if there is none)."""
         target = self.path(*parts)
+        data = self._get(target)
+        try:
+            expected = self._get(target + CHECKSUM_SUFFIX).decode().strip()
+        except FileNotFoundError:
+            return data  # written before checksums were kept
+        if hashlib.sha256(data).hexdigest() != expected:
+            raise StoreCorruptError(f"side file {target} is damaged: its content does not match its checksum")
+        return data
+
+    def _get(self, target: str) -> bytes:
         try:
             with self.filesystem.open_input_stream(target) as stream:
                 return stream.read()
@@ -77,6 +93,29 @@ class SideFiles:
             if self.filesystem.get_file_info(target).type == pafs.FileType.NotFound:
                 raise FileNotFoundError(target) from None
             raise StoreCorruptError(f"side file {target} cannot be read: {error}") from error
+
+    def damaged(self) -> tuple[list[str], int]:
+        """Check every side file against its checksum: ``(problems, files checked)``; a file written before
+        checksums were kept is not checked."""
+        selector = pafs.FileSelector(self.root, recursive=True, allow_not_found=True)
+        files = {info.path for info in self.filesystem.get_file_info(selector) if info.type == pafs.FileType.File
+                 and not info.path.endswith(".tmp")}
+        problems, checked = [], 0
+        for path in sorted(files):
+            if path.endswith(CHECKSUM_SUFFIX):
+                if path[: -len(CHECKSUM_SUFFIX)] not in files:
+                    problems.append(f"side file {path[: -len(CHECKSUM_SUFFIX)]} is missing")
+                continue
+            if path + CHECKSUM_SUFFIX not in files:
+                continue
+            checked += 1
+            try:
+                expected = self._get(path + CHECKSUM_SUFFIX).decode().strip()
+                if hashlib.sha256(self._get(path)).hexdigest() != expected:
+                    problems.append(f"side file {path} is damaged (checksum mismatch)")
+            except (OSError, StoreCorruptError, UnicodeDecodeError) as error:
+                problems.append(f"side file {path} cannot be read: {error}")
+        return problems, checked
 
     def exists(self, *parts: str) -> bool:
         """Whether a file (or directory) exists under the key."""
@@ -96,6 +135,12 @@ class SideFiles:
         elif info.type == pafs.FileType.File:
             self.filesystem.delete_file(target)
 
+    def bytes_under_store(self) -> int:
+        """Total size of every file of the store (tables and side files), local or remote."""
+        selector = pafs.FileSelector(self.store_path, recursive=True, allow_not_found=True)
+        return sum(info.size or 0 for info in self.filesystem.get_file_info(selector)
+                   if info.type == pafs.FileType.File)
+
     def put_directory(self, local: Path, *parts: str) -> None:
         """Copy the files of a local directory (recursively) under a key."""
         for path in sorted(local.rglob("*")):
@@ -104,9 +149,11 @@ class SideFiles:
 
     @contextmanager
     def local_directory(self, *parts: str) -> Iterator[Path]:
-        """The files under a key as a local directory (in place on local disk, a temporary copy otherwise)."""
+        """The files under a key as a local directory (in place on local disk, a temporary copy otherwise),
+        each checked against its checksum (``StoreCorruptError`` naming a damaged file)."""
         base = self.path(*parts)
         if self.local:  # read in place
+            _check_directory(Path(base), base)
             yield Path(base)
             return
         scratch = Path(tempfile.mkdtemp(prefix="gradstore-"))
@@ -119,6 +166,23 @@ class SideFiles:
                     destination.parent.mkdir(parents=True, exist_ok=True)
                     with self.filesystem.open_input_stream(info.path) as stream:
                         destination.write_bytes(stream.read())
+            _check_directory(scratch, base)
             yield scratch
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _check_directory(directory: Path, shown: str) -> None:
+    """Raise ``StoreCorruptError`` if a file under ``directory`` does not match the checksum beside it."""
+    for checksum in directory.rglob(f"*{CHECKSUM_SUFFIX}"):
+        path = checksum.with_name(checksum.name[: -len(CHECKSUM_SUFFIX)])
+        digest = hashlib.sha256()
+        try:
+            with open(path, "rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 22), b""):
+                    digest.update(chunk)
+        except FileNotFoundError:
+            raise StoreCorruptError(f"side file {shown}/{path.relative_to(directory)} is missing") from None
+        if digest.hexdigest() != checksum.read_text().strip():
+            raise StoreCorruptError(f"side file {shown}/{path.relative_to(directory)} is damaged: its content does "
+                                    "not match its checksum")

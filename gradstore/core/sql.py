@@ -2,8 +2,12 @@
 
 Each Lance table is exposed to DuckDB as a lazily scanned Arrow dataset *without* its vector columns
 (DuckDB's Arrow scan refuses float16 columns, and vectors do not belong in SQL anyway); projections and
-filters are pushed down into Lance, so nothing is loaded that a query does not touch. Only read
-statements are accepted: a query cannot modify, drop or export store tables.
+filters are pushed down into Lance, so nothing is loaded that a query does not touch. Lance cannot take
+filters on ``large_string``/``large_binary`` columns (what pandas 3 produces in ``examples``), so on tables
+holding such columns a filter is applied by Arrow to Lance's projected scan instead. Only read
+statements are accepted: a query cannot modify, drop or export store tables. A query runs to completion
+inside :func:`run_query` (its result is materialized as Arrow), so every failure, also one that only
+shows while rows are produced (``CAST('abc' AS INTEGER)``), is a ``SQLError`` with DuckDB's message.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Iterable, Mapping
 import duckdb
 import lance
 import pyarrow as pa
+import pyarrow.dataset as pads
 
 from gradstore.errors import SQLError
 
@@ -28,15 +33,26 @@ class VectorlessLanceView(lance.LanceDataset):
         full = super().schema
         return pa.schema([f for f in full if f.name not in _HIDDEN_COLUMNS], metadata=full.metadata)
 
-    def scanner(self, columns=None, **kwargs):  # type: ignore[override]
-        return super().scanner(columns=columns if columns is not None else self.schema.names, **kwargs)
+    def scanner(self, columns=None, filter=None, **kwargs):  # type: ignore[override]
+        columns = columns if columns is not None else self.schema.names
+        if filter is None or not any(_is_large(f.type) for f in self.schema):
+            return super().scanner(columns=columns, filter=filter, **kwargs)
+        # Lance's pushdown cannot take this filter: Arrow applies it to the scan of every visible column
+        scan = super().scanner(columns=self.schema.names, **kwargs)
+        return pads.Scanner.from_batches(scan.to_reader(), columns=columns, filter=filter)
 
 
-def connect(tables: Mapping[str, lance.LanceDataset], macros: Iterable[str] = ()) -> duckdb.DuckDBPyConnection:
+def _is_large(data_type: pa.DataType) -> bool:
+    return (pa.types.is_large_string(data_type) or pa.types.is_large_binary(data_type)
+            or pa.types.is_large_list(data_type))
+
+
+def connect(tables: Mapping[str, lance.LanceDataset], macros: Iterable[str] = (),
+            storage_options: dict[str, str] | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with one view per store table and the given macro definitions."""
     con = duckdb.connect()
     for name, dataset in tables.items():
-        view = VectorlessLanceView(dataset.uri, version=dataset.version)
+        view = VectorlessLanceView(dataset.uri, version=dataset.version, storage_options=storage_options)
         con.register(name, view)
     for macro in macros:
         con.execute(macro)
@@ -46,7 +62,8 @@ def connect(tables: Mapping[str, lance.LanceDataset], macros: Iterable[str] = ()
 
 
 def run_query(con: duckdb.DuckDBPyConnection, query: str) -> duckdb.DuckDBPyRelation:
-    """Run a read-only query; raise ``SQLError`` with DuckDB's message on failure or on a write."""
+    """Run a read-only query to completion; raise ``SQLError`` with DuckDB's message on failure or on a
+    write. Returns a relation over the materialized result."""
     try:
         statements = con.extract_statements(query)
     except duckdb.Error as error:
@@ -56,6 +73,6 @@ def run_query(con: duckdb.DuckDBPyConnection, query: str) -> duckdb.DuckDBPyRela
     if statements[0].type not in _READ_STATEMENTS:
         raise SQLError(f"store SQL is read-only: {statements[0].type.name} statements are not allowed")
     try:
-        return con.sql(query)
-    except duckdb.Error as error:
+        return con.from_arrow(con.sql(query).to_arrow_table())
+    except (duckdb.Error, pa.ArrowException) as error:
         raise SQLError(str(error)) from None

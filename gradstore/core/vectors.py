@@ -19,6 +19,8 @@ import torch
 
 STORAGE_DTYPES = ("float16", "float32")
 DEFAULT_STORAGE_DTYPE = "float16"
+#: The largest row norm a store holds (``grad_norm`` is float32): larger rows would be stored as ``inf``.
+MAX_NORM = float(np.finfo(np.float32).max)
 
 
 def check_storage_dtype(dtype: str) -> str:
@@ -45,6 +47,19 @@ def row_norms(vectors: np.ndarray) -> np.ndarray:
         safe = np.where(peak > 0, peak, 1.0)
         norms[suspect] = np.linalg.norm(rows / safe, axis=1) * peak[:, 0]
     return norms
+
+
+def row_peaks(vectors: np.ndarray) -> np.ndarray:
+    """Largest absolute entry of each row (NaN for a row holding NaN), in two reductions without a copy."""
+    return np.maximum(vectors.max(axis=1), -vectors.min(axis=1)) if vectors.shape[1] else np.zeros(len(vectors))
+
+
+def too_large_rows(vectors: np.ndarray, peaks: np.ndarray) -> np.ndarray:
+    """Indices of finite rows whose norm exceeds :data:`MAX_NORM` (given their :func:`row_peaks`)."""
+    suspect = np.flatnonzero(np.isfinite(peaks) & (peaks.astype(np.float64) * np.sqrt(vectors.shape[1]) > MAX_NORM))
+    if len(suspect) == 0:
+        return suspect
+    return suspect[row_norms(vectors[suspect]) > MAX_NORM]
 
 
 def encode_rows(vectors: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:

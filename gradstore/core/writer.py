@@ -29,8 +29,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from gradstore.core import commits
 from gradstore.core import schema as S
-from gradstore.core.vectors import encode
+from gradstore.core.rowmeta import checked_metadata, metadata_column, take
+from gradstore.core.vectors import MAX_NORM, encode, row_peaks, too_large_rows
 from gradstore.errors import NonFiniteGradientError, SchemaMismatchError, WriterClosedError
 
 log = logging.getLogger(__name__)
@@ -119,7 +121,7 @@ class GradientWriter:
         ids = [str(i) for i in example_ids]
         if len(ids) != len(vectors):
             raise SchemaMismatchError(f"{len(vectors)} gradient rows but {len(ids)} example ids")
-        metadata = self._checked_metadata(metadata, len(ids))
+        metadata = checked_metadata(metadata, len(ids))
         vectors, ids, metadata = self._check_finite(vectors, ids, metadata)
         n = len(ids)
         if n == 0:
@@ -184,35 +186,26 @@ class GradientWriter:
         return self._table.count_rows(f"grad_id >= {low} AND grad_id < {high}") > 0
 
     def _check_finite(self, vectors: np.ndarray, ids: list[str], metadata: dict) -> tuple:
-        finite = np.isfinite(vectors).all(axis=1)
+        peaks = row_peaks(vectors)
+        large = too_large_rows(vectors, peaks)
+        if len(large):
+            raise SchemaMismatchError(
+                f"{len(large)} gradient row(s) have a norm above {MAX_NORM:.3g}, which the store cannot hold (it "
+                f"would become inf; example ids {[ids[i] for i in large[:5]]}); the batch was not written")
+        finite = np.isfinite(peaks)
         if finite.all():
             return vectors, ids, metadata
         bad = [ids[i] for i in np.flatnonzero(~finite)]
         if self.config.nonfinite == "raise":
             raise NonFiniteGradientError(
-                f"{len(bad)} gradient row(s) contain NaN/Inf (example ids {bad[:5]}{'...' if len(bad) > 5 else ''});"
-                " the batch was not written. Pass nonfinite='drop' to drop such rows instead.")
+                f"{len(bad)} gradient row(s) contain NaN/Inf or values beyond float32's range (example ids "
+                f"{bad[:5]}{'...' if len(bad) > 5 else ''}); the batch was not written. Pass nonfinite='drop' to "
+                "drop such rows instead.")
         log.warning("dropping %d non-finite gradient row(s): %s", len(bad), bad[:5])
         self.rows_dropped += len(bad)
         keep = np.flatnonzero(finite)
-        metadata = {k: (_take(v, keep) if _is_sequence(v) else v) for k, v in metadata.items()}
+        metadata = {k: take(v, keep) for k, v in metadata.items()}
         return vectors[keep], [ids[i] for i in keep], metadata
-
-    @staticmethod
-    def _checked_metadata(metadata: dict[str, Any], n: int) -> dict[str, Any]:
-        """Metadata with known names only and one value per row for sequences (torch tensors to numpy)."""
-        unknown = set(metadata) - set(S.GRADIENT_METADATA_NAMES)
-        if unknown:
-            raise SchemaMismatchError(f"unknown metadata column(s) {sorted(unknown)}; "
-                                      f"known: {S.GRADIENT_METADATA_NAMES[2:]}")
-        checked = {}
-        for name, value in metadata.items():
-            if _is_sequence(value):
-                value = value if isinstance(value, list) else np.asarray(value)
-                if len(value) != n:
-                    raise SchemaMismatchError(f"metadata {name!r} has {len(value)} values for {n} rows")
-            checked[name] = value
-        return checked
 
     def _table_of(self, buffer: _Buffer) -> pa.Table:
         """One Arrow table of a buffer (metadata columns built and vectors encoded once per commit)."""
@@ -225,7 +218,8 @@ class GradientWriter:
         }
         for field in S.GRADIENT_METADATA_FIELDS:
             if field.name not in columns:
-                columns[field.name] = _metadata_column(field, chunks)
+                columns[field.name] = metadata_column(field, [c.metadata.get(field.name) for c in chunks],
+                                                      [len(c.example_ids) for c in chunks])
         columns[S.VECTOR_COLUMN], columns[S.NORM_COLUMN] = encode(buffer.vectors[:n], self.storage_dtype)
         return pa.Table.from_arrays([columns[name] for name in self._schema.names], schema=self._schema)
 
@@ -280,18 +274,22 @@ class GradientWriter:
             self._table.add(table)
             self.commits += 1
             self.rows_committed += table.num_rows
-            self._compact_if_fragmented()
         except BaseException as error:  # surfaced to the caller on its next append/flush
             log.error("gradstore writer commit failed: %r", error)
             self._error = error
+            return
+        self._compact_if_fragmented()
 
     def _compact_if_fragmented(self) -> None:
+        """Compact when fragments pile up; housekeeping only, so a failure is logged and never stops ingest."""
         if not self.config.max_fragments:
             return
-        dataset = self._table.to_lance()
-        if len(dataset.get_fragments()) > self.config.max_fragments:
-            dataset.optimize.compact_files()  # Lance's default target: fragments of ~1M rows
-            self.compactions += 1
+        try:
+            if len(self._table.to_lance().get_fragments()) > self.config.max_fragments:
+                commits.compact(self._table, "writer compaction")  # Lance's default target: ~1M-row fragments
+                self.compactions += 1
+        except Exception as error:
+            log.warning("gradstore writer: compaction skipped (%r); the rows are committed", error)
 
 
 @dataclass
@@ -300,7 +298,7 @@ class _Chunk:
 
     grad_ids: np.ndarray
     example_ids: list[str]
-    metadata: dict[str, Any]  # scalars (broadcast) or one value per row
+    metadata: dict[str, pa.Scalar | pa.Array]  # scalars (broadcast) or one value per row
 
 
 class _Buffer:
@@ -325,34 +323,11 @@ class _Buffer:
         self.rows += len(vectors)
 
 
-def _metadata_column(field: pa.Field, chunks: list[_Chunk]) -> pa.Array:
-    """A metadata column over all chunks: per-row sequences concatenated, scalars broadcast (in C, not
-    row by row in Python: the usual case is one scalar per append for step, epoch, split, ...)."""
-    values = [chunk.metadata.get(field.name) for chunk in chunks]
-    counts = [len(chunk.example_ids) for chunk in chunks]
-    if not any(_is_sequence(v) for v in values):
-        if all(v is None for v in values):
-            return pa.nulls(sum(counts), field.type)
-        scalars = pa.array(values, field.type)
-        return scalars.take(pa.array(np.repeat(np.arange(len(values)), counts)))
-    parts = [v if _is_sequence(v) else [v] * n for v, n in zip(values, counts)]
-    if all(isinstance(p, np.ndarray) for p in parts):
-        return pa.array(np.concatenate(parts), field.type)
-    return pa.array([v for p in parts for v in (p.tolist() if isinstance(p, np.ndarray) else p)], field.type)
-
-
 def _as_float32_rows(grads: Any, dim: int) -> np.ndarray:
     if hasattr(grads, "detach"):  # torch tensor, without importing torch here
         grads = grads.detach().to("cpu").float().numpy()
-    vectors = np.asarray(grads, dtype=np.float32)
+    with np.errstate(over="ignore"):  # values beyond float32 become inf and are refused as such
+        vectors = np.asarray(grads, dtype=np.float32)
     if vectors.ndim != 2 or vectors.shape[1] != dim:
         raise SchemaMismatchError(f"gradient rows must have shape [n, {dim}], got {list(vectors.shape)}")
     return vectors
-
-
-def _is_sequence(value: Any) -> bool:
-    return isinstance(value, (list, tuple, np.ndarray)) or (hasattr(value, "shape") and len(value.shape) == 1)
-
-
-def _take(value: Any, keep: np.ndarray) -> Any:
-    return [value[i] for i in keep] if isinstance(value, (list, tuple)) else np.asarray(value)[keep]

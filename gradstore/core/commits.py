@@ -1,0 +1,104 @@
+"""Every write to the store's tables: through Lance datasets directly, inert, and retried on conflicts.
+
+*Inert.* LanceDB acts on some schema metadata of a table when rows are added or searched: an
+``embedding_functions`` entry makes it construct the named embedding function, which can load a model
+with ``trust_remote_code`` (that is, import Python named by the store). gradstore never writes such
+metadata and never lets LanceDB see it: tables whose schema carries it are refused when opened
+(:func:`check_inert`), and rows are committed through ``lance`` itself (:func:`append`, :func:`upsert`),
+which interprets no metadata, so a key planted after a table was opened is inert too.
+
+*Retried.* Several processes may write one store, and compaction rewrites fragments while they do.
+Lance reports a commit that lost such a race as a *retryable* conflict, before anything of it became
+visible; :func:`retrying` re-runs the whole operation (re-reading the latest version) with jittered
+exponential backoff, so every acknowledged write is committed exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import pyarrow as pa
+
+from gradstore.errors import StoreCorruptError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Schema metadata keys LanceDB interprets (and may act on) when rows are added or a table is searched.
+ACTIVE_METADATA_KEYS = ("embedding_functions",)
+#: Messages of Lance errors that mean "nothing was committed, run the operation again".
+RETRYABLE_MESSAGES = ("Retryable commit conflict", "Too many concurrent writers")
+MAX_ATTEMPTS = 12
+BASE_DELAY_S = 0.02
+MAX_DELAY_S = 2.0
+
+
+def check_inert(schema: pa.Schema, where: str) -> None:
+    """Raise ``StoreCorruptError`` if ``schema`` carries metadata LanceDB would act on."""
+    keys = {k.decode() if isinstance(k, bytes) else k for k in (schema.metadata or {})}
+    active = sorted(keys.intersection(ACTIVE_METADATA_KEYS))
+    if active:
+        raise StoreCorruptError(f"{where} carries schema metadata {active}, which gradstore never writes and "
+                                "which would make LanceDB load and run code named by the store; refusing to use it")
+
+
+def is_retryable(error: BaseException) -> bool:
+    """Whether ``error`` is a Lance commit conflict that left nothing committed."""
+    return any(message in str(error) for message in RETRYABLE_MESSAGES)
+
+
+def retrying(operation: Callable[[], T], what: str, attempts: int = MAX_ATTEMPTS) -> T:
+    """Run ``operation``; on a retryable commit conflict run it again after a jittered, growing delay."""
+    for attempt in range(attempts):
+        try:
+            return operation()
+        except Exception as error:
+            if not is_retryable(error) or attempt == attempts - 1:
+                raise
+            delay = min(MAX_DELAY_S, BASE_DELAY_S * 2**attempt) * (0.5 + random.random())
+            log.info("%s lost a commit race (%s); retrying in %.2fs", what, error, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def append(table: Any, data: pa.Table, what: str = "append") -> None:
+    """Append ``data`` to a LanceDB table through its Lance dataset (no LanceDB preprocessing)."""
+    retrying(lambda: table.to_lance().insert(data, mode="append"), what)
+    table.checkout_latest()  # this handle sees its own write whatever its read-consistency interval
+
+
+def upsert(table: Any, data: pa.Table, on: Sequence[str], what: str = "upsert") -> None:
+    """Insert ``data``, replacing the rows whose ``on`` columns match (Lance ``merge_insert``)."""
+    retrying(lambda: table.to_lance().merge_insert(list(on)).when_matched_update_all()
+             .when_not_matched_insert_all().execute(data), what)
+    table.checkout_latest()
+
+
+def compact(table: Any, what: str = "compaction") -> None:
+    """Compact a table's fragments (retried when a concurrent commit wins the race)."""
+    retrying(lambda: table.to_lance().optimize.compact_files(), what)
+
+
+class InertTable:
+    """A LanceDB table as the streaming writer sees it (``add``, ``count_rows``, ``to_lance``), whose
+    ``add`` is :func:`append`."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def add(self, data: pa.Table) -> None:
+        """Append ``data`` (retried on conflicts, no LanceDB preprocessing)."""
+        append(self.table, data, "gradient commit")
+
+    def count_rows(self, filter: str | None = None) -> int:
+        """Rows matching ``filter``."""
+        return self.table.count_rows(filter)
+
+    def to_lance(self) -> Any:
+        """The Lance dataset."""
+        return self.table.to_lance()

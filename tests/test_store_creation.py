@@ -1,0 +1,105 @@
+"""Store creation is idempotent and crash-safe: whatever a killed first open left behind opens again."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gradstore
+from gradstore.core import schema as S
+
+
+@pytest.fixture(scope="module")
+def complete(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("complete") / "store"
+    gradstore.open(path)
+    return path
+
+
+def _partial(complete: Path, target: Path, tables: dict[str, str]) -> Path:
+    """A store directory as a kill during creation leaves it: some tables whole, some with only the files
+    written before their first version was committed."""
+    target.mkdir(parents=True)
+    for name, part in tables.items():
+        source = complete / f"{name}.lance"
+        if part == "whole":
+            shutil.copytree(source, target / f"{name}.lance")
+        else:
+            shutil.copytree(source / part, target / f"{name}.lance" / part)
+    return target
+
+
+def _works(path: Path) -> None:
+    store = gradstore.open(path)
+    assert set(S.FIXED_SCHEMAS) <= set(store.db.list_tables().tables)
+    store.create_run("r", dim=3)
+    with store.writer("r") as writer:
+        writer.append(np.eye(3), ["a", "b", "c"], checkpoint="c", split="train")
+    store.record_checkpoint("r", "c", step=1)
+    assert store.count() == 3 and store.checkpoints("r").num_rows == 1
+    assert store.sql("select count(*) from runs").fetchall() == [(1,)]
+
+
+@pytest.mark.parametrize("tables", [
+    {"runs": "_transactions"},
+    {"runs": "whole", "checkpoints": "_transactions"},
+    {"runs": "_transactions", "checkpoints": "whole", "scores": "whole"},
+    {"runs": "whole", "checkpoints": "whole", "scores": "whole", "self_influence": "_transactions"},
+])
+def test_an_interrupted_creation_is_completed_by_the_next_open(complete, tmp_path, tables):
+    path = _partial(complete, tmp_path / "store", tables)
+    if tables["runs"] != "whole":  # not a store yet; with its runs table it is one
+        with pytest.raises(gradstore.NotAStoreError):
+            gradstore.open(path, create=False)
+    _works(path)
+
+
+def test_an_interrupted_gradients_table_is_created_by_the_next_run(complete, tmp_path):
+    path = tmp_path / "store"
+    shutil.copytree(complete, path)
+    source = gradstore.open(tmp_path / "other")
+    source.create_run("x", dim=3)
+    part = Path("gradients.lance") / "_transactions"
+    shutil.copytree(tmp_path / "other" / part, path / part)
+    store = gradstore.open(path)
+    assert store.dim is None
+    _works(path)
+
+
+_OPEN_SCRIPT = textwrap.dedent("""
+    import sys, gradstore
+    for i in range(1000):
+        gradstore.open(f"{sys.argv[1]}/s{i}")
+        print(i, flush=True)
+""")
+
+
+def test_stores_killed_while_being_created_open_afterwards(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _OPEN_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    for _ in range(3):
+        proc.stdout.readline()
+    os.kill(proc.pid, signal.SIGKILL)  # somewhere inside the creation of a later store
+    proc.wait()
+    for path in sorted(tmp_path.iterdir()):
+        _works(path)
+
+
+def test_a_store_with_a_read_consistency_interval_sees_its_own_writes(store_path):
+    """Rows are committed through Lance, not the LanceDB handle: the handle is moved to the new version."""
+    store = gradstore.open(store_path, read_consistency=timedelta(minutes=10))
+    store.create_run("r", dim=2)
+    assert store.run("r")["dim"] == 2
+    with store.writer("r") as writer:
+        writer.append(np.ones((2, 2)), ["a", "b"], checkpoint="c", split="train")
+    store.record_checkpoint("r", "c", step=3)
+    store.add_examples([{"example_id": "a", "text": "x"}])
+    assert (store.count(), store.count("examples"), store.checkpoints("r").num_rows) == (2, 1, 1)
