@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradstore.basis import run_basis, save_basis
 from gradstore.writer import GradientWriter, WriterConfig
 from ingest.capture import CaptureConfig, CapturedBatch, GradientCapture
 from ingest.projection import ProjectionSpec
@@ -43,9 +44,11 @@ def config_for_run(store: GradStore, run: str, overrides: dict[str, Any]) -> Cap
         stored = store.run_config(run).get("capture", {})
         # the projection/layer options define the vectors; split, checkpoint, rank... are per capture
         saved = {k: v for k, v in stored.items()
-                 if k in ("projection", "k_in", "k_out", "seed", "layer_types", "include", "exclude", "route")}
+                 if k in ("projection", "k_in", "k_out", "seed", "layer_types", "include", "exclude", "route",
+                          "layer_sizes")}
         if "layer_types" in saved:
             saved["layer_types"] = tuple(saved["layer_types"])
+        saved["basis"] = run_basis(store, run)
     return CaptureConfig(**{**saved, **overrides})
 
 
@@ -72,6 +75,8 @@ class StoreCapture:
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> StoreCapture:
+        if self.capture.config.basis is not None:
+            save_basis(self.store, self.spec, self.capture.config.basis)
         self.store.ensure_run(self.run_id, self.spec, model_fingerprint(self._model),
                               {"capture": dataclasses.asdict(self.capture.config)})
         self._writer = self._open_writer()
