@@ -56,6 +56,9 @@ from scipy.stats import rankdata
 from torch import nn
 
 import gradstore
+from ingest.basis import estimate_basis
+from ingest.capture import CaptureConfig
+from ingest.projection import ProjectionBasis
 
 RUN = "digits"
 TARGETS = {"logreg": 0.55, "mlp": 0.45}
@@ -249,12 +252,34 @@ def val_ids(n: int) -> list[str]:
     return [f"v{i}" for i in range(n)]
 
 
+def fisher_basis(config: ModelConfig, data: Data, params: list[torch.Tensor], k_in: int, k_out: int,
+                 fisher: str, factors: str, seed: int, batch: int = 250) -> ProjectionBasis:
+    """The K-FAC eigenbasis of the trained model on the training inputs (one pre-pass).
+
+    ``fisher="empirical"`` backpropagates the loss of the true labels; ``"true"`` samples labels from the
+    model's predictions (seeded), giving the true Fisher's output factor."""
+    module = make_module(config)
+    load_into(module, params)
+    generator = torch.Generator().manual_seed(seed + 7)
+
+    def loss_fn(model: nn.Module, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        logits = model(rows[0])
+        labels = rows[1] if fisher == "empirical" else torch.multinomial(
+            torch.softmax(logits.detach(), 1), 1, generator=generator).squeeze(1)
+        return F.cross_entropy(logits, labels, reduction="sum")
+
+    batches = [(data.x_train[i:i + batch], data.y_train[i:i + batch]) for i in range(0, len(data.x_train), batch)]
+    return estimate_basis(module, batches, loss_fn, CaptureConfig(k_in=k_in, k_out=k_out), factors=factors)
+
+
 def capture(store: gradstore.GradStore, config: ModelConfig, data: Data, snapshots: dict[str, list[torch.Tensor]],
             plan: dict[str, tuple[int, float]], projection: str | None, k_in: int, k_out: int,
-            batch: int = 250) -> None:
+            basis: ProjectionBasis | None = None, batch: int = 250) -> None:
     """Checkpoint passes: training rows and query rows of the full model at every planned checkpoint."""
     module = make_module(config)
     sizes = {} if projection is None else {"k_in": k_in, "k_out": k_out}  # exact slots take the layer's shape
+    if basis is not None:
+        sizes["basis"] = basis
     groups = [("train", [str(i) for i in range(len(data.x_train))], data.x_train, data.y_train),
               ("query", test_ids(len(data.x_test)), data.x_test, data.y_test),
               ("query", val_ids(len(data.x_val)), data.x_val, data.y_val)]
@@ -339,7 +364,11 @@ def evaluate(config: ModelConfig, data: Data, variants: dict[str, tuple[str | No
     for variant, (projection, k_in, k_out) in variants.items():
         first = len(rows)
         store = gradstore.open(workdir / f"{config.name}-{variant}", storage_dtype="float32")
-        capture(store, config, data, snapshots, plan, projection, k_in, k_out)
+        basis = None
+        if variant.startswith("curvature"):
+            _, fisher, factors = variant.split("-")
+            basis = fisher_basis(config, data, snapshots["final"], k_in, k_out, fisher, factors, seed)
+        capture(store, config, data, snapshots, plan, projection, k_in, k_out, basis)
         dim = store.dim
         tests = test_ids(len(data.x_test))
         gd = score_matrix(store, tests, n, method="grad-dot", checkpoint="final")
@@ -377,9 +406,13 @@ def main() -> None:
     data = load_data(1000, 200, 200, args.seed)
     configs = {
         "logreg": (ModelConfig("logreg", None, weight_decay=1e-3, lr=0.05, steps=500),
-                   {"exact": (None, 0, 0), "factorized": ("factorized", 32, 10), "dense": ("dense", 32, 10)}),
+                   {"exact": (None, 0, 0), "factorized": ("factorized", 32, 10), "dense": ("dense", 32, 10),
+                    **{f"curvature-{f}-{g}": ("factorized", 32, 10) for f in ("true", "empirical")
+                       for g in ("kfac", "gradient")}}),
         "mlp": (ModelConfig("mlp", 32, weight_decay=1e-3, lr=0.01, steps=1000),
-                {"exact": (None, 0, 0), "factorized": ("factorized", 16, 8), "dense": ("dense", 16, 8)}),
+                {"exact": (None, 0, 0), "factorized": ("factorized", 16, 16), "dense": ("dense", 16, 16),
+                 **{f"curvature-{f}-{g}": ("factorized", 16, 16) for f in ("true", "empirical")
+                    for g in ("kfac", "gradient")}}),
     }
     rows = []
     with tempfile.TemporaryDirectory(prefix="gradstore-fidelity-") as workdir:

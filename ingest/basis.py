@@ -108,11 +108,17 @@ def basis_from_curvature(stats: Mapping[str, tuple[np.ndarray, np.ndarray, int]]
     return ProjectionBasis(matrices)
 
 
-class _CovarianceHooks:
-    """Forward/backward hooks summing ``a a^T`` (or token counts) and ``g g^T`` per layer, padding excluded."""
+FACTORS = ("kfac", "gradient")
 
-    def __init__(self, layers: list[LayerInfo]) -> None:
+
+class _CovarianceHooks:
+    """Forward/backward hooks summing each layer's input-side and output-side second moments, padding excluded:
+    ``a a^T`` (or token counts) and ``g g^T`` for ``"kfac"``; ``G^T G`` and ``G G^T`` of the per-example
+    gradients ``G = sum_t g_t a_t^T`` for ``"gradient"``."""
+
+    def __init__(self, layers: list[LayerInfo], factors: str) -> None:
         self.layers = layers
+        self.factors = factors
         self.a: dict[str, torch.Tensor] = {}
         self.s: dict[str, torch.Tensor] = {}
         self.mask: torch.Tensor | None = None
@@ -139,30 +145,55 @@ class _CovarianceHooks:
             x = args[0].detach()
             batch = x.shape[0]
             with torch.no_grad():
+                tokens = x.numel() // batch if info.kind == "embedding" else x.numel() // (batch * info.d_in)
+                weights = self._weights(batch, tokens, x.device)
                 if info.kind == "embedding":
-                    idx = x.reshape(-1)
-                    weights = self._weights(batch, idx.numel() // batch, idx.device)
-                    keep = torch.ones_like(idx, dtype=torch.float64) if weights is None else weights
+                    a = x.reshape(-1)
+                    keep = torch.ones_like(a, dtype=torch.float64) if weights is None else weights
                     padding = getattr(module, "padding_idx", None)
-                    if padding is not None:
-                        keep = keep * (idx != padding)
-                    part = torch.zeros(info.d_in, dtype=torch.float64, device=idx.device).index_add_(0, idx, keep)
+                    weights = keep if padding is None else keep * (a != padding)
                 else:
                     a = tokens_view(x, batch).reshape(-1, info.d_in).double()
                     if info.has_bias:
                         a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype, device=a.device)], 1)
-                    weights = self._weights(batch, a.shape[0] // batch, a.device)
-                    part = (a if weights is None else a * weights.unsqueeze(1)).T @ a
-                self._accumulate(self.a, info.name, part)
-            weights = self._weights(batch, output.numel() // (batch * info.d_out), output.device)
-            output.register_hook(lambda g: self._output_gradient(info, g, weights))
+                    if weights is not None:
+                        a = a * weights.unsqueeze(1)  # padding tokens get zero inputs (their G part is zero)
+                if self.factors == "kfac":
+                    self._accumulate(self.a, info.name, self._input_moment(info, a, weights))
+            output.register_hook(lambda g: self._output_gradient(info, batch, a, g, weights))
 
         return hook
 
-    def _output_gradient(self, info: LayerInfo, g: torch.Tensor, weights: torch.Tensor | None) -> None:
+    def _input_moment(self, info: LayerInfo, a: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """``sum_t a_t a_t^T`` (embeddings: the diagonal, i.e. the weighted count of every index)."""
+        if info.kind == "embedding":
+            keep = torch.ones_like(a, dtype=torch.float64) if weights is None else weights
+            return torch.zeros(info.d_in, dtype=torch.float64, device=a.device).index_add_(0, a, keep)
+        return a.T @ a
+
+    def _output_gradient(self, info: LayerInfo, batch: int, a: torch.Tensor, g: torch.Tensor,
+                         weights: torch.Tensor | None) -> None:
         with torch.no_grad():
             g = g.detach().reshape(-1, info.d_out).double()
-            self._accumulate(self.s, info.name, (g if weights is None else g * weights.unsqueeze(1)).T @ g)
+            if weights is not None:
+                g = g * weights.unsqueeze(1)
+            if self.factors == "kfac":
+                self._accumulate(self.s, info.name, g.T @ g)
+                return
+            if info.kind == "embedding":
+                # G_b = sum_t g_t e_{idx_t}^T: with M_b[t, t'] = [idx_t == idx_t'], G_b G_b^T = g_b^T M_b g_b and
+                # the diagonal of G_b^T G_b at index v is sum_{t: idx_t = v} g_t . (M_b g_b)_t (no [V, d] matrices)
+                idx = a.reshape(batch, -1)
+                g = g.reshape(batch, -1, info.d_out)
+                summed = torch.bmm((idx.unsqueeze(2) == idx.unsqueeze(1)).to(g.dtype), g)
+                energy = (g * summed).sum(2).reshape(-1)
+                part = torch.zeros(info.d_in, dtype=torch.float64, device=g.device).index_add_(0, a, energy)
+                self._accumulate(self.a, info.name, part)
+                self._accumulate(self.s, info.name, torch.einsum("bto,btp->op", g, summed))
+                return
+            grads = torch.einsum("bto,bti->boi", g.reshape(batch, -1, info.d_out), a.reshape(batch, -1, a.shape[1]))
+            self._accumulate(self.a, info.name, torch.einsum("boi,boj->ij", grads, grads))
+            self._accumulate(self.s, info.name, torch.einsum("boi,bpi->op", grads, grads))
 
     @staticmethod
     def _accumulate(sums: dict[str, torch.Tensor], name: str, part: torch.Tensor) -> None:
@@ -173,8 +204,14 @@ class _CovarianceHooks:
 
 
 def estimate_basis(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-                   config: CaptureConfig | None = None, tail: int = 0) -> ProjectionBasis:
+                   config: CaptureConfig | None = None, tail: int = 0, factors: str = "kfac") -> ProjectionBasis:
     """A short pre-pass estimating each captured layer's K-FAC eigenbasis.
+
+    ``factors="kfac"``: eigenvectors of ``A = E[a a^T]`` and ``S = E[g g^T]``. ``factors="gradient"``:
+    eigenvectors of the partial traces of the layer's gradient second moment, ``E[G^T G]`` (input side) and
+    ``E[G G^T]`` (output side), i.e. the Kronecker-structured subspace keeping most of the per-example
+    gradients' energy (each token's input weighted by its gradient; per-example gradients are materialised
+    in the pre-pass).
 
     For every batch, ``loss_fn(model, batch)`` returns a scalar loss whose backward is run (gradients are
     cleared afterwards; parameters are not updated). The layers, ``k_in``/``k_out``/``layer_sizes`` and
@@ -182,11 +219,13 @@ def estimate_basis(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[
     a capture with the same config. Using the model's loss with the true labels gives the empirical-Fisher
     ``S``; sampling labels from the model's predictions in ``loss_fn`` gives the true Fisher's.
     """
+    if factors not in FACTORS:
+        raise ValueError(f"factors must be one of {FACTORS}, got {factors!r}")
     config = config or CaptureConfig()
     layers = select_layers(model, tuple(config.layer_types), config.include, config.exclude)
     if not layers:
         raise ValueError("estimate_basis: no supported layer matches the layer selection")
-    hooks = _CovarianceHooks(layers)
+    hooks = _CovarianceHooks(layers, factors)
     handles = hooks.attach(model)
     try:
         for batch in batches:

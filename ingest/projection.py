@@ -14,8 +14,8 @@ flattening of a ``[k_out, k_in]`` matrix, so ``row[offset + o * k_in + i]`` is e
 * ``dense``: ``P vec(G)`` with one ``[size, d_out * (d_in + 1)]`` matrix; no Kronecker structure,
   so ``k_in`` and ``k_out`` are ``None``.
 
-Projection sizes are capped at the layer's width (``k_in <= d_in + bias``, ``k_out <= d_out``; a dense
-slot has at most ``d_out * (d_in + 1)`` dims) and may be set per layer (:func:`slot_sizes`).
+Projection sizes are capped at the layer's width (``k_in <= d_in + bias``, ``k_out <= d_out``, also in
+the ``k_in * k_out`` dims of a dense slot) and may be set per layer (:func:`slot_sizes`).
 
 Random matrices are never stored: they are regenerated from ``(seed, layer name, side)``. A spec whose
 ``basis`` is set uses fixed per-layer factorized matrices instead (:mod:`ingest.basis`, e.g. the K-FAC
@@ -186,8 +186,8 @@ def make_slot(
     """Build the slot of one layer; ``k_in``/``k_out`` are the requested projection sizes.
 
     ``exact`` slots record ``k_in = d_in + bias``, ``k_out = d_out``. ``factorized`` sizes are capped at
-    the layer's width (``k_in <= d_in + bias``, ``k_out <= d_out``). ``dense`` slots have
-    ``size = min(k_in * k_out, d_out * (d_in + bias))`` and no factor sizes.
+    the layer's width (``k_in <= d_in + bias``, ``k_out <= d_out``). ``dense`` slots have the
+    same capped ``size = k_in * k_out`` and no factor sizes.
     """
     if kind not in LAYER_KINDS:
         raise ValueError(f"layer kind must be one of {LAYER_KINDS}, got {kind!r}")
@@ -198,7 +198,7 @@ def make_slot(
         k_in, k_out = min(k_in, d_in_eff), min(k_out, d_out)
         return LayerSlot(name, kind, d_in, d_out, k_in, k_out, mode, offset, k_in * k_out, has_bias)
     if mode == "dense":
-        size = min(k_in * k_out, d_out * d_in_eff)
+        size = min(k_in, d_in_eff) * min(k_out, d_out)
         return LayerSlot(name, kind, d_in, d_out, None, None, mode, offset, size, has_bias)
     raise ValueError(f"slot mode must be one of {SLOT_MODES}, got {mode!r}")
 

@@ -68,7 +68,7 @@ def test_sizes_are_capped_at_the_layer_width_and_set_per_layer():
     assert [(s.k_in, s.k_out) for s in spec.layers] == [(16, 16), (4, 2), (3, 3)]
     assert spec.dim == 256 + 8 + 9 and [s.offset for s in spec.layers] == [0, 256, 264]
     dense = GradientCapture(model, lambda b: None, CaptureConfig(projection="dense", k_in=16, k_out=16)).spec
-    assert [s.size for s in dense.layers] == [256, 210, 40]  # the last layer has 4 * 10 weights
+    assert [s.size for s in dense.layers] == [256, 160, 40]  # as many dims as the factorized slots
     with pytest.raises(ValueError, match="two positive"):
         GradientCapture(model, lambda b: None, CaptureConfig(layer_sizes={"0": (0, 3)}))
 
