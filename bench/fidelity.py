@@ -72,6 +72,7 @@ REFERENCE = {  # issue 5, independent scripts on this kind of machine
     ("mlp", "fisher factorized"): "0.47-0.55 (k=256)",
 }
 VALIDATION: dict[tuple[str, str], float] = {}  # (model, "fisher <variant>") -> validation LDS at the chosen damping
+CURVATURE = ("true-gradient-0", "true-unit-0", "empirical-unit-0", "true-unit-2")
 DAMPING_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 
@@ -253,23 +254,26 @@ def val_ids(n: int) -> list[str]:
 
 
 def fisher_basis(config: ModelConfig, data: Data, params: list[torch.Tensor], k_in: int, k_out: int,
-                 fisher: str, factors: str, seed: int, batch: int = 250) -> ProjectionBasis:
-    """The K-FAC eigenbasis of the trained model on the training inputs (one pre-pass).
+                 fisher: str, factors: str, refine: int, batch: int = 250) -> ProjectionBasis:
+    """The curvature-aware basis of the trained model on the training inputs (``ingest.estimate_basis``).
 
-    ``fisher="empirical"`` backpropagates the loss of the true labels; ``"true"`` samples labels from the
-    model's predictions (seeded), giving the true Fisher's output factor."""
+    ``fisher="empirical"`` backpropagates the loss of the true labels; ``"true"`` the loss of every label
+    weighted by the square root of its predicted probability (one backward per label), giving the exact true
+    Fisher's second moments."""
     module = make_module(config)
     load_into(module, params)
-    generator = torch.Generator().manual_seed(seed + 7)
 
     def loss_fn(model: nn.Module, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         logits = model(rows[0])
-        labels = rows[1] if fisher == "empirical" else torch.multinomial(
-            torch.softmax(logits.detach(), 1), 1, generator=generator).squeeze(1)
-        return F.cross_entropy(logits, labels, reduction="sum")
+        if fisher == "empirical":
+            return F.cross_entropy(logits, rows[1], reduction="sum")
+        weights = torch.softmax(logits.detach(), 1).sqrt()
+        per_label = -torch.log_softmax(logits, 1)  # [n, classes]: loss of each label
+        return (weights * per_label).sum(0)
 
     batches = [(data.x_train[i:i + batch], data.y_train[i:i + batch]) for i in range(0, len(data.x_train), batch)]
-    return estimate_basis(module, batches, loss_fn, CaptureConfig(k_in=k_in, k_out=k_out), factors=factors)
+    return estimate_basis(module, batches, loss_fn, CaptureConfig(k_in=k_in, k_out=k_out), factors=factors,
+                          refine=refine)
 
 
 def capture(store: gradstore.GradStore, config: ModelConfig, data: Data, snapshots: dict[str, list[torch.Tensor]],
@@ -366,8 +370,8 @@ def evaluate(config: ModelConfig, data: Data, variants: dict[str, tuple[str | No
         store = gradstore.open(workdir / f"{config.name}-{variant}", storage_dtype="float32")
         basis = None
         if variant.startswith("curvature"):
-            _, fisher, factors = variant.split("-")
-            basis = fisher_basis(config, data, snapshots["final"], k_in, k_out, fisher, factors, seed)
+            _, fisher, factors, refine = variant.split("-")
+            basis = fisher_basis(config, data, snapshots["final"], k_in, k_out, fisher, factors, int(refine))
         capture(store, config, data, snapshots, plan, projection, k_in, k_out, basis)
         dim = store.dim
         tests = test_ids(len(data.x_test))
@@ -407,12 +411,10 @@ def main() -> None:
     configs = {
         "logreg": (ModelConfig("logreg", None, weight_decay=1e-3, lr=0.05, steps=500),
                    {"exact": (None, 0, 0), "factorized": ("factorized", 32, 10), "dense": ("dense", 32, 10),
-                    **{f"curvature-{f}-{g}": ("factorized", 32, 10) for f in ("true", "empirical")
-                       for g in ("kfac", "gradient")}}),
+                    **{f"curvature-{f}": ("factorized", 32, 10) for f in CURVATURE}}),
         "mlp": (ModelConfig("mlp", 32, weight_decay=1e-3, lr=0.01, steps=1000),
                 {"exact": (None, 0, 0), "factorized": ("factorized", 16, 16), "dense": ("dense", 16, 16),
-                 **{f"curvature-{f}-{g}": ("factorized", 16, 16) for f in ("true", "empirical")
-                    for g in ("kfac", "gradient")}}),
+                 **{f"curvature-{f}": ("factorized", 16, 16) for f in CURVATURE}}),
     }
     rows = []
     with tempfile.TemporaryDirectory(prefix="gradstore-fidelity-") as workdir:

@@ -243,3 +243,49 @@ def test_basis_must_fit_the_layers():
         GradientCapture(model, lambda b: None, CaptureConfig(basis=ProjectionBasis({"0": wrong.matrices["0"]})))
     with pytest.raises(ValueError, match="factorized"):
         GradientCapture(model, lambda b: None, CaptureConfig(projection="dense", basis=wrong))
+
+
+def hand_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, np.ndarray]:
+    grads = per_sample_grads(model, x, y)
+    return {name: torch.cat([grads[f"{name}.weight"], grads[f"{name}.bias"].unsqueeze(-1)], -1).numpy()
+            for name in ("0", "2")}
+
+
+def assert_diagonalises(p: np.ndarray, cov: np.ndarray) -> None:
+    """Rows of ``p`` are orthonormal top eigenvectors of ``cov``."""
+    p = p.astype(np.float64)
+    top = np.sort(np.linalg.eigvalsh(cov))[::-1][:len(p)]
+    np.testing.assert_allclose(p @ cov @ p.T, np.diag(top), rtol=1e-4, atol=1e-6 * top[0])
+
+
+def test_gradient_factors_and_refinement():
+    model = mlp()
+    x, y = data()
+    config = CaptureConfig(k_in=4, k_out=2)
+    first = estimate_basis(model, batches(x, y), sum_loss, config, factors="gradient")
+    refined = estimate_basis(model, batches(x, y), sum_loss, config, factors="gradient", refine=1)
+    for name, g in hand_gradients(model, x, y).items():  # g: [n, d_out, d_in + 1]
+        p_in, p_out = first.matrices[name]
+        assert_diagonalises(p_in, np.einsum("boi,boj->ij", g, g))
+        assert_diagonalises(p_out, np.einsum("boi,bpi->op", g, g))
+        q_out, q_in = p_out.astype(np.float64), p_in.astype(np.float64)
+        left, right = np.einsum("ko,boi->bki", q_out, g), np.einsum("boi,ki->bok", g, q_in)
+        assert_diagonalises(refined.matrices[name][0], np.einsum("bki,bkj->ij", left, left))
+        assert_diagonalises(refined.matrices[name][1], np.einsum("bok,bpk->op", right, right))
+    with pytest.raises(ValueError, match="refine"):
+        estimate_basis(model, batches(x, y), sum_loss, config, refine=1)
+
+
+def test_several_losses_per_batch_sum_their_second_moments():
+    """A loss vector: every entry is backpropagated alone, so S sums over entries (here: two labels)."""
+    model = mlp()
+    x, y = data()
+
+    def two_labels(model, batch):
+        logits = model(batch[0])
+        return torch.stack([F.cross_entropy(logits, batch[1], reduction="sum"),
+                            F.cross_entropy(logits, (batch[1] + 1) % 3, reduction="sum")])
+
+    basis = estimate_basis(model, batches(x, y, size=1), two_labels, CaptureConfig(k_in=4, k_out=2))
+    s_cov = sum(hand_covariances(model, x, labels)["2"][1] for labels in (y, (y + 1) % 3))
+    assert_diagonalises(basis.matrices["2"][1], s_cov)
