@@ -60,7 +60,6 @@ DEFAULT_METHODS: dict[str, dict[str, Any]] = {"grad-dot": {"method": "grad-dot"}
 class Retraining:
     """Ground truth of an LDS evaluation: the subsets and the retrained models' query losses."""
 
-    run: str
     train_ids: list[str]
     queries: list[str]
     masks: np.ndarray  # [subsets, n_train] float64 0/1
@@ -120,16 +119,15 @@ def training_ids(store: GradStore, run: str, split: str = "train") -> list[str]:
     return [row[0] for row in relation.fetchall()]
 
 
-def retrain(store: GradStore, run: str, train_fn: TrainFn, *, queries: Sequence[str], subsets: int = 100,
-            fraction: float = 0.5, seeds: Sequence[int] = (0,), seed: int = 0,
-            train_ids: Sequence[str] | None = None) -> Retraining:
-    """Draw ``subsets`` random subsets of ``fraction`` of the training ids (seeded by ``seed``) and retrain
-    each once per seed of ``seeds`` through ``train_fn``. ``train_ids`` default: the run's training rows."""
+def retrain(train_fn: TrainFn, train_ids: Sequence[str], *, queries: Sequence[str], subsets: int = 100,
+            fraction: float = 0.5, seeds: Sequence[int] = (0,), seed: int = 0) -> Retraining:
+    """Draw ``subsets`` random subsets of ``fraction`` of ``train_ids`` (seeded by ``seed``) and retrain each
+    once per seed of ``seeds`` through ``train_fn``."""
     if not 0 < fraction < 1:
         raise ValueError(f"fraction must be in (0, 1), got {fraction}")
     if subsets < 2 or not seeds:
         raise ValueError("an LDS needs at least 2 subsets and one seed")
-    ids = list(train_ids) if train_ids is not None else training_ids(store, run)
+    ids = list(train_ids)
     size = max(1, round(fraction * len(ids)))
     rng = np.random.default_rng(seed)
     chosen = [np.sort(rng.choice(len(ids), size=size, replace=False)) for _ in range(subsets)]
@@ -143,7 +141,7 @@ def retrain(store: GradStore, run: str, train_fn: TrainFn, *, queries: Sequence[
         if result.shape != (subsets, len(queries)):
             raise ValueError(f"train_fn returned shape {result.shape}, expected ({subsets}, {len(queries)})")
         losses.append(result)
-    return Retraining(run, ids, list(queries), masks, np.stack(losses), tuple(int(s) for s in seeds), fraction,
+    return Retraining(ids, list(queries), masks, np.stack(losses), tuple(int(s) for s in seeds), fraction,
                       seed)
 
 
@@ -180,15 +178,15 @@ def lds(store: GradStore, run: str, train_fn: TrainFn | None = None, *, queries:
     """LDS of each scored variant on stored query ids ``queries``.
 
     ``methods``: label -> ``store.attribute`` options (default grad-dot and fisher). Ground truth comes from
-    ``truth`` when given (reuse one retraining for several evaluations), else from :func:`retrain` with
-    ``train_fn``, ``subsets``, ``fraction``, ``seeds`` and ``seed``. Returns the rows (also appended to the
-    ``evaluations`` table unless ``write=False``) and the retraining.
+    ``truth`` when given (reuse one retraining for several evaluations), else from :func:`retrain` of the
+    run's training example ids with ``train_fn``, ``subsets``, ``fraction``, ``seeds`` and ``seed``. Returns
+    the rows (also appended to the ``evaluations`` table unless ``write=False``) and the retraining.
     """
     if truth is None:
         if train_fn is None:
             raise ValueError("lds needs a train_fn (or a previous retraining as truth=)")
-        truth = retrain(store, run, train_fn, queries=queries, subsets=subsets, fraction=fraction, seeds=seeds,
-                        seed=seed)
+        truth = retrain(train_fn, training_ids(store, run), queries=queries, subsets=subsets, fraction=fraction,
+                        seeds=seeds, seed=seed)
     evaluation_id = uuid.uuid4().hex[:16]
     now = datetime.now(timezone.utc)
     rows = []

@@ -114,7 +114,7 @@ def test_lds_is_deterministic_given_seeds_and_has_a_noise_ceiling(store):
     ceiling = np.mean([spearmanr(a[:, j], b[:, j])[0] for j in range(N_QUERY)])
     assert first.column("noise_ceiling")[0].as_py() == pytest.approx(ceiling, abs=1e-9)
     assert first.column("value")[0].as_py() == pytest.approx(hand_lds(store, truth, queries).mean(), abs=1e-9)
-    other = retrain(store, "run", train_fn, queries=queries, subsets=20, seeds=(4,), seed=2)
+    other = retrain(train_fn, truth.train_ids, queries=queries, subsets=20, seeds=(4,), seed=2)
     assert not np.array_equal(other.masks, truth.masks)
 
 
@@ -127,4 +127,4 @@ def test_lds_errors(store):
     with pytest.raises(ValueError, match="train_fn"):
         lds(store, "run", queries=["q0"])
     with pytest.raises(ValueError, match="fraction"):
-        retrain(store, "run", wrong, queries=["q0"], fraction=1.0)
+        retrain(wrong, ["x0", "x1"], queries=["q0"], fraction=1.0)
