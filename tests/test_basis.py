@@ -272,6 +272,11 @@ def test_gradient_factors_and_refinement():
         left, right = np.einsum("ko,boi->bki", q_out, g), np.einsum("boi,ki->bok", g, q_in)
         assert_diagonalises(refined.matrices[name][0], np.einsum("bki,bkj->ij", left, left))
         assert_diagonalises(refined.matrices[name][1], np.einsum("bok,bpk->op", right, right))
+    unit = estimate_basis(model, batches(x, y), sum_loss, config, factors="unit")
+    for name, g in hand_gradients(model, x, y).items():
+        g = g / np.linalg.norm(g.reshape(len(g), -1), axis=1)[:, None, None]
+        assert_diagonalises(unit.matrices[name][0], np.einsum("boi,boj->ij", g, g))
+        assert_diagonalises(unit.matrices[name][1], np.einsum("boi,bpi->op", g, g))
     with pytest.raises(ValueError, match="refine"):
         estimate_basis(model, batches(x, y), sum_loss, config, refine=1)
 

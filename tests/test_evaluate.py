@@ -128,3 +128,31 @@ def test_lds_errors(store):
         lds(store, "run", queries=["q0"])
     with pytest.raises(ValueError, match="fraction"):
         retrain(wrong, ["x0", "x1"], queries=["q0"], fraction=1.0)
+
+
+def test_cli_evaluate_lds_imports_the_training_function(store, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from gradstore.cli import app
+
+    (tmp_path / "lds_toy_train.py").write_text(
+        "import numpy as np\n\n"
+        "def train_fn(subsets, queries, seed):\n"
+        "    weight = {q: i + 1 for i, q in enumerate(queries)}\n"
+        "    return np.array([[sum(int(e[1:]) % 7 for e in s) * weight[q] + seed for q in queries]"
+        " for s in subsets], float)\n")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["evaluate", "lds", store.uri, "--run", "run", "--train",
+                                      "lds_toy_train:train_fn", "--methods", "grad-dot", "--subsets", "12",
+                                      "--seeds", "0,1", "--seed", "5"])
+    assert result.exit_code == 0, result.output
+    import lds_toy_train
+
+    expected, _ = lds(store, "run", lds_toy_train.train_fn, queries=[f"q{i}" for i in range(N_QUERY)],
+                      methods={"grad-dot": {"method": "grad-dot"}}, subsets=12, seeds=(0, 1), seed=5, write=False)
+    assert f"{expected.column('value')[0].as_py():.4g}"[:5] in result.output
+    written = store.sql("SELECT value, noise_ceiling FROM evaluations WHERE subsets = 12").fetchall()
+    assert written == [(pytest.approx(expected.column("value")[0].as_py()),
+                        pytest.approx(expected.column("noise_ceiling")[0].as_py()))]
+    bad = CliRunner().invoke(app, ["evaluate", "lds", store.uri, "--run", "run", "--train", "nocolon"])
+    assert bad.exit_code == 1 and "module:function" in bad.output
