@@ -8,6 +8,7 @@ first one, and a capture with other matrices is refused by the spec check.
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ def save_basis(store: GradStore, spec: ProjectionSpec, basis: ProjectionBasis) -
         raise ValueError(f"basis {basis.digest()} is not the one of this projection spec ({spec.basis})")
     path = basis_path(store, spec)
     if not path.exists():
-        partial = path.with_suffix(".partial.npz")
+        partial = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial.npz")  # ranks may write it together
         np.savez(partial, **basis.to_arrays())
         partial.replace(path)
     return path
