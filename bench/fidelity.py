@@ -78,7 +78,8 @@ REFERENCE = {  # issue 5, independent scripts on this kind of machine
     ("mlp", "fisher factorized"): "0.47-0.55 (k=256)",
 }
 VALIDATION: dict[tuple[str, str], float] = {}  # (model, "fisher <variant>") -> validation LDS at the chosen damping
-CURVATURE = ("kfac", "gradient", "unit")  # estimate_basis factors of the curvature-aware variants
+# estimate_basis factors of the curvature-aware variants ("+heldout": pre-pass also on the validation inputs)
+CURVATURE = ("kfac", "gradient", "unit", "unit+heldout", "gradient+heldout")
 DAMPING_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 
@@ -245,7 +246,7 @@ def val_ids(n: int) -> list[str]:
 
 
 def fisher_basis(config: ModelConfig, data: Data, params: list[torch.Tensor], k_in: int, k_out: int,
-                 factors: str, batch: int = 250) -> ProjectionBasis:
+                 factors: str, inputs: torch.Tensor, batch: int = 250) -> ProjectionBasis:
     """The curvature-aware basis of the trained model on the training inputs (``ingest.estimate_basis``).
 
     The pre-pass backpropagates the loss of every label weighted by the square root of its predicted
@@ -258,7 +259,7 @@ def fisher_basis(config: ModelConfig, data: Data, params: list[torch.Tensor], k_
         weights = torch.softmax(logits.detach(), 1).sqrt()
         return (weights * -torch.log_softmax(logits, 1)).sum(0)  # [classes]: one loss per label
 
-    batches = [(data.x_train[i:i + batch], data.y_train[i:i + batch]) for i in range(0, len(data.x_train), batch)]
+    batches = [(inputs[i:i + batch], None) for i in range(0, len(inputs), batch)]
     return estimate_basis(module, batches, loss_fn, CaptureConfig(k_in=k_in, k_out=k_out), factors=factors)
 
 
@@ -340,7 +341,9 @@ def evaluate_model(config: ModelConfig, data: Data, variants: dict[str, tuple[st
         store = gradstore.open(workdir / f"{config.name}-{variant}", storage_dtype="float32")
         basis = None
         if variant.startswith("curvature-"):
-            basis = fisher_basis(config, data, snapshots["final"], k_in, k_out, variant.removeprefix("curvature-"))
+            factors, _, heldout = variant.removeprefix("curvature-").partition("+")
+            inputs = torch.cat([data.x_train, data.x_val]) if heldout else data.x_train
+            basis = fisher_basis(config, data, snapshots["final"], k_in, k_out, factors, inputs)
         capture(store, config, data, snapshots, plan, projection, k_in, k_out, basis)
         dim = store.dim
         damping, grid = choose_damping(store, data, truth)
@@ -372,6 +375,7 @@ def main() -> None:
     parser.add_argument("--subsets", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--models", default="logreg,mlp")
+    parser.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads (1 is faster when the cores are shared with other jobs)")
     args = parser.parse_args()
@@ -390,6 +394,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gradstore-fidelity-") as workdir:
         for name in args.models.split(","):
             config, variants = configs[name]
+            if args.variants:
+                variants = {v: spec for v, spec in variants.items() if v in args.variants.split(",")}
             rows += evaluate_model(config, data, variants, args.subsets, args.seed, Path(workdir))
     print(f"{'model':<7} {'method':<26} {'LDS':>6} {'s.e.':>6}  {'reference':<28} note")
     for model, method, value, stderr, note in rows:

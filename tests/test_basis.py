@@ -294,3 +294,15 @@ def test_several_losses_per_batch_sum_their_second_moments():
     basis = estimate_basis(model, batches(x, y, size=1), two_labels, CaptureConfig(k_in=4, k_out=2))
     s_cov = sum(hand_covariances(model, x, labels)["2"][1] for labels in (y, (y + 1) % 3))
     assert_diagonalises(basis.matrices["2"][1], s_cov)
+
+
+def test_per_layer_sizes_are_remembered_by_the_run(store_path):
+    model = mlp()
+    x, y = data()
+    store = gradstore.open(store_path, storage_dtype="float32")
+    first = store_capture(store, model, x, y, layer_sizes={"^2$": (3, 2)}, k_in=4, k_out=4)
+    assert [(s.k_in, s.k_out) for s in first.spec.layers] == [(4, 4), (3, 2)]
+    later = store_capture(gradstore.open(store_path), model, x, y, split="query")
+    assert later.spec == first.spec
+    with pytest.raises(ProjectionMismatchError, match="k_in"):
+        store_capture(store, model, x, y, split="query", layer_sizes={"^2$": (2, 2)})
