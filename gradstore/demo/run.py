@@ -118,7 +118,7 @@ def curvature_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTo
     random projection of run ``demo``."""
     model.eval()
     batches = [tokenizer.batch([e.text for e in batch]) for batch in _batches(corpus.train, config.batch_size)]
-    basis = estimate_basis(model, batches, lambda m, b: m(**b).loss, CaptureConfig(), factors="unit", tail=8)
+    basis = estimate_basis(model, batches, lambda m, b: m(**b).loss, CaptureConfig(), factors="unit")
     model.train()
     _capture_pass(store, model, tokenizer, corpus, checkpoint, 0, config.learning_rate, config.batch_size,
                   run=CURVATURE_RUN, basis=basis)
