@@ -116,11 +116,9 @@ class _CovarianceHooks:
     ``a a^T`` (or token counts) and ``g g^T`` for ``"kfac"``; ``G^T G`` and ``G G^T`` of the per-example
     gradients ``G = sum_t g_t a_t^T`` for ``"gradient"``."""
 
-    def __init__(self, layers: list[LayerInfo], factors: str,
-                 within: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    def __init__(self, layers: list[LayerInfo], factors: str) -> None:
         self.layers = layers
         self.factors = factors
-        self.within = within or {}  # "gradient" refinement: (P_in, P_out) of the previous pass per layer
         self.a: dict[str, torch.Tensor] = {}
         self.s: dict[str, torch.Tensor] = {}
         self.mask: torch.Tensor | None = None
@@ -188,6 +186,9 @@ class _CovarianceHooks:
                 idx = a.reshape(batch, -1)
                 g = g.reshape(batch, -1, info.d_out)
                 summed = torch.bmm((idx.unsqueeze(2) == idx.unsqueeze(1)).to(g.dtype), g)
+                if self.factors == "unit":  # ||G_b||^2 = sum_t g_t . (M_b g_b)_t
+                    norms = (g * summed).sum((1, 2)).clamp_min(1e-60).sqrt().view(-1, 1, 1)
+                    g, summed = g / norms, summed / norms
                 energy = (g * summed).sum(2).reshape(-1)
                 part = torch.zeros(info.d_in, dtype=torch.float64, device=g.device).index_add_(0, a, energy)
                 self._accumulate(self.a, info.name, part)
@@ -196,12 +197,8 @@ class _CovarianceHooks:
             grads = torch.einsum("bto,bti->boi", g.reshape(batch, -1, info.d_out), a.reshape(batch, -1, a.shape[1]))
             if self.factors == "unit":
                 grads = grads / grads.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, 1, 1)
-            left, right = grads, grads
-            if info.name in self.within:  # E[G^T P_out^T P_out G] and E[G P_in^T P_in G^T]
-                p_in, p_out = (p.to(device=grads.device, dtype=grads.dtype) for p in self.within[info.name])
-                left, right = torch.einsum("ko,boi->bki", p_out, grads), torch.einsum("boi,ki->bok", grads, p_in)
-            self._accumulate(self.a, info.name, torch.einsum("bki,bkj->ij", left, left))
-            self._accumulate(self.s, info.name, torch.einsum("bok,bpk->op", right, right))
+            self._accumulate(self.a, info.name, torch.einsum("boi,boj->ij", grads, grads))
+            self._accumulate(self.s, info.name, torch.einsum("boi,bpi->op", grads, grads))
 
     @staticmethod
     def _accumulate(sums: dict[str, torch.Tensor], name: str, part: torch.Tensor) -> None:
@@ -212,18 +209,14 @@ class _CovarianceHooks:
 
 
 def estimate_basis(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-                   config: CaptureConfig | None = None, tail: int = 0, factors: str = "kfac",
-                   refine: int = 0) -> ProjectionBasis:
+                   config: CaptureConfig | None = None, tail: int = 0, factors: str = "kfac") -> ProjectionBasis:
     """A short pre-pass estimating each captured layer's K-FAC eigenbasis.
 
     ``factors="kfac"``: eigenvectors of ``A = E[a a^T]`` and ``S = E[g g^T]``. ``factors="gradient"``:
     eigenvectors of the partial traces of the layer's gradient second moment, ``E[G^T G]`` (input side) and
     ``E[G G^T]`` (output side), i.e. the Kronecker-structured subspace keeping most of the per-example
     gradients' energy (each token's input weighted by its gradient; per-example gradients are materialised
-    in the pre-pass). ``refine`` further passes over ``batches`` (which must then be re-iterable) alternate the
-    two sides for ``"gradient"``: the input side from ``E[G^T P_out^T P_out G]`` with the previous pass's
-    ``P_out``, the output side from ``E[G P_in^T P_in G^T]`` (higher-order orthogonal iteration of the
-    captured energy ``E||P_out G P_in^T||^2``; embeddings keep their first-pass basis).
+    in the pre-pass). ``factors="unit"``: the same with every example's gradient normalised to unit norm.
 
     For every batch, ``loss_fn(model, batch)`` returns a scalar loss whose backward is run, or a 1-D tensor
     of losses each backpropagated on its own with their second moments summed (e.g. one loss per label,
@@ -235,20 +228,12 @@ def estimate_basis(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[
     """
     if factors not in FACTORS:
         raise ValueError(f"factors must be one of {FACTORS}, got {factors!r}")
-    if refine and factors == "kfac":
-        raise ValueError("refine needs factors='gradient' or 'unit'")
     config = config or CaptureConfig()
     layers = select_layers(model, tuple(config.layer_types), config.include, config.exclude)
     if not layers:
         raise ValueError("estimate_basis: no supported layer matches the layer selection")
-    basis = None
-    for _ in range(refine + 1):
-        within = None if basis is None else {info.name: tuple(t.double() for t in basis.tensors(info.name))
-                                             for info in layers if info.kind != "embedding"}
-        covariances = _moments(model, layers, batches, loss_fn, _CovarianceHooks(layers, factors, within))
-        basis = basis_from_covariances(covariances, config.k_in, config.k_out, config.layer_sizes, tail,
-                                       config.seed)
-    return basis
+    covariances = _moments(model, layers, batches, loss_fn, _CovarianceHooks(layers, factors))
+    return basis_from_covariances(covariances, config.k_in, config.k_out, config.layer_sizes, tail, config.seed)
 
 
 def _moments(model: nn.Module, layers: list[LayerInfo], batches: Iterable[Any],

@@ -258,27 +258,20 @@ def assert_diagonalises(p: np.ndarray, cov: np.ndarray) -> None:
     np.testing.assert_allclose(p @ cov @ p.T, np.diag(top), rtol=1e-4, atol=1e-6 * top[0])
 
 
-def test_gradient_factors_and_refinement():
+def test_gradient_and_unit_factors():
     model = mlp()
     x, y = data()
     config = CaptureConfig(k_in=4, k_out=2)
-    first = estimate_basis(model, batches(x, y), sum_loss, config, factors="gradient")
-    refined = estimate_basis(model, batches(x, y), sum_loss, config, factors="gradient", refine=1)
-    for name, g in hand_gradients(model, x, y).items():  # g: [n, d_out, d_in + 1]
-        p_in, p_out = first.matrices[name]
-        assert_diagonalises(p_in, np.einsum("boi,boj->ij", g, g))
-        assert_diagonalises(p_out, np.einsum("boi,bpi->op", g, g))
-        q_out, q_in = p_out.astype(np.float64), p_in.astype(np.float64)
-        left, right = np.einsum("ko,boi->bki", q_out, g), np.einsum("boi,ki->bok", g, q_in)
-        assert_diagonalises(refined.matrices[name][0], np.einsum("bki,bkj->ij", left, left))
-        assert_diagonalises(refined.matrices[name][1], np.einsum("bok,bpk->op", right, right))
+    gradient = estimate_basis(model, batches(x, y), sum_loss, config, factors="gradient")
     unit = estimate_basis(model, batches(x, y), sum_loss, config, factors="unit")
-    for name, g in hand_gradients(model, x, y).items():
+    for name, g in hand_gradients(model, x, y).items():  # g: [n, d_out, d_in + 1]
+        assert_diagonalises(gradient.matrices[name][0], np.einsum("boi,boj->ij", g, g))
+        assert_diagonalises(gradient.matrices[name][1], np.einsum("boi,bpi->op", g, g))
         g = g / np.linalg.norm(g.reshape(len(g), -1), axis=1)[:, None, None]
         assert_diagonalises(unit.matrices[name][0], np.einsum("boi,boj->ij", g, g))
         assert_diagonalises(unit.matrices[name][1], np.einsum("boi,bpi->op", g, g))
-    with pytest.raises(ValueError, match="refine"):
-        estimate_basis(model, batches(x, y), sum_loss, config, refine=1)
+    with pytest.raises(ValueError, match="factors"):
+        estimate_basis(model, batches(x, y), sum_loss, config, factors="hessian")
 
 
 def test_several_losses_per_batch_sum_their_second_moments():
@@ -306,3 +299,30 @@ def test_per_layer_sizes_are_remembered_by_the_run(store_path):
     assert later.spec == first.spec
     with pytest.raises(ProjectionMismatchError, match="k_in"):
         store_capture(store, model, x, y, split="query", layer_sizes={"^2$": (2, 2)})
+
+
+@pytest.mark.parametrize("factors", ["gradient", "unit"])
+def test_embedding_gradient_factors_equal_per_sample_gradients(factors):
+    """Embeddings: the diagonal of E[G^T G] picks the input rows, E[G G^T] the output rows, with repeated tokens."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(9, 4), nn.Linear(4, 3))
+    ids = torch.tensor([[1, 2, 1, 5], [3, 3, 3, 0], [7, 1, 2, 2], [4, 6, 8, 1]])
+    targets = torch.randint(0, 3, (4, 4), generator=torch.Generator().manual_seed(1))
+
+    def loss(m, batch):
+        return F.cross_entropy(m(batch[0]).reshape(-1, 3), batch[1].reshape(-1), reduction="sum")
+
+    basis = estimate_basis(model, [(ids[:2], targets[:2]), (ids[2:], targets[2:])], loss,
+                           CaptureConfig(k_in=3, k_out=2, include="^0$"), factors=factors)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, i, t):
+        return F.cross_entropy(functional_call(model, p, (i.unsqueeze(0),)).reshape(-1, 3), t, reduction="sum")
+
+    g = vmap(grad(one), in_dims=(None, 0, 0))(params, ids, targets)["0.weight"].transpose(1, 2).double()  # [b, 4, 9]
+    if factors == "unit":
+        g = g / g.flatten(1).norm(dim=1).view(-1, 1, 1)
+    diagonal = torch.einsum("boi,boi->i", g, g).numpy()
+    p_in, p_out = basis.matrices["0"]
+    np.testing.assert_array_equal(p_in, np.eye(9)[np.argsort(-diagonal, kind="stable")[:3]])
+    assert_diagonalises(p_out, torch.einsum("boi,bpi->op", g, g).numpy())
