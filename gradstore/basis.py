@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gradstore.errors import StoreCorruptError
-from ingest.projection import ProjectionBasis, ProjectionSpec
+from ingest.basis import basis_from_curvature
+from ingest.projection import LayerSizes, ProjectionBasis, ProjectionSpec
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore
@@ -57,3 +58,11 @@ def run_basis(store: GradStore, run: str) -> ProjectionBasis | None:
     if store.run_projection(run) is None:
         return None
     return load_basis(store, store.run_spec(run))
+
+
+def basis_from_run(store: GradStore, run: str, checkpoint: str, k_in: int = 16, k_out: int = 16,
+                   layer_sizes: LayerSizes | None = None) -> ProjectionBasis:
+    """The curvature-aware basis from a run's ``curvature=True`` statistics at ``checkpoint``
+    (:func:`ingest.basis.basis_from_curvature` with that run's spec and basis)."""
+    return basis_from_curvature(store.load_curvature(run, checkpoint), store.run_spec(run), k_in, k_out,
+                                layer_sizes, previous=run_basis(store, run))

@@ -13,7 +13,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import gradstore
-from gradstore.basis import basis_path, run_basis
+from gradstore.basis import basis_from_run, basis_path, run_basis
 from ingest.basis import basis_from_curvature, estimate_basis, side_rows
 from ingest.capture import CaptureConfig, GradientCapture
 from ingest.projection import ProjectionBasis, ProjectionMismatchError, ProjectionSpec, projection_matrix
@@ -326,3 +326,16 @@ def test_embedding_gradient_factors_equal_per_sample_gradients(factors):
     p_in, p_out = basis.matrices["0"]
     np.testing.assert_array_equal(p_in, np.eye(9)[np.argsort(-diagonal, kind="stable")[:3]])
     assert_diagonalises(p_out, torch.einsum("boi,bpi->op", g, g).numpy())
+
+
+def test_basis_from_a_runs_curvature_statistics(store_path):
+    """A run captured with curvature=True (exact rows) gives the same eigenbasis as the pre-pass."""
+    model = mlp()
+    x, y = data()
+    store = gradstore.open(store_path, storage_dtype="float32")
+    store_capture(store, model, x, y, run="stats", projection=None, curvature=True, checkpoint="c0")
+    from_run = basis_from_run(store, "stats", "c0", k_in=4, k_out=2)
+    prepass = estimate_basis(model, batches(x, y), sum_loss, CaptureConfig(k_in=4, k_out=2))
+    for name in ("0", "2"):
+        for p, q in zip(from_run.matrices[name], prepass.matrices[name]):
+            np.testing.assert_allclose(p.T @ p, q.T @ q, atol=1e-4)
