@@ -395,9 +395,9 @@ def main() -> None:
             if args.variants:
                 variants = {v: spec for v, spec in variants.items() if v in args.variants.split(",")}
             rows += evaluate_model(config, data, variants, args.subsets, args.seed, Path(workdir))
-    print(f"{'model':<7} {'method':<26} {'LDS':>6} {'s.e.':>6}  {'reference':<28} note")
+    print(f"{'model':<7} {'method':<28} {'LDS':>6} {'s.e.':>6}  {'reference':<28} note")
     for model, method, value, stderr, note in rows:
-        print(f"{model:<7} {method:<26} {value:>6.3f} {stderr:>6.3f}  {REFERENCE.get((model, method), '-'):<28} {note}")
+        print(f"{model:<7} {method:<28} {value:>6.3f} {stderr:>6.3f}  {REFERENCE.get((model, method), '-'):<28} {note}")
     print(f"runtime {time.perf_counter() - began:.0f}s, {args.subsets} subsets, {args.threads} thread(s)")
     # Each model's figure: among a family of variants, the one whose damping-tuned Fisher influence has the
     # best *validation* LDS (chosen like the damping, never on test). Random projections first (for reference),
