@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-from scipy.stats import rankdata
 
 from gradstore.store import sql_literal
 
@@ -101,10 +100,22 @@ class LDSResult:
     per_query: np.ndarray  # [queries]
 
 
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks (1-based) of every column of ``x [n, m]``, ties given their average rank."""
+    ranks = np.empty(x.shape, dtype=np.float64)
+    for j in range(x.shape[1]):
+        order = np.argsort(x[:, j], kind="stable")
+        values = x[order, j]
+        starts = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
+        ends = np.concatenate([starts[1:], [len(values)]])
+        ranks[order, j] = np.repeat((starts + ends + 1) / 2, ends - starts)
+    return ranks
+
+
 def spearman_columns(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Spearman correlation of every column of ``a`` with the same column of ``b`` (0 where constant)."""
-    ra = np.apply_along_axis(rankdata, 0, a)
-    rb = np.apply_along_axis(rankdata, 0, b)
+    ra = average_ranks(np.asarray(a, dtype=np.float64))
+    rb = average_ranks(np.asarray(b, dtype=np.float64))
     ra -= ra.mean(0)
     rb -= rb.mean(0)
     denominator = np.sqrt((ra * ra).sum(0) * (rb * rb).sum(0))

@@ -10,7 +10,7 @@ from scipy.stats import spearmanr
 from torch import nn
 
 import gradstore
-from gradstore.evaluate import lds, retrain
+from gradstore.evaluate import average_ranks, lds, retrain
 
 N_TRAIN, N_QUERY, DIM, RIDGE = 40, 6, 5, 1e-1
 
@@ -156,3 +156,10 @@ def test_cli_evaluate_lds_imports_the_training_function(store, tmp_path, monkeyp
                         pytest.approx(expected.column("noise_ceiling")[0].as_py()))]
     bad = CliRunner().invoke(app, ["evaluate", "lds", store.uri, "--run", "run", "--train", "nocolon"])
     assert bad.exit_code == 1 and "module:function" in bad.output
+
+
+def test_average_ranks_equal_scipy():
+    from scipy.stats import rankdata
+
+    x = np.array([[3.0, 1.0], [1.0, 1.0], [2.0, 5.0], [3.0, 1.0], [0.5, 2.0]])
+    np.testing.assert_array_equal(average_ranks(x), np.apply_along_axis(rankdata, 0, x))
