@@ -10,10 +10,11 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
   cross-entropy over the training set plus ``wd/2 * ||theta||^2``. Training: full-batch Adam with a cosine
   learning-rate schedule, fixed number of steps, fixed initialisation (zeros for logistic regression, one
   seeded init for the MLP) — the same procedure for the full model and for every retrained subset.
-* Ground truth: 100 random subsets of exactly 50% of the training set (seeded), each retrained from the same
-  init with the same procedure; all subsets are trained together as one stack of independent models (Adam
-  is per-coordinate and the stacked loss is a sum of per-model losses, so this equals independent runs).
-  Actual outcome: each subset model's cross-entropy on every test (and validation) query.
+* Ground truth and LDS through ``gradstore.evaluate``: 100 random subsets of exactly 50% of the training set
+  (seeded), each retrained from the same init with the same procedure; the bench's ``train_fn`` trains all
+  subsets together as one stack of independent models (Adam is per-coordinate and the stacked loss is a sum
+  of per-model losses, so this equals independent runs). Outcome: each subset model's cross-entropy on every
+  test (and validation) query. The LDS rows are written to the store's ``evaluations`` table.
 * Attribution, through gradstore's real path only: the full model's per-example training gradients and the
   query gradients are captured with ``store.capture`` in checkpoint passes (``loss_reduction="sum"``,
   float32 storage) at five points of training (``c1``..``c4`` and ``final``, each recorded with the mean
@@ -21,20 +22,25 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
   write=False)`` returns every training example's score for every query. Methods: ``grad-dot`` (final
   checkpoint), ``tracin`` (learning-rate-weighted sum over the five checkpoints) and ``fisher`` (projected
   empirical-Fisher influence at the final checkpoint, damping relative to the mean eigenvalue, chosen on the
-  validation queries from a grid). Variants: exact gradients (``projection=None``), LoGra factorized
-  projections and dense JL projections, both ``k_in x k_out`` per layer (logistic regression 32x10 = 320 dims;
-  MLP 16x8 per layer = 256 dims).
+  validation queries from a grid). Variants at equal dims (sizes capped at the layer width): exact gradients
+  (``projection=None``, the ceiling), random LoGra factorized projections, dense JL projections, and
+  curvature-aware factorized projections whose fixed basis comes from ``ingest.basis.estimate_basis`` on the
+  final model's training inputs (true-Fisher second moments; ``factors`` ``kfac``: K-FAC eigenbasis,
+  ``gradient``: partial traces of the per-example gradients' second moment, ``unit``: the same with every
+  example's gradient normalised). Logistic regression 32x10 = 320 dims; MLP 16x16 per layer (the 10-way
+  output layer gets 16x10) = 416 dims.
   One extra logistic-regression row, "exact-Hessian IF", preconditions the query rows with the true Hessian
   of the training objective (computed here with torch; gradstore does not compute Hessians) and scores them
   through gradstore's ``grad-dot`` path as raw query vectors — a sanity check of the protocol against the
   issue's reference, not a gradstore method.
 * LDS: for query q the prediction for subset S is ``sum_{i in S} score(q, i)`` (a positive score means the
   example lowers q's loss); LDS_q = Spearman(prediction, -loss_S(q)) over the 100 subsets; reported LDS is
-  the mean over the 200 test queries.
+  the mean over the 200 test queries, with its standard error over queries.
 
-Ends with ``RESULT lds_projected_influence=<logreg>/<mlp> target>=0.55/0.45 PASS|MISS`` where each figure is
-the test LDS of the projected Fisher-influence variant (factorized or dense, same dims) with the best
-validation LDS — the projection kind is chosen on validation queries like the damping, never on test.
+Prints the whole table, then ends with ``RESULT lds_curvature_projected_fisher=<logreg>/<mlp>
+target>=0.66/0.58 PASS|MISS`` where each figure is the test LDS of the curvature-aware Fisher-influence
+variant with the best validation LDS — the variant is chosen on validation queries like the damping, never on
+test (the same choice among the random projections is printed just above, for comparison).
 
 Run: ``python bench/fidelity.py`` (``--threads 1`` when the two cores are shared with other jobs).
 """
@@ -52,13 +58,16 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from scipy.stats import rankdata
 from torch import nn
 
 import gradstore
+from gradstore import evaluate
+from ingest.basis import estimate_basis
+from ingest.capture import CaptureConfig
+from ingest.projection import ProjectionBasis
 
 RUN = "digits"
-TARGETS = {"logreg": 0.55, "mlp": 0.45}
+TARGETS = {"logreg": 0.66, "mlp": 0.58}  # curvature-aware projected Fisher (issue 13)
 REFERENCE = {  # issue 5, independent scripts on this kind of machine
     ("logreg", "exact-Hessian IF"): "0.84",
     ("logreg", "fisher exact"): "0.66 (empirical-Fisher IF)",
@@ -69,6 +78,7 @@ REFERENCE = {  # issue 5, independent scripts on this kind of machine
     ("mlp", "fisher factorized"): "0.47-0.55 (k=256)",
 }
 VALIDATION: dict[tuple[str, str], float] = {}  # (model, "fisher <variant>") -> validation LDS at the chosen damping
+CURVATURE = ("kfac", "gradient", "unit")  # estimate_basis factors of the curvature-aware variants
 DAMPING_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 
@@ -189,40 +199,25 @@ def load_into(module: nn.Sequential, params: list[torch.Tensor], copy: int = 0) 
 
 
 # ---------------------------------------------------------------------------------------------- ground truth
-@dataclass
-class GroundTruth:
-    """Subset masks and the retrained models' query losses."""
-
-    masks: np.ndarray  # [subsets, n_train] 0/1
-    test_loss: np.ndarray  # [subsets, n_test]
-    val_loss: np.ndarray  # [subsets, n_val]
+def train_ids(n: int) -> list[str]:
+    """Ids of the training examples (their index as text)."""
+    return [str(i) for i in range(n)]
 
 
-def retrain_subsets(config: ModelConfig, data: Data, subsets: int, seed: int) -> GroundTruth:
-    """Retrain on ``subsets`` random halves of the training set (same init and procedure as the full model)."""
-    n = len(data.x_train)
-    generator = torch.Generator().manual_seed(seed + 1)
-    chosen = torch.stack([torch.randperm(n, generator=generator)[: n // 2].sort().values for _ in range(subsets)])
-    masks = torch.zeros(subsets, n)
-    masks.scatter_(1, chosen, 1.0)
-    params, _ = train_stack(config, data.x_train[chosen], data.y_train[chosen], seed)
-    return GroundTruth(masks.numpy(), query_losses(params, data.x_test, data.y_test).numpy(),
-                       query_losses(params, data.x_val, data.y_val).numpy())
+def make_train_fn(config: ModelConfig, data: Data) -> evaluate.TrainFn:
+    """The retraining function ``gradstore.evaluate`` calls: every subset trained as one stack of independent
+    models (same init and procedure as the full model), losses on the requested test/validation query ids."""
+    queries = {**{q: ("test", i) for i, q in enumerate(test_ids(len(data.x_test)))},
+               **{q: ("val", i) for i, q in enumerate(val_ids(len(data.x_val)))}}
 
+    def train_fn(subsets: list[list[str]], query_ids: list[str], seed: int) -> np.ndarray:
+        chosen = torch.tensor([[int(i) for i in subset] for subset in subsets])
+        params, _ = train_stack(config, data.x_train[chosen], data.y_train[chosen], seed)
+        losses = {"test": query_losses(params, data.x_test, data.y_test).numpy(),
+                  "val": query_losses(params, data.x_val, data.y_val).numpy()}
+        return np.stack([losses[split][:, i] for split, i in (queries[q] for q in query_ids)], 1)
 
-def lds(scores: np.ndarray, masks: np.ndarray, losses: np.ndarray) -> float:
-    """Mean over queries of Spearman(sum of scores over the subset, -actual loss) across subsets.
-
-    ``scores [queries, n_train]``, ``masks [subsets, n_train]``, ``losses [subsets, queries]``.
-    """
-    predicted = masks @ scores.T  # [subsets, queries]
-    a = np.apply_along_axis(rankdata, 0, predicted)
-    b = np.apply_along_axis(rankdata, 0, -losses)
-    a -= a.mean(0)
-    b -= b.mean(0)
-    denominator = np.sqrt((a * a).sum(0) * (b * b).sum(0))
-    correlations = np.where(denominator > 0, (a * b).sum(0) / np.where(denominator > 0, denominator, 1), 0.0)
-    return float(correlations.mean())
+    return train_fn
 
 
 # ---------------------------------------------------------------------------------------------- gradstore path
@@ -249,12 +244,32 @@ def val_ids(n: int) -> list[str]:
     return [f"v{i}" for i in range(n)]
 
 
+def fisher_basis(config: ModelConfig, inputs: torch.Tensor, params: list[torch.Tensor], k_in: int, k_out: int,
+                 factors: str, batch: int = 250) -> ProjectionBasis:
+    """The curvature-aware basis of the trained model on ``inputs`` (``ingest.estimate_basis``).
+
+    The pre-pass backpropagates the loss of every label weighted by the square root of its predicted
+    probability (one backward per label; no labels needed), so the second moments are the true Fisher's."""
+    module = make_module(config)
+    load_into(module, params)
+
+    def loss_fn(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        logits = model(rows)
+        weights = torch.softmax(logits.detach(), 1).sqrt()
+        return (weights * -torch.log_softmax(logits, 1)).sum(0)  # [classes]: one loss per label
+
+    batches = [inputs[i:i + batch] for i in range(0, len(inputs), batch)]
+    return estimate_basis(module, batches, loss_fn, CaptureConfig(k_in=k_in, k_out=k_out), factors=factors)
+
+
 def capture(store: gradstore.GradStore, config: ModelConfig, data: Data, snapshots: dict[str, list[torch.Tensor]],
             plan: dict[str, tuple[int, float]], projection: str | None, k_in: int, k_out: int,
-            batch: int = 250) -> None:
+            basis: ProjectionBasis | None = None, batch: int = 250) -> None:
     """Checkpoint passes: training rows and query rows of the full model at every planned checkpoint."""
     module = make_module(config)
     sizes = {} if projection is None else {"k_in": k_in, "k_out": k_out}  # exact slots take the layer's shape
+    if basis is not None:
+        sizes["basis"] = basis
     groups = [("train", [str(i) for i in range(len(data.x_train))], data.x_train, data.y_train),
               ("query", test_ids(len(data.x_test)), data.x_test, data.y_test),
               ("query", val_ids(len(data.x_val)), data.x_val, data.y_val)]
@@ -272,28 +287,11 @@ def capture(store: gradstore.GradStore, config: ModelConfig, data: Data, snapsho
                     module.zero_grad()
 
 
-def score_matrix(store: gradstore.GradStore, queries: list[str] | np.ndarray, n_train: int, **options) -> np.ndarray:
-    """Every training example's score for every query, ``[queries, n_train]``, from ``store.attribute``."""
-    table = store.attribute(queries, run=RUN, k=n_train, write=False, **options)
-    query_ids = table.column("query_id").to_pylist()
-    order = {q: i for i, q in enumerate(dict.fromkeys(query_ids))}
-    rows = np.fromiter((order[q] for q in query_ids), np.int64, len(query_ids))
-    columns = np.asarray(table.column("example_id").to_pylist(), dtype=np.int64)
-    scores = np.full((len(order), n_train), np.nan)
-    scores[rows, columns] = table.column("score").to_numpy()
-    if np.isnan(scores).any():
-        raise RuntimeError("attribute returned fewer than n_train scores for some query")
-    return scores
-
-
-def choose_damping(store: gradstore.GradStore, data: Data, truth: GroundTruth) -> tuple[float, dict[float, float]]:
+def choose_damping(store: gradstore.GradStore, data: Data, truth: evaluate.Retraining) -> tuple[float, dict]:
     """The grid damping with the best validation-query LDS (ties: the larger damping)."""
-    n = len(data.x_train)
-    results = {}
-    for damping in DAMPING_GRID:
-        scores = score_matrix(store, val_ids(len(data.x_val)), n, method="fisher", damping=damping,
-                              checkpoint="final")
-        results[damping] = lds(scores, truth.masks, truth.val_loss)
+    methods = {str(d): {"method": "fisher", "damping": d, "checkpoint": "final"} for d in DAMPING_GRID}
+    table, _ = evaluate.lds(store, RUN, queries=val_ids(len(data.x_val)), truth=truth, methods=methods, write=False)
+    results = dict(zip(DAMPING_GRID, table.column("value").to_pylist()))
     best = max(results, key=lambda d: (round(results[d], 4), d))
     return best, results
 
@@ -320,9 +318,9 @@ def hessian_queries(config: ModelConfig, params: list[torch.Tensor], data: Data,
 
 
 # ---------------------------------------------------------------------------------------------- main
-def evaluate(config: ModelConfig, data: Data, variants: dict[str, tuple[str | None, int, int]], subsets: int,
-             seed: int, workdir: Path) -> list[tuple[str, str, float, str]]:
-    """All rows of the table for one model family: ``(model, method, LDS, note)``."""
+def evaluate_model(config: ModelConfig, data: Data, variants: dict[str, tuple[str | None, int, int]], subsets: int,
+                   seed: int, workdir: Path) -> list[tuple[str, str, float, float, str]]:
+    """All rows of the table for one model family: ``(model, method, LDS, standard error, note)``."""
     plan = checkpoint_plan(config)
     start = time.perf_counter()
     full, snaps = train_stack(config, data.x_train.unsqueeze(0), data.y_train.unsqueeze(0), seed,
@@ -331,33 +329,39 @@ def evaluate(config: ModelConfig, data: Data, variants: dict[str, tuple[str | No
     train_acc = (stacked_logits(full, data.x_train.unsqueeze(0))[0].argmax(1) == data.y_train).float().mean()
     test_acc = (stacked_logits(full, data.x_test.unsqueeze(0))[0].argmax(1) == data.y_test).float().mean()
     log(f"{config.name}: full model train acc {train_acc:.3f}, test acc {test_acc:.3f}")
-    truth = retrain_subsets(config, data, subsets, seed)
+    tests, vals = test_ids(len(data.x_test)), val_ids(len(data.x_val))
+    truth = evaluate.retrain(make_train_fn(config, data), train_ids(len(data.x_train)), queries=tests + vals,
+                             subsets=subsets, seeds=(seed,), seed=seed + 1)
     log(f"{config.name}: retrained {subsets} subsets in {time.perf_counter() - start:.1f}s; "
-        f"mean test loss {truth.test_loss.mean():.3f}")
-    n = len(data.x_train)
+        f"mean test loss {-truth.outcome(tests).mean():.3f}")
     rows = []
     for variant, (projection, k_in, k_out) in variants.items():
         first = len(rows)
         store = gradstore.open(workdir / f"{config.name}-{variant}", storage_dtype="float32")
-        capture(store, config, data, snapshots, plan, projection, k_in, k_out)
+        basis = None
+        if variant.startswith("curvature-"):
+            basis = fisher_basis(config, data.x_train, snapshots["final"], k_in, k_out,
+                                 variant.removeprefix("curvature-"))
+        capture(store, config, data, snapshots, plan, projection, k_in, k_out, basis)
         dim = store.dim
-        tests = test_ids(len(data.x_test))
-        gd = score_matrix(store, tests, n, method="grad-dot", checkpoint="final")
-        rows.append((config.name, f"grad-dot {variant}", lds(gd, truth.masks, truth.test_loss), f"dim {dim}"))
-        tr = score_matrix(store, tests, n, method="tracin")
-        rows.append((config.name, f"tracin {variant}", lds(tr, truth.masks, truth.test_loss),
-                     f"dim {dim}, {len(plan)} checkpoints"))
         damping, grid = choose_damping(store, data, truth)
         log(f"{config.name} {variant}: validation LDS by damping "
             + ", ".join(f"{d:g}:{v:.3f}" for d, v in grid.items()))
-        fi = score_matrix(store, tests, n, method="fisher", damping=damping, checkpoint="final")
         VALIDATION[(config.name, f"fisher {variant}")] = grid[damping]
-        rows.append((config.name, f"fisher {variant}", lds(fi, truth.masks, truth.test_loss),
-                     f"dim {dim}, damping {damping:g} (val LDS {grid[damping]:.3f})"))
+        methods = {f"grad-dot {variant}": {"method": "grad-dot", "checkpoint": "final"},
+                   f"tracin {variant}": {"method": "tracin"},
+                   f"fisher {variant}": {"method": "fisher", "damping": damping, "checkpoint": "final"}}
+        notes = [f"dim {dim}", f"dim {dim}, {len(plan)} checkpoints",
+                 f"dim {dim}, damping {damping:g} (val LDS {grid[damping]:.3f})"]
+        table, _ = evaluate.lds(store, RUN, queries=tests, truth=truth, methods=methods)
+        for row, note in zip(table.to_pylist(), notes):
+            rows.append((config.name, row["label"], row["value"], row["stderr"], note))
         if config.hidden is None and projection is None:
             preconditioned = hessian_queries(config, full, data, store)
-            hs = score_matrix(store, preconditioned, n, method="grad-dot", checkpoint="final")
-            rows.append((config.name, "exact-Hessian IF", lds(hs, truth.masks, truth.test_loss),
+            scores = evaluate.scores_by_example(store, RUN, preconditioned, truth.train_ids, method="grad-dot",
+                                           checkpoint="final")
+            result = evaluate.lds_of_scores(scores, truth, tests)
+            rows.append((config.name, "exact-Hessian IF", result.value, result.stderr,
                          "sanity: Hessian from torch, scored by gradstore grad-dot"))
         for row in rows[first:]:
             log(f"  {row[0]} {row[1]}: {row[2]:.3f}")
@@ -369,6 +373,7 @@ def main() -> None:
     parser.add_argument("--subsets", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--models", default="logreg,mlp")
+    parser.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads (1 is faster when the cores are shared with other jobs)")
     args = parser.parse_args()
@@ -377,32 +382,39 @@ def main() -> None:
     data = load_data(1000, 200, 200, args.seed)
     configs = {
         "logreg": (ModelConfig("logreg", None, weight_decay=1e-3, lr=0.05, steps=500),
-                   {"exact": (None, 0, 0), "factorized": ("factorized", 32, 10), "dense": ("dense", 32, 10)}),
+                   {"exact": (None, 0, 0), "factorized": ("factorized", 32, 10), "dense": ("dense", 32, 10),
+                    **{f"curvature-{f}": ("factorized", 32, 10) for f in CURVATURE}}),
         "mlp": (ModelConfig("mlp", 32, weight_decay=1e-3, lr=0.01, steps=1000),
-                {"exact": (None, 0, 0), "factorized": ("factorized", 16, 8), "dense": ("dense", 16, 8)}),
+                {"exact": (None, 0, 0), "factorized": ("factorized", 16, 16), "dense": ("dense", 16, 16),
+                 **{f"curvature-{f}": ("factorized", 16, 16) for f in CURVATURE}}),
     }
     rows = []
     with tempfile.TemporaryDirectory(prefix="gradstore-fidelity-") as workdir:
         for name in args.models.split(","):
             config, variants = configs[name]
-            rows += evaluate(config, data, variants, args.subsets, args.seed, Path(workdir))
-    print(f"{'model':<7} {'method':<22} {'LDS':>6}  {'reference':<28} note")
-    for model, method, value, note in rows:
-        print(f"{model:<7} {method:<22} {value:>6.3f}  {REFERENCE.get((model, method), '-'):<28} {note}")
+            if args.variants:
+                variants = {v: spec for v, spec in variants.items() if v in args.variants.split(",")}
+            rows += evaluate_model(config, data, variants, args.subsets, args.seed, Path(workdir))
+    print(f"{'model':<7} {'method':<28} {'LDS':>6} {'s.e.':>6}  {'reference':<28} note")
+    for model, method, value, stderr, note in rows:
+        print(f"{model:<7} {method:<28} {value:>6.3f} {stderr:>6.3f}  {REFERENCE.get((model, method), '-'):<28} {note}")
     print(f"runtime {time.perf_counter() - began:.0f}s, {args.subsets} subsets, {args.threads} thread(s)")
-    # The projected-influence figure of each model: the projected variant (factorized LoGra or dense JL, same
-    # dims) whose damping-tuned Fisher influence has the best *validation* LDS — chosen like the damping.
-    projected = {}
-    for model in ("logreg", "mlp"):
-        candidates = [(VALIDATION[(m, method)], value, method) for m, method, value, _ in rows
-                      if m == model and method.startswith("fisher ") and method != "fisher exact"]
-        if candidates:
-            _, projected[model], chosen = max(candidates)
-            print(f"{model}: projected influence = {chosen} (best validation LDS among projected variants)")
-    figures = [projected.get(m, float("nan")) for m in ("logreg", "mlp")]
-    ok = all(projected.get(m, -1) >= t for m, t in TARGETS.items())
-    print(f"RESULT lds_projected_influence={figures[0]:.2f}/{figures[1]:.2f} target>=0.55/0.45 "
-          f"{'PASS' if ok else 'MISS'}")
+    # Each model's figure: among a family of variants, the one whose damping-tuned Fisher influence has the
+    # best *validation* LDS (chosen like the damping, never on test). Random projections first (for reference),
+    # then the curvature-aware ones, which the RESULT reports.
+    figures = {}
+    for family, prefix in (("random projection (factorized or dense)", ("fisher factorized", "fisher dense")),
+                           ("curvature-aware projection", ("fisher curvature-",))):
+        for model in ("logreg", "mlp"):
+            candidates = [(VALIDATION[(m, method)], value, method) for m, method, value, _, _ in rows
+                          if m == model and method.startswith(prefix)]
+            if candidates:
+                _, figures[model], chosen = max(candidates)
+                print(f"{model}: {family}: {chosen} = {figures[model]:.3f} (best validation LDS of the family)")
+    values = [figures.get(m, float("nan")) for m in ("logreg", "mlp")]
+    ok = all(figures.get(m, -1) >= t for m, t in TARGETS.items())
+    print(f"RESULT lds_curvature_projected_fisher={values[0]:.3f}/{values[1]:.3f} "
+          f"target>={TARGETS['logreg']:.2f}/{TARGETS['mlp']:.2f} {'PASS' if ok else 'MISS'}")
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradstore.basis import run_basis, save_basis
 from gradstore.core import GradientWriter, StoreCore, WriterConfig
 from gradstore.errors import InvalidArgumentError, InvalidNameError, translated
 from ingest import CaptureConfig, CapturedBatch, GradientCapture, ProjectionSpec
 
 #: Options that define a run's vectors (or how its loss was formed): later captures of the run reuse them.
-RUN_OPTIONS = ("projection", "k_in", "k_out", "seed", "layer_types", "include", "exclude", "route", "loss_reduction",
-               "loss_scale")
+RUN_OPTIONS = ("projection", "k_in", "k_out", "seed", "layer_types", "include", "exclude", "route", "layer_sizes",
+               "loss_reduction", "loss_scale")
 
 
 class RunDefault:
@@ -57,6 +58,7 @@ def config_for_run(store: StoreCore, run: str, overrides: dict[str, Any]) -> Cap
         saved = {k: v for k, v in stored.items() if k in RUN_OPTIONS}
         if "layer_types" in saved:
             saved["layer_types"] = tuple(saved["layer_types"])
+        saved["basis"] = run_basis(store, run)
     config = CaptureConfig(**{**saved, **overrides})
     try:
         config.validate()
@@ -88,6 +90,8 @@ class StoreCapture:
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> StoreCapture:
+        if self.capture.config.basis is not None:
+            save_basis(self.store, self.spec, self.capture.config.basis)
         self.store.ensure_run(self.run_id, self.spec, model_fingerprint(self._model),
                               {"capture": dataclasses.asdict(self.capture.config)})
         self._writer = self._open_writer()

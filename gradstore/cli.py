@@ -237,6 +237,57 @@ def self_influence_command(
     _print_table(table.select(["example_id", "self_influence", "checkpoint", "method"]).slice(0, top), limit=top)
 
 
+evaluate_app = typer.Typer(help="Check attribution scores against retraining.", no_args_is_help=True)
+app.add_typer(evaluate_app, name="evaluate")
+
+
+def _import_function(spec: str):
+    """``module:function`` (the module importable from the current directory) as a callable."""
+    import importlib
+
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"--train must be module:function, got {spec!r}")
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    return getattr(importlib.import_module(module_name), name)
+
+
+@evaluate_app.command("lds")
+def evaluate_lds(
+        store: StoreArg,
+        run: Annotated[str, typer.Option(help="Run whose scores are checked.")],
+        train: Annotated[str, typer.Option(
+            help="Your retraining function as module:function, called as f(subsets, queries, seed) and returning "
+                 "losses [subsets, queries].")],
+        queries: Annotated[str | None, typer.Option(
+            help="Comma-separated query example ids (default: every query row of the run).")] = None,
+        methods: Annotated[str, typer.Option(help="Comma-separated methods to score.")] = "grad-dot,fisher",
+        damping: Annotated[float | None, typer.Option(help="Relative damping of fisher/kfac.")] = None,
+        checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
+        subsets: Annotated[int, typer.Option(help="Random training subsets retrained.")] = 100,
+        fraction: Annotated[float, typer.Option(help="Share of the training set in each subset.")] = 0.5,
+        seeds: Annotated[str, typer.Option(help="Comma-separated training seeds (2+ give a noise ceiling).")] = "0",
+        seed: Annotated[int, typer.Option(help="Seed of the subset draw.")] = 0) -> None:
+    """Linear datamodeling score of each method; rows are appended to the evaluations table."""
+    from gradstore.core import sql_literal
+    from gradstore.evaluate import lds
+
+    with _user_errors():
+        opened = _open(store)
+        train_fn = _import_function(train)
+        query_ids = _csv_list(queries) or [row[0] for row in opened.sql(
+            f"SELECT DISTINCT example_id FROM gradients WHERE run_id = {sql_literal(run)} AND split = 'query' "
+            "ORDER BY example_id").fetchall()]
+        options = {"checkpoint": checkpoint} if checkpoint else {}
+        damped = {"damping": damping} if damping is not None else {}
+        chosen = {m: {"method": m, **options, **(damped if m in ("fisher", "influence", "kfac", "diagonal") else {})}
+                  for m in _csv_list(methods) or []}
+        table, _ = lds(opened, run, train_fn, queries=query_ids, methods=chosen, subsets=subsets, fraction=fraction,
+                       seeds=[int(s) for s in _csv_list(seeds) or []], seed=seed)
+    _print_table(table.select(["label", "value", "stderr", "noise_ceiling", "queries", "subsets", "seeds"]))
+
+
 @app.command()
 def report(
         store: StoreArg,

@@ -26,6 +26,7 @@ from gradstore.methods import BlockStructure, MethodName
 from gradstore.queries import QueryInput
 from gradstore.report import ReportOptions, write_report
 from gradstore.selection import Aggregate, select
+from ingest.projection import LayerSizes, ProjectionBasis
 
 Projection = Literal["factorized", "dense"] | None
 LossReduction = Literal["mean", "sum", "token_mean"]
@@ -47,6 +48,7 @@ class GradStore(StoreCore):
                 k_out: int = RUN_DEFAULT, seed: int = RUN_DEFAULT, layer_types: Sequence[str] = RUN_DEFAULT,
                 include: str | None = RUN_DEFAULT, exclude: str | None = RUN_DEFAULT,
                 route: Literal["auto", "project", "materialize"] = RUN_DEFAULT,
+                layer_sizes: LayerSizes | None = RUN_DEFAULT, basis: ProjectionBasis | None = RUN_DEFAULT,
                 loss_reduction: LossReduction = RUN_DEFAULT, loss_scale: float = RUN_DEFAULT,
                 normalizer: Literal["adam_factored"] | None = None, rank: int | None = None,
                 per_example_loss: Callable[..., torch.Tensor] | None = None, grad_scaler: Any = None,
@@ -57,14 +59,17 @@ class GradStore(StoreCore):
         optimizer's; for checkpoint passes without one), ``curvature`` (also record Kronecker covariances of
         the training rows for ``kfac``), ``normalizer``, ``rank``. Per run: ``projection`` (``"factorized"``
         ``k_out x k_in`` per layer, ``"dense"``, or ``None`` for exact gradients), ``k_in``/``k_out``, ``seed``,
-        ``layer_types``/``include``/``exclude`` (which layers), ``route``, and ``loss_reduction``/
-        ``loss_scale`` (how the loop's loss was formed): a new run takes them as given (else the defaults:
-        factorized 16 x 16, mean reduction); later captures of the run reuse the run's own unless told
-        otherwise, and one whose projection differs is refused with ``ProjectionMismatchError``.
+        ``layer_types``/``include``/``exclude`` (which layers), ``route``, ``layer_sizes`` (per-layer
+        ``(k_in, k_out)`` by layer-name regex), ``basis`` (fixed projection matrices such as the curvature-aware
+        ones of :func:`ingest.basis.estimate_basis`, kept in the store for the run's later captures), and
+        ``loss_reduction``/``loss_scale`` (how the loop's loss was formed): a new run takes them as given (else
+        the defaults: factorized 16 x 16, mean reduction); later captures of the run reuse the run's own unless
+        told otherwise, and one whose projection differs is refused with ``ProjectionMismatchError``.
         """
         options = {"split": split, "checkpoint": checkpoint, "curvature": curvature, "projection": projection,
                    "k_in": k_in, "k_out": k_out, "seed": seed, "layer_types": layer_types, "include": include,
-                   "exclude": exclude, "route": route, "loss_reduction": loss_reduction, "loss_scale": loss_scale,
+                   "exclude": exclude, "route": route, "layer_sizes": layer_sizes, "basis": basis,
+                   "loss_reduction": loss_reduction, "loss_scale": loss_scale,
                    "normalizer": normalizer, "max_pending_batches": max_pending_batches}
         if rank is not None:
             options["rank"] = rank

@@ -32,7 +32,7 @@ from ingest.ids import content_hashes, find_inputs, find_mask, normalize_ids
 from ingest.layers import LayerInfo, select_layers
 from ingest.normalizers import NORMALIZERS, adam_second_moment, factored_scales
 from ingest.per_example import ROUTES
-from ingest.projection import LAYER_KINDS, ProjectionSpec, make_slot
+from ingest.projection import LAYER_KINDS, LayerSizes, ProjectionBasis, ProjectionSpec, make_slot, slot_sizes
 from ingest.scaling import REDUCTIONS, example_scales, example_token_counts
 
 PROJECTIONS = (None, "factorized", "dense")
@@ -57,6 +57,10 @@ class CaptureConfig:
     rows are per-example gradients (see :mod:`ingest.scaling`). ``normalizer``: ``"adam_factored"``
     records LESS-style rows normalised by the optimizer's Adam second moments in factored form (see
     :mod:`ingest.normalizers`); forwards before the optimizer holds state are not captured.
+    ``layer_sizes``: per-layer ``(k_in, k_out)`` by layer-name regex (first match, ``re.search``), else
+    ``k_in``/``k_out``; factorized sizes never exceed the layer's width. ``basis``: fixed factorized
+    matrices (e.g. the K-FAC eigenbasis of :func:`ingest.basis.estimate_basis`) instead of seeded random
+    ones; they fix each layer's sizes, and their digest is part of the projection spec.
     """
 
     projection: str | None = "factorized"
@@ -75,6 +79,8 @@ class CaptureConfig:
     checkpoint: str = "train"
     rank: int = field(default_factory=_default_rank)
     normalizer: str | None = None
+    layer_sizes: LayerSizes | None = None
+    basis: ProjectionBasis | None = None
 
     def validate(self) -> None:
         """Raise ValueError on an unknown option."""
@@ -91,6 +97,8 @@ class CaptureConfig:
             raise ValueError("k_in and k_out must be positive")
         if self.normalizer not in NORMALIZERS:
             raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {self.normalizer!r}")
+        if self.basis is not None and self.projection != "factorized":
+            raise ValueError("a projection basis needs projection='factorized'")
         if self.normalizer is not None and self.curvature:
             raise ValueError("curvature statistics of normalised rows are not supported: capture them raw")
 
@@ -117,17 +125,12 @@ def build_spec(layers: Sequence[LayerInfo], config: CaptureConfig) -> Projection
     mode = {None: "exact", "factorized": "factorized", "dense": "dense"}[config.projection]
     slots, offset = [], 0
     for info in layers:
-        slot = make_slot(
-            info.name,
-            info.kind,
-            info.d_in,
-            info.d_out,
-            info.has_bias,
-            mode,
-            config.k_in,
-            config.k_out,
-            offset,
+        k_in, k_out = (
+            slot_sizes(info.name, config.k_in, config.k_out, config.layer_sizes)
+            if config.basis is None
+            else _basis_sizes(config.basis, info)
         )
+        slot = make_slot(info.name, info.kind, info.d_in, info.d_out, info.has_bias, mode, k_in, k_out, offset)
         if mode == "dense" and slot.size * slot.d_out * slot.d_in_eff > MAX_DENSE_ENTRIES:
             raise ValueError(
                 f"dense projection of layer {info.name!r} needs a {slot.size} x {slot.d_out * slot.d_in_eff} "
@@ -136,7 +139,22 @@ def build_spec(layers: Sequence[LayerInfo], config: CaptureConfig) -> Projection
         slots.append(slot)
         offset += slot.size
     kind = "none" if config.projection is None else config.projection
-    return ProjectionSpec(seed=config.seed, kind=kind, layers=tuple(slots))
+    basis = None if config.basis is None else config.basis.digest()
+    return ProjectionSpec(seed=config.seed, kind=kind, layers=tuple(slots), basis=basis)
+
+
+def _basis_sizes(basis: ProjectionBasis, info: LayerInfo) -> tuple[int, int]:
+    """``(k_in, k_out)`` of ``info``'s layer in ``basis``, checking the matrices fit the layer."""
+    if info.name not in basis.matrices:
+        raise ValueError(f"the projection basis has no matrices for layer {info.name!r}; estimate it with the "
+                         "same layer selection as the capture")
+    p_in, p_out = basis.matrices[info.name]
+    d_in_eff = info.d_in + int(info.has_bias)
+    if p_in.shape[1] != d_in_eff or p_out.shape[1] != info.d_out or p_in.shape[0] > d_in_eff \
+            or p_out.shape[0] > info.d_out:
+        raise ValueError(f"projection basis of layer {info.name!r} has shapes {p_in.shape} / {p_out.shape}, "
+                         f"the layer needs [k_in <= {d_in_eff}, {d_in_eff}] / [k_out <= {info.d_out}, {info.d_out}]")
+    return p_in.shape[0], p_out.shape[0]
 
 
 class GradientCapture:
@@ -173,7 +191,8 @@ class GradientCapture:
             )
         self.spec = build_spec(layers, self.config)
         self.layer_hooks = [
-            LayerHook(slot, info.module, self, self.config.seed)
+            LayerHook(slot, info.module, self, self.config.seed,
+                      None if self.config.basis is None else self.config.basis.tensors(slot.name))
             for slot, info in zip(self.spec.layers, layers)
         ]
         self._normalized = self.config.normalizer is None  # False until the optimizer holds second moments

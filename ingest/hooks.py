@@ -77,11 +77,19 @@ class HookOwner(Protocol):
 class LayerHook:
     """Capture of one module into its :class:`LayerSlot` of the row."""
 
-    def __init__(self, slot: LayerSlot, module: nn.Module, owner: HookOwner, seed: int) -> None:
+    def __init__(
+        self,
+        slot: LayerSlot,
+        module: nn.Module,
+        owner: HookOwner,
+        seed: int,
+        fixed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         self.slot = slot
         self.module = module
         self.owner = owner
         self.seed = seed
+        self.fixed = fixed  # (P_in, P_out) of a ProjectionBasis, used instead of the seeded matrices
         self.padding_idx = getattr(module, "padding_idx", None) if slot.kind == "embedding" else None
         self._matrices: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
         self._scaled: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
@@ -113,6 +121,10 @@ class LayerHook:
         key = (side, device, dtype)
         if key not in self._matrices:
             s = self.slot
+            if self.fixed is not None and side != "dense":
+                fixed = self.fixed[0] if side == "in" else self.fixed[1]
+                self._matrices[key] = fixed.to(device=device, dtype=dtype)
+                return self._matrices[key]
             if side == "in":
                 k, d = s.k_in, s.d_in_eff
             elif side == "out":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gradstore
+from gradstore.basis import run_basis
 from gradstore.demo import DemoConfig, run_demo
 from gradstore.demo.bm25 import BM25
 from gradstore.demo.corpus import build_corpus
@@ -31,11 +32,13 @@ def test_demo_end_to_end_reduced(tmp_path):
     lines: list[str] = []
     summary = run_demo(tmp_path / "demo", config, log=lines.append)
     recall = summary["recall"]
-    assert set(recall) == {"grad-dot", "fisher", "tracin", "bm25 (lexical)", "random"}
-    assert recall["fisher"] > recall["random"] and recall["tracin"] > recall["random"]
+    assert set(recall) == {"grad-dot", "fisher", "tracin", "fisher (curvature)", "bm25 (lexical)", "random"}
+    assert min(recall["fisher"], recall["tracin"], recall["fisher (curvature)"]) > recall["random"]
     store = gradstore.open(tmp_path / "demo", create=False)
     n_train, n_queries = 6 * 2 * 7 + 6 * 4, 12
     assert store.count("gradients", "checkpoint = 'train'") == 10 * n_train
-    assert store.count("gradients", "split = 'query'") == 2 * n_queries
+    assert store.count("gradients", "split = 'query' AND run_id = 'demo'") == 2 * n_queries
+    assert store.count("gradients", "run_id = 'demo-curvature'") == n_train + n_queries
+    assert run_basis(store, "demo-curvature") is not None and run_basis(store, "demo") is None
     assert store.count("scores") == 3 * n_queries * 10
     assert any("top proponents" in line for line in lines)

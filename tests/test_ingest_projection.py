@@ -37,7 +37,7 @@ def make_capture(model, **kw):
 def test_spec_round_trip_fingerprint_and_mismatch():
     model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 5), nn.Linear(5, 2, bias=False))
     spec = make_capture(model, k_in=4, k_out=3).spec
-    assert spec.dim == 3 * 12 and [s.offset for s in spec.layers] == [0, 12, 24]
+    assert spec.dim == 12 + 12 + 4 * 2 and [s.offset for s in spec.layers] == [0, 12, 24]  # k_out capped at 2
     again = ProjectionSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
     assert again == spec and again.fingerprint() == spec.fingerprint()
     spec.check_matches(again)

@@ -386,6 +386,18 @@ class StoreCore:
         rows = table.append_column(schema.field("created_at"), now).select(schema.names).cast(schema)
         commits.append(self.table(name), rows, f"{name} results")
 
+    def append_table(self, name: str, rows: pa.Table) -> None:
+        """Append ``rows`` to table ``name``, creating it with their schema on first use (for tables of the
+        layers above, such as ``evaluations``)."""
+        if not self.has_table(name):
+            self._create_table(name, rows.schema.with_metadata({S.FORMAT_KEY: S.FORMAT_VERSION}))
+        existing = self.table(name).schema
+        try:
+            rows = rows.select(existing.names).cast(existing)
+        except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+            raise SchemaMismatchError(f"rows for table {name!r} do not match its schema: {error}") from None
+        commits.append(self.table(name), rows, f"{name} rows")
+
     # ------------------------------------------------------------------ SQL
     def sql(self, query: str):
         """Run read-only DuckDB SQL over every table (vectors excluded); returns a DuckDB relation."""

@@ -27,8 +27,12 @@ import gradstore
 from gradstore.demo.bm25 import BM25
 from gradstore.demo.corpus import Corpus, Example, build_corpus
 from gradstore.demo.model import TinyGPT, WordTokenizer
+from ingest.basis import estimate_basis
+from ingest.capture import CaptureConfig
+from ingest.projection import ProjectionBasis
 
 RUN = "demo"
+CURVATURE_RUN = "demo-curvature"
 
 
 @dataclass
@@ -62,10 +66,12 @@ def _checkpoint_epochs(config: DemoConfig) -> list[int]:
 
 
 def _capture_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus,
-                  name: str, step: int, learning_rate: float, batch_size: int) -> None:
+                  name: str, step: int, learning_rate: float, batch_size: int, run: str = RUN,
+                  basis: ProjectionBasis | None = None) -> None:
     """Per-example gradients of every training example and query at the current weights (step ``step``)."""
     model.eval()  # no dropout here; weights are not updated
-    with store.capture(model, RUN, checkpoint=name, learning_rate=learning_rate) as cap:
+    options = {} if basis is None else {"basis": basis}
+    with store.capture(model, run, checkpoint=name, learning_rate=learning_rate, **options) as cap:
         cap.set_step(step)
         for batch in _batches(corpus.train, batch_size):
             inputs = tokenizer.batch([e.text for e in batch])
@@ -105,6 +111,19 @@ def train_under_capture(store: gradstore.GradStore, corpus: Corpus, config: Demo
                           config.batch_size)
     log(f"trained {config.epochs} epochs on {len(corpus.train)} examples; final batch loss {loss.item():.3f}")
     return model, tokenizer
+
+
+def curvature_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus,
+                   config: DemoConfig, checkpoint: str) -> None:
+    """A checkpoint pass of the trained model into run ``demo-curvature`` with a curvature-aware projection:
+    the per-layer basis of the training gradients (``estimate_basis``, ``factors="unit"``), same dims as the
+    random projection of run ``demo``."""
+    model.eval()
+    batches = [tokenizer.batch([e.text for e in batch]) for batch in _batches(corpus.train, config.batch_size)]
+    basis = estimate_basis(model, batches, lambda m, b: m(**b).loss, CaptureConfig(), factors="unit")
+    model.train()
+    _capture_pass(store, model, tokenizer, corpus, checkpoint, 0, config.learning_rate, config.batch_size,
+                  run=CURVATURE_RUN, basis=basis)
 
 
 def answer_accuracy(model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus) -> float:
@@ -159,6 +178,11 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
         top = table.sort_values(["query_id", "rank"]).groupby("query_id").example_id.apply(list).to_dict()
         recalls[method] = fact_recall(top, fact_of, query_fact)
 
+    curvature_pass(store, model, tokenizer, corpus, config, final)
+    table = store.attribute(run=CURVATURE_RUN, k=config.k, method="fisher", checkpoint=final, write=False).to_pandas()
+    top = table.sort_values(["query_id", "rank"]).groupby("query_id").example_id.apply(list).to_dict()
+    recalls["fisher (curvature)"] = fact_recall(top, fact_of, query_fact)
+
     bm25 = BM25([e.text for e in corpus.train])
     train_ids = np.array([e.example_id for e in corpus.train])
     lexical = {q.example_id: train_ids[np.argsort(-bm25.scores(q.text), kind="stable")[:config.k]].tolist()
@@ -177,7 +201,7 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
 
     log(f"\nfact-tracing recall@{config.k} (share of a query's top-{config.k} that state its fact):")
     for name, value in recalls.items():
-        log(f"  {name:16s} {value:.3f}")
+        log(f"  {name:20s} {value:.3f}")
 
     store.self_influence(run=RUN, method="fisher", checkpoint=final)
     selection = store.select(run=RUN, budget=0.1)

@@ -1,0 +1,255 @@
+"""Curvature-aware projection: the K-FAC eigenbasis of each layer as a fixed :class:`ProjectionBasis`.
+
+For a layer with inputs ``a = [x, 1]`` and output gradients ``g``, the per-example gradient is
+``G = sum_t g_t a_t^T``. K-FAC approximates its second moment by ``S kron A`` with ``A = E[a a^T]`` and
+``S = E[g g^T]``; projecting ``G`` onto the top ``k_in`` eigenvectors of ``A`` (rows of ``P_in``) and the top
+``k_out`` eigenvectors of ``S`` (rows of ``P_out``) keeps the directions that carry most of the gradient's
+energy (PCA-initialised LoGra), at the same ``k_in * k_out`` bytes per example as a random projection.
+A uniform scale of ``A`` or ``S`` (the loss's mean reduction) leaves the eigenvectors unchanged.
+
+Optionally the last ``tail`` rows of each side are seeded random directions orthogonal to the leading
+eigenvectors. Sources of ``A`` and ``S``: a short pre-pass (:func:`estimate_basis`) or a previous capture's
+``curvature=True`` statistics (:func:`basis_from_curvature`). Embedding inputs are one-hot, so their ``A``
+is diagonal (token counts) and is kept as a vector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ingest.capture import CaptureConfig
+from ingest.ids import find_inputs, find_mask
+from ingest.layers import LayerInfo, select_layers
+from ingest.per_example import tokens_view
+from ingest.projection import LayerSizes, ProjectionBasis, ProjectionSpec, projection_matrix, slot_sizes
+
+Covariances = Mapping[str, tuple[np.ndarray, np.ndarray]]
+
+
+def leading_rows(cov: np.ndarray, k: int) -> np.ndarray:
+    """The top-``k`` eigenvectors of a symmetric ``cov [d, d]`` as rows ``[k, d]`` (float64), largest
+    eigenvalue first; a 1-D ``cov`` is a diagonal, whose eigenvectors are the unit vectors of its largest
+    entries."""
+    cov = np.asarray(cov, dtype=np.float64)
+    if cov.ndim == 1:
+        order = np.argsort(-cov, kind="stable")[:k]
+        rows = np.zeros((len(order), cov.shape[0]))
+        rows[np.arange(len(order)), order] = 1.0
+        return rows
+    _, vectors = np.linalg.eigh((cov + cov.T) / 2)
+    return vectors[:, ::-1][:, :k].T.copy()
+
+
+def random_tail(top: np.ndarray, tail: int, seed: int, layer: str, side: str) -> np.ndarray:
+    """``tail`` seeded Gaussian directions orthogonal to the rows of ``top [r, d]``, orthonormalised."""
+    d = top.shape[1]
+    draws = projection_matrix(seed, layer, side, tail, d, dtype=torch.float64).numpy()
+    if len(top):
+        q, _ = np.linalg.qr(top.T)  # orthonormal basis of the span of the top rows
+        draws = draws - (draws @ q) @ q.T
+    q, _ = np.linalg.qr(draws.T)
+    return q.T[:tail]
+
+
+def side_rows(cov: np.ndarray, k: int, tail: int, seed: int, layer: str, side: str) -> np.ndarray:
+    """``k`` projection rows of one side: ``k - tail`` leading eigenvectors then ``tail`` random ones."""
+    d = cov.shape[0]
+    k = min(k, d)
+    tail = min(tail, k)
+    top = leading_rows(cov, k - tail)
+    return np.concatenate([top, random_tail(top, tail, seed, layer, side)]) if tail else top
+
+
+def basis_from_covariances(covariances: Covariances, k_in: int = 16, k_out: int = 16,
+                           layer_sizes: LayerSizes | None = None, tail: int = 0, seed: int = 0) -> ProjectionBasis:
+    """The eigenbasis of per-layer ``(A, S)`` (``A`` may be a vector: a diagonal), sizes as in a capture
+    (:func:`ingest.projection.slot_sizes`, capped at the layer's width)."""
+    matrices = {}
+    for name, (a_cov, s_cov) in covariances.items():
+        layer_k_in, layer_k_out = slot_sizes(name, k_in, k_out, layer_sizes)
+        matrices[name] = (side_rows(a_cov, layer_k_in, tail, seed, name, "in"),
+                          side_rows(s_cov, layer_k_out, tail, seed, name, "out"))
+    return ProjectionBasis(matrices)
+
+
+def basis_from_curvature(stats: Mapping[str, tuple[np.ndarray, np.ndarray, int]], spec: ProjectionSpec,
+                         k_in: int = 16, k_out: int = 16, layer_sizes: LayerSizes | None = None,
+                         previous: ProjectionBasis | None = None) -> ProjectionBasis:
+    """The eigenbasis from a previous capture's ``curvature=True`` statistics (``store.load_curvature``).
+
+    ``spec`` is that capture's projection spec. Statistics of exact slots are the full ``A``/``S``; those of
+    a factorized slot live in its projected coordinates (``P A P^T``), so their eigenvectors ``v`` are lifted
+    to the layer's coordinates as ``v^T P`` (within the span of that capture's matrices: ``previous`` when
+    it used a basis, else its seeded random ones).
+    """
+    matrices = {}
+    for name, (a_cov, s_cov, _) in stats.items():
+        slot = spec.slot(name)
+        layer_k_in, layer_k_out = slot_sizes(name, k_in, k_out, layer_sizes)
+        rows = [leading_rows(a_cov, min(layer_k_in, slot.d_in_eff)),
+                leading_rows(s_cov, min(layer_k_out, slot.d_out))]
+        if slot.mode == "factorized":
+            if previous is not None:
+                lifts = [p.astype(np.float64) for p in previous.matrices[name]]
+            else:
+                lifts = [projection_matrix(spec.seed, name, "in", slot.k_in, slot.d_in_eff, dtype=torch.float64)
+                         .numpy(),
+                         projection_matrix(spec.seed, name, "out", slot.k_out, slot.d_out, dtype=torch.float64)
+                         .numpy()]
+            rows = [r @ lift for r, lift in zip(rows, lifts)]
+        elif slot.mode != "exact":
+            raise ValueError(f"layer {name!r} was captured with a {slot.mode} projection: no Kronecker statistics")
+        matrices[name] = tuple(rows)
+    return ProjectionBasis(matrices)
+
+
+FACTORS = ("kfac", "gradient", "unit")
+
+
+class _CovarianceHooks:
+    """Forward/backward hooks summing each layer's input-side and output-side second moments, padding excluded:
+    ``a a^T`` (or token counts) and ``g g^T`` for ``"kfac"``; ``G^T G`` and ``G G^T`` of the per-example
+    gradients ``G = sum_t g_t a_t^T`` for ``"gradient"``."""
+
+    def __init__(self, layers: list[LayerInfo], factors: str) -> None:
+        self.layers = layers
+        self.factors = factors
+        self.a: dict[str, torch.Tensor] = {}
+        self.s: dict[str, torch.Tensor] = {}
+        self.mask: torch.Tensor | None = None
+
+    def attach(self, model: nn.Module) -> list[Any]:
+        handles = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
+        for info in self.layers:
+            handles.append(info.module.register_forward_hook(self._layer_forward(info)))
+        return handles
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.mask = find_mask(kwargs, find_inputs(args, kwargs))
+
+    def _weights(self, batch: int, tokens: int, device: torch.device) -> torch.Tensor | None:
+        mask = self.mask
+        if mask is None or tuple(mask.shape) != (batch, tokens):
+            return None
+        return mask.reshape(-1).to(device=device, dtype=torch.float64)
+
+    def _layer_forward(self, info: LayerInfo) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return
+            x = args[0].detach()
+            batch = x.shape[0]
+            with torch.no_grad():
+                tokens = x.numel() // batch if info.kind == "embedding" else x.numel() // (batch * info.d_in)
+                weights = self._weights(batch, tokens, x.device)
+                if info.kind == "embedding":
+                    a = x.reshape(-1)
+                    keep = torch.ones_like(a, dtype=torch.float64) if weights is None else weights
+                    padding = getattr(module, "padding_idx", None)
+                    weights = keep if padding is None else keep * (a != padding)
+                else:
+                    a = tokens_view(x, batch).reshape(-1, info.d_in).double()
+                    if info.has_bias:
+                        a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype, device=a.device)], 1)
+                    if weights is not None:
+                        a = a * weights.unsqueeze(1)  # padding tokens get zero inputs (their G part is zero)
+                if self.factors == "kfac":
+                    self._accumulate(self.a, info.name, self._input_moment(info, a, weights))
+            output.register_hook(lambda g: self._output_gradient(info, batch, a, g, weights))
+
+        return hook
+
+    def _input_moment(self, info: LayerInfo, a: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """``sum_t a_t a_t^T`` (embeddings: the diagonal, i.e. the weighted count of every index)."""
+        if info.kind == "embedding":
+            keep = torch.ones_like(a, dtype=torch.float64) if weights is None else weights
+            return torch.zeros(info.d_in, dtype=torch.float64, device=a.device).index_add_(0, a, keep)
+        return a.T @ a
+
+    def _output_gradient(self, info: LayerInfo, batch: int, a: torch.Tensor, g: torch.Tensor,
+                         weights: torch.Tensor | None) -> None:
+        with torch.no_grad():
+            g = g.detach().reshape(-1, info.d_out).double()
+            if weights is not None:
+                g = g * weights.unsqueeze(1)
+            if self.factors == "kfac":
+                self._accumulate(self.s, info.name, g.T @ g)
+                return
+            if info.kind == "embedding":
+                # G_b = sum_t g_t e_{idx_t}^T: with M_b[t, t'] = [idx_t == idx_t'], G_b G_b^T = g_b^T M_b g_b and
+                # the diagonal of G_b^T G_b at index v is sum_{t: idx_t = v} g_t . (M_b g_b)_t (no [V, d] matrices)
+                idx = a.reshape(batch, -1)
+                g = g.reshape(batch, -1, info.d_out)
+                summed = torch.bmm((idx.unsqueeze(2) == idx.unsqueeze(1)).to(g.dtype), g)
+                if self.factors == "unit":  # ||G_b||^2 = sum_t g_t . (M_b g_b)_t
+                    norms = (g * summed).sum((1, 2)).clamp_min(1e-60).sqrt().view(-1, 1, 1)
+                    g, summed = g / norms, summed / norms
+                energy = (g * summed).sum(2).reshape(-1)
+                part = torch.zeros(info.d_in, dtype=torch.float64, device=g.device).index_add_(0, a, energy)
+                self._accumulate(self.a, info.name, part)
+                self._accumulate(self.s, info.name, torch.einsum("bto,btp->op", g, summed))
+                return
+            grads = torch.einsum("bto,bti->boi", g.reshape(batch, -1, info.d_out), a.reshape(batch, -1, a.shape[1]))
+            if self.factors == "unit":
+                grads = grads / grads.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, 1, 1)
+            self._accumulate(self.a, info.name, torch.einsum("boi,boj->ij", grads, grads))
+            self._accumulate(self.s, info.name, torch.einsum("boi,bpi->op", grads, grads))
+
+    @staticmethod
+    def _accumulate(sums: dict[str, torch.Tensor], name: str, part: torch.Tensor) -> None:
+        if name in sums:
+            sums[name] += part
+        else:
+            sums[name] = part
+
+
+def estimate_basis(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                   config: CaptureConfig | None = None, tail: int = 0, factors: str = "kfac") -> ProjectionBasis:
+    """A short pre-pass estimating each captured layer's K-FAC eigenbasis.
+
+    ``factors="kfac"``: eigenvectors of ``A = E[a a^T]`` and ``S = E[g g^T]``. ``factors="gradient"``:
+    eigenvectors of the partial traces of the layer's gradient second moment, ``E[G^T G]`` (input side) and
+    ``E[G G^T]`` (output side), i.e. the Kronecker-structured subspace keeping most of the per-example
+    gradients' energy (each token's input weighted by its gradient; per-example gradients are materialised
+    in the pre-pass). ``factors="unit"``: the same with every example's gradient normalised to unit norm.
+
+    For every batch, ``loss_fn(model, batch)`` returns a scalar loss whose backward is run, or a 1-D tensor
+    of losses each backpropagated on its own with their second moments summed (e.g. one loss per label,
+    weighted by the square root of its predicted probability, for the exact true-Fisher factors). Gradients
+    are cleared afterwards; parameters are not updated. The layers, ``k_in``/``k_out``/``layer_sizes`` and
+    ``seed`` (for a random ``tail``) come from ``config`` (default :class:`CaptureConfig`), so the basis fits
+    a capture with the same config. Using the model's loss with the true labels gives the empirical-Fisher
+    ``S``; sampling labels from the model's predictions in ``loss_fn`` gives the true Fisher's.
+    """
+    if factors not in FACTORS:
+        raise ValueError(f"factors must be one of {FACTORS}, got {factors!r}")
+    config = config or CaptureConfig()
+    layers = select_layers(model, tuple(config.layer_types), config.include, config.exclude)
+    if not layers:
+        raise ValueError("estimate_basis: no supported layer matches the layer selection")
+    covariances = _moments(model, layers, batches, loss_fn, _CovarianceHooks(layers, factors))
+    return basis_from_covariances(covariances, config.k_in, config.k_out, config.layer_sizes, tail, config.seed)
+
+
+def _moments(model: nn.Module, layers: list[LayerInfo], batches: Iterable[Any],
+             loss_fn: Callable[[nn.Module, Any], torch.Tensor], hooks: _CovarianceHooks) -> Covariances:
+    """One pass over ``batches`` with ``hooks`` attached: per-layer (input-side, output-side) moments."""
+    handles = hooks.attach(model)
+    try:
+        for batch in batches:
+            losses = loss_fn(model, batch).reshape(-1)
+            for i, loss in enumerate(losses):
+                loss.backward(retain_graph=i + 1 < len(losses))
+            model.zero_grad(set_to_none=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [info.name for info in layers if info.name not in hooks.a or info.name not in hooks.s]
+    if missing:
+        raise ValueError(f"estimate_basis: layers {missing} saw no forward and backward in the pre-pass")
+    return {info.name: (hooks.a[info.name].cpu().numpy(), hooks.s[info.name].cpu().numpy()) for info in layers}
