@@ -63,7 +63,7 @@ from torch import nn
 import gradstore
 from gradstore import evaluate
 from ingest.basis import estimate_basis
-from ingest.capture import CaptureConfig
+from ingest.capture import ProjectionConfig
 from ingest.projection import ProjectionBasis
 
 RUN = "digits"
@@ -259,7 +259,7 @@ def fisher_basis(config: ModelConfig, inputs: torch.Tensor, params: list[torch.T
         return (weights * -torch.log_softmax(logits, 1)).sum(0)  # [classes]: one loss per label
 
     batches = [inputs[i:i + batch] for i in range(0, len(inputs), batch)]
-    return estimate_basis(module, batches, loss_fn, CaptureConfig(k_in=k_in, k_out=k_out), factors=factors)
+    return estimate_basis(module, batches, loss_fn, ProjectionConfig(k_in=k_in, k_out=k_out), factors=factors)
 
 
 def capture(store: gradstore.GradStore, config: ModelConfig, data: Data, snapshots: dict[str, list[torch.Tensor]],

@@ -8,7 +8,6 @@ checkpoint passes and query rows must share one projection).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -44,24 +43,20 @@ def model_fingerprint(model: nn.Module) -> str:
 
 
 def config_for_run(store: StoreCore, run: str, overrides: dict[str, Any]) -> CaptureConfig:
-    """The capture config of ``run``: the run's own :data:`RUN_OPTIONS` (a new run: the defaults) with
-    ``overrides`` applied; options given as :data:`RUN_DEFAULT` are not overrides."""
+    """The capture config of ``run`` from flat options (:meth:`ingest.CaptureConfig.from_options`): the run's
+    own :data:`RUN_OPTIONS` and basis (a new run: the defaults) with ``overrides`` applied; options given as
+    :data:`RUN_DEFAULT` are not overrides."""
     overrides = {k: v for k, v in overrides.items() if v is not RUN_DEFAULT}
-    fields = {f.name for f in dataclasses.fields(CaptureConfig)}
-    unknown = set(overrides) - fields
-    if unknown:
-        raise InvalidArgumentError(f"unknown capture option(s) {sorted(unknown)}; options: {sorted(fields)}")
     saved: dict[str, Any] = {}
     if store.has_run(run):
         stored = store.run_config(run).get("capture", {})
-        # these define the vectors; split, checkpoint, rank, curvature... are per capture
         saved = {k: v for k, v in stored.items() if k in RUN_OPTIONS}
-        if "layer_types" in saved:
-            saved["layer_types"] = tuple(saved["layer_types"])
         saved["basis"] = run_basis(store, run)
-    config = CaptureConfig(**{**saved, **overrides})
     try:
+        config = CaptureConfig.from_options(**{**saved, **overrides})
         config.validate()
+    except TypeError as error:
+        raise InvalidArgumentError(f"unknown capture option: {error}") from error
     except ValueError as error:
         raise InvalidArgumentError(str(error)) from error
     return config
@@ -90,10 +85,11 @@ class StoreCapture:
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> StoreCapture:
-        if self.capture.config.basis is not None:
-            save_basis(self.store, self.spec, self.capture.config.basis)
+        basis = self.capture.config.projection.basis
+        if basis is not None:
+            save_basis(self.store, self.spec, basis)
         self.store.ensure_run(self.run_id, self.spec, model_fingerprint(self._model),
-                              {"capture": dataclasses.asdict(self.capture.config)})
+                              {"capture": self.capture.config.options()})
         self._writer = self._open_writer()
         try:
             self.capture.__enter__()

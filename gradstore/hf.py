@@ -29,7 +29,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from gradstore.distributed import distributed_capture, is_distributed
-from ingest.capture import CaptureConfig
+from ingest.capture import ProjectionConfig
 from ingest.layers import select_layers
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class GradstoreCallback(TrainerCallback):
       ``checkpoint-<step>`` in the store's ``checkpoints`` table.
     * ``on_train_end``: flushes and closes the capture.
 
-    ``options`` are :class:`ingest.CaptureConfig` fields. Defaults fit Hugging Face causal LMs:
+    ``options`` are the flat options of :meth:`ingest.CaptureConfig.from_options`. Defaults fit Hugging Face causal LMs:
     ``loss_reduction="token_mean"`` (the Trainer passes ``num_items_in_batch``, so gradient accumulation is
     undone) and, with ``average_tokens_across_devices`` on several ranks, ``loss_scale=world_size`` (the
     Trainer multiplies the loss by it). ``per_example_loss`` fills the ``loss`` column
@@ -169,7 +169,7 @@ def _skip_fused_lm_head(model: torch.nn.Module, options: dict[str, Any]) -> dict
     if name is None:
         return {}
     if "include" in options or "exclude" in options:
-        layers = select_layers(model, tuple(options.get("layer_types", CaptureConfig.layer_types)),
+        layers = select_layers(model, tuple(options.get("layer_types", ProjectionConfig.layer_types)),
                                options.get("include"), options.get("exclude"))
         if any(info.name == name for info in layers):
             raise ValueError(f"{name!r} is computed by TRL's fused LM head, which bypasses the module: its gradient "

@@ -3,11 +3,11 @@
 Produces :class:`CapturedBatch` rows for a sink; imports neither ``gradstore`` nor ``indexers``.
 
 >>> from ingest import CaptureConfig, GradientCapture
->>> with GradientCapture(model, sink, CaptureConfig(k_in=16, k_out=16)) as capture:
+>>> with GradientCapture(model, sink, CaptureConfig(ProjectionConfig(k_in=16, k_out=16))) as capture:
 ...     model(**batch).loss.backward()      # sink receives one CapturedBatch per backward
 """
 
-from ingest.capture import CaptureConfig, CapturedBatch, GradientCapture, build_spec
+from ingest.capture import CaptureConfig, CapturedBatch, CaptureLabels, GradientCapture, ProjectionConfig, build_spec
 from ingest.curvature import CurvatureStats
 from ingest.hooks import RecomputationError
 from ingest.layers import LayerInfo, select_layers
@@ -15,11 +15,13 @@ from ingest.projection import LayerSlot, ProjectionMismatchError, ProjectionSpec
 
 __all__ = [
     "CaptureConfig",
+    "CaptureLabels",
     "CapturedBatch",
     "CurvatureStats",
     "GradientCapture",
     "LayerInfo",
     "LayerSlot",
+    "ProjectionConfig",
     "ProjectionMismatchError",
     "ProjectionSpec",
     "RecomputationError",

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ingest.capture import CaptureConfig
+from ingest.capture import ProjectionConfig
 from ingest.ids import find_inputs, find_mask
 from ingest.layers import LayerInfo, select_layers
 from ingest.per_example import tokens_view
@@ -209,7 +209,7 @@ class _CovarianceHooks:
 
 
 def estimate_basis(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-                   config: CaptureConfig | None = None, tail: int = 0, factors: str = "kfac") -> ProjectionBasis:
+                   config: ProjectionConfig | None = None, tail: int = 0, factors: str = "kfac") -> ProjectionBasis:
     """A short pre-pass estimating each captured layer's K-FAC eigenbasis.
 
     ``factors="kfac"``: eigenvectors of ``A = E[a a^T]`` and ``S = E[g g^T]``. ``factors="gradient"``:
@@ -222,13 +222,13 @@ def estimate_basis(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[
     of losses each backpropagated on its own with their second moments summed (e.g. one loss per label,
     weighted by the square root of its predicted probability, for the exact true-Fisher factors). Gradients
     are cleared afterwards; parameters are not updated. The layers, ``k_in``/``k_out``/``layer_sizes`` and
-    ``seed`` (for a random ``tail``) come from ``config`` (default :class:`CaptureConfig`), so the basis fits
+    ``seed`` (for a random ``tail``) come from ``config`` (default :class:`ProjectionConfig`), so the basis fits
     a capture with the same config. Using the model's loss with the true labels gives the empirical-Fisher
     ``S``; sampling labels from the model's predictions in ``loss_fn`` gives the true Fisher's.
     """
     if factors not in FACTORS:
         raise ValueError(f"factors must be one of {FACTORS}, got {factors!r}")
-    config = config or CaptureConfig()
+    config = config or ProjectionConfig()
     layers = select_layers(model, tuple(config.layer_types), config.include, config.exclude)
     if not layers:
         raise ValueError("estimate_basis: no supported layer matches the layer selection")

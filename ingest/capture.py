@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import TracebackType
 from typing import Any
 
@@ -46,59 +46,107 @@ def _default_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-@dataclass
-class CaptureConfig:
-    """How to capture; saved with every run so later queries can be checked against it.
+@dataclass(frozen=True)
+class ProjectionConfig:
+    """What defines a run's vectors: fingerprinted into its :class:`ProjectionSpec`, shared by every capture
+    of the run (training rows, checkpoint passes, query rows).
 
-    ``projection``: ``None`` exact gradients, ``"factorized"`` (``k_out x k_in`` per layer),
-    ``"dense"`` (one JL matrix per layer, ``k_in * k_out`` dims, for small layers).
-    ``route``: factorized contraction route, ``"auto"`` (cost rule) or forced ``"project"`` /
-    ``"materialize"``. ``loss_reduction``/``loss_scale``: how the loop's loss was formed, undone so
-    rows are per-example gradients (see :mod:`ingest.scaling`). ``normalizer``: ``"adam_factored"``
-    records LESS-style rows normalised by the optimizer's Adam second moments in factored form (see
-    :mod:`ingest.normalizers`); forwards before the optimizer holds state are not captured.
-    ``layer_sizes``: per-layer ``(k_in, k_out)`` by layer-name regex (first match, ``re.search``), else
-    ``k_in``/``k_out``; factorized sizes never exceed the layer's width. ``basis``: fixed factorized
-    matrices (e.g. the K-FAC eigenbasis of :func:`ingest.basis.estimate_basis`) instead of seeded random
-    ones; they fix each layer's sizes, and their digest is part of the projection spec.
+    ``kind``: ``None`` exact gradients, ``"factorized"`` (``k_out x k_in`` per layer), ``"dense"`` (one JL
+    matrix per layer, ``k_in * k_out`` dims, for small layers). ``layer_types``/``include``/``exclude``:
+    which layers (regexes on module names). ``layer_sizes``: per-layer ``(k_in, k_out)`` by layer-name regex
+    (first match, ``re.search``), else ``k_in``/``k_out``; sizes never exceed the layer's width. ``basis``:
+    fixed factorized matrices (e.g. the K-FAC eigenbasis of :func:`ingest.basis.estimate_basis`) instead of
+    seeded random ones; they fix each layer's sizes, and their digest is part of the projection spec.
     """
 
-    projection: str | None = "factorized"
+    kind: str | None = "factorized"
     k_in: int = 16
     k_out: int = 16
     seed: int = 0
     layer_types: tuple[str, ...] = ("linear", "conv1d", "embedding")
     include: str | None = None
     exclude: str | None = None
-    loss_reduction: str = "mean"
-    loss_scale: float = 1.0
-    route: str = "auto"
-    curvature: bool = False
-    max_pending_batches: int = 4
-    split: str = "train"
-    checkpoint: str = "train"
-    rank: int = field(default_factory=_default_rank)
-    normalizer: str | None = None
     layer_sizes: LayerSizes | None = None
     basis: ProjectionBasis | None = None
 
     def validate(self) -> None:
         """Raise ValueError on an unknown option."""
-        if self.projection not in PROJECTIONS:
-            raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
-        if self.loss_reduction not in REDUCTIONS:
-            raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {self.loss_reduction!r}")
-        if self.route not in ("auto", *ROUTES):
-            raise ValueError(f"route must be 'auto' or one of {ROUTES}, got {self.route!r}")
+        if self.kind not in PROJECTIONS:
+            raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.kind!r}")
         unknown = set(self.layer_types) - set(LAYER_KINDS)
         if unknown:
             raise ValueError(f"unknown layer types {sorted(unknown)}; supported: {LAYER_KINDS}")
         if self.k_in < 1 or self.k_out < 1:
             raise ValueError("k_in and k_out must be positive")
+        if self.basis is not None and self.kind != "factorized":
+            raise ValueError("a projection basis needs projection='factorized'")
+
+
+@dataclass(frozen=True)
+class CaptureLabels:
+    """What one capture records on its rows, not part of the run's identity (changeable while capturing
+    through ``set_split``/``set_checkpoint``)."""
+
+    split: str = "train"
+    checkpoint: str = "train"
+    rank: int = field(default_factory=_default_rank)
+
+
+#: The flat option names of :meth:`CaptureConfig.from_options`, by the part of the config they set.
+PROJECTION_OPTIONS = {"projection": "kind", **{name: name for name in (
+    "k_in", "k_out", "seed", "layer_types", "include", "exclude", "layer_sizes", "basis")}}
+LABEL_OPTIONS = ("split", "checkpoint", "rank")
+
+
+@dataclass
+class CaptureConfig:
+    """How to capture: the run's :class:`ProjectionConfig`, this capture's :class:`CaptureLabels`, and how
+    the rows are formed.
+
+    ``route``: factorized contraction route, ``"auto"`` (cost rule) or forced ``"project"`` /
+    ``"materialize"``. ``loss_reduction``/``loss_scale``: how the loop's loss was formed, undone so
+    rows are per-example gradients (see :mod:`ingest.scaling`). ``curvature``: also accumulate Kronecker
+    covariances of the training rows. ``normalizer``: ``"adam_factored"`` records LESS-style rows normalised
+    by the optimizer's Adam second moments in factored form (see :mod:`ingest.normalizers`); forwards before
+    the optimizer holds state are not captured.
+    """
+
+    projection: ProjectionConfig = field(default_factory=ProjectionConfig)
+    labels: CaptureLabels = field(default_factory=CaptureLabels)
+    loss_reduction: str = "mean"
+    loss_scale: float = 1.0
+    route: str = "auto"
+    curvature: bool = False
+    max_pending_batches: int = 4
+    normalizer: str | None = None
+
+    @classmethod
+    def from_options(cls, **options: Any) -> CaptureConfig:
+        """A config from flat options: ``projection`` (the kind), the other :class:`ProjectionConfig` fields,
+        ``split``/``checkpoint``/``rank`` and this class's own fields (``TypeError`` on an unknown one)."""
+        projection = {PROJECTION_OPTIONS[k]: options.pop(k) for k in list(options) if k in PROJECTION_OPTIONS}
+        labels = {k: options.pop(k) for k in list(options) if k in LABEL_OPTIONS}
+        if "layer_types" in projection:
+            projection["layer_types"] = tuple(projection["layer_types"])
+        return cls(projection=ProjectionConfig(**projection), labels=CaptureLabels(**labels), **options)
+
+    def options(self) -> dict[str, Any]:
+        """The flat options of :meth:`from_options` (without the basis, which is kept as arrays elsewhere)."""
+        flat = {option: getattr(self.projection, name) for option, name in PROJECTION_OPTIONS.items()
+                if name != "basis"}
+        flat.update({name: getattr(self.labels, name) for name in LABEL_OPTIONS})
+        flat.update({f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("projection", "labels")})
+        return flat
+
+    def validate(self) -> None:
+        """Raise ValueError on an unknown option."""
+        self.projection.validate()
+        if self.loss_reduction not in REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {self.loss_reduction!r}")
+        if self.route not in ("auto", *ROUTES):
+            raise ValueError(f"route must be 'auto' or one of {ROUTES}, got {self.route!r}")
         if self.normalizer not in NORMALIZERS:
             raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {self.normalizer!r}")
-        if self.basis is not None and self.projection != "factorized":
-            raise ValueError("a projection basis needs projection='factorized'")
         if self.normalizer is not None and self.curvature:
             raise ValueError("curvature statistics of normalised rows are not supported: capture them raw")
 
@@ -120,9 +168,9 @@ class CapturedBatch:
     num_tokens: torch.Tensor  # int32 [B]
 
 
-def build_spec(layers: Sequence[LayerInfo], config: CaptureConfig) -> ProjectionSpec:
+def build_spec(layers: Sequence[LayerInfo], config: ProjectionConfig) -> ProjectionSpec:
     """The projection spec of ``layers`` under ``config`` (slots in module order)."""
-    mode = {None: "exact", "factorized": "factorized", "dense": "dense"}[config.projection]
+    mode = {None: "exact", "factorized": "factorized", "dense": "dense"}[config.kind]
     slots, offset = [], 0
     for info in layers:
         k_in, k_out = (
@@ -138,7 +186,7 @@ def build_spec(layers: Sequence[LayerInfo], config: CaptureConfig) -> Projection
             )
         slots.append(slot)
         offset += slot.size
-    kind = "none" if config.projection is None else config.projection
+    kind = "none" if config.kind is None else config.kind
     basis = None if config.basis is None else config.basis.digest()
     return ProjectionSpec(seed=config.seed, kind=kind, layers=tuple(slots), basis=basis)
 
@@ -177,22 +225,23 @@ class GradientCapture:
     ) -> None:
         self.config = config or CaptureConfig()
         self.config.validate()
+        projection = self.config.projection
         self.model = model
         self.sink = sink
         self.optimizer = optimizer
         self.per_example_loss = per_example_loss
         self.grad_scaler = grad_scaler
         layers = select_layers(
-            model, tuple(self.config.layer_types), self.config.include, self.config.exclude
+            model, tuple(projection.layer_types), projection.include, projection.exclude
         )
         if not layers:
             raise ValueError(
                 "capture: no supported layer (Linear, Conv1D, Embedding) matches the layer selection"
             )
-        self.spec = build_spec(layers, self.config)
+        self.spec = build_spec(layers, projection)
         self.layer_hooks = [
-            LayerHook(slot, info.module, self, self.config.seed,
-                      None if self.config.basis is None else self.config.basis.tensors(slot.name))
+            LayerHook(slot, info.module, self, projection.seed,
+                      None if projection.basis is None else projection.basis.tensors(slot.name))
             for slot, info in zip(self.spec.layers, layers)
         ]
         self._normalized = self.config.normalizer is None  # False until the optimizer holds second moments
@@ -201,8 +250,8 @@ class GradientCapture:
         self.route = self.config.route
         self.step = 0
         self.epoch = 0
-        self.checkpoint = self.config.checkpoint
-        self.split = self.config.split
+        self.checkpoint = self.config.labels.checkpoint
+        self.split = self.config.labels.split
         self._generation = 0
         self._next_ids: list[str] | None = None
         self._param_ids = {id(p) for p in model.parameters()}
@@ -425,7 +474,7 @@ class GradientCapture:
                 epoch=item["epoch"],
                 checkpoint=item["checkpoint"],
                 split=item["split"],
-                rank=self.config.rank,
+                rank=self.config.labels.rank,
                 learning_rate=item["learning_rate"],
                 loss=item["loss"],
                 num_tokens=item["num_tokens"].cpu().to(torch.int32),

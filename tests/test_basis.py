@@ -16,7 +16,7 @@ from torch.func import functional_call, grad, vmap
 import gradstore
 from gradstore.basis import basis_from_run, basis_key, run_basis
 from ingest.basis import basis_from_curvature, estimate_basis, side_rows
-from ingest.capture import CaptureConfig, GradientCapture
+from ingest.capture import CaptureConfig, GradientCapture, ProjectionConfig
 from ingest.projection import ProjectionBasis, ProjectionMismatchError, ProjectionSpec, projection_matrix
 
 
@@ -53,7 +53,7 @@ def per_sample_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict
 
 def capture_rows(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **options) -> tuple[ProjectionSpec, torch.Tensor]:
     rows = []
-    with GradientCapture(model, rows.append, CaptureConfig(loss_reduction="sum", **options)) as cap:
+    with GradientCapture(model, rows.append, CaptureConfig.from_options(loss_reduction="sum", **options)) as cap:
         for xb, yb in batches(x, y):
             sum_loss(model, (xb, yb)).backward()
             model.zero_grad()
@@ -62,16 +62,16 @@ def capture_rows(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **options) 
 
 def test_sizes_are_capped_at_the_layer_width_and_set_per_layer():
     model = nn.Sequential(nn.Linear(32, 20), nn.Linear(20, 10), nn.Linear(10, 4, bias=False))
-    spec = GradientCapture(model, lambda b: None, CaptureConfig(k_in=16, k_out=16)).spec
+    spec = GradientCapture(model, lambda b: None, CaptureConfig.from_options(k_in=16, k_out=16)).spec
     assert [(s.k_in, s.k_out) for s in spec.layers] == [(16, 16), (16, 10), (10, 4)]
     per_layer = {"^1$": (4, 2), "^[12]$": (3, 3)}  # first matching pattern wins
-    spec = GradientCapture(model, lambda b: None, CaptureConfig(k_in=16, k_out=16, layer_sizes=per_layer)).spec
+    spec = GradientCapture(model, lambda b: None, CaptureConfig.from_options(k_in=16, k_out=16, layer_sizes=per_layer)).spec
     assert [(s.k_in, s.k_out) for s in spec.layers] == [(16, 16), (4, 2), (3, 3)]
     assert spec.dim == 256 + 8 + 9 and [s.offset for s in spec.layers] == [0, 256, 264]
-    dense = GradientCapture(model, lambda b: None, CaptureConfig(projection="dense", k_in=16, k_out=16)).spec
+    dense = GradientCapture(model, lambda b: None, CaptureConfig.from_options(projection="dense", k_in=16, k_out=16)).spec
     assert [s.size for s in dense.layers] == [256, 160, 40]  # as many dims as the factorized slots
     with pytest.raises(ValueError, match="two positive"):
-        GradientCapture(model, lambda b: None, CaptureConfig(layer_sizes={"0": (0, 3)}))
+        GradientCapture(model, lambda b: None, CaptureConfig.from_options(layer_sizes={"0": (0, 3)}))
 
 
 def test_capped_rows_equal_the_explicit_projection():
@@ -106,7 +106,7 @@ def hand_covariances(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict
 def test_estimated_basis_is_the_kfac_eigenbasis():
     model = mlp()
     x, y = data()
-    basis = estimate_basis(model, batches(x, y), sum_loss, CaptureConfig(k_in=4, k_out=2))
+    basis = estimate_basis(model, batches(x, y), sum_loss, ProjectionConfig(k_in=4, k_out=2))
     assert all(p.grad is None for p in model.parameters())  # the pre-pass leaves no gradient behind
     for name, (a_cov, s_cov) in hand_covariances(model, x, y).items():
         p_in, p_out = (p.astype(np.float64) for p in basis.matrices[name])
@@ -121,7 +121,7 @@ def test_basis_rows_equal_basis_times_per_sample_gradient():
     """Projected row of layer l = P_out G P_in^T with G = [dW | db] from torch.func, P the stored basis."""
     model = mlp()
     x, y = data()
-    basis = estimate_basis(model, batches(x, y), sum_loss, CaptureConfig(k_in=4, k_out=2))
+    basis = estimate_basis(model, batches(x, y), sum_loss, ProjectionConfig(k_in=4, k_out=2))
     grads = per_sample_grads(model, x, y)
     for route in ("project", "materialize"):
         spec, rows = capture_rows(model, x, y, basis=basis, route=route)
@@ -139,18 +139,18 @@ def test_basis_from_curvature_statistics():
     x, y = data()
     # exact statistics: the same eigenbasis as the pre-pass (compared as subspace projectors, signs are free)
     stats_rows: list = []
-    cfg = CaptureConfig(projection=None, curvature=True, loss_reduction="sum")
+    cfg = CaptureConfig.from_options(projection=None, curvature=True, loss_reduction="sum")
     with GradientCapture(model, stats_rows.append, cfg) as cap:
         for xb, yb in batches(x, y):
             sum_loss(model, (xb, yb)).backward()
             model.zero_grad()
     from_stats = basis_from_curvature(cap.curvature(), cap.spec, k_in=4, k_out=2)
-    prepass = estimate_basis(model, batches(x, y), sum_loss, CaptureConfig(k_in=4, k_out=2))
+    prepass = estimate_basis(model, batches(x, y), sum_loss, ProjectionConfig(k_in=4, k_out=2))
     for name in ("0", "2"):
         for p, q in zip(from_stats.matrices[name], prepass.matrices[name]):
             np.testing.assert_allclose(p.T @ p, q.T @ q, atol=1e-4)
     # factorized statistics live in projected coordinates: lifted rows R = V^T P diagonalise A exactly
-    cfg = CaptureConfig(projection="factorized", k_in=5, k_out=3, curvature=True, loss_reduction="sum", seed=2)
+    cfg = CaptureConfig.from_options(projection="factorized", k_in=5, k_out=3, curvature=True, loss_reduction="sum", seed=2)
     with GradientCapture(model, stats_rows.append, cfg) as cap:
         for xb, yb in batches(x, y):
             sum_loss(model, (xb, yb)).backward()
@@ -185,7 +185,7 @@ def store_capture(store, model, x, y, run="r", split="train", **options):
 def test_basis_round_trips_through_the_store_and_fixes_later_captures(store_path):
     model = mlp()
     x, y = data()
-    basis = estimate_basis(model, batches(x, y), sum_loss, CaptureConfig(k_in=4, k_out=2))
+    basis = estimate_basis(model, batches(x, y), sum_loss, ProjectionConfig(k_in=4, k_out=2))
     store = gradstore.open(store_path, storage_dtype="float32")
     first = store_capture(store, model, x, y, basis=basis)
     assert first.spec.basis == basis.digest()
@@ -212,8 +212,8 @@ def test_basis_round_trips_through_the_store_and_fixes_later_captures(store_path
 def test_mismatched_basis_is_refused(store_path):
     model = mlp()
     x, y = data()
-    basis = estimate_basis(model, batches(x, y), sum_loss, CaptureConfig(k_in=4, k_out=2))
-    other = estimate_basis(model, batches(*data(seed=5)), sum_loss, CaptureConfig(k_in=4, k_out=2))
+    basis = estimate_basis(model, batches(x, y), sum_loss, ProjectionConfig(k_in=4, k_out=2))
+    other = estimate_basis(model, batches(*data(seed=5)), sum_loss, ProjectionConfig(k_in=4, k_out=2))
     assert other.digest() != basis.digest()
     store = gradstore.open(store_path, storage_dtype="float32")
     store_capture(store, model, x, y, basis=basis)
@@ -221,7 +221,7 @@ def test_mismatched_basis_is_refused(store_path):
         with pytest.raises(ProjectionMismatchError, match="basis"):
             store_capture(store, model, x, y, split="query", **options)
     # specs without a basis keep their fingerprint (no "basis" key), and the basis field round-trips
-    plain = GradientCapture(model, lambda b: None, CaptureConfig(k_in=4, k_out=2)).spec
+    plain = GradientCapture(model, lambda b: None, CaptureConfig.from_options(k_in=4, k_out=2)).spec
     assert "basis" not in plain.to_dict()
     with_basis = store.run_spec("r")
     assert ProjectionSpec.from_dict(with_basis.to_dict()) == with_basis
@@ -241,11 +241,11 @@ def test_basis_must_fit_the_layers():
     model = mlp()
     wrong = ProjectionBasis({"0": (np.eye(3, 7), np.eye(2, 5)), "2": (np.eye(3, 5), np.eye(2, 3))})
     with pytest.raises(ValueError, match="layer '2'"):
-        GradientCapture(model, lambda b: None, CaptureConfig(basis=wrong))
+        GradientCapture(model, lambda b: None, CaptureConfig.from_options(basis=wrong))
     with pytest.raises(ValueError, match="no matrices for layer '2'"):
-        GradientCapture(model, lambda b: None, CaptureConfig(basis=ProjectionBasis({"0": wrong.matrices["0"]})))
+        GradientCapture(model, lambda b: None, CaptureConfig.from_options(basis=ProjectionBasis({"0": wrong.matrices["0"]})))
     with pytest.raises(ValueError, match="factorized"):
-        GradientCapture(model, lambda b: None, CaptureConfig(projection="dense", basis=wrong))
+        GradientCapture(model, lambda b: None, CaptureConfig.from_options(projection="dense", basis=wrong))
 
 
 def hand_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, np.ndarray]:
@@ -264,7 +264,7 @@ def assert_diagonalises(p: np.ndarray, cov: np.ndarray) -> None:
 def test_gradient_and_unit_factors():
     model = mlp()
     x, y = data()
-    config = CaptureConfig(k_in=4, k_out=2)
+    config = ProjectionConfig(k_in=4, k_out=2)
     gradient = estimate_basis(model, batches(x, y), sum_loss, config, factors="gradient")
     unit = estimate_basis(model, batches(x, y), sum_loss, config, factors="unit")
     for name, g in hand_gradients(model, x, y).items():  # g: [n, d_out, d_in + 1]
@@ -287,7 +287,7 @@ def test_several_losses_per_batch_sum_their_second_moments():
         return torch.stack([F.cross_entropy(logits, batch[1], reduction="sum"),
                             F.cross_entropy(logits, (batch[1] + 1) % 3, reduction="sum")])
 
-    basis = estimate_basis(model, batches(x, y, size=1), two_labels, CaptureConfig(k_in=4, k_out=2))
+    basis = estimate_basis(model, batches(x, y, size=1), two_labels, ProjectionConfig(k_in=4, k_out=2))
     s_cov = sum(hand_covariances(model, x, labels)["2"][1] for labels in (y, (y + 1) % 3))
     assert_diagonalises(basis.matrices["2"][1], s_cov)
 
@@ -316,7 +316,7 @@ def test_embedding_gradient_factors_equal_per_sample_gradients(factors):
         return F.cross_entropy(m(batch[0]).reshape(-1, 3), batch[1].reshape(-1), reduction="sum")
 
     basis = estimate_basis(model, [(ids[:2], targets[:2]), (ids[2:], targets[2:])], loss,
-                           CaptureConfig(k_in=3, k_out=2, include="^0$"), factors=factors)
+                           ProjectionConfig(k_in=3, k_out=2, include="^0$"), factors=factors)
     params = {k: v.detach() for k, v in model.named_parameters()}
 
     def one(p, i, t):
@@ -338,7 +338,7 @@ def test_basis_from_a_runs_curvature_statistics(store_path):
     store = gradstore.open(store_path, storage_dtype="float32")
     store_capture(store, model, x, y, run="stats", projection=None, curvature=True, checkpoint="c0")
     from_run = basis_from_run(store, "stats", "c0", k_in=4, k_out=2)
-    prepass = estimate_basis(model, batches(x, y), sum_loss, CaptureConfig(k_in=4, k_out=2))
+    prepass = estimate_basis(model, batches(x, y), sum_loss, ProjectionConfig(k_in=4, k_out=2))
     for name in ("0", "2"):
         for p, q in zip(from_run.matrices[name], prepass.matrices[name]):
             np.testing.assert_allclose(p.T @ p, q.T @ q, atol=1e-4)

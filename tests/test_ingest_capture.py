@@ -45,7 +45,7 @@ def by_id(out):
 
 def test_batch_composition_and_padding_do_not_change_rows():
     model = tiny_gpt2()
-    cfg = CaptureConfig(loss_reduction="token_mean", seed=7)
+    cfg = CaptureConfig.from_options(loss_reduction="token_mean", seed=7)
     _, whole = run_lm(model, [lm_batch(SEQS)], cfg)
     _, split = run_lm(model, [lm_batch([SEQS[2], SEQS[0]]), lm_batch([SEQS[3], SEQS[1]])], cfg)
     a, b = by_id(whole), by_id(split)
@@ -57,7 +57,7 @@ def test_batch_composition_and_padding_do_not_change_rows():
 
 def test_same_seed_same_vectors_other_seed_differs():
     runs = [
-        run_lm(tiny_gpt2(), [lm_batch(SEQS)], CaptureConfig(loss_reduction="token_mean", seed=s))[1]
+        run_lm(tiny_gpt2(), [lm_batch(SEQS)], CaptureConfig.from_options(loss_reduction="token_mean", seed=s))[1]
         for s in (3, 3, 4)
     ]
     assert torch.equal(runs[0][0].grads, runs[1][0].grads)
@@ -78,7 +78,7 @@ def train(model, steps, capture: bool):
             opt.zero_grad()
 
     if capture:
-        with GradientCapture(model, out.append, CaptureConfig(loss_reduction="token_mean", curvature=True)):
+        with GradientCapture(model, out.append, CaptureConfig.from_options(loss_reduction="token_mean", curvature=True)):
             loop()
     else:
         loop()
@@ -107,7 +107,7 @@ def test_ids_from_kwarg_set_ids_and_hash():
 
     model, x = Net(), torch.randn(2, 3)
     out = []
-    with GradientCapture(model, out.append, CaptureConfig(projection=None)) as cap:
+    with GradientCapture(model, out.append, CaptureConfig.from_options(projection=None)) as cap:
         model(x, example_id=["a", "b"]).sum().backward()
         cap.set_ids(torch.tensor([7, 8]))
         model(x).sum().backward()
@@ -143,7 +143,7 @@ def test_bad_ids_raise_clear_errors():
 def test_per_example_loss_and_token_counts():
     model = tiny_gpt2()
     _, out = run_lm(
-        model, [lm_batch(SEQS)], CaptureConfig(loss_reduction="token_mean"), per_example_loss=causal_lm_loss
+        model, [lm_batch(SEQS)], CaptureConfig.from_options(loss_reduction="token_mean"), per_example_loss=causal_lm_loss
     )
     alone = torch.stack([model(**lm_batch([s])).loss.detach() for s in SEQS])
     assert torch.allclose(out[0].loss, alone, rtol=1e-5)
@@ -155,7 +155,7 @@ def test_curvature_matches_explicit_second_moments():
     model = nn.Linear(5, 4)
     x = torch.randn(3, 6, 5)
     out = []
-    cfg = CaptureConfig(k_in=3, k_out=2, curvature=True, loss_reduction="sum", seed=2)
+    cfg = CaptureConfig.from_options(k_in=3, k_out=2, curvature=True, loss_reduction="sum", seed=2)
     with GradientCapture(model, out.append, cfg) as cap:
         y = model(x)
         dy = torch.randn_like(y)
@@ -179,7 +179,7 @@ def test_backpressure_order_pause_and_sink_errors():
         with lock:
             seen.append((batch.step, threading.current_thread().name))
 
-    with GradientCapture(model, slow_sink, CaptureConfig(max_pending_batches=1)) as cap:
+    with GradientCapture(model, slow_sink, CaptureConfig.from_options(max_pending_batches=1)) as cap:
         for step in range(5):
             cap.set_step(step)
             model(x).sum().backward()

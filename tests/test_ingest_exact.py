@@ -42,7 +42,7 @@ def test_mlp_matches_torch_func():
     model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 3))
     x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
     spec, out = capture_rows(
-        model, lambda: nn.functional.cross_entropy(model(x), y).backward(), CaptureConfig(projection=None)
+        model, lambda: nn.functional.cross_entropy(model(x), y).backward(), CaptureConfig.from_options(projection=None)
     )
     params = {k: v.detach() for k, v in model.named_parameters()}
 
@@ -79,7 +79,7 @@ def test_gpt2_with_padding_matches_torch_func():
     spec, out = capture_rows(
         model,
         lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward(),
-        CaptureConfig(projection=None, loss_reduction="token_mean"),
+        CaptureConfig.from_options(projection=None, loss_reduction="token_mean"),
     )
     g = gpt2_reference(model, ids, mask, labels)
     rows = out[0].grads
@@ -103,7 +103,7 @@ def test_module_used_twice_sums_its_uses():
     model = nn.Sequential(shared, nn.Tanh(), shared)
     x = torch.randn(3, 4)
     spec, out = capture_rows(
-        model, lambda: model(x).pow(2).sum().backward(), CaptureConfig(projection=None, loss_reduction="sum")
+        model, lambda: model(x).pow(2).sum().backward(), CaptureConfig.from_options(projection=None, loss_reduction="sum")
     )
     assert [s.name for s in spec.layers] == ["0"]  # one module, one slot
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -128,7 +128,7 @@ class Blocks(nn.Module):
 def test_non_reentrant_checkpointing_gives_the_same_rows():
     torch.manual_seed(0)
     model, x = Blocks(reentrant=False), torch.randn(3, 4, requires_grad=True)
-    cfg = CaptureConfig(projection=None)
+    cfg = CaptureConfig.from_options(projection=None)
     _, with_ckpt = capture_rows(model, lambda: model(x).sum().backward(), cfg)
     ref_model = nn.Sequential(model.a, nn.Tanh(), model.b)
     _, ref = capture_rows(ref_model, lambda: ref_model(x).sum().backward(), cfg)
@@ -139,14 +139,14 @@ def test_reentrant_checkpointing_is_refused():
     torch.manual_seed(0)
     model, x = Blocks(reentrant=True), torch.randn(3, 4, requires_grad=True)
     with pytest.raises(RecomputationError, match="use_reentrant=False"):
-        capture_rows(model, lambda: model(x).sum().backward(), CaptureConfig(projection=None))
+        capture_rows(model, lambda: model(x).sum().backward(), CaptureConfig.from_options(projection=None))
 
 
 def test_hf_gradient_checkpointing_gives_the_same_rows():
     model = tiny_gpt2(attention="eager")
     model.train()
     ids, mask, labels = padded_batch()
-    cfg = CaptureConfig(projection=None, loss_reduction="token_mean")
+    cfg = CaptureConfig.from_options(projection=None, loss_reduction="token_mean")
 
     def run():
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()

@@ -31,7 +31,7 @@ def test_projection_matrix_is_deterministic_and_keyed():
 
 
 def make_capture(model, **kw):
-    return GradientCapture(model, lambda b: None, CaptureConfig(**kw))
+    return GradientCapture(model, lambda b: None, CaptureConfig.from_options(**kw))
 
 
 def test_spec_round_trip_fingerprint_and_mismatch():
@@ -78,7 +78,7 @@ def exact_and_projected(route: str, projection: str = "factorized"):
     rows = {}
     for proj in (None, projection):
         out = []
-        cfg = CaptureConfig(projection=proj, k_in=4, k_out=3, seed=5, route=route, loss_reduction="sum")
+        cfg = CaptureConfig.from_options(projection=proj, k_in=4, k_out=3, seed=5, route=route, loss_reduction="sum")
         with GradientCapture(model, out.append, cfg) as cap:
             model(ids).pow(2).sum().backward()
         rows[proj] = (cap.spec, out[0].grads)

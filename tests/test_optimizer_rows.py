@@ -35,7 +35,7 @@ def run(projection: str | None) -> tuple[list, nn.Module, list]:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, y = torch.randn(3, 6, 5), torch.randn(3, 6, 3)
     batches, expected = [], []
-    config = CaptureConfig(projection=projection, k_in=3, k_out=2, normalizer="adam_factored", seed=1)
+    config = CaptureConfig.from_options(projection=projection, k_in=3, k_out=2, normalizer="adam_factored", seed=1)
     with GradientCapture(model, batches.append, config, optimizer=opt) as cap:
         for step in range(3):
             if step > 0:  # the optimizer holds state: what the row should be

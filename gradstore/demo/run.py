@@ -28,7 +28,7 @@ from gradstore.demo.bm25 import BM25
 from gradstore.demo.corpus import Corpus, Example, build_corpus
 from gradstore.demo.model import TinyGPT, WordTokenizer
 from ingest.basis import estimate_basis
-from ingest.capture import CaptureConfig
+from ingest.capture import ProjectionConfig
 from ingest.projection import ProjectionBasis
 
 RUN = "demo"
@@ -120,7 +120,7 @@ def curvature_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTo
     random projection of run ``demo``."""
     model.eval()
     batches = [tokenizer.batch([e.text for e in batch]) for batch in _batches(corpus.train, config.batch_size)]
-    basis = estimate_basis(model, batches, lambda m, b: m(**b).loss, CaptureConfig(), factors="unit")
+    basis = estimate_basis(model, batches, lambda m, b: m(**b).loss, ProjectionConfig(), factors="unit")
     model.train()
     _capture_pass(store, model, tokenizer, corpus, checkpoint, 0, config.learning_rate, config.batch_size,
                   run=CURVATURE_RUN, basis=basis)
