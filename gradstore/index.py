@@ -29,12 +29,14 @@ from indexers import (
     ExactIndex,
     FaissIndex,
     IndexMismatchError,
+    PreparedRows,
     VectorBlocks,
     choose_index_kind,
     gpu_available,
     load_preconditioner,
     make_preconditioner,
     manifest_diff,
+    prefetched,
 )
 from indexers.preconditioners import Preconditioner
 
@@ -134,7 +136,7 @@ class AttributionIndex:
         self.indexed_ids = np.empty(0, np.int64)  # grad_ids in the FAISS index (for incremental adds)
         self._gpu_copy: FaissIndex | None = None
         self.cache_bytes = cache_bytes
-        self._cache: tuple[int, np.ndarray, torch.Tensor] | None = None  # (version, ids, vectors)
+        self._cache: tuple[int, PreparedRows] | None = None  # (version, rows ready for the exact kernel)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -179,10 +181,10 @@ class AttributionIndex:
             return self._searchable().search(prepared.numpy(), k)
         return ExactIndex().search(prepared, self._rows(), k, largest=largest)
 
-    def _rows(self) -> VectorBlocks | tuple[np.ndarray, torch.Tensor]:
+    def _rows(self) -> VectorBlocks | PreparedRows:
         version = self.store.table("gradients").version
         if self._cache is not None and self._cache[0] == version:
-            return self._cache[1], self._cache[2]
+            return self._cache[1]
         source = self.selection.blocks(self.store)
         rows = self.manifest["rows_now"] = self.selection.count(self.store)
         if rows * self.manifest["dim"] * 4 > self.cache_bytes:
@@ -193,13 +195,13 @@ class AttributionIndex:
                     block = torch.from_numpy(vectors)
                     yield ids, (block if transform is None else transform(block))
 
-            return prepared
+            return prefetched(prepared)
         blocks = list(source())
         ids = np.concatenate([b[0] for b in blocks]) if blocks else np.empty(0, np.int64)
         vectors = (torch.from_numpy(np.concatenate([b[1] for b in blocks])) if blocks
                    else torch.empty(0, self.manifest["dim"]))
-        self._cache = (version, ids, self.prepare_rows(vectors))
-        return self._cache[1], self._cache[2]
+        self._cache = (version, ExactIndex().prepare(ids, self.prepare_rows(vectors)))
+        return self._cache[1]
 
     def _searchable(self) -> FaissIndex:
         """The FAISS index to search: a copy on all GPUs when faiss-gpu and a CUDA driver are present."""
