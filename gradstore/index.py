@@ -16,7 +16,7 @@ import json
 import logging
 import shutil
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from gradstore.methods import DEFAULT_DAMPING, FULL_FISHER_MAX_DIM, Method, resolve_method
+from gradstore.stored_rows import stored_blocks
 from indexers import (
     ExactIndex,
     FaissIndex,
@@ -137,6 +138,7 @@ class AttributionIndex:
         self._gpu_copy: FaissIndex | None = None
         self.cache_bytes = cache_bytes
         self._cache: tuple[int, PreparedRows] | None = None  # (version, rows ready for the exact kernel)
+        self._passes = 0
 
     # ------------------------------------------------------------------ properties
     @property
@@ -187,13 +189,14 @@ class AttributionIndex:
             return self._cache[1]
         source = self.selection.blocks(self.store)
         rows = self.manifest["rows_now"] = self.selection.count(self.store)
-        if rows * self.manifest["dim"] * 4 > self.cache_bytes:
-            transform = None if self.method.query_only else self.prepare_rows
+        self._passes += 1  # the first search streams (one-shot attribute calls); later ones fill the cache
+        if rows * self.manifest["dim"] * 4 > self.cache_bytes or self._passes == 1:
+            if self.method.query_only:  # rows searched as stored: the kernel reads float16 tiles itself
+                return prefetched(stored_blocks(self.store, *astuple(self.selection)))
 
-            def prepared() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            def prepared() -> Iterator[tuple[np.ndarray, torch.Tensor]]:
                 for ids, vectors in source():
-                    block = torch.from_numpy(vectors)
-                    yield ids, (block if transform is None else transform(block))
+                    yield ids, self.prepare_rows(torch.from_numpy(vectors))
 
             return prefetched(prepared)
         blocks = list(source())
