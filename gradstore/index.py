@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from gradstore.methods import DEFAULT_DAMPING, FULL_FISHER_MAX_DIM, Method, resolve_method
-from gradstore.stored_rows import stored_blocks
+from gradstore.stored_rows import in_memory, stored_blocks
 from indexers import (
     ExactIndex,
     FaissIndex,
@@ -187,18 +187,21 @@ class AttributionIndex:
         version = self.store.table("gradients").version
         if self._cache is not None and self._cache[0] == version:
             return self._cache[1]
-        source = self.selection.blocks(self.store)
+        source, stored = self.selection.blocks(self.store), stored_blocks(self.store, *astuple(self.selection))
         rows = self.manifest["rows_now"] = self.selection.count(self.store)
         self._passes += 1  # the first search streams (one-shot attribute calls); later ones fill the cache
         if rows * self.manifest["dim"] * 4 > self.cache_bytes or self._passes == 1:
             if self.method.query_only:  # rows searched as stored: the kernel reads float16 tiles itself
-                return prefetched(stored_blocks(self.store, *astuple(self.selection)))
+                return prefetched(stored)
 
             def prepared() -> Iterator[tuple[np.ndarray, torch.Tensor]]:
                 for ids, vectors in source():
                     yield ids, self.prepare_rows(torch.from_numpy(vectors))
 
             return prefetched(prepared)
+        if self.method.query_only:  # cached as stored (float16 unit rows + norms) next to their bf16 copy
+            self._cache = (version, ExactIndex().prepare(*in_memory(stored)))
+            return self._cache[1]
         blocks = list(source())
         ids = np.concatenate([b[0] for b in blocks]) if blocks else np.empty(0, np.int64)
         vectors = (torch.from_numpy(np.concatenate([b[1] for b in blocks])) if blocks

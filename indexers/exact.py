@@ -132,7 +132,7 @@ class ExactIndex:
                     continue
                 if raw.dtype != torch.bfloat16:
                     screen = _buffer(screen, raw, torch.bfloat16)
-                yield screened_block(ids_t, raw, scales_t, screen)
+                yield screened_block(ids_t, raw, scales_t, screen, measure_residuals=False)
 
 
 def _buffer(buffer: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
