@@ -6,10 +6,10 @@ warm-up, and their medians are reported:
 
 - ``torch fp32``: ``torch.topk(X @ Q.T)`` over the decoded float32 rows (the reference of the target);
 - ``exact float32 kernel``: :class:`ExactIndex` with ``kernel="float32"`` over the same rows;
-- ``exact bf16 kernel, store rows prepared``: the kernel over the rows an attribution index caches (decoded
-  rows and their bf16 copy, made once): **the headline**, ``exact_store_vs_torch_fp32``;
+- ``exact bf16 kernel, store rows prepared``: the kernel over the rows an attribution index caches (the
+  float16 unit rows + norms and their bf16 copy, made once): **the headline**, ``exact_store_vs_torch_fp32``;
 - ``exact bf16 kernel, float16 -> bf16 tiles``: float16 unit rows x norm converted tile by tile every search
-  (what a search streamed from disk computes);
+  (what a search streamed from disk computes), and the float32 kernel on the same blocks;
 - ``bf16 GEMM + topk, rows already bf16``: the kernel limit (no exactness guarantee);
 - ``store.attribute from disk``: end to end on the store (first search of an index streams the Lance blocks
   with read-ahead), compared with the in-memory prepared search.
@@ -43,6 +43,7 @@ TORCH = "torch fp32 topk(X @ Q.T)"
 FP32 = "exact float32 kernel"
 STORE = "exact bf16 kernel, store rows prepared"
 TILES = "exact bf16 kernel, float16 -> bf16 tiles"
+TILES32 = "exact float32 kernel, float16 -> float32 blocks"
 LIMIT = "bf16 GEMM + topk, rows already bf16"
 DISK = "store.attribute from disk (end to end)"
 
@@ -113,11 +114,12 @@ def one_size(rows: int, args: argparse.Namespace, root: Path) -> tuple[dict[str,
 def paired_arms(x: np.ndarray, q: np.ndarray, unit16: np.ndarray, norms: np.ndarray, store: gradstore.GradStore,
                 steps: int) -> dict[str, list[float]]:
     """Seconds of every arm in each of ``steps`` paired steps (arm order rotates; one warm-up step)."""
-    ids = np.arange(len(x), dtype=np.int64)  # the writer numbers a fresh store's rows 0..n-1
+    ids = np.arange(len(x), dtype=np.int64)
+    first_grad_id = store.sql("select min(grad_id) from gradients").fetchall()[0][0]  # rows are numbered in order
     xt, qt = torch.from_numpy(x), torch.from_numpy(q)
     bf16, fp32 = ExactIndex(device="cpu", kernel="bfloat16"), ExactIndex(device="cpu", kernel="float32")
     log(f"{len(x)} rows: preparing (bf16 copy and norms, once)")
-    prepared, prepared32 = bf16.prepare(ids, xt), fp32.prepare(ids, xt)
+    prepared, prepared32 = bf16.prepare(ids, unit16, norms), fp32.prepare(ids, xt)
     limit_rows = torch.cat([block.screen for block in prepared.blocks])
 
     def tiles() -> Callable:
@@ -128,11 +130,12 @@ def paired_arms(x: np.ndarray, q: np.ndarray, unit16: np.ndarray, norms: np.ndar
         FP32: lambda: fp32.search(q, prepared32, K),
         STORE: lambda: bf16.search(q, prepared, K),
         TILES: lambda: bf16.search(q, tiles(), K),
+        TILES32: lambda: fp32.search(q, tiles(), K),
         LIMIT: lambda: torch.topk(limit_rows @ qt.T.bfloat16(), K, dim=0),
         DISK: lambda: store.attribute(q, run="bench", k=K, write=False),
     }
     reference_ids = torch.topk(xt @ qt.T, K, dim=0).indices.T.numpy()
-    disk_ids = arms[DISK]().column("grad_id").to_numpy().reshape(len(q), K)
+    disk_ids = arms[DISK]().column("grad_id").to_numpy().reshape(len(q), K) - first_grad_id
     for name, found in ((STORE, bf16.search(q, prepared, K)[1]), (TILES, bf16.search(q, tiles(), K)[1]),
                         (FP32, fp32.search(q, prepared32, K)[1]), (DISK, disk_ids)):
         recall = recall_at_k(found, reference_ids)
