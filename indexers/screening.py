@@ -24,7 +24,6 @@ BF16_ROUNDOFF = 2.0**-8
 SAFETY = 1.01  # covers the float32 rounding of the norms and of the bound itself (relative ~1e-4)
 TILE_ELEMENTS = 1 << 22  # float32 elements converted at a time (16 MB: few large ops, good on a busy CPU)
 TINY = 2.0**-133  # bf16 rounding error bound of a float32 subnormal, absolute
-RESCORE_ELEMENTS = 1 << 24  # float32 elements of candidate rows gathered at a time (64 MB)
 
 
 def fast_bfloat16_matmul() -> bool:
@@ -98,56 +97,54 @@ def screened_block(
 
 
 class ScreenedQueries:
-    """Signed float32 queries ``[q, d]`` with their bf16 copy and the query side of the bound."""
+    """Signed float32 queries ``[q, d]``, and their unit-norm bf16 copy with the query side of the bound.
+
+    Screening with unit queries makes the query side of the bound the same for every query, so one bound per
+    row serves all queries (cheap per-row passes instead of per-pair ones)."""
 
     def __init__(self, queries: torch.Tensor) -> None:
         self.exact_t = queries.T.contiguous()
-        rounded = queries.to(torch.bfloat16)
+        exact = queries.double()
+        norms = torch.linalg.vector_norm(exact, dim=1)
+        norms = torch.where(norms > 0, norms, torch.ones_like(norms))
+        unit = exact / norms[:, None]
+        rounded = unit.to(torch.float32).to(torch.bfloat16)
         self.screen_t = rounded.T.contiguous()
+        self.norms = norms.to(torch.float32)
         gamma = 2 * queries.shape[1] * 2.0**-24
-        norm = torch.linalg.vector_norm(rounded.double(), dim=1)
-        residual = torch.linalg.vector_norm(queries.double() - rounded.double(), dim=1)
-        # bound = s * (norms (x) row_factor[0] + residuals (x) row_factor[1]) + u/(1-u) |out| s
-        self.factors = (SAFETY * torch.stack([residual + gamma * norm, (1 + gamma) * norm])).to(torch.float32)
+        rounded_norm = torch.linalg.vector_norm(rounded.double(), dim=1)
+        residual = torch.linalg.vector_norm(unit - rounded.double(), dim=1)
+        # row bound = SAFETY * (||v|| * on_norms + ||dv|| * on_residuals + OUT * max_j |out_ij|)
+        self.on_norms = SAFETY * float((residual + gamma * rounded_norm).max()) if len(norms) else 0.0
+        self.on_residuals = SAFETY * float(((1 + gamma) * rounded_norm).max()) if len(norms) else 0.0
+
+
+OUT = SAFETY * BF16_ROUNDOFF / (1 - BF16_ROUNDOFF)  # the bf16 result's rounding, relative to |result|
+FLOOR_MARGIN = 2.0**-22  # the float32 division of a floor by a query norm, relative
 
 
 def candidate_scores(
     block: ScreenedBlock, queries: ScreenedQueries, floor: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 scores and ids of the block's rows that can reach each query's top-k.
+    """Float32 scores ``[q, m]`` of the block's rows ``ids [m]`` that can reach some query's top-k.
 
-    ``floor [q]`` is a lower bound of each query's final k-th best score (``-inf`` when unknown). Returns
-    ``(scores [q, m], ids [q, m])``, padded with ``-inf`` scores (and the largest id) where a query has
-    fewer than ``m`` candidates, or ``(scores [q, m], ids [m])`` when the queries share most candidates."""
-    approx = (block.screen @ queries.screen_t).to(torch.float32)
-    bound = torch.stack([block.norms, block.residuals], 1) @ queries.factors
-    bound.add_(approx.abs(), alpha=SAFETY * BF16_ROUNDOFF / (1 - BF16_ROUNDOFF))
+    ``floor [q]`` is a lower bound of each query's final k-th best float32 score (``-inf`` when unknown). The
+    screen works in units of each query's norm: ``out_ij ~ v_i . q_j / ||q_j||``."""
+    out = (block.screen @ queries.screen_t).to(torch.float32)  # [n, q]
+    low, high = torch.aminmax(out, dim=1)
+    bound = torch.maximum(high, low.neg_()).mul_(OUT)
+    bound.add_(block.norms, alpha=queries.on_norms).add_(block.residuals, alpha=queries.on_residuals)
     if block.scales is not None:
-        approx.mul_(block.scales[:, None])
-        bound.mul_(block.scales.abs()[:, None])
-    if len(block) >= k:
-        floor = torch.maximum(floor, (approx - bound).topk(k, dim=0).values[k - 1])
-    candidate = approx.add_(bound) >= floor  # [n, q]: upper bound reaches the floor
-    query_of, row_of = candidate.T.nonzero().unbind(1)  # grouped by query, rows ascending
-    counts = torch.bincount(query_of, minlength=candidate.shape[1])
-    shared = candidate.any(dim=1).nonzero().flatten()
-    width = int(counts.max()) if len(counts) else 0
-    if len(counts) * width > 2 * len(shared):  # queries share candidates: one GEMM over their union
-        return _rescored(block, shared, queries.exact_t).T, block.ids[shared]
-    rows = torch.full((len(counts), width), -1, dtype=torch.int64, device=approx.device)
-    rows[query_of, torch.arange(len(row_of), device=approx.device) - (counts.cumsum(0) - counts)[query_of]] = row_of
-    scores = torch.empty(rows.shape, dtype=torch.float32, device=approx.device)
-    step = max(1, RESCORE_ELEMENTS // max(1, width * block.exact.shape[1]))
-    for start in range(0, len(rows), step):
-        gathered = block.exact[rows[start : start + step].clamp(min=0)].to(torch.float32)  # [c, m, d]
-        scores[start : start + step] = (gathered @ queries.exact_t.T[start : start + step, :, None])[..., 0]
-    if block.scales is not None:
-        scores.mul_(block.scales[rows.clamp(min=0)])
-    padding = rows < 0
-    scores[padding] = -torch.inf
-    ids = block.ids[rows.clamp(min=0)]
-    ids[padding] = torch.iinfo(torch.int64).max
-    return scores, ids
+        out.mul_(block.scales[:, None])
+        bound.mul_(block.scales.abs())
+    if len(block) >= k:  # the exact scores of the screen's top-k rows give a tight floor
+        best = out.topk(k, dim=0).indices.flatten().unique()
+        floor = torch.maximum(floor, _rescored(block, best, queries.exact_t).topk(k, dim=0).values[k - 1])
+    unit_floor = floor / queries.norms
+    unit_floor -= unit_floor.abs() * FLOOR_MARGIN
+    reach = out.sub_(unit_floor).amax(dim=1).add_(bound)  # best upper bound minus floor, over the queries
+    keep = (reach >= 0).nonzero().flatten()
+    return _rescored(block, keep, queries.exact_t).T, block.ids[keep]
 
 
 def _rescored(block: ScreenedBlock, rows: torch.Tensor, queries_t: torch.Tensor) -> torch.Tensor:
