@@ -1,16 +1,18 @@
 """The bfloat16 scoring kernel of exact search: a bf16 GEMM screens rows, float32 rescoring decides.
 
-Scores from a bf16 GEMM (both operands rounded to bfloat16, products accumulated in float32 and rounded to a
-bfloat16 result) differ from the float32 scores by at most a bound known per (row, query) pair:
+The screen multiplies the bf16 rows by bf16 copies of the unit-norm queries ``u = q / ||q||`` (products
+accumulated in float32, result rounded to bf16). Its result differs from the true ``v . u`` by at most
 
-    |s q.v - s q~.v~|  <=  s (||dq|| ||v|| + ||q~|| ||dv|| + 2 gamma ||q~|| (||v|| + ||dv||) + u |out| / (1 - u))
+    ||du|| ||v|| + ||u~|| ||dv|| + 2 gamma ||u~|| (||v|| + ||dv||) + u_bf16 |out| / (1 - u_bf16)
 
-with ``q~ = bf16(q)``, ``dq = q - q~`` (likewise for the row ``v`` and its scale ``s``), ``u = 2**-8`` the bf16
-unit roundoff of the rounded result and ``gamma = d 2**-24`` the worst-case float32 accumulation error (counted
-twice: once for the bf16 GEMM, once for the float32 score the result is compared with). Every row whose upper
-bound reaches the k-th best lower bound is a candidate and is rescored in float32; all others provably cannot
-enter the top-k. So the result equals the float32 kernel's (scores and ids, ties broken by the smaller id), at
-close to the cost of the bf16 GEMM when the candidates are few (random 4,096-dim rows: ~50 per query).
+with ``u~ = bf16(u)``, ``du = u - u~`` (likewise ``dv`` for the row), ``u_bf16 = 2**-8`` the rounding of the
+result and ``gamma = d 2**-24`` the worst-case float32 accumulation error (counted twice: for the GEMM and for
+the float32 score it is compared with), all times a 1% safety factor. Taking the largest query-side factors
+and the row's largest ``|out|`` gives one bound per row, valid for every query. A row (times its scale ``s``)
+is rescored in float32 when, for some query, its upper bound reaches that query's floor: the k-th best float32
+score known so far (from earlier blocks, and from rescoring the screen's own top-k rows of this block). No row
+of the float32 top-k, ties included, can be dropped, so the result equals the float32 kernel's (scores and
+ids, ties broken by the smaller id), at close to the cost of the bf16 GEMM when candidates are few.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import torch
 BF16_ROUNDOFF = 2.0**-8
 SAFETY = 1.01  # covers the float32 rounding of the norms and of the bound itself (relative ~1e-4)
 TILE_ELEMENTS = 1 << 22  # float32 elements converted at a time (16 MB: few large ops, good on a busy CPU)
-TINY = 2.0**-133  # bf16 rounding error bound of a float32 subnormal, absolute
 
 
 def fast_bfloat16_matmul() -> bool:
@@ -60,39 +61,26 @@ class ScreenedBlock:
         return len(self.ids)
 
 
-def screened_block(
-    ids: torch.Tensor,
-    exact: torch.Tensor,
-    scales: torch.Tensor | None,
-    screen: torch.Tensor | None = None,
-    measure_residuals: bool = True,
-) -> ScreenedBlock:
-    """Make the bf16 copy (into ``screen`` when given, e.g. a reused buffer) and the norms, one float32 tile at
-    a time (converted once, then rounded and measured while it is hot).
-
-    ``measure_residuals=False`` skips measuring ``||v - bf16(v)||`` and uses its a-priori bound
-    ``u ||v||`` (round to nearest; bf16 has float32's exponent range), saving two passes per tile at the cost
-    of a wider screen (more rows rescored): the choice for blocks scored once."""
+def screened_block(ids: torch.Tensor, exact: torch.Tensor, scales: torch.Tensor | None) -> ScreenedBlock:
+    """Make the bf16 copy, the row norms and the rows' bf16 rounding errors, one float32 tile at a time
+    (converted once, then rounded and measured while it is hot)."""
     rows = exact.shape[0]
     if exact.dtype == torch.bfloat16:
         norms = torch.linalg.vector_norm(exact, dim=1, dtype=torch.float32)
         return ScreenedBlock(ids, exact, scales, exact, norms, torch.zeros_like(norms))
-    screen = torch.empty(exact.shape, dtype=torch.bfloat16, device=exact.device) if screen is None else screen[:rows]
+    screen = torch.empty(exact.shape, dtype=torch.bfloat16, device=exact.device)
     norms = torch.empty(rows, dtype=torch.float32, device=exact.device)
     residuals = torch.empty_like(norms)
     tile_rows = max(1, TILE_ELEMENTS // max(1, exact.shape[1]))
     tile = torch.empty(min(rows, tile_rows), exact.shape[1], dtype=torch.float32, device=exact.device)
-    error = torch.empty_like(tile) if measure_residuals else None
+    error = torch.empty_like(tile)
     for start in range(0, rows, tile_rows):
         part = slice(start, start + tile_rows)
         n = min(rows, start + tile_rows) - start
         values = exact[part] if exact.dtype == torch.float32 else tile[:n].copy_(exact[part])
         screen[part].copy_(values)
         torch.linalg.vector_norm(values, dim=1, out=norms[part])
-        if error is not None:
-            torch.linalg.vector_norm(error[:n].copy_(screen[part]).sub_(values), dim=1, out=residuals[part])
-    if error is None:
-        torch.mul(norms, BF16_ROUNDOFF, out=residuals).add_(TINY * exact.shape[1] ** 0.5)
+        torch.linalg.vector_norm(error[:n].copy_(screen[part]).sub_(values), dim=1, out=residuals[part])
     return ScreenedBlock(ids, exact, scales, screen, norms, residuals)
 
 

@@ -47,6 +47,19 @@ def test_matches_brute_force_with_ties_across_blocks(block_rows: int, k: int, la
     assert found.shape == (5, min(k, 103))
     np.testing.assert_array_equal(found, expected_ids)
     np.testing.assert_array_equal(scores, expected_scores.astype(np.float32))
+    assert_prepared_and_bf16_blocks_agree(kernel, block_rows, queries, vectors, ids, k, largest)
+
+
+def assert_prepared_and_bf16_blocks_agree(kernel, block_rows, queries, vectors, ids, k, largest) -> None:
+    """Prepared rows and streamed bf16 blocks (small integers are exact in bf16) give the brute-force result:
+    with the bfloat16 kernel these are the screened paths."""
+    index = ExactIndex(device="cpu", kernel=kernel, block_rows=block_rows)
+    expected_scores, expected_ids = brute_force(queries, vectors, ids, k, largest)
+    bf16_rows = torch.from_numpy(vectors).to(torch.bfloat16)
+    for source in (index.prepare(ids, vectors), (ids, bf16_rows)):
+        scores, found = index.search(queries, source, k, largest)
+        np.testing.assert_array_equal(found, expected_ids)
+        np.testing.assert_array_equal(scores, expected_scores.astype(np.float32))
 
 
 def test_all_scores_tied_takes_smallest_ids(kernel: str) -> None:
@@ -134,6 +147,7 @@ def test_property_matches_brute_force(
     expected_scores, expected_ids = brute_force(queries, vectors, ids, k, largest)
     np.testing.assert_array_equal(found, expected_ids)
     np.testing.assert_array_equal(scores, expected_scores.astype(np.float32))
+    assert_prepared_and_bf16_blocks_agree(kernel, block_rows, queries, vectors, ids, k, largest)
 
 
 def test_scaled_blocks_score_like_the_scaled_rows(kernel: str) -> None:
@@ -170,9 +184,8 @@ def near_duplicates(seed: int, n: int, d: int, q: int, spread: float):
 @pytest.mark.parametrize("largest", [True, False])
 def test_bfloat16_kernel_ranks_what_a_bf16_gemm_cannot(largest: bool) -> None:
     queries, vectors, ids = near_duplicates(5, 600, 256, 6, spread=1e-2)
-    scores, found = ExactIndex(device="cpu", kernel="bfloat16", block_rows=150).search(
-        queries, (ids, vectors), 10, largest
-    )
+    index = ExactIndex(device="cpu", kernel="bfloat16", block_rows=150)
+    scores, found = index.search(queries, index.prepare(ids, vectors), 10, largest)
     float32 = ExactIndex(device="cpu", kernel="float32").search(queries, (ids, vectors), 10, largest)
     expected_scores, expected_ids = brute_force(queries, vectors, ids, 10, largest)
     np.testing.assert_array_equal(found, float32[1])

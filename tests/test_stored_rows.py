@@ -39,9 +39,10 @@ def test_stored_blocks_hold_the_decoded_rows(tmp_path, dtype: str) -> None:
     assert list(stored_blocks(store, "r", "c", "train", where="example_id = 'none'")()) == []
 
 
-@pytest.mark.parametrize("method", ["grad-dot", "cosine"])
-def test_streamed_cached_and_uncached_searches_agree(tmp_path, method: str) -> None:
-    store = _store(tmp_path / "s", "float16")
+@pytest.mark.parametrize(("method", "dtype"), [("grad-dot", "float16"), ("grad-dot", "float32"),
+                                               ("cosine", "float16")])
+def test_streamed_cached_and_uncached_searches_agree(tmp_path, method: str, dtype: str) -> None:
+    store = _store(tmp_path / "s", dtype)
     queries = np.random.default_rng(1).standard_normal((5, DIM)).astype(np.float32)
     index = store.build_index("r", checkpoint="c", method=method)
     streamed = index.search(queries, 7, largest=False)
