@@ -40,7 +40,9 @@ class ExactIndex:
     time, e.g. the store's float16 rows) and ``"bfloat16"`` (a bf16 GEMM screens, float32 rescoring of the
     rows that provably can reach the top-k decides; see :mod:`indexers.screening`). ``kernel="auto"`` takes
     bfloat16 on a CPU with native bf16 matmul (AVX-512 BF16 / AMX), float32 elsewhere; :attr:`kernel` says
-    which one runs.
+    which one runs. The bf16 screen runs on :class:`PreparedRows` and on bf16 blocks; streamed float16 and
+    float32 blocks are scored in float32 by either kernel (a bf16 copy made for one search costs more than
+    it saves).
     """
 
     def __init__(self, device: str | torch.device | None = None, block_rows: int = 65536, kernel: str = "auto"):
