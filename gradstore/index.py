@@ -20,6 +20,7 @@ import logging
 import re
 import tempfile
 from collections.abc import Iterator
+from dataclasses import astuple
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -30,11 +31,21 @@ import torch
 from gradstore.core import StoreCore
 from gradstore.core import schema as S
 from gradstore.core.sidefiles import check_component
+from gradstore.core.stored_rows import in_memory, stored_blocks
 from gradstore.errors import IndexMismatchError, InvalidArgumentError, StoreCorruptError, UnknownIndexError
 from gradstore.fitting import FitCache, FitSpec, Selection, fit_spec
 from gradstore.methods import DEFAULT_DAMPING, BlockStructure, Method, resolve_method
 from gradstore.scoring import ScoringSpace
-from indexers import ExactIndex, FaissIndex, VectorBlocks, choose_index_kind, gpu_available, manifest_diff
+from indexers import (
+    ExactIndex,
+    FaissIndex,
+    PreparedRows,
+    VectorBlocks,
+    choose_index_kind,
+    gpu_available,
+    manifest_diff,
+    prefetched,
+)
 from indexers import IndexMismatchError as LowerIndexMismatchError
 
 log = logging.getLogger(__name__)
@@ -58,7 +69,8 @@ class AttributionIndex:
         self.indexed_ids = np.empty(0, np.int64) if indexed_ids is None else indexed_ids  # grad_ids in FAISS
         self.cache_bytes = cache_bytes
         self._gpu_copy: FaissIndex | None = None
-        self._cache: tuple[int, np.ndarray, torch.Tensor] | None = None  # (version, ids, prepared rows)
+        self._cache: tuple[int, PreparedRows] | None = None  # (version, rows ready for the exact kernel)
+        self._passes = 0
 
     @property
     def name(self) -> str:
@@ -95,18 +107,25 @@ class AttributionIndex:
             return self._searchable().search(prepared.numpy(), k)
         return ExactIndex().search(prepared, self._rows(), k, largest=largest)
 
-    def _rows(self) -> VectorBlocks | tuple[np.ndarray, torch.Tensor]:
+    def _rows(self) -> VectorBlocks | PreparedRows:
         version = self.store.table(S.GRADIENTS).version
         if self._cache is not None and self._cache[0] == version:
-            return self._cache[1], self._cache[2]
-        source = prepared_source(self.space, self.selection.blocks(self.store))
-        if self.selection.count(self.store) * self.manifest["dim"] * 4 > self.cache_bytes:
-            return source
-        blocks = list(source())
+            return self._cache[1]
+        stored = stored_blocks(self.store, *astuple(self.selection))
+        rows = self.selection.count(self.store)
+        self._passes += 1  # the first search streams (one-shot attribute calls); later ones fill the cache
+        if rows * self.manifest["dim"] * 4 > self.cache_bytes or self._passes == 1:
+            if self.method.query_only:  # rows searched as stored: the kernel reads float16 tiles itself
+                return prefetched(stored)
+            return prefetched(prepared_source(self.space, self.selection.blocks(self.store)))
+        if self.method.query_only:  # cached as stored (float16 unit rows + norms) next to their bf16 copy
+            self._cache = (version, ExactIndex().prepare(*in_memory(stored)))
+            return self._cache[1]
+        blocks = list(prepared_source(self.space, self.selection.blocks(self.store))())
         ids = np.concatenate([b[0] for b in blocks]) if blocks else np.empty(0, np.int64)
         vectors = torch.cat([b[1] for b in blocks]) if blocks else torch.empty(0, self.manifest["dim"])
-        self._cache = (version, ids, vectors)
-        return ids, vectors
+        self._cache = (version, ExactIndex().prepare(ids, vectors))
+        return self._cache[1]
 
     def _searchable(self) -> FaissIndex:
         """The FAISS index to search: a copy on all GPUs when faiss-gpu and a CUDA driver are present."""

@@ -6,7 +6,7 @@ Works on numpy/torch arrays and re-iterable sources of ``(ids, vectors)`` blocks
 
 from indexers.blocks import VectorBlocks, blocks_from_arrays
 from indexers.errors import IndexMismatchError, NotFittedError
-from indexers.exact import ExactIndex
+from indexers.exact import ExactIndex, PreparedRows
 from indexers.faiss_index import FaissIndex, default_nprobe, gpu_available, require_faiss
 from indexers.manifest import check_manifest, manifest_diff
 from indexers.preconditioners import (
@@ -19,6 +19,7 @@ from indexers.preconditioners import (
     load_preconditioner,
     make_preconditioner,
 )
+from indexers.prefetch import prefetched, read_ahead
 from indexers.recall import choose_index_kind, measure_recall, recall_at_k
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "KroneckerPreconditioner",
     "NotFittedError",
     "Preconditioner",
+    "PreparedRows",
     "VectorBlocks",
     "blocks_from_arrays",
     "check_manifest",
@@ -41,6 +43,8 @@ __all__ = [
     "load_preconditioner",
     "make_preconditioner",
     "manifest_diff",
+    "prefetched",
+    "read_ahead",
     "measure_recall",
     "recall_at_k",
     "require_faiss",

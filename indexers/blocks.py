@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -50,8 +51,15 @@ def as_tensor(
 ) -> torch.Tensor:
     """Convert a numpy or torch block to a 2-D tensor of ``dtype`` (``None``: keep it) on ``device``.
 
-    No copy when the block already has that dtype and device."""
-    tensor = torch.from_numpy(np.ascontiguousarray(block)) if isinstance(block, np.ndarray) else block
+    No copy when the block already has that dtype and device; read-only arrays (e.g. views of Arrow buffers)
+    are shared too: search never writes to its input."""
+    if isinstance(block, np.ndarray):
+        block = np.ascontiguousarray(block)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            tensor = torch.from_numpy(block)
+    else:
+        tensor = block
     if tensor.ndim == 1:
         tensor = tensor.unsqueeze(0)
     if tensor.ndim != 2:

@@ -2,110 +2,195 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 
 from indexers.blocks import ArrayLike, VectorBlocks, as_tensor, blocks_from_arrays, unpack_block
+from indexers.screening import (
+    ScreenedBlock,
+    ScreenedQueries,
+    as_scales,
+    candidate_scores,
+    resolve_kernel,
+    screened_block,
+)
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+class PreparedRows:
+    """In-memory rows made ready once for repeated searches with one kernel (see :meth:`ExactIndex.prepare`)."""
+
+    def __init__(self, kernel: str, blocks: list, dim: int) -> None:
+        self.kernel = kernel
+        self.blocks = blocks
+        self.dim = dim
+
+    def __len__(self) -> int:
+        return sum(len(block[0]) if isinstance(block, tuple) else len(block) for block in self.blocks)
 
 
 class ExactIndex:
     """Brute-force search over a source of vector blocks, never holding more than one block of scores.
 
-    Results equal a full ``Q @ X.T`` followed by a sort (best score first, ties broken by the smaller id).
-    Blocks of any float dtype are upcast to float32 one block at a time (e.g. the store's float16 rows).
+    Results equal a full float32 ``Q @ X.T`` followed by a sort (best score first, ties broken by the smaller
+    id). Two kernels give the same result: ``"float32"`` (blocks of any float dtype upcast one block at a
+    time, e.g. the store's float16 rows) and ``"bfloat16"`` (a bf16 GEMM screens, float32 rescoring of the
+    rows that provably can reach the top-k decides; see :mod:`indexers.screening`). ``kernel="auto"`` takes
+    bfloat16 on a CPU with native bf16 matmul (AVX-512 BF16 / AMX), float32 elsewhere; :attr:`kernel` says
+    which one runs. The bf16 screen runs on :class:`PreparedRows` and on bf16 blocks; streamed float16 and
+    float32 blocks are scored in float32 by either kernel (a bf16 copy made for one search costs more than
+    it saves).
     """
 
-    def __init__(self, device: str | torch.device | None = None, block_rows: int = 65536):
+    def __init__(self, device: str | torch.device | None = None, block_rows: int = 65536, kernel: str = "auto"):
         if block_rows < 1:
             raise ValueError("block_rows must be >= 1")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.block_rows = block_rows
+        self.kernel = resolve_kernel(kernel, self.device)
+
+    def prepare(self, ids: np.ndarray, vectors: ArrayLike, scales: np.ndarray | None = None) -> PreparedRows:
+        """In-memory ``ids [n]`` and rows ``[n, d]`` (times ``scales [n]`` when given) made ready for repeated
+        searches: float32 for the float32 kernel, plus a bf16 copy and row norms for the bfloat16 kernel.
+        Float32 rows on the device are referenced, not copied."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.ndim != 1 or len(ids) != len(vectors) or (scales is not None and len(scales) != len(ids)):
+            raise ValueError(f"ids must be 1-D with one id (and scale) per vector row; got {ids.shape} for "
+                             f"{tuple(vectors.shape)}")
+        blocks = []
+        for start in range(0, len(ids), self.block_rows):
+            part = slice(start, start + self.block_rows)
+            blocks.append(self._prepared(ids[part], vectors[part], None if scales is None else scales[part]))
+        return PreparedRows(self.kernel, blocks, int(vectors.shape[1]) if vectors.ndim == 2 else 0)
 
     def search(
         self,
         queries: ArrayLike,
-        source: VectorBlocks | tuple[np.ndarray, ArrayLike],
+        source: VectorBlocks | tuple[np.ndarray, ArrayLike] | PreparedRows,
         k: int,
         largest: bool = True,
         transform: Transform | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k (or bottom-k with ``largest=False``) stored vectors by inner product with each query.
 
-        ``queries`` is ``[q, d]`` (or ``[d]``); ``source`` is a :data:`VectorBlocks` callable or in-memory
-        ``(ids, vectors)``; ``transform`` is applied to every float32 vector block before scoring (e.g. a
-        preconditioner's ``apply_both``). Blocks with ``scales`` score ``scales * (transform(vectors) @ q)``,
-        which equals scoring the scaled rows for linear transforms (every preconditioner's ``apply_both``
-        except ``cosine``, which needs no scales).
+        ``queries`` is ``[q, d]`` (or ``[d]``); ``source`` is a :data:`VectorBlocks` callable, in-memory
+        ``(ids, vectors)`` or :class:`PreparedRows`; ``transform`` is applied to every float32 vector block
+        before scoring (e.g. a preconditioner's ``apply_both``; not with prepared rows). Blocks with ``scales``
+        score ``scales * (transform(vectors) @ q)``, which equals scoring the scaled rows for linear transforms
+        (every preconditioner's ``apply_both`` except ``cosine``, which needs no scales).
         Returns ``(scores float32 [q, k'], ids int64 [q, k'])`` with
         ``k' = min(k, rows)``, best first: largest scores for top-k, smallest for bottom-k.
         """
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        if isinstance(source, tuple):
-            source = blocks_from_arrays(*source, block_rows=self.block_rows)
         signed = as_tensor(queries, torch.float32, self.device)
         signed = signed if largest else -signed
-        # [d, q] contiguous: block @ queries_t is the faster orientation for BLAS (tall output).
-        queries_t = signed.T.contiguous()
-        best_scores = torch.empty(signed.shape[0], 0, dtype=torch.float32, device=self.device)
-        best_ids = torch.empty(signed.shape[0], 0, dtype=torch.int64, device=self.device)
-        buffer: torch.Tensor | None = None
+        if isinstance(source, PreparedRows):
+            if transform is not None or source.kernel != self.kernel:
+                raise ValueError("prepared rows are searched as prepared: same kernel, no transform")
+            blocks = iter(source.blocks)
+        else:
+            if isinstance(source, tuple):
+                source = blocks_from_arrays(*source, block_rows=self.block_rows)
+            blocks = self._streamed(source, transform)
+        best = _RunningTopK(signed.shape[0], k, self.device)
+        screened = ScreenedQueries(signed) if self.kernel == "bfloat16" else None
+        queries_t = signed.T.contiguous()  # [d, q]: block @ queries_t is the faster orientation (tall output)
+        for block in blocks:
+            is_screened = isinstance(block, ScreenedBlock)
+            ids, rows, scales = (block.ids, block.exact, block.scales) if is_screened else block
+            if rows.shape[1] != signed.shape[1]:
+                raise ValueError(f"queries have dimension {signed.shape[1]}, stored vectors {rows.shape[1]}")
+            if is_screened:
+                best.add(*candidate_scores(block, screened, best.floor(), k))
+                continue
+            scores = rows @ queries_t
+            if scales is not None:
+                scores *= scales[:, None]
+            best.add(scores.T, ids)
+        scores = best.scores if largest else -best.scores
+        return scores.cpu().numpy(), best.ids.cpu().numpy()
+
+    def _prepared(self, ids: np.ndarray, vectors: ArrayLike, scales: np.ndarray | None):
+        """One block of :meth:`prepare`: float32 rows, or a :class:`ScreenedBlock` for the bf16 kernel."""
+        ids_t, scales_t = torch.from_numpy(ids).to(self.device), as_scales(scales, self.device)
+        if self.kernel == "bfloat16":
+            return screened_block(ids_t, as_tensor(vectors, None, self.device), scales_t)
+        return ids_t, as_tensor(vectors, torch.float32, self.device), scales_t
+
+    def _streamed(self, source: VectorBlocks, transform: Transform | None) -> Iterator:
+        """The source's blocks, cut to ``block_rows``: bf16 blocks screened as they are (bfloat16 kernel, no
+        transform), all others upcast to float32 in a reused buffer and multiplied. Measured: for a block
+        scored once, making its bf16 copy and norms costs more than the float32 GEMM saves."""
+        upcast: torch.Tensor | None = None
         for ids, vectors, scales in map(unpack_block, source()):
             for start in range(0, len(ids), self.block_rows):
-                block_ids = torch.from_numpy(np.asarray(ids[start : start + self.block_rows], np.int64))
-                block, buffer = self._float32_block(vectors[start : start + self.block_rows], buffer)
-                if transform is not None:
-                    block = transform(block).to(torch.float32)
-                if block.shape[1] != signed.shape[1]:
-                    raise ValueError(
-                        f"queries have dimension {signed.shape[1]}, stored vectors {block.shape[1]}"
-                    )
-                scores = block @ queries_t
-                if scales is not None:
-                    scores *= torch.from_numpy(scales[start : start + self.block_rows]).to(self.device)[
-                        :, None
-                    ]
-                scores, candidate_ids = _block_top_k(scores.T, block_ids.to(self.device), k)
-                best_scores, best_ids = _merge(
-                    torch.cat([best_scores, scores], 1), torch.cat([best_ids, candidate_ids], 1), k
-                )
-        scores = best_scores if largest else -best_scores
-        return scores.cpu().numpy(), best_ids.cpu().numpy()
+                part = slice(start, start + self.block_rows)
+                ids_t = torch.from_numpy(np.asarray(ids[part], np.int64)).to(self.device)
+                scales_t = as_scales(None if scales is None else scales[part], self.device)
+                raw = as_tensor(vectors[part], None, self.device)
+                if self.kernel == "bfloat16" and raw.dtype == torch.bfloat16 and transform is None:
+                    yield screened_block(ids_t, raw, scales_t)
+                    continue
+                raw, upcast = _reused(upcast, raw, torch.float32)
+                yield ids_t, (raw if transform is None else transform(raw).to(torch.float32)), scales_t
 
-    def _float32_block(
-        self, vectors: ArrayLike, buffer: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The block as float32 on the device; other dtypes are upcast into one reused buffer.
 
-        Reusing the buffer matters: a fresh 1 GB tensor per block costs more (page faults) than the upcast."""
-        raw = as_tensor(vectors, None)
-        if raw.dtype == torch.float32:
-            return raw.to(self.device), buffer
-        if buffer is None or buffer.shape[1] != raw.shape[1]:
-            buffer = torch.empty(self.block_rows, raw.shape[1], dtype=torch.float32, device=self.device)
-        block = buffer[: raw.shape[0]]
-        block.copy_(raw)
-        return block, buffer
+def _reused(
+    buffer: torch.Tensor | None, raw: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``raw`` as ``dtype``: itself when it already is, else copied into the reused ``buffer`` (a fresh 1 GB
+    tensor per block costs more in page faults than the conversion)."""
+    if raw.dtype == dtype:
+        return raw, buffer
+    if buffer is None or buffer.shape[1] != raw.shape[1] or buffer.shape[0] < raw.shape[0]:
+        buffer = torch.empty(raw.shape, dtype=dtype, device=raw.device)
+    block = buffer[: raw.shape[0]]
+    block.copy_(raw)
+    return block, buffer
+
+
+class _RunningTopK:
+    """The best ``k`` (score, id) pairs per query seen so far, merged block by block."""
+
+    def __init__(self, queries: int, k: int, device: torch.device) -> None:
+        self.k = k
+        self.scores = torch.empty(queries, 0, dtype=torch.float32, device=device)
+        self.ids = torch.empty(queries, 0, dtype=torch.int64, device=device)
+
+    def floor(self) -> torch.Tensor:
+        """Each query's current k-th best score (a lower bound of its final one), ``-inf`` before k rows."""
+        if self.scores.shape[1] < self.k:
+            return torch.full((self.scores.shape[0],), -torch.inf, device=self.scores.device)
+        return self.scores[:, self.k - 1]
+
+    def add(self, scores: torch.Tensor, ids: torch.Tensor) -> None:
+        """Merge a block's ``scores [q, n]`` of rows ``ids`` (``[n]``, or ``[q, n]`` per query)."""
+        scores, candidate_ids = _block_top_k(scores, ids, self.k)
+        self.scores, self.ids = _merge(
+            torch.cat([self.scores, scores], 1), torch.cat([self.ids, candidate_ids], 1), self.k
+        )
 
 
 def _block_top_k(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``min(k, n)`` best columns of ``scores [q, n]`` per row; ties at the cut go to smaller ids."""
+    """The ``min(k, n)`` best columns of ``scores [q, n]`` per row, the columns' ids ``[n]`` shared by all rows
+    or ``[q, n]`` one per row; ties at the cut go to smaller ids."""
+    ids = ids.expand(scores.shape[0], -1)
     if k >= scores.shape[1]:
-        return scores, ids.expand(scores.shape[0], -1)
+        return scores, ids
     # One extra candidate shows whether the cut is tied: more than k scores are >= the k-th iff the
     # (k+1)-th equals it, and then torch.topk's choice among the tied scores is arbitrary.
     values, positions = scores.topk(k + 1, dim=1)
     tied_rows = (values[:, k] == values[:, k - 1]).nonzero().flatten().tolist()
-    values, candidate_ids = values[:, :k].clone(), ids[positions[:, :k]]
+    values, candidate_ids = values[:, :k].clone(), ids.gather(1, positions[:, :k])
     for row in tied_rows:
         columns = (scores[row] >= values[row, k - 1]).nonzero().flatten()
-        row_scores, row_ids = _merge(scores[row, columns][None], ids[columns][None], k)
+        row_scores, row_ids = _merge(scores[row, columns][None], ids[row, columns][None], k)
         values[row], candidate_ids[row] = row_scores[0], row_ids[0]
     return values, candidate_ids
 

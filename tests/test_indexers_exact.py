@@ -5,10 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from indexers import CosinePreconditioner, ExactIndex, blocks_from_arrays
+from indexers.screening import fast_bfloat16_matmul
+
+
+@pytest.fixture(params=["float32", "bfloat16"])
+def kernel(request: pytest.FixtureRequest) -> str:
+    """Both kernels must give the float32 result (bfloat16 runs everywhere, natively or not)."""
+    return request.param
 
 
 def brute_force(queries: np.ndarray, vectors: np.ndarray, ids: np.ndarray, k: int, largest: bool = True):
@@ -30,9 +37,9 @@ def integer_data(seed: int, n: int, d: int, q: int):
 @pytest.mark.parametrize("block_rows", [1, 7, 64, 1000])
 @pytest.mark.parametrize("k", [1, 5, 10, 150])
 @pytest.mark.parametrize("largest", [True, False])
-def test_matches_brute_force_with_ties_across_blocks(block_rows: int, k: int, largest: bool) -> None:
+def test_matches_brute_force_with_ties_across_blocks(block_rows: int, k: int, largest: bool, kernel: str) -> None:
     queries, vectors, ids = integer_data(0, 103, 6, 5)
-    scores, found = ExactIndex(device="cpu", block_rows=block_rows).search(
+    scores, found = ExactIndex(device="cpu", kernel=kernel, block_rows=block_rows).search(
         queries, (ids, vectors), k, largest
     )
     expected_scores, expected_ids = brute_force(queries, vectors, ids, k, largest)
@@ -40,19 +47,32 @@ def test_matches_brute_force_with_ties_across_blocks(block_rows: int, k: int, la
     assert found.shape == (5, min(k, 103))
     np.testing.assert_array_equal(found, expected_ids)
     np.testing.assert_array_equal(scores, expected_scores.astype(np.float32))
+    assert_prepared_and_bf16_blocks_agree(kernel, block_rows, queries, vectors, ids, k, largest)
 
 
-def test_all_scores_tied_takes_smallest_ids() -> None:
+def assert_prepared_and_bf16_blocks_agree(kernel, block_rows, queries, vectors, ids, k, largest) -> None:
+    """Prepared rows and streamed bf16 blocks (small integers are exact in bf16) give the brute-force result:
+    with the bfloat16 kernel these are the screened paths."""
+    index = ExactIndex(device="cpu", kernel=kernel, block_rows=block_rows)
+    expected_scores, expected_ids = brute_force(queries, vectors, ids, k, largest)
+    bf16_rows = torch.from_numpy(vectors).to(torch.bfloat16)
+    for source in (index.prepare(ids, vectors), (ids, bf16_rows)):
+        scores, found = index.search(queries, source, k, largest)
+        np.testing.assert_array_equal(found, expected_ids)
+        np.testing.assert_array_equal(scores, expected_scores.astype(np.float32))
+
+
+def test_all_scores_tied_takes_smallest_ids(kernel: str) -> None:
     vectors = np.ones((40, 3), np.float32)
     ids = np.arange(40, dtype=np.int64)[::-1].copy()
-    scores, found = ExactIndex(device="cpu", block_rows=9).search(
+    scores, found = ExactIndex(device="cpu", kernel=kernel, block_rows=9).search(
         np.ones((2, 3), np.float32), (ids, vectors), 4
     )
     np.testing.assert_array_equal(found, [[0, 1, 2, 3]] * 2)
     np.testing.assert_array_equal(scores, np.full((2, 4), 3.0))
 
 
-def test_random_float_data_and_multi_block_source() -> None:
+def test_random_float_data_and_multi_block_source(kernel: str) -> None:
     rng = np.random.default_rng(1)
     vectors = rng.standard_normal((500, 32)).astype(np.float32)
     queries = rng.standard_normal((8, 32)).astype(np.float32)
@@ -65,30 +85,30 @@ def test_random_float_data_and_multi_block_source() -> None:
             yield ids[start : start + size], vectors[start : start + size]
             start += size
 
-    scores, found = ExactIndex(device="cpu", block_rows=64).search(queries, source, 10)
+    scores, found = ExactIndex(device="cpu", kernel=kernel, block_rows=64).search(queries, source, 10)
     expected_scores, expected_ids = brute_force(queries, vectors, ids, 10)
     np.testing.assert_array_equal(found, expected_ids)
     np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)
 
 
-def test_float16_blocks_torch_queries_and_1d_query() -> None:
+def test_float16_blocks_torch_queries_and_1d_query(kernel: str) -> None:
     queries, vectors, ids = integer_data(2, 70, 8, 3)
     source = blocks_from_arrays(ids, vectors.astype(np.float16), block_rows=16)
-    scores, found = ExactIndex(device="cpu").search(torch.from_numpy(queries), source, 7)
+    scores, found = ExactIndex(device="cpu", kernel=kernel).search(torch.from_numpy(queries), source, 7)
     expected_scores, expected_ids = brute_force(queries, vectors, ids, 7)
     np.testing.assert_array_equal(found, expected_ids)
     np.testing.assert_array_equal(scores, expected_scores.astype(np.float32))
-    one_scores, one_ids = ExactIndex(device="cpu").search(queries[1], source, 7)
+    one_scores, one_ids = ExactIndex(device="cpu", kernel=kernel).search(queries[1], source, 7)
     np.testing.assert_array_equal(one_ids, expected_ids[1:2])
 
 
-def test_transform_is_applied_to_every_block() -> None:
+def test_transform_is_applied_to_every_block(kernel: str) -> None:
     rng = np.random.default_rng(3)
     vectors = rng.standard_normal((90, 16)).astype(np.float32)
     queries = rng.standard_normal((4, 16)).astype(np.float32)
     ids = np.arange(90, dtype=np.int64)
     cosine = CosinePreconditioner()
-    scores, found = ExactIndex(device="cpu", block_rows=20).search(
+    scores, found = ExactIndex(device="cpu", kernel=kernel, block_rows=20).search(
         cosine.apply_both(torch.from_numpy(queries)), (ids, vectors), 5, transform=cosine.apply_both
     )
     def unit(a):
@@ -98,8 +118,8 @@ def test_transform_is_applied_to_every_block() -> None:
     np.testing.assert_allclose(scores, expected_scores, atol=1e-6)
 
 
-def test_empty_source_and_bad_arguments() -> None:
-    index = ExactIndex(device="cpu")
+def test_empty_source_and_bad_arguments(kernel: str) -> None:
+    index = ExactIndex(device="cpu", kernel=kernel)
     scores, found = index.search(np.ones((2, 4), np.float32), (np.empty(0, np.int64), np.empty((0, 4))), 3)
     assert scores.shape == found.shape == (2, 0)
     with pytest.raises(ValueError, match="k must be"):
@@ -108,7 +128,7 @@ def test_empty_source_and_bad_arguments() -> None:
         index.search(np.ones((2, 5), np.float32), (np.arange(3), np.ones((3, 4))), 1)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n=st.integers(1, 60),
     d=st.integers(1, 5),
@@ -118,18 +138,19 @@ def test_empty_source_and_bad_arguments() -> None:
     seed=st.integers(0, 2**16),
 )
 def test_property_matches_brute_force(
-    n: int, d: int, k: int, block_rows: int, largest: bool, seed: int
+    n: int, d: int, k: int, block_rows: int, largest: bool, seed: int, kernel: str
 ) -> None:
     queries, vectors, ids = integer_data(seed, n, d, 3)
-    scores, found = ExactIndex(device="cpu", block_rows=block_rows).search(
+    scores, found = ExactIndex(device="cpu", kernel=kernel, block_rows=block_rows).search(
         queries, (ids, vectors), k, largest
     )
     expected_scores, expected_ids = brute_force(queries, vectors, ids, k, largest)
     np.testing.assert_array_equal(found, expected_ids)
     np.testing.assert_array_equal(scores, expected_scores.astype(np.float32))
+    assert_prepared_and_bf16_blocks_agree(kernel, block_rows, queries, vectors, ids, k, largest)
 
 
-def test_scaled_blocks_score_like_the_scaled_rows() -> None:
+def test_scaled_blocks_score_like_the_scaled_rows(kernel: str) -> None:
     """The store's layout: float16 unit rows and a float32 norm column, passed as a block's third element."""
     rng = np.random.default_rng(4)
     vectors = rng.standard_normal((150, 24)).astype(np.float32)
@@ -143,8 +164,79 @@ def test_scaled_blocks_score_like_the_scaled_rows() -> None:
             yield ids[start : start + 40], unit16[start : start + 40], norms[start : start + 40]
 
     for largest in (True, False):
-        scores, found = ExactIndex(device="cpu", block_rows=32).search(queries, source, 8, largest)
+        scores, found = ExactIndex(device="cpu", kernel=kernel, block_rows=32).search(queries, source, 8, largest)
         stored = unit16.astype(np.float32) * norms[:, None]
         expected_scores, expected_ids = brute_force(queries, stored, ids, 8, largest)
         np.testing.assert_array_equal(found, expected_ids)
         np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)
+
+
+def near_duplicates(seed: int, n: int, d: int, q: int, spread: float):
+    """Rows ``base + spread * noise``: bf16 rounding (relative 2**-8) cannot tell them apart when spread is
+    small, float32 can; queries near the base make every row a near-tie for the screen."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal(d)
+    vectors = (base + spread * rng.standard_normal((n, d))).astype(np.float32)
+    queries = (base + 0.1 * rng.standard_normal((q, d))).astype(np.float32)
+    return queries, vectors, np.arange(n, dtype=np.int64)
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_bfloat16_kernel_ranks_what_a_bf16_gemm_cannot(largest: bool) -> None:
+    queries, vectors, ids = near_duplicates(5, 600, 256, 6, spread=1e-2)
+    index = ExactIndex(device="cpu", kernel="bfloat16", block_rows=150)
+    scores, found = index.search(queries, index.prepare(ids, vectors), 10, largest)
+    float32 = ExactIndex(device="cpu", kernel="float32").search(queries, (ids, vectors), 10, largest)
+    expected_scores, expected_ids = brute_force(queries, vectors, ids, 10, largest)
+    np.testing.assert_array_equal(found, float32[1])
+    np.testing.assert_array_equal(found, expected_ids)
+    np.testing.assert_allclose(scores, float32[0], rtol=1e-6)
+    np.testing.assert_allclose(scores, expected_scores, rtol=1e-6)
+    # The test can fail: ranking by a plain bf16 GEMM picks other rows here.
+    plain = torch.from_numpy(queries).bfloat16() @ torch.from_numpy(vectors).bfloat16().T
+    plain_ids = (plain.float() if largest else -plain.float()).topk(10, dim=1).indices.numpy()
+    assert (np.sort(plain_ids, 1) != np.sort(expected_ids, 1)).any()
+
+
+def test_scores_within_tolerance_of_float32_on_store_rows(kernel: str) -> None:
+    """The store's float16 unit rows x norm at W-query's dimension: every score within 1e-3 |q| |g| of the
+    float64 one, and every found row's true score within that tolerance of the true k-th best."""
+    rng = np.random.default_rng(6)
+    vectors = (rng.standard_normal((3000, 4096)) * np.logspace(-8, 2, 3000)[:, None]).astype(np.float32)
+    queries = rng.standard_normal((16, 4096)).astype(np.float32)
+    norms = np.linalg.norm(vectors, axis=1).astype(np.float32)
+    unit16 = (vectors / norms[:, None]).astype(np.float16)
+    ids = np.arange(3000, dtype=np.int64)
+    index = ExactIndex(device="cpu", kernel=kernel, block_rows=1024)
+    scores, found = index.search(queries, index.prepare(ids, unit16, norms), 10)
+    true = queries.astype(np.float64) @ vectors.astype(np.float64).T
+    tolerance = 1e-3 * np.linalg.norm(queries, axis=1)[:, None] * norms[found]
+    assert (np.abs(scores - np.take_along_axis(true, found, 1)) <= tolerance).all()
+    kth = np.sort(true, axis=1)[:, -10]
+    assert (np.take_along_axis(true, found, 1) >= kth[:, None] - tolerance).all()
+
+
+def test_prepared_rows_search_like_the_streamed_ones(kernel: str) -> None:
+    queries, vectors, ids = integer_data(7, 300, 12, 4)
+    index = ExactIndex(device="cpu", kernel=kernel, block_rows=64)
+    prepared = index.prepare(ids, torch.from_numpy(vectors))
+    assert len(prepared) == 300 and prepared.kernel == kernel
+    for largest in (True, False):
+        streamed = index.search(queries, (ids, vectors), 9, largest)
+        again = index.search(queries, prepared, 9, largest)
+        np.testing.assert_array_equal(again[1], streamed[1])
+        np.testing.assert_array_equal(again[0], streamed[0])
+    with pytest.raises(ValueError, match="prepared"):
+        index.search(queries, prepared, 3, transform=lambda block: block)
+    other = "float32" if kernel == "bfloat16" else "bfloat16"
+    with pytest.raises(ValueError, match="prepared"):
+        ExactIndex(device="cpu", kernel=other).search(queries, prepared, 3)
+    with pytest.raises(ValueError, match="one id"):
+        index.prepare(ids[:5], vectors)
+
+
+def test_auto_kernel_follows_the_cpu() -> None:
+    assert ExactIndex(device="cpu").kernel == ("bfloat16" if fast_bfloat16_matmul() else "float32")
+    assert ExactIndex(device="cpu", kernel="float32").kernel == "float32"
+    with pytest.raises(ValueError, match="kernel"):
+        ExactIndex(device="cpu", kernel="int8")

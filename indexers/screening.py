@@ -1,0 +1,146 @@
+"""The bfloat16 scoring kernel of exact search: a bf16 GEMM screens rows, float32 rescoring decides.
+
+The screen multiplies the bf16 rows by bf16 copies of the unit-norm queries ``u = q / ||q||`` (products
+accumulated in float32, result rounded to bf16). Its result differs from the true ``v . u`` by at most
+
+    ||du|| ||v|| + ||u~|| ||dv|| + 2 gamma ||u~|| (||v|| + ||dv||) + u_bf16 |out| / (1 - u_bf16)
+
+with ``u~ = bf16(u)``, ``du = u - u~`` (likewise ``dv`` for the row), ``u_bf16 = 2**-8`` the rounding of the
+result and ``gamma = d 2**-24`` the worst-case float32 accumulation error (counted twice: for the GEMM and for
+the float32 score it is compared with), all times a 1% safety factor. Taking the largest query-side factors
+and the row's largest ``|out|`` gives one bound per row, valid for every query. A row (times its scale ``s``)
+is rescored in float32 when, for some query, its upper bound reaches that query's floor: the k-th best float32
+score known so far (from earlier blocks, and from rescoring the screen's own top-k rows of this block). No row
+of the float32 top-k, ties included, can be dropped, so the result equals the float32 kernel's (scores and
+ids, ties broken by the smaller id), at close to the cost of the bf16 GEMM when candidates are few.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+BF16_ROUNDOFF = 2.0**-8
+SAFETY = 1.01  # covers the float32 rounding of the norms and of the bound itself (relative ~1e-4)
+TILE_ELEMENTS = 1 << 22  # float32 elements converted at a time (16 MB: few large ops, good on a busy CPU)
+
+
+def fast_bfloat16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices natively (AVX-512 BF16 or AMX)."""
+    cpu = getattr(torch, "cpu", None)
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """``"bfloat16"`` or ``"float32"``: ``"auto"`` picks bfloat16 on a CPU with native bf16 matmul."""
+    if kernel not in ("auto", "bfloat16", "float32"):
+        raise ValueError(f"kernel must be 'auto', 'bfloat16' or 'float32', got {kernel!r}")
+    if kernel == "auto":
+        return "bfloat16" if device.type == "cpu" and fast_bfloat16_matmul() else "float32"
+    return kernel
+
+
+@dataclass
+class ScreenedBlock:
+    """Rows ready for the bf16 kernel: the stored rows (exact), their bf16 copy, and the norms of the bound.
+
+    Row ``i`` is ``scales[i] * exact[i]`` (``scales`` ``None``: 1); ``norms`` are ``||exact[i]||`` and
+    ``residuals`` ``||exact[i] - screen[i]||``, both unscaled."""
+
+    ids: torch.Tensor
+    exact: torch.Tensor
+    scales: torch.Tensor | None
+    screen: torch.Tensor
+    norms: torch.Tensor
+    residuals: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def screened_block(ids: torch.Tensor, exact: torch.Tensor, scales: torch.Tensor | None) -> ScreenedBlock:
+    """Make the bf16 copy, the row norms and the rows' bf16 rounding errors, one float32 tile at a time
+    (converted once, then rounded and measured while it is hot)."""
+    rows = exact.shape[0]
+    if exact.dtype == torch.bfloat16:
+        norms = torch.linalg.vector_norm(exact, dim=1, dtype=torch.float32)
+        return ScreenedBlock(ids, exact, scales, exact, norms, torch.zeros_like(norms))
+    screen = torch.empty(exact.shape, dtype=torch.bfloat16, device=exact.device)
+    norms = torch.empty(rows, dtype=torch.float32, device=exact.device)
+    residuals = torch.empty_like(norms)
+    tile_rows = max(1, TILE_ELEMENTS // max(1, exact.shape[1]))
+    tile = torch.empty(min(rows, tile_rows), exact.shape[1], dtype=torch.float32, device=exact.device)
+    error = torch.empty_like(tile)
+    for start in range(0, rows, tile_rows):
+        part = slice(start, start + tile_rows)
+        n = min(rows, start + tile_rows) - start
+        values = exact[part] if exact.dtype == torch.float32 else tile[:n].copy_(exact[part])
+        screen[part].copy_(values)
+        torch.linalg.vector_norm(values, dim=1, out=norms[part])
+        torch.linalg.vector_norm(error[:n].copy_(screen[part]).sub_(values), dim=1, out=residuals[part])
+    return ScreenedBlock(ids, exact, scales, screen, norms, residuals)
+
+
+class ScreenedQueries:
+    """Signed float32 queries ``[q, d]``, and their unit-norm bf16 copy with the query side of the bound.
+
+    Screening with unit queries makes the query side of the bound the same for every query, so one bound per
+    row serves all queries (cheap per-row passes instead of per-pair ones)."""
+
+    def __init__(self, queries: torch.Tensor) -> None:
+        self.exact_t = queries.T.contiguous()
+        exact = queries.double()
+        norms = torch.linalg.vector_norm(exact, dim=1)
+        norms = torch.where(norms > 0, norms, torch.ones_like(norms))
+        unit = exact / norms[:, None]
+        rounded = unit.to(torch.float32).to(torch.bfloat16)
+        self.screen_t = rounded.T.contiguous()
+        self.norms = norms.to(torch.float32)
+        gamma = 2 * queries.shape[1] * 2.0**-24
+        rounded_norm = torch.linalg.vector_norm(rounded.double(), dim=1)
+        residual = torch.linalg.vector_norm(unit - rounded.double(), dim=1)
+        # row bound = SAFETY * (||v|| * on_norms + ||dv|| * on_residuals + OUT * max_j |out_ij|)
+        self.on_norms = SAFETY * float((residual + gamma * rounded_norm).max()) if len(norms) else 0.0
+        self.on_residuals = SAFETY * float(((1 + gamma) * rounded_norm).max()) if len(norms) else 0.0
+
+
+OUT = SAFETY * BF16_ROUNDOFF / (1 - BF16_ROUNDOFF)  # the bf16 result's rounding, relative to |result|
+FLOOR_MARGIN = 2.0**-22  # the float32 division of a floor by a query norm, relative
+
+
+def candidate_scores(
+    block: ScreenedBlock, queries: ScreenedQueries, floor: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 scores ``[q, m]`` of the block's rows ``ids [m]`` that can reach some query's top-k.
+
+    ``floor [q]`` is a lower bound of each query's final k-th best float32 score (``-inf`` when unknown). The
+    screen works in units of each query's norm: ``out_ij ~ v_i . q_j / ||q_j||``."""
+    out = (block.screen @ queries.screen_t).to(torch.float32)  # [n, q]
+    low, high = torch.aminmax(out, dim=1)
+    bound = torch.maximum(high, low.neg_()).mul_(OUT)
+    bound.add_(block.norms, alpha=queries.on_norms).add_(block.residuals, alpha=queries.on_residuals)
+    if block.scales is not None:
+        out.mul_(block.scales[:, None])
+        bound.mul_(block.scales.abs())
+    if len(block) >= k:  # the exact scores of the screen's top-k rows give a tight floor
+        best = out.topk(k, dim=0).indices.flatten().unique()
+        floor = torch.maximum(floor, _rescored(block, best, queries.exact_t).topk(k, dim=0).values[k - 1])
+    unit_floor = floor / queries.norms
+    unit_floor -= unit_floor.abs() * FLOOR_MARGIN
+    reach = out.sub_(unit_floor).amax(dim=1).add_(bound)  # best upper bound minus floor, over the queries
+    keep = (reach >= 0).nonzero().flatten()
+    return _rescored(block, keep, queries.exact_t).T, block.ids[keep]
+
+
+def _rescored(block: ScreenedBlock, rows: torch.Tensor, queries_t: torch.Tensor) -> torch.Tensor:
+    """Float32 scores ``[len(rows), q]`` of the block's ``rows``."""
+    scores = block.exact[rows].to(torch.float32) @ queries_t
+    return scores if block.scales is None else scores.mul_(block.scales[rows, None])
+
+
+def as_scales(scales: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
+    """A block's scales as a float32 tensor on ``device`` (``None`` stays ``None``)."""
+    return None if scales is None else torch.from_numpy(np.asarray(scales, np.float32)).to(device)

@@ -1,0 +1,63 @@
+"""Search over rows as stored (float16 unit rows + norm, or float32): same rows as the decoded reader, and the
+streamed first search, the cached later ones and a never-cached index all return the same top-k."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gradstore
+from gradstore.core.stored_rows import stored_blocks
+from ingest.projection import LayerSlot, ProjectionSpec
+
+DIM = 48
+
+
+def _store(path, dtype: str, rows: int = 300):
+    store = gradstore.open(path, storage_dtype=dtype)
+    spec = ProjectionSpec(0, "none", (LayerSlot("w", "linear", 8, 6, None, None, "exact", 0, DIM, False),))
+    store.create_run("r", dim=DIM, projection=spec.to_dict())
+    vectors = np.random.default_rng(0).standard_normal((rows, DIM)).astype(np.float32)
+    vectors *= np.logspace(-6, 2, rows, dtype=np.float32)[:, None]
+    with store.writer("r") as writer:
+        for start in range(0, rows, 64):
+            writer.append(vectors[start : start + 64], [f"e{i}" for i in range(start, min(rows, start + 64))],
+                          checkpoint="c", split="train")
+    return store
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_stored_blocks_hold_the_decoded_rows(tmp_path, dtype: str) -> None:
+    store = _store(tmp_path / "s", dtype)
+    decoded = store.read_gradients("r", checkpoint="c", split="train", columns=())
+    blocks = list(stored_blocks(store, "r", "c", "train", block_rows=100)())
+    assert [len(block[0]) for block in blocks] == [100, 100, 100]
+    assert all(len(block) == (3 if dtype == "float16" else 2) for block in blocks)
+    rows = np.concatenate([b[1].astype(np.float32) * (b[2][:, None] if len(b) == 3 else 1) for b in blocks])
+    np.testing.assert_array_equal(np.concatenate([b[0] for b in blocks]), decoded.grad_ids)
+    np.testing.assert_allclose(rows, decoded.vectors, rtol=1e-6)
+    assert list(stored_blocks(store, "r", "c", "train", where="example_id = 'none'")()) == []
+
+
+@pytest.mark.parametrize(("method", "dtype"), [("grad-dot", "float16"), ("grad-dot", "float32"),
+                                               ("cosine", "float16")])
+def test_streamed_cached_and_uncached_searches_agree(tmp_path, method: str, dtype: str) -> None:
+    store = _store(tmp_path / "s", dtype)
+    queries = np.random.default_rng(1).standard_normal((5, DIM)).astype(np.float32)
+    index = store.build_index("r", checkpoint="c", method=method)
+    streamed = index.search(queries, 7, largest=False)
+    cached = index.search(queries, 7, largest=False)
+    assert index._cache is not None  # the second search filled the cache
+    index.cache_bytes = 0
+    index._cache = None
+    uncached = index.search(queries, 7, largest=False)
+    for other in (cached, uncached):
+        np.testing.assert_array_equal(other[1], streamed[1])
+        np.testing.assert_allclose(other[0], streamed[0], rtol=1e-5, atol=1e-6)
+    decoded = store.read_gradients("r", checkpoint="c", split="train", columns=())
+    rows = decoded.vectors
+    if method == "cosine":
+        rows = rows / np.linalg.norm(rows, axis=1, keepdims=True)
+        queries = queries / np.linalg.norm(queries, axis=1, keepdims=True)
+    expected = np.argsort(queries.astype(np.float64) @ rows.astype(np.float64).T, axis=1, kind="stable")[:, :7]
+    np.testing.assert_array_equal(streamed[1], decoded.grad_ids[expected])
