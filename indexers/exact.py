@@ -53,8 +53,7 @@ class ExactIndex:
         signed = signed if largest else -signed
         # [d, q] contiguous: block @ queries_t is the faster orientation for BLAS (tall output).
         queries_t = signed.T.contiguous()
-        best_scores = torch.empty(signed.shape[0], 0, dtype=torch.float32, device=self.device)
-        best_ids = torch.empty(signed.shape[0], 0, dtype=torch.int64, device=self.device)
+        best = RunningTopK(signed.shape[0], k, self.device)
         buffer: torch.Tensor | None = None
         for ids, vectors, scales in map(unpack_block, source()):
             for start in range(0, len(ids), self.block_rows):
@@ -71,12 +70,9 @@ class ExactIndex:
                     scores *= torch.from_numpy(scales[start : start + self.block_rows]).to(self.device)[
                         :, None
                     ]
-                scores, candidate_ids = _block_top_k(scores.T, block_ids.to(self.device), k)
-                best_scores, best_ids = _merge(
-                    torch.cat([best_scores, scores], 1), torch.cat([best_ids, candidate_ids], 1), k
-                )
-        scores = best_scores if largest else -best_scores
-        return scores.cpu().numpy(), best_ids.cpu().numpy()
+                best.add(scores.T, block_ids.to(self.device))
+        scores, ids = best.result()
+        return (scores if largest else -scores).cpu().numpy(), ids.cpu().numpy()
 
     def _float32_block(
         self, vectors: ArrayLike, buffer: torch.Tensor | None
@@ -92,6 +88,36 @@ class ExactIndex:
         block = buffer[: raw.shape[0]]
         block.copy_(raw)
         return block, buffer
+
+
+class RunningTopK:
+    """The ``k`` best ``(score, id)`` pairs per query seen so far (best score first, ties to the smaller id).
+
+    Fed blocks of scores (:meth:`add`) or other top-k lists (:meth:`merge`): partial top-k lists of disjoint
+    rows merged this way equal the top-k of all rows, ties included. For bottom-k, feed negated scores.
+    """
+
+    def __init__(self, n_queries: int, k: int, device: str | torch.device = "cpu"):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.k = k
+        self.scores = torch.empty(n_queries, 0, dtype=torch.float32, device=device)
+        self.ids = torch.empty(n_queries, 0, dtype=torch.int64, device=device)
+
+    def add(self, scores: torch.Tensor, ids: torch.Tensor) -> None:
+        """Take in a block: ``scores [q, n]`` of the rows ``ids [n]``."""
+        scores, candidate_ids = _block_top_k(scores, ids, self.k)
+        self.merge(scores, candidate_ids)
+
+    def merge(self, scores: ArrayLike, ids: ArrayLike) -> None:
+        """Take in a top-k list: ``scores [q, m]`` and ``ids [q, m]`` (e.g. another shard's :meth:`result`)."""
+        scores = torch.as_tensor(scores, dtype=torch.float32, device=self.scores.device)
+        ids = torch.as_tensor(ids, dtype=torch.int64, device=self.ids.device)
+        self.scores, self.ids = _merge(torch.cat([self.scores, scores], 1), torch.cat([self.ids, ids], 1), self.k)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scores [q, k'], ids [q, k'])``, best first, ``k' = min(k, rows seen)``."""
+        return self.scores, self.ids
 
 
 def _block_top_k(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
