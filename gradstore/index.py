@@ -30,9 +30,11 @@ import torch
 from gradstore.core import StoreCore
 from gradstore.core import schema as S
 from gradstore.core.sidefiles import check_component
+from gradstore.engine import Engine, LocalEngine
 from gradstore.errors import IndexMismatchError, InvalidArgumentError, StoreCorruptError, UnknownIndexError
 from gradstore.fitting import FitCache, FitSpec, Selection, fit_spec
 from gradstore.methods import DEFAULT_DAMPING, BlockStructure, Method, resolve_method
+from gradstore.scans import TopK, top_k
 from gradstore.scoring import ScoringSpace
 from indexers import ExactIndex, FaissIndex, VectorBlocks, choose_index_kind, gpu_available, manifest_diff
 from indexers import IndexMismatchError as LowerIndexMismatchError
@@ -85,24 +87,38 @@ class AttributionIndex:
         """Queries in the space the stored rows are searched in."""
         return self.space.queries(queries)
 
-    def search(self, queries: np.ndarray | torch.Tensor, k: int, largest: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, queries: np.ndarray | torch.Tensor, k: int, largest: bool = True,
+               engine: Engine | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Top-k (``largest``) or bottom-k scores and ``grad_id``s for raw query vectors ``[q, dim]``."""
+        return self.search_sides(queries, k, (largest,), engine)[largest]
+
+    def search_sides(self, queries: np.ndarray | torch.Tensor, k: int, sides: tuple[bool, ...] = (True,),
+                     engine: Engine | None = None) -> TopK:
+        """Top-k (``True`` in ``sides``) and bottom-k (``False``) in one scan of the rows.
+
+        Exact search reads the rows on ``engine`` (default: this process, from the in-memory copy of the
+        prepared rows when it fits ``cache_bytes``); FAISS search runs here."""
         prepared = self.space.queries(queries)
         if self.faiss_index is not None:
-            if not largest:
+            if False in sides:
                 raise InvalidArgumentError("opponents (bottom-k) need an exact index: FAISS returns the largest "
                                            "scores only")
-            return self._searchable().search(prepared.numpy(), k)
-        return ExactIndex().search(prepared, self._rows(), k, largest=largest)
+            return {True: self._searchable().search(prepared.numpy(), k)}
+        engine = engine or LocalEngine()
+        cached = self._cached_rows() if isinstance(engine, LocalEngine) else None
+        if cached is not None:
+            return {side: ExactIndex().search(prepared, cached, k, largest=side) for side in sides}
+        shards = self.selection.shards(self.store, engine.parallelism)
+        return top_k(engine, shards, self.space, prepared, k, sides)
 
-    def _rows(self) -> VectorBlocks | tuple[np.ndarray, torch.Tensor]:
+    def _cached_rows(self) -> tuple[np.ndarray, torch.Tensor] | None:
+        """The prepared rows in memory (kept while the table's version holds), or ``None`` if too large."""
         version = self.store.table(S.GRADIENTS).version
         if self._cache is not None and self._cache[0] == version:
             return self._cache[1], self._cache[2]
-        source = prepared_source(self.space, self.selection.blocks(self.store))
         if self.selection.count(self.store) * self.manifest["dim"] * 4 > self.cache_bytes:
-            return source
-        blocks = list(source())
+            return None
+        blocks = list(prepared_source(self.space, self.selection.blocks(self.store))())
         ids = np.concatenate([b[0] for b in blocks]) if blocks else np.empty(0, np.int64)
         vectors = torch.cat([b[1] for b in blocks]) if blocks else torch.empty(0, self.manifest["dim"])
         self._cache = (version, ids, vectors)
@@ -154,9 +170,10 @@ def _expected_manifest(store: StoreCore, run: str) -> dict[str, Any]:
 
 def build_index(store: StoreCore, fits: FitCache, selection: Selection, method: str = "grad-dot", *,
                 damping: float | None = None, kind: str = "exact", name: str | None = None,
-                blocks: BlockStructure = "auto", refit: bool = False, recall_queries: int = 64) -> AttributionIndex:
-    """Fit (or reuse the fit of) the method's preconditioner over the selected rows and build the search
-    structure. An index of the same name built the same way gets the rows appended since added."""
+                blocks: BlockStructure = "auto", refit: bool = False, recall_queries: int = 64,
+                engine: Engine | None = None) -> AttributionIndex:
+    """Fit (or reuse the fit of) the method's preconditioner over the selected rows (on ``engine``) and build
+    the search structure. An index of the same name built the same way gets the rows appended since added."""
     resolved = resolve_method(method)
     if resolved.over_checkpoints:
         raise InvalidArgumentError(f"{resolved.name} sums over checkpoints and has no index; use attribute()")
@@ -169,7 +186,7 @@ def build_index(store: StoreCore, fits: FitCache, selection: Selection, method: 
         kind = choose_index_kind(rows, store.dim)
     name = check_component(name, "index name") if name is not None else default_index_name(
         selection, resolved, damping, kind)
-    preconditioner = fits.get(spec, damping, refit=refit)
+    preconditioner = fits.get(spec, damping, refit=refit, engine=engine)
     if not refit:
         existing = load_index(store, fits, name, missing_ok=True)
         if existing is not None and _same_build(existing.manifest, spec, resolved, damping, kind):
