@@ -111,8 +111,10 @@ class RunningTopK:
 
     def merge(self, scores: ArrayLike, ids: ArrayLike) -> None:
         """Take in a top-k list: ``scores [q, m]`` and ``ids [q, m]`` (e.g. another shard's :meth:`result`)."""
-        scores = torch.as_tensor(scores, dtype=torch.float32, device=self.scores.device)
-        ids = torch.as_tensor(ids, dtype=torch.int64, device=self.ids.device)
+        if isinstance(scores, np.ndarray):  # copied: arrays from another process may be read-only
+            scores, ids = torch.from_numpy(np.array(scores, np.float32)), torch.from_numpy(np.array(ids, np.int64))
+        scores = scores.to(device=self.scores.device, dtype=torch.float32)
+        ids = ids.to(device=self.ids.device, dtype=torch.int64)
         self.scores, self.ids = _merge(torch.cat([self.scores, scores], 1), torch.cat([self.ids, ids], 1), self.k)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
