@@ -34,7 +34,7 @@ from gradstore.engine import Engine, LocalEngine
 from gradstore.errors import IndexMismatchError, InvalidArgumentError, StoreCorruptError, UnknownIndexError
 from gradstore.fitting import FitCache, FitSpec, Selection, fit_spec
 from gradstore.methods import DEFAULT_DAMPING, BlockStructure, Method, resolve_method
-from gradstore.scans import TopK, top_k
+from gradstore.scans import TopK, faiss_parts, top_k
 from gradstore.scoring import ScoringSpace
 from indexers import ExactIndex, FaissIndex, VectorBlocks, choose_index_kind, gpu_available, manifest_diff
 from indexers import IndexMismatchError as LowerIndexMismatchError
@@ -203,7 +203,7 @@ def build_index(store: StoreCore, fits: FitCache, selection: Selection, method: 
     index = AttributionIndex(store, manifest, ScoringSpace(resolved, preconditioner))
     if kind != "exact":
         source = selection.blocks(store)
-        _build_faiss(index, kind, source)
+        _build_faiss(index, kind, source, engine or LocalEngine())
         index.manifest["recall_at_10"] = _measure_recall(index, source, recall_queries)
         log.info("index %s: FAISS %s recall@10 vs exact = %.3f", name, kind, index.manifest["recall_at_10"])
     index.save()
@@ -216,17 +216,29 @@ def _same_build(manifest: dict[str, Any], spec: FitSpec, method: Method, damping
             and manifest.get("fit") == spec.key() and (not method.damped or manifest["damping"] == damping))
 
 
-def _build_faiss(index: AttributionIndex, kind: str, source: VectorBlocks) -> None:
+def _build_faiss(index: AttributionIndex, kind: str, source: VectorBlocks, engine: Engine) -> None:
+    """Train on a sample of the prepared rows here, then add the rows: here, or per shard on ``engine``
+    (each task fills a copy of the trained index; the copies are merged in shard order)."""
     try:
         faiss_index = FaissIndex(kind, index.manifest["dim"], metric="ip")
     except ValueError as error:
         raise InvalidArgumentError(f"index kind {kind!r}: {error}") from error
     prepared = _numpy_source(index.space, source)
     faiss_index.train(prepared)
-    added = []
-    for ids, vectors in prepared():
-        faiss_index.add(ids, vectors)
-        added.append(ids)
+    added = [np.empty(0, np.int64)]
+    if isinstance(engine, LocalEngine):
+        for ids, vectors in prepared():
+            faiss_index.add(ids, vectors)
+            added.append(ids)
+    else:
+        parts = faiss_parts(engine, index.selection.shards(index.store, engine.parallelism, ()), index.space,
+                            faiss_index)
+        if parts:  # merged into the first part: FAISS merges only indexes of one type (as deserialized)
+            faiss_index = parts[0][0]
+        for position, (part, ids) in enumerate(parts):
+            if position:
+                faiss_index.merge_from(part)
+            added.append(ids)
     index.faiss_index, index.indexed_ids = faiss_index, np.concatenate(added)
 
 

@@ -9,7 +9,8 @@ shard's examples), never a ``queries x rows`` matrix:
 * :func:`tracin_top_k`: TracIn sums one example's rows over every checkpoint before ranking, so its shards
   are ``example_id`` ranges (:func:`gradstore.shards.example_shards`): a task holds a dense ``[queries,
   examples of its range]`` float64 sum, ranks it and returns the top-k/bottom-k examples (ties by id);
-* :func:`example_totals`: LESS selection's per-example scores (one float per example), by the same ranges.
+* :func:`example_totals`: LESS selection's per-example scores (one float per example), by the same ranges;
+* :func:`faiss_parts`: a trained FAISS index filled with each shard's rows, to be merged (index builds).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from gradstore.engine import Engine
 from gradstore.scoring import ScoringSpace
 from gradstore.shards import Shard
-from indexers import RunningTopK
+from indexers import FaissIndex, RunningTopK
 
 TopK = dict[bool, tuple[np.ndarray, np.ndarray]]
 """``{largest: (scores [q, k'], ids [q, k'])}``: top-k for ``True``, bottom-k for ``False``, best first."""
@@ -64,6 +65,23 @@ def _top_k_task(shard: Shard, job: _TopKJob) -> TopK:
         for side, running in best.items():
             running.add(scores if side else -scores, ids)
     return {side: _signed(running, side) for side, running in best.items()}
+
+
+# ---------------------------------------------------------------------------------------------- FAISS builds
+def faiss_parts(engine: Engine, shards: Sequence[Shard], space: ScoringSpace,
+                trained: FaissIndex) -> list[tuple[FaissIndex, np.ndarray]]:
+    """Per shard: a copy of the ``trained`` (empty) index holding the shard's prepared rows, and their ids
+    in the order added; merging them in shard order gives the index one process would build."""
+    return engine.map(_faiss_task, shards, (space, trained))
+
+
+def _faiss_task(shard: Shard, job: tuple[ScoringSpace, FaissIndex]) -> tuple[FaissIndex, np.ndarray]:
+    space, index = job
+    added = [np.empty(0, np.int64)]
+    for block in shard.blocks():
+        index.add(block.grad_ids, space.rows(torch.from_numpy(block.vectors)).numpy())
+        added.append(block.grad_ids)
+    return index, np.concatenate(added)
 
 
 # ---------------------------------------------------------------------------------------------- self-influence

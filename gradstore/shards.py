@@ -10,7 +10,8 @@ Two ways of splitting a selection:
 * :func:`fragment_shards`: contiguous groups of fragments balanced by row count (rows are independent:
   top-k, fitting statistics, self-influence);
 * :func:`example_shards`: every fragment, narrowed to a range of ``example_id`` values (scores summed per
-  example over several rows, e.g. TracIn's checkpoints, need every row of an example in one task).
+  example over several rows, e.g. TracIn's checkpoints, need every row of an example in one task); Lance
+  evaluates the range on the id column first and reads the vectors of the matching rows only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,20 @@ from gradstore.core.vectors import decode
 from indexers import VectorBlocks
 
 DEFAULT_BLOCK_ROWS = 65536
+#: A block's float32 vectors take at most about this many bytes (fewer rows for wide vectors).
+DEFAULT_BLOCK_BYTES = 256 << 20
+
+
+#: Batches and bytes Lance reads ahead of the consumer. Its defaults buffer far more (about 2 GB of I/O):
+#: a worker's peak memory then grew with the shard's size; with these it is about the I/O buffer plus a few
+#: blocks, whatever the shard's size.
+READAHEAD_BATCHES = 2
+IO_BUFFER_BYTES = 256 << 20
+
+
+def block_rows_for(dim: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> int:
+    """Rows per block so that one float32 block of ``dim``-wide vectors takes about ``block_bytes``."""
+    return max(1024, min(DEFAULT_BLOCK_ROWS, block_bytes // (4 * max(1, dim))))
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,7 @@ class Shard:
     filter: str | None = None
     columns: tuple[str, ...] = ("example_id",)
     block_rows: int = DEFAULT_BLOCK_ROWS
+    late_materialization: bool = False  # read vectors of matching rows only: for filters that match few rows
 
     def narrowed(self, where: str | None) -> Shard:
         """This shard with ``where`` ANDed to its filter."""
@@ -56,7 +72,9 @@ class Shard:
         fragments = [dataset.get_fragment(i) for i in self.fragments]
         wanted = ["grad_id", *[c for c in self.columns if c != "grad_id"], S.VECTOR_COLUMN, S.NORM_COLUMN]
         scanner = dataset.scanner(columns=wanted, filter=self.filter, batch_size=self.block_rows,
-                                  fragments=fragments, scan_in_order=True)
+                                  fragments=fragments, scan_in_order=True, batch_readahead=READAHEAD_BATCHES,
+                                  fragment_readahead=1, io_buffer_size=IO_BUFFER_BYTES,
+                                  late_materialization=self.late_materialization)
         metadata_columns = wanted[1:-2]
         for batch in scanner.to_batches():
             if batch.num_rows == 0:
@@ -76,12 +94,14 @@ def _dataset(store: StoreCore) -> lance.LanceDataset | None:
 
 
 def fragment_shards(store: StoreCore, where: str | None, parts: int, *, columns: Sequence[str] = ("example_id",),
-                    block_rows: int = DEFAULT_BLOCK_ROWS) -> list[Shard]:
+                    block_rows: int | None = None) -> list[Shard]:
     """The rows matching ``where`` as at most ``parts`` shards of contiguous fragments with about equal row
-    counts, in dataset order (empty when the store has no gradients)."""
+    counts, in dataset order (empty when the store has no gradients). ``block_rows`` defaults to
+    :func:`block_rows_for` the store's dim."""
     dataset = _dataset(store)
     if dataset is None:
         return []
+    block_rows = block_rows or block_rows_for(store.dim)
     fragments = dataset.get_fragments()
     sizes = np.array([fragment.count_rows() for fragment in fragments], dtype=np.int64)
     groups: list[list[int]] = [[] for _ in range(max(1, min(parts, len(fragments))))]
@@ -96,7 +116,7 @@ def fragment_shards(store: StoreCore, where: str | None, parts: int, *, columns:
 
 
 def example_shards(store: StoreCore, where: str | None, sample_where: str | None, parts: int, *,
-                   columns: Sequence[str] = ("example_id",), block_rows: int = DEFAULT_BLOCK_ROWS,
+                   columns: Sequence[str] = ("example_id",), block_rows: int | None = None,
                    sample_size: int = 4096) -> list[Shard]:
     """The rows matching ``where`` as ``parts`` (or fewer) shards of disjoint ``example_id`` ranges covering
     every id, each over all fragments: every row of an example lands in the same shard.
@@ -107,8 +127,9 @@ def example_shards(store: StoreCore, where: str | None, sample_where: str | None
     dataset = _dataset(store)
     if dataset is None:
         return []
+    block_rows = block_rows or block_rows_for(store.dim)
     whole = Shard(dataset.uri, dataset.version, tuple(f.fragment_id for f in dataset.get_fragments()),
-                  store.storage_dtype, where, tuple(columns), block_rows)
+                  store.storage_dtype, where, tuple(columns), block_rows, late_materialization=parts > 1)
     boundaries = _boundaries(dataset, sample_where, parts, sample_size) if parts > 1 else []
     ranges = list(zip([None, *boundaries], [*boundaries, None]))
     return [whole.narrowed(_range_filter(low, high)) for low, high in ranges]

@@ -49,7 +49,8 @@ class GradStore(StoreCore):
                 loss_reduction: LossReduction = RUN_DEFAULT, loss_scale: float = RUN_DEFAULT,
                 normalizer: Literal["adam_factored"] | None = None, rank: int | None = None,
                 per_example_loss: Callable[..., torch.Tensor] | None = None, grad_scaler: Any = None,
-                max_pending_batches: int = 4, writer: WriterConfig | None = None) -> StoreCapture:
+                max_pending_batches: int = 4, writer: WriterConfig | None = None,
+                resume: bool = False) -> StoreCapture:
         """Capture per-example gradients of ``model`` into run ``run`` (a context manager).
 
         Per capture: ``split`` (``"train"``/``"query"``), ``checkpoint``, ``learning_rate`` (overrides the
@@ -60,6 +61,8 @@ class GradStore(StoreCore):
         ``loss_scale`` (how the loop's loss was formed): a new run takes them as given (else the defaults:
         factorized 16 x 16, mean reduction); later captures of the run reuse the run's own unless told
         otherwise, and one whose projection differs is refused with ``ProjectionMismatchError``.
+        ``resume=True`` (a job restarted from a checkpoint): rows of ``(checkpoint, step, split, example_id)``
+        already committed to the run are skipped (:mod:`gradstore.resume`).
         """
         options = {"split": split, "checkpoint": checkpoint, "curvature": curvature, "projection": projection,
                    "k_in": k_in, "k_out": k_out, "seed": seed, "layer_types": layer_types, "include": include,
@@ -71,7 +74,7 @@ class GradStore(StoreCore):
             options["layer_types"] = tuple(layer_types)
         return StoreCapture(self, model, run, config_for_run(self, run, options), optimizer=optimizer,
                             per_example_loss=per_example_loss, grad_scaler=grad_scaler,
-                            learning_rate=learning_rate, writer_config=writer)
+                            learning_rate=learning_rate, writer_config=writer, resume=resume)
 
     # ------------------------------------------------------------------ indexes
     def build_index(self, run: str, *, checkpoint: str | None = None, method: MethodName = "grad-dot",

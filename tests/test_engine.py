@@ -171,6 +171,16 @@ def test_build_index_and_cli_on_ray(captured, ray_engine, tmp_path):
 
     index = captured.build_index("run", method="fisher", refit=True, engine=ray_engine)
     assert index.manifest["rows"] == 240
+    queries = captured.read_gradients("run", checkpoint="b", split="query").vectors
+    for kind, label in (("Flat", "flat"), ("IVF2,Flat", "ivf")):
+        local = captured.build_index("run", method="fisher", kind=kind, name=f"local-{label}", refit=True)
+        remote = captured.build_index("run", method="fisher", kind=kind, name=f"ray-{label}", refit=True,
+                                      engine=ray_engine)
+        assert remote.indexed_ids.tolist() == local.indexed_ids.tolist()  # shards merged in dataset order
+        for got, want in zip(remote.search(queries, 4), local.search(queries, 4)):
+            np.testing.assert_allclose(got, want, rtol=1e-5)
+        reloaded = captured.index(f"ray-{label}")
+        np.testing.assert_array_equal(reloaded.search(queries, 4)[1], local.search(queries, 4)[1])
     result = CliRunner().invoke(app, ["attribute", captured.uri, "--run", "run", "-k", "3", "--engine", "ray"])
     assert result.exit_code == 0, result.output
     assert result.output.count("fisher") == 15  # 5 queries x 3
