@@ -41,7 +41,7 @@ def attribute(store: StoreCore, fits: FitCache, queries: QueryInput = None, *, r
               method: str = "grad-dot", checkpoint: str | None = None, checkpoints: Sequence[str] | None = None,
               damping: float | None = None, blocks: BlockStructure = "auto", kind: str = "exact",
               opponents: bool = False, split: str = "train", where: str | None = None,
-              write: bool = True, engine: EngineName | Engine = "local") -> pa.Table:
+              write: bool = True, engine: EngineName | Engine = "local", rerank: int = 0) -> pa.Table:
     """Top-k training rows for each query; see :meth:`gradstore.GradStore.attribute`."""
     check_k(k)
     resolved = resolve_method(method)
@@ -54,7 +54,7 @@ def attribute(store: StoreCore, fits: FitCache, queries: QueryInput = None, *, r
                         kind=kind, blocks=blocks, engine=engine)
     resolved_queries = resolve_queries(store, queries, run, checkpoint)
     sides = (True, False) if opponents else (True,)
-    found = index.search_sides(resolved_queries.vectors, k, sides, engine)
+    found = index.search_sides(resolved_queries.vectors, k, sides, engine, rerank)
     table = pa.concat_tables([_result_table(store, index, resolved_queries.ids, *found[side], side)
                               for side in sides])
     if write:

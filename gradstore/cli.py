@@ -190,13 +190,15 @@ def attribute(
         blocks: BlocksOption = Blocks.auto,
         opponents: Annotated[bool, typer.Option(help="Also list the k strongest opponents.")] = False,
         out: Annotated[Path | None, typer.Option(help="Also write the results to this parquet file.")] = None,
-        engine: EngineOption = EngineChoice.local, ray_address: RayAddressOption = None) -> None:
+        engine: EngineOption = EngineChoice.local, ray_address: RayAddressOption = None,
+        rerank: Annotated[int, typer.Option(
+            help="FAISS kinds: re-score the index's rerank x k candidates exactly (0: off).")] = 0) -> None:
     """Top-k proponents (and opponents) of query examples; results are appended to the scores table."""
     selected = _csv_list(queries) if queries else where
     with _user_errors():
         table = _open(store).attribute(selected, run=run, k=k, method=method.value, checkpoint=checkpoint,
                                        damping=damping, kind=kind, blocks=blocks.value, opponents=opponents,
-                                       engine=_engine(engine, ray_address))
+                                       engine=_engine(engine, ray_address), rerank=rerank)
     if out is not None:
         import pyarrow.parquet as pq
 

@@ -34,6 +34,7 @@ from gradstore.engine import Engine, LocalEngine
 from gradstore.errors import IndexMismatchError, InvalidArgumentError, StoreCorruptError, UnknownIndexError
 from gradstore.fitting import FitCache, FitSpec, Selection, fit_spec
 from gradstore.methods import DEFAULT_DAMPING, BlockStructure, Method, resolve_method
+from gradstore.rerank import rerank as exact_rerank
 from gradstore.scans import TopK, faiss_parts, top_k
 from gradstore.scoring import ScoringSpace
 from indexers import ExactIndex, FaissIndex, VectorBlocks, choose_index_kind, gpu_available, manifest_diff
@@ -88,21 +89,25 @@ class AttributionIndex:
         return self.space.queries(queries)
 
     def search(self, queries: np.ndarray | torch.Tensor, k: int, largest: bool = True,
-               engine: Engine | None = None) -> tuple[np.ndarray, np.ndarray]:
+               engine: Engine | None = None, rerank: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Top-k (``largest``) or bottom-k scores and ``grad_id``s for raw query vectors ``[q, dim]``."""
-        return self.search_sides(queries, k, (largest,), engine)[largest]
+        return self.search_sides(queries, k, (largest,), engine, rerank)[largest]
 
     def search_sides(self, queries: np.ndarray | torch.Tensor, k: int, sides: tuple[bool, ...] = (True,),
-                     engine: Engine | None = None) -> TopK:
+                     engine: Engine | None = None, rerank: int = 0) -> TopK:
         """Top-k (``True`` in ``sides``) and bottom-k (``False``) in one scan of the rows.
 
         Exact search reads the rows on ``engine`` (default: this process, from the in-memory copy of the
-        prepared rows when it fits ``cache_bytes``); FAISS search runs here."""
+        prepared rows when it fits ``cache_bytes``); FAISS search runs here, and with ``rerank=m`` its
+        ``m * k`` best candidates are re-scored exactly from the stored rows (:mod:`gradstore.rerank`)."""
         prepared = self.space.queries(queries)
         if self.faiss_index is not None:
             if False in sides:
                 raise InvalidArgumentError("opponents (bottom-k) need an exact index: FAISS returns the largest "
                                            "scores only")
+            if rerank > 0:
+                _, candidates = self._searchable().search(prepared.numpy(), rerank * k)
+                return {True: exact_rerank(self.store, self.space, prepared, candidates, k)}
             return {True: self._searchable().search(prepared.numpy(), k)}
         engine = engine or LocalEngine()
         cached = self._cached_rows() if isinstance(engine, LocalEngine) else None

@@ -98,7 +98,7 @@ class GradStore(StoreCore):
                   checkpoint: str | None = None, checkpoints: Sequence[str] | None = None,
                   damping: float | None = None, blocks: BlockStructure = "auto", kind: IndexKind = "exact",
                   opponents: bool = False, split: str = "train", where: str | None = None,
-                  write: bool = True, engine: EngineName | Engine = "local") -> pa.Table:
+                  write: bool = True, engine: EngineName | Engine = "local", rerank: int = 0) -> pa.Table:
         """Top-k proponents (and with ``opponents=True`` the bottom-k opponents) of each query.
 
         ``queries``: ``None`` (every query row of the run at the checkpoint), a SQL filter, a list of query
@@ -107,12 +107,13 @@ class GradStore(StoreCore):
         (which sums over ``checkpoints``, default all recorded with a learning rate). ``where`` filters the
         training rows. ``engine``: where fitting and the exact scan run, ``"local"`` (this process) or
         ``"ray"`` (or a :class:`~gradstore.engine.RayEngine` with an address); both give the same results.
+        ``rerank=m`` (FAISS kinds): the index's ``m * k`` candidates are re-scored exactly from the stored rows.
         Returns ``(query_id, example_id, grad_id, score, rank, method, run_id, checkpoint, index_name)``,
         also appended to ``scores`` unless ``write=False``.
         """
         return attribute(self, self.fits, queries, run=run, k=k, method=method, checkpoint=checkpoint,
                          checkpoints=checkpoints, damping=damping, blocks=blocks, kind=kind, opponents=opponents,
-                         split=split, where=where, write=write, engine=engine)
+                         split=split, where=where, write=write, engine=engine, rerank=rerank)
 
     def score_matrix(self, queries: QueryInput = None, *, run: str, method: MethodName = "fisher",
                      checkpoint: str | None = None, damping: float | None = None, blocks: BlockStructure = "auto",
