@@ -13,8 +13,9 @@ Arms (fisher method, 64 queries, top-10; per-layer Fisher blocks fitted once, on
   ``ray seconds / in-process seconds`` is the engine's overhead (target <= 1.3);
 * the same scan over the first 25%, 50% and 100% of the fragments, both engines (cost linear in N);
 * two-stage search: a FAISS ``IVF256,SQ8`` index over the prepared rows (trained on a sample here, rows
-  added per shard on Ray and merged), its ``10 k`` candidates re-scored exactly from the store: recall@10
-  against the exact scan and time against the in-process exact scan (on these synthetic clustered rows);
+  added per shard on Ray and merged), searched with nprobe 8, its ``10 k`` candidates re-scored exactly
+  from the store: recall@10 against the exact scan, and time against the in-process exact scan (alternated;
+  on these synthetic clustered rows, not real gradients);
 * peak RSS of one scoring worker (a fresh process running one scan task over all rows or half of them)
   at two block sizes: it depends on the block size and Lance's read-ahead, not on N (Lance batches stop at
   fragment ends, so blocks are at most one fragment: 8,192 rows here).
@@ -47,7 +48,7 @@ from indexers import recall_at_k
 from ingest import LayerSlot, ProjectionSpec
 
 DIM, LAYERS, K, QUERIES, RUN = 4096, 16, 10, 64, "scale"
-ANN_KIND, RERANK = "IVF256,SQ8", 10
+ANN_KIND, NPROBE, RERANK = "IVF256,SQ8", 8, 10
 WRITE_ROWS = 8192
 
 
@@ -190,18 +191,21 @@ def main() -> None:
             print(f"  {count:>10,d} {local_f:>10.2f}s {ray_f:>7.2f}s {local_f / count * 1e5:>24.2f}s")
 
         start = time.perf_counter()
-        ann = store.build_index(RUN, method="fisher", kind=ANN_KIND, engine=ray_engine)
+        ann = store.build_index(RUN, method="fisher", kind=ANN_KIND, refit=True, engine=ray_engine)
         log(f"{ANN_KIND} build (train here, add on Ray): {time.perf_counter() - start:.1f} s")
-        exact_ids = top_k(LocalEngine(), local_shards, space, prepared, K)[True][1]
-        ann_times = []
-        for _ in range(3):
+        ann.faiss_index.nprobe = NPROBE
+        exact_times, ann_times = [], []
+        for _ in range(3):  # alternated with the in-process exact scan
+            elapsed, exact_ids = scan(LocalEngine(), local_shards, space, prepared)
+            exact_times.append(elapsed)
             start = time.perf_counter()
             _, ann_ids = ann.search(queries, K, rerank=RERANK)
             ann_times.append(time.perf_counter() - start)
-        ann_s = statistics.median(ann_times)
-        print(f"two-stage {ANN_KIND} + exact re-rank of {RERANK * K} candidates: recall@10 "
-              f"{recall_at_k(ann_ids, exact_ids):.3f}, {ann_s:.2f} s = {ann_s / local_s:.2f} of the exact scan "
-              f"(FAISS alone: recall@10 {recall_at_k(ann.search(queries, K)[1], exact_ids):.3f})")
+        ann_s, exact_s = statistics.median(ann_times), statistics.median(exact_times)
+        alone = recall_at_k(ann.search(queries, K)[1], exact_ids)
+        print(f"two-stage {ANN_KIND} (nprobe {NPROBE}) + exact re-rank of {RERANK * K} candidates: recall@10 "
+              f"{recall_at_k(ann_ids, exact_ids):.3f} (FAISS alone {alone:.3f}), {ann_s:.2f} s vs exact scan "
+              f"{exact_s:.2f} s: {ann_s / exact_s:.2f} (target <= 0.2)")
     finally:
         ray.shutdown()
 
