@@ -10,6 +10,7 @@ os.environ.setdefault("LANCE_LOG", "error")  # Lance logs a warning for every ta
 
 from gradstore.attribution import ScoreMatrix
 from gradstore.core import GradientBlock, GradientWriter, StoreCore, WriterConfig
+from gradstore.engine import LocalEngine, RayEngine
 from gradstore.errors import (
     GradstoreError,
     IndexMismatchError,
@@ -35,8 +36,9 @@ from gradstore.store import open_store as open
 
 __all__ = [
     "GradStore", "GradientBlock", "GradientWriter", "GradstoreError", "IndexMismatchError", "InvalidArgumentError",
-    "InvalidFilterError", "InvalidNameError", "MissingCurvatureError", "MissingIdsError", "NonFiniteGradientError",
-    "NotAStoreError", "ProjectionMismatchError", "QueryBatch", "RecomputationError", "SQLError",
+    "InvalidFilterError", "InvalidNameError", "LocalEngine", "MissingCurvatureError", "MissingIdsError",
+    "NonFiniteGradientError", "NotAStoreError", "ProjectionMismatchError", "QueryBatch", "RayEngine",
+    "RecomputationError", "SQLError",
     "SchemaMismatchError", "ScoreMatrix", "StoreCore", "StoreCorruptError", "UnknownIndexError", "UnknownRunError",
     "WriterClosedError", "WriterConfig", "open",
 ]

@@ -1,6 +1,7 @@
 """Attribution: top-k proponents/opponents of queries, TracIn over checkpoints, dense score matrices and
 self-influence, all scored through :class:`~gradstore.scoring.ScoringSpace` with fits from the store's
-:class:`~gradstore.fitting.FitCache`.
+:class:`~gradstore.fitting.FitCache`. Top-k, TracIn and self-influence run as scans on an engine
+(:mod:`gradstore.scans`: in this process by default, or on Ray), never holding a queries x rows matrix.
 
 Every top-k result is a pyarrow Table and is also appended to the store's ``scores`` (or ``self_influence``)
 table, so it can be joined with ``examples`` in SQL. Proponents get ranks 1..k (most supportive first);
@@ -9,6 +10,7 @@ opponents get ranks -1..-k (most opposing first).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -17,37 +19,44 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
+from gradstore import scans
 from gradstore.core import StoreCore, sql_literal
 from gradstore.core import schema as S
+from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError, MissingIdsError
 from gradstore.fitting import FitCache, Selection, fit_spec
 from gradstore.index import AttributionIndex, build_index
 from gradstore.methods import BlockStructure, Method, check_k, resolve_method
 from gradstore.queries import Queries, QueryInput, resolve_queries
 from gradstore.scoring import ScoringSpace
+from gradstore.shards import Shard, example_shards
 from indexers import IdentityPreconditioner
+
+#: Examples a TracIn or selection task sums at most (about; ranges come from a sample of the ids): bounds
+#: a task's dense ``[queries, examples]`` float64 sum (64 queries: 32 MB).
+EXAMPLES_PER_TASK = 65536
 
 
 def attribute(store: StoreCore, fits: FitCache, queries: QueryInput = None, *, run: str, k: int = 10,
               method: str = "grad-dot", checkpoint: str | None = None, checkpoints: Sequence[str] | None = None,
               damping: float | None = None, blocks: BlockStructure = "auto", kind: str = "exact",
               opponents: bool = False, split: str = "train", where: str | None = None,
-              write: bool = True) -> pa.Table:
+              write: bool = True, engine: EngineName | Engine = "local", rerank: int = 0) -> pa.Table:
     """Top-k training rows for each query; see :meth:`gradstore.GradStore.attribute`."""
     check_k(k)
     resolved = resolve_method(method)
+    engine = resolve_engine(engine)
     if resolved.over_checkpoints:
         return tracin(store, queries, run=run, k=k, checkpoints=checkpoints, opponents=opponents, split=split,
-                      where=where, write=write)
+                      where=where, write=write, engine=engine)
     checkpoint = checkpoint or store.default_checkpoint(run)
     index = build_index(store, fits, Selection(run, checkpoint, split, where), resolved.name, damping=damping,
-                        kind=kind, blocks=blocks)
+                        kind=kind, blocks=blocks, engine=engine)
     resolved_queries = resolve_queries(store, queries, run, checkpoint)
-    parts = []
-    for largest in [True, False] if opponents else [True]:
-        scores, grad_ids = index.search(resolved_queries.vectors, k, largest=largest)
-        parts.append(_result_table(store, index, resolved_queries.ids, scores, grad_ids, largest))
-    table = pa.concat_tables(parts)
+    sides = (True, False) if opponents else (True,)
+    found = index.search_sides(resolved_queries.vectors, k, sides, engine, rerank)
+    table = pa.concat_tables([_result_table(store, index, resolved_queries.ids, *found[side], side)
+                              for side in sides])
     if write:
         store.append_results(S.SCORES, table)
     return table
@@ -137,39 +146,6 @@ def learning_rates(store: StoreCore, run: str, checkpoints: Sequence[str] | None
     return {c: float(recorded[c]) for c in wanted}
 
 
-class ExampleScores:
-    """A dense ``[queries, examples]`` score accumulator keyed by ``example_id`` (for sums over checkpoints)."""
-
-    def __init__(self, n_queries: int) -> None:
-        self.n_queries = n_queries
-        self.position: dict[str, int] = {}
-        self._scores = torch.zeros(n_queries, 0, dtype=torch.float64)
-
-    def add(self, example_ids: Sequence[str], scores: torch.Tensor) -> None:
-        """Add ``scores [queries, rows]`` to the rows' examples (several rows of one example add up)."""
-        columns = []
-        for example_id in example_ids:
-            if example_id not in self.position:
-                self.position[example_id] = len(self.position)
-            columns.append(self.position[example_id])
-        if len(self.position) > self._scores.shape[1]:
-            grown = torch.zeros(self.n_queries, max(len(self.position), 2 * self._scores.shape[1]),
-                                dtype=torch.float64)
-            grown[:, :self._scores.shape[1]] = self._scores
-            self._scores = grown
-        self._scores.index_add_(1, torch.tensor(columns, dtype=torch.long), scores.to(torch.float64))
-
-    @property
-    def matrix(self) -> torch.Tensor:
-        """The accumulated ``[queries, examples]`` scores (columns in :attr:`example_ids` order)."""
-        return self._scores[:, :len(self.position)]
-
-    @property
-    def example_ids(self) -> list[str]:
-        """Example ids in column order."""
-        return list(self.position)
-
-
 def checkpoint_queries(store: StoreCore, queries: QueryInput, run: str, checkpoints: Sequence[str]
                        ) -> Iterator[tuple[str, Queries]]:
     """The queries resolved at each checkpoint, in the order of the first checkpoint's ids."""
@@ -189,45 +165,57 @@ def checkpoint_queries(store: StoreCore, queries: QueryInput, run: str, checkpoi
 
 def tracin(store: StoreCore, queries: QueryInput = None, *, run: str, k: int = 10,
            checkpoints: Sequence[str] | None = None, opponents: bool = False, split: str = "train",
-           where: str | None = None, write: bool = True) -> pa.Table:
+           where: str | None = None, write: bool = True, engine: EngineName | Engine = "local") -> pa.Table:
     """TracIn-CP: ``score(q, x) = sum_c lr_c * q_c . g_c(x)``, a learning-rate weighted sum of per-checkpoint
     grad-dot scores, summed exactly per example before ranking (not a merge of per-checkpoint top-k lists).
-    Queries must be stored query rows captured at every checkpoint (ids, a filter, or ``None`` for all)."""
+    Queries must be stored query rows captured at every checkpoint (ids, a filter, or ``None`` for all).
+
+    Streaming: the training rows are split into ``example_id`` ranges (:func:`gradstore.shards.example_shards`)
+    so that every row of an example, at every checkpoint, is summed by one task; each task ranks its
+    examples and the top-k lists are merged (ties: the smaller example id)."""
     check_k(k)
+    engine = resolve_engine(engine)
     rates = learning_rates(store, run, checkpoints)
     space = ScoringSpace(resolve_method("grad-dot"), IdentityPreconditioner())
-    accumulator: ExampleScores | None = None
+    weighted: list[tuple[str, torch.Tensor]] = []
     query_ids: list[str] = []
     progress = tqdm(checkpoint_queries(store, queries, run, list(rates)), total=len(rates),
                     desc="tracin checkpoints", disable=len(rates) < 4)
     for checkpoint, resolved in progress:
         query_ids = resolved.ids
-        accumulator = accumulator or ExampleScores(len(query_ids))
         prepared = space.queries(resolved.vectors).to(torch.float64) * rates[checkpoint]
-        for block in _selected(store, Selection(run, checkpoint, split, where)):
-            rows = torch.from_numpy(block.vectors).to(torch.float64)
-            accumulator.add(block.metadata.column("example_id").to_pylist(), prepared @ space.rows(rows).T)
-    table = ranked_examples(accumulator, query_ids, k, opponents, method=resolve_method("tracin"), run=run,
-                            checkpoint=",".join(rates))
+        weighted.append((Selection(run, checkpoint, split, where).filter, prepared))
+    sides = (True, False) if opponents else (True,)
+    shards = per_example_shards(store, engine, [Selection(run, c, split, where) for c in rates])
+    found = scans.tracin_top_k(engine, shards, space, weighted, k, sides)
+    table = _example_table(found, query_ids, sides, method=resolve_method("tracin"), run=run,
+                           checkpoint=",".join(rates))
     if write:
         store.append_results(S.SCORES, table)
     return table
 
 
-def ranked_examples(accumulator: ExampleScores, query_ids: list[str], k: int, opponents: bool, *, method: Method,
-                    run: str, checkpoint: str) -> pa.Table:
-    """The top-k (and bottom-k) examples per query of an accumulator as a ``scores`` table (ties by id)."""
-    matrix, example_ids = accumulator.matrix, np.asarray(accumulator.example_ids, dtype=object)
-    width = min(k, matrix.shape[1])
+def per_example_shards(store: StoreCore, engine: Engine, selections: Sequence[Selection]) -> list[Shard]:
+    """Shards of disjoint ``example_id`` ranges over every row of the store (tasks narrow them to each of
+    ``selections``): ``engine.parallelism`` of them, more when the first selection has more than
+    :data:`EXAMPLES_PER_TASK` rows per shard."""
+    first = selections[0]
+    parts = max(engine.parallelism, math.ceil(first.count(store) / EXAMPLES_PER_TASK))
+    return example_shards(store, None, first.filter, parts)
+
+
+def _example_table(found: scans.ExampleTopK, query_ids: list[str], sides: tuple[bool, ...], *, method: Method,
+                   run: str, checkpoint: str) -> pa.Table:
+    """The per-example top-k (and bottom-k) lists as a ``scores`` table (no ``grad_id``: sums over rows)."""
     columns: dict[str, list] = {name: [] for name in ("query_id", "example_id", "score", "rank")}
-    for largest in [True, False] if opponents else [True]:
+    for side in sides:
+        scores, example_ids = found[side]
+        width = scores.shape[1]
         for row, query_id in enumerate(query_ids):
-            scores = matrix[row].numpy()
-            order = np.lexsort((example_ids.astype(str), -scores if largest else scores))[:width]
             columns["query_id"] += [query_id] * width
-            columns["example_id"] += example_ids[order].tolist()
-            columns["score"] += scores[order].tolist()
-            columns["rank"] += [(r + 1) * (1 if largest else -1) for r in range(width)]
+            columns["example_id"] += example_ids[row].tolist()
+            columns["score"] += scores[row].tolist()
+            columns["rank"] += [(r + 1) * (1 if side else -1) for r in range(width)]
     n = len(columns["rank"])
     return pa.table({"query_id": pa.array(columns["query_id"], pa.string()),
                      "example_id": pa.array(columns["example_id"], pa.string()),
@@ -242,26 +230,25 @@ def ranked_examples(accumulator: ExampleScores, query_ids: list[str], k: int, op
 # ---------------------------------------------------------------------------------------------- self-influence
 def self_influence(store: StoreCore, fits: FitCache, *, run: str, method: str = "fisher",
                    checkpoint: str | None = None, damping: float | None = None, blocks: BlockStructure = "auto",
-                   split: str = "train", where: str | None = None, write: bool = True) -> pa.Table:
+                   split: str = "train", where: str | None = None, write: bool = True,
+                   engine: EngineName | Engine = "local") -> pa.Table:
     """``g^T P^-1 g`` for every selected training row; see :meth:`gradstore.GradStore.self_influence`."""
     resolved = resolve_method(method)
     if resolved.name == "cosine" or resolved.over_checkpoints:
         raise InvalidArgumentError(f"self-influence under {resolved.name!r} is not informative; use grad-dot, "
                                    "diagonal, fisher, kfac or ekfac")
+    engine = resolve_engine(engine)
     checkpoint = checkpoint or store.default_checkpoint(run)
     selection = Selection(run, checkpoint, split, where)
-    space = ScoringSpace(resolved, fits.get(fit_spec(store, selection, resolved, blocks), damping))
-    parts = []
-    for block in _selected(store, selection):
-        values = space.self_influence(torch.from_numpy(block.vectors)).numpy()
-        n = len(block)
-        parts.append(pa.table({"example_id": block.metadata.column("example_id"),
-                               "grad_id": pa.array(block.grad_ids, pa.int64()),
-                               "run_id": pa.array([run] * n, pa.string()),
-                               "checkpoint": pa.array([checkpoint] * n, pa.string()),
-                               "method": pa.array([resolved.name] * n, pa.string()),
-                               "self_influence": pa.array(values, pa.float64())}))
-    table = pa.concat_tables(parts).sort_by([("self_influence", "descending")])
+    space = ScoringSpace(resolved, fits.get(fit_spec(store, selection, resolved, blocks), damping, engine=engine))
+    values = scans.self_influence(engine, selection.shards(store, engine.parallelism, ("example_id",)), space)
+    n = values.num_rows
+    table = pa.table({"example_id": values.column("example_id"), "grad_id": values.column("grad_id"),
+                      "run_id": pa.array([run] * n, pa.string()),
+                      "checkpoint": pa.array([checkpoint] * n, pa.string()),
+                      "method": pa.array([resolved.name] * n, pa.string()),
+                      "self_influence": values.column("self_influence")})
+    table = table.sort_by([("self_influence", "descending")])
     if write:
         store.append_results(S.SELF_INFLUENCE, table)
     return table

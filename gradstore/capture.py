@@ -19,6 +19,7 @@ from torch import nn
 from gradstore.basis import run_basis, save_basis
 from gradstore.core import GradientWriter, StoreCore, WriterConfig
 from gradstore.errors import InvalidArgumentError, InvalidNameError, translated
+from gradstore.resume import CommittedRows
 from ingest import CaptureConfig, CapturedBatch, GradientCapture, ProjectionSpec
 
 #: Options that define a run's vectors (or how its loss was formed): later captures of the run reuse them.
@@ -70,7 +71,8 @@ class StoreCapture:
     def __init__(self, store: StoreCore, model: nn.Module, run: str, config: CaptureConfig, *,
                  optimizer: torch.optim.Optimizer | None = None,
                  per_example_loss: Callable[..., torch.Tensor] | None = None, grad_scaler: Any | None = None,
-                 learning_rate: float | None = None, writer_config: WriterConfig | None = None) -> None:
+                 learning_rate: float | None = None, writer_config: WriterConfig | None = None,
+                 resume: bool = False) -> None:
         self.store = store
         self.run_id = run
         self.learning_rate = learning_rate
@@ -81,7 +83,9 @@ class StoreCapture:
         self._writer_config = writer_config
         self._writer = None
         self._seen: dict[str, dict[str, Any]] = {}  # checkpoint -> last step/epoch/lr of its training rows
+        self._committed = CommittedRows(store, run) if resume else None
         self.rows_written = 0
+        self.rows_skipped = 0  # rows of re-run steps already in the store (resume=True)
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> StoreCapture:
@@ -181,6 +185,12 @@ class StoreCapture:
     # ------------------------------------------------------------------ sink
     def _write(self, batch: CapturedBatch) -> None:
         lr = self.learning_rate if self.learning_rate is not None else batch.learning_rate
+        if self._committed is not None:
+            fresh = self._committed.new_rows(batch)
+            self.rows_skipped += len(batch.example_ids) - (0 if fresh is None else len(fresh.example_ids))
+            if fresh is None:
+                return
+            batch = fresh
         self._writer.append(
             batch.grads.numpy(), batch.example_ids, checkpoint=batch.checkpoint, step=batch.step,
             epoch=batch.epoch, example_hash=batch.example_hash, split=batch.split, rank=batch.rank,

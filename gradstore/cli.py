@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from gradstore.engine import resolve_engine
 from gradstore.errors import GradstoreError
 from gradstore.index import index_summary
 
@@ -38,7 +39,16 @@ class Blocks(str, Enum):
     full = "full"
 
 
+class EngineChoice(str, Enum):
+    local = "local"
+    ray = "ray"
+
+
 MethodOption = Annotated[Method, typer.Option(help="Attribution method (fisher: projected Fisher influence).")]
+EngineOption = Annotated[EngineChoice, typer.Option(
+    "--engine", help="Where fitting and scans run: this process, or a Ray cluster.")]
+RayAddressOption = Annotated[str | None, typer.Option(
+    "--ray-address", help="Ray cluster address (with --engine ray; default: RAY_ADDRESS, else a local cluster).")]
 BlocksOption = Annotated[Blocks, typer.Option(help="Fisher blocks: one per layer, one full block, or auto.")]
 
 
@@ -148,6 +158,10 @@ def verify(store: StoreArg) -> None:
     typer.echo("ok")
 
 
+def _engine(engine: EngineChoice, address: str | None):
+    return resolve_engine(engine.value, address)
+
+
 def _print_table(table, limit: int = 50) -> None:
     typer.echo(table.to_pandas().to_string(index=False, max_rows=limit))
 
@@ -165,11 +179,13 @@ def build_index_command(
         damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
         kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
         blocks: BlocksOption = Blocks.auto,
-        refit: Annotated[bool, typer.Option(help="Fit again instead of reusing the store's fit.")] = False) -> None:
+        refit: Annotated[bool, typer.Option(help="Fit again instead of reusing the store's fit.")] = False,
+        engine: EngineOption = EngineChoice.local, ray_address: RayAddressOption = None) -> None:
     """Fit a preconditioner (or reuse the store's fit) and build (or update) a persisted index."""
     with _user_errors():
         index = _open(store).build_index(run, checkpoint=checkpoint, method=method.value, damping=damping,
-                                         kind=kind, blocks=blocks.value, refit=refit)
+                                         kind=kind, blocks=blocks.value, refit=refit,
+                                         engine=_engine(engine, ray_address))
     typer.echo(json.dumps(index_summary(index), indent=2))
 
 
@@ -187,12 +203,16 @@ def attribute(
         kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
         blocks: BlocksOption = Blocks.auto,
         opponents: Annotated[bool, typer.Option(help="Also list the k strongest opponents.")] = False,
-        out: Annotated[Path | None, typer.Option(help="Also write the results to this parquet file.")] = None) -> None:
+        out: Annotated[Path | None, typer.Option(help="Also write the results to this parquet file.")] = None,
+        engine: EngineOption = EngineChoice.local, ray_address: RayAddressOption = None,
+        rerank: Annotated[int, typer.Option(
+            help="FAISS kinds: re-score the index's rerank x k candidates exactly (0: off).")] = 0) -> None:
     """Top-k proponents (and opponents) of query examples; results are appended to the scores table."""
     selected = _csv_list(queries) if queries else where
     with _user_errors():
         table = _open(store).attribute(selected, run=run, k=k, method=method.value, checkpoint=checkpoint,
-                                       damping=damping, kind=kind, blocks=blocks.value, opponents=opponents)
+                                       damping=damping, kind=kind, blocks=blocks.value, opponents=opponents,
+                                       engine=_engine(engine, ray_address), rerank=rerank)
     if out is not None:
         import pyarrow.parquet as pq
 
@@ -210,14 +230,16 @@ def select(
         preconditioner: Annotated[str, typer.Option(
             help="Space of the cosine: grad-dot, diagonal, fisher.")] = "grad-dot",
         aggregate: Annotated[str, typer.Option(help="max (LESS) or mean over the target set.")] = "max",
-        out: Annotated[Path | None, typer.Option(help="Write the selection to this parquet file.")] = None) -> None:
+        out: Annotated[Path | None, typer.Option(help="Write the selection to this parquet file.")] = None,
+        engine: EngineOption = EngineChoice.local, ray_address: RayAddressOption = None) -> None:
     """LESS-style data selection: the training examples most aligned with a target set."""
     from gradstore.selection import export_selection
 
     with _user_errors():
         count_or_fraction = int(budget) if budget > 1 and budget.is_integer() else budget
         table = _open(store).select(_csv_list(target), run=run, budget=count_or_fraction,
-                                    preconditioner=preconditioner, aggregate=aggregate)
+                                    preconditioner=preconditioner, aggregate=aggregate,
+                                    engine=_engine(engine, ray_address))
     if out is not None:
         export_selection(table, out)
         typer.echo(f"wrote {table.num_rows} selected examples to {out}", err=True)
@@ -230,10 +252,12 @@ def self_influence_command(
         run: Annotated[str, typer.Option(help="Run whose training rows are scored.")],
         method: MethodOption = Method.fisher,
         checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
-        top: Annotated[int, typer.Option(help="Rows shown.")] = 20) -> None:
+        top: Annotated[int, typer.Option(help="Rows shown.")] = 20,
+        engine: EngineOption = EngineChoice.local, ray_address: RayAddressOption = None) -> None:
     """Self-influence of every training row (written to the self_influence table); shows the largest."""
     with _user_errors():
-        table = _open(store).self_influence(run=run, method=method.value, checkpoint=checkpoint)
+        table = _open(store).self_influence(run=run, method=method.value, checkpoint=checkpoint,
+                                            engine=_engine(engine, ray_address))
     _print_table(table.select(["example_id", "self_influence", "checkpoint", "method"]).slice(0, top), limit=top)
 
 

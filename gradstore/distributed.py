@@ -273,7 +273,8 @@ def distributed_capture(store: GradStore, model: nn.Module, run: str, *, commit_
 
     Call it on every rank (it is collective). ``commit_every``: optimizer steps between collective commits.
     ``options`` are the flat options of :meth:`ingest.CaptureConfig.from_options`, as for
-    :meth:`GradStore.capture`; ``rank`` defaults to the process's rank. ``timeout`` bounds each collective (default: torch's).
+    :meth:`GradStore.capture`; ``rank`` defaults to the process's rank. ``timeout`` bounds each collective
+    (default: torch's).
     """
     return DistributedCapture(store, model, run, config_for_run(store, run, options), commit_every=commit_every,
                               timeout=timeout, optimizer=optimizer, per_example_loss=per_example_loss,

@@ -5,6 +5,10 @@ eigenvalue correction). Damping is not part of the key: a fit keeps its eigendec
 when it is used, so one fit serves every damping. Fits are held in memory and persisted as side files
 (``fits/<key>/``, a manifest written last) with the row count and largest ``grad_id`` they were fitted
 on; rows appended to the selection since make the fit stale, and it is fitted again.
+
+A fit runs on an :mod:`engine <gradstore.engine>`: each pass of the preconditioner computes partial
+statistics per shard of the selection (in this process, or as Ray tasks) and merges them exactly on the
+caller's side (:func:`fit_on`).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import numpy as np
 
 from gradstore.core import StoreCore, gradient_filter
 from gradstore.core import schema as S
+from gradstore.engine import Engine, LocalEngine
 from gradstore.errors import InvalidArgumentError, MissingCurvatureError, StoreCorruptError
 from gradstore.methods import DEFAULT_DAMPING, FULL_FISHER_MAX_DIM, BlockStructure, Method, check_blocks
-from indexers import Preconditioner, VectorBlocks, load_preconditioner, make_preconditioner
+from gradstore.shards import Shard, fragment_shards
+from indexers import FitStatistics, Preconditioner, VectorBlocks, load_preconditioner, make_preconditioner
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,10 @@ class Selection:
                 yield block.grad_ids, block.vectors
 
         return source
+
+    def shards(self, store: StoreCore, parts: int, columns: tuple[str, ...] = ()) -> list[Shard]:
+        """The selected rows as at most ``parts`` shards of fragments (see :mod:`gradstore.shards`)."""
+        return fragment_shards(store, self.filter, parts, columns=columns)
 
     def state(self, store: StoreCore) -> tuple[int, int]:
         """``(rows, largest grad_id)`` of the selection now: a fit of other rows is stale."""
@@ -103,15 +113,16 @@ class FitCache:
         self._fits: dict[FitSpec, tuple[tuple[int, int], Preconditioner]] = {}
         self.fitted = 0  # passes over the data made by this cache (for tests and logs)
 
-    def get(self, spec: FitSpec, damping: float | None = None, *, refit: bool = False) -> Preconditioner:
+    def get(self, spec: FitSpec, damping: float | None = None, *, refit: bool = False,
+            engine: Engine | None = None) -> Preconditioner:
         """The preconditioner of ``spec`` re-damped to ``damping`` (default 0.1; ignored by undamped ones),
-        fitted now only if no up-to-date fit exists (or ``refit``)."""
+        fitted now (on ``engine``, default in this process) only if no up-to-date fit exists (or ``refit``)."""
         state = spec.selection.state(self.store)
         if state[0] == 0:
             raise InvalidArgumentError(f"no rows match {spec.selection}: capture the run first")
         fitted = None if refit else self._cached(spec, state)
         if fitted is None:
-            fitted = self._fit(spec)
+            fitted = self._fit(spec, engine or LocalEngine())
             self._save(spec, state, fitted)
         self._fits[spec] = (state, fitted)
         damping = DEFAULT_DAMPING if damping is None else float(damping)
@@ -137,10 +148,10 @@ class FitCache:
             raise StoreCorruptError(f"fitted preconditioner {key} of store {self.store.uri} is damaged: {error}") \
                 from error
 
-    def _fit(self, spec: FitSpec) -> Preconditioner:
+    def _fit(self, spec: FitSpec, engine: Engine) -> Preconditioner:
         preconditioner = self._unfitted(spec)
         self.fitted += 1
-        return preconditioner.fit(spec.selection.blocks(self.store))
+        return fit_on(engine, spec.selection.shards(self.store, engine.parallelism), preconditioner)
 
     def _unfitted(self, spec: FitSpec) -> Preconditioner:
         name = spec.preconditioner
@@ -179,3 +190,17 @@ class FitCache:
                     "projection_fingerprint": self.store.run(spec.selection.run)["projection_fingerprint"],
                     "fitted_at": datetime.now(timezone.utc).isoformat()}
         self.store.files.write_bytes(json.dumps(manifest, indent=2, sort_keys=True).encode(), FITS, key, MANIFEST)
+
+
+def fit_on(engine: Engine, shards: list[Shard], preconditioner: Preconditioner) -> Preconditioner:
+    """Fit ``preconditioner`` over the rows of ``shards``: per pass, statistics per shard on ``engine``,
+    merged in shard order, then finished here."""
+    for stage in range(preconditioner.passes):
+        parts = engine.map(_statistics, shards, (preconditioner, stage))
+        preconditioner.finish(FitStatistics.combine(parts), stage)
+    return preconditioner
+
+
+def _statistics(shard: Shard, payload: tuple[Preconditioner, int]) -> FitStatistics:
+    preconditioner, stage = payload
+    return preconditioner.statistics(shard.source(), stage)

@@ -32,9 +32,12 @@ from gradstore.core import StoreCore
 from gradstore.core import schema as S
 from gradstore.core.sidefiles import check_component
 from gradstore.core.stored_rows import in_memory, stored_blocks
+from gradstore.engine import Engine, LocalEngine
 from gradstore.errors import IndexMismatchError, InvalidArgumentError, StoreCorruptError, UnknownIndexError
 from gradstore.fitting import FitCache, FitSpec, Selection, fit_spec
 from gradstore.methods import DEFAULT_DAMPING, BlockStructure, Method, resolve_method
+from gradstore.rerank import rerank as exact_rerank
+from gradstore.scans import TopK, faiss_parts, top_k
 from gradstore.scoring import ScoringSpace
 from indexers import (
     ExactIndex,
@@ -97,15 +100,33 @@ class AttributionIndex:
         """Queries in the space the stored rows are searched in."""
         return self.space.queries(queries)
 
-    def search(self, queries: np.ndarray | torch.Tensor, k: int, largest: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, queries: np.ndarray | torch.Tensor, k: int, largest: bool = True,
+               engine: Engine | None = None, rerank: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Top-k (``largest``) or bottom-k scores and ``grad_id``s for raw query vectors ``[q, dim]``."""
+        return self.search_sides(queries, k, (largest,), engine, rerank)[largest]
+
+    def search_sides(self, queries: np.ndarray | torch.Tensor, k: int, sides: tuple[bool, ...] = (True,),
+                     engine: Engine | None = None, rerank: int = 0) -> TopK:
+        """Top-k (``True`` in ``sides``) and bottom-k (``False``) in one scan of the rows.
+
+        Exact search reads the rows on ``engine`` (default: this process, from the in-memory copy of the
+        prepared rows when it fits ``cache_bytes``); FAISS search runs here, and with ``rerank=m`` its
+        ``m * k`` best candidates are re-scored exactly from the stored rows (:mod:`gradstore.rerank`)."""
         prepared = self.space.queries(queries)
         if self.faiss_index is not None:
-            if not largest:
+            if False in sides:
                 raise InvalidArgumentError("opponents (bottom-k) need an exact index: FAISS returns the largest "
                                            "scores only")
-            return self._searchable().search(prepared.numpy(), k)
-        return ExactIndex().search(prepared, self._rows(), k, largest=largest)
+            if rerank > 0:
+                _, candidates = self._searchable().search(prepared.numpy(), rerank * k)
+                return {True: exact_rerank(self.store, self.space, prepared, candidates, k)}
+            return {True: self._searchable().search(prepared.numpy(), k)}
+        engine = engine or LocalEngine()
+        if isinstance(engine, LocalEngine):  # stream the stored rows with read-ahead, or search the cache
+            rows = self._rows()
+            return {side: ExactIndex().search(prepared, rows, k, largest=side) for side in sides}
+        shards = self.selection.shards(self.store, engine.parallelism)
+        return top_k(engine, shards, self.space, prepared, k, sides)
 
     def _rows(self) -> VectorBlocks | PreparedRows:
         version = self.store.table(S.GRADIENTS).version
@@ -173,9 +194,10 @@ def _expected_manifest(store: StoreCore, run: str) -> dict[str, Any]:
 
 def build_index(store: StoreCore, fits: FitCache, selection: Selection, method: str = "grad-dot", *,
                 damping: float | None = None, kind: str = "exact", name: str | None = None,
-                blocks: BlockStructure = "auto", refit: bool = False, recall_queries: int = 64) -> AttributionIndex:
-    """Fit (or reuse the fit of) the method's preconditioner over the selected rows and build the search
-    structure. An index of the same name built the same way gets the rows appended since added."""
+                blocks: BlockStructure = "auto", refit: bool = False, recall_queries: int = 64,
+                engine: Engine | None = None) -> AttributionIndex:
+    """Fit (or reuse the fit of) the method's preconditioner over the selected rows (on ``engine``) and build
+    the search structure. An index of the same name built the same way gets the rows appended since added."""
     resolved = resolve_method(method)
     if resolved.over_checkpoints:
         raise InvalidArgumentError(f"{resolved.name} sums over checkpoints and has no index; use attribute()")
@@ -188,7 +210,7 @@ def build_index(store: StoreCore, fits: FitCache, selection: Selection, method: 
         kind = choose_index_kind(rows, store.dim)
     name = check_component(name, "index name") if name is not None else default_index_name(
         selection, resolved, damping, kind)
-    preconditioner = fits.get(spec, damping, refit=refit)
+    preconditioner = fits.get(spec, damping, refit=refit, engine=engine)
     if not refit:
         existing = load_index(store, fits, name, missing_ok=True)
         if existing is not None and _same_build(existing.manifest, spec, resolved, damping, kind):
@@ -205,7 +227,7 @@ def build_index(store: StoreCore, fits: FitCache, selection: Selection, method: 
     index = AttributionIndex(store, manifest, ScoringSpace(resolved, preconditioner))
     if kind != "exact":
         source = selection.blocks(store)
-        _build_faiss(index, kind, source)
+        _build_faiss(index, kind, source, engine or LocalEngine())
         index.manifest["recall_at_10"] = _measure_recall(index, source, recall_queries)
         log.info("index %s: FAISS %s recall@10 vs exact = %.3f", name, kind, index.manifest["recall_at_10"])
     index.save()
@@ -218,17 +240,29 @@ def _same_build(manifest: dict[str, Any], spec: FitSpec, method: Method, damping
             and manifest.get("fit") == spec.key() and (not method.damped or manifest["damping"] == damping))
 
 
-def _build_faiss(index: AttributionIndex, kind: str, source: VectorBlocks) -> None:
+def _build_faiss(index: AttributionIndex, kind: str, source: VectorBlocks, engine: Engine) -> None:
+    """Train on a sample of the prepared rows here, then add the rows: here, or per shard on ``engine``
+    (each task fills a copy of the trained index; the copies are merged in shard order)."""
     try:
         faiss_index = FaissIndex(kind, index.manifest["dim"], metric="ip")
     except ValueError as error:
         raise InvalidArgumentError(f"index kind {kind!r}: {error}") from error
     prepared = _numpy_source(index.space, source)
     faiss_index.train(prepared)
-    added = []
-    for ids, vectors in prepared():
-        faiss_index.add(ids, vectors)
-        added.append(ids)
+    added = [np.empty(0, np.int64)]
+    if isinstance(engine, LocalEngine):
+        for ids, vectors in prepared():
+            faiss_index.add(ids, vectors)
+            added.append(ids)
+    else:
+        parts = faiss_parts(engine, index.selection.shards(index.store, engine.parallelism, ()), index.space,
+                            faiss_index)
+        if parts:  # merged into the first part: FAISS merges only indexes of one type (as deserialized)
+            faiss_index = parts[0][0]
+        for position, (part, ids) in enumerate(parts):
+            if position:
+                faiss_index.merge_from(part)
+            added.append(ids)
     index.faiss_index, index.indexed_ids = faiss_index, np.concatenate(added)
 
 

@@ -18,12 +18,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from gradstore.attribution import ExampleScores, learning_rates
+from gradstore.attribution import learning_rates, per_example_shards
 from gradstore.core import StoreCore
+from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError
 from gradstore.fitting import FitCache, Selection, fit_spec
 from gradstore.methods import BlockStructure, resolve_method
 from gradstore.queries import QueryInput, resolve_queries
+from gradstore.scans import example_totals, unit_rows
 from gradstore.scoring import ScoringSpace
 
 Aggregate = Literal["max", "mean"]
@@ -33,8 +35,11 @@ AGGREGATES = get_args(Aggregate)
 def select(store: StoreCore, fits: FitCache, target: QueryInput = None, *, run: str, budget: float = 0.05,
            preconditioner: str = "grad-dot", aggregate: Aggregate = "max", checkpoints: Sequence[str] | None = None,
            damping: float | None = None, blocks: BlockStructure = "auto", split: str = "train",
-           where: str | None = None) -> pa.Table:
-    """Select training examples for ``target`` queries; see :meth:`gradstore.GradStore.select`."""
+           where: str | None = None, engine: EngineName | Engine = "local") -> pa.Table:
+    """Select training examples for ``target`` queries; see :meth:`gradstore.GradStore.select`.
+
+    Runs on ``engine`` over shards of disjoint ``example_id`` ranges (an example's rows at every checkpoint
+    are summed by one task); the result holds one score per example until the budget is cut."""
     if aggregate not in AGGREGATES:
         raise InvalidArgumentError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
     method = resolve_method(preconditioner)
@@ -47,19 +52,15 @@ def select(store: StoreCore, fits: FitCache, target: QueryInput = None, *, run: 
         if checkpoints is not None:
             raise
         rates = {store.default_checkpoint(run): 1.0}  # no learning rates recorded: one unweighted checkpoint
-    totals = ExampleScores(1)
+    engine = resolve_engine(engine)
+    jobs = []
     for checkpoint, rate in rates.items():
         selection = Selection(run, checkpoint, split, where)
-        space = ScoringSpace(method, fits.get(fit_spec(store, selection, method, blocks), damping))
+        space = ScoringSpace(method, fits.get(fit_spec(store, selection, method, blocks), damping, engine=engine))
         resolved = resolve_queries(store, target, run, checkpoint)
-        queries = _unit(space.whitened(torch.from_numpy(resolved.vectors)))
-        for block in store.iter_gradients(run, checkpoint=checkpoint, split=split, where=where,
-                                          columns=("example_id",)):
-            cosines = queries @ _unit(space.whitened(torch.from_numpy(block.vectors))).T
-            reduced = cosines.max(dim=0).values if aggregate == "max" else cosines.mean(dim=0)
-            totals.add(block.metadata.column("example_id").to_pylist(), rate * reduced[None])
-    scores = totals.matrix[0].numpy()
-    example_ids = np.asarray(totals.example_ids, dtype=object)
+        jobs.append((selection.filter, rate, space, unit_rows(space.whitened(torch.from_numpy(resolved.vectors)))))
+    shards = per_example_shards(store, engine, [Selection(run, c, split, where) for c in rates])
+    example_ids, scores = example_totals(engine, shards, jobs, aggregate)
     count = budget_count(budget, len(example_ids))
     order = np.lexsort((example_ids.astype(str), -scores))[:count]
     return pa.table({"example_id": pa.array(example_ids[order].tolist(), pa.string()),
@@ -76,11 +77,6 @@ def budget_count(budget: float, n_examples: int) -> int:
     if float(budget) != int(budget):
         raise InvalidArgumentError(f"a budget above 1 must be a whole number of examples, got {budget!r}")
     return min(n_examples, int(budget))
-
-
-def _unit(rows: torch.Tensor) -> torch.Tensor:
-    norms = rows.norm(dim=1, keepdim=True)
-    return rows / torch.where(norms > 0, norms, torch.ones_like(norms))
 
 
 def export_selection(selection: pa.Table, path: str | Path) -> Path:

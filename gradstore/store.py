@@ -20,6 +20,7 @@ from torch import nn
 from gradstore.attribution import ScoreMatrix, attribute, score_matrix, self_influence
 from gradstore.capture import RUN_DEFAULT, StoreCapture, config_for_run
 from gradstore.core import StoreCore, WriterConfig, connect
+from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.fitting import FitCache, Selection
 from gradstore.index import AttributionIndex, build_index, load_index
 from gradstore.methods import BlockStructure, MethodName
@@ -52,7 +53,8 @@ class GradStore(StoreCore):
                 loss_reduction: LossReduction = RUN_DEFAULT, loss_scale: float = RUN_DEFAULT,
                 normalizer: Literal["adam_factored"] | None = None, rank: int | None = None,
                 per_example_loss: Callable[..., torch.Tensor] | None = None, grad_scaler: Any = None,
-                max_pending_batches: int = 4, writer: WriterConfig | None = None) -> StoreCapture:
+                max_pending_batches: int = 4, writer: WriterConfig | None = None,
+                resume: bool = False) -> StoreCapture:
         """Capture per-example gradients of ``model`` into run ``run`` (a context manager).
 
         Per capture: ``split`` (``"train"``/``"query"``), ``checkpoint``, ``learning_rate`` (overrides the
@@ -65,6 +67,8 @@ class GradStore(StoreCore):
         ``loss_reduction``/``loss_scale`` (how the loop's loss was formed): a new run takes them as given (else
         the defaults: factorized 16 x 16, mean reduction); later captures of the run reuse the run's own unless
         told otherwise, and one whose projection differs is refused with ``ProjectionMismatchError``.
+        ``resume=True`` (a job restarted from a checkpoint): rows of ``(checkpoint, step, split, example_id)``
+        already committed to the run are skipped (:mod:`gradstore.resume`).
         """
         options = {"split": split, "checkpoint": checkpoint, "curvature": curvature, "projection": projection,
                    "k_in": k_in, "k_out": k_out, "seed": seed, "layer_types": layer_types, "include": include,
@@ -77,19 +81,20 @@ class GradStore(StoreCore):
             options["layer_types"] = tuple(layer_types)
         return StoreCapture(self, model, run, config_for_run(self, run, options), optimizer=optimizer,
                             per_example_loss=per_example_loss, grad_scaler=grad_scaler,
-                            learning_rate=learning_rate, writer_config=writer)
+                            learning_rate=learning_rate, writer_config=writer, resume=resume)
 
     # ------------------------------------------------------------------ indexes
     def build_index(self, run: str, *, checkpoint: str | None = None, method: MethodName = "grad-dot",
                     damping: float | None = None, kind: IndexKind = "exact", split: str = "train",
                     where: str | None = None, name: str | None = None, blocks: BlockStructure = "auto",
-                    refit: bool = False) -> AttributionIndex:
+                    refit: bool = False, engine: EngineName | Engine = "local") -> AttributionIndex:
         """Fit ``method``'s preconditioner over the run's rows (or reuse the store's fit) and build/persist an
         index, incrementally when rows were appended since. ``kind``: ``"exact"``, ``"auto"`` or a FAISS
-        factory string; ``blocks``: the Fisher block structure (``"layer"``, ``"full"``, ``"auto"``)."""
+        factory string; ``blocks``: the Fisher block structure (``"layer"``, ``"full"``, ``"auto"``);
+        ``engine``: where the fit runs (``"local"``, ``"ray"`` or a :class:`~gradstore.engine.RayEngine`)."""
         selection = Selection(run, checkpoint or self.default_checkpoint(run), split, where)
         return build_index(self, self.fits, selection, method, damping=damping, kind=kind, name=name,
-                           blocks=blocks, refit=refit)
+                           blocks=blocks, refit=refit, engine=resolve_engine(engine))
 
     def index(self, name: str) -> AttributionIndex:
         """Load a persisted index by name (``IndexMismatchError`` if it does not match the store)."""
@@ -100,19 +105,22 @@ class GradStore(StoreCore):
                   checkpoint: str | None = None, checkpoints: Sequence[str] | None = None,
                   damping: float | None = None, blocks: BlockStructure = "auto", kind: IndexKind = "exact",
                   opponents: bool = False, split: str = "train", where: str | None = None,
-                  write: bool = True) -> pa.Table:
+                  write: bool = True, engine: EngineName | Engine = "local", rerank: int = 0) -> pa.Table:
         """Top-k proponents (and with ``opponents=True`` the bottom-k opponents) of each query.
 
         ``queries``: ``None`` (every query row of the run at the checkpoint), a SQL filter, a list of query
         example ids, a :class:`~gradstore.queries.QueryBatch` or raw vectors ``[q, dim]``. ``method``:
         ``grad-dot``, ``cosine``, ``diagonal``, ``fisher``/``influence``, ``kfac``, ``ekfac`` or ``tracin``
         (which sums over ``checkpoints``, default all recorded with a learning rate). ``where`` filters the
-        training rows. Returns ``(query_id, example_id, grad_id, score, rank, method, run_id, checkpoint,
-        index_name)``, also appended to ``scores`` unless ``write=False``.
+        training rows. ``engine``: where fitting and the exact scan run, ``"local"`` (this process) or
+        ``"ray"`` (or a :class:`~gradstore.engine.RayEngine` with an address); both give the same results.
+        ``rerank=m`` (FAISS kinds): the index's ``m * k`` candidates are re-scored exactly from the stored rows.
+        Returns ``(query_id, example_id, grad_id, score, rank, method, run_id, checkpoint, index_name)``,
+        also appended to ``scores`` unless ``write=False``.
         """
         return attribute(self, self.fits, queries, run=run, k=k, method=method, checkpoint=checkpoint,
                          checkpoints=checkpoints, damping=damping, blocks=blocks, kind=kind, opponents=opponents,
-                         split=split, where=where, write=write)
+                         split=split, where=where, write=write, engine=engine, rerank=rerank)
 
     def score_matrix(self, queries: QueryInput = None, *, run: str, method: MethodName = "fisher",
                      checkpoint: str | None = None, damping: float | None = None, blocks: BlockStructure = "auto",
@@ -124,27 +132,29 @@ class GradStore(StoreCore):
 
     def self_influence(self, *, run: str, method: MethodName = "fisher", checkpoint: str | None = None,
                        damping: float | None = None, blocks: BlockStructure = "auto", split: str = "train",
-                       where: str | None = None, write: bool = True) -> pa.Table:
+                       where: str | None = None, write: bool = True,
+                       engine: EngineName | Engine = "local") -> pa.Table:
         """``g^T P^-1 g`` of every selected training row (large values: outliers, likely mislabels).
 
         Returns ``(example_id, grad_id, run_id, checkpoint, method, self_influence)``, largest first, also
-        appended to the ``self_influence`` table unless ``write=False``."""
+        appended to the ``self_influence`` table unless ``write=False``. ``engine`` as for :meth:`attribute`."""
         return self_influence(self, self.fits, run=run, method=method, checkpoint=checkpoint, damping=damping,
-                              blocks=blocks, split=split, where=where, write=write)
+                              blocks=blocks, split=split, where=where, write=write, engine=engine)
 
     def select(self, target: QueryInput = None, *, run: str, budget: float = 0.05,
                preconditioner: MethodName = "grad-dot", aggregate: Aggregate = "max",
                checkpoints: Sequence[str] | None = None, damping: float | None = None,
-               blocks: BlockStructure = "auto", split: str = "train", where: str | None = None) -> pa.Table:
+               blocks: BlockStructure = "auto", split: str = "train", where: str | None = None,
+               engine: EngineName | Engine = "local") -> pa.Table:
         """LESS-style data selection: the training examples whose gradients align best with ``target``.
 
         ``score(x) = sum_c lr_c * agg_q cos(P_c^-1/2 g_c(x), P_c^-1/2 q_c)`` over the run's checkpoints with
         learning rates (else its latest checkpoint), ``agg`` the ``max`` (LESS) or ``mean`` over the target
         rows, ``P`` the ``preconditioner`` method's fit. ``budget``: a fraction in (0, 1] or a count.
-        Returns ``(example_id, score, rank)``, best first."""
+        ``engine`` as for :meth:`attribute`. Returns ``(example_id, score, rank)``, best first."""
         return select(self, self.fits, target, run=run, budget=budget, preconditioner=preconditioner,
                       aggregate=aggregate, checkpoints=checkpoints, damping=damping, blocks=blocks, split=split,
-                      where=where)
+                      where=where, engine=engine)
 
     # ------------------------------------------------------------------ report
     def report(self, out: str | Path = "report.html", *, run: str | None = None, max_queries: int = 1000,

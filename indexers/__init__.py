@@ -6,9 +6,10 @@ Works on numpy/torch arrays and re-iterable sources of ``(ids, vectors)`` blocks
 
 from indexers.blocks import VectorBlocks, blocks_from_arrays
 from indexers.errors import IndexMismatchError, NotFittedError
-from indexers.exact import ExactIndex, PreparedRows
+from indexers.exact import ExactIndex, PreparedRows, RunningTopK
 from indexers.faiss_index import FaissIndex, default_nprobe, gpu_available, require_faiss
 from indexers.manifest import check_manifest, manifest_diff
+from indexers.preconditioner import FitStatistics
 from indexers.preconditioners import (
     CosinePreconditioner,
     DiagonalPreconditioner,
@@ -26,6 +27,7 @@ __all__ = [
     "CosinePreconditioner",
     "DiagonalPreconditioner",
     "ExactIndex",
+    "FitStatistics",
     "FaissIndex",
     "FisherPreconditioner",
     "IdentityPreconditioner",
@@ -34,6 +36,7 @@ __all__ = [
     "NotFittedError",
     "Preconditioner",
     "PreparedRows",
+    "RunningTopK",
     "VectorBlocks",
     "blocks_from_arrays",
     "check_manifest",

@@ -12,9 +12,11 @@ from indexers.blocks import Rows
 from indexers.errors import NotFittedError
 from indexers.preconditioner import (
     DeviceCache,
+    FitStatistics,
     absolute_damping,
     apply_rows,
     check_damping,
+    fit_in_passes,
     float64_blocks,
     load_state,
     save_state,
@@ -32,16 +34,27 @@ class DiagonalPreconditioner:
         self.n_rows = 0
         self._cache = DeviceCache()
 
+    passes = 1
+
     def fit(self, blocks: Rows) -> DiagonalPreconditioner:
         """One streaming pass accumulating ``sum g^2`` per coordinate in float64."""
+        return fit_in_passes(self, blocks)
+
+    def statistics(self, blocks: Rows, stage: int = 0) -> FitStatistics:
+        """``sum g^2`` per coordinate (``squares``) over these rows, float64."""
         total, rows = None, 0
         for block in float64_blocks(blocks):
             squares = block.square().sum(dim=0)
             total = squares if total is None else total + squares
             rows += block.shape[0]
-        if total is None or rows == 0:
+        return FitStatistics(rows, {} if total is None else {"squares": total.numpy()})
+
+    def finish(self, statistics: FitStatistics, stage: int = 0) -> DiagonalPreconditioner:
+        """The second moment of the merged sums."""
+        if statistics.rows == 0:
             raise ValueError("cannot fit a preconditioner on zero rows")
-        self.second_moment, self.n_rows = total / rows, rows
+        self.second_moment = torch.from_numpy(statistics.sums["squares"]) / statistics.rows
+        self.n_rows = statistics.rows
         self._cache = DeviceCache()
         return self
 

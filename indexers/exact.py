@@ -98,7 +98,7 @@ class ExactIndex:
             if isinstance(source, tuple):
                 source = blocks_from_arrays(*source, block_rows=self.block_rows)
             blocks = self._streamed(source, transform)
-        best = _RunningTopK(signed.shape[0], k, self.device)
+        best = RunningTopK(signed.shape[0], k, self.device)
         screened = ScreenedQueries(signed) if self.kernel == "bfloat16" else None
         queries_t = signed.T.contiguous()  # [d, q]: block @ queries_t is the faster orientation (tall output)
         for block in blocks:
@@ -113,8 +113,8 @@ class ExactIndex:
             if scales is not None:
                 scores *= scales[:, None]
             best.add(scores.T, ids)
-        scores = best.scores if largest else -best.scores
-        return scores.cpu().numpy(), best.ids.cpu().numpy()
+        scores, ids = best.result()
+        return (scores if largest else -scores).cpu().numpy(), ids.cpu().numpy()
 
     def _prepared(self, ids: np.ndarray, vectors: ArrayLike, scales: np.ndarray | None):
         """One block of :meth:`prepare`: float32 rows, or a :class:`ScreenedBlock` for the bf16 kernel."""
@@ -155,13 +155,19 @@ def _reused(
     return block, buffer
 
 
-class _RunningTopK:
-    """The best ``k`` (score, id) pairs per query seen so far, merged block by block."""
+class RunningTopK:
+    """The ``k`` best ``(score, id)`` pairs per query seen so far (best score first, ties to the smaller id).
 
-    def __init__(self, queries: int, k: int, device: torch.device) -> None:
+    Fed blocks of scores (:meth:`add`) or other top-k lists (:meth:`merge`): partial top-k lists of disjoint
+    rows merged this way equal the top-k of all rows, ties included. For bottom-k, feed negated scores.
+    """
+
+    def __init__(self, n_queries: int, k: int, device: str | torch.device = "cpu"):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
         self.k = k
-        self.scores = torch.empty(queries, 0, dtype=torch.float32, device=device)
-        self.ids = torch.empty(queries, 0, dtype=torch.int64, device=device)
+        self.scores = torch.empty(n_queries, 0, dtype=torch.float32, device=device)
+        self.ids = torch.empty(n_queries, 0, dtype=torch.int64, device=device)
 
     def floor(self) -> torch.Tensor:
         """Each query's current k-th best score (a lower bound of its final one), ``-inf`` before k rows."""
@@ -170,11 +176,21 @@ class _RunningTopK:
         return self.scores[:, self.k - 1]
 
     def add(self, scores: torch.Tensor, ids: torch.Tensor) -> None:
-        """Merge a block's ``scores [q, n]`` of rows ``ids`` (``[n]``, or ``[q, n]`` per query)."""
+        """Take in a block: ``scores [q, n]`` of the rows ``ids`` (``[n]``, or ``[q, n]`` one per query)."""
         scores, candidate_ids = _block_top_k(scores, ids, self.k)
-        self.scores, self.ids = _merge(
-            torch.cat([self.scores, scores], 1), torch.cat([self.ids, candidate_ids], 1), self.k
-        )
+        self.merge(scores, candidate_ids)
+
+    def merge(self, scores: ArrayLike, ids: ArrayLike) -> None:
+        """Take in a top-k list: ``scores [q, m]`` and ``ids [q, m]`` (e.g. another shard's :meth:`result`)."""
+        if isinstance(scores, np.ndarray):  # copied: arrays from another process may be read-only
+            scores, ids = torch.from_numpy(np.array(scores, np.float32)), torch.from_numpy(np.array(ids, np.int64))
+        scores = scores.to(device=self.scores.device, dtype=torch.float32)
+        ids = ids.to(device=self.ids.device, dtype=torch.int64)
+        self.scores, self.ids = _merge(torch.cat([self.scores, scores], 1), torch.cat([self.ids, ids], 1), self.k)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scores [q, k'], ids [q, k'])``, best first, ``k' = min(k, rows seen)``."""
+        return self.scores, self.ids
 
 
 def _block_top_k(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

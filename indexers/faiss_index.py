@@ -161,13 +161,38 @@ class FaissIndex:
             raise ValueError(
                 f"expected ids [n] and vectors [n, {self.dim}], got {ids.shape} and {vectors.shape}"
             )
+        self._writable().add_with_ids(vectors, ids)
+        self._cpu_copy = None
+
+    def _writable(self) -> Any:
+        """The FAISS index, read into memory first if it is memory-mapped (read-only in FAISS)."""
         if self._mmap_path is not None:
-            # Memory-mapped indexes are read-only in FAISS: load a writable copy first.
             self._index = require_faiss().read_index(str(self._mmap_path))
             self._mmap_path = None
             self.nprobe = self._nprobe
-        self._index.add_with_ids(vectors, ids)
+        return self._index
+
+    def merge_from(self, other: FaissIndex) -> None:
+        """Move every vector of ``other`` (built from the same trained index, e.g. on another shard of the
+        rows) into this index, ids kept; ``other`` is left empty."""
+        if (other.factory, other.dim, other.metric) != (self.factory, self.dim, self.metric):
+            raise ValueError(f"cannot merge a {other.factory!r} index of {other.dim} dims ({other.metric}) into "
+                             f"a {self.factory!r} index of {self.dim} dims ({self.metric})")
+        self._writable().merge_from(other._writable(), 0)
         self._cpu_copy = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable state (the CPU index serialized), so that shards can be built in other processes."""
+        return {"factory": self.factory, "dim": self.dim, "metric": self.metric, "nlist": self.nlist,
+                "nprobe": self._nprobe, "manifest": self.manifest,
+                "index": require_faiss().serialize_index(self._cpu_index())}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.factory, self.dim, self.metric = state["factory"], state["dim"], state["metric"]
+        self.nlist, self.manifest = state["nlist"], state["manifest"]
+        self._index = require_faiss().deserialize_index(state["index"])
+        self._on_gpu, self._mmap_path, self._cpu_copy = False, None, None
+        self.nprobe = state["nprobe"]
 
     def add_from(self, source: VectorBlocks) -> None:
         """Add every block of a source (float16 or scaled blocks become float32 rows one block at a time)."""

@@ -14,10 +14,12 @@ from indexers.blocks import Rows
 from indexers.errors import NotFittedError
 from indexers.preconditioner import (
     DeviceCache,
+    FitStatistics,
     absolute_damping,
     apply_rows,
     check_damping,
     check_tiling,
+    fit_in_passes,
     float64_blocks,
     load_state,
     save_state,
@@ -43,8 +45,14 @@ class FisherPreconditioner:
         self.eigenvectors: list[torch.Tensor] = []
         self._cache = DeviceCache()
 
+    passes = 1
+
     def fit(self, blocks: Rows) -> FisherPreconditioner:
         """One streaming pass accumulating ``G_b^T G_b`` per block in float64, then an eigendecomposition."""
+        return fit_in_passes(self, blocks)
+
+    def statistics(self, blocks: Rows, stage: int = 0) -> FitStatistics:
+        """``G_b^T G_b`` per block (``gram_<b>``) over these rows, float64."""
         grams: list[torch.Tensor] = []
         spans: list[tuple[int, int]] = []
         rows = 0
@@ -52,14 +60,20 @@ class FisherPreconditioner:
             if not grams:
                 spans = self.blocks if self.blocks is not None else [(0, block.shape[1])]
                 check_tiling(spans, block.shape[1], "Fisher blocks")
-                self.dim = block.shape[1]
                 grams = [torch.zeros(size, size, dtype=torch.float64) for _, size in spans]
             for gram, (offset, size) in zip(grams, spans, strict=True):
                 part = block[:, offset : offset + size]
                 gram.addmm_(part.T, part)
             rows += block.shape[0]
+        return FitStatistics(rows, {f"gram_{index}": gram.numpy() for index, gram in enumerate(grams)})
+
+    def finish(self, statistics: FitStatistics, stage: int = 0) -> FisherPreconditioner:
+        """Eigendecompose each block of the merged ``G^T G / n``."""
+        rows = statistics.rows
         if rows == 0:
             raise ValueError("cannot fit a preconditioner on zero rows")
+        grams = [torch.from_numpy(statistics.sums[f"gram_{index}"]) for index in range(len(statistics.sums))]
+        self.dim = sum(gram.shape[0] for gram in grams)
         self.n_rows, self.eigenvalues, self.eigenvectors = rows, [], []
         for gram in grams:
             values, vectors = torch.linalg.eigh(gram / rows)

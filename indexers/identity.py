@@ -7,7 +7,7 @@ import os
 import torch
 
 from indexers.blocks import Rows
-from indexers.preconditioner import apply_rows, load_state, save_state
+from indexers.preconditioner import FitStatistics, apply_rows, load_state, save_state
 
 COSINE_EPS = 1e-12
 
@@ -16,9 +16,18 @@ class IdentityPreconditioner:
     """``P = I``: scores are raw inner products of gradients (grad-dot, TracIn)."""
 
     name = "identity"
+    passes = 0
 
     def fit(self, blocks: Rows) -> IdentityPreconditioner:
         """Nothing to fit; the blocks are not read."""
+        return self
+
+    def statistics(self, blocks: Rows, stage: int = 0) -> FitStatistics:
+        """No statistics (there are no passes)."""
+        return FitStatistics()
+
+    def finish(self, statistics: FitStatistics, stage: int = 0) -> IdentityPreconditioner:
+        """Nothing to fold in."""
         return self
 
     def apply_query(self, q: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,12 @@ from indexers.blocks import ArrayLike, Rows
 from indexers.errors import NotFittedError
 from indexers.preconditioner import (
     DeviceCache,
+    FitStatistics,
     absolute_damping,
     apply_rows,
     check_damping,
     check_tiling,
+    fit_in_passes,
     float64_blocks,
     load_state,
     save_state,
@@ -68,15 +70,75 @@ class KroneckerPreconditioner:
         self.eigenvalues: dict[str, torch.Tensor] = {}
         self._cache = DeviceCache()
 
+    @property
+    def stages(self) -> list[str]:
+        """The passes a fit makes: ``factors`` (when none were given), then ``eigenvalues`` (EK-FAC)."""
+        return (["factors"] if self.factors is None else []) + (["eigenvalues"] if self.eigen_correction else [])
+
+    @property
+    def passes(self) -> int:
+        """Passes over the rows a fit makes (0 with given factors and no eigenvalue correction)."""
+        return len(self.stages)
+
     def fit(self, blocks: Rows) -> KroneckerPreconditioner:
         """Eigendecompose the factors; estimate them from the gradients if none were given; EK-FAC pass.
 
         With factors given and no eigenvalue correction the rows are not read; without factors and with
         ``eigen_correction`` they are read twice (a :data:`~indexers.blocks.VectorBlocks` source restarts)."""
-        self.dim, self.n_rows = None, 0
-        factors = self.factors
-        if factors is None:
-            factors = self._factors_from_gradients(blocks)
+        self.dim, self.n_rows, self.basis, self.eigenvalues = None, 0, {}, {}
+        fit_in_passes(self, blocks)
+        self._decompose_given_factors()
+        return self
+
+    def statistics(self, blocks: Rows, stage: int = 0) -> FitStatistics:
+        """Pass ``factors``: ``G^T G`` and ``G G^T`` per layer; pass ``eigenvalues``: the squared gradients
+        rotated into the Kronecker eigenbasis, per layer (float64 sums over these rows)."""
+        correcting = self.stages[stage] == "eigenvalues"
+        if correcting:
+            self._decompose_given_factors()
+        sums: dict[str, torch.Tensor] = {}
+        rows = 0
+        for block in float64_blocks(blocks):
+            for name, grads in self._layer_views(block):
+                if correcting:
+                    q_a, q_s = self.basis[name]
+                    parts = {f"E:{name}": (q_s.T @ grads @ q_a).square().sum(dim=0)}
+                else:
+                    parts = {f"A:{name}": torch.einsum("noi,noj->ij", grads, grads),
+                             f"S:{name}": torch.einsum("noi,npi->op", grads, grads)}
+                for key, value in parts.items():
+                    sums[key] = sums[key] + value if key in sums else value
+            rows += block.shape[0]
+        return FitStatistics(rows, {key: value.numpy() for key, value in sums.items()})
+
+    def finish(self, statistics: FitStatistics, stage: int = 0) -> KroneckerPreconditioner:
+        """Pass ``factors``: normalize and eigendecompose the estimated factors; pass ``eigenvalues``:
+        replace the eigenvalues by the corrected ones."""
+        rows = statistics.rows
+        if rows == 0:
+            raise ValueError("cannot fit a preconditioner on zero rows")
+        self.n_rows = rows
+        sums = {key: torch.from_numpy(value) for key, value in statistics.sums.items()}
+        if self.stages[stage] == "eigenvalues":
+            self._decompose_given_factors()
+            self.eigenvalues = {name: sums[f"E:{name}"] / rows for name, *_ in self.layout}
+        else:
+            factors = {}
+            for name, *_ in self.layout:
+                a, s = sums[f"A:{name}"], sums[f"S:{name}"]
+                total = float(torch.trace(a))
+                factors[name] = (a / rows, s / total if total > 0 else s / rows)
+            self._decompose(factors)
+        self._cache = DeviceCache()
+        return self
+
+    def _decompose_given_factors(self) -> None:
+        """Eigendecompose the factors given at construction, once (nothing to do when estimated). Also
+        runs on first use, so a fit of no passes (given factors, no correction) needs no ``fit`` call."""
+        if not self.basis and self.factors is not None:
+            self._decompose(self.factors)
+
+    def _decompose(self, factors: KroneckerFactors) -> None:
         self.basis, self.eigenvalues = {}, {}
         for name, _, k_in, k_out in self.layout:
             a, s = (torch.as_tensor(np.asarray(f), dtype=torch.float64) for f in factors[name])
@@ -89,64 +151,18 @@ class KroneckerPreconditioner:
             values_s, q_s = torch.linalg.eigh(s)
             self.basis[name] = (q_a, q_s)
             self.eigenvalues[name] = torch.outer(values_s.clamp_min(0.0), values_a.clamp_min(0.0))
-        if self.eigen_correction:
-            self._correct_eigenvalues(blocks)
-        if self.dim is None:
-            spans = [(offset, k_in * k_out) for _, offset, k_in, k_out in self.layout]
-            check_tiling(spans, sum(size for _, size in spans), "kronecker_layout layers")
-            self.dim = sum(size for _, size in spans)
-        self._cache = DeviceCache()
-        return self
+        spans = [(offset, k_in * k_out) for _, offset, k_in, k_out in self.layout]
+        check_tiling(spans, sum(size for _, size in spans), "kronecker_layout layers")
+        self.dim = sum(size for _, size in spans)
 
     def _layer_views(self, block: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        if self.dim is None:
-            check_tiling(
-                [(offset, k_in * k_out) for _, offset, k_in, k_out in self.layout],
-                block.shape[1],
-                "kronecker_layout layers",
-            )
-            self.dim = block.shape[1]
-        elif block.shape[1] != self.dim:
-            raise ValueError(f"blocks have dimension {block.shape[1]}, the layout covers {self.dim}")
+        check_tiling(
+            [(offset, k_in * k_out) for _, offset, k_in, k_out in self.layout],
+            block.shape[1],
+            "kronecker_layout layers",
+        )
         for name, offset, k_in, k_out in self.layout:
             yield name, block[:, offset : offset + k_in * k_out].reshape(-1, k_out, k_in)
-
-    def _factors_from_gradients(
-        self, blocks: Rows
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        sums: dict[str, list] = {}
-        rows = 0
-        for block in float64_blocks(blocks):
-            for name, grads in self._layer_views(block):
-                a = torch.einsum("noi,noj->ij", grads, grads)
-                s = torch.einsum("noi,npi->op", grads, grads)
-                if name in sums:
-                    sums[name][0] += a
-                    sums[name][1] += s
-                else:
-                    sums[name] = [a, s]
-            rows += block.shape[0]
-        if rows == 0:
-            raise ValueError("cannot fit a preconditioner on zero rows")
-        self.n_rows = rows
-        factors = {}
-        for name, (a, s) in sums.items():
-            total = float(torch.trace(a))
-            factors[name] = (a / rows, s / total if total > 0 else s / rows)
-        return factors
-
-    def _correct_eigenvalues(self, blocks: Rows) -> None:
-        sums = {name: torch.zeros_like(values) for name, values in self.eigenvalues.items()}
-        rows = 0
-        for block in float64_blocks(blocks):
-            for name, grads in self._layer_views(block):
-                q_a, q_s = self.basis[name]
-                sums[name] += (q_s.T @ grads @ q_a).square().sum(dim=0)
-            rows += block.shape[0]
-        if rows == 0:
-            raise ValueError("cannot fit EK-FAC eigenvalues on zero rows")
-        self.n_rows = rows
-        self.eigenvalues = {name: total / rows for name, total in sums.items()}
 
     def with_damping(self, damping: float) -> KroneckerPreconditioner:
         """A copy with another damping, sharing the eigenbases and eigenvalues (no pass over the data)."""
@@ -162,6 +178,7 @@ class KroneckerPreconditioner:
         return (values + absolute_damping(self.damping, values)).pow(-power)
 
     def _apply(self, x: torch.Tensor, power: float, variant: str) -> torch.Tensor:
+        self._decompose_given_factors()
         if self.dim is None or not self.eigenvalues:
             raise NotFittedError("fit the kfac preconditioner before applying or saving it")
 
@@ -188,6 +205,7 @@ class KroneckerPreconditioner:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write layout, damping, the eigenbases and the (possibly corrected) eigenvalues."""
+        self._decompose_given_factors()
         if self.dim is None or not self.eigenvalues:
             raise NotFittedError("fit the kfac preconditioner before applying or saving it")
         config = {

@@ -4,20 +4,28 @@ A preconditioner ``P`` approximates the curvature of the loss in the projected g
 ``q^T P^-1 g``: either apply ``P^-1`` to the query only (the stored vectors stay raw) or ``P^-1/2`` to both
 sides (cosine in the whitened space, self-influence ``g^T P^-1 g``). All statistics are accumulated in
 float64 while streaming over blocks of rows; applying runs in float32 (float64 for float64 inputs).
+
+Fitting is split so that it can run on shards of the rows (processes, machines): ``fit`` makes
+``passes`` passes; pass ``stage`` computes :class:`FitStatistics` (float64 sums) over any subset of the
+rows with ``statistics(rows, stage)``, the partial statistics of disjoint subsets are merged exactly (sums
+add), and ``finish(merged, stage)`` folds them into the state. ``fit(rows)`` is exactly that composition
+on one subset (:func:`fit_in_passes`), so a fit over shards equals a fit over all rows up to the order of
+float64 additions.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from indexers.blocks import Rows, as_source, as_tensor, unpack_block
+from indexers.blocks import Rows, VectorBlocks, as_source, as_tensor, unpack_block
 
 CONFIG_FILE = "preconditioner.json"
 STATE_FILE = "state.npz"
@@ -28,9 +36,18 @@ class Preconditioner(Protocol):
     """What every preconditioner offers; see the module docstring for the two ways of applying it."""
 
     name: str
+    passes: int  # passes over the rows a fit makes
 
     def fit(self, blocks: Rows) -> Preconditioner:
         """Accumulate statistics over the rows of a block source or array (streaming, float64); returns self."""
+        ...
+
+    def statistics(self, blocks: Rows, stage: int = 0) -> FitStatistics:
+        """Partial statistics of pass ``stage`` over these rows (earlier passes must be finished)."""
+        ...
+
+    def finish(self, statistics: FitStatistics, stage: int = 0) -> Preconditioner:
+        """Fold the merged statistics of pass ``stage`` (over all rows) into the state; returns self."""
         ...
 
     def apply_query(self, q: torch.Tensor) -> torch.Tensor:
@@ -49,6 +66,54 @@ class Preconditioner(Protocol):
     def load(cls, path: str | os.PathLike) -> Preconditioner:
         """Read a preconditioner written by :meth:`save`."""
         ...
+
+
+@dataclass
+class FitStatistics:
+    """Float64 sums of one fitting pass over some rows, keyed by name, and the row count.
+
+    Statistics of disjoint sets of rows merge by adding their sums (:meth:`merge`); an empty set has no
+    sums and merges as the identity."""
+
+    rows: int = 0
+    sums: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def merge(self, other: FitStatistics) -> FitStatistics:
+        """The statistics of both sets of rows (the sums added; keys and shapes must agree)."""
+        if not other.sums:
+            return FitStatistics(self.rows + other.rows, dict(self.sums))
+        if not self.sums:
+            return FitStatistics(self.rows + other.rows, dict(other.sums))
+        if self.sums.keys() != other.sums.keys():
+            raise ValueError(f"statistics disagree on their sums: {sorted(self.sums)} vs {sorted(other.sums)}")
+        merged = {}
+        for key, value in self.sums.items():
+            if value.shape != other.sums[key].shape:
+                raise ValueError(f"statistics {key!r} have shapes {value.shape} and {other.sums[key].shape}")
+            merged[key] = value + other.sums[key]
+        return FitStatistics(self.rows + other.rows, merged)
+
+    @staticmethod
+    def combine(parts: Iterable[FitStatistics]) -> FitStatistics:
+        """All parts merged, in order."""
+        total = FitStatistics()
+        for part in parts:
+            total = total.merge(part)
+        return total
+
+
+def fit_in_passes(preconditioner: Preconditioner, blocks: Rows) -> Preconditioner:
+    """``fit`` as the composition every preconditioner uses: each pass's statistics over all the rows,
+    then ``finish``."""
+    source: VectorBlocks = as_source(blocks)
+    for stage in range(preconditioner.passes):
+        preconditioner.finish(preconditioner.statistics(source, stage), stage)
+    return preconditioner
+
+
+def tensor_sums(sums: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """float64 tensors as numpy arrays (what :class:`FitStatistics` holds)."""
+    return {key: value.numpy() for key, value in sums.items()}
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

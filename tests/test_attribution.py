@@ -251,9 +251,10 @@ def test_new_damping_reuses_the_fit_and_equals_a_refit(captured, monkeypatch):
     store.build_index("run", checkpoint="c1", method="fisher", damping=0.5)
     from indexers import FisherPreconditioner
 
-    calls = []
-    original = FisherPreconditioner.fit
-    monkeypatch.setattr(FisherPreconditioner, "fit", lambda self, blocks: calls.append(1) or original(self, blocks))
+    calls = []  # one statistics pass per shard of the local engine (one shard): one per fit
+    original = FisherPreconditioner.statistics
+    monkeypatch.setattr(FisherPreconditioner, "statistics",
+                        lambda self, blocks, stage=0: calls.append(1) or original(self, blocks, stage))
     redamped = store.build_index("run", checkpoint="c1", method="fisher", damping=0.05)
     assert calls == []  # no pass over the data
     refit = store.build_index("run", checkpoint="c1", method="fisher", damping=0.05, refit=True)

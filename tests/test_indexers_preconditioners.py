@@ -8,6 +8,7 @@ import torch
 
 from indexers import (
     FisherPreconditioner,
+    FitStatistics,
     NotFittedError,
     Preconditioner,
     VectorBlocks,
@@ -165,6 +166,46 @@ def test_streaming_blocks_equal_one_block(name: str, options: dict) -> None:
     streamed = make_preconditioner(name, **options).fit(chunks(GRADS, 7))
     whole = make_preconditioner(name, **options).fit(torch.from_numpy(GRADS))
     np.testing.assert_allclose(apply(streamed, QUERIES), apply(whole, QUERIES), rtol=1e-9)
+
+
+def fit_sharded(preconditioner: Preconditioner, shards: list[np.ndarray]) -> Preconditioner:
+    """What a distributed fit does: each pass's statistics per shard (each on a fresh copy, as a remote
+    worker would hold), merged, then finished on the driver."""
+    import pickle
+
+    for stage in range(preconditioner.passes):
+        parts = [pickle.loads(pickle.dumps(preconditioner)).statistics(chunks(shard, 11), stage) for shard in shards]
+        preconditioner.finish(FitStatistics.combine(parts), stage)
+    return preconditioner
+
+
+KFAC_GIVEN = {"kronecker_layout": LAYOUT, "kronecker_factors": {
+    "fc1": (np.diag([1.0, 2.0]), np.diag([3.0, 1.0, 0.5])), "fc2": (np.eye(4) * 2.0, np.ones((1, 1)))}}
+
+
+@pytest.mark.parametrize(("name", "options"), [("identity", {}), *FITTED_KINDS, ("kfac", KFAC_GIVEN),
+                                               ("kfac", {**KFAC_GIVEN, "eigen_correction": True})])
+def test_sharded_statistics_merged_equal_the_whole_fit(name: str, options: dict) -> None:
+    shards = [GRADS[:100], GRADS[100:101], GRADS[101:101], GRADS[101:]]  # uneven, one row, one empty
+    sharded = fit_sharded(make_preconditioner(name, **options), shards)
+    whole = make_preconditioner(name, **options).fit(chunks(GRADS))
+    for both in (False, True):
+        np.testing.assert_allclose(apply(sharded, QUERIES, both), apply(whole, QUERIES, both), rtol=1e-10,
+                                   atol=1e-13)
+    assert getattr(sharded, "n_rows", 0) == getattr(whole, "n_rows", 0)
+
+
+def test_statistics_merge_adds_and_checks_keys() -> None:
+    a = FitStatistics(2, {"x": np.array([1.0, 2.0])})
+    b = FitStatistics(3, {"x": np.array([0.5, 0.25])})
+    merged = FitStatistics.combine([FitStatistics(), a, b, FitStatistics()])
+    assert merged.rows == 5 and merged.sums["x"].tolist() == [1.5, 2.25]
+    with pytest.raises(ValueError, match="disagree"):
+        a.merge(FitStatistics(1, {"y": np.zeros(2)}))
+    with pytest.raises(ValueError, match="shapes"):
+        a.merge(FitStatistics(1, {"x": np.zeros(3)}))
+    with pytest.raises(ValueError, match="zero rows"):
+        make_preconditioner("fisher").finish(FitStatistics())
 
 
 @pytest.mark.parametrize(("name", "options"), [("identity", {}), ("cosine", {}), *FITTED_KINDS])
