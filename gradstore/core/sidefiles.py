@@ -121,11 +121,6 @@ class SideFiles:
         """Whether a file (or directory) exists under the key."""
         return self.filesystem.get_file_info(self.path(*parts)).type != pafs.FileType.NotFound
 
-    def children(self, *parts: str) -> list[str]:
-        """Names directly under a directory key (empty if it does not exist)."""
-        selector = pafs.FileSelector(self.path(*parts), allow_not_found=True)
-        return sorted(info.base_name for info in self.filesystem.get_file_info(selector))
-
     def remove(self, *parts: str) -> None:
         """Delete a directory key and everything under it (nothing happens if it does not exist)."""
         target = self.path(*parts)
