@@ -166,6 +166,8 @@ class GradientCapture:
     scale is divided out of the rows.
     """
 
+    hook_class: type[LayerHook] = LayerHook  # what each captured module gets (per-token capture uses its own)
+
     def __init__(
         self,
         model: nn.Module,
@@ -191,7 +193,7 @@ class GradientCapture:
             )
         self.spec = build_spec(layers, self.config)
         self.layer_hooks = [
-            LayerHook(slot, info.module, self, self.config.seed,
+            self.hook_class(slot, info.module, self, self.config.seed,
                       None if self.config.basis is None else self.config.basis.tensors(slot.name))
             for slot, info in zip(self.spec.layers, layers)
         ]

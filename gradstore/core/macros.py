@@ -6,6 +6,8 @@
   with how many queries and their mean score.
 - ``influence_by(column_name)``: proponent scores aggregated by an ``examples`` column (e.g. ``'source'``).
 - ``most_self_influential(n)``: the ``n`` training rows with the largest self-influence, with their columns.
+- ``top_tokens(query, k)``: the ``k`` highest-scoring training tokens of the query's scored proponents
+  (``token_scores``), with the proponent's rank and the token's rank within its example.
 """
 
 from __future__ import annotations
@@ -38,10 +40,20 @@ SELF_INFLUENCE_MACROS = [
        ORDER BY s.self_influence DESC LIMIT n""",
 ]
 
+TOKEN_MACROS = [
+    """CREATE MACRO top_tokens(q, k) AS TABLE
+       SELECT query_id, rank, example_id, position, token, score, token_rank, method, run_id, checkpoint
+       FROM (SELECT *, row_number() OVER (PARTITION BY query_id, example_id, method, run_id, checkpoint, created_at
+                                          ORDER BY score DESC, position) AS token_rank
+             FROM token_scores WHERE query_id = q AND side = 'train' AND rank >= 1)
+       ORDER BY score DESC, rank, position LIMIT k""",
+]
+
 
 def macros_for(tables: set[str]) -> list[str]:
     """The macro definitions whose tables exist."""
+    tokens = TOKEN_MACROS if "token_scores" in tables else []
     if "examples" not in tables:
-        return []
+        return tokens
     return (SCORES_MACROS if "scores" in tables else []) + (
-        SELF_INFLUENCE_MACROS if "self_influence" in tables else [])
+        SELF_INFLUENCE_MACROS if "self_influence" in tables else []) + tokens

@@ -33,6 +33,7 @@ from ingest.projection import ProjectionBasis
 
 RUN = "demo"
 CURVATURE_RUN = "demo-curvature"
+TRACKSTAR_RUN = "demo-trackstar"
 
 
 @dataclass
@@ -67,10 +68,13 @@ def _checkpoint_epochs(config: DemoConfig) -> list[int]:
 
 def _capture_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus,
                   name: str, step: int, learning_rate: float, batch_size: int, run: str = RUN,
-                  basis: ProjectionBasis | None = None) -> None:
-    """Per-example gradients of every training example and query at the current weights (step ``step``)."""
+                  basis: ProjectionBasis | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Per-example gradients of every training example and query at the current weights (step ``step``);
+    with ``optimizer``, rows normalised by its Adam second moments (``normalizer="adam_factored"``)."""
     model.eval()  # no dropout here; weights are not updated
-    options = {} if basis is None else {"basis": basis}
+    options: dict[str, Any] = {} if basis is None else {"basis": basis}
+    if optimizer is not None:
+        options.update(optimizer=optimizer, normalizer="adam_factored")
     with store.capture(model, run, checkpoint=name, learning_rate=learning_rate, **options) as cap:
         cap.set_step(step)
         for batch in _batches(corpus.train, batch_size):
@@ -86,8 +90,9 @@ def _capture_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTok
 
 
 def train_under_capture(store: gradstore.GradStore, corpus: Corpus, config: DemoConfig,
-                        log: Callable[[str], None]) -> tuple[TinyGPT, WordTokenizer]:
-    """Train the tiny GPT with a plain loop inside ``store.capture``; capture checkpoint passes on the way."""
+                        log: Callable[[str], None]) -> tuple[TinyGPT, WordTokenizer, torch.optim.Optimizer]:
+    """Train the tiny GPT with a plain loop inside ``store.capture``; capture checkpoint passes on the way.
+    Returns the model, its tokenizer and the optimizer (whose Adam state the TrackStar pass reads)."""
     torch.manual_seed(config.seed)
     tokenizer = WordTokenizer([e.text for e in corpus.train + corpus.queries])
     model = TinyGPT(len(tokenizer.vocab), width=config.width, layers=config.layers)
@@ -110,7 +115,7 @@ def train_under_capture(store: gradstore.GradStore, corpus: Corpus, config: Demo
             _capture_pass(store, model, tokenizer, corpus, f"epoch-{epoch}", cap.step, config.learning_rate,
                           config.batch_size)
     log(f"trained {config.epochs} epochs on {len(corpus.train)} examples; final batch loss {loss.item():.3f}")
-    return model, tokenizer
+    return model, tokenizer, optimizer
 
 
 def curvature_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus,
@@ -162,7 +167,7 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
     log(f"corpus: {len(corpus.train)} training sentences, {len(corpus.queries)} queries (one held-out phrasing "
         f"per fact; {config.places} places x 2 facts x {config.phrasings - 1} training phrasings + distractors)")
 
-    model, tokenizer = train_under_capture(store, corpus, config, log)
+    model, tokenizer, optimizer = train_under_capture(store, corpus, config, log)
     log(f"held-out phrasings answered correctly: {answer_accuracy(model, tokenizer, corpus):.2f}")
     counts = store.sql("select checkpoint, split, count(*) as n from gradients group by 1, 2 order by 1, 2").df()
     log(f"store: {store.count()} gradient rows of {store.dim} dims ({store.storage_dtype})\n"
@@ -182,6 +187,13 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
     table = store.attribute(run=CURVATURE_RUN, k=config.k, method="fisher", checkpoint=final, write=False).to_pandas()
     top = table.sort_values(["query_id", "rank"]).groupby("query_id").example_id.apply(list).to_dict()
     recalls["fisher (curvature)"] = fact_recall(top, fact_of, query_fact)
+
+    _capture_pass(store, model, tokenizer, corpus, final, 0, config.learning_rate, config.batch_size,
+                  run=TRACKSTAR_RUN, optimizer=optimizer)  # optimizer-aware rows of the trained model
+    table = store.attribute(run=TRACKSTAR_RUN, k=config.k, method="trackstar", checkpoint=final,
+                            write=False).to_pandas()
+    top = table.sort_values(["query_id", "rank"]).groupby("query_id").example_id.apply(list).to_dict()
+    recalls["trackstar (adam)"] = fact_recall(top, fact_of, query_fact)
 
     bm25 = BM25([e.text for e in corpus.train])
     train_ids = np.array([e.example_id for e in corpus.train])
