@@ -27,6 +27,7 @@ import gradstore
 from gradstore.demo.bm25 import BM25
 from gradstore.demo.corpus import Corpus, Example, build_corpus
 from gradstore.demo.model import TinyGPT, WordTokenizer
+from gradstore.queries import QueryBatch
 from ingest.basis import estimate_basis
 from ingest.capture import CaptureConfig
 from ingest.projection import ProjectionBasis
@@ -143,6 +144,20 @@ def answer_accuracy(model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus) ->
     return float((predicted == inputs["input_ids"][rows, positions]).float().mean())
 
 
+def token_attribution(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus,
+                      query_ids: list[str], k: int, checkpoint: str) -> None:
+    """Per-token fisher scores of ``query_ids`` against their top-``k`` proponents into ``token_scores``: the
+    proponents are run through the model again, one example per batch (its own token-mean loss)."""
+    model.eval()
+    queries = [q for q in corpus.queries if q.example_id in query_ids]
+    text_of = {e.example_id: e.text for e in corpus.train}
+    batch = tokenizer.batch([q.text for q in queries], targets=[q.answer for q in queries])
+    store.token_scores(QueryBatch(model, batch, ids=[q.example_id for q in queries]),
+                       lambda ids: tokenizer.batch([text_of[i] for i in ids]), run=RUN, k=k, method="fisher",
+                       checkpoint=checkpoint, batch_size=1, token_text=tokenizer.vocab.__getitem__)
+    model.train()
+
+
 def fact_recall(top: dict[str, list[str]], fact_of: dict[str, str | None], query_fact: dict[str, str]) -> float:
     """Mean over queries of the share of their top list that states the queried fact."""
     shares = [np.mean([fact_of[e] == query_fact[q] for e in ids]) for q, ids in top.items() if ids]
@@ -210,6 +225,11 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
         rows = store.sql(f"select rank, round(score, 4) as score, text from top_proponents('{query_id}', 5) "
                          f"where method = '{best}' order by rank").df()
         log(f"\n{question}\n  top proponents ({best}):\n" + rows.to_string(index=False))
+
+    token_attribution(store, model, tokenizer, corpus, shown, 5, final)
+    tokens = store.sql(f"select rank, position, token, round(score, 4) as score from top_tokens('{shown[0]}', 8)").df()
+    log(f"\ntop tokens of the top-5 fisher proponents of {shown[0]} (token_scores; the report highlights them):\n"
+        + tokens.to_string(index=False))
 
     log(f"\nfact-tracing recall@{config.k} (share of a query's top-{config.k} that state its fact):")
     for name, value in recalls.items():
