@@ -144,6 +144,10 @@ def test_token_scores_table_and_top_tokens_macro(lm_store):
     assert top.example_id.tolist() == expected.example_id.tolist()
     assert top.position.tolist() == expected.position.tolist()
     np.testing.assert_allclose(top.score, expected.score)
+    following = table.set_index(["query_id", "example_id", "side", "position"]).token
+    for row in top.itertuples():
+        key = ("q1", row.example_id, "train", row.position + 1)
+        assert row.next_token == (following[key] if key in following.index else None)
 
 
 def test_token_scores_refuse_methods_that_do_not_decompose(lm_store):

@@ -7,7 +7,8 @@
 - ``influence_by(column_name)``: proponent scores aggregated by an ``examples`` column (e.g. ``'source'``).
 - ``most_self_influential(n)``: the ``n`` training rows with the largest self-influence, with their columns.
 - ``top_tokens(query, k)``: the ``k`` highest-scoring training tokens of the query's scored proponents
-  (``token_scores``), with the proponent's rank and the token's rank within its example.
+  (``token_scores``), with the proponent's rank, the token's rank within its example and the token after it
+  (the one a causal LM predicts from it).
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ SELF_INFLUENCE_MACROS = [
 
 TOKEN_MACROS = [
     """CREATE MACRO top_tokens(q, k) AS TABLE
-       SELECT query_id, rank, example_id, position, token, score, token_rank, method, run_id, checkpoint
-       FROM (SELECT *, row_number() OVER (PARTITION BY query_id, example_id, method, run_id, checkpoint, created_at
-                                          ORDER BY score DESC, position) AS token_rank
-             FROM token_scores WHERE query_id = q AND side = 'train' AND rank >= 1)
+       SELECT query_id, rank, example_id, position, token, next_token, score, token_rank, method, run_id, checkpoint
+       FROM (SELECT *, row_number() OVER (example ORDER BY score DESC, position) AS token_rank,
+                    lead(token) OVER (example ORDER BY position) AS next_token
+             FROM token_scores WHERE query_id = q AND side = 'train' AND rank >= 1
+             WINDOW example AS (PARTITION BY query_id, example_id, method, run_id, checkpoint, created_at))
        ORDER BY score DESC, rank, position LIMIT k""",
 ]
 

@@ -4,8 +4,10 @@
 2. Train :class:`TinyGPT` with an ordinary PyTorch loop inside ``store.capture`` (every backward streams
    per-example projected gradients into the store).
 3. Capture checkpoint passes over the training set and the held-out questions at a few checkpoints.
-4. Attribute every question with several methods, print the top proponents of a few through SQL, and
-   report fact-tracing recall@10 against a random and a BM25 baseline computed in the same run.
+4. Attribute every question with several methods (also on curvature-aware rows and, as TrackStar, on
+   Adam-normalised rows of the trained model), print the top proponents of a few through SQL and the top
+   tokens of their proponents (``token_scores``), and report fact-tracing recall@10 against a random and a
+   BM25 baseline computed in the same run.
 5. Compute self-influence and a 10% LESS selection, and write ``report.html`` (:mod:`gradstore.report`) into
    the store directory.
 """
@@ -227,7 +229,8 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
         log(f"\n{question}\n  top proponents ({best}):\n" + rows.to_string(index=False))
 
     token_attribution(store, model, tokenizer, corpus, shown, 5, final)
-    tokens = store.sql(f"select rank, position, token, round(score, 4) as score from top_tokens('{shown[0]}', 8)").df()
+    tokens = store.sql("select rank, position, token, next_token as predicting, round(score, 4) as score "
+                       f"from top_tokens('{shown[0]}', 8)").df()
     log(f"\ntop tokens of the top-5 fisher proponents of {shown[0]} (token_scores; the report highlights them):\n"
         + tokens.to_string(index=False))
 
