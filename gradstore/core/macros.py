@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
+
 SCORES_MACROS = [
     """CREATE MACRO top_proponents(q, k) AS TABLE
        SELECT s.query_id, s.rank, s.score, s.method, e.*
@@ -41,6 +43,8 @@ SELF_INFLUENCE_MACROS = [
        ORDER BY s.self_influence DESC LIMIT n""",
 ]
 
+TOKEN_SCORES_COLUMNS = {"query_id", "example_id", "rank", "side", "position", "token", "score", "method", "run_id",
+                        "checkpoint", "created_at"}
 TOKEN_MACROS = [
     """CREATE MACRO top_tokens(q, k) AS TABLE
        SELECT query_id, rank, example_id, position, token, next_token, score, token_rank, method, run_id, checkpoint
@@ -52,9 +56,10 @@ TOKEN_MACROS = [
 ]
 
 
-def macros_for(tables: set[str]) -> list[str]:
-    """The macro definitions whose tables exist."""
-    tokens = TOKEN_MACROS if "token_scores" in tables else []
+def macros_for(tables: Mapping[str, Collection[str]]) -> list[str]:
+    """The macro definitions whose tables exist (``tables``: name -> column names); ``top_tokens`` only over a
+    ``token_scores`` table with the columns ``store.token_scores`` writes (others may hold their own)."""
+    tokens = TOKEN_MACROS if set(tables.get("token_scores", ())) >= TOKEN_SCORES_COLUMNS else []
     if "examples" not in tables:
         return tokens
     return (SCORES_MACROS if "scores" in tables else []) + (

@@ -228,11 +228,12 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
                          f"where method = '{best}' order by rank").df()
         log(f"\n{question}\n  top proponents ({best}):\n" + rows.to_string(index=False))
 
-    token_attribution(store, model, tokenizer, corpus, shown, 5, final)
-    tokens = store.sql("select rank, position, token, next_token as predicting, round(score, 4) as score "
-                       f"from top_tokens('{shown[0]}', 8)").df()
-    log(f"\ntop tokens of the top-5 fisher proponents of {shown[0]} (token_scores; the report highlights them):\n"
-        + tokens.to_string(index=False))
+    if shown:
+        token_attribution(store, model, tokenizer, corpus, shown, 5, final)
+        tokens = store.sql("select rank, position, token, next_token as predicting, round(score, 4) as score "
+                           f"from top_tokens('{shown[0]}', 8)").df()
+        log(f"\ntop tokens of the top-5 fisher proponents of {shown[0]} (token_scores; the report highlights "
+            "them):\n" + tokens.to_string(index=False))
 
     log(f"\nfact-tracing recall@{config.k} (share of a query's top-{config.k} that state its fact):")
     for name, value in recalls.items():
