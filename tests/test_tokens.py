@@ -155,3 +155,31 @@ def test_token_scores_refuse_methods_that_do_not_decompose(lm_store):
     for method in ("cosine", "trackstar", "tracin"):
         with pytest.raises(gradstore.GradstoreError, match="linear in the training gradient"):
             store.token_scores(queries, _examples(train), run=RUN, k=K, method=method, write=False)
+
+
+@pytest.mark.parametrize("options", [{"projection": None}, {"projection": "dense", "k_in": 2, "k_out": 4},
+                                     {"k_in": 3, "k_out": 2, "normalizer": "adam_factored"}],
+                         ids=["exact", "dense", "factorized-adam"])
+def test_token_rows_sum_to_the_captured_row(options):
+    from ingest import CaptureConfig, GradientCapture
+    from ingest.tokens import TokenGradientCapture
+
+    model = tiny_gpt2().eval()
+    batch = _batch(_texts()[:4])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(**batch).loss.backward()
+    optimizer.step()  # Adam state for the normaliser
+    optimizer.zero_grad()
+    config = {"loss_reduction": "token_mean", **options}
+    captured = []
+    with GradientCapture(model, captured.append, CaptureConfig(**config), optimizer=optimizer):
+        model(**batch).loss.backward()
+    model.zero_grad()
+    with TokenGradientCapture(model, CaptureConfig(**config), optimizer=optimizer) as capture:
+        model(**batch).loss.backward()
+    tokens = capture.results[0]
+    assert tokens.rows.shape[:2] == batch["input_ids"].shape
+    assert torch.equal(tokens.inputs, batch["input_ids"]) and torch.equal(tokens.mask, batch["attention_mask"].bool())
+    assert tokens.rows[~tokens.mask].abs().max() == 0  # padding carries nothing
+    torch.testing.assert_close(tokens.rows.sum(dim=1), captured[0].grads, rtol=1e-4,
+                               atol=1e-5 * captured[0].grads.abs().max().item())
