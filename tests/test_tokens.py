@@ -183,3 +183,26 @@ def test_token_rows_sum_to_the_captured_row(options):
     assert tokens.rows[~tokens.mask].abs().max() == 0  # padding carries nothing
     torch.testing.assert_close(tokens.rows.sum(dim=1), captured[0].grads, rtol=1e-4,
                                atol=1e-5 * captured[0].grads.abs().max().item())
+
+
+def test_layers_that_do_not_run_per_token_are_refused():
+    from torch import nn
+
+    from ingest import CaptureConfig
+    from ingest.tokens import TokenGradientCapture
+
+    class Pooled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, 2)
+
+        def forward(self, input_ids):
+            return self.head(self.embed(input_ids).mean(dim=1))  # the head sees one position per example
+
+    model = Pooled()
+    with pytest.raises(ValueError, match="positions per example"):
+        with TokenGradientCapture(model, CaptureConfig(k_in=2, k_out=2)):
+            model(torch.randint(0, 10, (3, 5))).sum().backward()
+    with TokenGradientCapture(model, CaptureConfig(k_in=2, k_out=2, exclude="head")) as capture:
+        model(torch.randint(0, 10, (3, 5))).sum().backward()
+    assert capture.results[0].rows.shape == (3, 5, 4)
