@@ -1,9 +1,9 @@
 """Per-token attribution for language models: which training tokens carry a query's influence, and which query
 tokens it explains.
 
-A re-rank stage over the stored rows: the query's top-k training examples are found in the store as by
-:func:`~gradstore.attribution.attribute`, then only those k examples (and the query) are run through the model
-again under :class:`~ingest.tokens.TokenGradientCapture`, with the run's projection, normaliser and loss
+A re-rank stage over the stored rows: the query's top-k training examples are found in the store (the exact
+index :meth:`~gradstore.GradStore.attribute` uses), then only those k examples (and the query) are run through
+the model again under :class:`~ingest.tokens.TokenGradientCapture`, with the run's projection, normaliser and loss
 scaling, giving each token's share ``g_t`` of the example's row ``g = sum_t g_t``. For a method linear in the
 training gradient (``score = q^T P^-1 g``, ``P`` symmetric) the scores decompose exactly:
 
@@ -25,15 +25,14 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from gradstore.attribution import attribute
 from gradstore.capture import config_for_run
 from gradstore.core import StoreCore
 from gradstore.core.database import check_spec
 from gradstore.errors import InvalidArgumentError, MissingIdsError
-from gradstore.fitting import FitCache, Selection, fit_spec
+from gradstore.fitting import FitCache, Selection
+from gradstore.index import build_index
 from gradstore.methods import BlockStructure, check_k, resolve_method
 from gradstore.queries import QueryBatch
-from gradstore.scoring import ScoringSpace
 from ingest import CaptureConfig
 from ingest.tokens import TokenGradientCapture, TokenRows
 
@@ -79,16 +78,17 @@ def token_scores(store: StoreCore, fits: FitCache, queries: QueryBatch, examples
         raise InvalidArgumentError("token_scores takes the queries as a QueryBatch (model and batch): their "
                                    "tokens are needed")
     checkpoint = checkpoint or store.default_checkpoint(run)
-    space = ScoringSpace(resolved, fits.get(fit_spec(store, Selection(run, checkpoint, split, where), resolved,
-                                                     blocks), damping))
+    index = build_index(store, fits, Selection(run, checkpoint, split, where), resolved.name, damping=damping,
+                        blocks=blocks)
     model = queries.model
     query_config = config_for_run(store, run, {"split": "query", "checkpoint": checkpoint, **queries.options})
     query_tokens = _token_rows(store, run, model, queries.batch, queries.loss_fn or default_loss, query_config,
                                None if queries.ids is None else list(queries.ids))
-    query_rows = query_tokens.rows.sum(dim=1).numpy()
-    top = attribute(store, fits, query_rows, run=run, k=k, method=resolved.name, checkpoint=checkpoint,
-                    damping=damping, blocks=blocks, split=split, where=where, write=False).to_pandas()
-    wanted = sorted(set(top.example_id))
+    query_rows = query_tokens.rows.sum(dim=1)
+    _, grad_ids = index.search(query_rows, k)  # the store's top-k: the only examples recomputed
+    example_of = store.example_ids_for(grad_ids.reshape(-1))
+    top = [(q, rank + 1, example_of[int(g)]) for q in range(len(grad_ids)) for rank, g in enumerate(grad_ids[q])]
+    wanted = sorted({example_id for _, _, example_id in top})
     train_config = config_for_run(store, run, {"split": "train", "checkpoint": checkpoint})
     train_tokens = {}
     for start in range(0, len(wanted), batch_size):
@@ -98,16 +98,16 @@ def token_scores(store: StoreCore, fits: FitCache, queries: QueryBatch, examples
             raise MissingIdsError(f"examples({ids}) returned a batch of examples {rows.example_ids}")
         train_tokens.update({example_id: (rows, b) for b, example_id in enumerate(ids)})
 
-    prepared = space.queries(torch.from_numpy(query_rows)).to(torch.float64)
+    space = index.space
+    prepared = space.queries(query_rows).to(torch.float64)
     builder = _TableBuilder(token_text)
-    for row in top.itertuples():
-        q = int(row.query_id[1:])  # attribute names raw query vectors q0, q1, ...
-        tokens, b = train_tokens[row.example_id]
+    for q, rank, example_id in top:
+        tokens, b = train_tokens[example_id]
         train_rows = tokens.rows[b].to(torch.float64)
-        builder.add(query_tokens.example_ids[q], row.example_id, int(row.rank), "train", tokens, b,
-                    (train_rows @ prepared[q]).numpy())
+        query_id = query_tokens.example_ids[q]
+        builder.add(query_id, example_id, rank, "train", tokens, b, (train_rows @ prepared[q]).numpy())
         example_prepared = space.queries(train_rows.sum(dim=0, keepdim=True)).to(torch.float64)[0]
-        builder.add(query_tokens.example_ids[q], row.example_id, int(row.rank), "query", query_tokens, q,
+        builder.add(query_id, example_id, rank, "query", query_tokens, q,
                     (query_tokens.rows[q].to(torch.float64) @ example_prepared).numpy())
     table = builder.table(resolved.name, run, checkpoint)
     if write:

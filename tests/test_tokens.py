@@ -200,9 +200,9 @@ def test_layers_that_do_not_run_per_token_are_refused():
             return self.head(self.embed(input_ids).mean(dim=1))  # the head sees one position per example
 
     model = Pooled()
-    with pytest.raises(ValueError, match="positions per example"):
-        with TokenGradientCapture(model, CaptureConfig(k_in=2, k_out=2)):
-            model(torch.randint(0, 10, (3, 5))).sum().backward()
+    with pytest.raises(ValueError, match="positions per example"), \
+            TokenGradientCapture(model, CaptureConfig(k_in=2, k_out=2)):
+        model(torch.randint(0, 10, (3, 5))).sum().backward()
     with TokenGradientCapture(model, CaptureConfig(k_in=2, k_out=2, exclude="head")) as capture:
         model(torch.randint(0, 10, (3, 5))).sum().backward()
     assert capture.results[0].rows.shape == (3, 5, 4)
