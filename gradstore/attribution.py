@@ -234,7 +234,7 @@ def self_influence(store: StoreCore, fits: FitCache, *, run: str, method: str = 
                    engine: EngineName | Engine = "local") -> pa.Table:
     """``g^T P^-1 g`` for every selected training row; see :meth:`gradstore.GradStore.self_influence`."""
     resolved = resolve_method(method)
-    if resolved.name == "cosine" or resolved.over_checkpoints:
+    if resolved.name == "cosine" or resolved.unit_norm or resolved.over_checkpoints:
         raise InvalidArgumentError(f"self-influence under {resolved.name!r} is not informative; use grad-dot, "
                                    "diagonal, fisher, kfac or ekfac")
     engine = resolve_engine(engine)

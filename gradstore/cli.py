@@ -31,6 +31,7 @@ class Method(str, Enum):
     kfac = "kfac"
     ekfac = "ekfac"
     tracin = "tracin"
+    trackstar = "trackstar"
 
 
 class Blocks(str, Enum):

@@ -9,8 +9,12 @@
 | ``kfac``     | ``q^T (S (x) A + damping * mean_eig * I)^-1 g``    | Kronecker factors (``curvature=True``)  |
 | ``ekfac``    | as ``kfac`` with eigenvalues refitted on the rows  | eigen-corrected Kronecker factors       |
 | ``tracin``   | ``sum_c lr_c * q_c . g_c`` over checkpoints        | identity per checkpoint                 |
+| ``trackstar``| ``cos(F^-1/2 q, F^-1/2 g)``                        | projected empirical Fisher, unit norm   |
 
 ``influence`` is an alias of ``fisher``. Damping is relative to the mean eigenvalue (default 0.1).
+``trackstar`` (TrackStar, Chang et al. 2024) is meant for rows captured with ``normalizer="adam_factored"``
+(optimizer-aware: Adam second-moment normalisation): both sides are whitened by the Fisher of the stored rows
+and unit-normalised, so the score is a cosine in the whitened space.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Literal, get_args
 
 from gradstore.errors import InvalidArgumentError
 
-MethodName = Literal["grad-dot", "cosine", "diagonal", "fisher", "kfac", "ekfac", "tracin", "influence"]
+MethodName = Literal["grad-dot", "cosine", "diagonal", "fisher", "kfac", "ekfac", "tracin", "trackstar", "influence"]
 """Names :func:`resolve_method` accepts (``influence`` is ``fisher``)."""
 BlockStructure = Literal["auto", "layer", "full"]
 """Fisher blocks: one per layer, one full ``dim x dim`` block, or ``auto`` (full up to
@@ -41,6 +45,7 @@ class Method:
     damped: bool
     eigen_correction: bool = False
     over_checkpoints: bool = False  # a learning-rate weighted sum over checkpoints (TracIn)
+    unit_norm: bool = False  # both sides unit-normalised after preconditioning (a cosine in that space)
 
 
 METHODS = {
@@ -51,6 +56,7 @@ METHODS = {
     "kfac": Method("kfac", "kfac", True, True),
     "ekfac": Method("ekfac", "kfac", True, True, eigen_correction=True),
     "tracin": Method("tracin", "identity", True, False, over_checkpoints=True),
+    "trackstar": Method("trackstar", "fisher", False, True, unit_norm=True),
 }
 ALIASES = {"influence": "fisher", "graddot": "grad-dot", "grad_dot": "grad-dot", "tracin-cp": "tracin"}
 

@@ -28,11 +28,18 @@ class ScoringSpace:
             else queries.to(torch.float32)
         if self.method.query_only:
             return self.preconditioner.apply_query(raw).to(torch.float32)
-        return self.preconditioner.apply_both(raw).to(torch.float32)
+        return self._both(raw)
 
     def rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows in the searched space (unchanged for query-side preconditioning)."""
-        return rows if self.method.query_only else self.preconditioner.apply_both(rows).to(torch.float32)
+        return rows if self.method.query_only else self._both(rows)
+
+    def _both(self, vectors: torch.Tensor) -> torch.Tensor:
+        """``P^-1/2 v``, unit-normalised for ``unit_norm`` methods (zero vectors stay zero), float32."""
+        whitened = self.preconditioner.apply_both(vectors).to(torch.float32)
+        if not self.method.unit_norm:
+            return whitened
+        return whitened / whitened.norm(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
 
     def whitened(self, rows: torch.Tensor) -> torch.Tensor:
         """``P^-1/2 rows`` in float64 (self-influence is its squared norm; LESS takes cosines of it)."""

@@ -24,9 +24,10 @@ from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.fitting import FitCache, Selection
 from gradstore.index import AttributionIndex, build_index, load_index
 from gradstore.methods import BlockStructure, MethodName
-from gradstore.queries import QueryInput
+from gradstore.queries import QueryBatch, QueryInput
 from gradstore.report import ReportOptions, write_report
 from gradstore.selection import Aggregate, select
+from gradstore.tokens import ExampleBatches, TokenText, token_scores
 from ingest.projection import LayerSizes, ProjectionBasis
 
 Projection = Literal["factorized", "dense"] | None
@@ -155,6 +156,28 @@ class GradStore(StoreCore):
         return select(self, self.fits, target, run=run, budget=budget, preconditioner=preconditioner,
                       aggregate=aggregate, checkpoints=checkpoints, damping=damping, blocks=blocks, split=split,
                       where=where, engine=engine)
+
+    def token_scores(self, queries: QueryBatch, examples: ExampleBatches, *, run: str, k: int = 10,
+                     method: MethodName = "grad-dot", checkpoint: str | None = None, damping: float | None = None,
+                     blocks: BlockStructure = "auto", loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+                     token_text: TokenText | None = None, batch_size: int = 8, split: str = "train",
+                     where: str | None = None, write: bool = True) -> pa.Table:
+        """Per-token attribution of each query against its top-k training examples (a re-rank stage).
+
+        The top-k are found in the store as by :meth:`attribute`; then only those examples are run through
+        ``queries.model`` again, with the run's projection, to split each (query, example) score into its
+        tokens' shares on both sides. ``queries``: a :class:`~gradstore.queries.QueryBatch` (the model, the
+        tokenized queries, their loss). ``examples(ids)``: the model's input batch for training examples by id
+        (without an ``example_id`` entry), scored with ``loss_fn(model, batch)`` (default ``model(**batch).loss``,
+        formed as the run's ``loss_reduction`` says), ``batch_size`` ids at a time. ``token_text(token_id)``: how a
+        token is shown (default its id). ``method``: one linear in the training gradient (``grad-dot``,
+        ``diagonal``, ``fisher``, ``kfac``, ``ekfac``); the token scores of an example sum to its score.
+        Returns ``(query_id, example_id, rank, side, position, token_id, token, score, method, run_id,
+        checkpoint, created_at)`` with ``side`` ``"train"`` (the example's tokens) or ``"query"`` (the query's),
+        also appended to ``token_scores`` unless ``write=False``."""
+        return token_scores(self, self.fits, queries, examples, run=run, k=k, method=method, checkpoint=checkpoint,
+                            damping=damping, blocks=blocks, loss_fn=loss_fn, token_text=token_text,
+                            batch_size=batch_size, split=split, where=where, write=write)
 
     # ------------------------------------------------------------------ report
     def report(self, out: str | Path = "report.html", *, run: str | None = None, max_queries: int = 1000,

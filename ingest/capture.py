@@ -214,6 +214,8 @@ class GradientCapture:
     scale is divided out of the rows.
     """
 
+    hook_class: type[LayerHook] = LayerHook  # what each captured module gets (per-token capture uses its own)
+
     def __init__(
         self,
         model: nn.Module,
@@ -240,8 +242,8 @@ class GradientCapture:
             )
         self.spec = build_spec(layers, projection)
         self.layer_hooks = [
-            LayerHook(slot, info.module, self, projection.seed,
-                      None if projection.basis is None else projection.basis.tensors(slot.name))
+            self.hook_class(slot, info.module, self, projection.seed,
+                            None if projection.basis is None else projection.basis.tensors(slot.name))
             for slot, info in zip(self.spec.layers, layers)
         ]
         self._normalized = self.config.normalizer is None  # False until the optimizer holds second moments

@@ -106,6 +106,23 @@ def test_fisher_influence_equals_numpy_closed_form(captured, damping):
     _check(table, q_ids, q, g_ids, lambda v: g @ (inverse @ v), 10, rtol=1e-3)
 
 
+def test_trackstar_is_a_cosine_in_the_fisher_whitened_space(captured):
+    store, _, _ = captured
+    g_ids, g, _ = _rows(store, "c1", "train")
+    q_ids, q, _ = _rows(store, "c1", "query")
+    values, vectors = np.linalg.eigh(_fisher_inverse(g, 0.1))
+    root = vectors @ np.diag(np.sqrt(values)) @ vectors.T  # F^-1/2 (damped)
+    white = g @ root
+    white /= np.linalg.norm(white, axis=1, keepdims=True)
+    table = store.attribute(run="run", k=8, method="trackstar", opponents=True, write=False)
+    for largest in (True, False):
+        _check(table, q_ids, q, g_ids, lambda v: white @ (root @ v / np.linalg.norm(root @ v)), 8, largest,
+               rtol=1e-3)
+    assert np.abs(table.column("score").to_numpy()).max() <= 1 + 1e-5
+    with pytest.raises(gradstore.GradstoreError, match="not informative"):
+        store.self_influence(run="run", method="trackstar", write=False)
+
+
 def test_self_influence_equals_numpy(captured):
     store, _, _ = captured
     g_ids, g, _ = _rows(store, "c1", "train")

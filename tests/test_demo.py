@@ -32,7 +32,8 @@ def test_demo_end_to_end_reduced(tmp_path):
     lines: list[str] = []
     summary = run_demo(tmp_path / "demo", config, log=lines.append)
     recall = summary["recall"]
-    assert set(recall) == {"grad-dot", "fisher", "tracin", "fisher (curvature)", "bm25 (lexical)", "random"}
+    assert set(recall) == {"grad-dot", "fisher", "tracin", "fisher (curvature)", "trackstar (adam)", "bm25 (lexical)",
+                           "random"}
     assert min(recall["fisher"], recall["tracin"], recall["fisher (curvature)"]) > recall["random"]
     store = gradstore.open(tmp_path / "demo", create=False)
     n_train, n_queries = 6 * 2 * 7 + 6 * 4, 12
@@ -42,3 +43,7 @@ def test_demo_end_to_end_reduced(tmp_path):
     assert run_basis(store, "demo-curvature") is not None and run_basis(store, "demo") is None
     assert store.count("scores") == 3 * n_queries * 10
     assert any("top proponents" in line for line in lines)
+    assert store.count("gradients", "run_id = 'demo-trackstar'") == n_train + n_queries
+    tokens = store.sql("select side, count(distinct example_id) as n from token_scores group by 1 order by 1").df()
+    assert tokens.n.tolist() == [5, 5]  # the query's top-5 fisher proponents, both sides
+    assert any("top tokens" in line for line in lines)

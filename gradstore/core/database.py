@@ -402,7 +402,8 @@ class StoreCore:
     def sql(self, query: str):
         """Run read-only DuckDB SQL over every table (vectors excluded); returns a DuckDB relation."""
         tables = {name: self.table(name).to_lance() for name in self.db.list_tables().tables}
-        self._sql_connection = store_sql.connect(tables, macros_for(set(tables)),  # lives with its relation
+        columns = {name: table.schema.names for name, table in tables.items()}
+        self._sql_connection = store_sql.connect(tables, macros_for(columns),  # lives with its relation
                                                  self.storage_options)
         return store_sql.run_query(self._sql_connection, query)
 

@@ -6,9 +6,14 @@
   with how many queries and their mean score.
 - ``influence_by(column_name)``: proponent scores aggregated by an ``examples`` column (e.g. ``'source'``).
 - ``most_self_influential(n)``: the ``n`` training rows with the largest self-influence, with their columns.
+- ``top_tokens(query, k)``: the ``k`` highest-scoring training tokens of the query's scored proponents
+  (``token_scores``), with the proponent's rank, the token's rank within its example and the token after it
+  (the one a causal LM predicts from it).
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection, Mapping
 
 SCORES_MACROS = [
     """CREATE MACRO top_proponents(q, k) AS TABLE
@@ -38,10 +43,24 @@ SELF_INFLUENCE_MACROS = [
        ORDER BY s.self_influence DESC LIMIT n""",
 ]
 
+TOKEN_SCORES_COLUMNS = {"query_id", "example_id", "rank", "side", "position", "token", "score", "method", "run_id",
+                        "checkpoint", "created_at"}
+TOKEN_MACROS = [
+    """CREATE MACRO top_tokens(q, k) AS TABLE
+       SELECT query_id, rank, example_id, position, token, next_token, score, token_rank, method, run_id, checkpoint
+       FROM (SELECT *, row_number() OVER (example ORDER BY score DESC, position) AS token_rank,
+                    lead(token) OVER (example ORDER BY position) AS next_token
+             FROM token_scores WHERE query_id = q AND side = 'train' AND rank >= 1
+             WINDOW example AS (PARTITION BY query_id, example_id, method, run_id, checkpoint, created_at))
+       ORDER BY score DESC, rank, position LIMIT k""",
+]
 
-def macros_for(tables: set[str]) -> list[str]:
-    """The macro definitions whose tables exist."""
+
+def macros_for(tables: Mapping[str, Collection[str]]) -> list[str]:
+    """The macro definitions whose tables exist (``tables``: name -> column names); ``top_tokens`` only over a
+    ``token_scores`` table with the columns ``store.token_scores`` writes (others may hold their own)."""
+    tokens = TOKEN_MACROS if set(tables.get("token_scores", ())) >= TOKEN_SCORES_COLUMNS else []
     if "examples" not in tables:
-        return []
+        return tokens
     return (SCORES_MACROS if "scores" in tables else []) + (
-        SELF_INFLUENCE_MACROS if "self_influence" in tables else [])
+        SELF_INFLUENCE_MACROS if "self_influence" in tables else []) + tokens

@@ -4,8 +4,10 @@
 2. Train :class:`TinyGPT` with an ordinary PyTorch loop inside ``store.capture`` (every backward streams
    per-example projected gradients into the store).
 3. Capture checkpoint passes over the training set and the held-out questions at a few checkpoints.
-4. Attribute every question with several methods, print the top proponents of a few through SQL, and
-   report fact-tracing recall@10 against a random and a BM25 baseline computed in the same run.
+4. Attribute every question with several methods (also on curvature-aware rows and, as TrackStar, on
+   Adam-normalised rows of the trained model), print the top proponents of a few through SQL and the top
+   tokens of their proponents (``token_scores``), and report fact-tracing recall@10 against a random and a
+   BM25 baseline computed in the same run.
 5. Compute self-influence and a 10% LESS selection, and write ``report.html`` (:mod:`gradstore.report`) into
    the store directory.
 """
@@ -27,12 +29,14 @@ import gradstore
 from gradstore.demo.bm25 import BM25
 from gradstore.demo.corpus import Corpus, Example, build_corpus
 from gradstore.demo.model import TinyGPT, WordTokenizer
+from gradstore.queries import QueryBatch
 from ingest.basis import estimate_basis
 from ingest.capture import ProjectionConfig
 from ingest.projection import ProjectionBasis
 
 RUN = "demo"
 CURVATURE_RUN = "demo-curvature"
+TRACKSTAR_RUN = "demo-trackstar"
 
 
 @dataclass
@@ -67,10 +71,13 @@ def _checkpoint_epochs(config: DemoConfig) -> list[int]:
 
 def _capture_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus,
                   name: str, step: int, learning_rate: float, batch_size: int, run: str = RUN,
-                  basis: ProjectionBasis | None = None) -> None:
-    """Per-example gradients of every training example and query at the current weights (step ``step``)."""
+                  basis: ProjectionBasis | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Per-example gradients of every training example and query at the current weights (step ``step``);
+    with ``optimizer``, rows normalised by its Adam second moments (``normalizer="adam_factored"``)."""
     model.eval()  # no dropout here; weights are not updated
-    options = {} if basis is None else {"basis": basis}
+    options: dict[str, Any] = {} if basis is None else {"basis": basis}
+    if optimizer is not None:
+        options.update(optimizer=optimizer, normalizer="adam_factored")
     with store.capture(model, run, checkpoint=name, learning_rate=learning_rate, **options) as cap:
         cap.set_step(step)
         for batch in _batches(corpus.train, batch_size):
@@ -86,8 +93,9 @@ def _capture_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTok
 
 
 def train_under_capture(store: gradstore.GradStore, corpus: Corpus, config: DemoConfig,
-                        log: Callable[[str], None]) -> tuple[TinyGPT, WordTokenizer]:
-    """Train the tiny GPT with a plain loop inside ``store.capture``; capture checkpoint passes on the way."""
+                        log: Callable[[str], None]) -> tuple[TinyGPT, WordTokenizer, torch.optim.Optimizer]:
+    """Train the tiny GPT with a plain loop inside ``store.capture``; capture checkpoint passes on the way.
+    Returns the model, its tokenizer and the optimizer (whose Adam state the TrackStar pass reads)."""
     torch.manual_seed(config.seed)
     tokenizer = WordTokenizer([e.text for e in corpus.train + corpus.queries])
     model = TinyGPT(len(tokenizer.vocab), width=config.width, layers=config.layers)
@@ -110,7 +118,7 @@ def train_under_capture(store: gradstore.GradStore, corpus: Corpus, config: Demo
             _capture_pass(store, model, tokenizer, corpus, f"epoch-{epoch}", cap.step, config.learning_rate,
                           config.batch_size)
     log(f"trained {config.epochs} epochs on {len(corpus.train)} examples; final batch loss {loss.item():.3f}")
-    return model, tokenizer
+    return model, tokenizer, optimizer
 
 
 def curvature_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus,
@@ -138,6 +146,20 @@ def answer_accuracy(model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus) ->
     return float((predicted == inputs["input_ids"][rows, positions]).float().mean())
 
 
+def token_attribution(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus,
+                      query_ids: list[str], k: int, checkpoint: str) -> None:
+    """Per-token fisher scores of ``query_ids`` against their top-``k`` proponents into ``token_scores``: the
+    proponents are run through the model again, one example per batch (its own token-mean loss)."""
+    model.eval()
+    queries = [q for q in corpus.queries if q.example_id in query_ids]
+    text_of = {e.example_id: e.text for e in corpus.train}
+    batch = tokenizer.batch([q.text for q in queries], targets=[q.answer for q in queries])
+    store.token_scores(QueryBatch(model, batch, ids=[q.example_id for q in queries]),
+                       lambda ids: tokenizer.batch([text_of[i] for i in ids]), run=RUN, k=k, method="fisher",
+                       checkpoint=checkpoint, batch_size=1, token_text=tokenizer.vocab.__getitem__)
+    model.train()
+
+
 def fact_recall(top: dict[str, list[str]], fact_of: dict[str, str | None], query_fact: dict[str, str]) -> float:
     """Mean over queries of the share of their top list that states the queried fact."""
     shares = [np.mean([fact_of[e] == query_fact[q] for e in ids]) for q, ids in top.items() if ids]
@@ -162,7 +184,7 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
     log(f"corpus: {len(corpus.train)} training sentences, {len(corpus.queries)} queries (one held-out phrasing "
         f"per fact; {config.places} places x 2 facts x {config.phrasings - 1} training phrasings + distractors)")
 
-    model, tokenizer = train_under_capture(store, corpus, config, log)
+    model, tokenizer, optimizer = train_under_capture(store, corpus, config, log)
     log(f"held-out phrasings answered correctly: {answer_accuracy(model, tokenizer, corpus):.2f}")
     counts = store.sql("select checkpoint, split, count(*) as n from gradients group by 1, 2 order by 1, 2").df()
     log(f"store: {store.count()} gradient rows of {store.dim} dims ({store.storage_dtype})\n"
@@ -183,6 +205,13 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
     top = table.sort_values(["query_id", "rank"]).groupby("query_id").example_id.apply(list).to_dict()
     recalls["fisher (curvature)"] = fact_recall(top, fact_of, query_fact)
 
+    _capture_pass(store, model, tokenizer, corpus, final, 0, config.learning_rate, config.batch_size,
+                  run=TRACKSTAR_RUN, optimizer=optimizer)  # optimizer-aware rows of the trained model
+    table = store.attribute(run=TRACKSTAR_RUN, k=config.k, method="trackstar", checkpoint=final,
+                            write=False).to_pandas()
+    top = table.sort_values(["query_id", "rank"]).groupby("query_id").example_id.apply(list).to_dict()
+    recalls["trackstar (adam)"] = fact_recall(top, fact_of, query_fact)
+
     bm25 = BM25([e.text for e in corpus.train])
     train_ids = np.array([e.example_id for e in corpus.train])
     lexical = {q.example_id: train_ids[np.argsort(-bm25.scores(q.text), kind="stable")[:config.k]].tolist()
@@ -198,6 +227,13 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
         rows = store.sql(f"select rank, round(score, 4) as score, text from top_proponents('{query_id}', 5) "
                          f"where method = '{best}' order by rank").df()
         log(f"\n{question}\n  top proponents ({best}):\n" + rows.to_string(index=False))
+
+    if shown:
+        token_attribution(store, model, tokenizer, corpus, shown, 5, final)
+        tokens = store.sql("select rank, position, token, next_token as predicting, round(score, 4) as score "
+                           f"from top_tokens('{shown[0]}', 8)").df()
+        log(f"\ntop tokens of the top-5 fisher proponents of {shown[0]} (token_scores; the report highlights "
+            "them):\n" + tokens.to_string(index=False))
 
     log(f"\nfact-tracing recall@{config.k} (share of a query's top-{config.k} that state its fact):")
     for name, value in recalls.items():
