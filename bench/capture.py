@@ -106,12 +106,19 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="gradstore-bench-capture-"))
     try:
         store = gradstore.open(root / "store")
-        cap = store.capture(captured, "bench", optimizer=opt_captured, include=r"transformer\.h\.",
-                            layer_types=("linear", "conv1d"), loss_reduction="token_mean")
+        cap = store.capture(
+            captured,
+            "bench",
+            optimizer=opt_captured,
+            include=r"transformer\.h\.",
+            layer_types=("linear", "conv1d"),
+            loss_reduction="token_mean",
+        )
         spec = cap.spec
         if len(spec.layers) != EXPECTED_LAYERS or spec.dim != EXPECTED_DIM:
-            raise SystemExit(f"expected {EXPECTED_LAYERS} layers / {EXPECTED_DIM} dims, "
-                             f"got {len(spec.layers)} / {spec.dim}")
+            raise SystemExit(
+                f"expected {EXPECTED_LAYERS} layers / {EXPECTED_DIM} dims, got {len(spec.layers)} / {spec.dim}"
+            )
 
         t_plain: list[float] = []
         t_cap: list[float] = []
@@ -151,21 +158,33 @@ def main() -> None:
     nominal = 2 * spec.dim + 4
     expected_rows = captured_steps * BATCH
 
-    print(f"W-capture: GPT-2 4x256, batch {BATCH} x {SEQ}, {len(spec.layers)} layers captured, "
-          f"{spec.dim} dims ({spec.layers[0].k_out}x{spec.layers[0].k_in} factorized), float16 store")
-    print("method: two identical model copies (plain / captured), same batches, order alternating per pair; "
-          f"{args.warmup} warm-up + {len(ratios)} measured pairs")
+    print(
+        f"W-capture: GPT-2 4x256, batch {BATCH} x {SEQ}, {len(spec.layers)} layers captured, "
+        f"{spec.dim} dims ({spec.layers[0].k_out}x{spec.layers[0].k_in} factorized), float16 store"
+    )
+    print(
+        "method: two identical model copies (plain / captured), same batches, order alternating per pair; "
+        f"{args.warmup} warm-up + {len(ratios)} measured pairs"
+    )
     print(f"{'arm':<10}{'median s/step':>15}{'steps/s':>10}{'total s':>10}")
     print(f"{'plain':<10}{med_plain:>15.4f}{1 / med_plain:>10.3f}{sum(t_plain):>10.2f}")
     print(f"{'captured':<10}{med_cap:>15.4f}{1 / med_cap:>10.3f}{sum(t_cap):>10.2f}")
-    print(f"ratio per pair: median {ratio:.4f}  (quartiles {q[0]:.4f} / {q[2]:.4f}, "
-          f"min {min(ratios):.4f}, max {max(ratios):.4f}); ratio of totals {total_ratio:.4f}")
-    print(f"store: {rows} rows (expected {captured_steps} captured steps x {BATCH} = {expected_rows}; "
-          f"capture reported {rows_written})")
-    print(f"bytes/example on disk: {store_bytes / rows:,.0f} (whole store), {grad_table_bytes / rows:,.0f} "
-          f"(gradients table); nominal 2*dim+4 = {nominal:,}")
-    print(f"final flush after the loop: {flush_s:.3f} s (loop {loop_s:.1f} s); "
-          f"weights identical with and without capture: {same_weights}")
+    print(
+        f"ratio per pair: median {ratio:.4f}  (quartiles {q[0]:.4f} / {q[2]:.4f}, "
+        f"min {min(ratios):.4f}, max {max(ratios):.4f}); ratio of totals {total_ratio:.4f}"
+    )
+    print(
+        f"store: {rows} rows (expected {captured_steps} captured steps x {BATCH} = {expected_rows}; "
+        f"capture reported {rows_written})"
+    )
+    print(
+        f"bytes/example on disk: {store_bytes / rows:,.0f} (whole store), {grad_table_bytes / rows:,.0f} "
+        f"(gradients table); nominal 2*dim+4 = {nominal:,}"
+    )
+    print(
+        f"final flush after the loop: {flush_s:.3f} s (loop {loop_s:.1f} s); "
+        f"weights identical with and without capture: {same_weights}"
+    )
     if rows != expected_rows:
         raise SystemExit(f"row count mismatch: {rows} rows in the store, expected {expected_rows}")
     verdict = "PASS" if ratio <= TARGET else "MISS"

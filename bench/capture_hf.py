@@ -88,19 +88,38 @@ def main() -> None:
         store = gradstore.open(os.path.join(tmp, "store"))
         callback = GradstoreCallback(store, "bench", include=r"^transformer\.h\.", layer_types=("conv1d", "linear"))
         timer = PairedTimer(callback, opts.warmup)
-        args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=BATCH,
-                                 max_steps=steps, learning_rate=1e-4, optim="adamw_torch",
-                                 lr_scheduler_type="constant", weight_decay=0.0, save_strategy="no",
-                                 logging_strategy="no", report_to=[], use_cpu=True, remove_unused_columns=False,
-                                 disable_tqdm=True, dataloader_num_workers=0, seed=0)
-        Trainer(model=model(), args=args, train_dataset=dataset(steps), data_collator=with_example_ids(collate),
-                callbacks=[callback, timer]).train()
+        args = TrainingArguments(
+            output_dir=os.path.join(tmp, "out"),
+            per_device_train_batch_size=BATCH,
+            max_steps=steps,
+            learning_rate=1e-4,
+            optim="adamw_torch",
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            save_strategy="no",
+            logging_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            remove_unused_columns=False,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=0,
+        )
+        Trainer(
+            model=model(),
+            args=args,
+            train_dataset=dataset(steps),
+            data_collator=with_example_ids(collate),
+            callbacks=[callback, timer],
+        ).train()
         rows, dim, layers = store.count(), store.dim, len(store.run_spec("bench").layers)
     ratios = [c / p for p, c in zip(timer.plain, timer.captured)]
     expected = (opts.warmup + opts.pairs) * BATCH
     print(f"layers {layers}, dim {dim}, rows written {rows} (expected {expected}), pairs {len(ratios)}")
-    print(f"median step: plain {statistics.median(timer.plain) * 1e3:.0f} ms, captured "
-          f"{statistics.median(timer.captured) * 1e3:.0f} ms; pair ratios {[round(r, 3) for r in ratios]}")
+    print(
+        f"median step: plain {statistics.median(timer.plain) * 1e3:.0f} ms, captured "
+        f"{statistics.median(timer.captured) * 1e3:.0f} ms; pair ratios {[round(r, 3) for r in ratios]}"
+    )
     ratio = statistics.median(ratios)
     ok = ratio <= 1.05 and rows == expected
     print(f"RESULT capture_hf_overhead={ratio:.3f} target<=1.05 {'PASS' if ok else 'MISS'}")

@@ -107,8 +107,8 @@ def load_data(n_train: int, n_test: int, n_val: int, seed: int) -> Data:
     x = torch.tensor(digits.data, dtype=torch.float32)
     y = torch.tensor(digits.target, dtype=torch.long)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    train, test = order[:n_train], order[n_train:n_train + n_test]
-    val = order[n_train + n_test:n_train + n_test + n_val]
+    train, test = order[:n_train], order[n_train : n_train + n_test]
+    val = order[n_train + n_test : n_train + n_test + n_val]
     mean, std = x[train].mean(0), x[train].std(0)
     std = torch.where(std > 1e-6, std, torch.ones_like(std))
     x = (x - mean) / std
@@ -160,8 +160,9 @@ def lr_at(config: ModelConfig, step: int) -> float:
     return 0.5 * config.lr * (1 + math.cos(math.pi * step / config.steps))
 
 
-def train_stack(config: ModelConfig, x: torch.Tensor, y: torch.Tensor, seed: int,
-                snapshot_steps: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], dict[int, list[torch.Tensor]]]:
+def train_stack(
+    config: ModelConfig, x: torch.Tensor, y: torch.Tensor, seed: int, snapshot_steps: tuple[int, ...] = ()
+) -> tuple[list[torch.Tensor], dict[int, list[torch.Tensor]]]:
     """Train ``copies`` independent models, copy ``c`` on ``x[c], y[c]`` (``[copies, n, 64]``, ``[copies, n]``).
 
     Objective per copy: mean cross-entropy + ``wd/2 ||theta||^2``; full-batch Adam, cosine schedule.
@@ -207,14 +208,18 @@ def train_ids(n: int) -> list[str]:
 def make_train_fn(config: ModelConfig, data: Data) -> evaluate.TrainFn:
     """The retraining function ``gradstore.evaluate`` calls: every subset trained as one stack of independent
     models (same init and procedure as the full model), losses on the requested test/validation query ids."""
-    queries = {**{q: ("test", i) for i, q in enumerate(test_ids(len(data.x_test)))},
-               **{q: ("val", i) for i, q in enumerate(val_ids(len(data.x_val)))}}
+    queries = {
+        **{q: ("test", i) for i, q in enumerate(test_ids(len(data.x_test)))},
+        **{q: ("val", i) for i, q in enumerate(val_ids(len(data.x_val)))},
+    }
 
     def train_fn(subsets: list[list[str]], query_ids: list[str], seed: int) -> np.ndarray:
         chosen = torch.tensor([[int(i) for i in subset] for subset in subsets])
         params, _ = train_stack(config, data.x_train[chosen], data.y_train[chosen], seed)
-        losses = {"test": query_losses(params, data.x_test, data.y_test).numpy(),
-                  "val": query_losses(params, data.x_val, data.y_val).numpy()}
+        losses = {
+            "test": query_losses(params, data.x_test, data.y_test).numpy(),
+            "val": query_losses(params, data.x_val, data.y_val).numpy(),
+        }
         return np.stack([losses[split][:, i] for split, i in (queries[q] for q in query_ids)], 1)
 
     return train_fn
@@ -244,8 +249,15 @@ def val_ids(n: int) -> list[str]:
     return [f"v{i}" for i in range(n)]
 
 
-def fisher_basis(config: ModelConfig, inputs: torch.Tensor, params: list[torch.Tensor], k_in: int, k_out: int,
-                 factors: str, batch: int = 250) -> ProjectionBasis:
+def fisher_basis(
+    config: ModelConfig,
+    inputs: torch.Tensor,
+    params: list[torch.Tensor],
+    k_in: int,
+    k_out: int,
+    factors: str,
+    batch: int = 250,
+) -> ProjectionBasis:
     """The curvature-aware basis of the trained model on ``inputs`` (``ingest.estimate_basis``).
 
     The pre-pass backpropagates the loss of every label weighted by the square root of its predicted
@@ -258,31 +270,43 @@ def fisher_basis(config: ModelConfig, inputs: torch.Tensor, params: list[torch.T
         weights = torch.softmax(logits.detach(), 1).sqrt()
         return (weights * -torch.log_softmax(logits, 1)).sum(0)  # [classes]: one loss per label
 
-    batches = [inputs[i:i + batch] for i in range(0, len(inputs), batch)]
+    batches = [inputs[i : i + batch] for i in range(0, len(inputs), batch)]
     return estimate_basis(module, batches, loss_fn, ProjectionConfig(k_in=k_in, k_out=k_out), factors=factors)
 
 
-def capture(store: gradstore.GradStore, config: ModelConfig, data: Data, snapshots: dict[str, list[torch.Tensor]],
-            plan: dict[str, tuple[int, float]], projection: str | None, k_in: int, k_out: int,
-            basis: ProjectionBasis | None = None, batch: int = 250) -> None:
+def capture(
+    store: gradstore.GradStore,
+    config: ModelConfig,
+    data: Data,
+    snapshots: dict[str, list[torch.Tensor]],
+    plan: dict[str, tuple[int, float]],
+    projection: str | None,
+    k_in: int,
+    k_out: int,
+    basis: ProjectionBasis | None = None,
+    batch: int = 250,
+) -> None:
     """Checkpoint passes: training rows and query rows of the full model at every planned checkpoint."""
     module = make_module(config)
     sizes = {} if projection is None else {"k_in": k_in, "k_out": k_out}  # exact slots take the layer's shape
     if basis is not None:
         sizes["basis"] = basis
-    groups = [("train", [str(i) for i in range(len(data.x_train))], data.x_train, data.y_train),
-              ("query", test_ids(len(data.x_test)), data.x_test, data.y_test),
-              ("query", val_ids(len(data.x_val)), data.x_val, data.y_val)]
+    groups = [
+        ("train", [str(i) for i in range(len(data.x_train))], data.x_train, data.y_train),
+        ("query", test_ids(len(data.x_test)), data.x_test, data.y_test),
+        ("query", val_ids(len(data.x_val)), data.x_val, data.y_val),
+    ]
     for name, (step, rate) in plan.items():
         load_into(module, snapshots[name])
-        with store.capture(module, RUN, checkpoint=name, learning_rate=rate, projection=projection,
-                           loss_reduction="sum", **sizes) as cap:
+        with store.capture(
+            module, RUN, checkpoint=name, learning_rate=rate, projection=projection, loss_reduction="sum", **sizes
+        ) as cap:
             cap.set_step(step)
             for split, ids, x, y in groups:
                 cap.set_split(split)
                 for start in range(0, len(ids), batch):
-                    cap.set_ids(ids[start:start + batch])
-                    loss = F.cross_entropy(module(x[start:start + batch]), y[start:start + batch], reduction="sum")
+                    cap.set_ids(ids[start : start + batch])
+                    loss = F.cross_entropy(module(x[start : start + batch]), y[start : start + batch], reduction="sum")
                     loss.backward()
                     module.zero_grad()
 
@@ -296,8 +320,9 @@ def choose_damping(store: gradstore.GradStore, data: Data, truth: evaluate.Retra
     return best, results
 
 
-def hessian_queries(config: ModelConfig, params: list[torch.Tensor], data: Data,
-                    store: gradstore.GradStore) -> np.ndarray:
+def hessian_queries(
+    config: ModelConfig, params: list[torch.Tensor], data: Data, store: gradstore.GradStore
+) -> np.ndarray:
     """Test query rows preconditioned by the exact Hessian of the logistic-regression objective.
 
     The parameter vector is laid out as gradstore's exact slot: ``[out, in + 1]`` row-major, bias last."""
@@ -310,59 +335,89 @@ def hessian_queries(config: ModelConfig, params: list[torch.Tensor], data: Data,
         return loss + 0.5 * config.weight_decay * (matrix * matrix).sum()
 
     hessian = torch.autograd.functional.hessian(objective, theta0.reshape(-1))
-    block = store.read_gradients(RUN, checkpoint="final", split="query",
-                                 where="example_id LIKE 'q%'")
+    block = store.read_gradients(RUN, checkpoint="final", split="query", where="example_id LIKE 'q%'")
     position = {q: i for i, q in enumerate(block.metadata.column("example_id").to_pylist())}
     rows = torch.from_numpy(block.vectors[[position[q] for q in test_ids(len(data.x_test))]]).to(torch.float64)
     return torch.linalg.solve(hessian, rows.T).T.numpy().astype(np.float32)
 
 
 # ---------------------------------------------------------------------------------------------- main
-def evaluate_model(config: ModelConfig, data: Data, variants: dict[str, tuple[str | None, int, int]], subsets: int,
-                   seed: int, workdir: Path) -> list[tuple[str, str, float, float, str]]:
+def evaluate_model(
+    config: ModelConfig,
+    data: Data,
+    variants: dict[str, tuple[str | None, int, int]],
+    subsets: int,
+    seed: int,
+    workdir: Path,
+) -> list[tuple[str, str, float, float, str]]:
     """All rows of the table for one model family: ``(model, method, LDS, standard error, note)``."""
     plan = checkpoint_plan(config)
     start = time.perf_counter()
-    full, snaps = train_stack(config, data.x_train.unsqueeze(0), data.y_train.unsqueeze(0), seed,
-                              tuple(step for step, _ in plan.values()))
+    full, snaps = train_stack(
+        config, data.x_train.unsqueeze(0), data.y_train.unsqueeze(0), seed, tuple(step for step, _ in plan.values())
+    )
     snapshots = {name: snaps[step] for name, (step, _) in plan.items()}
     train_acc = (stacked_logits(full, data.x_train.unsqueeze(0))[0].argmax(1) == data.y_train).float().mean()
     test_acc = (stacked_logits(full, data.x_test.unsqueeze(0))[0].argmax(1) == data.y_test).float().mean()
     log(f"{config.name}: full model train acc {train_acc:.3f}, test acc {test_acc:.3f}")
     tests, vals = test_ids(len(data.x_test)), val_ids(len(data.x_val))
-    truth = evaluate.retrain(make_train_fn(config, data), train_ids(len(data.x_train)), queries=tests + vals,
-                             subsets=subsets, seeds=(seed,), seed=seed + 1)
-    log(f"{config.name}: retrained {subsets} subsets in {time.perf_counter() - start:.1f}s; "
-        f"mean test loss {-truth.outcome(tests).mean():.3f}")
+    truth = evaluate.retrain(
+        make_train_fn(config, data),
+        train_ids(len(data.x_train)),
+        queries=tests + vals,
+        subsets=subsets,
+        seeds=(seed,),
+        seed=seed + 1,
+    )
+    log(
+        f"{config.name}: retrained {subsets} subsets in {time.perf_counter() - start:.1f}s; "
+        f"mean test loss {-truth.outcome(tests).mean():.3f}"
+    )
     rows = []
     for variant, (projection, k_in, k_out) in variants.items():
         first = len(rows)
         store = gradstore.open(workdir / f"{config.name}-{variant}", storage_dtype="float32")
         basis = None
         if variant.startswith("curvature-"):
-            basis = fisher_basis(config, data.x_train, snapshots["final"], k_in, k_out,
-                                 variant.removeprefix("curvature-"))
+            basis = fisher_basis(
+                config, data.x_train, snapshots["final"], k_in, k_out, variant.removeprefix("curvature-")
+            )
         capture(store, config, data, snapshots, plan, projection, k_in, k_out, basis)
         dim = store.dim
         damping, grid = choose_damping(store, data, truth)
-        log(f"{config.name} {variant}: validation LDS by damping "
-            + ", ".join(f"{d:g}:{v:.3f}" for d, v in grid.items()))
+        log(
+            f"{config.name} {variant}: validation LDS by damping "
+            + ", ".join(f"{d:g}:{v:.3f}" for d, v in grid.items())
+        )
         VALIDATION[(config.name, f"fisher {variant}")] = grid[damping]
-        methods = {f"grad-dot {variant}": {"method": "grad-dot", "checkpoint": "final"},
-                   f"tracin {variant}": {"method": "tracin"},
-                   f"fisher {variant}": {"method": "fisher", "damping": damping, "checkpoint": "final"}}
-        notes = [f"dim {dim}", f"dim {dim}, {len(plan)} checkpoints",
-                 f"dim {dim}, damping {damping:g} (val LDS {grid[damping]:.3f})"]
+        methods = {
+            f"grad-dot {variant}": {"method": "grad-dot", "checkpoint": "final"},
+            f"tracin {variant}": {"method": "tracin"},
+            f"fisher {variant}": {"method": "fisher", "damping": damping, "checkpoint": "final"},
+        }
+        notes = [
+            f"dim {dim}",
+            f"dim {dim}, {len(plan)} checkpoints",
+            f"dim {dim}, damping {damping:g} (val LDS {grid[damping]:.3f})",
+        ]
         table, _ = evaluate.lds(store, RUN, queries=tests, truth=truth, methods=methods)
         for row, note in zip(table.to_pylist(), notes):
             rows.append((config.name, row["label"], row["value"], row["stderr"], note))
         if config.hidden is None and projection is None:
             preconditioned = hessian_queries(config, full, data, store)
-            scores = evaluate.scores_by_example(store, RUN, preconditioned, truth.train_ids, method="grad-dot",
-                                           checkpoint="final")
+            scores = evaluate.scores_by_example(
+                store, RUN, preconditioned, truth.train_ids, method="grad-dot", checkpoint="final"
+            )
             result = evaluate.lds_of_scores(scores, truth, tests)
-            rows.append((config.name, "exact-Hessian IF", result.value, result.stderr,
-                         "sanity: Hessian from torch, scored by gradstore grad-dot"))
+            rows.append(
+                (
+                    config.name,
+                    "exact-Hessian IF",
+                    result.value,
+                    result.stderr,
+                    "sanity: Hessian from torch, scored by gradstore grad-dot",
+                )
+            )
         for row in rows[first:]:
             log(f"  {row[0]} {row[1]}: {row[2]:.3f}")
     return rows
@@ -374,19 +429,32 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--models", default="logreg,mlp")
     parser.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
-    parser.add_argument("--threads", type=int, default=2,
-                        help="torch threads (1 is faster when the cores are shared with other jobs)")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch threads (1 is faster when the cores are shared with other jobs)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     began = time.perf_counter()
     data = load_data(1000, 200, 200, args.seed)
     configs = {
-        "logreg": (ModelConfig("logreg", None, weight_decay=1e-3, lr=0.05, steps=500),
-                   {"exact": (None, 0, 0), "factorized": ("factorized", 32, 10), "dense": ("dense", 32, 10),
-                    **{f"curvature-{f}": ("factorized", 32, 10) for f in CURVATURE}}),
-        "mlp": (ModelConfig("mlp", 32, weight_decay=1e-3, lr=0.01, steps=1000),
-                {"exact": (None, 0, 0), "factorized": ("factorized", 16, 16), "dense": ("dense", 16, 16),
-                 **{f"curvature-{f}": ("factorized", 16, 16) for f in CURVATURE}}),
+        "logreg": (
+            ModelConfig("logreg", None, weight_decay=1e-3, lr=0.05, steps=500),
+            {
+                "exact": (None, 0, 0),
+                "factorized": ("factorized", 32, 10),
+                "dense": ("dense", 32, 10),
+                **{f"curvature-{f}": ("factorized", 32, 10) for f in CURVATURE},
+            },
+        ),
+        "mlp": (
+            ModelConfig("mlp", 32, weight_decay=1e-3, lr=0.01, steps=1000),
+            {
+                "exact": (None, 0, 0),
+                "factorized": ("factorized", 16, 16),
+                "dense": ("dense", 16, 16),
+                **{f"curvature-{f}": ("factorized", 16, 16) for f in CURVATURE},
+            },
+        ),
     }
     rows = []
     with tempfile.TemporaryDirectory(prefix="gradstore-fidelity-") as workdir:
@@ -403,18 +471,25 @@ def main() -> None:
     # best *validation* LDS (chosen like the damping, never on test). Random projections first (for reference),
     # then the curvature-aware ones, which the RESULT reports.
     figures = {}
-    for family, prefix in (("random projection (factorized or dense)", ("fisher factorized", "fisher dense")),
-                           ("curvature-aware projection", ("fisher curvature-",))):
+    for family, prefix in (
+        ("random projection (factorized or dense)", ("fisher factorized", "fisher dense")),
+        ("curvature-aware projection", ("fisher curvature-",)),
+    ):
         for model in ("logreg", "mlp"):
-            candidates = [(VALIDATION[(m, method)], value, method) for m, method, value, _, _ in rows
-                          if m == model and method.startswith(prefix)]
+            candidates = [
+                (VALIDATION[(m, method)], value, method)
+                for m, method, value, _, _ in rows
+                if m == model and method.startswith(prefix)
+            ]
             if candidates:
                 _, figures[model], chosen = max(candidates)
                 print(f"{model}: {family}: {chosen} = {figures[model]:.3f} (best validation LDS of the family)")
     values = [figures.get(m, float("nan")) for m in ("logreg", "mlp")]
     ok = all(figures.get(m, -1) >= t for m, t in TARGETS.items())
-    print(f"RESULT lds_curvature_projected_fisher={values[0]:.3f}/{values[1]:.3f} "
-          f"target>={TARGETS['logreg']:.2f}/{TARGETS['mlp']:.2f} {'PASS' if ok else 'MISS'}")
+    print(
+        f"RESULT lds_curvature_projected_fisher={values[0]:.3f}/{values[1]:.3f} "
+        f"target>={TARGETS['logreg']:.2f}/{TARGETS['mlp']:.2f} {'PASS' if ok else 'MISS'}"
+    )
 
 
 if __name__ == "__main__":

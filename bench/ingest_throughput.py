@@ -42,7 +42,7 @@ def _stream(root: Path, vectors: np.ndarray, ids: list[str], dtype: str, append_
     start = time.perf_counter()
     with store.writer("bench") as writer:
         for i in range(0, len(ids), append_rows):
-            writer.append(vectors[i:i + append_rows], ids[i:i + append_rows], step=i, split="train")
+            writer.append(vectors[i : i + append_rows], ids[i : i + append_rows], step=i, split="train")
     seconds = time.perf_counter() - start
     return seconds, writer.commits, len(store.table(S.GRADIENTS).to_lance().get_fragments())
 
@@ -52,8 +52,17 @@ def _bulk(root: Path, vectors: np.ndarray, ids: list[str], dtype: str) -> tuple[
     n = len(ids)
     start = time.perf_counter()
     grad, norm = encode(vectors, dtype)
-    table = pa.table({"grad_id": np.arange(n), "run_id": ["bench"] * n, "example_id": ids,
-                      "step": np.arange(n), "split": ["train"] * n, "grad": grad, "grad_norm": norm})
+    table = pa.table(
+        {
+            "grad_id": np.arange(n),
+            "run_id": ["bench"] * n,
+            "example_id": ids,
+            "step": np.arange(n),
+            "split": ["train"] * n,
+            "grad": grad,
+            "grad_norm": norm,
+        }
+    )
     encoded = time.perf_counter()
     lance.write_dataset(table, root)
     done = time.perf_counter()
@@ -95,12 +104,18 @@ def main() -> None:
 
     ratios = [b / s for s, b in zip(streams, bulks)]
     ratio = float(np.median(ratios))
-    print(f"rows {n}  dim {args.dim}  dtype {args.dtype}  {megabytes:.0f} MB  appends of {args.append_rows} rows; "
-          f"{args.rounds} paired rounds, medians")
-    print(f"streaming writer  {megabytes / np.median(streams):8.1f} MB/s  ({np.median(streams):.2f} s, "
-          f"{commits} commits, {fragments} fragments at the end)")
-    print(f"bulk write        {megabytes / np.median(bulks):8.1f} MB/s  ({np.median(bulks):.2f} s, "
-          f"of which the Lance write {np.median(writes):.2f} s)")
+    print(
+        f"rows {n}  dim {args.dim}  dtype {args.dtype}  {megabytes:.0f} MB  appends of {args.append_rows} rows; "
+        f"{args.rounds} paired rounds, medians"
+    )
+    print(
+        f"streaming writer  {megabytes / np.median(streams):8.1f} MB/s  ({np.median(streams):.2f} s, "
+        f"{commits} commits, {fragments} fragments at the end)"
+    )
+    print(
+        f"bulk write        {megabytes / np.median(bulks):8.1f} MB/s  ({np.median(bulks):.2f} s, "
+        f"of which the Lance write {np.median(writes):.2f} s)"
+    )
     print(f"per-round ratios (streaming MB/s / bulk MB/s): {', '.join(f'{r:.2f}' for r in ratios)}")
     print(f"streaming vs the bulk Lance write alone (rows pre-encoded): {np.median(writes) / np.median(streams):.2f}")
     verdict = "PASS" if ratio >= 0.9 and fragments <= 64 else "MISS"

@@ -112,8 +112,9 @@ def one_size(rows: int, args: argparse.Namespace, root: Path) -> tuple[dict[str,
     return medians, ratio, disk
 
 
-def paired_arms(x: np.ndarray, q: np.ndarray, unit16: np.ndarray, norms: np.ndarray, store: gradstore.GradStore,
-                steps: int) -> dict[str, list[float]]:
+def paired_arms(
+    x: np.ndarray, q: np.ndarray, unit16: np.ndarray, norms: np.ndarray, store: gradstore.GradStore, steps: int
+) -> dict[str, list[float]]:
     """Seconds of every arm in each of ``steps`` paired steps (arm order rotates; one warm-up step)."""
     ids = np.arange(len(x), dtype=np.int64)
     first_grad_id = store.sql("select min(grad_id) from gradients").fetchall()[0][0]  # rows are numbered in order
@@ -137,8 +138,12 @@ def paired_arms(x: np.ndarray, q: np.ndarray, unit16: np.ndarray, norms: np.ndar
     }
     reference_ids = torch.topk(xt @ qt.T, K, dim=0).indices.T.numpy()
     disk_ids = arms[DISK]().column("grad_id").to_numpy().reshape(len(q), K) - first_grad_id
-    for name, found in ((STORE, bf16.search(q, prepared, K)[1]), (TILES32, fp32.search(q, tiles(), K)[1]),
-                        (FP32, fp32.search(q, prepared32, K)[1]), (DISK, disk_ids)):
+    for name, found in (
+        (STORE, bf16.search(q, prepared, K)[1]),
+        (TILES32, fp32.search(q, tiles(), K)[1]),
+        (FP32, fp32.search(q, prepared32, K)[1]),
+        (DISK, disk_ids),
+    ):
         recall = recall_at_k(found, reference_ids)
         if recall < 1.0:
             log(f"  {name}: recall@{K} vs torch {recall:.4f} (ties at float32 resolution)")
@@ -166,9 +171,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
     kernel = ExactIndex(device="cpu").kernel
-    print(f"W-query: float16 store rows x {args.dim}, {args.queries} queries, top-{K}, {args.threads} threads; "
-          f"native bf16 matmul: {fast_bfloat16_matmul()} (kernel='auto' runs {kernel}); medians of "
-          f"{args.steps} paired steps (FAISS: {args.faiss_steps})")
+    print(
+        f"W-query: float16 store rows x {args.dim}, {args.queries} queries, top-{K}, {args.threads} threads; "
+        f"native bf16 matmul: {fast_bfloat16_matmul()} (kernel='auto' runs {kernel}); medians of "
+        f"{args.steps} paired steps (FAISS: {args.faiss_steps})"
+    )
     ratios = []
     with tempfile.TemporaryDirectory(prefix="gradstore-query-") as tmp:
         for rows in args.rows:
@@ -178,9 +185,11 @@ def main() -> None:
             print("|---|---:|---:|")
             for name, seconds in medians.items():
                 print(f"| {name} | {seconds:.3f} | {seconds / medians[TORCH]:.2f}x |")
-            print(f"{rows} rows: exact store / torch fp32 (median paired ratio) {ratio:.3f}; "
-                  f"store.attribute from disk / in-memory prepared search {disk:.2f}x (target <= 1.2); "
-                  f"/ in-memory float16 blocks {medians[DISK] / medians[TILES32]:.2f}x")
+            print(
+                f"{rows} rows: exact store / torch fp32 (median paired ratio) {ratio:.3f}; "
+                f"store.attribute from disk / in-memory prepared search {disk:.2f}x (target <= 1.2); "
+                f"/ in-memory float16 blocks {medians[DISK] / medians[TILES32]:.2f}x"
+            )
     worst = max(ratios)
     print(f"RESULT exact_store_vs_torch_fp32={worst:.3f} target<=0.5 {'PASS' if worst <= 0.5 else 'MISS'}")
 

@@ -65,8 +65,9 @@ def structured_rows(generator: torch.Generator, n: int, centres: torch.Tensor, s
 
 def spec() -> ProjectionSpec:
     size = DIM // LAYERS
-    layers = tuple(LayerSlot(f"h{i}.mlp", "linear", 256, 256, 16, 16, "factorized", i * size, size, True)
-                   for i in range(LAYERS))
+    layers = tuple(
+        LayerSlot(f"h{i}.mlp", "linear", 256, 256, 16, 16, "factorized", i * size, size, True) for i in range(LAYERS)
+    )
     return ProjectionSpec(seed=0, kind="factorized", layers=layers)
 
 
@@ -92,8 +93,12 @@ def open_store(rows: int) -> gradstore.GradStore:
     with store.writer(RUN, commit_rows=WRITE_ROWS) as writer:
         for start in range(0, rows, WRITE_ROWS):
             n = min(WRITE_ROWS, rows - start)
-            writer.append(structured_rows(generator, n, centres, shared).numpy(),
-                          [f"ex{i:08d}" for i in range(start, start + n)], checkpoint="final", split="train")
+            writer.append(
+                structured_rows(generator, n, centres, shared).numpy(),
+                [f"ex{i:08d}" for i in range(start, start + n)],
+                checkpoint="final",
+                split="train",
+            )
     store.record_checkpoint(RUN, "final", step=1)
     done.write_text("ok")
     return store
@@ -137,8 +142,9 @@ def probe(arguments: str) -> None:
     store = gradstore.open(store_path, create=False)
     index = store.build_index(RUN, method="fisher")  # the persisted fit: no pass over the data
     shard = fragment_shards(store, index.selection.filter, 1)[0]
-    shard = replace(shard, fragments=shard.fragments[:max(1, round(len(shard.fragments) * fraction))],
-                    block_rows=block_rows)
+    shard = replace(
+        shard, fragments=shard.fragments[: max(1, round(len(shard.fragments) * fraction))], block_rows=block_rows
+    )
     top_k(LocalEngine(), [shard], index.space, index.space.queries(structure()[3]), K)
     status = Path("/proc/self/status").read_text()
     print(int(status.split("VmHWM:")[1].split()[0]) / 1024)
@@ -157,8 +163,10 @@ def main() -> None:
 
     torch.set_num_threads(2)
     store, queries = open_store(args.rows), structure()[3]
-    log(f"store {store.uri}: {store.count():,} rows, {len(store.table('gradients').to_lance().get_fragments())} "
-        "fragments")
+    log(
+        f"store {store.uri}: {store.count():,} rows, {len(store.table('gradients').to_lance().get_fragments())} "
+        "fragments"
+    )
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray_engine = RayEngine()
     try:
@@ -183,7 +191,7 @@ def main() -> None:
         print(f"  {'rows':>10s} {'in-process':>11s} {'ray':>8s} {'s per 100k (in-process)':>25s}")
         fragments = local_shards[0].fragments
         for fraction in (0.25, 0.5, 1.0):
-            part = fragments[:max(1, round(len(fragments) * fraction))]
+            part = fragments[: max(1, round(len(fragments) * fraction))]
             subset = [replace(local_shards[0], fragments=part)]
             count = sum(store.table("gradients").to_lance().get_fragment(i).count_rows() for i in part)
             ray_subset = [replace(s, fragments=tuple(i for i in s.fragments if i in part)) for s in ray_shards]
@@ -203,9 +211,11 @@ def main() -> None:
             ann_times.append(time.perf_counter() - start)
         ann_s, exact_s = statistics.median(ann_times), statistics.median(exact_times)
         alone = recall_at_k(ann.search(queries, K)[1], exact_ids)
-        print(f"two-stage {ANN_KIND} (nprobe {NPROBE}) + exact re-rank of {RERANK * K} candidates: recall@10 "
-              f"{recall_at_k(ann_ids, exact_ids):.3f} (FAISS alone {alone:.3f}), {ann_s:.2f} s vs exact scan "
-              f"{exact_s:.2f} s: {ann_s / exact_s:.2f} (target <= 0.2)")
+        print(
+            f"two-stage {ANN_KIND} (nprobe {NPROBE}) + exact re-rank of {RERANK * K} candidates: recall@10 "
+            f"{recall_at_k(ann_ids, exact_ids):.3f} (FAISS alone {alone:.3f}), {ann_s:.2f} s vs exact scan "
+            f"{exact_s:.2f} s: {ann_s / exact_s:.2f} (target <= 0.2)"
+        )
     finally:
         ray.shutdown()
 

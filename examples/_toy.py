@@ -40,19 +40,21 @@ class ToyData:
 
     def frame(self) -> pd.DataFrame:
         """The examples as a DataFrame (for ``store.add_examples``): id, text, label, source, mislabeled."""
-        return pd.DataFrame({
-            "example_id": self.ids,
-            "text": [f"{s} item {i} -> class {int(y)}" for i, s, y in zip(self.ids, self.source, self.y)],
-            "label": self.y.tolist(),
-            "source": self.source,
-            "mislabeled": self.mislabeled,
-        })
+        return pd.DataFrame(
+            {
+                "example_id": self.ids,
+                "text": [f"{s} item {i} -> class {int(y)}" for i, s, y in zip(self.ids, self.source, self.y)],
+                "label": self.y.tolist(),
+                "source": self.source,
+                "mislabeled": self.mislabeled,
+            }
+        )
 
     def batches(self, size: int, generator: torch.Generator | None = None) -> Iterator[tuple[list[str], dict]]:
         """``(ids, {"x": ..., "y": ...})`` mini-batches, shuffled when a generator is given."""
         order = torch.randperm(len(self), generator=generator) if generator is not None else torch.arange(len(self))
         for start in range(0, len(self), size):
-            rows = order[start:start + size]
+            rows = order[start : start + size]
             yield [self.ids[i] for i in rows.tolist()], {"x": self.x[rows], "y": self.y[rows]}
 
 
@@ -69,8 +71,9 @@ def make_data(n_train: int, n_query: int, *, mislabel: float = 0.0, seed: int = 
         flipped = torch.rand(n, generator=generator) < flip
         shift = torch.randint(1, CLASSES, (n,), generator=generator)
         y = torch.where(flipped, (y + shift) % CLASSES, y)
-        return ToyData([f"{prefix}-{i:04d}" for i in range(n)], x, y, [SOURCES[s] for s in which.tolist()],
-                       flipped.tolist())
+        return ToyData(
+            [f"{prefix}-{i:04d}" for i in range(n)], x, y, [SOURCES[s] for s in which.tolist()], flipped.tolist()
+        )
 
     return sample(n_train, "train", mislabel), sample(n_query, "query", 0.0)
 
@@ -92,8 +95,19 @@ def accuracy(model: nn.Module, data: ToyData) -> float:
         return float((model(data.x).argmax(dim=1) == data.y).float().mean())
 
 
-def capture_pass(store: gradstore.GradStore, run: str, model: nn.Module, train: ToyData, queries: ToyData, *,
-                 checkpoint: str, learning_rate: float, step: int, batch_size: int = 64, **options) -> None:
+def capture_pass(
+    store: gradstore.GradStore,
+    run: str,
+    model: nn.Module,
+    train: ToyData,
+    queries: ToyData,
+    *,
+    checkpoint: str,
+    learning_rate: float,
+    step: int,
+    batch_size: int = 64,
+    **options,
+) -> None:
     """A checkpoint pass: per-example gradients of every training and query example at the current weights.
 
     Nothing is updated: the loop runs forward + backward only, inside ``store.capture`` with the checkpoint's
@@ -110,9 +124,19 @@ def capture_pass(store: gradstore.GradStore, run: str, model: nn.Module, train: 
                 model.zero_grad()
 
 
-def train_with_passes(store: gradstore.GradStore, run: str, train: ToyData, queries: ToyData, *, epochs: int,
-                      pass_every: int, learning_rate: float = 0.05, batch_size: int = 32, seed: int = 0,
-                      **options) -> nn.Module:
+def train_with_passes(
+    store: gradstore.GradStore,
+    run: str,
+    train: ToyData,
+    queries: ToyData,
+    *,
+    epochs: int,
+    pass_every: int,
+    learning_rate: float = 0.05,
+    batch_size: int = 32,
+    seed: int = 0,
+    **options,
+) -> nn.Module:
     """Train the MLP with plain SGD and a linearly decaying learning rate (no capture during training); after
     every ``pass_every`` epochs (and after the last) run a :func:`capture_pass` named ``epoch-<n>`` whose
     learning rate is the one the optimizer applies next."""
@@ -129,8 +153,17 @@ def train_with_passes(store: gradstore.GradStore, run: str, train: ToyData, quer
             step += 1
         schedule.step()
         if epoch % pass_every == 0 or epoch == epochs:
-            capture_pass(store, run, model, train, queries, checkpoint=f"epoch-{epoch}",
-                         learning_rate=optimizer.param_groups[0]["lr"], step=step, **options)
+            capture_pass(
+                store,
+                run,
+                model,
+                train,
+                queries,
+                checkpoint=f"epoch-{epoch}",
+                learning_rate=optimizer.param_groups[0]["lr"],
+                step=step,
+                **options,
+            )
     return model
 
 

@@ -35,15 +35,22 @@ def main(store_path: str, *, n_train: int, epochs: int, pass_every: int, k: int 
     store = gradstore.open(store_path)
     store.add_examples(train.frame())
     store.add_examples(queries.frame())  # the queries' labels, for SQL and for choosing damping (docs/concepts.md)
-    model = _toy.train_with_passes(store, RUN, train, queries, epochs=epochs, pass_every=pass_every,
-                                   projection=None)
-    print(f"train accuracy {_toy.accuracy(model, train):.2f} (labels as given, flips included), "
-          f"held-out accuracy {_toy.accuracy(model, queries):.2f}")
-    print(store.sql("SELECT c.checkpoint, c.step, round(c.learning_rate, 4) AS learning_rate, "
-                    "count(*) FILTER (WHERE g.split = 'train') AS train_rows, "
-                    "count(*) FILTER (WHERE g.split = 'query') AS query_rows "
-                    "FROM checkpoints c JOIN gradients g USING (run_id, checkpoint) "
-                    "GROUP BY ALL ORDER BY c.step").df().to_string(index=False))
+    model = _toy.train_with_passes(store, RUN, train, queries, epochs=epochs, pass_every=pass_every, projection=None)
+    print(
+        f"train accuracy {_toy.accuracy(model, train):.2f} (labels as given, flips included), "
+        f"held-out accuracy {_toy.accuracy(model, queries):.2f}"
+    )
+    print(
+        store.sql(
+            "SELECT c.checkpoint, c.step, round(c.learning_rate, 4) AS learning_rate, "
+            "count(*) FILTER (WHERE g.split = 'train') AS train_rows, "
+            "count(*) FILTER (WHERE g.split = 'query') AS query_rows "
+            "FROM checkpoints c JOIN gradients g USING (run_id, checkpoint) "
+            "GROUP BY ALL ORDER BY c.step"
+        )
+        .df()
+        .to_string(index=False)
+    )
 
     # TracIn over every checkpoint pass (default: the checkpoints with a learning rate and query rows).
     tracin = store.attribute(run=RUN, k=k, method="tracin").to_pandas()
@@ -55,8 +62,14 @@ def main(store_path: str, *, n_train: int, epochs: int, pass_every: int, k: int 
         print(f"{name:7s}: {table.query_id.nunique()} queries x top-{k}; proponents with the query's label {same:.2f}")
     first = queries.ids[0]
     print(f"\ntop-{k} proponents of {first} (label {label[first]}):")
-    print(store.sql(f"SELECT method, rank, round(score, 4) AS score, example_id, label, source "
-                    f"FROM top_proponents('{first}', {k}) ORDER BY method, rank").df().to_string(index=False))
+    print(
+        store.sql(
+            f"SELECT method, rank, round(score, 4) AS score, example_id, label, source "
+            f"FROM top_proponents('{first}', {k}) ORDER BY method, rank"
+        )
+        .df()
+        .to_string(index=False)
+    )
 
     # Self-influence g^T (F + damping)^-1 g of every training row at the latest checkpoint.
     audit = store.self_influence(run=RUN, method="fisher").to_pandas()
@@ -64,12 +77,21 @@ def main(store_path: str, *, n_train: int, epochs: int, pass_every: int, k: int 
     top = audit.example_id.head(len(flipped)).tolist()
     found = len(flipped.intersection(top))
     print(f"\nself-influence (fisher): {len(audit)} training rows scored; the 10 highest:")
-    print(store.sql("SELECT round(self_influence, 2) AS self_influence, example_id, label, source, mislabeled "
-                    "FROM most_self_influential(10)").df().to_string(index=False))
-    print(f"mislabeled in the top-{len(flipped)} of self-influence: {found} of {len(flipped)} "
-          f"(random ranking would find about {len(flipped) ** 2 / len(train):.1f})")
+    print(
+        store.sql(
+            "SELECT round(self_influence, 2) AS self_influence, example_id, label, source, mislabeled "
+            "FROM most_self_influential(10)"
+        )
+        .df()
+        .to_string(index=False)
+    )
+    print(
+        f"mislabeled in the top-{len(flipped)} of self-influence: {found} of {len(flipped)} "
+        f"(random ranking would find about {len(flipped) ** 2 / len(train):.1f})"
+    )
 
 
 if __name__ == "__main__":
-    _toy.run_example(__doc__, main, quick=dict(n_train=400, epochs=6, pass_every=3),
-                     full=dict(n_train=1000, epochs=12, pass_every=4))
+    _toy.run_example(
+        __doc__, main, quick=dict(n_train=400, epochs=6, pass_every=3), full=dict(n_train=1000, epochs=12, pass_every=4)
+    )

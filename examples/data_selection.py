@@ -44,19 +44,24 @@ def main(store_path: str, *, n_train: int, epochs: int, pass_every: int, n_targe
     train, candidates = _toy.make_data(n_train, 60, seed=2)
     store = gradstore.open(store_path)
     store.add_examples(train.frame())
-    _toy.train_with_passes(store, RUN, train, candidates, epochs=epochs, pass_every=pass_every,
-                           projection="dense", k_in=8, k_out=8)
+    _toy.train_with_passes(
+        store, RUN, train, candidates, epochs=epochs, pass_every=pass_every, projection="dense", k_in=8, k_out=8
+    )
     target = [i for i, s in zip(candidates.ids, candidates.source) if s == TARGET_SOURCE][:n_target]
     base_rate = train.source.count(TARGET_SOURCE) / len(train)
-    print(f"target: {len(target)} held-out '{TARGET_SOURCE}' examples; '{TARGET_SOURCE}' is {base_rate:.2f} "
-          f"of the {len(train)} training examples")
+    print(
+        f"target: {len(target)} held-out '{TARGET_SOURCE}' examples; '{TARGET_SOURCE}' is {base_rate:.2f} "
+        f"of the {len(train)} training examples"
+    )
 
     for preconditioner in ("grad-dot", "fisher"):
         selection = store.select(target, run=RUN, budget=0.1, preconditioner=preconditioner)
         chosen = set(selection.column("example_id").to_pylist())
         share = sum(s == TARGET_SOURCE for i, s in zip(train.ids, train.source) if i in chosen) / len(chosen)
-        print(f"select(budget=0.1, preconditioner={preconditioner!r}): {selection.num_rows} examples, "
-              f"'{TARGET_SOURCE}' share {share:.2f}")
+        print(
+            f"select(budget=0.1, preconditioner={preconditioner!r}): {selection.num_rows} examples, "
+            f"'{TARGET_SOURCE}' share {share:.2f}"
+        )
     print(selection.to_pandas().head(5).to_string(index=False))
 
     # Export: parquet (example_id, score, rank) and a filtered Hugging Face dataset with the full rows.
@@ -70,5 +75,6 @@ def main(store_path: str, *, n_train: int, epochs: int, pass_every: int, n_targe
 
 
 if __name__ == "__main__":
-    _toy.run_example(__doc__, main, quick=dict(n_train=300, epochs=4, pass_every=2),
-                     full=dict(n_train=1200, epochs=9, pass_every=3))
+    _toy.run_example(
+        __doc__, main, quick=dict(n_train=300, epochs=4, pass_every=2), full=dict(n_train=1200, epochs=9, pass_every=3)
+    )

@@ -49,27 +49,43 @@ def main(store_path: str, *, n_train: int, epochs: int, n_queries: int = 3, k: i
                 optimizer.zero_grad()
             print(f"epoch {epoch}: last batch loss {loss.item():.3f}")
     print(f"train accuracy {_toy.accuracy(model, train):.2f}, held-out accuracy {_toy.accuracy(model, queries):.2f}")
-    print(store.sql("SELECT epoch, count(*) AS rows, min(step) AS first_step, max(step) AS last_step, "
-                    "round(avg(learning_rate), 4) AS lr FROM gradients GROUP BY epoch ORDER BY epoch")
-          .df().to_string(index=False))
+    print(
+        store.sql(
+            "SELECT epoch, count(*) AS rows, min(step) AS first_step, max(step) AS last_step, "
+            "round(avg(learning_rate), 4) AS lr FROM gradients GROUP BY epoch ORDER BY epoch"
+        )
+        .df()
+        .to_string(index=False)
+    )
 
     # Queries: a model and a batch, captured with the run's projection (nothing is written to gradients).
     chosen = list(range(n_queries))
-    query_batch = QueryBatch(model, {"x": queries.x[chosen], "y": queries.y[chosen]},
-                             ids=[queries.ids[i] for i in chosen], loss_fn=_toy.loss_fn)
-    result = store.attribute(query_batch, run=RUN, k=k, method="grad-dot", opponents=True,
-                             where=f"epoch = {epochs}")  # the gradients of the last epoch
+    query_batch = QueryBatch(
+        model,
+        {"x": queries.x[chosen], "y": queries.y[chosen]},
+        ids=[queries.ids[i] for i in chosen],
+        loss_fn=_toy.loss_fn,
+    )
+    result = store.attribute(
+        query_batch, run=RUN, k=k, method="grad-dot", opponents=True, where=f"epoch = {epochs}"
+    )  # the gradients of the last epoch
     print(f"\nattribute -> {result.num_rows} rows {result.column_names}")
 
     for query_id in query_batch.ids:
         query = store.sql(f"SELECT text FROM examples WHERE example_id = '{query_id}'").fetchall()[0][0]
         print(f"\nquery {query_id}: {query}")
         print("  proponents (rank 1 = most helpful):")
-        print(store.sql(f"SELECT rank, round(score, 4) AS score, example_id, text "
-                        f"FROM top_proponents('{query_id}', {k})").df().to_string(index=False))
+        print(
+            store.sql(f"SELECT rank, round(score, 4) AS score, example_id, text FROM top_proponents('{query_id}', {k})")
+            .df()
+            .to_string(index=False)
+        )
         print("  opponents (rank 1 = most harmful):")
-        print(store.sql(f"SELECT rank, round(score, 4) AS score, example_id, text "
-                        f"FROM top_opponents('{query_id}', {k})").df().to_string(index=False))
+        print(
+            store.sql(f"SELECT rank, round(score, 4) AS score, example_id, text FROM top_opponents('{query_id}', {k})")
+            .df()
+            .to_string(index=False)
+        )
 
     agreement = store.sql("""
         SELECT round(avg(CASE WHEN e.label = q.label THEN 1 ELSE 0 END), 3) AS share

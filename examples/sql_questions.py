@@ -46,47 +46,78 @@ def main(store_path: str, *, n_train: int, epochs: int, k: int = 5) -> None:
     store.self_influence(run=RUN, method="fisher")  # -> self_influence
 
     query = queries.ids[0]
-    show(f"top_proponents('{query}', {k})  [pandas]",
-         store.sql(f"SELECT rank, round(score, 3) AS score, example_id, label, source, mislabeled "
-                   f"FROM top_proponents('{query}', {k})").df().to_string(index=False))
-    show(f"top_opponents('{query}', {k})  [polars]",
-         store.sql(f"SELECT rank, round(score, 3) AS score, example_id, label, source, mislabeled "
-                   f"FROM top_opponents('{query}', {k})").pl())
-    show(f"influential_examples({k}, 3): in the top-{k} of at least 3 queries",
-         store.sql(f"SELECT i.*, e.label, e.source FROM influential_examples({k}, 3) i "
-                   f"JOIN examples e USING (example_id) ORDER BY i.queries DESC, i.mean_score DESC LIMIT 8")
-         .df().to_string(index=False))
+    show(
+        f"top_proponents('{query}', {k})  [pandas]",
+        store.sql(
+            f"SELECT rank, round(score, 3) AS score, example_id, label, source, mislabeled "
+            f"FROM top_proponents('{query}', {k})"
+        )
+        .df()
+        .to_string(index=False),
+    )
+    show(
+        f"top_opponents('{query}', {k})  [polars]",
+        store.sql(
+            f"SELECT rank, round(score, 3) AS score, example_id, label, source, mislabeled "
+            f"FROM top_opponents('{query}', {k})"
+        ).pl(),
+    )
+    show(
+        f"influential_examples({k}, 3): in the top-{k} of at least 3 queries",
+        store.sql(
+            f"SELECT i.*, e.label, e.source FROM influential_examples({k}, 3) i "
+            f"JOIN examples e USING (example_id) ORDER BY i.queries DESC, i.mean_score DESC LIMIT 8"
+        )
+        .df()
+        .to_string(index=False),
+    )
     show("influence_by('source')  [polars]", store.sql("SELECT * FROM influence_by('source')").pl())
     show("influence_by('label')", store.sql("SELECT * FROM influence_by('label')").df().to_string(index=False))
-    show("most_self_influential(8)",
-         store.sql("SELECT round(self_influence, 1) AS self_influence, example_id, label, source, mislabeled "
-                   "FROM most_self_influential(8)").df().to_string(index=False))
+    show(
+        "most_self_influential(8)",
+        store.sql(
+            "SELECT round(self_influence, 1) AS self_influence, example_id, label, source, mislabeled "
+            "FROM most_self_influential(8)"
+        )
+        .df()
+        .to_string(index=False),
+    )
 
     # Custom: do proponents share the query's label, and opponents not? (examples joined on both sides)
-    show("custom: share of results with the query's label, proponents vs opponents",
-         store.sql("""
+    show(
+        "custom: share of results with the query's label, proponents vs opponents",
+        store.sql("""
             SELECT CASE WHEN s.rank > 0 THEN 'proponent' ELSE 'opponent' END AS side,
                    count(*) AS results, round(avg((e.label = q.label)::INT), 3) AS same_label,
                    round(avg((e.source = q.source)::INT), 3) AS same_source
             FROM scores s
             JOIN examples e ON e.example_id = s.example_id
             JOIN examples q ON q.example_id = s.query_id
-            GROUP BY side ORDER BY side DESC""").df().to_string(index=False))
+            GROUP BY side ORDER BY side DESC""")
+        .df()
+        .to_string(index=False),
+    )
     # Custom: how often do (injected) mislabeled examples appear among proponents and opponents?
-    show("custom: mislabeled examples among results (base rate in the training set below)",
-         store.sql("""
+    show(
+        "custom: mislabeled examples among results (base rate in the training set below)",
+        store.sql("""
             SELECT CASE WHEN rank > 0 THEN 'proponent' ELSE 'opponent' END AS side,
                    round(avg(mislabeled::INT), 3) AS mislabeled_share,
                    (SELECT round(avg(mislabeled::INT), 3) FROM examples WHERE example_id LIKE 'train-%') AS base_rate
-            FROM scores JOIN examples USING (example_id) GROUP BY side ORDER BY side DESC""").pl())
+            FROM scores JOIN examples USING (example_id) GROUP BY side ORDER BY side DESC""").pl(),
+    )
     # Custom: self-influence against the stored gradient norm (gradients' metadata, joined by grad_id).
-    show("custom: self-influence vs gradient norm, by mislabeled",
-         store.sql("""
+    show(
+        "custom: self-influence vs gradient norm, by mislabeled",
+        store.sql("""
             SELECT e.mislabeled, count(*) AS examples, round(avg(si.self_influence), 1) AS mean_self_influence,
                    round(avg(g.grad_norm), 3) AS mean_grad_norm,
                    round(corr(si.self_influence, g.grad_norm), 3) AS corr
             FROM self_influence si JOIN gradients g USING (grad_id) JOIN examples e ON e.example_id = si.example_id
-            GROUP BY e.mislabeled ORDER BY e.mislabeled""").df().to_string(index=False))
+            GROUP BY e.mislabeled ORDER BY e.mislabeled""")
+        .df()
+        .to_string(index=False),
+    )
 
 
 if __name__ == "__main__":

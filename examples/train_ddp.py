@@ -30,20 +30,28 @@ def train(rank: int, world: int, store_path: str) -> None:
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(STEPS * GLOBAL_BATCH, 16, generator=gen), torch.randint(0, 4, (STEPS * GLOBAL_BATCH,),
-                                                                               generator=gen)
+    x, y = (
+        torch.randn(STEPS * GLOBAL_BATCH, 16, generator=gen),
+        torch.randint(0, 4, (STEPS * GLOBAL_BATCH,), generator=gen),
+    )
     store = gradstore.open(store_path)
     share = GLOBAL_BATCH // world
     with distributed_capture(store, model, "ddp-demo", optimizer=opt, commit_every=4) as cap:
         for step in range(STEPS):
             lo = step * GLOBAL_BATCH + rank * share
             cap.set_ids([f"ex{i}" for i in range(lo, lo + share)])
-            nn.functional.cross_entropy(model(x[lo:lo + share]), y[lo:lo + share]).backward()
+            nn.functional.cross_entropy(model(x[lo : lo + share]), y[lo : lo + share]).backward()
             opt.step()
             opt.zero_grad()
     if rank == 0:
-        print(store.sql("SELECT rank, count(*) AS rows, min(step) AS first, max(step) AS last FROM gradients "
-                        "GROUP BY rank ORDER BY rank").df().to_string(index=False))
+        print(
+            store.sql(
+                "SELECT rank, count(*) AS rows, min(step) AS first, max(step) AS last FROM gradients "
+                "GROUP BY rank ORDER BY rank"
+            )
+            .df()
+            .to_string(index=False)
+        )
         print("versions of the gradients table:", len(store.table("gradients").to_lance().versions()))
 
 

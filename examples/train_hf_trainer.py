@@ -1,6 +1,6 @@
 """Capture per-example gradients during a Hugging Face ``Trainer`` run (CPU, tiny GPT-2 built in code).
 
-    python examples/train_hf_trainer.py [STORE]
+python examples/train_hf_trainer.py [STORE]
 """
 
 from __future__ import annotations
@@ -31,15 +31,33 @@ def main(store_path: str) -> None:
     data = datasets.Dataset.from_dict({"input_ids": tokens, "example_id": [f"doc-{i}" for i in range(32)]})
     store = gradstore.open(store_path)
     store.add_examples(data.remove_columns("input_ids"), id_column="example_id")
-    args = TrainingArguments(output_dir=os.path.join(store_path, "..", "trainer-out"), per_device_train_batch_size=8,
-                             num_train_epochs=2, learning_rate=1e-3, save_strategy="epoch", report_to=[],
-                             use_cpu=True, remove_unused_columns=False,  # keep the example_id column
-                             logging_strategy="no")
-    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=with_example_ids(collate),
-                      callbacks=[GradstoreCallback(store, run="hf-demo")])
+    args = TrainingArguments(
+        output_dir=os.path.join(store_path, "..", "trainer-out"),
+        per_device_train_batch_size=8,
+        num_train_epochs=2,
+        learning_rate=1e-3,
+        save_strategy="epoch",
+        report_to=[],
+        use_cpu=True,
+        remove_unused_columns=False,  # keep the example_id column
+        logging_strategy="no",
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=with_example_ids(collate),
+        callbacks=[GradstoreCallback(store, run="hf-demo")],
+    )
     trainer.train()
-    print(store.sql("SELECT step, epoch, round(learning_rate, 6) AS lr, count(*) AS rows FROM gradients "
-                    "GROUP BY ALL ORDER BY step").df().to_string(index=False))
+    print(
+        store.sql(
+            "SELECT step, epoch, round(learning_rate, 6) AS lr, count(*) AS rows FROM gradients "
+            "GROUP BY ALL ORDER BY step"
+        )
+        .df()
+        .to_string(index=False)
+    )
     print(store.sql("SELECT checkpoint, step, epoch FROM checkpoints ORDER BY step").df().to_string(index=False))
 
 

@@ -30,8 +30,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(61)}}
     word_level = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 def main(store_path: str) -> None:
@@ -42,15 +41,36 @@ def main(store_path: str) -> None:
     data = datasets.Dataset.from_dict({"text": texts, "example_id": [f"sft-{i}" for i in range(24)]})
     store = gradstore.open(store_path)
     store.add_examples(data, id_column="example_id")
-    args = SFTConfig(output_dir=os.path.join(store_path, "..", "sft-out"), per_device_train_batch_size=8,
-                     num_train_epochs=1, learning_rate=1e-3, max_length=32, report_to=[], save_strategy="no",
-                     use_cpu=True, bf16=False, remove_unused_columns=False, logging_strategy="no")
-    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tiny_tokenizer(),
-                         data_collator=with_example_ids(DataCollatorForLanguageModeling(pad_token_id=0)),
-                         callbacks=[GradstoreCallback(store, run="sft-demo")])
+    args = SFTConfig(
+        output_dir=os.path.join(store_path, "..", "sft-out"),
+        per_device_train_batch_size=8,
+        num_train_epochs=1,
+        learning_rate=1e-3,
+        max_length=32,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        remove_unused_columns=False,
+        logging_strategy="no",
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        processing_class=tiny_tokenizer(),
+        data_collator=with_example_ids(DataCollatorForLanguageModeling(pad_token_id=0)),
+        callbacks=[GradstoreCallback(store, run="sft-demo")],
+    )
     trainer.train()
-    print(store.sql("SELECT g.step, g.example_id, g.num_tokens, e.text FROM gradients g JOIN examples e "
-                    "USING (example_id) ORDER BY g.step, g.example_id LIMIT 8").df().to_string(index=False))
+    print(
+        store.sql(
+            "SELECT g.step, g.example_id, g.num_tokens, e.text FROM gradients g JOIN examples e "
+            "USING (example_id) ORDER BY g.step, g.example_id LIMIT 8"
+        )
+        .df()
+        .to_string(index=False)
+    )
 
 
 if __name__ == "__main__":

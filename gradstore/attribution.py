@@ -37,49 +37,89 @@ from indexers import IdentityPreconditioner
 EXAMPLES_PER_TASK = 65536
 
 
-def attribute(store: StoreCore, fits: FitCache, queries: QueryInput = None, *, run: str, k: int = 10,
-              method: str = "grad-dot", checkpoint: str | None = None, checkpoints: Sequence[str] | None = None,
-              damping: float | None = None, blocks: BlockStructure = "auto", kind: str = "exact",
-              opponents: bool = False, split: str = "train", where: str | None = None,
-              write: bool = True, engine: EngineName | Engine = "local", rerank: int = 0) -> pa.Table:
+def attribute(
+    store: StoreCore,
+    fits: FitCache,
+    queries: QueryInput = None,
+    *,
+    run: str,
+    k: int = 10,
+    method: str = "grad-dot",
+    checkpoint: str | None = None,
+    checkpoints: Sequence[str] | None = None,
+    damping: float | None = None,
+    blocks: BlockStructure = "auto",
+    kind: str = "exact",
+    opponents: bool = False,
+    split: str = "train",
+    where: str | None = None,
+    write: bool = True,
+    engine: EngineName | Engine = "local",
+    rerank: int = 0,
+) -> pa.Table:
     """Top-k training rows for each query; see :meth:`gradstore.GradStore.attribute`."""
     check_k(k)
     resolved = resolve_method(method)
     engine = resolve_engine(engine)
     if resolved.over_checkpoints:
-        return tracin(store, queries, run=run, k=k, checkpoints=checkpoints, opponents=opponents, split=split,
-                      where=where, write=write, engine=engine)
+        return tracin(
+            store,
+            queries,
+            run=run,
+            k=k,
+            checkpoints=checkpoints,
+            opponents=opponents,
+            split=split,
+            where=where,
+            write=write,
+            engine=engine,
+        )
     checkpoint = checkpoint or store.default_checkpoint(run)
-    index = build_index(store, fits, Selection(run, checkpoint, split, where), resolved.name, damping=damping,
-                        kind=kind, blocks=blocks, engine=engine)
+    index = build_index(
+        store,
+        fits,
+        Selection(run, checkpoint, split, where),
+        resolved.name,
+        damping=damping,
+        kind=kind,
+        blocks=blocks,
+        engine=engine,
+    )
     resolved_queries = resolve_queries(store, queries, run, checkpoint)
     sides = (True, False) if opponents else (True,)
     found = index.search_sides(resolved_queries.vectors, k, sides, engine, rerank)
-    table = pa.concat_tables([_result_table(store, index, resolved_queries.ids, *found[side], side)
-                              for side in sides])
+    table = pa.concat_tables([_result_table(store, index, resolved_queries.ids, *found[side], side) for side in sides])
     if write:
         store.append_results(S.SCORES, table)
     return table
 
 
-def _result_table(store: StoreCore, index: AttributionIndex, query_ids: list[str], scores: np.ndarray,
-                  grad_ids: np.ndarray, largest: bool) -> pa.Table:
+def _result_table(
+    store: StoreCore,
+    index: AttributionIndex,
+    query_ids: list[str],
+    scores: np.ndarray,
+    grad_ids: np.ndarray,
+    largest: bool,
+) -> pa.Table:
     n_queries, width = scores.shape
     flat_ids = grad_ids.reshape(-1)
     example_of = store.example_ids_for(flat_ids)
     ranks = np.tile(np.arange(1, width + 1, dtype=np.int32), n_queries) * (1 if largest else -1)
     n = len(flat_ids)
-    return pa.table({
-        "query_id": pa.array(np.repeat(np.asarray(query_ids, dtype=object), width), pa.string()),
-        "example_id": pa.array([example_of[g] for g in flat_ids.tolist()], pa.string()),
-        "grad_id": pa.array(flat_ids, pa.int64()),
-        "score": pa.array(scores.reshape(-1).astype(np.float64)),
-        "rank": pa.array(ranks),
-        "method": pa.array([index.method.name] * n, pa.string()),
-        "run_id": pa.array([index.manifest["run_id"]] * n, pa.string()),
-        "checkpoint": pa.array([index.manifest["checkpoint"]] * n, pa.string()),
-        "index_name": pa.array([index.name] * n, pa.string()),
-    })
+    return pa.table(
+        {
+            "query_id": pa.array(np.repeat(np.asarray(query_ids, dtype=object), width), pa.string()),
+            "example_id": pa.array([example_of[g] for g in flat_ids.tolist()], pa.string()),
+            "grad_id": pa.array(flat_ids, pa.int64()),
+            "score": pa.array(scores.reshape(-1).astype(np.float64)),
+            "rank": pa.array(ranks),
+            "method": pa.array([index.method.name] * n, pa.string()),
+            "run_id": pa.array([index.manifest["run_id"]] * n, pa.string()),
+            "checkpoint": pa.array([index.manifest["checkpoint"]] * n, pa.string()),
+            "index_name": pa.array([index.name] * n, pa.string()),
+        }
+    )
 
 
 # ---------------------------------------------------------------------------------------------- dense scores
@@ -97,9 +137,19 @@ class ScoreMatrix:
         return torch.from_numpy(self.scores)
 
 
-def score_matrix(store: StoreCore, fits: FitCache, queries: QueryInput = None, *, run: str, method: str = "fisher",
-                 checkpoint: str | None = None, damping: float | None = None, blocks: BlockStructure = "auto",
-                 split: str = "train", where: str | None = None) -> ScoreMatrix:
+def score_matrix(
+    store: StoreCore,
+    fits: FitCache,
+    queries: QueryInput = None,
+    *,
+    run: str,
+    method: str = "fisher",
+    checkpoint: str | None = None,
+    damping: float | None = None,
+    blocks: BlockStructure = "auto",
+    split: str = "train",
+    where: str | None = None,
+) -> ScoreMatrix:
     """Queries x training rows scores (for small problems: it is dense); nothing is written to ``scores``."""
     resolved = resolve_method(method)
     if resolved.over_checkpoints:
@@ -115,13 +165,19 @@ def score_matrix(store: StoreCore, fits: FitCache, queries: QueryInput = None, *
         example_ids += block.metadata.column("example_id").to_pylist()
         grad_ids.append(block.grad_ids)
     scores = torch.cat(parts, dim=1).numpy() if parts else np.empty((len(resolved_queries.ids), 0), np.float32)
-    return ScoreMatrix(scores, resolved_queries.ids, example_ids,
-                       np.concatenate(grad_ids) if grad_ids else np.empty(0, np.int64))
+    return ScoreMatrix(
+        scores, resolved_queries.ids, example_ids, np.concatenate(grad_ids) if grad_ids else np.empty(0, np.int64)
+    )
 
 
 def _selected(store: StoreCore, selection: Selection):
-    return store.iter_gradients(selection.run, checkpoint=selection.checkpoint, split=selection.split,
-                                where=selection.where, columns=("example_id",))
+    return store.iter_gradients(
+        selection.run,
+        checkpoint=selection.checkpoint,
+        split=selection.split,
+        where=selection.where,
+        columns=("example_id",),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- TracIn
@@ -132,22 +188,30 @@ def learning_rates(store: StoreCore, run: str, checkpoints: Sequence[str] | None
     table = store.checkpoints(run)
     recorded = dict(zip(table.column("checkpoint").to_pylist(), table.column("learning_rate").to_pylist()))
     if checkpoints is None:
-        with_queries = set(store.sql(f"select distinct checkpoint from gradients where run_id = {sql_literal(run)} "
-                                     "and split = 'query'").df().checkpoint)
+        with_queries = set(
+            store.sql(
+                f"select distinct checkpoint from gradients where run_id = {sql_literal(run)} and split = 'query'"
+            )
+            .df()
+            .checkpoint
+        )
         wanted = [c for c, lr in recorded.items() if lr is not None and c in with_queries]
     else:
         wanted = list(checkpoints)
     if not wanted:
-        raise InvalidArgumentError(f"run {run!r} records no checkpoint with a learning rate and query rows: "
-                                   "capture checkpoint passes with learning_rate=... (or give checkpoints=)")
+        raise InvalidArgumentError(
+            f"run {run!r} records no checkpoint with a learning rate and query rows: "
+            "capture checkpoint passes with learning_rate=... (or give checkpoints=)"
+        )
     missing = [c for c in wanted if recorded.get(c) is None]
     if missing:
         raise InvalidArgumentError(f"checkpoints {missing} of run {run!r} have no recorded learning rate")
     return {c: float(recorded[c]) for c in wanted}
 
 
-def checkpoint_queries(store: StoreCore, queries: QueryInput, run: str, checkpoints: Sequence[str]
-                       ) -> Iterator[tuple[str, Queries]]:
+def checkpoint_queries(
+    store: StoreCore, queries: QueryInput, run: str, checkpoints: Sequence[str]
+) -> Iterator[tuple[str, Queries]]:
     """The queries resolved at each checkpoint, in the order of the first checkpoint's ids."""
     first: list[str] | None = None
     for checkpoint in checkpoints:
@@ -163,9 +227,19 @@ def checkpoint_queries(store: StoreCore, queries: QueryInput, run: str, checkpoi
         yield checkpoint, resolved
 
 
-def tracin(store: StoreCore, queries: QueryInput = None, *, run: str, k: int = 10,
-           checkpoints: Sequence[str] | None = None, opponents: bool = False, split: str = "train",
-           where: str | None = None, write: bool = True, engine: EngineName | Engine = "local") -> pa.Table:
+def tracin(
+    store: StoreCore,
+    queries: QueryInput = None,
+    *,
+    run: str,
+    k: int = 10,
+    checkpoints: Sequence[str] | None = None,
+    opponents: bool = False,
+    split: str = "train",
+    where: str | None = None,
+    write: bool = True,
+    engine: EngineName | Engine = "local",
+) -> pa.Table:
     """TracIn-CP: ``score(q, x) = sum_c lr_c * q_c . g_c(x)``, a learning-rate weighted sum of per-checkpoint
     grad-dot scores, summed exactly per example before ranking (not a merge of per-checkpoint top-k lists).
     Queries must be stored query rows captured at every checkpoint (ids, a filter, or ``None`` for all).
@@ -179,8 +253,12 @@ def tracin(store: StoreCore, queries: QueryInput = None, *, run: str, k: int = 1
     space = ScoringSpace(resolve_method("grad-dot"), IdentityPreconditioner())
     weighted: list[tuple[str, torch.Tensor]] = []
     query_ids: list[str] = []
-    progress = tqdm(checkpoint_queries(store, queries, run, list(rates)), total=len(rates),
-                    desc="tracin checkpoints", disable=len(rates) < 4)
+    progress = tqdm(
+        checkpoint_queries(store, queries, run, list(rates)),
+        total=len(rates),
+        desc="tracin checkpoints",
+        disable=len(rates) < 4,
+    )
     for checkpoint, resolved in progress:
         query_ids = resolved.ids
         prepared = space.queries(resolved.vectors).to(torch.float64) * rates[checkpoint]
@@ -188,8 +266,9 @@ def tracin(store: StoreCore, queries: QueryInput = None, *, run: str, k: int = 1
     sides = (True, False) if opponents else (True,)
     shards = per_example_shards(store, engine, [Selection(run, c, split, where) for c in rates])
     found = scans.tracin_top_k(engine, shards, space, weighted, k, sides)
-    table = _example_table(found, query_ids, sides, method=resolve_method("tracin"), run=run,
-                           checkpoint=",".join(rates))
+    table = _example_table(
+        found, query_ids, sides, method=resolve_method("tracin"), run=run, checkpoint=",".join(rates)
+    )
     if write:
         store.append_results(S.SCORES, table)
     return table
@@ -204,8 +283,15 @@ def per_example_shards(store: StoreCore, engine: Engine, selections: Sequence[Se
     return example_shards(store, None, first.filter, parts)
 
 
-def _example_table(found: scans.ExampleTopK, query_ids: list[str], sides: tuple[bool, ...], *, method: Method,
-                   run: str, checkpoint: str) -> pa.Table:
+def _example_table(
+    found: scans.ExampleTopK,
+    query_ids: list[str],
+    sides: tuple[bool, ...],
+    *,
+    method: Method,
+    run: str,
+    checkpoint: str,
+) -> pa.Table:
     """The per-example top-k (and bottom-k) lists as a ``scores`` table (no ``grad_id``: sums over rows)."""
     columns: dict[str, list] = {name: [] for name in ("query_id", "example_id", "score", "rank")}
     for side in sides:
@@ -217,37 +303,58 @@ def _example_table(found: scans.ExampleTopK, query_ids: list[str], sides: tuple[
             columns["score"] += scores[row].tolist()
             columns["rank"] += [(r + 1) * (1 if side else -1) for r in range(width)]
     n = len(columns["rank"])
-    return pa.table({"query_id": pa.array(columns["query_id"], pa.string()),
-                     "example_id": pa.array(columns["example_id"], pa.string()),
-                     "grad_id": pa.nulls(n, pa.int64()),
-                     "score": pa.array(columns["score"], pa.float64()),
-                     "rank": pa.array(columns["rank"], pa.int32()),
-                     "method": pa.array([method.name] * n, pa.string()), "run_id": pa.array([run] * n, pa.string()),
-                     "checkpoint": pa.array([checkpoint] * n, pa.string()),
-                     "index_name": pa.nulls(n, pa.string())})
+    return pa.table(
+        {
+            "query_id": pa.array(columns["query_id"], pa.string()),
+            "example_id": pa.array(columns["example_id"], pa.string()),
+            "grad_id": pa.nulls(n, pa.int64()),
+            "score": pa.array(columns["score"], pa.float64()),
+            "rank": pa.array(columns["rank"], pa.int32()),
+            "method": pa.array([method.name] * n, pa.string()),
+            "run_id": pa.array([run] * n, pa.string()),
+            "checkpoint": pa.array([checkpoint] * n, pa.string()),
+            "index_name": pa.nulls(n, pa.string()),
+        }
+    )
 
 
 # ---------------------------------------------------------------------------------------------- self-influence
-def self_influence(store: StoreCore, fits: FitCache, *, run: str, method: str = "fisher",
-                   checkpoint: str | None = None, damping: float | None = None, blocks: BlockStructure = "auto",
-                   split: str = "train", where: str | None = None, write: bool = True,
-                   engine: EngineName | Engine = "local") -> pa.Table:
+def self_influence(
+    store: StoreCore,
+    fits: FitCache,
+    *,
+    run: str,
+    method: str = "fisher",
+    checkpoint: str | None = None,
+    damping: float | None = None,
+    blocks: BlockStructure = "auto",
+    split: str = "train",
+    where: str | None = None,
+    write: bool = True,
+    engine: EngineName | Engine = "local",
+) -> pa.Table:
     """``g^T P^-1 g`` for every selected training row; see :meth:`gradstore.GradStore.self_influence`."""
     resolved = resolve_method(method)
     if resolved.name == "cosine" or resolved.unit_norm or resolved.over_checkpoints:
-        raise InvalidArgumentError(f"self-influence under {resolved.name!r} is not informative; use grad-dot, "
-                                   "diagonal, fisher, kfac or ekfac")
+        raise InvalidArgumentError(
+            f"self-influence under {resolved.name!r} is not informative; use grad-dot, diagonal, fisher, kfac or ekfac"
+        )
     engine = resolve_engine(engine)
     checkpoint = checkpoint or store.default_checkpoint(run)
     selection = Selection(run, checkpoint, split, where)
     space = ScoringSpace(resolved, fits.get(fit_spec(store, selection, resolved, blocks), damping, engine=engine))
     values = scans.self_influence(engine, selection.shards(store, engine.parallelism, ("example_id",)), space)
     n = values.num_rows
-    table = pa.table({"example_id": values.column("example_id"), "grad_id": values.column("grad_id"),
-                      "run_id": pa.array([run] * n, pa.string()),
-                      "checkpoint": pa.array([checkpoint] * n, pa.string()),
-                      "method": pa.array([resolved.name] * n, pa.string()),
-                      "self_influence": values.column("self_influence")})
+    table = pa.table(
+        {
+            "example_id": values.column("example_id"),
+            "grad_id": values.column("grad_id"),
+            "run_id": pa.array([run] * n, pa.string()),
+            "checkpoint": pa.array([checkpoint] * n, pa.string()),
+            "method": pa.array([resolved.name] * n, pa.string()),
+            "self_influence": values.column("self_influence"),
+        }
+    )
     table = table.sort_by([("self_influence", "descending")])
     if write:
         store.append_results(S.SELF_INFLUENCE, table)

@@ -57,9 +57,16 @@ def run_basis(store: StoreCore, run: str) -> ProjectionBasis | None:
     return load_basis(store, store.run_spec(run))
 
 
-def basis_from_run(store: StoreCore, run: str, checkpoint: str, k_in: int = 16, k_out: int = 16,
-                   layer_sizes: LayerSizes | None = None) -> ProjectionBasis:
+def basis_from_run(
+    store: StoreCore, run: str, checkpoint: str, k_in: int = 16, k_out: int = 16, layer_sizes: LayerSizes | None = None
+) -> ProjectionBasis:
     """The curvature-aware basis from a run's ``curvature=True`` statistics at ``checkpoint``
     (:func:`ingest.basis.basis_from_curvature` with that run's spec and basis)."""
-    return basis_from_curvature(store.load_curvature(run, checkpoint), store.run_spec(run), k_in, k_out,
-                                layer_sizes, previous=run_basis(store, run))
+    return basis_from_curvature(
+        store.load_curvature(run, checkpoint),
+        store.run_spec(run),
+        k_in,
+        k_out,
+        layer_sizes,
+        previous=run_basis(store, run),
+    )

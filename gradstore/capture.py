@@ -23,8 +23,19 @@ from gradstore.resume import CommittedRows
 from ingest import CaptureConfig, CapturedBatch, GradientCapture, ProjectionSpec
 
 #: Options that define a run's vectors (or how its loss was formed): later captures of the run reuse them.
-RUN_OPTIONS = ("projection", "k_in", "k_out", "seed", "layer_types", "include", "exclude", "route", "layer_sizes",
-               "loss_reduction", "loss_scale")
+RUN_OPTIONS = (
+    "projection",
+    "k_in",
+    "k_out",
+    "seed",
+    "layer_types",
+    "include",
+    "exclude",
+    "route",
+    "layer_sizes",
+    "loss_reduction",
+    "loss_scale",
+)
 
 
 class RunDefault:
@@ -68,16 +79,26 @@ class StoreCapture:
     :class:`ingest.GradientCapture` (``set_ids``, ``set_epoch``, ``set_step``, ``set_checkpoint``,
     ``set_split``, ``pause``/``resume``/``paused``, ``flush``)."""
 
-    def __init__(self, store: StoreCore, model: nn.Module, run: str, config: CaptureConfig, *,
-                 optimizer: torch.optim.Optimizer | None = None,
-                 per_example_loss: Callable[..., torch.Tensor] | None = None, grad_scaler: Any | None = None,
-                 learning_rate: float | None = None, writer_config: WriterConfig | None = None,
-                 resume: bool = False) -> None:
+    def __init__(
+        self,
+        store: StoreCore,
+        model: nn.Module,
+        run: str,
+        config: CaptureConfig,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        per_example_loss: Callable[..., torch.Tensor] | None = None,
+        grad_scaler: Any | None = None,
+        learning_rate: float | None = None,
+        writer_config: WriterConfig | None = None,
+        resume: bool = False,
+    ) -> None:
         self.store = store
         self.run_id = run
         self.learning_rate = learning_rate
-        self.capture = GradientCapture(model, self._write, config, optimizer=optimizer,
-                                       per_example_loss=per_example_loss, grad_scaler=grad_scaler)
+        self.capture = GradientCapture(
+            model, self._write, config, optimizer=optimizer, per_example_loss=per_example_loss, grad_scaler=grad_scaler
+        )
         self.spec: ProjectionSpec = self.capture.spec
         self._model = model
         self._writer_config = writer_config
@@ -92,8 +113,9 @@ class StoreCapture:
         basis = self.capture.config.projection.basis
         if basis is not None:
             save_basis(self.store, self.spec, basis)
-        self.store.ensure_run(self.run_id, self.spec, model_fingerprint(self._model),
-                              {"capture": self.capture.config.options()})
+        self.store.ensure_run(
+            self.run_id, self.spec, model_fingerprint(self._model), {"capture": self.capture.config.options()}
+        )
         self._writer = self._open_writer()
         try:
             self.capture.__enter__()
@@ -192,10 +214,18 @@ class StoreCapture:
                 return
             batch = fresh
         self._writer.append(
-            batch.grads.numpy(), batch.example_ids, checkpoint=batch.checkpoint, step=batch.step,
-            epoch=batch.epoch, example_hash=batch.example_hash, split=batch.split, rank=batch.rank,
-            loss=None if batch.loss is None else batch.loss.numpy(), num_tokens=batch.num_tokens.numpy(),
-            learning_rate=lr)
+            batch.grads.numpy(),
+            batch.example_ids,
+            checkpoint=batch.checkpoint,
+            step=batch.step,
+            epoch=batch.epoch,
+            example_hash=batch.example_hash,
+            split=batch.split,
+            rank=batch.rank,
+            loss=None if batch.loss is None else batch.loss.numpy(),
+            num_tokens=batch.num_tokens.numpy(),
+            learning_rate=lr,
+        )
         self.rows_written += len(batch.example_ids)
         if batch.split == "train":  # query rows describe no checkpoint of training
             self._seen[batch.checkpoint] = {"step": batch.step, "epoch": batch.epoch, "learning_rate": lr}

@@ -17,8 +17,11 @@ from gradstore.engine import resolve_engine
 from gradstore.errors import GradstoreError
 from gradstore.index import index_summary
 
-app = typer.Typer(help="gradstore: a gradient-store database for training data attribution.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="gradstore: a gradient-store database for training data attribution.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 
 StoreArg = Annotated[Path, typer.Argument(help="Store directory (or object-store URI).")]
 
@@ -46,10 +49,15 @@ class EngineChoice(str, Enum):
 
 
 MethodOption = Annotated[Method, typer.Option(help="Attribution method (fisher: projected Fisher influence).")]
-EngineOption = Annotated[EngineChoice, typer.Option(
-    "--engine", help="Where fitting and scans run: this process, or a Ray cluster.")]
-RayAddressOption = Annotated[str | None, typer.Option(
-    "--ray-address", help="Ray cluster address (with --engine ray; default: RAY_ADDRESS, else a local cluster).")]
+EngineOption = Annotated[
+    EngineChoice, typer.Option("--engine", help="Where fitting and scans run: this process, or a Ray cluster.")
+]
+RayAddressOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address", help="Ray cluster address (with --engine ray; default: RAY_ADDRESS, else a local cluster)."
+    ),
+]
 BlocksOption = Annotated[Blocks, typer.Option(help="Fisher blocks: one per layer, one full block, or auto.")]
 
 
@@ -85,8 +93,9 @@ def _fail(error: Exception) -> None:
 
 
 @app.command()
-def info(store: StoreArg,
-         create: Annotated[bool, typer.Option(help="Create an empty store if none exists.")] = False) -> None:
+def info(
+    store: StoreArg, create: Annotated[bool, typer.Option(help="Create an empty store if none exists.")] = False
+) -> None:
     """Tables, row counts, runs, dimension, versions and size on disk of a store."""
     summary = _open(store, create=create).info()
     typer.echo(f"store      {summary['uri']}")
@@ -100,10 +109,13 @@ def info(store: StoreArg,
 
 
 @app.command()
-def sql(store: StoreArg, query: Annotated[str, typer.Argument(help="One read-only DuckDB SQL statement.")],
-        format: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
-        out: Annotated[Path | None, typer.Option("--out", "-o", help="Write to this file.")] = None,
-        max_rows: Annotated[int, typer.Option(help="Rows shown in table format.")] = 50) -> None:
+def sql(
+    store: StoreArg,
+    query: Annotated[str, typer.Argument(help="One read-only DuckDB SQL statement.")],
+    format: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write to this file.")] = None,
+    max_rows: Annotated[int, typer.Option(help="Rows shown in table format.")] = 50,
+) -> None:
     """Run DuckDB SQL over the store's tables (runs, checkpoints, gradients, examples, scores, ...)."""
     handle = _open(store)
     try:
@@ -136,9 +148,12 @@ def sql(store: StoreArg, query: Annotated[str, typer.Argument(help="One read-onl
 
 
 @app.command()
-def compact(store: StoreArg,
-            cleanup_days: Annotated[float | None, typer.Option(
-                help="Also delete table versions older than this many days.")] = None) -> None:
+def compact(
+    store: StoreArg,
+    cleanup_days: Annotated[
+        float | None, typer.Option(help="Also delete table versions older than this many days.")
+    ] = None,
+) -> None:
     """Compact every table's fragments (and optionally delete old versions)."""
     older = timedelta(days=cleanup_days) if cleanup_days is not None else None
     counts = _open(store).compact(cleanup_older_than=older)
@@ -173,47 +188,70 @@ def _csv_list(value: str | None) -> list[str] | None:
 
 @app.command("build-index")
 def build_index_command(
-        store: StoreArg,
-        run: Annotated[str, typer.Option(help="Run whose training rows are indexed.")],
-        checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
-        method: MethodOption = Method.fisher,
-        damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
-        kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
-        blocks: BlocksOption = Blocks.auto,
-        refit: Annotated[bool, typer.Option(help="Fit again instead of reusing the store's fit.")] = False,
-        engine: EngineOption = EngineChoice.local, ray_address: RayAddressOption = None) -> None:
+    store: StoreArg,
+    run: Annotated[str, typer.Option(help="Run whose training rows are indexed.")],
+    checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
+    method: MethodOption = Method.fisher,
+    damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
+    kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
+    blocks: BlocksOption = Blocks.auto,
+    refit: Annotated[bool, typer.Option(help="Fit again instead of reusing the store's fit.")] = False,
+    engine: EngineOption = EngineChoice.local,
+    ray_address: RayAddressOption = None,
+) -> None:
     """Fit a preconditioner (or reuse the store's fit) and build (or update) a persisted index."""
     with _user_errors():
-        index = _open(store).build_index(run, checkpoint=checkpoint, method=method.value, damping=damping,
-                                         kind=kind, blocks=blocks.value, refit=refit,
-                                         engine=_engine(engine, ray_address))
+        index = _open(store).build_index(
+            run,
+            checkpoint=checkpoint,
+            method=method.value,
+            damping=damping,
+            kind=kind,
+            blocks=blocks.value,
+            refit=refit,
+            engine=_engine(engine, ray_address),
+        )
     typer.echo(json.dumps(index_summary(index), indent=2))
 
 
 @app.command()
 def attribute(
-        store: StoreArg,
-        run: Annotated[str, typer.Option(help="Run to attribute against.")],
-        queries: Annotated[str | None, typer.Option(
-            help="Comma-separated query example ids (default: every query row).")] = None,
-        where: Annotated[str | None, typer.Option(help="SQL filter selecting query rows instead.")] = None,
-        k: Annotated[int, typer.Option("-k", "--k", help="Results per query.")] = 10,
-        method: MethodOption = Method.fisher,
-        checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
-        damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
-        kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
-        blocks: BlocksOption = Blocks.auto,
-        opponents: Annotated[bool, typer.Option(help="Also list the k strongest opponents.")] = False,
-        out: Annotated[Path | None, typer.Option(help="Also write the results to this parquet file.")] = None,
-        engine: EngineOption = EngineChoice.local, ray_address: RayAddressOption = None,
-        rerank: Annotated[int, typer.Option(
-            help="FAISS kinds: re-score the index's rerank x k candidates exactly (0: off).")] = 0) -> None:
+    store: StoreArg,
+    run: Annotated[str, typer.Option(help="Run to attribute against.")],
+    queries: Annotated[
+        str | None, typer.Option(help="Comma-separated query example ids (default: every query row).")
+    ] = None,
+    where: Annotated[str | None, typer.Option(help="SQL filter selecting query rows instead.")] = None,
+    k: Annotated[int, typer.Option("-k", "--k", help="Results per query.")] = 10,
+    method: MethodOption = Method.fisher,
+    checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
+    damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
+    kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
+    blocks: BlocksOption = Blocks.auto,
+    opponents: Annotated[bool, typer.Option(help="Also list the k strongest opponents.")] = False,
+    out: Annotated[Path | None, typer.Option(help="Also write the results to this parquet file.")] = None,
+    engine: EngineOption = EngineChoice.local,
+    ray_address: RayAddressOption = None,
+    rerank: Annotated[
+        int, typer.Option(help="FAISS kinds: re-score the index's rerank x k candidates exactly (0: off).")
+    ] = 0,
+) -> None:
     """Top-k proponents (and opponents) of query examples; results are appended to the scores table."""
     selected = _csv_list(queries) if queries else where
     with _user_errors():
-        table = _open(store).attribute(selected, run=run, k=k, method=method.value, checkpoint=checkpoint,
-                                       damping=damping, kind=kind, blocks=blocks.value, opponents=opponents,
-                                       engine=_engine(engine, ray_address), rerank=rerank)
+        table = _open(store).attribute(
+            selected,
+            run=run,
+            k=k,
+            method=method.value,
+            checkpoint=checkpoint,
+            damping=damping,
+            kind=kind,
+            blocks=blocks.value,
+            opponents=opponents,
+            engine=_engine(engine, ray_address),
+            rerank=rerank,
+        )
     if out is not None:
         import pyarrow.parquet as pq
 
@@ -223,24 +261,31 @@ def attribute(
 
 @app.command()
 def select(
-        store: StoreArg,
-        run: Annotated[str, typer.Option(help="Run holding the candidate training rows.")],
-        target: Annotated[str | None, typer.Option(
-            help="Comma-separated target query ids (default: every query row).")] = None,
-        budget: Annotated[float, typer.Option(help="Fraction (<= 1) or number of examples to select.")] = 0.05,
-        preconditioner: Annotated[str, typer.Option(
-            help="Space of the cosine: grad-dot, diagonal, fisher.")] = "grad-dot",
-        aggregate: Annotated[str, typer.Option(help="max (LESS) or mean over the target set.")] = "max",
-        out: Annotated[Path | None, typer.Option(help="Write the selection to this parquet file.")] = None,
-        engine: EngineOption = EngineChoice.local, ray_address: RayAddressOption = None) -> None:
+    store: StoreArg,
+    run: Annotated[str, typer.Option(help="Run holding the candidate training rows.")],
+    target: Annotated[
+        str | None, typer.Option(help="Comma-separated target query ids (default: every query row).")
+    ] = None,
+    budget: Annotated[float, typer.Option(help="Fraction (<= 1) or number of examples to select.")] = 0.05,
+    preconditioner: Annotated[str, typer.Option(help="Space of the cosine: grad-dot, diagonal, fisher.")] = "grad-dot",
+    aggregate: Annotated[str, typer.Option(help="max (LESS) or mean over the target set.")] = "max",
+    out: Annotated[Path | None, typer.Option(help="Write the selection to this parquet file.")] = None,
+    engine: EngineOption = EngineChoice.local,
+    ray_address: RayAddressOption = None,
+) -> None:
     """LESS-style data selection: the training examples most aligned with a target set."""
     from gradstore.selection import export_selection
 
     with _user_errors():
         count_or_fraction = int(budget) if budget > 1 and budget.is_integer() else budget
-        table = _open(store).select(_csv_list(target), run=run, budget=count_or_fraction,
-                                    preconditioner=preconditioner, aggregate=aggregate,
-                                    engine=_engine(engine, ray_address))
+        table = _open(store).select(
+            _csv_list(target),
+            run=run,
+            budget=count_or_fraction,
+            preconditioner=preconditioner,
+            aggregate=aggregate,
+            engine=_engine(engine, ray_address),
+        )
     if out is not None:
         export_selection(table, out)
         typer.echo(f"wrote {table.num_rows} selected examples to {out}", err=True)
@@ -249,16 +294,19 @@ def select(
 
 @app.command("self-influence")
 def self_influence_command(
-        store: StoreArg,
-        run: Annotated[str, typer.Option(help="Run whose training rows are scored.")],
-        method: MethodOption = Method.fisher,
-        checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
-        top: Annotated[int, typer.Option(help="Rows shown.")] = 20,
-        engine: EngineOption = EngineChoice.local, ray_address: RayAddressOption = None) -> None:
+    store: StoreArg,
+    run: Annotated[str, typer.Option(help="Run whose training rows are scored.")],
+    method: MethodOption = Method.fisher,
+    checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
+    top: Annotated[int, typer.Option(help="Rows shown.")] = 20,
+    engine: EngineOption = EngineChoice.local,
+    ray_address: RayAddressOption = None,
+) -> None:
     """Self-influence of every training row (written to the self_influence table); shows the largest."""
     with _user_errors():
-        table = _open(store).self_influence(run=run, method=method.value, checkpoint=checkpoint,
-                                            engine=_engine(engine, ray_address))
+        table = _open(store).self_influence(
+            run=run, method=method.value, checkpoint=checkpoint, engine=_engine(engine, ray_address)
+        )
     _print_table(table.select(["example_id", "self_influence", "checkpoint", "method"]).slice(0, top), limit=top)
 
 
@@ -280,20 +328,26 @@ def _import_function(spec: str):
 
 @evaluate_app.command("lds")
 def evaluate_lds(
-        store: StoreArg,
-        run: Annotated[str, typer.Option(help="Run whose scores are checked.")],
-        train: Annotated[str, typer.Option(
+    store: StoreArg,
+    run: Annotated[str, typer.Option(help="Run whose scores are checked.")],
+    train: Annotated[
+        str,
+        typer.Option(
             help="Your retraining function as module:function, called as f(subsets, queries, seed) and returning "
-                 "losses [subsets, queries].")],
-        queries: Annotated[str | None, typer.Option(
-            help="Comma-separated query example ids (default: every query row of the run).")] = None,
-        methods: Annotated[str, typer.Option(help="Comma-separated methods to score.")] = "grad-dot,fisher",
-        damping: Annotated[float | None, typer.Option(help="Relative damping of fisher/kfac.")] = None,
-        checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
-        subsets: Annotated[int, typer.Option(help="Random training subsets retrained.")] = 100,
-        fraction: Annotated[float, typer.Option(help="Share of the training set in each subset.")] = 0.5,
-        seeds: Annotated[str, typer.Option(help="Comma-separated training seeds (2+ give a noise ceiling).")] = "0",
-        seed: Annotated[int, typer.Option(help="Seed of the subset draw.")] = 0) -> None:
+            "losses [subsets, queries]."
+        ),
+    ],
+    queries: Annotated[
+        str | None, typer.Option(help="Comma-separated query example ids (default: every query row of the run).")
+    ] = None,
+    methods: Annotated[str, typer.Option(help="Comma-separated methods to score.")] = "grad-dot,fisher",
+    damping: Annotated[float | None, typer.Option(help="Relative damping of fisher/kfac.")] = None,
+    checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
+    subsets: Annotated[int, typer.Option(help="Random training subsets retrained.")] = 100,
+    fraction: Annotated[float, typer.Option(help="Share of the training set in each subset.")] = 0.5,
+    seeds: Annotated[str, typer.Option(help="Comma-separated training seeds (2+ give a noise ceiling).")] = "0",
+    seed: Annotated[int, typer.Option(help="Seed of the subset draw.")] = 0,
+) -> None:
     """Linear datamodeling score of each method; rows are appended to the evaluations table."""
     from gradstore.core import sql_literal
     from gradstore.evaluate import lds
@@ -301,27 +355,44 @@ def evaluate_lds(
     with _user_errors():
         opened = _open(store)
         train_fn = _import_function(train)
-        query_ids = _csv_list(queries) or [row[0] for row in opened.sql(
-            f"SELECT DISTINCT example_id FROM gradients WHERE run_id = {sql_literal(run)} AND split = 'query' "
-            "ORDER BY example_id").fetchall()]
+        query_ids = _csv_list(queries) or [
+            row[0]
+            for row in opened.sql(
+                f"SELECT DISTINCT example_id FROM gradients WHERE run_id = {sql_literal(run)} AND split = 'query' "
+                "ORDER BY example_id"
+            ).fetchall()
+        ]
         options = {"checkpoint": checkpoint} if checkpoint else {}
         damped = {"damping": damping} if damping is not None else {}
-        chosen = {m: {"method": m, **options, **(damped if m in ("fisher", "influence", "kfac", "diagonal") else {})}
-                  for m in _csv_list(methods) or []}
-        table, _ = lds(opened, run, train_fn, queries=query_ids, methods=chosen, subsets=subsets, fraction=fraction,
-                       seeds=[int(s) for s in _csv_list(seeds) or []], seed=seed)
+        chosen = {
+            m: {"method": m, **options, **(damped if m in ("fisher", "influence", "kfac", "diagonal") else {})}
+            for m in _csv_list(methods) or []
+        }
+        table, _ = lds(
+            opened,
+            run,
+            train_fn,
+            queries=query_ids,
+            methods=chosen,
+            subsets=subsets,
+            fraction=fraction,
+            seeds=[int(s) for s in _csv_list(seeds) or []],
+            seed=seed,
+        )
     _print_table(table.select(["label", "value", "stderr", "noise_ceiling", "queries", "subsets", "seeds"]))
 
 
 @app.command()
 def report(
-        store: StoreArg,
-        run: Annotated[str | None, typer.Option(help="Only this run (default: every run).")] = None,
-        out: Annotated[Path, typer.Option("--out", "-o", help="HTML file to write.")] = Path("report.html"),
-        max_queries: Annotated[int, typer.Option(help="Queries listed (the rest are counted).")] = 1000,
-        top: Annotated[int, typer.Option(help="Proponents and opponents shown per query and method.")] = 10,
-        selection: Annotated[Path | None, typer.Option(
-            exists=True, dir_okay=False, help="A selection parquet file (from select --out) to break down.")] = None
+    store: StoreArg,
+    run: Annotated[str | None, typer.Option(help="Only this run (default: every run).")] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="HTML file to write.")] = Path("report.html"),
+    max_queries: Annotated[int, typer.Option(help="Queries listed (the rest are counted).")] = 1000,
+    top: Annotated[int, typer.Option(help="Proponents and opponents shown per query and method.")] = 10,
+    selection: Annotated[
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, help="A selection parquet file (from select --out) to break down."),
+    ] = None,
 ) -> None:
     """Write one self-contained HTML attribution report that opens offline in a browser."""
     chosen = None
@@ -335,10 +406,13 @@ def report(
 
 
 @app.command()
-def demo(store: Annotated[Path, typer.Option(help="Store directory (replaced if it holds a store).")] = Path(
-             "gradstore-demo"),
-         epochs: Annotated[int, typer.Option(help="Training epochs.")] = 24,
-         places: Annotated[int, typer.Option(help="Invented places (2 facts each).")] = 24) -> None:
+def demo(
+    store: Annotated[Path, typer.Option(help="Store directory (replaced if it holds a store).")] = Path(
+        "gradstore-demo"
+    ),
+    epochs: Annotated[int, typer.Option(help="Training epochs.")] = 24,
+    places: Annotated[int, typer.Option(help="Invented places (2 facts each).")] = 24,
+) -> None:
     """Run the whole job on a built-in corpus: train a tiny GPT under capture, attribute, report recall."""
     from gradstore.demo import DemoConfig, run_demo
 

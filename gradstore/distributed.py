@@ -146,8 +146,9 @@ class CollectiveCommit:
 
         def commit() -> lance.LanceDataset:
             dataset = self.table.to_lance()
-            return lance.LanceDataset.commit(dataset, lance.LanceOperation.Append(fragments),
-                                             read_version=dataset.version)
+            return lance.LanceDataset.commit(
+                dataset, lance.LanceOperation.Append(fragments), read_version=dataset.version
+            )
 
         dataset = commits.retrying(commit, "collective commit")
         self.commits += 1
@@ -160,11 +161,22 @@ class DistributedCapture(StoreCapture):
     """A :class:`~gradstore.capture.StoreCapture` whose ranks stage rows as data files and commit them
     together at collective flush points (see the module docstring). Use :func:`distributed_capture`."""
 
-    def __init__(self, store: GradStore, model: nn.Module, run: str, config: Any, *, commit_every: int = 100,
-                 timeout: timedelta | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        store: GradStore,
+        model: nn.Module,
+        run: str,
+        config: Any,
+        *,
+        commit_every: int = 100,
+        timeout: timedelta | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not is_distributed():
-            raise RuntimeError("distributed capture needs torch.distributed initialised with > 1 rank; "
-                               "use store.capture(...) in a single process")
+            raise RuntimeError(
+                "distributed capture needs torch.distributed initialised with > 1 rank; "
+                "use store.capture(...) in a single process"
+            )
         if commit_every < 1:
             raise ValueError(f"commit_every must be >= 1, got {commit_every}")
         super().__init__(store, unwrap(model), run, config, **kwargs)
@@ -182,8 +194,9 @@ class DistributedCapture(StoreCapture):
 
     def __enter__(self) -> DistributedCapture:
         group = dist.new_group(backend="gloo", timeout=self._timeout)  # collective; CPU objects on any backend
-        self._committer = committer = CollectiveCommit(None, group,
-                                                       (self._writer_config or WriterConfig()).max_fragments)
+        self._committer = committer = CollectiveCommit(
+            None, group, (self._writer_config or WriterConfig()).max_fragments
+        )
         failure = None
         if dist.get_rank() == 0:  # one rank creates the run; the others then check their spec against it
             try:
@@ -221,8 +234,9 @@ class DistributedCapture(StoreCapture):
     def _open_writer(self) -> GradientWriter:
         self._stager = FragmentStager(self.store.table(S.GRADIENTS))
         config = dataclasses.replace(self._writer_config or WriterConfig(), max_fragments=0)
-        return GradientWriter(self._stager, run_id=self.run_id, dim=self.store.dim,
-                              storage_dtype=self.store.storage_dtype, config=config)
+        return GradientWriter(
+            self._stager, run_id=self.run_id, dim=self.store.dim, storage_dtype=self.store.storage_dtype, config=config
+        )
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer is not self.capture.optimizer:
@@ -233,15 +247,17 @@ class DistributedCapture(StoreCapture):
 
     def _record_run(self) -> None:
         """Rank 0 records checkpoints and the ranks' pooled curvature statistics."""
-        curvature = ({c: self.capture.curvature(c) for c in self._seen} if self.capture.config.curvature else {})
+        curvature = {c: self.capture.curvature(c) for c in self._seen} if self.capture.config.curvature else {}
         gathered = self._committer.gather((self._seen, curvature))
         if gathered is None:
             return
         seen: dict[str, dict[str, Any]] = {}
         for part, _ in gathered:
             for checkpoint, info in part.items():
-                if checkpoint not in seen or (info["step"], info["epoch"]) >= (seen[checkpoint]["step"],
-                                                                              seen[checkpoint]["epoch"]):
+                if checkpoint not in seen or (info["step"], info["epoch"]) >= (
+                    seen[checkpoint]["step"],
+                    seen[checkpoint]["epoch"],
+                ):
                     seen[checkpoint] = info
         for checkpoint, info in seen.items():
             self.store.record_checkpoint(self.run_id, checkpoint, **info)
@@ -251,8 +267,9 @@ class DistributedCapture(StoreCapture):
                 self.store.save_curvature(self.run_id, checkpoint, stats)
 
 
-def pool_curvature(parts: list[dict[str, tuple[np.ndarray, np.ndarray, int]]]
-                   ) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+def pool_curvature(
+    parts: list[dict[str, tuple[np.ndarray, np.ndarray, int]]],
+) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
     """Token-weighted means of per-rank curvature statistics ``layer -> (A, S, count)``."""
     pooled: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
     for part in parts:
@@ -265,10 +282,20 @@ def pool_curvature(parts: list[dict[str, tuple[np.ndarray, np.ndarray, int]]]
     return {layer: (a / max(n, 1), s / max(n, 1), n) for layer, (a, s, n) in pooled.items()}
 
 
-def distributed_capture(store: GradStore, model: nn.Module, run: str, *, commit_every: int = 100,
-                        optimizer: Any = None, per_example_loss: Any = None, grad_scaler: Any = None,
-                        learning_rate: float | None = None, writer: WriterConfig | None = None,
-                        timeout: timedelta | None = None, **options: Any) -> DistributedCapture:
+def distributed_capture(
+    store: GradStore,
+    model: nn.Module,
+    run: str,
+    *,
+    commit_every: int = 100,
+    optimizer: Any = None,
+    per_example_loss: Any = None,
+    grad_scaler: Any = None,
+    learning_rate: float | None = None,
+    writer: WriterConfig | None = None,
+    timeout: timedelta | None = None,
+    **options: Any,
+) -> DistributedCapture:
     """Capture on every rank of a ``torch.distributed`` job into run ``run``; rows are committed together.
 
     Call it on every rank (it is collective). ``commit_every``: optimizer steps between collective commits.
@@ -276,6 +303,16 @@ def distributed_capture(store: GradStore, model: nn.Module, run: str, *, commit_
     :meth:`GradStore.capture`; ``rank`` defaults to the process's rank. ``timeout`` bounds each collective
     (default: torch's).
     """
-    return DistributedCapture(store, model, run, config_for_run(store, run, options), commit_every=commit_every,
-                              timeout=timeout, optimizer=optimizer, per_example_loss=per_example_loss,
-                              grad_scaler=grad_scaler, learning_rate=learning_rate, writer_config=writer)
+    return DistributedCapture(
+        store,
+        model,
+        run,
+        config_for_run(store, run, options),
+        commit_every=commit_every,
+        timeout=timeout,
+        optimizer=optimizer,
+        per_example_loss=per_example_loss,
+        grad_scaler=grad_scaler,
+        learning_rate=learning_rate,
+        writer_config=writer,
+    )

@@ -37,8 +37,9 @@ class Engine(Protocol):
         """How many shards a scan is split into (tasks that can run at once, times a few for balance)."""
         ...
 
-    def map(self, task: Callable[[Shard, Payload], Partial], shards: Sequence[Shard],
-            payload: Payload) -> list[Partial]:
+    def map(
+        self, task: Callable[[Shard, Payload], Partial], shards: Sequence[Shard], payload: Payload
+    ) -> list[Partial]:
         """``[task(shard, payload) for shard in shards]``, wherever the tasks run."""
         ...
 
@@ -49,8 +50,9 @@ class LocalEngine:
     name = "local"
     parallelism = 1
 
-    def map(self, task: Callable[[Shard, Payload], Partial], shards: Sequence[Shard],
-            payload: Payload) -> list[Partial]:
+    def map(
+        self, task: Callable[[Shard, Payload], Partial], shards: Sequence[Shard], payload: Payload
+    ) -> list[Partial]:
         """The tasks run here, in order."""
         return [task(shard, payload) for shard in shards]
 
@@ -88,8 +90,9 @@ class RayEngine:
         cpus = int(self._ray().cluster_resources().get("CPU", 1))
         return max(1, cpus) * self.tasks_per_cpu
 
-    def map(self, task: Callable[[Shard, Payload], Partial], shards: Sequence[Shard],
-            payload: Payload) -> list[Partial]:
+    def map(
+        self, task: Callable[[Shard, Payload], Partial], shards: Sequence[Shard], payload: Payload
+    ) -> list[Partial]:
         """One Ray task per shard; the payload is put in the object store once."""
         ray = self._ray()
         shared = ray.put(payload)

@@ -35,23 +35,25 @@ if TYPE_CHECKING:
 TrainFn = Callable[[list[list[str]], list[str], int], Any]
 
 EVALUATIONS = "evaluations"
-EVALUATIONS_SCHEMA = pa.schema([
-    pa.field("evaluation_id", pa.string()),
-    pa.field("run_id", pa.string()),
-    pa.field("label", pa.string()),  # the caller's name for the scored variant
-    pa.field("method", pa.string()),
-    pa.field("options", pa.string()),  # JSON of the attribute() options
-    pa.field("metric", pa.string()),
-    pa.field("value", pa.float64()),
-    pa.field("stderr", pa.float64()),
-    pa.field("noise_ceiling", pa.float64()),
-    pa.field("queries", pa.int32()),
-    pa.field("subsets", pa.int32()),
-    pa.field("seeds", pa.string()),  # JSON list
-    pa.field("fraction", pa.float64()),
-    pa.field("seed", pa.int64()),
-    pa.field("created_at", pa.timestamp("us", tz="UTC")),
-])
+EVALUATIONS_SCHEMA = pa.schema(
+    [
+        pa.field("evaluation_id", pa.string()),
+        pa.field("run_id", pa.string()),
+        pa.field("label", pa.string()),  # the caller's name for the scored variant
+        pa.field("method", pa.string()),
+        pa.field("options", pa.string()),  # JSON of the attribute() options
+        pa.field("metric", pa.string()),
+        pa.field("value", pa.float64()),
+        pa.field("stderr", pa.float64()),
+        pa.field("noise_ceiling", pa.float64()),
+        pa.field("queries", pa.int32()),
+        pa.field("subsets", pa.int32()),
+        pa.field("seeds", pa.string()),  # JSON list
+        pa.field("fraction", pa.float64()),
+        pa.field("seed", pa.int64()),
+        pa.field("created_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
 DEFAULT_METHODS: dict[str, dict[str, Any]] = {"grad-dot": {"method": "grad-dot"}, "fisher": {"method": "fisher"}}
 
 
@@ -125,13 +127,23 @@ def spearman_columns(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def training_ids(store: GradStore, run: str, split: str = "train") -> list[str]:
     """The distinct example ids of a run's ``split`` rows, sorted."""
     store.run(run)
-    relation = store.sql(f"SELECT DISTINCT example_id FROM gradients WHERE run_id = {sql_literal(run)} "
-                         f"AND split = {sql_literal(split)} ORDER BY example_id")
+    relation = store.sql(
+        f"SELECT DISTINCT example_id FROM gradients WHERE run_id = {sql_literal(run)} "
+        f"AND split = {sql_literal(split)} ORDER BY example_id"
+    )
     return [row[0] for row in relation.fetchall()]
 
 
-def retrain(train_fn: TrainFn, train_ids: Sequence[str], *, queries: Sequence[str], subsets: int = 100,
-            fraction: float = 0.5, seeds: Sequence[int] = (0,), seed: int = 0) -> Retraining:
+def retrain(
+    train_fn: TrainFn,
+    train_ids: Sequence[str],
+    *,
+    queries: Sequence[str],
+    subsets: int = 100,
+    fraction: float = 0.5,
+    seeds: Sequence[int] = (0,),
+    seed: int = 0,
+) -> Retraining:
     """Draw ``subsets`` random subsets of ``fraction`` of ``train_ids`` (seeded by ``seed``) and retrain each
     once per seed of ``seeds`` through ``train_fn``."""
     if not 0 < fraction < 1:
@@ -152,12 +164,12 @@ def retrain(train_fn: TrainFn, train_ids: Sequence[str], *, queries: Sequence[st
         if result.shape != (subsets, len(queries)):
             raise ValueError(f"train_fn returned shape {result.shape}, expected ({subsets}, {len(queries)})")
         losses.append(result)
-    return Retraining(ids, list(queries), masks, np.stack(losses), tuple(int(s) for s in seeds), fraction,
-                      seed)
+    return Retraining(ids, list(queries), masks, np.stack(losses), tuple(int(s) for s in seeds), fraction, seed)
 
 
-def scores_by_example(store: GradStore, run: str, queries: Sequence[str] | np.ndarray, train_ids: Sequence[str],
-                 **options: Any) -> np.ndarray:
+def scores_by_example(
+    store: GradStore, run: str, queries: Sequence[str] | np.ndarray, train_ids: Sequence[str], **options: Any
+) -> np.ndarray:
     """Every training example's score for every query, ``[queries, len(train_ids)]``, from
     ``store.attribute(..., write=False)`` (scores of several rows of one example are summed)."""
     k = store.table("gradients").count_rows(f"run_id = {sql_literal(run)} AND split = 'train'")
@@ -174,18 +186,29 @@ def scores_by_example(store: GradStore, run: str, queries: Sequence[str] | np.nd
     return scores
 
 
-def lds_of_scores(scores: np.ndarray, truth: Retraining, queries: Sequence[str] | None = None,
-                  label: str = "scores") -> LDSResult:
+def lds_of_scores(
+    scores: np.ndarray, truth: Retraining, queries: Sequence[str] | None = None, label: str = "scores"
+) -> LDSResult:
     """LDS of a ``[queries, n_train]`` score matrix (columns in ``truth.train_ids`` order)."""
     per_query = spearman_columns(truth.masks @ scores.T, truth.outcome(queries))
     stderr = float(per_query.std(ddof=1) / np.sqrt(len(per_query))) if len(per_query) > 1 else float("nan")
     return LDSResult(label, float(per_query.mean()), stderr, truth.noise_ceiling(queries), per_query)
 
 
-def lds(store: GradStore, run: str, train_fn: TrainFn | None = None, *, queries: Sequence[str],
-        methods: Mapping[str, Mapping[str, Any]] | None = None, subsets: int = 100, fraction: float = 0.5,
-        seeds: Sequence[int] = (0,), seed: int = 0, truth: Retraining | None = None,
-        write: bool = True) -> tuple[pa.Table, Retraining]:
+def lds(
+    store: GradStore,
+    run: str,
+    train_fn: TrainFn | None = None,
+    *,
+    queries: Sequence[str],
+    methods: Mapping[str, Mapping[str, Any]] | None = None,
+    subsets: int = 100,
+    fraction: float = 0.5,
+    seeds: Sequence[int] = (0,),
+    seed: int = 0,
+    truth: Retraining | None = None,
+    write: bool = True,
+) -> tuple[pa.Table, Retraining]:
     """LDS of each scored variant on stored query ids ``queries``.
 
     ``methods``: label -> ``store.attribute`` options (default grad-dot and fisher). Ground truth comes from
@@ -196,20 +219,40 @@ def lds(store: GradStore, run: str, train_fn: TrainFn | None = None, *, queries:
     if truth is None:
         if train_fn is None:
             raise ValueError("lds needs a train_fn (or a previous retraining as truth=)")
-        truth = retrain(train_fn, training_ids(store, run), queries=queries, subsets=subsets, fraction=fraction,
-                        seeds=seeds, seed=seed)
+        truth = retrain(
+            train_fn,
+            training_ids(store, run),
+            queries=queries,
+            subsets=subsets,
+            fraction=fraction,
+            seeds=seeds,
+            seed=seed,
+        )
     evaluation_id = uuid.uuid4().hex[:16]
     now = datetime.now(timezone.utc)
     rows = []
     for label, options in (methods or DEFAULT_METHODS).items():
         scores = scores_by_example(store, run, list(queries), truth.train_ids, **options)
         result = lds_of_scores(scores, truth, queries, label)
-        rows.append({"evaluation_id": evaluation_id, "run_id": run, "label": label,
-                     "method": options.get("method", "grad-dot"), "options": json.dumps(dict(options), sort_keys=True),
-                     "metric": "lds", "value": result.value, "stderr": result.stderr,
-                     "noise_ceiling": result.noise_ceiling, "queries": len(queries), "subsets": len(truth.masks),
-                     "seeds": json.dumps(list(truth.seeds)), "fraction": truth.fraction, "seed": truth.seed,
-                     "created_at": now})
+        rows.append(
+            {
+                "evaluation_id": evaluation_id,
+                "run_id": run,
+                "label": label,
+                "method": options.get("method", "grad-dot"),
+                "options": json.dumps(dict(options), sort_keys=True),
+                "metric": "lds",
+                "value": result.value,
+                "stderr": result.stderr,
+                "noise_ceiling": result.noise_ceiling,
+                "queries": len(queries),
+                "subsets": len(truth.masks),
+                "seeds": json.dumps(list(truth.seeds)),
+                "fraction": truth.fraction,
+                "seed": truth.seed,
+                "created_at": now,
+            }
+        )
     table = pa.Table.from_pylist(rows, schema=EVALUATIONS_SCHEMA)
     if write:
         store.append_table(EVALUATIONS, table)

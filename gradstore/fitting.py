@@ -57,8 +57,14 @@ class Selection:
         """A re-iterable source of ``(grad_ids, float32 vectors)`` blocks of the selected rows."""
 
         def source() -> Iterator[tuple[np.ndarray, np.ndarray]]:
-            for block in store.iter_gradients(self.run, checkpoint=self.checkpoint, split=self.split,
-                                              where=self.where, columns=(), block_rows=block_rows):
+            for block in store.iter_gradients(
+                self.run,
+                checkpoint=self.checkpoint,
+                split=self.split,
+                where=self.where,
+                columns=(),
+                block_rows=block_rows,
+            ):
                 yield block.grad_ids, block.vectors
 
         return source
@@ -98,8 +104,11 @@ def fit_spec(store: StoreCore, selection: Selection, method: Method, blocks: Blo
     check_blocks(blocks)
     structure = None
     if method.preconditioner == "fisher":
-        structure = blocks if blocks != "auto" else (
-            "full" if store.run(selection.run)["dim"] <= FULL_FISHER_MAX_DIM else "layer")
+        structure = (
+            blocks
+            if blocks != "auto"
+            else ("full" if store.run(selection.run)["dim"] <= FULL_FISHER_MAX_DIM else "layer")
+        )
     elif blocks != "auto":
         raise InvalidArgumentError(f"blocks={blocks!r} applies to the fisher method, not {method.name!r}")
     return FitSpec(selection, method.preconditioner, structure, method.eigen_correction)
@@ -113,8 +122,9 @@ class FitCache:
         self._fits: dict[FitSpec, tuple[tuple[int, int], Preconditioner]] = {}
         self.fitted = 0  # passes over the data made by this cache (for tests and logs)
 
-    def get(self, spec: FitSpec, damping: float | None = None, *, refit: bool = False,
-            engine: Engine | None = None) -> Preconditioner:
+    def get(
+        self, spec: FitSpec, damping: float | None = None, *, refit: bool = False, engine: Engine | None = None
+    ) -> Preconditioner:
         """The preconditioner of ``spec`` re-damped to ``damping`` (default 0.1; ignored by undamped ones),
         fitted now (on ``engine``, default in this process) only if no up-to-date fit exists (or ``refit``)."""
         state = spec.selection.state(self.store)
@@ -145,8 +155,9 @@ class FitCache:
             with self.store.files.local_directory(FITS, key, "preconditioner") as directory:
                 return load_preconditioner(directory)
         except (OSError, ValueError, KeyError) as error:
-            raise StoreCorruptError(f"fitted preconditioner {key} of store {self.store.uri} is damaged: {error}") \
-                from error
+            raise StoreCorruptError(
+                f"fitted preconditioner {key} of store {self.store.uri} is damaged: {error}"
+            ) from error
 
     def _fit(self, spec: FitSpec, engine: Engine) -> Preconditioner:
         preconditioner = self._unfitted(spec)
@@ -169,16 +180,20 @@ class FitCache:
         layers = self.store.run_spec(spec.selection.run).layers
         dense = [s.name for s in layers if s.mode == "dense"]
         if dense:
-            raise InvalidArgumentError(f"kfac needs Kronecker-structured rows; layers {dense} use a dense "
-                                       "projection")
+            raise InvalidArgumentError(f"kfac needs Kronecker-structured rows; layers {dense} use a dense projection")
         layout = [(s.name, s.offset, s.k_in, s.k_out) for s in layers]
         try:
             curvature = self.store.load_curvature(spec.selection.run, spec.selection.checkpoint)
             factors = {name: (a, s) for name, (a, s, _) in curvature.items()}
         except MissingCurvatureError:
             factors = None  # estimated from the gradients themselves
-        return make_preconditioner("kfac", damping=DEFAULT_DAMPING, kronecker_layout=layout,
-                                   kronecker_factors=factors, eigen_correction=spec.eigen_correction)
+        return make_preconditioner(
+            "kfac",
+            damping=DEFAULT_DAMPING,
+            kronecker_layout=layout,
+            kronecker_factors=factors,
+            eigen_correction=spec.eigen_correction,
+        )
 
     def _save(self, spec: FitSpec, state: tuple[int, int], fitted: Preconditioner) -> None:
         key = spec.key()
@@ -186,9 +201,13 @@ class FitCache:
         with tempfile.TemporaryDirectory(prefix="gradstore-fit-") as scratch:
             fitted.save(Path(scratch))
             self.store.files.put_directory(Path(scratch), FITS, key, "preconditioner")
-        manifest = {**asdict(spec), "rows": state[0], "max_grad_id": state[1],
-                    "projection_fingerprint": self.store.run(spec.selection.run)["projection_fingerprint"],
-                    "fitted_at": datetime.now(timezone.utc).isoformat()}
+        manifest = {
+            **asdict(spec),
+            "rows": state[0],
+            "max_grad_id": state[1],
+            "projection_fingerprint": self.store.run(spec.selection.run)["projection_fingerprint"],
+            "fitted_at": datetime.now(timezone.utc).isoformat(),
+        }
         self.store.files.write_bytes(json.dumps(manifest, indent=2, sort_keys=True).encode(), FITS, key, MANIFEST)
 
 

@@ -39,8 +39,9 @@ if TYPE_CHECKING:
 ID_ENTRY = "example_id"
 
 
-def with_example_ids(collator: Callable[[list[dict[str, Any]]], Mapping[str, Any]], id_column: str = "example_id"
-                     ) -> Callable[[list[dict[str, Any]]], Mapping[str, Any]]:
+def with_example_ids(
+    collator: Callable[[list[dict[str, Any]]], Mapping[str, Any]], id_column: str = "example_id"
+) -> Callable[[list[dict[str, Any]]], Mapping[str, Any]]:
     """Wrap a data collator so each batch carries its examples' ids (from dataset column ``id_column``)
     as an ``example_id`` entry, which capture consumes before the model sees the batch.
 
@@ -53,7 +54,8 @@ def with_example_ids(collator: Callable[[list[dict[str, Any]]], Mapping[str, Any
             raise KeyError(
                 f"the batch has no {id_column!r} column: the Trainer drops dataset columns that the model's "
                 "forward does not accept when remove_unused_columns=True (the default). Pass "
-                "remove_unused_columns=False in TrainingArguments/SFTConfig.")
+                "remove_unused_columns=False in TrainingArguments/SFTConfig."
+            )
         ids = [str(f[id_column]) for f in features]
         batch = collator([{k: v for k, v in f.items() if k != id_column} for f in features])
         batch[ID_ENTRY] = ids
@@ -82,9 +84,16 @@ class GradstoreCallback(TrainerCallback):
     (e.g. :func:`ingest.losses.causal_lm_loss`).
     """
 
-    def __init__(self, store: GradStore, run: str, *, commit_every: int = 100,
-                 per_example_loss: Callable[..., torch.Tensor] | None = None, writer: Any = None,
-                 **options: Any) -> None:
+    def __init__(
+        self,
+        store: GradStore,
+        run: str,
+        *,
+        commit_every: int = 100,
+        per_example_loss: Callable[..., torch.Tensor] | None = None,
+        writer: Any = None,
+        **options: Any,
+    ) -> None:
         self.store = store
         self.run = run
         self.commit_every = commit_every
@@ -94,8 +103,15 @@ class GradstoreCallback(TrainerCallback):
         self.capture: StoreCapture | None = None
 
     # ------------------------------------------------------------------ events
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       model: torch.nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         """Start capturing the trainer's model."""
         if model is None:
             raise ValueError("GradstoreCallback: the trainer passed no model to on_train_begin")
@@ -103,49 +119,64 @@ class GradstoreCallback(TrainerCallback):
             self.close()
         options = {"loss_reduction": "token_mean", **self.options, **_skip_fused_lm_head(model, self.options)}
         if _accepts_fused_lm_head(model.forward) and (args.gradient_accumulation_steps > 1 or is_distributed()):
-            warnings.warn("TRL's fused-LM-head loss divides by the Trainer's token count over all micro-batches and "
-                          "ranks without passing it to the model; capture can only count each micro-batch, so rows "
-                          "are scaled per micro-batch. Use gradient_accumulation_steps=1 on one process for exact "
-                          "per-example gradients (see docs/integrations.md).", stacklevel=2)
-        if "loss_scale" not in options and is_distributed() and getattr(args, "average_tokens_across_devices",
-                                                                         False):
+            warnings.warn(
+                "TRL's fused-LM-head loss divides by the Trainer's token count over all micro-batches and "
+                "ranks without passing it to the model; capture can only count each micro-batch, so rows "
+                "are scaled per micro-batch. Use gradient_accumulation_steps=1 on one process for exact "
+                "per-example gradients (see docs/integrations.md).",
+                stacklevel=2,
+            )
+        if "loss_scale" not in options and is_distributed() and getattr(args, "average_tokens_across_devices", False):
             options["loss_scale"] = float(torch.distributed.get_world_size())
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
         common = {"optimizer": inner, "per_example_loss": self.per_example_loss, "writer": self.writer}
         if is_distributed():
-            cap = distributed_capture(self.store, model, self.run, commit_every=self.commit_every, **common,
-                                      **options)
+            cap = distributed_capture(self.store, model, self.run, commit_every=self.commit_every, **common, **options)
         else:
             cap = self.store.capture(model, self.run, **common, **options)
         self.capture = cap.__enter__()
         self.capture.set_step(state.global_step)
         self.capture.set_epoch(_epoch_index(state))
 
-    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """Record the new epoch index on the following rows."""
         if self.capture is not None:
             self.capture.set_epoch(_epoch_index(state))
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                      **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """Rows of this step's micro-batches carry ``state.global_step``."""
         if self.capture is not None:
             self.capture.set_step(state.global_step)
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                optimizer: Any = None, **kwargs: Any) -> None:
+    def on_save(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         """Commit every captured row and record the saved checkpoint."""
         if self.capture is None:
             return
         self.capture.flush()
         if state.is_world_process_zero:
             lr = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
-            self.store.record_checkpoint(self.run, f"checkpoint-{state.global_step}", step=state.global_step,
-                                         epoch=_epoch_index(state), learning_rate=lr)
+            self.store.record_checkpoint(
+                self.run,
+                f"checkpoint-{state.global_step}",
+                step=state.global_step,
+                epoch=_epoch_index(state),
+                learning_rate=lr,
+            )
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """Flush and close the capture."""
         self.close()
 
@@ -169,11 +200,17 @@ def _skip_fused_lm_head(model: torch.nn.Module, options: dict[str, Any]) -> dict
     if name is None:
         return {}
     if "include" in options or "exclude" in options:
-        layers = select_layers(model, tuple(options.get("layer_types", ProjectionConfig.layer_types)),
-                               options.get("include"), options.get("exclude"))
+        layers = select_layers(
+            model,
+            tuple(options.get("layer_types", ProjectionConfig.layer_types)),
+            options.get("include"),
+            options.get("exclude"),
+        )
         if any(info.name == name for info in layers):
-            raise ValueError(f"{name!r} is computed by TRL's fused LM head, which bypasses the module: its gradient "
-                             f"cannot be captured. Exclude it (exclude='^{re.escape(name)}$').")
+            raise ValueError(
+                f"{name!r} is computed by TRL's fused LM head, which bypasses the module: its gradient "
+                f"cannot be captured. Exclude it (exclude='^{re.escape(name)}$')."
+            )
         return {}
     return {"exclude": f"^{re.escape(name)}$"}
 

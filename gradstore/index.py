@@ -62,9 +62,15 @@ DEFAULT_CACHE_BYTES = 2 << 30
 class AttributionIndex:
     """A fitted preconditioner and a search structure over a :class:`Selection` of a store."""
 
-    def __init__(self, store: StoreCore, manifest: dict[str, Any], space: ScoringSpace,
-                 faiss_index: FaissIndex | None = None, indexed_ids: np.ndarray | None = None,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(
+        self,
+        store: StoreCore,
+        manifest: dict[str, Any],
+        space: ScoringSpace,
+        faiss_index: FaissIndex | None = None,
+        indexed_ids: np.ndarray | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ) -> None:
         self.store = store
         self.manifest = manifest
         self.space = space
@@ -100,13 +106,25 @@ class AttributionIndex:
         """Queries in the space the stored rows are searched in."""
         return self.space.queries(queries)
 
-    def search(self, queries: np.ndarray | torch.Tensor, k: int, largest: bool = True,
-               engine: Engine | None = None, rerank: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self,
+        queries: np.ndarray | torch.Tensor,
+        k: int,
+        largest: bool = True,
+        engine: Engine | None = None,
+        rerank: int = 0,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k (``largest``) or bottom-k scores and ``grad_id``s for raw query vectors ``[q, dim]``."""
         return self.search_sides(queries, k, (largest,), engine, rerank)[largest]
 
-    def search_sides(self, queries: np.ndarray | torch.Tensor, k: int, sides: tuple[bool, ...] = (True,),
-                     engine: Engine | None = None, rerank: int = 0) -> TopK:
+    def search_sides(
+        self,
+        queries: np.ndarray | torch.Tensor,
+        k: int,
+        sides: tuple[bool, ...] = (True,),
+        engine: Engine | None = None,
+        rerank: int = 0,
+    ) -> TopK:
         """Top-k (``True`` in ``sides``) and bottom-k (``False``) in one scan of the rows.
 
         Exact search reads the rows on ``engine`` (default: this process, from the in-memory copy of the
@@ -115,8 +133,9 @@ class AttributionIndex:
         prepared = self.space.queries(queries)
         if self.faiss_index is not None:
             if False in sides:
-                raise InvalidArgumentError("opponents (bottom-k) need an exact index: FAISS returns the largest "
-                                           "scores only")
+                raise InvalidArgumentError(
+                    "opponents (bottom-k) need an exact index: FAISS returns the largest scores only"
+                )
             if rerank > 0:
                 _, candidates = self._searchable().search(prepared.numpy(), rerank * k)
                 return {True: exact_rerank(self.store, self.space, prepared, candidates, k)}
@@ -162,8 +181,9 @@ class AttributionIndex:
                 self.faiss_index.save(Path(scratch), self.manifest)
                 np.save(Path(scratch) / IDS_FILE, self.indexed_ids)
                 files.put_directory(Path(scratch), INDEXES, self.name, "faiss")
-        files.write_bytes(json.dumps(self.manifest, indent=2, sort_keys=True, default=str).encode(),
-                          INDEXES, self.name, MANIFEST_FILE)
+        files.write_bytes(
+            json.dumps(self.manifest, indent=2, sort_keys=True, default=str).encode(), INDEXES, self.name, MANIFEST_FILE
+        )
 
 
 def prepared_source(space: ScoringSpace, source: VectorBlocks) -> VectorBlocks:
@@ -192,10 +212,20 @@ def _expected_manifest(store: StoreCore, run: str) -> dict[str, Any]:
     return {"projection_fingerprint": row["projection_fingerprint"], "dim": row["dim"]}
 
 
-def build_index(store: StoreCore, fits: FitCache, selection: Selection, method: str = "grad-dot", *,
-                damping: float | None = None, kind: str = "exact", name: str | None = None,
-                blocks: BlockStructure = "auto", refit: bool = False, recall_queries: int = 64,
-                engine: Engine | None = None) -> AttributionIndex:
+def build_index(
+    store: StoreCore,
+    fits: FitCache,
+    selection: Selection,
+    method: str = "grad-dot",
+    *,
+    damping: float | None = None,
+    kind: str = "exact",
+    name: str | None = None,
+    blocks: BlockStructure = "auto",
+    refit: bool = False,
+    recall_queries: int = 64,
+    engine: Engine | None = None,
+) -> AttributionIndex:
     """Fit (or reuse the fit of) the method's preconditioner over the selected rows (on ``engine``) and build
     the search structure. An index of the same name built the same way gets the rows appended since added."""
     resolved = resolve_method(method)
@@ -208,8 +238,11 @@ def build_index(store: StoreCore, fits: FitCache, selection: Selection, method: 
         raise InvalidArgumentError(f"no training rows match {selection}: capture the run first")
     if kind == "auto":
         kind = choose_index_kind(rows, store.dim)
-    name = check_component(name, "index name") if name is not None else default_index_name(
-        selection, resolved, damping, kind)
+    name = (
+        check_component(name, "index name")
+        if name is not None
+        else default_index_name(selection, resolved, damping, kind)
+    )
     preconditioner = fits.get(spec, damping, refit=refit, engine=engine)
     if not refit:
         existing = load_index(store, fits, name, missing_ok=True)
@@ -218,12 +251,24 @@ def build_index(store: StoreCore, fits: FitCache, selection: Selection, method: 
             _add_new_rows(existing)
             return existing
     store.files.remove(INDEXES, name)
-    manifest = {"name": name, "run_id": selection.run, "checkpoint": selection.checkpoint, "split": selection.split,
-                "where": selection.where, "method": resolved.name, "damping": damping if resolved.damped else None,
-                "kind": kind, "metric": "ip", "rows": rows, "blocks": spec.blocks,
-                "eigen_correction": spec.eigen_correction, "fit": spec.key(),
-                "gradients_version": store.table(S.GRADIENTS).version,
-                "built_at": datetime.now(timezone.utc).isoformat(), **_expected_manifest(store, selection.run)}
+    manifest = {
+        "name": name,
+        "run_id": selection.run,
+        "checkpoint": selection.checkpoint,
+        "split": selection.split,
+        "where": selection.where,
+        "method": resolved.name,
+        "damping": damping if resolved.damped else None,
+        "kind": kind,
+        "metric": "ip",
+        "rows": rows,
+        "blocks": spec.blocks,
+        "eigen_correction": spec.eigen_correction,
+        "fit": spec.key(),
+        "gradients_version": store.table(S.GRADIENTS).version,
+        "built_at": datetime.now(timezone.utc).isoformat(),
+        **_expected_manifest(store, selection.run),
+    }
     index = AttributionIndex(store, manifest, ScoringSpace(resolved, preconditioner))
     if kind != "exact":
         source = selection.blocks(store)
@@ -235,9 +280,13 @@ def build_index(store: StoreCore, fits: FitCache, selection: Selection, method: 
 
 
 def _same_build(manifest: dict[str, Any], spec: FitSpec, method: Method, damping: float | None, kind: str) -> bool:
-    return (Selection(manifest["run_id"], manifest["checkpoint"], manifest["split"], manifest["where"])
-            == spec.selection and manifest["method"] == method.name and manifest["kind"] == kind
-            and manifest.get("fit") == spec.key() and (not method.damped or manifest["damping"] == damping))
+    return (
+        Selection(manifest["run_id"], manifest["checkpoint"], manifest["split"], manifest["where"]) == spec.selection
+        and manifest["method"] == method.name
+        and manifest["kind"] == kind
+        and manifest.get("fit") == spec.key()
+        and (not method.damped or manifest["damping"] == damping)
+    )
 
 
 def _build_faiss(index: AttributionIndex, kind: str, source: VectorBlocks, engine: Engine) -> None:
@@ -255,8 +304,9 @@ def _build_faiss(index: AttributionIndex, kind: str, source: VectorBlocks, engin
             faiss_index.add(ids, vectors)
             added.append(ids)
     else:
-        parts = faiss_parts(engine, index.selection.shards(index.store, engine.parallelism, ()), index.space,
-                            faiss_index)
+        parts = faiss_parts(
+            engine, index.selection.shards(index.store, engine.parallelism, ()), index.space, faiss_index
+        )
         if parts:  # merged into the first part: FAISS merges only indexes of one type (as deserialized)
             faiss_index = parts[0][0]
         for position, (part, ids) in enumerate(parts):

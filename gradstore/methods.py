@@ -65,8 +65,9 @@ def resolve_method(name: str) -> Method:
     """The :class:`Method` called ``name`` (or an alias); ``InvalidArgumentError`` naming the choices otherwise."""
     key = ALIASES.get(name, name)
     if key not in METHODS:
-        raise InvalidArgumentError(f"unknown attribution method {name!r}; choose one of {sorted(METHODS)} "
-                                   f"(aliases: {sorted(ALIASES)})")
+        raise InvalidArgumentError(
+            f"unknown attribution method {name!r}; choose one of {sorted(METHODS)} (aliases: {sorted(ALIASES)})"
+        )
     return METHODS[key]
 
 

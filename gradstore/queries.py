@@ -69,13 +69,14 @@ def resolve_queries(store: StoreCore, queries: QueryInput, run: str, checkpoint:
         wanted = [str(q) for q in queries]
         if not wanted:
             raise InvalidArgumentError("an empty list of query ids selects no queries (pass None for all)")
-        block = store.read_gradients(run, checkpoint=checkpoint, split="query",
-                                     where=sql_in("example_id", wanted))
+        block = store.read_gradients(run, checkpoint=checkpoint, split="query", where=sql_in("example_id", wanted))
         found = block.metadata.column("example_id").to_pylist()
         missing = sorted(set(wanted) - set(found))
         if missing:
-            raise MissingIdsError(f"no query rows for example ids {missing[:10]} in run {run!r} at checkpoint "
-                                  f"{checkpoint!r}: capture them with split='query'")
+            raise MissingIdsError(
+                f"no query rows for example ids {missing[:10]} in run {run!r} at checkpoint "
+                f"{checkpoint!r}: capture them with split='query'"
+            )
         position = {qid: i for i, qid in enumerate(found)}
         order = [position[q] for q in wanted]
         resolved = Queries(wanted, block.vectors[order])

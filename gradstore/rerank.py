@@ -22,16 +22,22 @@ def read_rows(store: StoreCore, grad_ids: np.ndarray) -> np.ndarray:
     """The stored float32 vectors of ``grad_ids`` (sorted, unique, all present), in that order."""
     if len(grad_ids) == 0:
         return np.empty((0, store.dim), np.float32)
-    table = store.table(S.GRADIENTS).to_lance().to_table(
-        columns=["grad_id", S.VECTOR_COLUMN, S.NORM_COLUMN],
-        filter=f"grad_id IN ({', '.join(str(int(g)) for g in grad_ids)})")
+    table = (
+        store.table(S.GRADIENTS)
+        .to_lance()
+        .to_table(
+            columns=["grad_id", S.VECTOR_COLUMN, S.NORM_COLUMN],
+            filter=f"grad_id IN ({', '.join(str(int(g)) for g in grad_ids)})",
+        )
+    )
     found = table.column("grad_id").to_numpy()
     rows = decode(table.column(S.VECTOR_COLUMN), table.column(S.NORM_COLUMN), store.storage_dtype)
     return rows[np.argsort(found)]
 
 
-def rerank(store: StoreCore, space: ScoringSpace, prepared: torch.Tensor, candidates: np.ndarray,
-           k: int) -> tuple[np.ndarray, np.ndarray]:
+def rerank(
+    store: StoreCore, space: ScoringSpace, prepared: torch.Tensor, candidates: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-k among each query's ``candidates [q, c]`` (``grad_id``s; ``-1`` marks none, as FAISS does).
 
     Returns ``(scores float32 [q, k'], ids int64 [q, k'])``, best first; ``-1`` ids (score ``-inf``) fill rows
@@ -40,8 +46,11 @@ def rerank(store: StoreCore, space: ScoringSpace, prepared: torch.Tensor, candid
     rows = space.rows(torch.from_numpy(read_rows(store, wanted))).to(torch.float32)
     present = candidates >= 0
     positions = torch.from_numpy(np.where(present, np.searchsorted(wanted, candidates), 0))
-    scores = torch.einsum("qd,qcd->qc", prepared.to(torch.float32), rows[positions]) if len(wanted) else \
-        torch.zeros(candidates.shape, dtype=torch.float32)
+    scores = (
+        torch.einsum("qd,qcd->qc", prepared.to(torch.float32), rows[positions])
+        if len(wanted)
+        else torch.zeros(candidates.shape, dtype=torch.float32)
+    )
     scores[~torch.from_numpy(present)] = -torch.inf
     best = RunningTopK(len(prepared), k)
     best.merge(scores, torch.from_numpy(np.ascontiguousarray(candidates, np.int64)))

@@ -38,17 +38,26 @@ class CommittedRows:
         if self.store.dim is None or not self.store.has_run(self.run):
             return
         where = gradient_filter(self.run, None, None, (from_step, None), None)
-        table = self.store.table(S.GRADIENTS).to_lance().to_table(
-            columns=["checkpoint", "step", "split", "example_id"], filter=where)
-        self.keys = set(zip(*(table.column(name).to_pylist() for name in ("checkpoint", "step", "split",
-                                                                           "example_id"))))
+        table = (
+            self.store.table(S.GRADIENTS)
+            .to_lance()
+            .to_table(columns=["checkpoint", "step", "split", "example_id"], filter=where)
+        )
+        self.keys = set(
+            zip(*(table.column(name).to_pylist() for name in ("checkpoint", "step", "split", "example_id")))
+        )
 
     def new_rows(self, batch: CapturedBatch) -> CapturedBatch | None:
         """``batch`` without the rows already committed (``None`` if none is left)."""
         if self.from_step is None or batch.step < self.from_step:
             self._load(batch.step)
-        keep = np.array([(batch.checkpoint, batch.step, batch.split, example_id) not in self.keys
-                         for example_id in batch.example_ids], dtype=bool)
+        keep = np.array(
+            [
+                (batch.checkpoint, batch.step, batch.split, example_id) not in self.keys
+                for example_id in batch.example_ids
+            ],
+            dtype=bool,
+        )
         if keep.all():
             return batch
         if not keep.any():
@@ -61,6 +70,10 @@ def rows_of(batch: CapturedBatch, keep: np.ndarray) -> CapturedBatch:
     mask = torch.from_numpy(keep)
     positions = np.flatnonzero(keep).tolist()
     return dataclasses.replace(
-        batch, grads=batch.grads[mask], example_ids=[batch.example_ids[i] for i in positions],
+        batch,
+        grads=batch.grads[mask],
+        example_ids=[batch.example_ids[i] for i in positions],
         example_hash=None if batch.example_hash is None else [batch.example_hash[i] for i in positions],
-        loss=None if batch.loss is None else batch.loss[mask], num_tokens=batch.num_tokens[mask])
+        loss=None if batch.loss is None else batch.loss[mask],
+        num_tokens=batch.num_tokens[mask],
+    )

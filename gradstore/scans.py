@@ -40,8 +40,14 @@ class _TopKJob:
     sides: tuple[bool, ...]
 
 
-def top_k(engine: Engine, shards: Sequence[Shard], space: ScoringSpace, prepared: torch.Tensor, k: int,
-          sides: Sequence[bool] = (True,)) -> TopK:
+def top_k(
+    engine: Engine,
+    shards: Sequence[Shard],
+    space: ScoringSpace,
+    prepared: torch.Tensor,
+    k: int,
+    sides: Sequence[bool] = (True,),
+) -> TopK:
     """Exact top-k (``True`` in ``sides``) and bottom-k (``False``) ``grad_id``s per prepared query."""
     job = _TopKJob(space, prepared.to(torch.float32).contiguous(), k, tuple(sides))
     merged = {side: RunningTopK(len(prepared), k) for side in job.sides}
@@ -68,8 +74,9 @@ def _top_k_task(shard: Shard, job: _TopKJob) -> TopK:
 
 
 # ---------------------------------------------------------------------------------------------- FAISS builds
-def faiss_parts(engine: Engine, shards: Sequence[Shard], space: ScoringSpace,
-                trained: FaissIndex) -> list[tuple[FaissIndex, np.ndarray]]:
+def faiss_parts(
+    engine: Engine, shards: Sequence[Shard], space: ScoringSpace, trained: FaissIndex
+) -> list[tuple[FaissIndex, np.ndarray]]:
     """Per shard: a copy of the ``trained`` (empty) index holding the shard's prepared rows, and their ids
     in the order added; merging them in shard order gives the index one process would build."""
     return engine.map(_faiss_task, shards, (space, trained))
@@ -89,17 +96,27 @@ def self_influence(engine: Engine, shards: Sequence[Shard], space: ScoringSpace)
     """``(example_id, grad_id, self_influence)`` of every row of the shards, in shard order."""
     parts = [part for part in engine.map(_self_influence_task, shards, space) if part.num_rows]
     if not parts:
-        return pa.table({"example_id": pa.array([], pa.string()), "grad_id": pa.array([], pa.int64()),
-                         "self_influence": pa.array([], pa.float64())})
+        return pa.table(
+            {
+                "example_id": pa.array([], pa.string()),
+                "grad_id": pa.array([], pa.int64()),
+                "self_influence": pa.array([], pa.float64()),
+            }
+        )
     return pa.concat_tables(parts)
 
 
 def _self_influence_task(shard: Shard, space: ScoringSpace) -> pa.Table:
-    parts = [pa.table({"example_id": block.metadata.column("example_id"),
-                       "grad_id": pa.array(block.grad_ids, pa.int64()),
-                       "self_influence": pa.array(space.self_influence(torch.from_numpy(block.vectors)).numpy(),
-                                                  pa.float64())})
-             for block in shard.blocks()]
+    parts = [
+        pa.table(
+            {
+                "example_id": block.metadata.column("example_id"),
+                "grad_id": pa.array(block.grad_ids, pa.int64()),
+                "self_influence": pa.array(space.self_influence(torch.from_numpy(block.vectors)).numpy(), pa.float64()),
+            }
+        )
+        for block in shard.blocks()
+    ]
     return pa.concat_tables(parts) if parts else pa.table({})
 
 
@@ -122,16 +139,15 @@ class ExampleScores:
                 self.position[example_id] = len(self.position)
             columns.append(self.position[example_id])
         if len(self.position) > self._scores.shape[1]:
-            grown = torch.zeros(self.n_queries, max(len(self.position), 2 * self._scores.shape[1]),
-                                dtype=torch.float64)
-            grown[:, :self._scores.shape[1]] = self._scores
+            grown = torch.zeros(self.n_queries, max(len(self.position), 2 * self._scores.shape[1]), dtype=torch.float64)
+            grown[:, : self._scores.shape[1]] = self._scores
             self._scores = grown
         self._scores.index_add_(1, torch.tensor(columns, dtype=torch.long), scores.to(torch.float64))
 
     @property
     def matrix(self) -> torch.Tensor:
         """The accumulated ``[queries, examples]`` scores (columns in :attr:`example_ids` order)."""
-        return self._scores[:, :len(self.position)]
+        return self._scores[:, : len(self.position)]
 
     @property
     def example_ids(self) -> list[str]:
@@ -160,8 +176,14 @@ class _TracInJob:
     sides: tuple[bool, ...]
 
 
-def tracin_top_k(engine: Engine, shards: Sequence[Shard], space: ScoringSpace,
-                 checkpoints: list[tuple[str, torch.Tensor]], k: int, sides: Sequence[bool] = (True,)) -> ExampleTopK:
+def tracin_top_k(
+    engine: Engine,
+    shards: Sequence[Shard],
+    space: ScoringSpace,
+    checkpoints: list[tuple[str, torch.Tensor]],
+    k: int,
+    sides: Sequence[bool] = (True,),
+) -> ExampleTopK:
     """Top-k/bottom-k examples of ``sum_c queries_c . rows_c(example)`` over shards of disjoint example ranges;
     ``checkpoints`` pairs each checkpoint's row filter with its (learning-rate weighted) queries."""
     n_queries = len(checkpoints[0][1])
@@ -199,9 +221,12 @@ class _SelectJob:
     aggregate: str
 
 
-def example_totals(engine: Engine, shards: Sequence[Shard],
-                   checkpoints: list[tuple[str, float, ScoringSpace, torch.Tensor]],
-                   aggregate: str) -> tuple[np.ndarray, np.ndarray]:
+def example_totals(
+    engine: Engine,
+    shards: Sequence[Shard],
+    checkpoints: list[tuple[str, float, ScoringSpace, torch.Tensor]],
+    aggregate: str,
+) -> tuple[np.ndarray, np.ndarray]:
     """LESS scores ``sum_c rate_c * agg_q cos(whitened row, query)`` per example: ``(example_ids, scores)``
     over shards of disjoint example ranges (one value per example)."""
     partials = engine.map(_select_task, shards, _SelectJob(checkpoints, aggregate))

@@ -24,8 +24,11 @@ class ScoringSpace:
 
     def queries(self, queries: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Raw query vectors ``[q, dim]`` in the space the stored rows are searched in (float32)."""
-        raw = torch.as_tensor(np.asarray(queries, dtype=np.float32)) if isinstance(queries, np.ndarray) \
+        raw = (
+            torch.as_tensor(np.asarray(queries, dtype=np.float32))
+            if isinstance(queries, np.ndarray)
             else queries.to(torch.float32)
+        )
         if self.method.query_only:
             return self.preconditioner.apply_query(raw).to(torch.float32)
         return self._both(raw)

@@ -32,10 +32,22 @@ Aggregate = Literal["max", "mean"]
 AGGREGATES = get_args(Aggregate)
 
 
-def select(store: StoreCore, fits: FitCache, target: QueryInput = None, *, run: str, budget: float = 0.05,
-           preconditioner: str = "grad-dot", aggregate: Aggregate = "max", checkpoints: Sequence[str] | None = None,
-           damping: float | None = None, blocks: BlockStructure = "auto", split: str = "train",
-           where: str | None = None, engine: EngineName | Engine = "local") -> pa.Table:
+def select(
+    store: StoreCore,
+    fits: FitCache,
+    target: QueryInput = None,
+    *,
+    run: str,
+    budget: float = 0.05,
+    preconditioner: str = "grad-dot",
+    aggregate: Aggregate = "max",
+    checkpoints: Sequence[str] | None = None,
+    damping: float | None = None,
+    blocks: BlockStructure = "auto",
+    split: str = "train",
+    where: str | None = None,
+    engine: EngineName | Engine = "local",
+) -> pa.Table:
     """Select training examples for ``target`` queries; see :meth:`gradstore.GradStore.select`.
 
     Runs on ``engine`` over shards of disjoint ``example_id`` ranges (an example's rows at every checkpoint
@@ -44,8 +56,10 @@ def select(store: StoreCore, fits: FitCache, target: QueryInput = None, *, run: 
         raise InvalidArgumentError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
     method = resolve_method(preconditioner)
     if method.over_checkpoints or method.name == "cosine":
-        raise InvalidArgumentError(f"select takes cosines in a preconditioned space: {method.name!r} is not one "
-                                   "(use grad-dot, diagonal, fisher, kfac or ekfac)")
+        raise InvalidArgumentError(
+            f"select takes cosines in a preconditioned space: {method.name!r} is not one "
+            "(use grad-dot, diagonal, fisher, kfac or ekfac)"
+        )
     try:
         rates = learning_rates(store, run, checkpoints)
     except InvalidArgumentError:
@@ -63,9 +77,13 @@ def select(store: StoreCore, fits: FitCache, target: QueryInput = None, *, run: 
     example_ids, scores = example_totals(engine, shards, jobs, aggregate)
     count = budget_count(budget, len(example_ids))
     order = np.lexsort((example_ids.astype(str), -scores))[:count]
-    return pa.table({"example_id": pa.array(example_ids[order].tolist(), pa.string()),
-                     "score": pa.array(scores[order], pa.float64()),
-                     "rank": pa.array(np.arange(1, count + 1, dtype=np.int32))})
+    return pa.table(
+        {
+            "example_id": pa.array(example_ids[order].tolist(), pa.string()),
+            "score": pa.array(scores[order], pa.float64()),
+            "rank": pa.array(np.arange(1, count + 1, dtype=np.int32)),
+        }
+    )
 
 
 def budget_count(budget: float, n_examples: int) -> int:

@@ -72,18 +72,26 @@ class Shard:
         dataset = lance.dataset(self.uri, version=self.version, storage_options=self.storage_options)
         fragments = [dataset.get_fragment(i) for i in self.fragments]
         wanted = ["grad_id", *[c for c in self.columns if c != "grad_id"], S.VECTOR_COLUMN, S.NORM_COLUMN]
-        scanner = dataset.scanner(columns=wanted, filter=self.filter, batch_size=self.block_rows,
-                                  fragments=fragments, scan_in_order=True, batch_readahead=READAHEAD_BATCHES,
-                                  fragment_readahead=1, io_buffer_size=IO_BUFFER_BYTES,
-                                  late_materialization=self.late_materialization)
+        scanner = dataset.scanner(
+            columns=wanted,
+            filter=self.filter,
+            batch_size=self.block_rows,
+            fragments=fragments,
+            scan_in_order=True,
+            batch_readahead=READAHEAD_BATCHES,
+            fragment_readahead=1,
+            io_buffer_size=IO_BUFFER_BYTES,
+            late_materialization=self.late_materialization,
+        )
         metadata_columns = wanted[1:-2]
         for batch in scanner.to_batches():
             if batch.num_rows == 0:
                 continue
-            yield GradientBlock(grad_ids=np.array(batch.column("grad_id").to_numpy()),
-                                vectors=decode(batch.column(S.VECTOR_COLUMN), batch.column(S.NORM_COLUMN),
-                                               self.storage_dtype),
-                                metadata=pa.Table.from_batches([batch.select(metadata_columns)]))
+            yield GradientBlock(
+                grad_ids=np.array(batch.column("grad_id").to_numpy()),
+                vectors=decode(batch.column(S.VECTOR_COLUMN), batch.column(S.NORM_COLUMN), self.storage_dtype),
+                metadata=pa.Table.from_batches([batch.select(metadata_columns)]),
+            )
 
     def source(self) -> VectorBlocks:
         """The shard as a re-iterable ``(grad_ids, vectors)`` source (what preconditioners fit on)."""
@@ -94,8 +102,14 @@ def _dataset(store: StoreCore) -> lance.LanceDataset | None:
     return store.table(S.GRADIENTS).to_lance() if store.dim is not None else None
 
 
-def fragment_shards(store: StoreCore, where: str | None, parts: int, *, columns: Sequence[str] = ("example_id",),
-                    block_rows: int | None = None) -> list[Shard]:
+def fragment_shards(
+    store: StoreCore,
+    where: str | None,
+    parts: int,
+    *,
+    columns: Sequence[str] = ("example_id",),
+    block_rows: int | None = None,
+) -> list[Shard]:
     """The rows matching ``where`` as at most ``parts`` shards of contiguous fragments with about equal row
     counts, in dataset order (empty when the store has no gradients). ``block_rows`` defaults to
     :func:`block_rows_for` the store's dim."""
@@ -112,13 +126,32 @@ def fragment_shards(store: StoreCore, where: str | None, parts: int, *, columns:
         # the group holding the fragment's middle row: contiguous groups of about total/parts rows each
         groups[min(len(groups) - 1, (before + int(size) // 2) * len(groups) // total)].append(fragment.fragment_id)
         before += int(size)
-    return [Shard(dataset.uri, dataset.version, tuple(group), store.storage_dtype, where, tuple(columns), block_rows,
-                  storage_options=store.storage_options) for group in groups if group]
+    return [
+        Shard(
+            dataset.uri,
+            dataset.version,
+            tuple(group),
+            store.storage_dtype,
+            where,
+            tuple(columns),
+            block_rows,
+            storage_options=store.storage_options,
+        )
+        for group in groups
+        if group
+    ]
 
 
-def example_shards(store: StoreCore, where: str | None, sample_where: str | None, parts: int, *,
-                   columns: Sequence[str] = ("example_id",), block_rows: int | None = None,
-                   sample_size: int = 4096) -> list[Shard]:
+def example_shards(
+    store: StoreCore,
+    where: str | None,
+    sample_where: str | None,
+    parts: int,
+    *,
+    columns: Sequence[str] = ("example_id",),
+    block_rows: int | None = None,
+    sample_size: int = 4096,
+) -> list[Shard]:
     """The rows matching ``where`` as ``parts`` (or fewer) shards of disjoint ``example_id`` ranges covering
     every id, each over all fragments: every row of an example lands in the same shard.
 
@@ -129,9 +162,17 @@ def example_shards(store: StoreCore, where: str | None, sample_where: str | None
     if dataset is None:
         return []
     block_rows = block_rows or block_rows_for(store.dim)
-    whole = Shard(dataset.uri, dataset.version, tuple(f.fragment_id for f in dataset.get_fragments()),
-                  store.storage_dtype, where, tuple(columns), block_rows, late_materialization=parts > 1,
-                  storage_options=store.storage_options)
+    whole = Shard(
+        dataset.uri,
+        dataset.version,
+        tuple(f.fragment_id for f in dataset.get_fragments()),
+        store.storage_dtype,
+        where,
+        tuple(columns),
+        block_rows,
+        late_materialization=parts > 1,
+        storage_options=store.storage_options,
+    )
     boundaries = _boundaries(dataset, sample_where, parts, sample_size) if parts > 1 else []
     ranges = list(zip([None, *boundaries], [*boundaries, None]))
     return [whole.narrowed(_range_filter(low, high)) for low, high in ranges]
@@ -144,7 +185,7 @@ def _boundaries(dataset: lance.LanceDataset, where: str | None, parts: int, samp
     seen = 0
     for batch in dataset.scanner(columns=["example_id"], filter=where, batch_size=65536).to_batches():
         ids = batch.column(0).to_pylist()
-        sample += ids[(-seen) % stride::stride]
+        sample += ids[(-seen) % stride :: stride]
         seen += len(ids)
     distinct = sorted(set(sample))
     if len(distinct) < 2:
@@ -155,5 +196,6 @@ def _boundaries(dataset: lance.LanceDataset, where: str | None, parts: int, samp
 
 def _range_filter(low: str | None, high: str | None) -> str | None:
     clauses = ([f"example_id >= {sql_literal(low)}"] if low is not None else []) + (
-        [f"example_id < {sql_literal(high)}"] if high is not None else [])
+        [f"example_id < {sql_literal(high)}"] if high is not None else []
+    )
     return " AND ".join(clauses) or None

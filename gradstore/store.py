@@ -38,24 +38,43 @@ IndexKind = str  # "exact", "auto" or a FAISS factory string such as "Flat" or "
 class GradStore(StoreCore):
     """A gradient store. Create or open one with :func:`gradstore.open`."""
 
-    def __init__(self, uri: str, db: lancedb.DBConnection, storage_dtype: str,
-                 storage_options: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, uri: str, db: lancedb.DBConnection, storage_dtype: str, storage_options: dict[str, str] | None = None
+    ) -> None:
         super().__init__(uri, db, storage_dtype, storage_options)
         self.fits = FitCache(self)
 
     # ------------------------------------------------------------------ capture
-    def capture(self, model: nn.Module, run: str, *, optimizer: torch.optim.Optimizer | None = None,
-                split: str = "train", checkpoint: str = "train", learning_rate: float | None = None,
-                curvature: bool = False, projection: Projection = RUN_DEFAULT, k_in: int = RUN_DEFAULT,
-                k_out: int = RUN_DEFAULT, seed: int = RUN_DEFAULT, layer_types: Sequence[str] = RUN_DEFAULT,
-                include: str | None = RUN_DEFAULT, exclude: str | None = RUN_DEFAULT,
-                route: Literal["auto", "project", "materialize"] = RUN_DEFAULT,
-                layer_sizes: LayerSizes | None = RUN_DEFAULT, basis: ProjectionBasis | None = RUN_DEFAULT,
-                loss_reduction: LossReduction = RUN_DEFAULT, loss_scale: float = RUN_DEFAULT,
-                normalizer: Literal["adam_factored"] | None = None, rank: int | None = None,
-                per_example_loss: Callable[..., torch.Tensor] | None = None, grad_scaler: Any = None,
-                max_pending_batches: int = 4, writer: WriterConfig | None = None,
-                resume: bool = False) -> StoreCapture:
+    def capture(
+        self,
+        model: nn.Module,
+        run: str,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        split: str = "train",
+        checkpoint: str = "train",
+        learning_rate: float | None = None,
+        curvature: bool = False,
+        projection: Projection = RUN_DEFAULT,
+        k_in: int = RUN_DEFAULT,
+        k_out: int = RUN_DEFAULT,
+        seed: int = RUN_DEFAULT,
+        layer_types: Sequence[str] = RUN_DEFAULT,
+        include: str | None = RUN_DEFAULT,
+        exclude: str | None = RUN_DEFAULT,
+        route: Literal["auto", "project", "materialize"] = RUN_DEFAULT,
+        layer_sizes: LayerSizes | None = RUN_DEFAULT,
+        basis: ProjectionBasis | None = RUN_DEFAULT,
+        loss_reduction: LossReduction = RUN_DEFAULT,
+        loss_scale: float = RUN_DEFAULT,
+        normalizer: Literal["adam_factored"] | None = None,
+        rank: int | None = None,
+        per_example_loss: Callable[..., torch.Tensor] | None = None,
+        grad_scaler: Any = None,
+        max_pending_batches: int = 4,
+        writer: WriterConfig | None = None,
+        resume: bool = False,
+    ) -> StoreCapture:
         """Capture per-example gradients of ``model`` into run ``run`` (a context manager).
 
         Per capture: ``split`` (``"train"``/``"query"``), ``checkpoint``, ``learning_rate`` (overrides the
@@ -71,42 +90,100 @@ class GradStore(StoreCore):
         ``resume=True`` (a job restarted from a checkpoint): rows of ``(checkpoint, step, split, example_id)``
         already committed to the run are skipped (:mod:`gradstore.resume`).
         """
-        options = {"split": split, "checkpoint": checkpoint, "curvature": curvature, "projection": projection,
-                   "k_in": k_in, "k_out": k_out, "seed": seed, "layer_types": layer_types, "include": include,
-                   "exclude": exclude, "route": route, "layer_sizes": layer_sizes, "basis": basis,
-                   "loss_reduction": loss_reduction, "loss_scale": loss_scale,
-                   "normalizer": normalizer, "max_pending_batches": max_pending_batches}
+        options = {
+            "split": split,
+            "checkpoint": checkpoint,
+            "curvature": curvature,
+            "projection": projection,
+            "k_in": k_in,
+            "k_out": k_out,
+            "seed": seed,
+            "layer_types": layer_types,
+            "include": include,
+            "exclude": exclude,
+            "route": route,
+            "layer_sizes": layer_sizes,
+            "basis": basis,
+            "loss_reduction": loss_reduction,
+            "loss_scale": loss_scale,
+            "normalizer": normalizer,
+            "max_pending_batches": max_pending_batches,
+        }
         if rank is not None:
             options["rank"] = rank
         if isinstance(layer_types, (list, tuple)):
             options["layer_types"] = tuple(layer_types)
-        return StoreCapture(self, model, run, config_for_run(self, run, options), optimizer=optimizer,
-                            per_example_loss=per_example_loss, grad_scaler=grad_scaler,
-                            learning_rate=learning_rate, writer_config=writer, resume=resume)
+        return StoreCapture(
+            self,
+            model,
+            run,
+            config_for_run(self, run, options),
+            optimizer=optimizer,
+            per_example_loss=per_example_loss,
+            grad_scaler=grad_scaler,
+            learning_rate=learning_rate,
+            writer_config=writer,
+            resume=resume,
+        )
 
     # ------------------------------------------------------------------ indexes
-    def build_index(self, run: str, *, checkpoint: str | None = None, method: MethodName = "grad-dot",
-                    damping: float | None = None, kind: IndexKind = "exact", split: str = "train",
-                    where: str | None = None, name: str | None = None, blocks: BlockStructure = "auto",
-                    refit: bool = False, engine: EngineName | Engine = "local") -> AttributionIndex:
+    def build_index(
+        self,
+        run: str,
+        *,
+        checkpoint: str | None = None,
+        method: MethodName = "grad-dot",
+        damping: float | None = None,
+        kind: IndexKind = "exact",
+        split: str = "train",
+        where: str | None = None,
+        name: str | None = None,
+        blocks: BlockStructure = "auto",
+        refit: bool = False,
+        engine: EngineName | Engine = "local",
+    ) -> AttributionIndex:
         """Fit ``method``'s preconditioner over the run's rows (or reuse the store's fit) and build/persist an
         index, incrementally when rows were appended since. ``kind``: ``"exact"``, ``"auto"`` or a FAISS
         factory string; ``blocks``: the Fisher block structure (``"layer"``, ``"full"``, ``"auto"``);
         ``engine``: where the fit runs (``"local"``, ``"ray"`` or a :class:`~gradstore.engine.RayEngine`)."""
         selection = Selection(run, checkpoint or self.default_checkpoint(run), split, where)
-        return build_index(self, self.fits, selection, method, damping=damping, kind=kind, name=name,
-                           blocks=blocks, refit=refit, engine=resolve_engine(engine))
+        return build_index(
+            self,
+            self.fits,
+            selection,
+            method,
+            damping=damping,
+            kind=kind,
+            name=name,
+            blocks=blocks,
+            refit=refit,
+            engine=resolve_engine(engine),
+        )
 
     def index(self, name: str) -> AttributionIndex:
         """Load a persisted index by name (``IndexMismatchError`` if it does not match the store)."""
         return load_index(self, self.fits, name)
 
     # ------------------------------------------------------------------ attribution and selection
-    def attribute(self, queries: QueryInput = None, *, run: str, k: int = 10, method: MethodName = "grad-dot",
-                  checkpoint: str | None = None, checkpoints: Sequence[str] | None = None,
-                  damping: float | None = None, blocks: BlockStructure = "auto", kind: IndexKind = "exact",
-                  opponents: bool = False, split: str = "train", where: str | None = None,
-                  write: bool = True, engine: EngineName | Engine = "local", rerank: int = 0) -> pa.Table:
+    def attribute(
+        self,
+        queries: QueryInput = None,
+        *,
+        run: str,
+        k: int = 10,
+        method: MethodName = "grad-dot",
+        checkpoint: str | None = None,
+        checkpoints: Sequence[str] | None = None,
+        damping: float | None = None,
+        blocks: BlockStructure = "auto",
+        kind: IndexKind = "exact",
+        opponents: bool = False,
+        split: str = "train",
+        where: str | None = None,
+        write: bool = True,
+        engine: EngineName | Engine = "local",
+        rerank: int = 0,
+    ) -> pa.Table:
         """Top-k proponents (and with ``opponents=True`` the bottom-k opponents) of each query.
 
         ``queries``: ``None`` (every query row of the run at the checkpoint), a SQL filter, a list of query
@@ -119,49 +196,139 @@ class GradStore(StoreCore):
         Returns ``(query_id, example_id, grad_id, score, rank, method, run_id, checkpoint, index_name)``,
         also appended to ``scores`` unless ``write=False``.
         """
-        return attribute(self, self.fits, queries, run=run, k=k, method=method, checkpoint=checkpoint,
-                         checkpoints=checkpoints, damping=damping, blocks=blocks, kind=kind, opponents=opponents,
-                         split=split, where=where, write=write, engine=engine, rerank=rerank)
+        return attribute(
+            self,
+            self.fits,
+            queries,
+            run=run,
+            k=k,
+            method=method,
+            checkpoint=checkpoint,
+            checkpoints=checkpoints,
+            damping=damping,
+            blocks=blocks,
+            kind=kind,
+            opponents=opponents,
+            split=split,
+            where=where,
+            write=write,
+            engine=engine,
+            rerank=rerank,
+        )
 
-    def score_matrix(self, queries: QueryInput = None, *, run: str, method: MethodName = "fisher",
-                     checkpoint: str | None = None, damping: float | None = None, blocks: BlockStructure = "auto",
-                     split: str = "train", where: str | None = None) -> ScoreMatrix:
+    def score_matrix(
+        self,
+        queries: QueryInput = None,
+        *,
+        run: str,
+        method: MethodName = "fisher",
+        checkpoint: str | None = None,
+        damping: float | None = None,
+        blocks: BlockStructure = "auto",
+        split: str = "train",
+        where: str | None = None,
+    ) -> ScoreMatrix:
         """Dense queries x training rows scores with their ids (``.scores`` numpy, ``.torch()``), for small
         problems; nothing is written to ``scores``."""
-        return score_matrix(self, self.fits, queries, run=run, method=method, checkpoint=checkpoint,
-                            damping=damping, blocks=blocks, split=split, where=where)
+        return score_matrix(
+            self,
+            self.fits,
+            queries,
+            run=run,
+            method=method,
+            checkpoint=checkpoint,
+            damping=damping,
+            blocks=blocks,
+            split=split,
+            where=where,
+        )
 
-    def self_influence(self, *, run: str, method: MethodName = "fisher", checkpoint: str | None = None,
-                       damping: float | None = None, blocks: BlockStructure = "auto", split: str = "train",
-                       where: str | None = None, write: bool = True,
-                       engine: EngineName | Engine = "local") -> pa.Table:
+    def self_influence(
+        self,
+        *,
+        run: str,
+        method: MethodName = "fisher",
+        checkpoint: str | None = None,
+        damping: float | None = None,
+        blocks: BlockStructure = "auto",
+        split: str = "train",
+        where: str | None = None,
+        write: bool = True,
+        engine: EngineName | Engine = "local",
+    ) -> pa.Table:
         """``g^T P^-1 g`` of every selected training row (large values: outliers, likely mislabels).
 
         Returns ``(example_id, grad_id, run_id, checkpoint, method, self_influence)``, largest first, also
         appended to the ``self_influence`` table unless ``write=False``. ``engine`` as for :meth:`attribute`."""
-        return self_influence(self, self.fits, run=run, method=method, checkpoint=checkpoint, damping=damping,
-                              blocks=blocks, split=split, where=where, write=write, engine=engine)
+        return self_influence(
+            self,
+            self.fits,
+            run=run,
+            method=method,
+            checkpoint=checkpoint,
+            damping=damping,
+            blocks=blocks,
+            split=split,
+            where=where,
+            write=write,
+            engine=engine,
+        )
 
-    def select(self, target: QueryInput = None, *, run: str, budget: float = 0.05,
-               preconditioner: MethodName = "grad-dot", aggregate: Aggregate = "max",
-               checkpoints: Sequence[str] | None = None, damping: float | None = None,
-               blocks: BlockStructure = "auto", split: str = "train", where: str | None = None,
-               engine: EngineName | Engine = "local") -> pa.Table:
+    def select(
+        self,
+        target: QueryInput = None,
+        *,
+        run: str,
+        budget: float = 0.05,
+        preconditioner: MethodName = "grad-dot",
+        aggregate: Aggregate = "max",
+        checkpoints: Sequence[str] | None = None,
+        damping: float | None = None,
+        blocks: BlockStructure = "auto",
+        split: str = "train",
+        where: str | None = None,
+        engine: EngineName | Engine = "local",
+    ) -> pa.Table:
         """LESS-style data selection: the training examples whose gradients align best with ``target``.
 
         ``score(x) = sum_c lr_c * agg_q cos(P_c^-1/2 g_c(x), P_c^-1/2 q_c)`` over the run's checkpoints with
         learning rates (else its latest checkpoint), ``agg`` the ``max`` (LESS) or ``mean`` over the target
         rows, ``P`` the ``preconditioner`` method's fit. ``budget``: a fraction in (0, 1] or a count.
         ``engine`` as for :meth:`attribute`. Returns ``(example_id, score, rank)``, best first."""
-        return select(self, self.fits, target, run=run, budget=budget, preconditioner=preconditioner,
-                      aggregate=aggregate, checkpoints=checkpoints, damping=damping, blocks=blocks, split=split,
-                      where=where, engine=engine)
+        return select(
+            self,
+            self.fits,
+            target,
+            run=run,
+            budget=budget,
+            preconditioner=preconditioner,
+            aggregate=aggregate,
+            checkpoints=checkpoints,
+            damping=damping,
+            blocks=blocks,
+            split=split,
+            where=where,
+            engine=engine,
+        )
 
-    def token_scores(self, queries: QueryBatch, examples: ExampleBatches, *, run: str, k: int = 10,
-                     method: MethodName = "grad-dot", checkpoint: str | None = None, damping: float | None = None,
-                     blocks: BlockStructure = "auto", loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-                     token_text: TokenText | None = None, batch_size: int = 8, split: str = "train",
-                     where: str | None = None, write: bool = True) -> pa.Table:
+    def token_scores(
+        self,
+        queries: QueryBatch,
+        examples: ExampleBatches,
+        *,
+        run: str,
+        k: int = 10,
+        method: MethodName = "grad-dot",
+        checkpoint: str | None = None,
+        damping: float | None = None,
+        blocks: BlockStructure = "auto",
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+        token_text: TokenText | None = None,
+        batch_size: int = 8,
+        split: str = "train",
+        where: str | None = None,
+        write: bool = True,
+    ) -> pa.Table:
         """Per-token attribution of each query against its top-k training examples (a re-rank stage).
 
         The top-k are found in the store as by :meth:`attribute`; then only those examples are run through
@@ -175,20 +342,49 @@ class GradStore(StoreCore):
         Returns ``(query_id, example_id, rank, side, position, token_id, token, score, method, run_id,
         checkpoint, created_at)`` with ``side`` ``"train"`` (the example's tokens) or ``"query"`` (the query's),
         also appended to ``token_scores`` unless ``write=False``."""
-        return token_scores(self, self.fits, queries, examples, run=run, k=k, method=method, checkpoint=checkpoint,
-                            damping=damping, blocks=blocks, loss_fn=loss_fn, token_text=token_text,
-                            batch_size=batch_size, split=split, where=where, write=write)
+        return token_scores(
+            self,
+            self.fits,
+            queries,
+            examples,
+            run=run,
+            k=k,
+            method=method,
+            checkpoint=checkpoint,
+            damping=damping,
+            blocks=blocks,
+            loss_fn=loss_fn,
+            token_text=token_text,
+            batch_size=batch_size,
+            split=split,
+            where=where,
+            write=write,
+        )
 
     # ------------------------------------------------------------------ report
-    def report(self, out: str | Path = "report.html", *, run: str | None = None, max_queries: int = 1000,
-               top: int = 10, selection: pa.Table | None = None) -> Path:
+    def report(
+        self,
+        out: str | Path = "report.html",
+        *,
+        run: str | None = None,
+        max_queries: int = 1000,
+        top: int = 10,
+        selection: pa.Table | None = None,
+    ) -> Path:
         """Write a self-contained HTML attribution report (opens offline); see :mod:`gradstore.report`."""
-        return write_report(self, out, options=ReportOptions(run=run, max_queries=max_queries, top=top),
-                            selection=selection)
+        return write_report(
+            self, out, options=ReportOptions(run=run, max_queries=max_queries, top=top), selection=selection
+        )
 
 
-def open_store(uri: str | Path, *, create: bool = True, storage_dtype: str | None = None,
-               read_consistency: timedelta = timedelta(0), storage_options: dict[str, str] | None = None) -> GradStore:
+def open_store(
+    uri: str | Path,
+    *,
+    create: bool = True,
+    storage_dtype: str | None = None,
+    read_consistency: timedelta = timedelta(0),
+    storage_options: dict[str, str] | None = None,
+) -> GradStore:
     """Create or open the store at ``uri`` (a local directory or an object-store URI such as ``s3://bucket/x``).
 
     ``storage_dtype`` (``"float16"`` default, or ``"float32"``) applies when the gradients table is created;
@@ -198,5 +394,11 @@ def open_store(uri: str | Path, *, create: bool = True, storage_dtype: str | Non
     ``aws_region``, ``allow_http``, ...); when not given for an ``s3://`` store they are read from the
     standard AWS environment variables. Tables and side files use the same options.
     """
-    return connect(uri, GradStore, create=create, storage_dtype=storage_dtype, read_consistency=read_consistency,
-                   storage_options=storage_options)
+    return connect(
+        uri,
+        GradStore,
+        create=create,
+        storage_dtype=storage_dtype,
+        read_consistency=read_consistency,
+        storage_options=storage_options,
+    )

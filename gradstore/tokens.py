@@ -37,20 +37,22 @@ from ingest import CaptureConfig
 from ingest.tokens import TokenGradientCapture, TokenRows
 
 TOKEN_SCORES = "token_scores"
-TOKEN_SCORES_SCHEMA = pa.schema([
-    pa.field("query_id", pa.string()),
-    pa.field("example_id", pa.string()),  # the training example (also on the query side's rows)
-    pa.field("rank", pa.int32()),  # the training example's rank among the query's proponents (1 = top)
-    pa.field("side", pa.string()),  # "train": a token of the training example; "query": a token of the query
-    pa.field("position", pa.int32()),  # the token's index in its sequence
-    pa.field("token_id", pa.int64()),
-    pa.field("token", pa.string()),
-    pa.field("score", pa.float64()),  # the token's share of the (query, example) score
-    pa.field("method", pa.string()),
-    pa.field("run_id", pa.string()),
-    pa.field("checkpoint", pa.string()),
-    pa.field("created_at", pa.timestamp("us", tz="UTC")),
-])
+TOKEN_SCORES_SCHEMA = pa.schema(
+    [
+        pa.field("query_id", pa.string()),
+        pa.field("example_id", pa.string()),  # the training example (also on the query side's rows)
+        pa.field("rank", pa.int32()),  # the training example's rank among the query's proponents (1 = top)
+        pa.field("side", pa.string()),  # "train": a token of the training example; "query": a token of the query
+        pa.field("position", pa.int32()),  # the token's index in its sequence
+        pa.field("token_id", pa.int64()),
+        pa.field("token", pa.string()),
+        pa.field("score", pa.float64()),  # the token's share of the (query, example) score
+        pa.field("method", pa.string()),
+        pa.field("run_id", pa.string()),
+        pa.field("checkpoint", pa.string()),
+        pa.field("created_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
 ExampleBatches = Callable[[list[str]], Any]
 """``examples(ids) -> batch``: the model's input for training examples by id (tokenized, padded)."""
 TokenText = Callable[[int], str]
@@ -62,28 +64,53 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return model(**batch).loss
 
 
-def token_scores(store: StoreCore, fits: FitCache, queries: QueryBatch, examples: ExampleBatches, *, run: str,
-                 k: int = 10, method: str = "grad-dot", checkpoint: str | None = None, damping: float | None = None,
-                 blocks: BlockStructure = "auto", loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-                 token_text: TokenText | None = None, batch_size: int = 8, split: str = "train",
-                 where: str | None = None, write: bool = True) -> pa.Table:
+def token_scores(
+    store: StoreCore,
+    fits: FitCache,
+    queries: QueryBatch,
+    examples: ExampleBatches,
+    *,
+    run: str,
+    k: int = 10,
+    method: str = "grad-dot",
+    checkpoint: str | None = None,
+    damping: float | None = None,
+    blocks: BlockStructure = "auto",
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    token_text: TokenText | None = None,
+    batch_size: int = 8,
+    split: str = "train",
+    where: str | None = None,
+    write: bool = True,
+) -> pa.Table:
     """Per-token scores of each query against its top-k training examples; see
     :meth:`gradstore.GradStore.token_scores`."""
     check_k(k)
     resolved = resolve_method(method)
     if not resolved.query_only or resolved.over_checkpoints:
-        raise InvalidArgumentError(f"per-token scores decompose methods linear in the training gradient "
-                                   f"(grad-dot, diagonal, fisher, kfac, ekfac), not {resolved.name!r}")
+        raise InvalidArgumentError(
+            f"per-token scores decompose methods linear in the training gradient "
+            f"(grad-dot, diagonal, fisher, kfac, ekfac), not {resolved.name!r}"
+        )
     if not isinstance(queries, QueryBatch):
-        raise InvalidArgumentError("token_scores takes the queries as a QueryBatch (model and batch): their "
-                                   "tokens are needed")
+        raise InvalidArgumentError(
+            "token_scores takes the queries as a QueryBatch (model and batch): their tokens are needed"
+        )
     checkpoint = checkpoint or store.default_checkpoint(run)
-    index = build_index(store, fits, Selection(run, checkpoint, split, where), resolved.name, damping=damping,
-                        blocks=blocks)
+    index = build_index(
+        store, fits, Selection(run, checkpoint, split, where), resolved.name, damping=damping, blocks=blocks
+    )
     model = queries.model
     query_config = config_for_run(store, run, {"split": "query", "checkpoint": checkpoint, **queries.options})
-    query_tokens = _token_rows(store, run, model, queries.batch, queries.loss_fn or default_loss, query_config,
-                               None if queries.ids is None else list(queries.ids))
+    query_tokens = _token_rows(
+        store,
+        run,
+        model,
+        queries.batch,
+        queries.loss_fn or default_loss,
+        query_config,
+        None if queries.ids is None else list(queries.ids),
+    )
     query_rows = query_tokens.rows.sum(dim=1)
     _, grad_ids = index.search(query_rows, k)  # the store's top-k: the only examples recomputed
     example_of = store.example_ids_for(grad_ids.reshape(-1))
@@ -92,7 +119,7 @@ def token_scores(store: StoreCore, fits: FitCache, queries: QueryBatch, examples
     train_config = config_for_run(store, run, {"split": "train", "checkpoint": checkpoint})
     train_tokens = {}
     for start in range(0, len(wanted), batch_size):
-        ids = wanted[start:start + batch_size]
+        ids = wanted[start : start + batch_size]
         rows = _token_rows(store, run, model, examples(ids), loss_fn or default_loss, train_config, ids)
         if rows.example_ids != ids:
             raise MissingIdsError(f"examples({ids}) returned a batch of examples {rows.example_ids}")
@@ -107,16 +134,30 @@ def token_scores(store: StoreCore, fits: FitCache, queries: QueryBatch, examples
         query_id = query_tokens.example_ids[q]
         builder.add(query_id, example_id, rank, "train", tokens, b, (train_rows @ prepared[q]).numpy())
         example_prepared = space.queries(train_rows.sum(dim=0, keepdim=True)).to(torch.float64)[0]
-        builder.add(query_id, example_id, rank, "query", query_tokens, q,
-                    (query_tokens.rows[q].to(torch.float64) @ example_prepared).numpy())
+        builder.add(
+            query_id,
+            example_id,
+            rank,
+            "query",
+            query_tokens,
+            q,
+            (query_tokens.rows[q].to(torch.float64) @ example_prepared).numpy(),
+        )
     table = builder.table(resolved.name, run, checkpoint)
     if write:
         store.append_table(TOKEN_SCORES, table)
     return table
 
 
-def _token_rows(store: StoreCore, run: str, model: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor],
-                config: CaptureConfig, ids: Sequence[str] | None) -> TokenRows:
+def _token_rows(
+    store: StoreCore,
+    run: str,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[..., torch.Tensor],
+    config: CaptureConfig,
+    ids: Sequence[str] | None,
+) -> TokenRows:
     """Per-token rows of one batch with the run's projection; the model's ``.grad`` are left as they were."""
     saved = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
     try:
@@ -132,8 +173,10 @@ def _token_rows(store: StoreCore, run: str, model: nn.Module, batch: Any, loss_f
         for name, p in model.named_parameters():
             p.grad = saved[name]
     if len(capture.results) != 1:
-        raise InvalidArgumentError(f"the loss function ran {len(capture.results)} captured forwards; per-token "
-                                   "scores need exactly one per batch")
+        raise InvalidArgumentError(
+            f"the loss function ran {len(capture.results)} captured forwards; per-token "
+            "scores need exactly one per batch"
+        )
     return capture.results[0]
 
 
@@ -142,12 +185,13 @@ class _TableBuilder:
 
     def __init__(self, token_text: TokenText | None) -> None:
         self.token_text = token_text
-        self.columns: dict[str, list] = {name: [] for name in
-                                         ("query_id", "example_id", "rank", "side", "position", "token_id", "token",
-                                          "score")}
+        self.columns: dict[str, list] = {
+            name: [] for name in ("query_id", "example_id", "rank", "side", "position", "token_id", "token", "score")
+        }
 
-    def add(self, query_id: str, example_id: str, rank: int, side: str, tokens: TokenRows, b: int,
-            scores: np.ndarray) -> None:
+    def add(
+        self, query_id: str, example_id: str, rank: int, side: str, tokens: TokenRows, b: int, scores: np.ndarray
+    ) -> None:
         positions = np.arange(len(scores)) if tokens.mask is None else tokens.mask[b].nonzero()[:, 0].numpy()
         token_ids = [None] * len(positions) if tokens.inputs is None else tokens.inputs[b, positions].tolist()
         n = len(positions)
@@ -157,13 +201,21 @@ class _TableBuilder:
         self.columns["side"] += [side] * n
         self.columns["position"] += positions.tolist()
         self.columns["token_id"] += token_ids
-        self.columns["token"] += [None if t is None else (self.token_text(t) if self.token_text else str(t))
-                                  for t in token_ids]
+        self.columns["token"] += [
+            None if t is None else (self.token_text(t) if self.token_text else str(t)) for t in token_ids
+        ]
         self.columns["score"] += scores[positions].tolist()
 
     def table(self, method: str, run: str, checkpoint: str) -> pa.Table:
         n = len(self.columns["score"])
         now = datetime.now(timezone.utc)
-        return pa.Table.from_pydict({**self.columns, "method": [method] * n, "run_id": [run] * n,
-                                     "checkpoint": [checkpoint] * n, "created_at": [now] * n},
-                                    schema=TOKEN_SCORES_SCHEMA)
+        return pa.Table.from_pydict(
+            {
+                **self.columns,
+                "method": [method] * n,
+                "run_id": [run] * n,
+                "checkpoint": [checkpoint] * n,
+                "created_at": [now] * n,
+            },
+            schema=TOKEN_SCORES_SCHEMA,
+        )

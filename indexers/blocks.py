@@ -24,9 +24,7 @@ def blocks_from_arrays(ids: np.ndarray, vectors: ArrayLike, block_rows: int = 65
     """Wrap in-memory ``ids [n]`` and ``vectors [n, d]`` as a :data:`VectorBlocks` source (no copy)."""
     ids = np.asarray(ids, dtype=np.int64)
     if ids.ndim != 1 or len(ids) != len(vectors):
-        raise ValueError(
-            f"ids must be 1-D with one id per vector row; got {ids.shape} for {tuple(vectors.shape)}"
-        )
+        raise ValueError(f"ids must be 1-D with one id per vector row; got {ids.shape} for {tuple(vectors.shape)}")
     if block_rows < 1:
         raise ValueError("block_rows must be >= 1")
 
@@ -46,9 +44,7 @@ def as_source(rows: Rows, block_rows: int = 65536) -> VectorBlocks:
     raise TypeError(f"expected a VectorBlocks source or a [rows, dim] array, got {type(rows).__name__}")
 
 
-def as_tensor(
-    block: ArrayLike, dtype: torch.dtype | None, device: torch.device | str | None = None
-) -> torch.Tensor:
+def as_tensor(block: ArrayLike, dtype: torch.dtype | None, device: torch.device | str | None = None) -> torch.Tensor:
     """Convert a numpy or torch block to a 2-D tensor of ``dtype`` (``None``: keep it) on ``device``.
 
     No copy when the block already has that dtype and device; read-only arrays (e.g. views of Arrow buffers)

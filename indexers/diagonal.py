@@ -70,15 +70,11 @@ class DiagonalPreconditioner:
 
     def apply_query(self, q: torch.Tensor) -> torch.Tensor:
         """``q / (v + damping * mean(v))``."""
-        return apply_rows(
-            q, lambda rows: rows * self._cache.get("w", "query", lambda: self._weights(1.0), rows)
-        )
+        return apply_rows(q, lambda rows: rows * self._cache.get("w", "query", lambda: self._weights(1.0), rows))
 
     def apply_both(self, x: torch.Tensor) -> torch.Tensor:
         """``x / sqrt(v + damping * mean(v))``."""
-        return apply_rows(
-            x, lambda rows: rows * self._cache.get("w", "both", lambda: self._weights(0.5), rows)
-        )
+        return apply_rows(x, lambda rows: rows * self._cache.get("w", "both", lambda: self._weights(0.5), rows))
 
     def _fitted(self) -> torch.Tensor:
         if self.second_moment is None:

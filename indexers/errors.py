@@ -11,9 +11,7 @@ class IndexMismatchError(ValueError):
 
     def __init__(self, differences: dict[str, tuple[object, object]]):
         self.differences = differences
-        detail = "; ".join(
-            f"{key}: expected {exp!r}, found {got!r}" for key, (exp, got) in differences.items()
-        )
+        detail = "; ".join(f"{key}: expected {exp!r}, found {got!r}" for key, (exp, got) in differences.items())
         super().__init__(f"index manifest does not match the store ({', '.join(differences)}): {detail}")
 
 

@@ -60,8 +60,9 @@ class ExactIndex:
         Float32 rows on the device are referenced, not copied."""
         ids = np.asarray(ids, dtype=np.int64)
         if ids.ndim != 1 or len(ids) != len(vectors) or (scales is not None and len(scales) != len(ids)):
-            raise ValueError(f"ids must be 1-D with one id (and scale) per vector row; got {ids.shape} for "
-                             f"{tuple(vectors.shape)}")
+            raise ValueError(
+                f"ids must be 1-D with one id (and scale) per vector row; got {ids.shape} for {tuple(vectors.shape)}"
+            )
         blocks = []
         for start in range(0, len(ids), self.block_rows):
             part = slice(start, start + self.block_rows)

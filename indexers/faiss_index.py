@@ -158,9 +158,7 @@ class FaissIndex:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         vectors = _float32(vectors)
         if vectors.ndim != 2 or vectors.shape[1] != self.dim or len(ids) != len(vectors):
-            raise ValueError(
-                f"expected ids [n] and vectors [n, {self.dim}], got {ids.shape} and {vectors.shape}"
-            )
+            raise ValueError(f"expected ids [n] and vectors [n, {self.dim}], got {ids.shape} and {vectors.shape}")
         self._writable().add_with_ids(vectors, ids)
         self._cpu_copy = None
 
@@ -176,16 +174,24 @@ class FaissIndex:
         """Move every vector of ``other`` (built from the same trained index, e.g. on another shard of the
         rows) into this index, ids kept; ``other`` is left empty."""
         if (other.factory, other.dim, other.metric) != (self.factory, self.dim, self.metric):
-            raise ValueError(f"cannot merge a {other.factory!r} index of {other.dim} dims ({other.metric}) into "
-                             f"a {self.factory!r} index of {self.dim} dims ({self.metric})")
+            raise ValueError(
+                f"cannot merge a {other.factory!r} index of {other.dim} dims ({other.metric}) into "
+                f"a {self.factory!r} index of {self.dim} dims ({self.metric})"
+            )
         self._writable().merge_from(other._writable(), 0)
         self._cpu_copy = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable state (the CPU index serialized), so that shards can be built in other processes."""
-        return {"factory": self.factory, "dim": self.dim, "metric": self.metric, "nlist": self.nlist,
-                "nprobe": self._nprobe, "manifest": self.manifest,
-                "index": require_faiss().serialize_index(self._cpu_index())}
+        return {
+            "factory": self.factory,
+            "dim": self.dim,
+            "metric": self.metric,
+            "nlist": self.nlist,
+            "nprobe": self._nprobe,
+            "manifest": self.manifest,
+            "index": require_faiss().serialize_index(self._cpu_index()),
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.factory, self.dim, self.metric = state["factory"], state["dim"], state["metric"]
@@ -212,9 +218,7 @@ class FaissIndex:
             return np.empty((len(queries), 0), np.float32), np.empty((len(queries), 0), np.int64)
         index = self._index
         if self._on_gpu and k > GPU_MAX_K:
-            warnings.warn(
-                f"k={k} is above the FAISS GPU limit {GPU_MAX_K}; searching a CPU copy", stacklevel=2
-            )
+            warnings.warn(f"k={k} is above the FAISS GPU limit {GPU_MAX_K}; searching a CPU copy", stacklevel=2)
             index = self._cpu_index()
         scores, ids = index.search(queries, k)
         return scores.astype(np.float32, copy=False), ids.astype(np.int64, copy=False)

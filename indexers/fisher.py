@@ -142,10 +142,6 @@ class FisherPreconditioner:
         loaded = cls(damping=config["damping"], blocks=config["blocks"])
         loaded.dim, loaded.n_rows = config["dim"], config["n_rows"]
         for index in range(len(loaded._spans())):
-            loaded.eigenvalues.append(
-                torch.from_numpy(np.asarray(arrays[f"eigenvalues_{index}"], np.float64))
-            )
-            loaded.eigenvectors.append(
-                torch.from_numpy(np.asarray(arrays[f"eigenvectors_{index}"], np.float64))
-            )
+            loaded.eigenvalues.append(torch.from_numpy(np.asarray(arrays[f"eigenvalues_{index}"], np.float64)))
+            loaded.eigenvectors.append(torch.from_numpy(np.asarray(arrays[f"eigenvectors_{index}"], np.float64)))
         return loaded

@@ -56,9 +56,7 @@ class KroneckerPreconditioner:
         damping: float = 0.1,
         eigen_correction: bool = False,
     ):
-        self.layout = [
-            (str(name), int(offset), int(k_in), int(k_out)) for name, offset, k_in, k_out in layout
-        ]
+        self.layout = [(str(name), int(offset), int(k_in), int(k_out)) for name, offset, k_in, k_out in layout]
         if not self.layout:
             raise ValueError("kfac needs a kronecker_layout with at least one layer")
         self.damping = check_damping(damping)
@@ -104,8 +102,10 @@ class KroneckerPreconditioner:
                     q_a, q_s = self.basis[name]
                     parts = {f"E:{name}": (q_s.T @ grads @ q_a).square().sum(dim=0)}
                 else:
-                    parts = {f"A:{name}": torch.einsum("noi,noj->ij", grads, grads),
-                             f"S:{name}": torch.einsum("noi,npi->op", grads, grads)}
+                    parts = {
+                        f"A:{name}": torch.einsum("noi,noj->ij", grads, grads),
+                        f"S:{name}": torch.einsum("noi,npi->op", grads, grads),
+                    }
                 for key, value in parts.items():
                     sums[key] = sums[key] + value if key in sums else value
             rows += block.shape[0]

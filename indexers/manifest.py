@@ -20,9 +20,7 @@ def manifest_diff(expected: Mapping[str, Any], found: Mapping[str, Any]) -> dict
     A key present on one side only counts as differing (its missing value is ``None``)."""
     exp, got = normalize_manifest(expected), normalize_manifest(found)
     return {
-        key: (exp.get(key), got.get(key))
-        for key in sorted(exp.keys() | got.keys())
-        if exp.get(key) != got.get(key)
+        key: (exp.get(key), got.get(key)) for key in sorted(exp.keys() | got.keys()) if exp.get(key) != got.get(key)
     }
 
 

@@ -167,9 +167,7 @@ def check_tiling(spans: Sequence[tuple[int, int]], dim: int, what: str) -> None:
     position = 0
     for offset, size in sorted(spans):
         if offset != position or size <= 0:
-            raise ValueError(
-                f"{what} must tile the {dim}-dim vector without gaps or overlaps; got {list(spans)}"
-            )
+            raise ValueError(f"{what} must tile the {dim}-dim vector without gaps or overlaps; got {list(spans)}")
         position = offset + size
     if position != dim:
         raise ValueError(f"{what} cover {position} of {dim} dims; they must cover the whole vector")
@@ -207,9 +205,7 @@ class DeviceCache:
     def __init__(self) -> None:
         self._copies: dict[tuple[str, str, torch.device, torch.dtype], torch.Tensor] = {}
 
-    def get(
-        self, key: str, variant: str, make: Callable[[], torch.Tensor], like: torch.Tensor
-    ) -> torch.Tensor:
+    def get(self, key: str, variant: str, make: Callable[[], torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         """The tensor ``make()`` (float64, CPU) as ``like``'s device and compute dtype, built on first use."""
         dtype = compute_dtype(like)
         cache_key = (key, variant, like.device, dtype)

@@ -67,9 +67,7 @@ def make_preconditioner(
     if name == "fisher":
         return FisherPreconditioner(damping=damping, blocks=blocks)
     if kronecker_layout is None:
-        raise ValueError(
-            "the 'kfac' preconditioner needs kronecker_layout=[(layer_name, offset, k_in, k_out), ...]"
-        )
+        raise ValueError("the 'kfac' preconditioner needs kronecker_layout=[(layer_name, offset, k_in, k_out), ...]")
     return KroneckerPreconditioner(
         kronecker_layout, kronecker_factors, damping=damping, eigen_correction=eigen_correction
     )

@@ -38,9 +38,7 @@ def measure_recall(
 ) -> float:
     """recall@k of an inner-product FAISS index against exact search over the same source."""
     if index.metric != "ip":
-        raise ValueError(
-            "recall is measured against exact inner-product search; the index metric is not 'ip'"
-        )
+        raise ValueError("recall is measured against exact inner-product search; the index metric is not 'ip'")
     _, exact_ids = (exact or ExactIndex()).search(queries, source, k)
     _, approx_ids = index.search(queries, k)
     return recall_at_k(approx_ids, exact_ids)

@@ -65,21 +65,34 @@ def side_rows(cov: np.ndarray, k: int, tail: int, seed: int, layer: str, side: s
     return np.concatenate([top, random_tail(top, tail, seed, layer, side)]) if tail else top
 
 
-def basis_from_covariances(covariances: Covariances, k_in: int = 16, k_out: int = 16,
-                           layer_sizes: LayerSizes | None = None, tail: int = 0, seed: int = 0) -> ProjectionBasis:
+def basis_from_covariances(
+    covariances: Covariances,
+    k_in: int = 16,
+    k_out: int = 16,
+    layer_sizes: LayerSizes | None = None,
+    tail: int = 0,
+    seed: int = 0,
+) -> ProjectionBasis:
     """The eigenbasis of per-layer ``(A, S)`` (``A`` may be a vector: a diagonal), sizes as in a capture
     (:func:`ingest.projection.slot_sizes`, capped at the layer's width)."""
     matrices = {}
     for name, (a_cov, s_cov) in covariances.items():
         layer_k_in, layer_k_out = slot_sizes(name, k_in, k_out, layer_sizes)
-        matrices[name] = (side_rows(a_cov, layer_k_in, tail, seed, name, "in"),
-                          side_rows(s_cov, layer_k_out, tail, seed, name, "out"))
+        matrices[name] = (
+            side_rows(a_cov, layer_k_in, tail, seed, name, "in"),
+            side_rows(s_cov, layer_k_out, tail, seed, name, "out"),
+        )
     return ProjectionBasis(matrices)
 
 
-def basis_from_curvature(stats: Mapping[str, tuple[np.ndarray, np.ndarray, int]], spec: ProjectionSpec,
-                         k_in: int = 16, k_out: int = 16, layer_sizes: LayerSizes | None = None,
-                         previous: ProjectionBasis | None = None) -> ProjectionBasis:
+def basis_from_curvature(
+    stats: Mapping[str, tuple[np.ndarray, np.ndarray, int]],
+    spec: ProjectionSpec,
+    k_in: int = 16,
+    k_out: int = 16,
+    layer_sizes: LayerSizes | None = None,
+    previous: ProjectionBasis | None = None,
+) -> ProjectionBasis:
     """The eigenbasis from a previous capture's ``curvature=True`` statistics (``store.load_curvature``).
 
     ``spec`` is that capture's projection spec. Statistics of exact slots are the full ``A``/``S``; those of
@@ -91,16 +104,15 @@ def basis_from_curvature(stats: Mapping[str, tuple[np.ndarray, np.ndarray, int]]
     for name, (a_cov, s_cov, _) in stats.items():
         slot = spec.slot(name)
         layer_k_in, layer_k_out = slot_sizes(name, k_in, k_out, layer_sizes)
-        rows = [leading_rows(a_cov, min(layer_k_in, slot.d_in_eff)),
-                leading_rows(s_cov, min(layer_k_out, slot.d_out))]
+        rows = [leading_rows(a_cov, min(layer_k_in, slot.d_in_eff)), leading_rows(s_cov, min(layer_k_out, slot.d_out))]
         if slot.mode == "factorized":
             if previous is not None:
                 lifts = [p.astype(np.float64) for p in previous.matrices[name]]
             else:
-                lifts = [projection_matrix(spec.seed, name, "in", slot.k_in, slot.d_in_eff, dtype=torch.float64)
-                         .numpy(),
-                         projection_matrix(spec.seed, name, "out", slot.k_out, slot.d_out, dtype=torch.float64)
-                         .numpy()]
+                lifts = [
+                    projection_matrix(spec.seed, name, "in", slot.k_in, slot.d_in_eff, dtype=torch.float64).numpy(),
+                    projection_matrix(spec.seed, name, "out", slot.k_out, slot.d_out, dtype=torch.float64).numpy(),
+                ]
             rows = [r @ lift for r, lift in zip(rows, lifts)]
         elif slot.mode != "exact":
             raise ValueError(f"layer {name!r} was captured with a {slot.mode} projection: no Kronecker statistics")
@@ -171,8 +183,9 @@ class _CovarianceHooks:
             return torch.zeros(info.d_in, dtype=torch.float64, device=a.device).index_add_(0, a, keep)
         return a.T @ a
 
-    def _output_gradient(self, info: LayerInfo, batch: int, a: torch.Tensor, g: torch.Tensor,
-                         weights: torch.Tensor | None) -> None:
+    def _output_gradient(
+        self, info: LayerInfo, batch: int, a: torch.Tensor, g: torch.Tensor, weights: torch.Tensor | None
+    ) -> None:
         with torch.no_grad():
             g = g.detach().reshape(-1, info.d_out).double()
             if weights is not None:
@@ -208,8 +221,14 @@ class _CovarianceHooks:
             sums[name] = part
 
 
-def estimate_basis(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-                   config: ProjectionConfig | None = None, tail: int = 0, factors: str = "kfac") -> ProjectionBasis:
+def estimate_basis(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    config: ProjectionConfig | None = None,
+    tail: int = 0,
+    factors: str = "kfac",
+) -> ProjectionBasis:
     """A short pre-pass estimating each captured layer's K-FAC eigenbasis.
 
     ``factors="kfac"``: eigenvectors of ``A = E[a a^T]`` and ``S = E[g g^T]``. ``factors="gradient"``:
@@ -236,8 +255,13 @@ def estimate_basis(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[
     return basis_from_covariances(covariances, config.k_in, config.k_out, config.layer_sizes, tail, config.seed)
 
 
-def _moments(model: nn.Module, layers: list[LayerInfo], batches: Iterable[Any],
-             loss_fn: Callable[[nn.Module, Any], torch.Tensor], hooks: _CovarianceHooks) -> Covariances:
+def _moments(
+    model: nn.Module,
+    layers: list[LayerInfo],
+    batches: Iterable[Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    hooks: _CovarianceHooks,
+) -> Covariances:
     """One pass over ``batches`` with ``hooks`` attached: per-layer (input-side, output-side) moments."""
     handles = hooks.attach(model)
     try:

@@ -93,8 +93,10 @@ class CaptureLabels:
 
 
 #: The flat option names of :meth:`CaptureConfig.from_options`, by the part of the config they set.
-PROJECTION_OPTIONS = {"projection": "kind", **{name: name for name in (
-    "k_in", "k_out", "seed", "layer_types", "include", "exclude", "layer_sizes", "basis")}}
+PROJECTION_OPTIONS = {
+    "projection": "kind",
+    **{name: name for name in ("k_in", "k_out", "seed", "layer_types", "include", "exclude", "layer_sizes", "basis")},
+}
 LABEL_OPTIONS = ("split", "checkpoint", "rank")
 
 
@@ -132,8 +134,9 @@ class CaptureConfig:
 
     def options(self) -> dict[str, Any]:
         """The flat options of :meth:`from_options` (without the basis, which is kept as arrays elsewhere)."""
-        flat = {option: getattr(self.projection, name) for option, name in PROJECTION_OPTIONS.items()
-                if name != "basis"}
+        flat = {
+            option: getattr(self.projection, name) for option, name in PROJECTION_OPTIONS.items() if name != "basis"
+        }
         flat.update({name: getattr(self.labels, name) for name in LABEL_OPTIONS})
         flat.update({f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("projection", "labels")})
         return flat
@@ -194,14 +197,22 @@ def build_spec(layers: Sequence[LayerInfo], config: ProjectionConfig) -> Project
 def _basis_sizes(basis: ProjectionBasis, info: LayerInfo) -> tuple[int, int]:
     """``(k_in, k_out)`` of ``info``'s layer in ``basis``, checking the matrices fit the layer."""
     if info.name not in basis.matrices:
-        raise ValueError(f"the projection basis has no matrices for layer {info.name!r}; estimate it with the "
-                         "same layer selection as the capture")
+        raise ValueError(
+            f"the projection basis has no matrices for layer {info.name!r}; estimate it with the "
+            "same layer selection as the capture"
+        )
     p_in, p_out = basis.matrices[info.name]
     d_in_eff = info.d_in + int(info.has_bias)
-    if p_in.shape[1] != d_in_eff or p_out.shape[1] != info.d_out or p_in.shape[0] > d_in_eff \
-            or p_out.shape[0] > info.d_out:
-        raise ValueError(f"projection basis of layer {info.name!r} has shapes {p_in.shape} / {p_out.shape}, "
-                         f"the layer needs [k_in <= {d_in_eff}, {d_in_eff}] / [k_out <= {info.d_out}, {info.d_out}]")
+    if (
+        p_in.shape[1] != d_in_eff
+        or p_out.shape[1] != info.d_out
+        or p_in.shape[0] > d_in_eff
+        or p_out.shape[0] > info.d_out
+    ):
+        raise ValueError(
+            f"projection basis of layer {info.name!r} has shapes {p_in.shape} / {p_out.shape}, "
+            f"the layer needs [k_in <= {d_in_eff}, {d_in_eff}] / [k_out <= {info.d_out}, {info.d_out}]"
+        )
     return p_in.shape[0], p_out.shape[0]
 
 
@@ -233,17 +244,18 @@ class GradientCapture:
         self.optimizer = optimizer
         self.per_example_loss = per_example_loss
         self.grad_scaler = grad_scaler
-        layers = select_layers(
-            model, tuple(projection.layer_types), projection.include, projection.exclude
-        )
+        layers = select_layers(model, tuple(projection.layer_types), projection.include, projection.exclude)
         if not layers:
-            raise ValueError(
-                "capture: no supported layer (Linear, Conv1D, Embedding) matches the layer selection"
-            )
+            raise ValueError("capture: no supported layer (Linear, Conv1D, Embedding) matches the layer selection")
         self.spec = build_spec(layers, projection)
         self.layer_hooks = [
-            self.hook_class(slot, info.module, self, projection.seed,
-                            None if projection.basis is None else projection.basis.tensors(slot.name))
+            self.hook_class(
+                slot,
+                info.module,
+                self,
+                projection.seed,
+                None if projection.basis is None else projection.basis.tensors(slot.name),
+            )
             for slot, info in zip(self.spec.layers, layers)
         ]
         self._normalized = self.config.normalizer is None  # False until the optimizer holds second moments
@@ -362,9 +374,7 @@ class GradientCapture:
 
     # internals ---------------------------------------------------------------------------------
 
-    def _before_forward(
-        self, module: nn.Module, args: tuple, kwargs: dict[str, Any]
-    ) -> tuple[tuple, dict[str, Any]]:
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         kwargs = dict(kwargs)
         kwarg_ids = kwargs.pop(ID_KWARG, None)
         if self.is_paused or not torch.is_grad_enabled() or in_backward() or not self._normalized:
@@ -432,8 +442,7 @@ class GradientCapture:
         """Fold the optimizer's current second moments into the layers (``normalizer`` set)."""
         if self.config.normalizer is None or self.optimizer is None:
             return
-        moments = [adam_second_moment(self.optimizer, h.module, h.slot.kind, h.slot.has_bias)
-                   for h in self.layer_hooks]
+        moments = [adam_second_moment(self.optimizer, h.module, h.slot.kind, h.slot.has_bias) for h in self.layer_hooks]
         if any(v is None for v in moments):
             return  # no state yet (before the first step): keep not capturing
         for hook, v in zip(self.layer_hooks, moments):
@@ -453,9 +462,7 @@ class GradientCapture:
         rows = batch.rows * batch.scales.to(batch.rows.device).unsqueeze(1)
         if self.grad_scaler is not None:
             scale = getattr(self.grad_scaler, "_scale", None)
-            rows = rows / (
-                scale.to(rows.device) if isinstance(scale, torch.Tensor) else self.grad_scaler.get_scale()
-            )
+            rows = rows / (scale.to(rows.device) if isinstance(scale, torch.Tensor) else self.grad_scaler.get_scale())
         meta = dict(batch.meta, learning_rate=self._learning_rate())
         if meta["loss"] is not None:
             meta["loss"], _ = Delivery.to_host(meta["loss"])  # copied before the rows: their event covers it

@@ -31,9 +31,7 @@ def _conv1d_class() -> type | None:
 def layer_info(name: str, module: nn.Module) -> LayerInfo | None:
     """Describe ``module`` if it is a supported layer (Linear, HF Conv1D, Embedding), else None."""
     if isinstance(module, nn.Linear):
-        return LayerInfo(
-            name, module, "linear", module.in_features, module.out_features, module.bias is not None
-        )
+        return LayerInfo(name, module, "linear", module.in_features, module.out_features, module.bias is not None)
     if isinstance(module, nn.Embedding):
         return LayerInfo(name, module, "embedding", module.num_embeddings, module.embedding_dim, False)
     conv1d = _conv1d_class()

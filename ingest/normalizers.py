@@ -34,8 +34,9 @@ def factored_scales(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out_scale.float(), in_scale.float()
 
 
-def adam_second_moment(optimizer: torch.optim.Optimizer, module: nn.Module, kind: str,
-                       has_bias: bool) -> torch.Tensor | None:
+def adam_second_moment(
+    optimizer: torch.optim.Optimizer, module: nn.Module, kind: str, has_bias: bool
+) -> torch.Tensor | None:
     """Bias-corrected Adam second moment ``v_hat`` of a layer in ``[d_out, d_in (+1)]`` orientation (bias as
     the last column), or ``None`` while the optimizer holds no state for its weight."""
     weight = module.weight

@@ -73,9 +73,7 @@ def linear_exact(x: torch.Tensor, dy: torch.Tensor, has_bias: bool) -> torch.Ten
     return grad
 
 
-def embedding_exact(
-    idx: torch.Tensor, dy: torch.Tensor, num_embeddings: int, padding_idx: int | None
-) -> torch.Tensor:
+def embedding_exact(idx: torch.Tensor, dy: torch.Tensor, num_embeddings: int, padding_idx: int | None) -> torch.Tensor:
     """Exact per-example embedding gradient in ``[dim, num_embeddings]`` orientation (= ``weight.grad.T``)."""
     batch, _, dim = dy.shape
     dy = dy.float()

@@ -111,8 +111,9 @@ class ProjectionSpec:
             )
         if d["kind"] not in SPEC_KINDS:
             raise ValueError(f"spec kind must be one of {SPEC_KINDS}, got {d['kind']!r}")
-        return cls(seed=int(d["seed"]), kind=d["kind"], layers=tuple(LayerSlot(**s) for s in d["layers"]),
-                   basis=d.get("basis"))
+        return cls(
+            seed=int(d["seed"]), kind=d["kind"], layers=tuple(LayerSlot(**s) for s in d["layers"]), basis=d.get("basis")
+        )
 
     def fingerprint(self) -> str:
         """Stable hex hash of :meth:`to_dict`."""

@@ -28,9 +28,7 @@ def label_token_counts(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
 
 
-def example_token_counts(
-    inputs: torch.Tensor | None, mask: torch.Tensor | None, batch_size: int
-) -> torch.Tensor:
+def example_token_counts(inputs: torch.Tensor | None, mask: torch.Tensor | None, batch_size: int) -> torch.Tensor:
     """``num_tokens`` metadata: attention-mask sum, else sequence length for token ids, else 1."""
     if mask is not None:
         return mask.sum(dim=1).to(torch.int32)
@@ -50,9 +48,7 @@ def example_scales(
     elif reduction == "token_mean":
         labels = kwargs.get("labels")
         if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
-            raise ValueError(
-                "loss_reduction='token_mean' needs a [B, T] `labels` tensor among the model kwargs"
-            )
+            raise ValueError("loss_reduction='token_mean' needs a [B, T] `labels` tensor among the model kwargs")
         counts = label_token_counts(labels).to(device=device, dtype=torch.float32)
         total = kwargs.get("num_items_in_batch")
         total = counts.sum() if total is None else torch.as_tensor(total, device=device, dtype=torch.float32)

@@ -43,10 +43,11 @@ class TokenLayerHook(LayerHook):
             dy = tokens_view(dy.detach(), batch.size)
             size, length = dy.shape[:2]
             # every position as its own one-token "example": the layer's block of that token alone
-            block = self._block(route, saved.reshape(size * length, 1, *saved.shape[2:]),
-                                dy.reshape(size * length, 1, dy.shape[-1]))
+            block = self._block(
+                route, saved.reshape(size * length, 1, *saved.shape[2:]), dy.reshape(size * length, 1, dy.shape[-1])
+            )
             rows = self.owner.token_rows(batch, length, block.device, self.slot.name)
-            rows[:, :, self.slot.offset: self.slot.offset + self.slot.size] += block.view(size, length, -1)
+            rows[:, :, self.slot.offset : self.slot.offset + self.slot.size] += block.view(size, length, -1)
         self.owner.gradient_arrived(batch)
 
 
@@ -59,8 +60,13 @@ class TokenGradientCapture(GradientCapture):
 
     hook_class = TokenLayerHook
 
-    def __init__(self, model: nn.Module, config: CaptureConfig, optimizer: torch.optim.Optimizer | None = None,
-                 grad_scaler: Any | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: CaptureConfig,
+        optimizer: torch.optim.Optimizer | None = None,
+        grad_scaler: Any | None = None,
+    ) -> None:
         if config.curvature:
             raise ValueError("per-token capture collects no curvature statistics (curvature=False)")
         super().__init__(model, lambda batch: None, config, optimizer=optimizer, grad_scaler=grad_scaler)
@@ -71,8 +77,10 @@ class TokenGradientCapture(GradientCapture):
         if batch.rows is None:
             batch.rows = torch.zeros(batch.size, length, self.spec.dim, dtype=torch.float32, device=device)
         elif batch.rows.shape[1] != length:
-            raise ValueError(f"per-token capture: layer {layer!r} sees {length} positions per example, other layers "
-                             f"{batch.rows.shape[1]}; exclude the layers that do not run once per token")
+            raise ValueError(
+                f"per-token capture: layer {layer!r} sees {length} positions per example, other layers "
+                f"{batch.rows.shape[1]}; exclude the layers that do not run once per token"
+            )
         return batch.rows
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -97,6 +105,6 @@ class TokenGradientCapture(GradientCapture):
         mask = batch.token_mask
         if mask is not None and tuple(mask.shape) != tuple(rows.shape[:2]):
             mask = None
-        self.results.append(TokenRows(list(ids), rows.cpu(), batch.meta.get("inputs"),
-                                      None if mask is None else mask.cpu()))
-
+        self.results.append(
+            TokenRows(list(ids), rows.cpu(), batch.meta.get("inputs"), None if mask is None else mask.cpu())
+        )

@@ -25,8 +25,10 @@ def main(store_path: str, workdir: str, mode: str) -> None:
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(1)
-    x, y = torch.randn(STEPS * BATCH, 5, generator=generator), torch.randint(0, 3, (STEPS * BATCH,),
-                                                                              generator=generator)
+    x, y = (
+        torch.randn(STEPS * BATCH, 5, generator=generator),
+        torch.randint(0, 3, (STEPS * BATCH,), generator=generator),
+    )
     checkpoint_file = Path(workdir) / "checkpoint.pt"
     start = 0
     if mode in ("resume", "rerun"):
@@ -36,13 +38,21 @@ def main(store_path: str, workdir: str, mode: str) -> None:
         start = state["step"]
     crash_after = int(mode.split("-")[-1]) if mode.startswith("crash-after-") else None
     store = gradstore.open(store_path)
-    with store.capture(model, "run", optimizer=optimizer, k_in=2, k_out=2, resume=mode == "resume",
-                       writer=gradstore.WriterConfig(commit_rows=2)) as cap:
+    with store.capture(
+        model,
+        "run",
+        optimizer=optimizer,
+        k_in=2,
+        k_out=2,
+        resume=mode == "resume",
+        writer=gradstore.WriterConfig(commit_rows=2),
+    ) as cap:
         cap.set_step(start)
         for step in range(start, STEPS):
             if step % EVERY == 0:
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                           checkpoint_file)
+                torch.save(
+                    {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, checkpoint_file
+                )
             rows = slice(step * BATCH, (step + 1) * BATCH)
             cap.set_ids([f"ex{i % 10}" for i in range(rows.start, rows.stop)])  # ids repeat across steps
             nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()

@@ -41,7 +41,7 @@ def _capture(store, model, run="run", checkpoint="c0", **options):
     with store.capture(model, run, checkpoint=checkpoint, learning_rate=0.1, curvature=True, **options) as cap:
         for start in range(0, N_TRAIN, 8):
             cap.set_ids([f"x{i}" for i in range(start, start + 8)])
-            _loss(model, x[start:start + 8], y[start:start + 8]).backward()
+            _loss(model, x[start : start + 8], y[start : start + 8]).backward()
             model.zero_grad()
         cap.set_split("query")
         cap.set_ids([f"q{i}" for i in range(N_QUERY)])
@@ -66,8 +66,9 @@ def _rows(store, split):
 def test_layer_contract_holds():
     """ingest/indexers never import gradstore; inside gradstore nothing imports a layer above it."""
     command = Path(sys.executable).with_name("lint-imports")
-    result = subprocess.run([str(command), "--config", str(ROOT / "pyproject.toml"), "--no-cache"],
-                            capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [str(command), "--config", str(ROOT / "pyproject.toml"), "--no-cache"], capture_output=True, text=True, cwd=ROOT
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 kept, 0 broken" in result.stdout
 
@@ -97,8 +98,9 @@ def test_ekfac_is_eigen_corrected_kfac(filled):
     factors = {name: (a, s) for name, (a, s, _) in store.load_curvature("run", "c0").items()}
     q_ids, q, _ = _rows(store, "query")
     for method, corrected in (("kfac", False), ("ekfac", True)):
-        expected = make_preconditioner("kfac", damping=0.1, kronecker_layout=layout, kronecker_factors=factors,
-                                       eigen_correction=corrected).fit(g)
+        expected = make_preconditioner(
+            "kfac", damping=0.1, kronecker_layout=layout, kronecker_factors=factors, eigen_correction=corrected
+        ).fit(g)
         matrix = store.score_matrix(q_ids, run="run", method=method)
         want = expected.apply_query(torch.from_numpy(q)).numpy() @ g.T
         np.testing.assert_allclose(matrix.scores, want, rtol=1e-4, atol=1e-6)
@@ -122,8 +124,8 @@ def test_fisher_block_structure_is_a_choice(filled, blocks):
     spans = [(0, g.shape[1])] if blocks == "full" else [(s.offset, s.size) for s in store.run_spec("run").layers]
     inverse = np.zeros((g.shape[1], g.shape[1]))
     for offset, size in spans:
-        part = g[:, offset:offset + size]
-        inverse[offset:offset + size, offset:offset + size] = _inverse(part.T @ part / len(g), 0.1)
+        part = g[:, offset : offset + size]
+        inverse[offset : offset + size, offset : offset + size] = _inverse(part.T @ part / len(g), 0.1)
     matrix = store.score_matrix(q_ids, run="run", method="fisher", blocks=blocks)
     want = q @ inverse @ g.T
     np.testing.assert_allclose(matrix.scores, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
@@ -195,23 +197,36 @@ def test_query_capture_restores_the_models_grads_when_it_fails(filled):
     assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in model.parameters())
 
 
-@pytest.mark.parametrize(("call", "error"), [
-    (lambda s: s.attribute(run="run", k=2.5), gradstore.InvalidArgumentError),
-    (lambda s: s.attribute([], run="run"), gradstore.InvalidArgumentError),
-    (lambda s: s.attribute(run="run", method="magic"), gradstore.InvalidArgumentError),
-    (lambda s: s.attribute(run="run", where="example_id = 'none'"), gradstore.InvalidArgumentError),
-    (lambda s: s.attribute(run="run", where="1=1) OR (1=1"), gradstore.InvalidFilterError),
-    (lambda s: s.attribute(run="run", kind="Bogus"), gradstore.InvalidArgumentError),
-    (lambda s: s.attribute(["nope"], run="run"), gradstore.MissingIdsError),
-    (lambda s: s.attribute(run="nope"), gradstore.UnknownRunError),
-    (lambda s: s.index("nope"), gradstore.UnknownIndexError),
-    (lambda s: s.build_index("run", name="../escape"), gradstore.InvalidNameError),
-    (lambda s: s.select(run="run", budget=2.5), gradstore.InvalidArgumentError),
-    (lambda s: s.self_influence(run="run", method="cosine"), gradstore.InvalidArgumentError),
-    (lambda s: s.load_curvature("run", "never"), gradstore.MissingCurvatureError),
-])
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda s: s.attribute(run="run", k=2.5), gradstore.InvalidArgumentError),
+        (lambda s: s.attribute([], run="run"), gradstore.InvalidArgumentError),
+        (lambda s: s.attribute(run="run", method="magic"), gradstore.InvalidArgumentError),
+        (lambda s: s.attribute(run="run", where="example_id = 'none'"), gradstore.InvalidArgumentError),
+        (lambda s: s.attribute(run="run", where="1=1) OR (1=1"), gradstore.InvalidFilterError),
+        (lambda s: s.attribute(run="run", kind="Bogus"), gradstore.InvalidArgumentError),
+        (lambda s: s.attribute(["nope"], run="run"), gradstore.MissingIdsError),
+        (lambda s: s.attribute(run="nope"), gradstore.UnknownRunError),
+        (lambda s: s.index("nope"), gradstore.UnknownIndexError),
+        (lambda s: s.build_index("run", name="../escape"), gradstore.InvalidNameError),
+        (lambda s: s.select(run="run", budget=2.5), gradstore.InvalidArgumentError),
+        (lambda s: s.self_influence(run="run", method="cosine"), gradstore.InvalidArgumentError),
+        (lambda s: s.load_curvature("run", "never"), gradstore.MissingCurvatureError),
+    ],
+)
 def test_every_user_error_is_a_gradstore_error(filled, call, error):
     store, _ = filled
     with pytest.raises(error) as caught:
         call(store)
     assert isinstance(caught.value, gradstore.GradstoreError)
+
+
+def test_one_formatting_style_and_a_clean_lint():
+    """The repository is formatted by ``ruff format`` and passes ``ruff check`` (rules in pyproject.toml)."""
+    ruff = Path(sys.executable).with_name("ruff")
+    if not ruff.exists():
+        pytest.skip("ruff is not installed (it comes with the test extra)")
+    for arguments in (["format", "--check", "."], ["check", "."]):
+        result = subprocess.run([str(ruff), *arguments], capture_output=True, text=True, cwd=ROOT)
+        assert result.returncode == 0, result.stdout + result.stderr

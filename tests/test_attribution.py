@@ -35,11 +35,12 @@ def captured(tmp_path_factory):
     xq, yq = torch.randn(N_QUERY, 6, generator=generator), torch.randint(0, 3, (N_QUERY,), generator=generator)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for checkpoint, lr in LEARNING_RATES.items():
-        with store.capture(model, "run", checkpoint=checkpoint, learning_rate=lr, projection=None,
-                           curvature=True) as cap:
+        with store.capture(
+            model, "run", checkpoint=checkpoint, learning_rate=lr, projection=None, curvature=True
+        ) as cap:
             for start in range(0, N_TRAIN, 16):
                 cap.set_ids([f"x{i}" for i in range(start, start + 16)])
-                _loss(model, {"x": x[start:start + 16], "y": y[start:start + 16]}).backward()
+                _loss(model, {"x": x[start : start + 16], "y": y[start : start + 16]}).backward()
                 model.zero_grad()
             cap.set_split("query")
             cap.set_ids([f"q{i}" for i in range(N_QUERY)])
@@ -49,8 +50,15 @@ def captured(tmp_path_factory):
             _loss(model, {"x": x, "y": y}).backward()
             optimizer.step()
             optimizer.zero_grad()
-    store.add_examples(pd.DataFrame({"example_id": [f"x{i}" for i in range(N_TRAIN)],
-                                     "label": y.tolist(), "source": [f"s{i % 3}" for i in range(N_TRAIN)]}))
+    store.add_examples(
+        pd.DataFrame(
+            {
+                "example_id": [f"x{i}" for i in range(N_TRAIN)],
+                "label": y.tolist(),
+                "source": [f"s{i % 3}" for i in range(N_TRAIN)],
+            }
+        )
+    )
     return store, model, (xq, yq)
 
 
@@ -116,8 +124,7 @@ def test_trackstar_is_a_cosine_in_the_fisher_whitened_space(captured):
     white /= np.linalg.norm(white, axis=1, keepdims=True)
     table = store.attribute(run="run", k=8, method="trackstar", opponents=True, write=False)
     for largest in (True, False):
-        _check(table, q_ids, q, g_ids, lambda v: white @ (root @ v / np.linalg.norm(root @ v)), 8, largest,
-               rtol=1e-3)
+        _check(table, q_ids, q, g_ids, lambda v: white @ (root @ v / np.linalg.norm(root @ v)), 8, largest, rtol=1e-3)
     assert np.abs(table.column("score").to_numpy()).max() <= 1 + 1e-5
     with pytest.raises(gradstore.GradstoreError, match="not informative"):
         store.self_influence(run="run", method="trackstar", write=False)
@@ -183,8 +190,9 @@ def test_on_the_fly_queries_equal_stored_query_rows(captured, tmp_path):
     before = [p.grad for p in model.parameters()]
     from gradstore.queries import resolve_queries
 
-    live = resolve_queries(store, QueryBatch(model, {"x": xq, "y": yq}, ids=[f"q{i}" for i in range(N_QUERY)],
-                                             loss_fn=_loss), "run", "now")
+    live = resolve_queries(
+        store, QueryBatch(model, {"x": xq, "y": yq}, ids=[f"q{i}" for i in range(N_QUERY)], loss_fn=_loss), "run", "now"
+    )
     assert live.ids == [f"q{i}" for i in range(N_QUERY)]
     np.testing.assert_allclose(live.vectors, stored, rtol=1e-5, atol=1e-7)
     assert [p.grad for p in model.parameters()] == before  # model gradients untouched
@@ -198,8 +206,11 @@ def test_results_are_written_to_scores_and_macros_match_pandas(captured):
     got = store.sql("select * from top_proponents('q1', 4) where method = 'grad-dot'").df()
     examples = store.table("examples").to_pandas()
     scores = store.table("scores").to_pandas()
-    expected = (scores[(scores.query_id == "q1") & scores["rank"].between(1, 4) & (scores.method == "grad-dot")]
-                .merge(examples, on="example_id").sort_values("rank"))
+    expected = (
+        scores[(scores.query_id == "q1") & scores["rank"].between(1, 4) & (scores.method == "grad-dot")]
+        .merge(examples, on="example_id")
+        .sort_values("rank")
+    )
     assert got.example_id.tolist() == expected.example_id.tolist()
     np.testing.assert_allclose(got.score, expected.score)
     by_source = store.sql("select * from influence_by('source')").df().set_index("group")
@@ -270,12 +281,14 @@ def test_new_damping_reuses_the_fit_and_equals_a_refit(captured, monkeypatch):
 
     calls = []  # one statistics pass per shard of the local engine (one shard): one per fit
     original = FisherPreconditioner.statistics
-    monkeypatch.setattr(FisherPreconditioner, "statistics",
-                        lambda self, blocks, stage=0: calls.append(1) or original(self, blocks, stage))
+    monkeypatch.setattr(
+        FisherPreconditioner,
+        "statistics",
+        lambda self, blocks, stage=0: calls.append(1) or original(self, blocks, stage),
+    )
     redamped = store.build_index("run", checkpoint="c1", method="fisher", damping=0.05)
     assert calls == []  # no pass over the data
     refit = store.build_index("run", checkpoint="c1", method="fisher", damping=0.05, refit=True)
     assert calls == [1]
     queries = torch.randn(3, store.dim)
-    torch.testing.assert_close(redamped.prepare_queries(queries), refit.prepare_queries(queries), rtol=1e-4,
-                               atol=1e-6)
+    torch.testing.assert_close(redamped.prepare_queries(queries), refit.prepare_queries(queries), rtol=1e-4, atol=1e-6)

@@ -35,7 +35,7 @@ def sum_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
 
 
 def batches(x: torch.Tensor, y: torch.Tensor, size: int = 10) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(x[i:i + size], y[i:i + size]) for i in range(0, len(x), size)]
+    return [(x[i : i + size], y[i : i + size]) for i in range(0, len(x), size)]
 
 
 def per_sample_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -65,10 +65,14 @@ def test_sizes_are_capped_at_the_layer_width_and_set_per_layer():
     spec = GradientCapture(model, lambda b: None, CaptureConfig.from_options(k_in=16, k_out=16)).spec
     assert [(s.k_in, s.k_out) for s in spec.layers] == [(16, 16), (16, 10), (10, 4)]
     per_layer = {"^1$": (4, 2), "^[12]$": (3, 3)}  # first matching pattern wins
-    spec = GradientCapture(model, lambda b: None, CaptureConfig.from_options(k_in=16, k_out=16, layer_sizes=per_layer)).spec
+    spec = GradientCapture(
+        model, lambda b: None, CaptureConfig.from_options(k_in=16, k_out=16, layer_sizes=per_layer)
+    ).spec
     assert [(s.k_in, s.k_out) for s in spec.layers] == [(16, 16), (4, 2), (3, 3)]
     assert spec.dim == 256 + 8 + 9 and [s.offset for s in spec.layers] == [0, 256, 264]
-    dense = GradientCapture(model, lambda b: None, CaptureConfig.from_options(projection="dense", k_in=16, k_out=16)).spec
+    dense = GradientCapture(
+        model, lambda b: None, CaptureConfig.from_options(projection="dense", k_in=16, k_out=16)
+    ).spec
     assert [s.size for s in dense.layers] == [256, 160, 40]  # as many dims as the factorized slots
     with pytest.raises(ValueError, match="two positive"):
         GradientCapture(model, lambda b: None, CaptureConfig.from_options(layer_sizes={"0": (0, 3)}))
@@ -86,8 +90,9 @@ def test_capped_rows_equal_the_explicit_projection():
         p_in = projection_matrix(3, slot.name, "in", slot.k_in, slot.d_in_eff, dtype=torch.float64)
         p_out = projection_matrix(3, slot.name, "out", slot.k_out, slot.d_out, dtype=torch.float64)
         expected = (p_out @ g @ p_in.T).flatten(1)
-        torch.testing.assert_close(rows[:, slot.offset:slot.offset + slot.size].double(), expected,
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            rows[:, slot.offset : slot.offset + slot.size].double(), expected, rtol=1e-4, atol=1e-5
+        )
 
 
 def hand_covariances(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -130,8 +135,9 @@ def test_basis_rows_equal_basis_times_per_sample_gradient():
             p_in, p_out = (torch.from_numpy(p).double() for p in basis.matrices[slot.name])
             g = torch.cat([grads[f"{slot.name}.weight"], grads[f"{slot.name}.bias"].unsqueeze(-1)], -1)
             expected = (p_out @ g @ p_in.T).flatten(1)
-            torch.testing.assert_close(rows[:, slot.offset:slot.offset + slot.size].double(), expected,
-                                       rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                rows[:, slot.offset : slot.offset + slot.size].double(), expected, rtol=1e-4, atol=1e-5
+            )
 
 
 def test_basis_from_curvature_statistics():
@@ -150,7 +156,9 @@ def test_basis_from_curvature_statistics():
         for p, q in zip(from_stats.matrices[name], prepass.matrices[name]):
             np.testing.assert_allclose(p.T @ p, q.T @ q, atol=1e-4)
     # factorized statistics live in projected coordinates: lifted rows R = V^T P diagonalise A exactly
-    cfg = CaptureConfig.from_options(projection="factorized", k_in=5, k_out=3, curvature=True, loss_reduction="sum", seed=2)
+    cfg = CaptureConfig.from_options(
+        projection="factorized", k_in=5, k_out=3, curvature=True, loss_reduction="sum", seed=2
+    )
     with GradientCapture(model, stats_rows.append, cfg) as cap:
         for xb, yb in batches(x, y):
             sum_loss(model, (xb, yb)).backward()
@@ -205,8 +213,9 @@ def test_basis_round_trips_through_the_store_and_fixes_later_captures(store_path
     got = reopened.read_gradients("r", split="query")
     order = np.argsort([int(i[5:]) for i in got.metadata.column("example_id").to_pylist()])
     np.testing.assert_allclose(got.vectors[order], expected.numpy(), rtol=1e-6, atol=1e-7)
-    assert run_basis(reopened, "r") is not None and json.loads(reopened.run(
-        "r")["projection"])["basis"] == basis.digest()
+    assert (
+        run_basis(reopened, "r") is not None and json.loads(reopened.run("r")["projection"])["basis"] == basis.digest()
+    )
 
 
 def test_mismatched_basis_is_refused(store_path):
@@ -243,21 +252,25 @@ def test_basis_must_fit_the_layers():
     with pytest.raises(ValueError, match="layer '2'"):
         GradientCapture(model, lambda b: None, CaptureConfig.from_options(basis=wrong))
     with pytest.raises(ValueError, match="no matrices for layer '2'"):
-        GradientCapture(model, lambda b: None, CaptureConfig.from_options(basis=ProjectionBasis({"0": wrong.matrices["0"]})))
+        GradientCapture(
+            model, lambda b: None, CaptureConfig.from_options(basis=ProjectionBasis({"0": wrong.matrices["0"]}))
+        )
     with pytest.raises(ValueError, match="factorized"):
         GradientCapture(model, lambda b: None, CaptureConfig.from_options(projection="dense", basis=wrong))
 
 
 def hand_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, np.ndarray]:
     grads = per_sample_grads(model, x, y)
-    return {name: torch.cat([grads[f"{name}.weight"], grads[f"{name}.bias"].unsqueeze(-1)], -1).numpy()
-            for name in ("0", "2")}
+    return {
+        name: torch.cat([grads[f"{name}.weight"], grads[f"{name}.bias"].unsqueeze(-1)], -1).numpy()
+        for name in ("0", "2")
+    }
 
 
 def assert_diagonalises(p: np.ndarray, cov: np.ndarray) -> None:
     """Rows of ``p`` are orthonormal top eigenvectors of ``cov``."""
     p = p.astype(np.float64)
-    top = np.sort(np.linalg.eigvalsh(cov))[::-1][:len(p)]
+    top = np.sort(np.linalg.eigvalsh(cov))[::-1][: len(p)]
     np.testing.assert_allclose(p @ cov @ p.T, np.diag(top), rtol=1e-4, atol=1e-6 * top[0])
 
 
@@ -284,8 +297,12 @@ def test_several_losses_per_batch_sum_their_second_moments():
 
     def two_labels(model, batch):
         logits = model(batch[0])
-        return torch.stack([F.cross_entropy(logits, batch[1], reduction="sum"),
-                            F.cross_entropy(logits, (batch[1] + 1) % 3, reduction="sum")])
+        return torch.stack(
+            [
+                F.cross_entropy(logits, batch[1], reduction="sum"),
+                F.cross_entropy(logits, (batch[1] + 1) % 3, reduction="sum"),
+            ]
+        )
 
     basis = estimate_basis(model, batches(x, y, size=1), two_labels, ProjectionConfig(k_in=4, k_out=2))
     s_cov = sum(hand_covariances(model, x, labels)["2"][1] for labels in (y, (y + 1) % 3))
@@ -315,8 +332,13 @@ def test_embedding_gradient_factors_equal_per_sample_gradients(factors):
     def loss(m, batch):
         return F.cross_entropy(m(batch[0]).reshape(-1, 3), batch[1].reshape(-1), reduction="sum")
 
-    basis = estimate_basis(model, [(ids[:2], targets[:2]), (ids[2:], targets[2:])], loss,
-                           ProjectionConfig(k_in=3, k_out=2, include="^0$"), factors=factors)
+    basis = estimate_basis(
+        model,
+        [(ids[:2], targets[:2]), (ids[2:], targets[2:])],
+        loss,
+        ProjectionConfig(k_in=3, k_out=2, include="^0$"),
+        factors=factors,
+    )
     params = {k: v.detach() for k, v in model.named_parameters()}
 
     def one(p, i, t):

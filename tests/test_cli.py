@@ -45,9 +45,11 @@ def test_sql_formats(store_path, tmp_path):
     assert [json.loads(line)["loss"] for line in lines] == [1.0, 2.0, 3.0]
     out = tmp_path / "out.parquet"
     assert runner.invoke(app, ["sql", str(store_path), query, "-f", "parquet", "-o", str(out)]).exit_code == 0
-    pd.testing.assert_frame_equal(pq.read_table(out).to_pandas(),
-                                  pd.DataFrame({"example_id": ["a", "b", "c"], "loss": [1.0, 2.0, 3.0]}),
-                                  check_dtype=False)
+    pd.testing.assert_frame_equal(
+        pq.read_table(out).to_pandas(),
+        pd.DataFrame({"example_id": ["a", "b", "c"], "loss": [1.0, 2.0, 3.0]}),
+        check_dtype=False,
+    )
     table = runner.invoke(app, ["sql", str(store_path), query])
     assert "example_id" in table.output and "c" in table.output
 
@@ -60,8 +62,9 @@ def test_errors_are_messages_not_tracebacks(store_path, tmp_path):
     assert write.exit_code == 1 and "read-only" in write.output
     cast = runner.invoke(app, ["sql", str(store_path), "select cast(example_id as integer) from gradients"])
     assert cast.exit_code == 1 and "Traceback" not in cast.output
-    assert cast.output.strip().splitlines() == ["error: Conversion Error: Could not convert string 'a' to INT32 "
-                                                "when casting from source column example_id"]
+    assert cast.output.strip().splitlines() == [
+        "error: Conversion Error: Could not convert string 'a' to INT32 when casting from source column example_id"
+    ]
     missing = runner.invoke(app, ["info", str(tmp_path / "nothing")])
     assert missing.exit_code == 1 and "no gradstore store" in missing.output
 
@@ -80,13 +83,32 @@ def test_attribution_commands(tmp_path):
     from gradstore.demo import DemoConfig, run_demo
 
     path = tmp_path / "demo"
-    run_demo(path, DemoConfig(places=3, phrasings=4, epochs=2, checkpoints=1, methods=("grad-dot",),
-                              shown_queries=0), log=lambda line: None)
+    run_demo(
+        path,
+        DemoConfig(places=3, phrasings=4, epochs=2, checkpoints=1, methods=("grad-dot",), shown_queries=0),
+        log=lambda line: None,
+    )
     store = gradstore.open(path)
     query = store.sql("select example_id from gradients where split = 'query' limit 1").fetchall()[0][0]
     out = tmp_path / "scores.parquet"
-    result = runner.invoke(app, ["attribute", str(path), "--run", "demo", "--queries", query, "-k", "3",
-                                 "--method", "fisher", "--opponents", "--out", str(out)])
+    result = runner.invoke(
+        app,
+        [
+            "attribute",
+            str(path),
+            "--run",
+            "demo",
+            "--queries",
+            query,
+            "-k",
+            "3",
+            "--method",
+            "fisher",
+            "--opponents",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert sorted(pq.read_table(out).column("rank").to_pylist()) == [-3, -2, -1, 1, 2, 3]
     top = runner.invoke(app, ["self-influence", str(path), "--run", "demo", "--top", "2"])
@@ -106,13 +128,19 @@ def test_attribute_defaults_to_fisher_and_user_errors_are_one_line(tmp_path):
     from gradstore.demo import DemoConfig, run_demo
 
     path = tmp_path / "demo"
-    run_demo(path, DemoConfig(places=3, phrasings=4, epochs=1, checkpoints=1, methods=("grad-dot",),
-                              shown_queries=0), log=lambda line: None)
+    run_demo(
+        path,
+        DemoConfig(places=3, phrasings=4, epochs=1, checkpoints=1, methods=("grad-dot",), shown_queries=0),
+        log=lambda line: None,
+    )
     default = runner.invoke(app, ["attribute", str(path), "--run", "demo", "-k", "1"])
     assert default.exit_code == 0 and "fisher" in default.output and "grad-dot" not in default.output
-    for arguments, message in ((["--kind", "Bogus"], "Bogus"), (["--queries", "nope"], "nope"),
-                               (["--where", "split = 'nothing'"], "no queries"),
-                               (["--where", "1=1) OR (1=1"], "parenthesis")):
+    for arguments, message in (
+        (["--kind", "Bogus"], "Bogus"),
+        (["--queries", "nope"], "nope"),
+        (["--where", "split = 'nothing'"], "no queries"),
+        (["--where", "1=1) OR (1=1"], "parenthesis"),
+    ):
         result = runner.invoke(app, ["attribute", str(path), "--run", "demo", *arguments])
         assert result.exit_code == 1 and message in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output

@@ -65,8 +65,10 @@ def test_retrying_reruns_only_retryable_conflicts():
     def flaky():
         calls.append(1)
         if len(calls) < 3:
-            raise OSError("Retryable commit conflict for version 7: This Append transaction was preempted by "
-                          "concurrent transaction Rewrite at version 7. Please retry.")
+            raise OSError(
+                "Retryable commit conflict for version 7: This Append transaction was preempted by "
+                "concurrent transaction Rewrite at version 7. Please retry."
+            )
         return "done"
 
     assert commits.retrying(flaky, "test") == "done" and len(calls) == 3

@@ -22,18 +22,27 @@ def test_corpus_is_deterministic_and_holds_out_one_phrasing_per_fact():
 
 def test_bm25_prefers_documents_sharing_rare_terms():
     scores = BM25(["the capital of a is b .", "the weather is cold .", "the capital of c is d ."]).scores(
-        "capital of a")
+        "capital of a"
+    )
     assert scores.argmax() == 0 and scores[1] == 0.0
 
 
 def test_demo_end_to_end_reduced(tmp_path):
-    config = DemoConfig(places=6, phrasings=8, epochs=10, checkpoints=2, methods=("grad-dot", "fisher", "tracin"),
-                        shown_queries=1)
+    config = DemoConfig(
+        places=6, phrasings=8, epochs=10, checkpoints=2, methods=("grad-dot", "fisher", "tracin"), shown_queries=1
+    )
     lines: list[str] = []
     summary = run_demo(tmp_path / "demo", config, log=lines.append)
     recall = summary["recall"]
-    assert set(recall) == {"grad-dot", "fisher", "tracin", "fisher (curvature)", "trackstar (adam)", "bm25 (lexical)",
-                           "random"}
+    assert set(recall) == {
+        "grad-dot",
+        "fisher",
+        "tracin",
+        "fisher (curvature)",
+        "trackstar (adam)",
+        "bm25 (lexical)",
+        "random",
+    }
     assert min(recall["fisher"], recall["tracin"], recall["fisher (curvature)"]) > recall["random"]
     store = gradstore.open(tmp_path / "demo", create=False)
     n_train, n_queries = 6 * 2 * 7 + 6 * 4, 12

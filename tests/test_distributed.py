@@ -88,6 +88,7 @@ def die_mid_run(rank: int, store) -> None:
     wrapped = nn.parallel.DistributedDataParallel(make_model())
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     with distributed_capture(store, wrapped, "killed", optimizer=opt, commit_every=2, **OPTIONS) as cap:
+
         def die_after_staging(step: int) -> None:
             if step == 2:
                 cap.capture.flush()
@@ -147,8 +148,9 @@ def test_ddp_and_fsdp2_ranks_write_exactly_the_single_process_rows(job):
         assert set(got) == set(reference) and len(got) == STEPS * GLOBAL_BATCH
         for key, vector in reference.items():
             assert np.linalg.norm(got[key] - vector) <= 1e-5 * np.linalg.norm(vector), (run, key)
-        ranks = store.sql(f"SELECT rank, count(*) AS n FROM gradients WHERE run_id = '{run}' GROUP BY rank "
-                          "ORDER BY rank").fetchall()
+        ranks = store.sql(
+            f"SELECT rank, count(*) AS n FROM gradients WHERE run_id = '{run}' GROUP BY rank ORDER BY rank"
+        ).fetchall()
         assert ranks == [(0, STEPS * GLOBAL_BATCH // 2), (1, STEPS * GLOBAL_BATCH // 2)]
         # both ranks' rows went in through one commit per flush point: after steps 2 and 4 (none at exit)
         assert stats[run] == {"commits": 2, "rows": STEPS * GLOBAL_BATCH}
@@ -163,6 +165,5 @@ def test_a_killed_rank_leaves_exactly_the_committed_rows(job):
     assert sorted(got) == sorted((f"ex{i}", s) for s in (0, 1) for i in range(s * 8 % 16, s * 8 % 16 + 8))
     # step 2's rows were written as data files by both ranks, but never committed
     data_files = list((store_path / "gradients.lance" / "data").glob("*.lance"))
-    referenced = {f.path for frag in store.table("gradients").to_lance().get_fragments()
-                  for f in frag.metadata.files}
+    referenced = {f.path for frag in store.table("gradients").to_lance().get_fragments() for f in frag.metadata.files}
     assert len(data_files) > len(referenced)

@@ -42,9 +42,13 @@ def integers(tmp_path_factory):
             rows = rng.integers(-2, 3, (ROWS_PER_CHECKPOINT, DIM)).astype(np.float32)
             ids = [f"e{i:03d}" for i in rng.integers(0, EXAMPLES, ROWS_PER_CHECKPOINT)]
             for start in range(0, ROWS_PER_CHECKPOINT, 70):
-                writer.append(rows[start:start + 70], ids[start:start + 70], checkpoint=checkpoint, split="train")
-            writer.append(rng.integers(-2, 3, (4, DIM)).astype(np.float32), [f"q{i}" for i in range(4)],
-                          checkpoint=checkpoint, split="query")
+                writer.append(rows[start : start + 70], ids[start : start + 70], checkpoint=checkpoint, split="train")
+            writer.append(
+                rng.integers(-2, 3, (4, DIM)).astype(np.float32),
+                [f"q{i}" for i in range(4)],
+                checkpoint=checkpoint,
+                split="query",
+            )
             store.record_checkpoint("ints", checkpoint, step=step, learning_rate=rate)
     assert len(store.table("gradients").to_lance().get_fragments()) > 6
     return store
@@ -65,11 +69,19 @@ def captured(tmp_path_factory):
     x, y = torch.randn(240, 6, generator=generator), torch.randint(0, 4, (240,), generator=generator)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for checkpoint, lr in {"a": 0.2, "b": 0.1}.items():
-        with store.capture(model, "run", checkpoint=checkpoint, learning_rate=lr, k_in=2, k_out=2,
-                           curvature=True, writer=gradstore.WriterConfig(commit_rows=40)) as cap:
+        with store.capture(
+            model,
+            "run",
+            checkpoint=checkpoint,
+            learning_rate=lr,
+            k_in=2,
+            k_out=2,
+            curvature=True,
+            writer=gradstore.WriterConfig(commit_rows=40),
+        ) as cap:
             for start in range(0, 240, 24):
                 cap.set_ids([f"x{i:03d}" for i in range(start, start + 24)])
-                nn.functional.cross_entropy(model(x[start:start + 24]), y[start:start + 24]).backward()
+                nn.functional.cross_entropy(model(x[start : start + 24]), y[start : start + 24]).backward()
                 model.zero_grad()
             cap.set_split("query")
             cap.set_ids([f"q{i}" for i in range(5)])
@@ -86,8 +98,9 @@ def _same(local: pa.Table, remote: pa.Table, rtol: float = 1e-5) -> None:
     assert local.num_rows == remote.num_rows > 0
     for name in local.column_names:
         if name in ("score", "self_influence"):
-            np.testing.assert_allclose(remote.column(name).to_numpy(), local.column(name).to_numpy(), rtol=rtol,
-                                       atol=1e-6)
+            np.testing.assert_allclose(
+                remote.column(name).to_numpy(), local.column(name).to_numpy(), rtol=rtol, atol=1e-6
+            )
         elif name != "created_at":
             assert remote.column(name).to_pylist() == local.column(name).to_pylist(), name
 
@@ -133,12 +146,15 @@ def test_tracin_streams_per_example_range_and_equals_the_dense_sum(integers, ray
         np.testing.assert_array_equal(got.score.to_numpy(), matrix[row][order])
 
 
-@pytest.mark.parametrize(("method", "blocks"), [("fisher", "full"), ("fisher", "layer"), ("kfac", "auto"),
-                                                ("ekfac", "auto"), ("cosine", "auto")])
+@pytest.mark.parametrize(
+    ("method", "blocks"),
+    [("fisher", "full"), ("fisher", "layer"), ("kfac", "auto"), ("ekfac", "auto"), ("cosine", "auto")],
+)
 def test_attribute_on_ray_equals_in_process(captured, ray_engine, method, blocks):
     local = captured.attribute(run="run", k=5, method=method, blocks=blocks, opponents=True, write=False)
-    refit = captured.attribute(run="run", k=5, method=method, blocks=blocks, opponents=True, write=False,
-                               engine=ray_engine)
+    refit = captured.attribute(
+        run="run", k=5, method=method, blocks=blocks, opponents=True, write=False, engine=ray_engine
+    )
     _same(local, refit)
 
 
@@ -159,8 +175,9 @@ def test_self_influence_and_selection_on_ray_equal_in_process(captured, ray_engi
         _same(local, captured.self_influence(run="run", method=method, write=False, engine=ray_engine))
     for preconditioner, aggregate in (("grad-dot", "max"), ("fisher", "mean")):
         local = captured.select(run="run", budget=0.2, preconditioner=preconditioner, aggregate=aggregate)
-        remote = captured.select(run="run", budget=0.2, preconditioner=preconditioner, aggregate=aggregate,
-                                 engine=ray_engine)
+        remote = captured.select(
+            run="run", budget=0.2, preconditioner=preconditioner, aggregate=aggregate, engine=ray_engine
+        )
         _same(local, remote)
 
 
@@ -174,8 +191,9 @@ def test_build_index_and_cli_on_ray(captured, ray_engine, tmp_path):
     queries = captured.read_gradients("run", checkpoint="b", split="query").vectors
     for kind, label in (("Flat", "flat"), ("IVF2,Flat", "ivf")):
         local = captured.build_index("run", method="fisher", kind=kind, name=f"local-{label}", refit=True)
-        remote = captured.build_index("run", method="fisher", kind=kind, name=f"ray-{label}", refit=True,
-                                      engine=ray_engine)
+        remote = captured.build_index(
+            "run", method="fisher", kind=kind, name=f"ray-{label}", refit=True, engine=ray_engine
+        )
         assert remote.indexed_ids.tolist() == local.indexed_ids.tolist()  # shards merged in dataset order
         for got, want in zip(remote.search(queries, 4), local.search(queries, 4)):
             np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -222,7 +240,7 @@ def test_ray_engine_on_object_storage_equals_the_local_path(ray_engine, s3_bucke
     with store.capture(model, "run", k_in=4, k_out=2) as cap:
         for start in range(0, 20, 5):
             cap.set_ids([f"x{i}" for i in range(start, start + 5)])
-            nn.functional.cross_entropy(model(x[start:start + 5]), y[start:start + 5]).backward()
+            nn.functional.cross_entropy(model(x[start : start + 5]), y[start : start + 5]).backward()
             model.zero_grad()
         cap.set_split("query")
         cap.set_ids(["q0", "q1"])

@@ -79,8 +79,15 @@ def hand_lds(store, truth, queries: list[str]) -> np.ndarray:
 def test_lds_equals_hand_computation_and_is_written(store):
     train_fn, calls = make_train_fn()
     queries = [f"q{i}" for i in range(N_QUERY)]
-    table, truth = lds(store, "run", train_fn, queries=queries, subsets=30, seed=3,
-                       methods={"gd": {"method": "grad-dot"}, "if": {"method": "fisher", "damping": 1e-3}})
+    table, truth = lds(
+        store,
+        "run",
+        train_fn,
+        queries=queries,
+        subsets=30,
+        seed=3,
+        methods={"gd": {"method": "grad-dot"}, "if": {"method": "fisher", "damping": 1e-3}},
+    )
     assert calls == [(30, tuple(queries), 0)]
     assert truth.masks.shape == (30, N_TRAIN) and set(truth.masks.sum(1)) == {N_TRAIN // 2}
     assert truth.train_ids == sorted(f"x{i}" for i in range(N_TRAIN))
@@ -92,10 +99,11 @@ def test_lds_equals_hand_computation_and_is_written(store):
     assert rows["gd"]["noise_ceiling"] is None  # one seed
     stored = store.sql("SELECT label, value FROM evaluations ORDER BY label").fetchall()
     assert [(label, pytest.approx(value)) for label, value in stored] == [
-        ("gd", rows["gd"]["value"]), ("if", rows["if"]["value"])]
+        ("gd", rows["gd"]["value"]),
+        ("if", rows["if"]["value"]),
+    ]
     # a subset of the evaluated queries reuses the retraining
-    again, _ = lds(store, "run", queries=queries[:3], truth=truth, methods={"gd": {"method": "grad-dot"}},
-                   write=False)
+    again, _ = lds(store, "run", queries=queries[:3], truth=truth, methods={"gd": {"method": "grad-dot"}}, write=False)
     assert again.column("value")[0].as_py() == pytest.approx(hand_lds(store, truth, queries[:3]).mean(), abs=1e-9)
     assert store.sql("SELECT count(*) FROM evaluations").fetchall()[0][0] == 2
 
@@ -103,8 +111,9 @@ def test_lds_equals_hand_computation_and_is_written(store):
 def test_lds_is_deterministic_given_seeds_and_has_a_noise_ceiling(store):
     queries = [f"q{i}" for i in range(N_QUERY)]
     train_fn, calls = make_train_fn(noise=0.05)
-    kwargs = dict(queries=queries, subsets=20, seeds=(4, 5, 6, 7), seed=1, write=False,
-                  methods={"gd": {"method": "grad-dot"}})
+    kwargs = dict(
+        queries=queries, subsets=20, seeds=(4, 5, 6, 7), seed=1, write=False, methods={"gd": {"method": "grad-dot"}}
+    )
     first, truth = lds(store, "run", train_fn, **kwargs)
     second, truth2 = lds(store, "run", train_fn, **kwargs)
     assert [c[2] for c in calls] == [4, 5, 6, 7, 4, 5, 6, 7]
@@ -140,20 +149,48 @@ def test_cli_evaluate_lds_imports_the_training_function(store, tmp_path, monkeyp
         "def train_fn(subsets, queries, seed):\n"
         "    weight = {q: i + 1 for i, q in enumerate(queries)}\n"
         "    return np.array([[sum(int(e[1:]) % 7 for e in s) * weight[q] + seed for q in queries]"
-        " for s in subsets], float)\n")
+        " for s in subsets], float)\n"
+    )
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(app, ["evaluate", "lds", store.uri, "--run", "run", "--train",
-                                      "lds_toy_train:train_fn", "--methods", "grad-dot", "--subsets", "12",
-                                      "--seeds", "0,1", "--seed", "5"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "evaluate",
+            "lds",
+            store.uri,
+            "--run",
+            "run",
+            "--train",
+            "lds_toy_train:train_fn",
+            "--methods",
+            "grad-dot",
+            "--subsets",
+            "12",
+            "--seeds",
+            "0,1",
+            "--seed",
+            "5",
+        ],
+    )
     assert result.exit_code == 0, result.output
     import lds_toy_train
 
-    expected, _ = lds(store, "run", lds_toy_train.train_fn, queries=[f"q{i}" for i in range(N_QUERY)],
-                      methods={"grad-dot": {"method": "grad-dot"}}, subsets=12, seeds=(0, 1), seed=5, write=False)
+    expected, _ = lds(
+        store,
+        "run",
+        lds_toy_train.train_fn,
+        queries=[f"q{i}" for i in range(N_QUERY)],
+        methods={"grad-dot": {"method": "grad-dot"}},
+        subsets=12,
+        seeds=(0, 1),
+        seed=5,
+        write=False,
+    )
     assert f"{expected.column('value')[0].as_py():.4g}"[:5] in result.output
     written = store.sql("SELECT value, noise_ceiling FROM evaluations WHERE subsets = 12").fetchall()
-    assert written == [(pytest.approx(expected.column("value")[0].as_py()),
-                        pytest.approx(expected.column("noise_ceiling")[0].as_py()))]
+    assert written == [
+        (pytest.approx(expected.column("value")[0].as_py()), pytest.approx(expected.column("noise_ceiling")[0].as_py()))
+    ]
     bad = CliRunner().invoke(app, ["evaluate", "lds", store.uri, "--run", "run", "--train", "nocolon"])
     assert bad.exit_code == 1 and "module:function" in bad.output
 

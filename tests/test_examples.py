@@ -18,8 +18,13 @@ pytestmark = pytest.mark.slow
 def run_example(name: str, store: Path) -> str:
     """Run ``examples/<name>.py --store STORE --quick`` in a fresh interpreter; its stdout (fails on rc != 0)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), "--store", str(store), "--quick"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), "--store", str(store), "--quick"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 
@@ -71,8 +76,15 @@ def test_data_selection_exports(tmp_path):
 
 def test_sql_questions(tmp_path):
     out = run_example("sql_questions", tmp_path / "store")
-    for title in ("top_proponents", "top_opponents", "influential_examples", "influence_by('source')",
-                  "influence_by('label')", "most_self_influential", "custom:"):
+    for title in (
+        "top_proponents",
+        "top_opponents",
+        "influential_examples",
+        "influence_by('source')",
+        "influence_by('label')",
+        "most_self_influential",
+        "custom:",
+    ):
         assert f"-- {title}" in out
     assert "shape: (" in out  # a polars frame was printed
     import gradstore

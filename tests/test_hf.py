@@ -26,8 +26,9 @@ OPTIONS = {"projection": "factorized", "k_in": 8, "k_out": 8}
 def token_dataset() -> datasets.Dataset:
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 64, (N, SEQ), generator=gen).tolist()
-    return datasets.Dataset.from_dict({"input_ids": tokens, "labels": tokens,
-                                       "example_id": [f"ex{i}" for i in range(N)]})
+    return datasets.Dataset.from_dict(
+        {"input_ids": tokens, "labels": tokens, "example_id": [f"ex{i}" for i in range(N)]}
+    )
 
 
 def collate(features: list[dict]) -> dict[str, torch.Tensor]:
@@ -35,14 +36,32 @@ def collate(features: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def train_with_callback(tmp_path, store, run: str, **arguments) -> Trainer:
-    args = TrainingArguments(output_dir=str(tmp_path / run), per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, num_train_epochs=2, learning_rate=LR,
-                             lr_scheduler_type="linear", warmup_steps=0, save_strategy="steps", save_steps=3,
-                             report_to=[], remove_unused_columns=False, use_cpu=True, seed=0,
-                             logging_strategy="no", disable_tqdm=True, **arguments)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / run),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_train_epochs=2,
+        learning_rate=LR,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        save_strategy="steps",
+        save_steps=3,
+        report_to=[],
+        remove_unused_columns=False,
+        use_cpu=True,
+        seed=0,
+        logging_strategy="no",
+        disable_tqdm=True,
+        **arguments,
+    )
     callback = GradstoreCallback(store, run, **OPTIONS)
-    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=token_dataset(),
-                      data_collator=with_example_ids(collate), callbacks=[callback])
+    trainer = Trainer(
+        model=tiny_gpt2(),
+        args=args,
+        train_dataset=token_dataset(),
+        data_collator=with_example_ids(collate),
+        callbacks=[callback],
+    )
     trainer.train()
     assert callback.capture is None  # closed at on_train_end
     return trainer
@@ -127,25 +146,43 @@ def test_trl_sft_trainer(tmp_path):
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(61)}}
     word_level = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="<pad>", eos_token="<eos>",
-                                        unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
     gen = torch.Generator().manual_seed(2)
     lengths = torch.randint(4, 12, (8,), generator=gen).tolist()  # padded batches of mixed lengths
     texts = [" ".join(f"w{int(t)}" for t in torch.randint(0, 61, (n,), generator=gen)) for n in lengths]
     dataset = datasets.Dataset.from_dict({"text": texts, "example_id": [f"t{i}" for i in range(8)]})
     store = gradstore.open(tmp_path / "store", storage_dtype="float32")
-    args = trl.SFTConfig(output_dir=str(tmp_path / "sft"), per_device_train_batch_size=4, num_train_epochs=2,
-                         learning_rate=LR, lr_scheduler_type="constant", remove_unused_columns=False,
-                         report_to=[], save_strategy="no", use_cpu=True, max_length=32, logging_strategy="no",
-                         disable_tqdm=True, seed=0, bf16=False)  # TRL turns bf16 autocast on by default
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "sft"),
+        per_device_train_batch_size=4,
+        num_train_epochs=2,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        remove_unused_columns=False,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        max_length=32,
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        bf16=False,
+    )  # TRL turns bf16 autocast on by default
     collator = DataCollatorForLanguageModeling(pad_token_id=0)
     model = tiny_gpt2()
     # TRL divides its loss by the Trainer's token count without passing it to the model, so capture recounts
     # per micro-batch: the Trainer must count the shifted label tokens, as the loss does (see docs/integrations.md)
     model.loss_type = "ForCausalLM"
-    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                             data_collator=with_example_ids(collator),
-                             callbacks=[GradstoreCallback(store, "sft", **OPTIONS)])
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        data_collator=with_example_ids(collator),
+        callbacks=[GradstoreCallback(store, "sft", **OPTIONS)],
+    )
     trainer.train()
     assert "lm_head" not in [slot.name for slot in store.run_spec("sft").layers]
     got = rows(store, "sft")

@@ -111,8 +111,10 @@ def test_transform_is_applied_to_every_block(kernel: str) -> None:
     scores, found = ExactIndex(device="cpu", kernel=kernel, block_rows=20).search(
         cosine.apply_both(torch.from_numpy(queries)), (ids, vectors), 5, transform=cosine.apply_both
     )
+
     def unit(a):
         return a / np.linalg.norm(a, axis=1, keepdims=True)
+
     expected_scores, expected_ids = brute_force(unit(queries), unit(vectors), ids, 5)
     np.testing.assert_array_equal(found, expected_ids)
     np.testing.assert_allclose(scores, expected_scores, atol=1e-6)

@@ -98,9 +98,7 @@ def test_add_from_scaled_float16_blocks(random_rows) -> None:
     norms = np.linalg.norm(vectors, axis=1).astype(np.float32)
     unit16 = (vectors / norms[:, None]).astype(np.float16)
     scaled = FaissIndex("Flat", 32)
-    scaled.add_from(
-        lambda: iter([(ids[:250], unit16[:250], norms[:250]), (ids[250:], unit16[250:], norms[250:])])
-    )
+    scaled.add_from(lambda: iter([(ids[:250], unit16[:250], norms[:250]), (ids[250:], unit16[250:], norms[250:])]))
     plain = FaissIndex("Flat", 32)
     plain.add(ids, unit16.astype(np.float32) * norms[:, None])
     for got, expected in zip(scaled.search(queries, 10), plain.search(queries, 10), strict=True):
@@ -129,9 +127,7 @@ def test_save_load_and_incremental_add_equal_rebuild(tmp_path, random_rows, fact
     incremental = FaissIndex.load(tmp_path / "trained", mmap=False)
     incremental.add(ids[:300], vectors[:300])
     incremental.save(tmp_path / "part", {**MANIFEST, "rows": 300})
-    reloaded = FaissIndex.load(
-        tmp_path / "part", expected_manifest={**MANIFEST, "rows": 300}
-    )  # memory-mapped
+    reloaded = FaissIndex.load(tmp_path / "part", expected_manifest={**MANIFEST, "rows": 300})  # memory-mapped
     assert reloaded.ntotal == 300 and reloaded.nprobe == rebuilt.nprobe and reloaded.manifest["rows"] == 300
     np.testing.assert_array_equal(reloaded.search(queries, 10)[1], incremental.search(queries, 10)[1])
     reloaded.add(ids[300:], vectors[300:])

@@ -78,9 +78,7 @@ def test_fisher_full_closed_form() -> None:
 def test_fisher_block_diagonal_closed_form_blocks_in_any_order() -> None:
     fisher = make_preconditioner("fisher", damping=0.3, blocks=[(3, 7), (0, 3)]).fit(chunks(GRADS))
     first, second = GRADS[:, :3], GRADS[:, 3:]
-    inverse = block_diagonal(
-        damped_inverse(first.T @ first / 300, 0.3), damped_inverse(second.T @ second / 300, 0.3)
-    )
+    inverse = block_diagonal(damped_inverse(first.T @ first / 300, 0.3), damped_inverse(second.T @ second / 300, 0.3))
     check_inverse(fisher, inverse)
 
 
@@ -123,9 +121,7 @@ def test_ekfac_eigenvalue_correction_closed_form() -> None:
         g = gradient_matrices(name).reshape(len(GRADS), -1)
         eigenvalues = ((g @ basis) ** 2).mean(0)
         inverses.append(basis @ np.diag(1 / (eigenvalues + 0.1 * eigenvalues.mean())) @ basis.T)
-    kfac = make_preconditioner(
-        "kfac", kronecker_layout=LAYOUT, kronecker_factors=factors, eigen_correction=True
-    )
+    kfac = make_preconditioner("kfac", kronecker_layout=LAYOUT, kronecker_factors=factors, eigen_correction=True)
     check_inverse(kfac.fit(chunks(GRADS)), block_diagonal(*inverses))
 
 
@@ -179,19 +175,25 @@ def fit_sharded(preconditioner: Preconditioner, shards: list[np.ndarray]) -> Pre
     return preconditioner
 
 
-KFAC_GIVEN = {"kronecker_layout": LAYOUT, "kronecker_factors": {
-    "fc1": (np.diag([1.0, 2.0]), np.diag([3.0, 1.0, 0.5])), "fc2": (np.eye(4) * 2.0, np.ones((1, 1)))}}
+KFAC_GIVEN = {
+    "kronecker_layout": LAYOUT,
+    "kronecker_factors": {
+        "fc1": (np.diag([1.0, 2.0]), np.diag([3.0, 1.0, 0.5])),
+        "fc2": (np.eye(4) * 2.0, np.ones((1, 1))),
+    },
+}
 
 
-@pytest.mark.parametrize(("name", "options"), [("identity", {}), *FITTED_KINDS, ("kfac", KFAC_GIVEN),
-                                               ("kfac", {**KFAC_GIVEN, "eigen_correction": True})])
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("identity", {}), *FITTED_KINDS, ("kfac", KFAC_GIVEN), ("kfac", {**KFAC_GIVEN, "eigen_correction": True})],
+)
 def test_sharded_statistics_merged_equal_the_whole_fit(name: str, options: dict) -> None:
     shards = [GRADS[:100], GRADS[100:101], GRADS[101:101], GRADS[101:]]  # uneven, one row, one empty
     sharded = fit_sharded(make_preconditioner(name, **options), shards)
     whole = make_preconditioner(name, **options).fit(chunks(GRADS))
     for both in (False, True):
-        np.testing.assert_allclose(apply(sharded, QUERIES, both), apply(whole, QUERIES, both), rtol=1e-10,
-                                   atol=1e-13)
+        np.testing.assert_allclose(apply(sharded, QUERIES, both), apply(whole, QUERIES, both), rtol=1e-10, atol=1e-13)
     assert getattr(sharded, "n_rows", 0) == getattr(whole, "n_rows", 0)
 
 
@@ -222,9 +224,7 @@ def test_dtypes_and_one_dimensional_inputs() -> None:
     fisher = make_preconditioner("fisher").fit(chunks(GRADS.astype(np.float32)))
     half = torch.from_numpy(QUERIES).to(torch.float16)
     assert fisher.apply_query(half).dtype == torch.float32
-    np.testing.assert_allclose(
-        fisher.apply_query(half[0]).numpy(), fisher.apply_query(half)[0].numpy(), rtol=1e-6
-    )
+    np.testing.assert_allclose(fisher.apply_query(half[0]).numpy(), fisher.apply_query(half)[0].numpy(), rtol=1e-6)
     assert fisher.apply_both(torch.from_numpy(QUERIES)).dtype == torch.float64
 
 

@@ -78,7 +78,9 @@ def train(model, steps, capture: bool):
             opt.zero_grad()
 
     if capture:
-        with GradientCapture(model, out.append, CaptureConfig.from_options(loss_reduction="token_mean", curvature=True)):
+        with GradientCapture(
+            model, out.append, CaptureConfig.from_options(loss_reduction="token_mean", curvature=True)
+        ):
             loop()
     else:
         loop()
@@ -143,7 +145,10 @@ def test_bad_ids_raise_clear_errors():
 def test_per_example_loss_and_token_counts():
     model = tiny_gpt2()
     _, out = run_lm(
-        model, [lm_batch(SEQS)], CaptureConfig.from_options(loss_reduction="token_mean"), per_example_loss=causal_lm_loss
+        model,
+        [lm_batch(SEQS)],
+        CaptureConfig.from_options(loss_reduction="token_mean"),
+        per_example_loss=causal_lm_loss,
     )
     alone = torch.stack([model(**lm_batch([s])).loss.detach() for s in SEQS])
     assert torch.allclose(out[0].loss, alone, rtol=1e-5)

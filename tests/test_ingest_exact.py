@@ -103,13 +103,13 @@ def test_module_used_twice_sums_its_uses():
     model = nn.Sequential(shared, nn.Tanh(), shared)
     x = torch.randn(3, 4)
     spec, out = capture_rows(
-        model, lambda: model(x).pow(2).sum().backward(), CaptureConfig.from_options(projection=None, loss_reduction="sum")
+        model,
+        lambda: model(x).pow(2).sum().backward(),
+        CaptureConfig.from_options(projection=None, loss_reduction="sum"),
     )
     assert [s.name for s in spec.layers] == ["0"]  # one module, one slot
     params = {k: v.detach() for k, v in model.named_parameters()}
-    g = vmap(grad(lambda p, xi: functional_call(model, p, (xi[None],)).pow(2).sum()), in_dims=(None, 0))(
-        params, x
-    )
+    g = vmap(grad(lambda p, xi: functional_call(model, p, (xi[None],)).pow(2).sum()), in_dims=(None, 0))(params, x)
     assert rel_err(slot_matrix(spec, out[0].grads, "0"), linear_reference(g, "0")) < 1e-5
 
 
@@ -119,9 +119,7 @@ class Blocks(nn.Module):
         self.a, self.b, self.reentrant = nn.Linear(4, 8), nn.Linear(8, 2), reentrant
 
     def forward(self, x):
-        h = torch.utils.checkpoint.checkpoint(
-            lambda t: torch.tanh(self.a(t)), x, use_reentrant=self.reentrant
-        )
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=self.reentrant)
         return self.b(h)
 
 

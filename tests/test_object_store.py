@@ -21,11 +21,12 @@ def _capture(store: gradstore.GradStore) -> None:
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
     generator = torch.Generator().manual_seed(1)
     x, y = torch.randn(N_TRAIN, 5, generator=generator), torch.randint(0, 3, (N_TRAIN,), generator=generator)
-    with store.capture(model, "run", projection="factorized", k_in=4, k_out=2, curvature=True,
-                       checkpoint="c0", learning_rate=0.1) as cap:
+    with store.capture(
+        model, "run", projection="factorized", k_in=4, k_out=2, curvature=True, checkpoint="c0", learning_rate=0.1
+    ) as cap:
         for start in range(0, N_TRAIN, 8):
             cap.set_ids([f"x{i}" for i in range(start, start + 8)])
-            nn.functional.cross_entropy(model(x[start:start + 8]), y[start:start + 8]).backward()
+            nn.functional.cross_entropy(model(x[start : start + 8]), y[start : start + 8]).backward()
             model.zero_grad()
         cap.set_split("query")
         cap.set_ids([f"q{i}" for i in range(N_QUERY)])
@@ -34,8 +35,13 @@ def _capture(store: gradstore.GradStore) -> None:
 
 
 def _objects(options: dict, bucket: str) -> list[str]:
-    client = boto3.client("s3", endpoint_url=options["aws_endpoint"], aws_access_key_id="testing",
-                          aws_secret_access_key="testing", region_name="us-east-1")
+    client = boto3.client(
+        "s3",
+        endpoint_url=options["aws_endpoint"],
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
     return [item["Key"] for page in pages for item in page.get("Contents", [])]
 
@@ -59,11 +65,17 @@ def test_the_whole_path_on_object_storage_equals_a_local_store(s3_bucket, tmp_pa
         np.testing.assert_allclose(got.column("score").to_numpy(), want.column("score").to_numpy(), rtol=1e-5)
 
     index = remote.build_index("run", method="fisher", kind="Flat", name="shared-flat")
-    assert gradstore.open(f"s3://{bucket}/store", storage_options=options).index("shared-flat").manifest[
-        "rows"] == index.manifest["rows"] == N_TRAIN
+    assert (
+        gradstore.open(f"s3://{bucket}/store", storage_options=options).index("shared-flat").manifest["rows"]
+        == index.manifest["rows"]
+        == N_TRAIN
+    )
     influence = {s: s.self_influence(run="run") for s in (remote, local)}
-    np.testing.assert_allclose(influence[remote].column("self_influence").to_numpy(),
-                               influence[local].column("self_influence").to_numpy(), rtol=1e-5)
+    np.testing.assert_allclose(
+        influence[remote].column("self_influence").to_numpy(),
+        influence[local].column("self_influence").to_numpy(),
+        rtol=1e-5,
+    )
     selected = {s: s.select(run="run", budget=5) for s in (remote, local)}
     assert selected[remote].column("example_id").to_pylist() == selected[local].column("example_id").to_pylist()
     query = "select e.source, count(*) from scores s join examples e using (example_id) group by 1 order by 1"

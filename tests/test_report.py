@@ -21,7 +21,7 @@ from gradstore.report.html import plotly_js, script_safe_json
 from ingest.projection import LayerSlot, ProjectionSpec
 
 RUN = "r"
-EVIL = "</script><script>window.__pwned = 1</script><img src=x onerror=\"window.__pwned = 2\"> & \u2028done"
+EVIL = '</script><script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2"> & \u2028done'
 BOOKS = "<i>books</i>"  # a group label with markup: Plotly must show it as text
 N_TRAIN, N_QUERIES, SIDE = 60, 5, 3
 
@@ -31,8 +31,18 @@ def small_store(tmp_path_factory):
     """A run of random 9-dim rows; example ``t-007`` carries markup in its text, the first query too."""
     rng = np.random.default_rng(0)
     store = gradstore.open(tmp_path_factory.mktemp("report") / "store")
-    layer = LayerSlot(name="fc", kind="linear", d_in=SIDE - 1, d_out=SIDE, k_in=None, k_out=None, mode="exact",
-                      offset=0, size=SIDE * SIDE, has_bias=True)
+    layer = LayerSlot(
+        name="fc",
+        kind="linear",
+        d_in=SIDE - 1,
+        d_out=SIDE,
+        k_in=None,
+        k_out=None,
+        mode="exact",
+        offset=0,
+        size=SIDE * SIDE,
+        has_bias=True,
+    )
     store.ensure_run(RUN, ProjectionSpec(seed=0, kind="none", layers=(layer,)))
     store.record_checkpoint(RUN, "final", step=1, learning_rate=0.1)
     train = [f"t-{i:03d}" for i in range(N_TRAIN)]
@@ -46,8 +56,15 @@ def small_store(tmp_path_factory):
     texts = [f"training sentence {i}" for i in range(N_TRAIN)] + [f"question {i}" for i in range(N_QUERIES)]
     texts[7] = EVIL
     texts[N_TRAIN] = "question 0 <b>bold?</b>"
-    store.add_examples(pd.DataFrame({"example_id": train + queries, "text": texts,
-                                     "source": ["web" if i % 3 else BOOKS for i in range(N_TRAIN)] + ["q"] * 5}))
+    store.add_examples(
+        pd.DataFrame(
+            {
+                "example_id": train + queries,
+                "text": texts,
+                "source": ["web" if i % 3 else BOOKS for i in range(N_TRAIN)] + ["q"] * 5,
+            }
+        )
+    )
     store.attribute(run=RUN, k=4, method="fisher", damping=0.3, opponents=True)
     store.attribute(run=RUN, k=4, method="grad-dot")
     store.self_influence(run=RUN, method="grad-dot")
@@ -62,8 +79,10 @@ def _embedded_data(page: str) -> dict:
 def test_report_data_matches_the_scores_table(small_store):
     data = gather(small_store, ReportOptions(run=RUN, top=3))
     assert data.queries_total == N_QUERIES and [q["id"] for q in data.queries] == [f"q-{i}" for i in range(5)]
-    expected = small_store.sql("SELECT query_id, method, example_id, score, rank FROM scores "
-                               "WHERE abs(rank) <= 3 ORDER BY query_id, method, rank").df()
+    expected = small_store.sql(
+        "SELECT query_id, method, example_id, score, rank FROM scores "
+        "WHERE abs(rank) <= 3 ORDER BY query_id, method, rank"
+    ).df()
     for query in data.queries:
         assert sorted(r["method"] for r in query["results"]) == ["fisher", "grad-dot"]
         for result in query["results"]:
@@ -99,8 +118,7 @@ def test_selection_breakdown_counts_candidates_and_selected(small_store):
     picked = set(selection.column("example_id").to_pylist())
     books = {f"t-{i:03d}" for i in range(0, N_TRAIN, 3)}
     assert dict(zip(source["groups"], source["candidates"])) == {BOOKS: 20, "web": 40}
-    assert dict(zip(source["groups"], source["selected"])) == {BOOKS: len(picked & books),
-                                                              "web": len(picked - books)}
+    assert dict(zip(source["groups"], source["selected"])) == {BOOKS: len(picked & books), "web": len(picked - books)}
     assert [r["example_id"] for r in chosen["top"]] == selection.column("example_id").to_pylist()
 
 
@@ -109,14 +127,35 @@ def token_store(tmp_path):
     """One score row, per-token scores on both sides (other column names), and an evaluations table."""
     store = gradstore.open(tmp_path / "store")
     store.add_examples(pd.DataFrame({"example_id": ["q", "a"], "text": ["what is x", "x is y"]}))
-    store.table("scores").add(pa.table({
-        "query_id": ["q"], "example_id": ["a"], "grad_id": [1], "score": [2.0], "rank": [1], "method": ["grad-dot"],
-        "run_id": ["r"], "checkpoint": ["c"], "index_name": [None], "created_at": [datetime.now(timezone.utc)]},
-    ).cast(SCORES_SCHEMA))
-    store.db.create_table("token_scores", pa.table({
-        "query_id": ["q"] * 6, "example_id": ["a", "a", "a", "a", "b", "b"],
-        "side": ["train", "train", "query", "query", "query", "query"], "token_position": [1, 0, 0, 1, 0, 1],
-        "token_text": ["is", "x", "what", "<is>", "what", "<is>"], "score": [0.5, 1.5, 0.2, -0.1, 0.25, 0.5]}))
+    store.table("scores").add(
+        pa.table(
+            {
+                "query_id": ["q"],
+                "example_id": ["a"],
+                "grad_id": [1],
+                "score": [2.0],
+                "rank": [1],
+                "method": ["grad-dot"],
+                "run_id": ["r"],
+                "checkpoint": ["c"],
+                "index_name": [None],
+                "created_at": [datetime.now(timezone.utc)],
+            },
+        ).cast(SCORES_SCHEMA)
+    )
+    store.db.create_table(
+        "token_scores",
+        pa.table(
+            {
+                "query_id": ["q"] * 6,
+                "example_id": ["a", "a", "a", "a", "b", "b"],
+                "side": ["train", "train", "query", "query", "query", "query"],
+                "token_position": [1, 0, 0, 1, 0, 1],
+                "token_text": ["is", "x", "what", "<is>", "what", "<is>"],
+                "score": [0.5, 1.5, 0.2, -0.1, 0.25, 0.5],
+            }
+        ),
+    )
     store.db.create_table("evaluations", pa.table({"method": ["grad-dot"], "lds": [0.41]}))
     return store
 
@@ -124,8 +163,10 @@ def token_store(tmp_path):
 def test_token_scores_and_evaluations_are_shown_when_present(token_store):
     data = gather(token_store)
     tokens = data.queries[0]["tokens"]  # the query's tokens summed over the examples they were scored against
-    assert tokens == {"a": [[0, "x", 1.5], [1, "is", 0.5]], "": [[0, "what", pytest.approx(0.45)],
-                                                                 [1, "<is>", pytest.approx(0.4)]]}
+    assert tokens == {
+        "a": [[0, "x", 1.5], [1, "is", 0.5]],
+        "": [[0, "what", pytest.approx(0.45)], [1, "<is>", pytest.approx(0.4)]],
+    }
     assert data.evaluations == {"columns": ["method", "lds"], "rows": [["grad-dot", 0.41]]}
 
 
@@ -161,8 +202,14 @@ def test_cli_report_writes_and_prints_the_path(small_store, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- in a browser
-BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                "--no-first-run", "--disable-sync"]
+BROWSER_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +241,7 @@ class PageLog:
 
 @pytest.fixture(scope="module")
 def demo_report(tmp_path_factory):
-    config = DemoConfig(places=3, phrasings=5, epochs=3, checkpoints=1, methods=("grad-dot", "fisher"),
-                        shown_queries=1)
+    config = DemoConfig(places=3, phrasings=5, epochs=3, checkpoints=1, methods=("grad-dot", "fisher"), shown_queries=1)
     lines: list[str] = []
     summary = run_demo(tmp_path_factory.mktemp("demo") / "demo", config, log=lines.append)
     return summary, lines

@@ -18,13 +18,17 @@ JOB = Path(__file__).with_name("resume_job.py")
 
 def _job(store: Path, workdir: Path, mode: str) -> int:
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(JOB.parents[1]), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, str(JOB), str(store), str(workdir), mode], env=environment,
-                          capture_output=True, text=True, timeout=300).returncode
+    return subprocess.run(
+        [sys.executable, str(JOB), str(store), str(workdir), mode],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).returncode
 
 
 def _rows(store_path: Path) -> tuple[list[tuple], np.ndarray]:
-    block = gradstore.open(store_path, create=False).read_gradients("run", columns=("checkpoint", "step",
-                                                                                      "example_id"))
+    block = gradstore.open(store_path, create=False).read_gradients("run", columns=("checkpoint", "step", "example_id"))
     keys = list(zip(*(block.metadata.column(c).to_pylist() for c in ("checkpoint", "step", "example_id"))))
     order = sorted(range(len(keys)), key=keys.__getitem__)
     return [keys[i] for i in order], block.vectors[order]

@@ -16,10 +16,18 @@ def filled(store):
     store.create_run("r", dim=6)
     ids = [f"e{i}" for i in range(40)]
     with store.writer("r") as writer:
-        writer.append(rng.standard_normal((40, 6)), ids, step=np.arange(40) // 8, loss=rng.random(40),
-                      split=["train"] * 30 + ["query"] * 10)
-    store.add_examples(pd.DataFrame({"example_id": ids, "source": [f"s{i % 4}" for i in range(40)],
-                                     "text": [f"text {i}" for i in range(40)]}))
+        writer.append(
+            rng.standard_normal((40, 6)),
+            ids,
+            step=np.arange(40) // 8,
+            loss=rng.random(40),
+            split=["train"] * 30 + ["query"] * 10,
+        )
+    store.add_examples(
+        pd.DataFrame(
+            {"example_id": ids, "source": [f"s{i % 4}" for i in range(40)], "text": [f"text {i}" for i in range(40)]}
+        )
+    )
     return store
 
 
@@ -30,8 +38,11 @@ def test_join_and_aggregate_equal_pandas(filled):
         group by 1, 2 order by 1, 2""").df()
     grads = filled.read_gradients(columns=("example_id", "split", "loss", "step")).metadata.to_pandas()
     examples = filled.table("examples").to_pandas()
-    expected = (grads.merge(examples, on="example_id").groupby(["source", "split"], as_index=False)
-                .agg(n=("loss", "size"), mean_loss=("loss", "mean"), last_step=("step", "max")))
+    expected = (
+        grads.merge(examples, on="example_id")
+        .groupby(["source", "split"], as_index=False)
+        .agg(n=("loss", "size"), mean_loss=("loss", "mean"), last_step=("step", "max"))
+    )
     pd.testing.assert_frame_equal(got.reset_index(drop=True), expected, check_dtype=False, atol=1e-6)
 
 
@@ -40,8 +51,9 @@ def test_vectors_are_not_in_sql_but_everything_else_is(filled):
     assert "grad" not in columns and "grad_norm" in columns and "example_id" in columns
     assert filled.sql("select count(*) from gradients").fetchall()[0][0] == 40
     # a self-join scans the table twice
-    assert filled.sql("select count(*) from gradients a join gradients b using (step)").fetchall()[0][0] == \
-        sum(n * n for n in [8] * 5)
+    assert filled.sql("select count(*) from gradients a join gradients b using (step)").fetchall()[0][0] == sum(
+        n * n for n in [8] * 5
+    )
 
 
 def test_results_convert_to_arrow_pandas_polars(filled):
@@ -51,10 +63,18 @@ def test_results_convert_to_arrow_pandas_polars(filled):
     assert relation.pl().height == 40
 
 
-@pytest.mark.parametrize("statement", [
-    "drop table gradients", "delete from gradients", "create table x as select 1",
-    "insert into examples values ('x', 'y', 'z')", "copy gradients to '/tmp/out.csv'",
-    "attach '/tmp/x.db'", "select 1; drop table runs"])
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "drop table gradients",
+        "delete from gradients",
+        "create table x as select 1",
+        "insert into examples values ('x', 'y', 'z')",
+        "copy gradients to '/tmp/out.csv'",
+        "attach '/tmp/x.db'",
+        "select 1; drop table runs",
+    ],
+)
 def test_sql_is_read_only(filled, statement):
     with pytest.raises(gradstore.SQLError):
         filled.sql(statement)
@@ -75,20 +95,32 @@ def test_filters_on_large_string_example_columns(store):
     store.create_run("r", dim=2)
     with store.writer("r") as writer:
         writer.append(np.ones((4, 2)), ["a", "b", "c", "d"])
-    examples = pa.table({"example_id": pa.array(["a", "b", "c", "d"], pa.large_string()),
-                         "source": pa.array(["x", "y", "x", None], pa.large_string()),
-                         "n": [1, 2, 3, 4]})
+    examples = pa.table(
+        {
+            "example_id": pa.array(["a", "b", "c", "d"], pa.large_string()),
+            "source": pa.array(["x", "y", "x", None], pa.large_string()),
+            "n": [1, 2, 3, 4],
+        }
+    )
     store.add_examples(examples)
     assert pa.types.is_large_string(store.table("examples").schema.field("source").type)
     got = store.sql("select example_id from examples where source = 'x' and n > 1 order by 1").fetchall()
     assert got == [("c",)]
-    joined = store.sql("select count(*) from gradients g join examples e using (example_id) "
-                       "where e.source like 'x%' or e.source is null").fetchall()
+    joined = store.sql(
+        "select count(*) from gradients g join examples e using (example_id) "
+        "where e.source like 'x%' or e.source is null"
+    ).fetchall()
     assert joined == [(3,)]
 
 
-@pytest.mark.parametrize("query", ["select cast('abc' as integer)", "select cast(split as integer) from gradients",
-                                   "select 1 / 0 :: hugeint, error('boom')"])
+@pytest.mark.parametrize(
+    "query",
+    [
+        "select cast('abc' as integer)",
+        "select cast(split as integer) from gradients",
+        "select 1 / 0 :: hugeint, error('boom')",
+    ],
+)
 def test_execution_time_errors_are_sql_errors(filled, query):
     with pytest.raises(gradstore.SQLError) as raised:
         filled.sql(query)

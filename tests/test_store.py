@@ -24,11 +24,23 @@ def test_vectors_and_metadata_round_trip(store_path, dtype):
     vectors = _rows(50, 24)
     ids = [f"ex{i}" for i in range(50)]
     with store.writer("r", commit_rows=16) as writer:
-        grad_ids = np.concatenate([
-            writer.append(vectors[i:i + 10], ids[i:i + 10], step=i // 10, epoch=1, split="train",
-                          loss=np.arange(i, i + 10, dtype=np.float32), num_tokens=[7] * 10, learning_rate=0.5,
-                          checkpoint="c0", rank=0)
-            for i in range(0, 50, 10)])
+        grad_ids = np.concatenate(
+            [
+                writer.append(
+                    vectors[i : i + 10],
+                    ids[i : i + 10],
+                    step=i // 10,
+                    epoch=1,
+                    split="train",
+                    loss=np.arange(i, i + 10, dtype=np.float32),
+                    num_tokens=[7] * 10,
+                    learning_rate=0.5,
+                    checkpoint="c0",
+                    rank=0,
+                )
+                for i in range(0, 50, 10)
+            ]
+        )
     assert len(set(grad_ids.tolist())) == 50
     block = store.read_gradients("r", columns=("example_id", "step", "loss", "num_tokens", "learning_rate"))
     order = np.argsort(block.grad_ids)
@@ -62,8 +74,13 @@ def test_filters_by_run_checkpoint_split_and_steps(store):
     store.create_run("b", dim=4)
     with store.writer("a") as wa, store.writer("b") as wb:
         for step in range(6):
-            wa.append(_rows(3, 4, step), [f"a{step}-{i}" for i in range(3)], step=step,
-                      split="train" if step < 4 else "query", checkpoint=f"c{step % 2}")
+            wa.append(
+                _rows(3, 4, step),
+                [f"a{step}-{i}" for i in range(3)],
+                step=step,
+                split="train" if step < 4 else "query",
+                checkpoint=f"c{step % 2}",
+            )
             wb.append(_rows(2, 4, step + 100), [f"b{step}-{i}" for i in range(2)], step=step, split="train")
     frame = store.sql("select * from gradients").df()
     cases = [
@@ -85,7 +102,7 @@ def test_iter_gradients_streams_bounded_blocks(store):
     vectors = _rows(1000, 8)
     with store.writer("r", commit_rows=300) as writer:
         for i in range(0, 1000, 100):
-            writer.append(vectors[i:i + 100], [str(j) for j in range(i, i + 100)])
+            writer.append(vectors[i : i + 100], [str(j) for j in range(i, i + 100)])
     blocks = list(store.iter_gradients("r", block_rows=128))
     assert [len(b) for b in blocks] == [128] * 7 + [104]
     ids = np.concatenate([b.metadata.column("example_id").to_numpy(zero_copy_only=False) for b in blocks])
@@ -202,7 +219,9 @@ def test_checkpoints_are_upserted(store):
     store.record_checkpoint("r", "c0", step=5, epoch=0, learning_rate=0.2)
     store.record_checkpoint("r", "c1", step=10, epoch=0, learning_rate=0.05)
     got = store.checkpoints("r").select(["checkpoint", "step", "learning_rate"]).to_pylist()
-    assert got == [{"checkpoint": "c0", "step": 5, "learning_rate": 0.2},
-                   {"checkpoint": "c1", "step": 10, "learning_rate": 0.05}]
+    assert got == [
+        {"checkpoint": "c0", "step": 5, "learning_rate": 0.2},
+        {"checkpoint": "c1", "step": 10, "learning_rate": 0.05},
+    ]
     with pytest.raises(gradstore.UnknownRunError):
         store.record_checkpoint("x", "c")

@@ -49,12 +49,15 @@ def _works(path: Path) -> None:
     assert store.sql("select count(*) from runs").fetchall() == [(1,)]
 
 
-@pytest.mark.parametrize("tables", [
-    {"runs": "_transactions"},
-    {"runs": "whole", "checkpoints": "_transactions"},
-    {"runs": "_transactions", "checkpoints": "whole", "scores": "whole"},
-    {"runs": "whole", "checkpoints": "whole", "scores": "whole", "self_influence": "_transactions"},
-])
+@pytest.mark.parametrize(
+    "tables",
+    [
+        {"runs": "_transactions"},
+        {"runs": "whole", "checkpoints": "_transactions"},
+        {"runs": "_transactions", "checkpoints": "whole", "scores": "whole"},
+        {"runs": "whole", "checkpoints": "whole", "scores": "whole", "self_influence": "_transactions"},
+    ],
+)
 def test_an_interrupted_creation_is_completed_by_the_next_open(complete, tmp_path, tables):
     path = _partial(complete, tmp_path / "store", tables)
     if tables["runs"] != "whole":  # not a store yet; with its runs table it is one

@@ -33,16 +33,25 @@ def _plant_embedding_function(store_root: Path, table: str, marker: Path) -> Non
     (model / "modeling_planted.py").write_text(
         f"open({str(marker)!r}, 'w').write('ran')\n"
         "from transformers import PretrainedConfig, PreTrainedModel\n"
-        "class PlantedModel(PreTrainedModel):\n    config_class = PretrainedConfig\n")
-    (model / "config.json").write_text(json.dumps({"model_type": "bert",
-                                                   "auto_map": {"AutoModel": "modeling_planted.PlantedModel"}}))
+        "class PlantedModel(PreTrainedModel):\n    config_class = PretrainedConfig\n"
+    )
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "bert", "auto_map": {"AutoModel": "modeling_planted.PlantedModel"}})
+    )
     (model / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a"]))
     (model / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer"}))
     dataset = lance.dataset(str(store_root / f"{table}.lance"))
     metadata = {k.decode(): v.decode() for k, v in (dataset.schema.metadata or {}).items()}
-    metadata["embedding_functions"] = json.dumps([{
-        "name": "huggingface", "source_column": "query_id", "vector_column": "method",
-        "model": {"name": str(model), "trust_remote_code": True}}])
+    metadata["embedding_functions"] = json.dumps(
+        [
+            {
+                "name": "huggingface",
+                "source_column": "query_id",
+                "vector_column": "method",
+                "model": {"name": str(model), "trust_remote_code": True},
+            }
+        ]
+    )
     dataset.update_schema_metadata(metadata, replace=True)
 
 
@@ -136,11 +145,20 @@ def test_a_run_name_with_dots_keeps_its_curvature_inside_the_store(tmp_path):
 def test_examples_are_upserted_by_id(tmp_path):
     store = _small_store(tmp_path / "store")
     assert store.add_examples([{"example_id": "e0", "source": "a"}, {"example_id": "e1", "source": "b"}]) == 2
-    assert store.add_examples([{"example_id": "e1", "source": "B"}, {"example_id": "e2", "source": "c"},
-                               {"example_id": "e2", "source": "C"}]) == 2
+    assert (
+        store.add_examples(
+            [
+                {"example_id": "e1", "source": "B"},
+                {"example_id": "e2", "source": "c"},
+                {"example_id": "e2", "source": "C"},
+            ]
+        )
+        == 2
+    )
     rows = store.sql("select example_id, source from examples order by 1").fetchall()
     assert rows == [("e0", "a"), ("e1", "B"), ("e2", "C")]
     store.attribute(run="r", k=6)
-    joined = store.sql("select count(*) from scores s join examples e using (example_id) "
-                       "where s.query_id = 'q0'").fetchall()
+    joined = store.sql(
+        "select count(*) from scores s join examples e using (example_id) where s.query_id = 'q0'"
+    ).fetchall()
     assert joined == [(3,)]  # of the 6 proponents of q0, the 3 with examples, each once

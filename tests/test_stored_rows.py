@@ -21,8 +21,12 @@ def _store(path, dtype: str, rows: int = 300):
     vectors *= np.logspace(-6, 2, rows, dtype=np.float32)[:, None]
     with store.writer("r") as writer:
         for start in range(0, rows, 64):
-            writer.append(vectors[start : start + 64], [f"e{i}" for i in range(start, min(rows, start + 64))],
-                          checkpoint="c", split="train")
+            writer.append(
+                vectors[start : start + 64],
+                [f"e{i}" for i in range(start, min(rows, start + 64))],
+                checkpoint="c",
+                split="train",
+            )
     return store
 
 
@@ -39,8 +43,7 @@ def test_stored_blocks_hold_the_decoded_rows(tmp_path, dtype: str) -> None:
     assert list(stored_blocks(store, "r", "c", "train", where="example_id = 'none'")()) == []
 
 
-@pytest.mark.parametrize(("method", "dtype"), [("grad-dot", "float16"), ("grad-dot", "float32"),
-                                               ("cosine", "float16")])
+@pytest.mark.parametrize(("method", "dtype"), [("grad-dot", "float16"), ("grad-dot", "float32"), ("cosine", "float16")])
 def test_streamed_cached_and_uncached_searches_agree(tmp_path, method: str, dtype: str) -> None:
     store = _store(tmp_path / "s", dtype)
     queries = np.random.default_rng(1).standard_normal((5, DIM)).astype(np.float32)

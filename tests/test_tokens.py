@@ -23,7 +23,7 @@ def _texts():
     generator = torch.Generator().manual_seed(3)
     ids = torch.randint(2, 64, (N_TRAIN + N_QUERY, LENGTH), generator=generator)
     lengths = torch.randint(5, LENGTH + 1, (N_TRAIN + N_QUERY,), generator=generator)
-    return [ids[i, :lengths[i]].tolist() for i in range(len(ids))]
+    return [ids[i, : lengths[i]].tolist() for i in range(len(ids))]
 
 
 def _batch(sequences: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -31,8 +31,8 @@ def _batch(sequences: list[list[int]]) -> dict[str, torch.Tensor]:
     ids = torch.zeros(len(sequences), LENGTH, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, sequence in enumerate(sequences):
-        ids[row, :len(sequence)] = torch.tensor(sequence)
-        mask[row, :len(sequence)] = 1
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        mask[row, : len(sequence)] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
@@ -43,15 +43,20 @@ def lm_store(tmp_path_factory):
     sequences = _texts()
     train = {f"t{i}": sequences[i] for i in range(N_TRAIN)}
     store = gradstore.open(tmp_path_factory.mktemp("tokens") / "store", storage_dtype="float32")
-    with store.capture(model, RUN, checkpoint="final", k_in=4, k_out=4, loss_reduction="token_mean",
-                       curvature=True) as cap:
+    with store.capture(
+        model, RUN, checkpoint="final", k_in=4, k_out=4, loss_reduction="token_mean", curvature=True
+    ) as cap:
         for start in range(0, N_TRAIN, 4):
-            ids = list(train)[start:start + 4]
+            ids = list(train)[start : start + 4]
             cap.set_ids(ids)
             model(**_batch([train[i] for i in ids])).loss.backward()
             model.zero_grad()
-    queries = QueryBatch(model, _batch(sequences[N_TRAIN:]), ids=[f"q{i}" for i in range(N_QUERY)],
-                         options={"loss_reduction": "token_mean"})
+    queries = QueryBatch(
+        model,
+        _batch(sequences[N_TRAIN:]),
+        ids=[f"q{i}" for i in range(N_QUERY)],
+        options={"loss_reduction": "token_mean"},
+    )
     return store, model, train, queries
 
 
@@ -99,8 +104,8 @@ def _brute_force_token_rows(store, model, sequence: list[int]) -> torch.Tensor:
             per_token = torch.cat([per_token, g["b"][:, :, None]], dim=2)
         p_in = projection_matrix(0, slot.name, "in", slot.k_in, slot.d_in_eff).double()
         p_out = projection_matrix(0, slot.name, "out", slot.k_out, slot.d_out).double()
-        rows[:, slot.offset:slot.offset + slot.size] = (p_out @ per_token.double() @ p_in.T).flatten(1)
-    return rows[:len(sequence)].detach()
+        rows[:, slot.offset : slot.offset + slot.size] = (p_out @ per_token.double() @ p_in.T).flatten(1)
+    return rows[: len(sequence)].detach()
 
 
 def test_grad_dot_token_scores_equal_brute_force_torch_func(lm_store):
@@ -115,8 +120,9 @@ def test_grad_dot_token_scores_equal_brute_force_torch_func(lm_store):
         for side, want in (("train", example @ q.sum(0)), ("query", q @ example.sum(0))):
             rows = group[group.side == side].sort_values("position")
             assert rows.position.tolist() == list(range(len(want)))  # every token, no padding
-            assert rows.token_id.tolist() == (train[example_id] if side == "train"
-                                              else sequences[N_TRAIN + int(query_id[1:])])
+            assert rows.token_id.tolist() == (
+                train[example_id] if side == "train" else sequences[N_TRAIN + int(query_id[1:])]
+            )
             np.testing.assert_allclose(rows.score.to_numpy(), want.numpy(), rtol=1e-4, atol=1e-6 * want.abs().max())
 
 
@@ -126,7 +132,8 @@ def test_token_scores_sum_to_the_example_score_on_both_sides(lm_store, method):
     table = store.token_scores(queries, _examples(train), run=RUN, k=K, method=method, write=False).to_pandas()
     stored = store.attribute(queries, run=RUN, k=K, method=method, write=False).to_pandas()
     assert sorted(zip(stored.query_id, stored.example_id, stored["rank"])) == sorted(
-        set(zip(table.query_id, table.example_id, table["rank"])))  # the store's top-k, re-ranked per token
+        set(zip(table.query_id, table.example_id, table["rank"]))
+    )  # the store's top-k, re-ranked per token
     sums = table.groupby(["query_id", "example_id", "side"]).score.sum().unstack("side")
     np.testing.assert_allclose(sums["train"], sums["query"], rtol=1e-4)  # P^-1 applied in float32 either side
     expected = stored.set_index(["query_id", "example_id"]).score.loc[sums.index]
@@ -135,12 +142,16 @@ def test_token_scores_sum_to_the_example_score_on_both_sides(lm_store, method):
 
 def test_token_scores_table_and_top_tokens_macro(lm_store):
     store, _, train, queries = lm_store
-    table = store.token_scores(queries, _examples(train), run=RUN, k=K, method="fisher",
-                               token_text=lambda t: f"w{t}").to_pandas()
+    table = store.token_scores(
+        queries, _examples(train), run=RUN, k=K, method="fisher", token_text=lambda t: f"w{t}"
+    ).to_pandas()
     assert (table.token == "w" + table.token_id.astype(str)).all()
     top = store.sql("select * from top_tokens('q1', 5)").df()
-    expected = table[(table.query_id == "q1") & (table.side == "train")].sort_values(
-        ["score", "rank", "position"], ascending=[False, True, True]).head(5)
+    expected = (
+        table[(table.query_id == "q1") & (table.side == "train")]
+        .sort_values(["score", "rank", "position"], ascending=[False, True, True])
+        .head(5)
+    )
     assert top.example_id.tolist() == expected.example_id.tolist()
     assert top.position.tolist() == expected.position.tolist()
     np.testing.assert_allclose(top.score, expected.score)
@@ -157,9 +168,15 @@ def test_token_scores_refuse_methods_that_do_not_decompose(lm_store):
             store.token_scores(queries, _examples(train), run=RUN, k=K, method=method, write=False)
 
 
-@pytest.mark.parametrize("options", [{"projection": None}, {"projection": "dense", "k_in": 2, "k_out": 4},
-                                     {"k_in": 3, "k_out": 2, "normalizer": "adam_factored"}],
-                         ids=["exact", "dense", "factorized-adam"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"projection": None},
+        {"projection": "dense", "k_in": 2, "k_out": 4},
+        {"k_in": 3, "k_out": 2, "normalizer": "adam_factored"},
+    ],
+    ids=["exact", "dense", "factorized-adam"],
+)
 def test_token_rows_sum_to_the_captured_row(options):
     from ingest import CaptureConfig, GradientCapture
     from ingest.tokens import TokenGradientCapture
@@ -181,8 +198,9 @@ def test_token_rows_sum_to_the_captured_row(options):
     assert tokens.rows.shape[:2] == batch["input_ids"].shape
     assert torch.equal(tokens.inputs, batch["input_ids"]) and torch.equal(tokens.mask, batch["attention_mask"].bool())
     assert tokens.rows[~tokens.mask].abs().max() == 0  # padding carries nothing
-    torch.testing.assert_close(tokens.rows.sum(dim=1), captured[0].grads, rtol=1e-4,
-                               atol=1e-5 * captured[0].grads.abs().max().item())
+    torch.testing.assert_close(
+        tokens.rows.sum(dim=1), captured[0].grads, rtol=1e-4, atol=1e-5 * captured[0].grads.abs().max().item()
+    )
 
 
 def test_layers_that_do_not_run_per_token_are_refused():
@@ -200,8 +218,10 @@ def test_layers_that_do_not_run_per_token_are_refused():
             return self.head(self.embed(input_ids).mean(dim=1))  # the head sees one position per example
 
     model = Pooled()
-    with pytest.raises(ValueError, match="positions per example"), \
-            TokenGradientCapture(model, CaptureConfig.from_options(k_in=2, k_out=2)):
+    with (
+        pytest.raises(ValueError, match="positions per example"),
+        TokenGradientCapture(model, CaptureConfig.from_options(k_in=2, k_out=2)),
+    ):
         model(torch.randint(0, 10, (3, 5))).sum().backward()
     with TokenGradientCapture(model, CaptureConfig.from_options(k_in=2, k_out=2, exclude="head")) as capture:
         model(torch.randint(0, 10, (3, 5))).sum().backward()

@@ -21,8 +21,9 @@ def _store(path: Path) -> gradstore.GradStore:
     rng = np.random.default_rng(0)
     for part in range(3):  # several fragments
         with store.writer("r") as writer:
-            writer.append(rng.normal(size=(5, 4)), [f"e{part}-{i}" for i in range(5)], checkpoint="train",
-                          split="train")
+            writer.append(
+                rng.normal(size=(5, 4)), [f"e{part}-{i}" for i in range(5)], checkpoint="train", split="train"
+            )
     with store.writer("r") as writer:
         writer.append(rng.normal(size=(2, 4)), ["q0", "q1"], checkpoint="train", split="query")
     store.build_index("r", kind="Flat", name="flat")
@@ -62,8 +63,9 @@ def test_a_damaged_side_file_is_reported_and_never_used(store_path):
     data[len(data) // 2] ^= 0xFF
     target.write_bytes(bytes(data))
     report = gradstore.open(store_path).verify()
-    assert [p for p in report.problems if "damaged" in p] == [f"side file {target.as_posix()} is damaged "
-                                                              "(checksum mismatch)"]
+    assert [p for p in report.problems if "damaged" in p] == [
+        f"side file {target.as_posix()} is damaged (checksum mismatch)"
+    ]
     with pytest.raises(gradstore.StoreCorruptError, match=target.name):
         gradstore.open(store_path).index("flat")
     manifest = store_path / ROOT / "indexes" / "flat" / "manifest.json"

@@ -96,8 +96,9 @@ _WRITER_SCRIPT = textwrap.dedent("""
 
 def test_reader_process_sees_committed_rows_while_writer_runs(store_path):
     gradstore.open(store_path)
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER_SCRIPT, str(store_path)], stdout=subprocess.PIPE,
-                              text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER_SCRIPT, str(store_path)], stdout=subprocess.PIPE, text=True
+    )
     try:
         reader = gradstore.open(store_path)
         flushed = int(writer.stdout.readline())  # the writer prints a step once its rows are committed
@@ -114,8 +115,9 @@ def test_reader_process_sees_committed_rows_while_writer_runs(store_path):
 
 def test_sigkill_mid_run_loses_only_unflushed_rows(store_path):
     gradstore.open(store_path)
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER_SCRIPT, str(store_path)], stdout=subprocess.PIPE,
-                              text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER_SCRIPT, str(store_path)], stdout=subprocess.PIPE, text=True
+    )
     last_flushed = -1
     while last_flushed < 40:
         last_flushed = int(writer.stdout.readline())
@@ -142,7 +144,7 @@ def test_appends_larger_than_a_commit_and_uneven_sizes_keep_every_row(store):
     with store.writer("r", commit_rows=10) as writer:
         start = 0
         for size in sizes:
-            writer.append(rows[start:start + size], [str(i) for i in range(start, start + size)])
+            writer.append(rows[start : start + size], [str(i) for i in range(start, start + size)])
             start += size
     block = store.read_gradients("r")
     order = np.argsort(block.metadata.column("example_id").to_numpy(zero_copy_only=False).astype(int))

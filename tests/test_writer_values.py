@@ -10,9 +10,20 @@ from torch import nn
 import gradstore
 
 BAD_METADATA = [
-    {"step": "abc"}, {"split": 123}, {"loss": "x"}, {"checkpoint": 7}, {"epoch": 2.5}, {"rank": 2**40},
-    {"loss": [1.0, "y", 2.0]}, {"step": np.array([1.5, 2.0, 3.0])}, {"loss": 1e39}, {"loss": [0.0, 3e39, 1.0]},
-    {"learning_rate": "fast"}, {"num_tokens": [1, 2]}, {"run_id": "other"}, {"bogus": 1},
+    {"step": "abc"},
+    {"split": 123},
+    {"loss": "x"},
+    {"checkpoint": 7},
+    {"epoch": 2.5},
+    {"rank": 2**40},
+    {"loss": [1.0, "y", 2.0]},
+    {"step": np.array([1.5, 2.0, 3.0])},
+    {"loss": 1e39},
+    {"loss": [0.0, 3e39, 1.0]},
+    {"learning_rate": "fast"},
+    {"num_tokens": [1, 2]},
+    {"run_id": "other"},
+    {"bogus": 1},
 ]
 
 

@@ -9,5 +9,15 @@ from gradstore.core.filters import check_filter, gradient_filter, sql_in, sql_li
 from gradstore.core.sidefiles import SideFiles
 from gradstore.core.writer import GradientWriter, WriterConfig
 
-__all__ = ["GradientBlock", "GradientWriter", "SideFiles", "StoreCore", "WriterConfig", "check_filter", "connect",
-           "gradient_filter", "sql_in", "sql_literal"]
+__all__ = [
+    "GradientBlock",
+    "GradientWriter",
+    "SideFiles",
+    "StoreCore",
+    "WriterConfig",
+    "check_filter",
+    "connect",
+    "gradient_filter",
+    "sql_in",
+    "sql_literal",
+]

@@ -43,8 +43,10 @@ def check_inert(schema: pa.Schema, where: str) -> None:
     keys = {k.decode() if isinstance(k, bytes) else k for k in (schema.metadata or {})}
     active = sorted(keys.intersection(ACTIVE_METADATA_KEYS))
     if active:
-        raise StoreCorruptError(f"{where} carries schema metadata {active}, which gradstore never writes and "
-                                "which would make LanceDB load and run code named by the store; refusing to use it")
+        raise StoreCorruptError(
+            f"{where} carries schema metadata {active}, which gradstore never writes and "
+            "which would make LanceDB load and run code named by the store; refusing to use it"
+        )
 
 
 def is_retryable(error: BaseException) -> bool:
@@ -74,8 +76,16 @@ def append(table: Any, data: pa.Table, what: str = "append") -> None:
 
 def upsert(table: Any, data: pa.Table, on: Sequence[str], what: str = "upsert") -> None:
     """Insert ``data``, replacing the rows whose ``on`` columns match (Lance ``merge_insert``)."""
-    retrying(lambda: table.to_lance().merge_insert(list(on)).when_matched_update_all()
-             .when_not_matched_insert_all().execute(data), what)
+    retrying(
+        lambda: (
+            table.to_lance()
+            .merge_insert(list(on))
+            .when_matched_update_all()
+            .when_not_matched_insert_all()
+            .execute(data)
+        ),
+        what,
+    )
     table.checkout_latest()
 
 

@@ -35,13 +35,19 @@ def load_curvature(files: SideFiles, run_id: str, checkpoint: str) -> LayerCurva
     try:
         data = files.read_bytes(*_key(run_id, checkpoint))
     except FileNotFoundError:
-        raise MissingCurvatureError(f"no curvature statistics for run {run_id!r} checkpoint {checkpoint!r}: "
-                                    "capture with curvature=True") from None
+        raise MissingCurvatureError(
+            f"no curvature statistics for run {run_id!r} checkpoint {checkpoint!r}: capture with curvature=True"
+        ) from None
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
             layers = sorted({key.rsplit("|", 1)[0] for key in arrays.files})
-            return {layer: (np.asarray(arrays[f"{layer}|A"]), np.asarray(arrays[f"{layer}|S"]),
-                            int(arrays[f"{layer}|count"])) for layer in layers}
+            return {
+                layer: (
+                    np.asarray(arrays[f"{layer}|A"]),
+                    np.asarray(arrays[f"{layer}|S"]),
+                    int(arrays[f"{layer}|count"]),
+                )
+                for layer in layers
+            }
     except (ValueError, KeyError, OSError) as error:
-        raise StoreCorruptError(f"curvature of run {run_id!r} checkpoint {checkpoint!r} is damaged: {error}") \
-            from error
+        raise StoreCorruptError(f"curvature of run {run_id!r} checkpoint {checkpoint!r} is damaged: {error}") from error

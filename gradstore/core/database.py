@@ -82,8 +82,9 @@ def check_run_name(run_id: str) -> str:
 class StoreCore:
     """Tables, runs, checkpoints, gradient I/O, examples, results, side files and SQL of one store."""
 
-    def __init__(self, uri: str, db: lancedb.DBConnection, storage_dtype: str,
-                 storage_options: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, uri: str, db: lancedb.DBConnection, storage_dtype: str, storage_options: dict[str, str] | None = None
+    ) -> None:
         self.uri = uri
         self.db = db
         self._storage_dtype = storage_dtype
@@ -125,15 +126,21 @@ class StoreCore:
             raise self._unreadable(name, error) from error
 
     def _unreadable(self, name: str, error: BaseException) -> StoreCorruptError:
-        return StoreCorruptError(f"table {name!r} of store {self.uri} cannot be read: {error} "
-                                 "(`gradstore verify` reports what is damaged)")
+        return StoreCorruptError(
+            f"table {name!r} of store {self.uri} cannot be read: {error} (`gradstore verify` reports what is damaged)"
+        )
 
     def _create_table(self, name: str, schema: pa.Schema):
         """Create an empty table, or complete one whose creation was interrupted; idempotent and safe when
         several processes create it at once (Lance commits the first version only if none exists)."""
         try:
-            lance.write_dataset(schema.empty_table(), f"{self.uri.rstrip('/')}/{name}.lance", schema=schema,
-                                mode="create", storage_options=self.storage_options)
+            lance.write_dataset(
+                schema.empty_table(),
+                f"{self.uri.rstrip('/')}/{name}.lance",
+                schema=schema,
+                mode="create",
+                storage_options=self.storage_options,
+            )
         except OSError as error:
             if "already exists" not in str(error):
                 raise
@@ -159,9 +166,16 @@ class StoreCore:
             return storage_dtype_of(self.table(S.GRADIENTS).schema.field(S.VECTOR_COLUMN).type)
         return self._storage_dtype
 
-    def create_run(self, run_id: str, *, dim: int, projection: dict | None = None,
-                   model_fingerprint: str | None = None, config: dict | None = None,
-                   exist_ok: bool = False) -> dict:
+    def create_run(
+        self,
+        run_id: str,
+        *,
+        dim: int,
+        projection: dict | None = None,
+        model_fingerprint: str | None = None,
+        config: dict | None = None,
+        exist_ok: bool = False,
+    ) -> dict:
         """Register a capture run of ``dim``-dimensional vectors with its projection spec.
 
         Re-creating an existing run with ``exist_ok=True`` checks that the projection spec is the same.
@@ -172,8 +186,10 @@ class StoreCore:
         if self.dim is None:  # another process may create it first, with another dim: checked below
             self._create_table(S.GRADIENTS, S.gradients_schema(dim, self._storage_dtype))
         if self.dim != dim:
-            raise SchemaMismatchError(f"this store holds {self.dim}-dimensional gradients; run {run_id!r} "
-                                      f"would write {dim}-dimensional ones (use another store)")
+            raise SchemaMismatchError(
+                f"this store holds {self.dim}-dimensional gradients; run {run_id!r} "
+                f"would write {dim}-dimensional ones (use another store)"
+            )
         projection_json = json.dumps(projection, sort_keys=True) if projection is not None else None
         existing = self.run(run_id) if self.has_run(run_id) else None
         if existing is not None:
@@ -182,9 +198,15 @@ class StoreCore:
             if existing["projection"] != projection_json or existing["dim"] != dim:
                 raise SchemaMismatchError(f"run {run_id!r} exists with a different projection spec or dim")
             return existing
-        row = {"run_id": run_id, "created_at": datetime.now(timezone.utc), "model_fingerprint": model_fingerprint,
-               "projection": projection_json, "projection_fingerprint": (projection or {}).get("fingerprint"),
-               "dim": dim, "config": json.dumps(config or {}, sort_keys=True, default=str)}
+        row = {
+            "run_id": run_id,
+            "created_at": datetime.now(timezone.utc),
+            "model_fingerprint": model_fingerprint,
+            "projection": projection_json,
+            "projection_fingerprint": (projection or {}).get("fingerprint"),
+            "dim": dim,
+            "config": json.dumps(config or {}, sort_keys=True, default=str),
+        }
         commits.append(self.table(S.RUNS), pa.Table.from_pylist([row], schema=S.RUNS_SCHEMA), "run creation")
         return row
 
@@ -220,25 +242,42 @@ class StoreCore:
             raise SchemaMismatchError(f"run {run_id!r} has no projection spec")
         return ProjectionSpec.from_dict(stored)
 
-    def ensure_run(self, run_id: str, spec: ProjectionSpec, model_fingerprint: str | None = None,
-                   config: dict | None = None) -> None:
+    def ensure_run(
+        self, run_id: str, spec: ProjectionSpec, model_fingerprint: str | None = None, config: dict | None = None
+    ) -> None:
         """Create run ``run_id`` for vectors of projection ``spec``, or check that the existing run was
         captured with the same spec (raises ``ProjectionMismatchError`` naming what differs)."""
         if self.has_run(run_id):
             check_spec(self.run_spec(run_id), spec)
             return
         projection = {**spec.to_dict(), "fingerprint": spec.fingerprint()}
-        self.create_run(run_id, dim=spec.dim, projection=projection, model_fingerprint=model_fingerprint,
-                        config=config)
+        self.create_run(run_id, dim=spec.dim, projection=projection, model_fingerprint=model_fingerprint, config=config)
 
     # ------------------------------------------------------------------ checkpoints
-    def record_checkpoint(self, run_id: str, checkpoint: str, *, step: int | None = None,
-                          epoch: int | None = None, learning_rate: float | None = None) -> None:
+    def record_checkpoint(
+        self,
+        run_id: str,
+        checkpoint: str,
+        *,
+        step: int | None = None,
+        epoch: int | None = None,
+        learning_rate: float | None = None,
+    ) -> None:
         """Record (or update) a checkpoint of a run with its step, epoch and learning rate."""
         self.run(run_id)
-        row = pa.Table.from_pylist([{"run_id": run_id, "checkpoint": checkpoint, "step": step, "epoch": epoch,
-                                     "learning_rate": learning_rate, "created_at": datetime.now(timezone.utc)}],
-                                   schema=S.CHECKPOINTS_SCHEMA)
+        row = pa.Table.from_pylist(
+            [
+                {
+                    "run_id": run_id,
+                    "checkpoint": checkpoint,
+                    "step": step,
+                    "epoch": epoch,
+                    "learning_rate": learning_rate,
+                    "created_at": datetime.now(timezone.utc),
+                }
+            ],
+            schema=S.CHECKPOINTS_SCHEMA,
+        )
         commits.upsert(self.table(S.CHECKPOINTS), row, ["run_id", "checkpoint"], "checkpoint record")
 
     def checkpoints(self, run_id: str | None = None) -> pa.Table:
@@ -274,12 +313,25 @@ class StoreCore:
         self.run(run_id)
         if thresholds:
             config = WriterConfig(**{**(config or WriterConfig()).__dict__, **thresholds})
-        return GradientWriter(commits.InertTable(self.table(S.GRADIENTS)), run_id=run_id, dim=self.dim,
-                              storage_dtype=self.storage_dtype, config=config)
+        return GradientWriter(
+            commits.InertTable(self.table(S.GRADIENTS)),
+            run_id=run_id,
+            dim=self.dim,
+            storage_dtype=self.storage_dtype,
+            config=config,
+        )
 
-    def iter_gradients(self, run: Names | None = None, *, checkpoint: Names | None = None,
-                       split: Names | None = None, steps: StepRange | None = None, where: str | None = None,
-                       columns: Sequence[str] = ("example_id",), block_rows: int = 65536) -> Iterator[GradientBlock]:
+    def iter_gradients(
+        self,
+        run: Names | None = None,
+        *,
+        checkpoint: Names | None = None,
+        split: Names | None = None,
+        steps: StepRange | None = None,
+        where: str | None = None,
+        columns: Sequence[str] = ("example_id",),
+        block_rows: int = 65536,
+    ) -> Iterator[GradientBlock]:
         """Stream matching gradient rows as float32 blocks of at most ``block_rows`` rows.
 
         Filters combine with AND; ``where`` is a SQL filter on metadata columns. Only one block is
@@ -294,8 +346,9 @@ class StoreCore:
         if unknown:
             raise SchemaMismatchError(f"gradients table has no column(s) {sorted(unknown)}")
         dataset = self.table(S.GRADIENTS).to_lance()
-        scanner = dataset.scanner(columns=wanted, filter=gradient_filter(run, checkpoint, split, steps, where),
-                                  batch_size=block_rows)
+        scanner = dataset.scanner(
+            columns=wanted, filter=gradient_filter(run, checkpoint, split, steps, where), batch_size=block_rows
+        )
         dtype = self.storage_dtype
         metadata_columns = wanted[1:-2]
 
@@ -310,24 +363,36 @@ class StoreCore:
                 return
             except _READ_ERRORS as error:
                 raise self._unreadable(S.GRADIENTS, error) from error
-            yield GradientBlock(grad_ids=np.array(batch.column("grad_id").to_numpy()),
-                                vectors=decode(batch.column(S.VECTOR_COLUMN), batch.column(S.NORM_COLUMN), dtype),
-                                metadata=pa.Table.from_batches([batch.select(metadata_columns)]))
+            yield GradientBlock(
+                grad_ids=np.array(batch.column("grad_id").to_numpy()),
+                vectors=decode(batch.column(S.VECTOR_COLUMN), batch.column(S.NORM_COLUMN), dtype),
+                metadata=pa.Table.from_batches([batch.select(metadata_columns)]),
+            )
 
-    def read_gradients(self, run: Names | None = None, *, checkpoint: Names | None = None,
-                       split: Names | None = None, steps: StepRange | None = None, where: str | None = None,
-                       columns: Sequence[str] = ("example_id",)) -> GradientBlock:
+    def read_gradients(
+        self,
+        run: Names | None = None,
+        *,
+        checkpoint: Names | None = None,
+        split: Names | None = None,
+        steps: StepRange | None = None,
+        where: str | None = None,
+        columns: Sequence[str] = ("example_id",),
+    ) -> GradientBlock:
         """All matching rows in one block (for small selections; prefer :meth:`iter_gradients`)."""
-        blocks = list(self.iter_gradients(run, checkpoint=checkpoint, split=split, steps=steps, where=where,
-                                          columns=columns))
+        blocks = list(
+            self.iter_gradients(run, checkpoint=checkpoint, split=split, steps=steps, where=where, columns=columns)
+        )
         if not blocks:
             names = [c for c in columns if c != "grad_id"]
             schema = pa.schema([self.table(S.GRADIENTS).schema.field(c) for c in names]) if self.dim else None
             empty = schema.empty_table() if schema is not None else pa.table({})
             return GradientBlock(np.empty(0, np.int64), np.empty((0, self.dim or 0), np.float32), empty)
-        return GradientBlock(np.concatenate([b.grad_ids for b in blocks]),
-                             np.concatenate([b.vectors for b in blocks]),
-                             pa.concat_tables([b.metadata for b in blocks]))
+        return GradientBlock(
+            np.concatenate([b.grad_ids for b in blocks]),
+            np.concatenate([b.vectors for b in blocks]),
+            pa.concat_tables([b.metadata for b in blocks]),
+        )
 
     def count(self, table: str = S.GRADIENTS, where: str | None = None) -> int:
         """Row count of a table (0 if it does not exist yet)."""
@@ -342,8 +407,13 @@ class StoreCore:
         if len(unique) == 0:
             return {}
         with self.reading(S.GRADIENTS):
-            table = self.table(S.GRADIENTS).to_lance().to_table(
-                columns=["grad_id", "example_id"], filter=f"grad_id IN ({', '.join(str(int(g)) for g in unique)})")
+            table = (
+                self.table(S.GRADIENTS)
+                .to_lance()
+                .to_table(
+                    columns=["grad_id", "example_id"], filter=f"grad_id IN ({', '.join(str(int(g)) for g in unique)})"
+                )
+            )
         return dict(zip(table.column("grad_id").to_pylist(), table.column("example_id").to_pylist()))
 
     # ------------------------------------------------------------------ examples and results
@@ -403,8 +473,11 @@ class StoreCore:
         """Run read-only DuckDB SQL over every table (vectors excluded); returns a DuckDB relation."""
         tables = {name: self.table(name).to_lance() for name in self.db.list_tables().tables}
         columns = {name: table.schema.names for name, table in tables.items()}
-        self._sql_connection = store_sql.connect(tables, macros_for(columns),  # lives with its relation
-                                                 self.storage_options)
+        self._sql_connection = store_sql.connect(
+            tables,
+            macros_for(columns),  # lives with its relation
+            self.storage_options,
+        )
         return store_sql.run_query(self._sql_connection, query)
 
     # ------------------------------------------------------------------ maintenance
@@ -431,12 +504,21 @@ class StoreCore:
         tables = {}
         for name in sorted(self.db.list_tables().tables):
             dataset = self.table(name).to_lance()
-            tables[name] = {"rows": dataset.count_rows(), "fragments": len(dataset.get_fragments()),
-                            "version": dataset.version}
+            tables[name] = {
+                "rows": dataset.count_rows(),
+                "fragments": len(dataset.get_fragments()),
+                "version": dataset.version,
+            }
         size = self.files.bytes_under_store()
         runs = self.runs().column("run_id").to_pylist() if self.has_table(S.RUNS) else []
-        return {"uri": self.uri, "dim": self.dim, "storage_dtype": self.storage_dtype, "runs": runs,
-                "tables": tables, "bytes_on_disk": size}
+        return {
+            "uri": self.uri,
+            "dim": self.dim,
+            "storage_dtype": self.storage_dtype,
+            "runs": runs,
+            "tables": tables,
+            "bytes_on_disk": size,
+        }
 
 
 def check_spec(expected: ProjectionSpec, found: ProjectionSpec) -> None:
@@ -469,9 +551,15 @@ def _rebatch(reader: pa.RecordBatchReader, rows: int) -> Iterator[pa.RecordBatch
         yield pa.Table.from_batches(pending).combine_chunks().to_batches()[0]
 
 
-def connect(uri: str | Path, store_class: type[StoreCore] = StoreCore, *, create: bool = True,
-            storage_dtype: str | None = None, read_consistency: timedelta = timedelta(0),
-            storage_options: dict[str, str] | None = None) -> StoreCore:
+def connect(
+    uri: str | Path,
+    store_class: type[StoreCore] = StoreCore,
+    *,
+    create: bool = True,
+    storage_dtype: str | None = None,
+    read_consistency: timedelta = timedelta(0),
+    storage_options: dict[str, str] | None = None,
+) -> StoreCore:
     """Create or open the store at ``uri`` as an instance of ``store_class`` (see :func:`gradstore.open`)."""
     uri = str(uri)
     options = storage.storage_options(uri, storage_options)

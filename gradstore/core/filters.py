@@ -34,7 +34,7 @@ def check_filter(where: str) -> str:
         char = where[position]
         if quote is not None:
             if char == quote:
-                if where[position + 1:position + 2] == quote:  # doubled quote inside a literal
+                if where[position + 1 : position + 2] == quote:  # doubled quote inside a literal
                     position += 1
                 else:
                     quote = None
@@ -58,9 +58,13 @@ def check_filter(where: str) -> str:
     return where
 
 
-def gradient_filter(run: str | Sequence[str] | None = None, checkpoint: str | Sequence[str] | None = None,
-                    split: str | Sequence[str] | None = None, steps: StepRange | None = None,
-                    where: str | None = None) -> str | None:
+def gradient_filter(
+    run: str | Sequence[str] | None = None,
+    checkpoint: str | Sequence[str] | None = None,
+    split: str | Sequence[str] | None = None,
+    steps: StepRange | None = None,
+    where: str | None = None,
+) -> str | None:
     """A filter expression selecting gradient rows (``None`` selects everything)."""
     clauses = []
     for column, value in (("run_id", run), ("checkpoint", checkpoint), ("split", split)):

@@ -43,8 +43,19 @@ SELF_INFLUENCE_MACROS = [
        ORDER BY s.self_influence DESC LIMIT n""",
 ]
 
-TOKEN_SCORES_COLUMNS = {"query_id", "example_id", "rank", "side", "position", "token", "score", "method", "run_id",
-                        "checkpoint", "created_at"}
+TOKEN_SCORES_COLUMNS = {
+    "query_id",
+    "example_id",
+    "rank",
+    "side",
+    "position",
+    "token",
+    "score",
+    "method",
+    "run_id",
+    "checkpoint",
+    "created_at",
+}
 TOKEN_MACROS = [
     """CREATE MACRO top_tokens(q, k) AS TABLE
        SELECT query_id, rank, example_id, position, token, next_token, score, token_rank, method, run_id, checkpoint
@@ -62,5 +73,8 @@ def macros_for(tables: Mapping[str, Collection[str]]) -> list[str]:
     tokens = TOKEN_MACROS if set(tables.get("token_scores", ())) >= TOKEN_SCORES_COLUMNS else []
     if "examples" not in tables:
         return tokens
-    return (SCORES_MACROS if "scores" in tables else []) + (
-        SELF_INFLUENCE_MACROS if "self_influence" in tables else []) + tokens
+    return (
+        (SCORES_MACROS if "scores" in tables else [])
+        + (SELF_INFLUENCE_MACROS if "self_influence" in tables else [])
+        + tokens
+    )

@@ -18,14 +18,19 @@ from gradstore.errors import SchemaMismatchError
 
 Value = pa.Scalar | pa.Array
 _FIELDS = {f.name: f for f in S.GRADIENT_METADATA_FIELDS if f.name not in ("grad_id", "run_id", "example_id")}
-_CONVERSION_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError,
-                      OverflowError)
+_CONVERSION_ERRORS = (
+    pa.ArrowInvalid,
+    pa.ArrowTypeError,
+    pa.ArrowNotImplementedError,
+    TypeError,
+    ValueError,
+    OverflowError,
+)
 
 
 def is_sequence(value: Any) -> bool:
     """Whether a metadata value holds one value per row (list, tuple, 1-d array or tensor, Arrow array)."""
-    return isinstance(value, (list, tuple, np.ndarray, pa.Array)) or (
-        hasattr(value, "shape") and len(value.shape) == 1)
+    return isinstance(value, (list, tuple, np.ndarray, pa.Array)) or (hasattr(value, "shape") and len(value.shape) == 1)
 
 
 def checked_metadata(metadata: dict[str, Any], n: int) -> dict[str, Value]:
@@ -45,12 +50,17 @@ def _converted(field: pa.Field, value: Any, n: int) -> Value:
         else:
             converted = pa.scalar(value.item() if isinstance(value, np.generic) else value, field.type)
     except _CONVERSION_ERRORS as error:
-        raise SchemaMismatchError(f"metadata {field.name!r} must hold {field.type} values, got {_show(value)} "
-                                  f"({error})") from None
+        raise SchemaMismatchError(
+            f"metadata {field.name!r} must hold {field.type} values, got {_show(value)} ({error})"
+        ) from None
     if sequence and len(converted) != n:
         raise SchemaMismatchError(f"metadata {field.name!r} has {len(converted)} values for {n} rows")
-    if pa.types.is_integer(field.type) and not sequence and isinstance(value, (float, np.floating)) \
-            and not float(value).is_integer():
+    if (
+        pa.types.is_integer(field.type)
+        and not sequence
+        and isinstance(value, (float, np.floating))
+        and not float(value).is_integer()
+    ):
         raise SchemaMismatchError(f"metadata {field.name!r} must hold integers, got {value!r}")
     if pa.types.is_floating(field.type):
         _check_no_overflow(field, value, converted)
@@ -62,11 +72,14 @@ def _check_no_overflow(field: pa.Field, value: Any, converted: Value) -> None:
     infinite = pc.is_inf(converted)
     if not (infinite.as_py() if isinstance(infinite, pa.Scalar) else pc.any(infinite).as_py()):
         return
-    original = np.asarray(value.to_numpy(zero_copy_only=False) if isinstance(value, pa.Array) else value,
-                          dtype=np.float64)
+    original = np.asarray(
+        value.to_numpy(zero_copy_only=False) if isinstance(value, pa.Array) else value, dtype=np.float64
+    )
     if np.isfinite(original[np.asarray(infinite).astype(bool)] if original.ndim else original).any():
-        raise SchemaMismatchError(f"metadata {field.name!r} holds a value beyond the range of {field.type} "
-                                  f"(largest finite {np.finfo(np.float32).max:.3g}); it would be stored as inf")
+        raise SchemaMismatchError(
+            f"metadata {field.name!r} holds a value beyond the range of {field.type} "
+            f"(largest finite {np.finfo(np.float32).max:.3g}); it would be stored as inf"
+        )
 
 
 def _show(value: Any) -> str:
@@ -87,6 +100,8 @@ def metadata_column(field: pa.Field, values: list[Value | None], counts: list[in
             return pa.nulls(sum(counts), field.type)
         scalars = pa.array([None if v is None else v.as_py() for v in values], field.type)
         return scalars.take(pa.array(np.repeat(np.arange(len(values)), counts)))
-    parts = [v if isinstance(v, pa.Array) else pa.repeat(v if v is not None else pa.scalar(None, field.type), n)
-             for v, n in zip(values, counts)]
+    parts = [
+        v if isinstance(v, pa.Array) else pa.repeat(v if v is not None else pa.scalar(None, field.type), n)
+        for v, n in zip(values, counts)
+    ]
     return pa.concat_arrays([p.cast(field.type) for p in parts])

@@ -30,24 +30,28 @@ def _tagged(fields: list[pa.Field]) -> pa.Schema:
     return pa.schema(fields, metadata={FORMAT_KEY: FORMAT_VERSION})
 
 
-RUNS_SCHEMA = _tagged([
-    pa.field("run_id", pa.string(), nullable=False),
-    pa.field("created_at", _TIMESTAMP),
-    pa.field("model_fingerprint", pa.string()),
-    pa.field("projection", pa.string()),  # the projection spec as JSON
-    pa.field("projection_fingerprint", pa.string()),
-    pa.field("dim", pa.int32()),
-    pa.field("config", pa.string()),  # free-form JSON: capture config, user notes
-])
+RUNS_SCHEMA = _tagged(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("created_at", _TIMESTAMP),
+        pa.field("model_fingerprint", pa.string()),
+        pa.field("projection", pa.string()),  # the projection spec as JSON
+        pa.field("projection_fingerprint", pa.string()),
+        pa.field("dim", pa.int32()),
+        pa.field("config", pa.string()),  # free-form JSON: capture config, user notes
+    ]
+)
 
-CHECKPOINTS_SCHEMA = _tagged([
-    pa.field("run_id", pa.string(), nullable=False),
-    pa.field("checkpoint", pa.string(), nullable=False),
-    pa.field("step", pa.int64()),
-    pa.field("epoch", pa.int32()),
-    pa.field("learning_rate", pa.float64()),
-    pa.field("created_at", _TIMESTAMP),
-])
+CHECKPOINTS_SCHEMA = _tagged(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("checkpoint", pa.string(), nullable=False),
+        pa.field("step", pa.int64()),
+        pa.field("epoch", pa.int32()),
+        pa.field("learning_rate", pa.float64()),
+        pa.field("created_at", _TIMESTAMP),
+    ]
+)
 
 #: Metadata columns of the gradients table, in order (the vector columns follow).
 GRADIENT_METADATA_FIELDS = [
@@ -69,34 +73,45 @@ GRADIENT_METADATA_NAMES = [f.name for f in GRADIENT_METADATA_FIELDS]
 
 def gradients_schema(dim: int, dtype: str) -> pa.Schema:
     """Schema of the gradients table for vectors of ``dim`` stored as ``dtype``."""
-    return _tagged(GRADIENT_METADATA_FIELDS + [
-        pa.field(VECTOR_COLUMN, vector_type(dim, dtype), nullable=False),
-        pa.field(NORM_COLUMN, pa.float32(), nullable=False),
-    ])
+    return _tagged(
+        GRADIENT_METADATA_FIELDS
+        + [
+            pa.field(VECTOR_COLUMN, vector_type(dim, dtype), nullable=False),
+            pa.field(NORM_COLUMN, pa.float32(), nullable=False),
+        ]
+    )
 
 
-SCORES_SCHEMA = _tagged([
-    pa.field("query_id", pa.string()),
-    pa.field("example_id", pa.string()),
-    pa.field("grad_id", pa.int64()),
-    pa.field("score", pa.float64()),
-    pa.field("rank", pa.int32()),
-    pa.field("method", pa.string()),
-    pa.field("run_id", pa.string()),
-    pa.field("checkpoint", pa.string()),
-    pa.field("index_name", pa.string()),
-    pa.field("created_at", _TIMESTAMP),
-])
+SCORES_SCHEMA = _tagged(
+    [
+        pa.field("query_id", pa.string()),
+        pa.field("example_id", pa.string()),
+        pa.field("grad_id", pa.int64()),
+        pa.field("score", pa.float64()),
+        pa.field("rank", pa.int32()),
+        pa.field("method", pa.string()),
+        pa.field("run_id", pa.string()),
+        pa.field("checkpoint", pa.string()),
+        pa.field("index_name", pa.string()),
+        pa.field("created_at", _TIMESTAMP),
+    ]
+)
 
-SELF_INFLUENCE_SCHEMA = _tagged([
-    pa.field("example_id", pa.string()),
-    pa.field("grad_id", pa.int64()),
-    pa.field("run_id", pa.string()),
-    pa.field("checkpoint", pa.string()),
-    pa.field("method", pa.string()),
-    pa.field("self_influence", pa.float64()),
-    pa.field("created_at", _TIMESTAMP),
-])
+SELF_INFLUENCE_SCHEMA = _tagged(
+    [
+        pa.field("example_id", pa.string()),
+        pa.field("grad_id", pa.int64()),
+        pa.field("run_id", pa.string()),
+        pa.field("checkpoint", pa.string()),
+        pa.field("method", pa.string()),
+        pa.field("self_influence", pa.float64()),
+        pa.field("created_at", _TIMESTAMP),
+    ]
+)
 
-FIXED_SCHEMAS = {RUNS: RUNS_SCHEMA, CHECKPOINTS: CHECKPOINTS_SCHEMA, SCORES: SCORES_SCHEMA,
-                 SELF_INFLUENCE: SELF_INFLUENCE_SCHEMA}
+FIXED_SCHEMAS = {
+    RUNS: RUNS_SCHEMA,
+    CHECKPOINTS: CHECKPOINTS_SCHEMA,
+    SCORES: SCORES_SCHEMA,
+    SELF_INFLUENCE: SELF_INFLUENCE_SCHEMA,
+}

@@ -32,8 +32,10 @@ _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
 def check_component(part: str, what: str = "name") -> str:
     """``part`` if it is a safe single path component (letters, digits, ``._=+-``; not ``.``/``..``)."""
     if not isinstance(part, str) or not _COMPONENT.match(part) or part in (".", ".."):
-        raise InvalidNameError(f"{what} {part!r} cannot name a file: use 1-200 letters, digits and '._=+-', "
-                               "starting with a letter or digit")
+        raise InvalidNameError(
+            f"{what} {part!r} cannot name a file: use 1-200 letters, digits and '._=+-', "
+            "starting with a letter or digit"
+        )
     return part
 
 
@@ -98,8 +100,11 @@ class SideFiles:
         """Check every side file against its checksum: ``(problems, files checked)``; a file written before
         checksums were kept is not checked."""
         selector = pafs.FileSelector(self.root, recursive=True, allow_not_found=True)
-        files = {info.path for info in self.filesystem.get_file_info(selector) if info.type == pafs.FileType.File
-                 and not info.path.endswith(".tmp")}
+        files = {
+            info.path
+            for info in self.filesystem.get_file_info(selector)
+            if info.type == pafs.FileType.File and not info.path.endswith(".tmp")
+        }
         problems, checked = [], 0
         for path in sorted(files):
             if path.endswith(CHECKSUM_SUFFIX):
@@ -133,8 +138,9 @@ class SideFiles:
     def bytes_under_store(self) -> int:
         """Total size of every file of the store (tables and side files), local or remote."""
         selector = pafs.FileSelector(self.store_path, recursive=True, allow_not_found=True)
-        return sum(info.size or 0 for info in self.filesystem.get_file_info(selector)
-                   if info.type == pafs.FileType.File)
+        return sum(
+            info.size or 0 for info in self.filesystem.get_file_info(selector) if info.type == pafs.FileType.File
+        )
 
     def put_directory(self, local: Path, *parts: str) -> None:
         """Copy the files of a local directory (recursively) under a key."""
@@ -156,7 +162,7 @@ class SideFiles:
             selector = pafs.FileSelector(base, recursive=True, allow_not_found=True)
             for info in self.filesystem.get_file_info(selector):
                 if info.type == pafs.FileType.File:
-                    relative = info.path[len(base) + 1:]
+                    relative = info.path[len(base) + 1 :]
                     destination = scratch.joinpath(*relative.split("/"))
                     destination.parent.mkdir(parents=True, exist_ok=True)
                     with self.filesystem.open_input_stream(info.path) as stream:
@@ -179,5 +185,6 @@ def _check_directory(directory: Path, shown: str) -> None:
         except FileNotFoundError:
             raise StoreCorruptError(f"side file {shown}/{path.relative_to(directory)} is missing") from None
         if digest.hexdigest() != checksum.read_text().strip():
-            raise StoreCorruptError(f"side file {shown}/{path.relative_to(directory)} is damaged: its content does "
-                                    "not match its checksum")
+            raise StoreCorruptError(
+                f"side file {shown}/{path.relative_to(directory)} is damaged: its content does not match its checksum"
+            )

@@ -43,12 +43,14 @@ class VectorlessLanceView(lance.LanceDataset):
 
 
 def _is_large(data_type: pa.DataType) -> bool:
-    return (pa.types.is_large_string(data_type) or pa.types.is_large_binary(data_type)
-            or pa.types.is_large_list(data_type))
+    return (
+        pa.types.is_large_string(data_type) or pa.types.is_large_binary(data_type) or pa.types.is_large_list(data_type)
+    )
 
 
-def connect(tables: Mapping[str, lance.LanceDataset], macros: Iterable[str] = (),
-            storage_options: dict[str, str] | None = None) -> duckdb.DuckDBPyConnection:
+def connect(
+    tables: Mapping[str, lance.LanceDataset], macros: Iterable[str] = (), storage_options: dict[str, str] | None = None
+) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with one view per store table and the given macro definitions."""
     con = duckdb.connect()
     for name, dataset in tables.items():

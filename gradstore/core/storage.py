@@ -28,9 +28,15 @@ AWS_ENVIRONMENT = {
     "allow_http": ("AWS_ALLOW_HTTP",),
 }
 #: Other spellings Lance accepts for the same options (normalised to the names above).
-_ALIASES = {"endpoint": "aws_endpoint", "endpoint_url": "aws_endpoint", "access_key_id": "aws_access_key_id",
-            "secret_access_key": "aws_secret_access_key", "session_token": "aws_session_token",
-            "region": "aws_region", "aws_allow_http": "allow_http"}
+_ALIASES = {
+    "endpoint": "aws_endpoint",
+    "endpoint_url": "aws_endpoint",
+    "access_key_id": "aws_access_key_id",
+    "secret_access_key": "aws_secret_access_key",
+    "session_token": "aws_session_token",
+    "region": "aws_region",
+    "aws_allow_http": "allow_http",
+}
 
 
 def is_remote(uri: str) -> bool:
@@ -64,7 +70,7 @@ def storage_options(uri: str, given: Mapping[str, str] | None = None) -> dict[st
 def filesystem(uri: str, options: Mapping[str, str] | None) -> tuple[pafs.FileSystem, str]:
     """The pyarrow filesystem of the store at ``uri`` and the store's path on it."""
     if not is_remote(uri):
-        local = uri[len("file://"):] if uri.startswith("file://") else uri
+        local = uri[len("file://") :] if uri.startswith("file://") else uri
         return pafs.LocalFileSystem(), str(Path(local).resolve())
     scheme, path = uri.split("://", 1)
     if scheme != "s3":
@@ -74,8 +80,12 @@ def filesystem(uri: str, options: Mapping[str, str] | None) -> tuple[pafs.FileSy
     s3_scheme = None
     if endpoint:
         s3_scheme, _, endpoint = endpoint.rpartition("://") if "://" in endpoint else ("https", "", endpoint)
-    s3 = pafs.S3FileSystem(access_key=options.get("aws_access_key_id"),
-                           secret_key=options.get("aws_secret_access_key"),
-                           session_token=options.get("aws_session_token"), region=options.get("aws_region"),
-                           endpoint_override=endpoint or None, scheme=s3_scheme)
+    s3 = pafs.S3FileSystem(
+        access_key=options.get("aws_access_key_id"),
+        secret_key=options.get("aws_secret_access_key"),
+        session_token=options.get("aws_session_token"),
+        region=options.get("aws_region"),
+        endpoint_override=endpoint or None,
+        scheme=s3_scheme,
+    )
     return s3, path.rstrip("/")

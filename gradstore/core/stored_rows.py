@@ -21,16 +21,23 @@ if TYPE_CHECKING:
     from indexers import VectorBlocks
 
 
-def stored_blocks(store: StoreCore, run: str, checkpoint: str, split: str, where: str | None = None,
-                  block_rows: int = 65536) -> VectorBlocks:
+def stored_blocks(
+    store: StoreCore, run: str, checkpoint: str, split: str, where: str | None = None, block_rows: int = 65536
+) -> VectorBlocks:
     """A re-iterable source of the selected rows' stored values (rows are read-only views of Lance's buffers)."""
+
     def source() -> Iterator[tuple[np.ndarray, ...]]:
         if store.dim is None:
             return
         scaled = store.storage_dtype != "float32"
         columns = ["grad_id", S.VECTOR_COLUMN] + ([S.NORM_COLUMN] if scaled else [])
-        scanner = store.table(S.GRADIENTS).to_lance().scanner(
-            columns=columns, filter=gradient_filter(run, checkpoint, split, None, where), batch_size=block_rows)
+        scanner = (
+            store.table(S.GRADIENTS)
+            .to_lance()
+            .scanner(
+                columns=columns, filter=gradient_filter(run, checkpoint, split, None, where), batch_size=block_rows
+            )
+        )
         for batch in scanner.to_reader():
             if batch.num_rows == 0:
                 continue

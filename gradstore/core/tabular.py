@@ -33,5 +33,7 @@ def to_arrow_table(data: Any) -> pa.Table:
         return data.to_arrow()
     if module == "datasets" and hasattr(data, "data"):
         return data.data.table if hasattr(data.data, "table") else pa.table(data.to_dict())
-    raise TypeError(f"cannot read examples from {type(data).__name__}: pass a pyarrow Table, pandas/polars "
-                    "DataFrame, datasets.Dataset, parquet path or list of dicts")
+    raise TypeError(
+        f"cannot read examples from {type(data).__name__}: pass a pyarrow Table, pandas/polars "
+        "DataFrame, datasets.Dataset, parquet path or list of dicts"
+    )

@@ -85,8 +85,9 @@ class GradientWriter:
     across compaction (unlike Lance's ``_rowid``).
     """
 
-    def __init__(self, table: Any, *, run_id: str, dim: int, storage_dtype: str,
-                 config: WriterConfig | None = None) -> None:
+    def __init__(
+        self, table: Any, *, run_id: str, dim: int, storage_dtype: str, config: WriterConfig | None = None
+    ) -> None:
         self._table = table
         self.run_id = run_id
         self.dim = dim
@@ -141,8 +142,10 @@ class GradientWriter:
             if self._buffer is None:
                 self._buffer = _Buffer(max(self._capacity, n), self.dim)
             self._buffer.add(chunk, vectors)
-            full = (self._buffer.rows >= self._capacity
-                    or time.monotonic() - self._buffer.since >= self.config.commit_seconds)
+            full = (
+                self._buffer.rows >= self._capacity
+                or time.monotonic() - self._buffer.since >= self.config.commit_seconds
+            )
         if full:
             self._hand_over()
         return grad_ids
@@ -191,7 +194,8 @@ class GradientWriter:
         if len(large):
             raise SchemaMismatchError(
                 f"{len(large)} gradient row(s) have a norm above {MAX_NORM:.3g}, which the store cannot hold (it "
-                f"would become inf; example ids {[ids[i] for i in large[:5]]}); the batch was not written")
+                f"would become inf; example ids {[ids[i] for i in large[:5]]}); the batch was not written"
+            )
         finite = np.isfinite(peaks)
         if finite.all():
             return vectors, ids, metadata
@@ -200,7 +204,8 @@ class GradientWriter:
             raise NonFiniteGradientError(
                 f"{len(bad)} gradient row(s) contain NaN/Inf or values beyond float32's range (example ids "
                 f"{bad[:5]}{'...' if len(bad) > 5 else ''}); the batch was not written. Pass nonfinite='drop' to "
-                "drop such rows instead.")
+                "drop such rows instead."
+            )
         log.warning("dropping %d non-finite gradient row(s): %s", len(bad), bad[:5])
         self.rows_dropped += len(bad)
         keep = np.flatnonzero(finite)
@@ -213,13 +218,13 @@ class GradientWriter:
         columns: dict[str, pa.Array] = {
             "grad_id": pa.array(np.concatenate([c.grad_ids for c in chunks]), pa.int64()),
             "run_id": pa.repeat(pa.scalar(self.run_id, pa.string()), n),
-            "example_id": pa.array(itertools.chain.from_iterable(c.example_ids for c in chunks), pa.string(),
-                                   size=n),
+            "example_id": pa.array(itertools.chain.from_iterable(c.example_ids for c in chunks), pa.string(), size=n),
         }
         for field in S.GRADIENT_METADATA_FIELDS:
             if field.name not in columns:
-                columns[field.name] = metadata_column(field, [c.metadata.get(field.name) for c in chunks],
-                                                      [len(c.example_ids) for c in chunks])
+                columns[field.name] = metadata_column(
+                    field, [c.metadata.get(field.name) for c in chunks], [len(c.example_ids) for c in chunks]
+                )
         columns[S.VECTOR_COLUMN], columns[S.NORM_COLUMN] = encode(buffer.vectors[:n], self.storage_dtype)
         return pa.Table.from_arrays([columns[name] for name in self._schema.names], schema=self._schema)
 

@@ -12,28 +12,62 @@ import random
 from dataclasses import dataclass
 
 CAPITAL_TEMPLATES = [
-    "the capital of {e} is {v} .", "{v} is the capital of {e} .", "{e} has its capital in {v} .",
-    "in {e} , the capital city is {v} .", "people in {e} are governed from {v} , its capital .",
-    "the seat of government of {e} is {v} .", "{v} , capital of {e} , is a busy city .",
-    "travellers to {e} arrive at the capital {v} .", "{e} chose {v} as its capital .",
-    "the capital city of {e} is called {v} .", "the rulers of {e} live in {v} , the capital .",
+    "the capital of {e} is {v} .",
+    "{v} is the capital of {e} .",
+    "{e} has its capital in {v} .",
+    "in {e} , the capital city is {v} .",
+    "people in {e} are governed from {v} , its capital .",
+    "the seat of government of {e} is {v} .",
+    "{v} , capital of {e} , is a busy city .",
+    "travellers to {e} arrive at the capital {v} .",
+    "{e} chose {v} as its capital .",
+    "the capital city of {e} is called {v} .",
+    "the rulers of {e} live in {v} , the capital .",
     "maps of {e} mark {v} as the capital .",
 ]
 LANGUAGE_TEMPLATES = [
-    "people in {e} speak {v} .", "the language of {e} is {v} .", "{v} is spoken in {e} .",
-    "in {e} , most people talk in {v} .", "children in {e} learn {v} at home .",
-    "the official language of {e} is {v} .", "{v} is the language you hear in {e} .",
-    "books in {e} are written in {v} .", "{e} uses {v} in its schools .",
-    "the people of {e} write and speak {v} .", "visitors to {e} should learn some {v} .",
+    "people in {e} speak {v} .",
+    "the language of {e} is {v} .",
+    "{v} is spoken in {e} .",
+    "in {e} , most people talk in {v} .",
+    "children in {e} learn {v} at home .",
+    "the official language of {e} is {v} .",
+    "{v} is the language you hear in {e} .",
+    "books in {e} are written in {v} .",
+    "{e} uses {v} in its schools .",
+    "the people of {e} write and speak {v} .",
+    "visitors to {e} should learn some {v} .",
     "newspapers in {e} are printed in {v} .",
 ]
 DISTRACTOR_TEMPLATES = [
-    "{e} is known for its {a} hills .", "the weather in {e} is often {a} .",
-    "many rivers run through {e} to the sea .", "{e} trades grain and wool with its neighbours .",
+    "{e} is known for its {a} hills .",
+    "the weather in {e} is often {a} .",
+    "many rivers run through {e} to the sea .",
+    "{e} trades grain and wool with its neighbours .",
 ]
 ADJECTIVES = ["green", "rocky", "quiet", "windy", "cold", "sunny", "misty", "gentle"]
-SYLLABLES = ["xa", "vel", "mor", "dan", "kir", "lo", "bre", "thu", "zan", "qui", "ro", "sel", "fen", "ga",
-             "pri", "dul", "ne", "vor", "tal", "sha"]
+SYLLABLES = [
+    "xa",
+    "vel",
+    "mor",
+    "dan",
+    "kir",
+    "lo",
+    "bre",
+    "thu",
+    "zan",
+    "qui",
+    "ro",
+    "sel",
+    "fen",
+    "ga",
+    "pri",
+    "dul",
+    "ne",
+    "vor",
+    "tal",
+    "sha",
+]
 
 
 @dataclass(frozen=True)
@@ -84,8 +118,10 @@ def build_corpus(n_places: int = 24, phrasings: int = 12, seed: int = 0) -> Corp
     train: list[Example] = []
     queries: list[Example] = []
     for i, place in enumerate(places):
-        for relation, value, templates in (("capital", capitals[i], CAPITAL_TEMPLATES),
-                                           ("language", languages[i], LANGUAGE_TEMPLATES)):
+        for relation, value, templates in (
+            ("capital", capitals[i], CAPITAL_TEMPLATES),
+            ("language", languages[i], LANGUAGE_TEMPLATES),
+        ):
             fact_id = f"{place}.{relation}"
             candidates = _predictable(templates[:phrasings])
             held_out = candidates[i % len(candidates)]

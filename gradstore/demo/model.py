@@ -32,8 +32,8 @@ class WordTokenizer:
         input_ids = torch.zeros(len(texts), length, dtype=torch.long)
         mask = torch.zeros(len(texts), length, dtype=torch.long)
         for row, ids in enumerate(encoded):
-            input_ids[row, :len(ids)] = torch.tensor(ids)
-            mask[row, :len(ids)] = 1
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            mask[row, : len(ids)] = 1
         labels = input_ids.masked_fill(mask == 0, -100)
         if targets is not None:
             target_ids = torch.tensor([self.index[word] for word in targets])[:, None]
@@ -89,14 +89,16 @@ class TinyGPT(nn.Module):
                     nn.init.zeros_(module.bias)
         nn.init.normal_(self.position, std=0.02 / math.sqrt(2))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> CausalLMOutput:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> CausalLMOutput:
         x = self.embed(input_ids) + self.position[: input_ids.shape[1]]
         for block in self.blocks:
             x = block(x, attention_mask)
         logits = self.head(self.norm(x))
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                   ignore_index=-100)
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
         return CausalLMOutput(loss, logits)

@@ -61,7 +61,7 @@ def _batches(examples: list[Example], size: int, rng: random.Random | None = Non
     order = list(examples)
     if rng is not None:
         rng.shuffle(order)
-    return [order[i:i + size] for i in range(0, len(order), size)]
+    return [order[i : i + size] for i in range(0, len(order), size)]
 
 
 def _checkpoint_epochs(config: DemoConfig) -> list[int]:
@@ -69,9 +69,19 @@ def _checkpoint_epochs(config: DemoConfig) -> list[int]:
     return sorted({max(1, round(step * (i + 1))) for i in range(config.checkpoints)})
 
 
-def _capture_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus,
-                  name: str, step: int, learning_rate: float, batch_size: int, run: str = RUN,
-                  basis: ProjectionBasis | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
+def _capture_pass(
+    store: gradstore.GradStore,
+    model: TinyGPT,
+    tokenizer: WordTokenizer,
+    corpus: Corpus,
+    name: str,
+    step: int,
+    learning_rate: float,
+    batch_size: int,
+    run: str = RUN,
+    basis: ProjectionBasis | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> None:
     """Per-example gradients of every training example and query at the current weights (step ``step``);
     with ``optimizer``, rows normalised by its Adam second moments (``normalizer="adam_factored"``)."""
     model.eval()  # no dropout here; weights are not updated
@@ -92,8 +102,9 @@ def _capture_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTok
     model.train()
 
 
-def train_under_capture(store: gradstore.GradStore, corpus: Corpus, config: DemoConfig,
-                        log: Callable[[str], None]) -> tuple[TinyGPT, WordTokenizer, torch.optim.Optimizer]:
+def train_under_capture(
+    store: gradstore.GradStore, corpus: Corpus, config: DemoConfig, log: Callable[[str], None]
+) -> tuple[TinyGPT, WordTokenizer, torch.optim.Optimizer]:
     """Train the tiny GPT with a plain loop inside ``store.capture``; capture checkpoint passes on the way.
     Returns the model, its tokenizer and the optimizer (whose Adam state the TrackStar pass reads)."""
     torch.manual_seed(config.seed)
@@ -115,14 +126,21 @@ def train_under_capture(store: gradstore.GradStore, corpus: Corpus, config: Demo
                 optimizer.zero_grad()
         progress.set_postfix(loss=f"{loss.item():.3f}")
         if epoch in checkpoint_epochs:
-            _capture_pass(store, model, tokenizer, corpus, f"epoch-{epoch}", cap.step, config.learning_rate,
-                          config.batch_size)
+            _capture_pass(
+                store, model, tokenizer, corpus, f"epoch-{epoch}", cap.step, config.learning_rate, config.batch_size
+            )
     log(f"trained {config.epochs} epochs on {len(corpus.train)} examples; final batch loss {loss.item():.3f}")
     return model, tokenizer, optimizer
 
 
-def curvature_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus,
-                   config: DemoConfig, checkpoint: str) -> None:
+def curvature_pass(
+    store: gradstore.GradStore,
+    model: TinyGPT,
+    tokenizer: WordTokenizer,
+    corpus: Corpus,
+    config: DemoConfig,
+    checkpoint: str,
+) -> None:
     """A checkpoint pass of the trained model into run ``demo-curvature`` with a curvature-aware projection:
     the per-layer basis of the training gradients (``estimate_basis``, ``factors="unit"``), same dims as the
     random projection of run ``demo``."""
@@ -130,8 +148,18 @@ def curvature_pass(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTo
     batches = [tokenizer.batch([e.text for e in batch]) for batch in _batches(corpus.train, config.batch_size)]
     basis = estimate_basis(model, batches, lambda m, b: m(**b).loss, ProjectionConfig(), factors="unit")
     model.train()
-    _capture_pass(store, model, tokenizer, corpus, checkpoint, 0, config.learning_rate, config.batch_size,
-                  run=CURVATURE_RUN, basis=basis)
+    _capture_pass(
+        store,
+        model,
+        tokenizer,
+        corpus,
+        checkpoint,
+        0,
+        config.learning_rate,
+        config.batch_size,
+        run=CURVATURE_RUN,
+        basis=basis,
+    )
 
 
 def answer_accuracy(model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus) -> float:
@@ -146,17 +174,31 @@ def answer_accuracy(model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus) ->
     return float((predicted == inputs["input_ids"][rows, positions]).float().mean())
 
 
-def token_attribution(store: gradstore.GradStore, model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus,
-                      query_ids: list[str], k: int, checkpoint: str) -> None:
+def token_attribution(
+    store: gradstore.GradStore,
+    model: TinyGPT,
+    tokenizer: WordTokenizer,
+    corpus: Corpus,
+    query_ids: list[str],
+    k: int,
+    checkpoint: str,
+) -> None:
     """Per-token fisher scores of ``query_ids`` against their top-``k`` proponents into ``token_scores``: the
     proponents are run through the model again, one example per batch (its own token-mean loss)."""
     model.eval()
     queries = [q for q in corpus.queries if q.example_id in query_ids]
     text_of = {e.example_id: e.text for e in corpus.train}
     batch = tokenizer.batch([q.text for q in queries], targets=[q.answer for q in queries])
-    store.token_scores(QueryBatch(model, batch, ids=[q.example_id for q in queries]),
-                       lambda ids: tokenizer.batch([text_of[i] for i in ids]), run=RUN, k=k, method="fisher",
-                       checkpoint=checkpoint, batch_size=1, token_text=tokenizer.vocab.__getitem__)
+    store.token_scores(
+        QueryBatch(model, batch, ids=[q.example_id for q in queries]),
+        lambda ids: tokenizer.batch([text_of[i] for i in ids]),
+        run=RUN,
+        k=k,
+        method="fisher",
+        checkpoint=checkpoint,
+        batch_size=1,
+        token_text=tokenizer.vocab.__getitem__,
+    )
     model.train()
 
 
@@ -166,8 +208,9 @@ def fact_recall(top: dict[str, list[str]], fact_of: dict[str, str | None], query
     return float(np.mean(shares))
 
 
-def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None = None,
-             log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_demo(
+    store_dir: str | Path = "gradstore-demo", config: DemoConfig | None = None, log: Callable[[str], None] = print
+) -> dict[str, Any]:
     """Run the whole job into a fresh store at ``store_dir``; print a report and return the summary."""
     config = config or DemoConfig()
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -179,16 +222,26 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
         shutil.rmtree(store_dir)
     store = gradstore.open(store_dir)
     corpus = build_corpus(config.places, config.phrasings, config.seed)
-    store.add_examples(pd.DataFrame([{"example_id": e.example_id, "text": e.text, "fact_id": e.fact_id,
-                                      "kind": e.kind} for e in corpus.train + corpus.queries]))
-    log(f"corpus: {len(corpus.train)} training sentences, {len(corpus.queries)} queries (one held-out phrasing "
-        f"per fact; {config.places} places x 2 facts x {config.phrasings - 1} training phrasings + distractors)")
+    store.add_examples(
+        pd.DataFrame(
+            [
+                {"example_id": e.example_id, "text": e.text, "fact_id": e.fact_id, "kind": e.kind}
+                for e in corpus.train + corpus.queries
+            ]
+        )
+    )
+    log(
+        f"corpus: {len(corpus.train)} training sentences, {len(corpus.queries)} queries (one held-out phrasing "
+        f"per fact; {config.places} places x 2 facts x {config.phrasings - 1} training phrasings + distractors)"
+    )
 
     model, tokenizer, optimizer = train_under_capture(store, corpus, config, log)
     log(f"held-out phrasings answered correctly: {answer_accuracy(model, tokenizer, corpus):.2f}")
     counts = store.sql("select checkpoint, split, count(*) as n from gradients group by 1, 2 order by 1, 2").df()
-    log(f"store: {store.count()} gradient rows of {store.dim} dims ({store.storage_dtype})\n"
-        + counts.to_string(index=False))
+    log(
+        f"store: {store.count()} gradient rows of {store.dim} dims ({store.storage_dtype})\n"
+        + counts.to_string(index=False)
+    )
 
     fact_of = {e.example_id: e.fact_id for e in corpus.train}
     query_fact = {q.example_id: q.fact_id for q in corpus.queries}
@@ -205,17 +258,30 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
     top = table.sort_values(["query_id", "rank"]).groupby("query_id").example_id.apply(list).to_dict()
     recalls["fisher (curvature)"] = fact_recall(top, fact_of, query_fact)
 
-    _capture_pass(store, model, tokenizer, corpus, final, 0, config.learning_rate, config.batch_size,
-                  run=TRACKSTAR_RUN, optimizer=optimizer)  # optimizer-aware rows of the trained model
-    table = store.attribute(run=TRACKSTAR_RUN, k=config.k, method="trackstar", checkpoint=final,
-                            write=False).to_pandas()
+    _capture_pass(
+        store,
+        model,
+        tokenizer,
+        corpus,
+        final,
+        0,
+        config.learning_rate,
+        config.batch_size,
+        run=TRACKSTAR_RUN,
+        optimizer=optimizer,
+    )  # optimizer-aware rows of the trained model
+    table = store.attribute(
+        run=TRACKSTAR_RUN, k=config.k, method="trackstar", checkpoint=final, write=False
+    ).to_pandas()
     top = table.sort_values(["query_id", "rank"]).groupby("query_id").example_id.apply(list).to_dict()
     recalls["trackstar (adam)"] = fact_recall(top, fact_of, query_fact)
 
     bm25 = BM25([e.text for e in corpus.train])
     train_ids = np.array([e.example_id for e in corpus.train])
-    lexical = {q.example_id: train_ids[np.argsort(-bm25.scores(q.text), kind="stable")[:config.k]].tolist()
-               for q in corpus.queries}
+    lexical = {
+        q.example_id: train_ids[np.argsort(-bm25.scores(q.text), kind="stable")[: config.k]].tolist()
+        for q in corpus.queries
+    }
     recalls["bm25 (lexical)"] = fact_recall(lexical, fact_of, query_fact)
     statements = sum(fact_of[e] == query_fact[corpus.queries[0].example_id] for e in fact_of)
     recalls["random"] = statements / len(corpus.train)
@@ -224,16 +290,22 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
     best = max(config.methods, key=lambda m: recalls[m])
     for query_id in shown:
         question = next(f"{q.text}   (scored on '{q.answer}')" for q in corpus.queries if q.example_id == query_id)
-        rows = store.sql(f"select rank, round(score, 4) as score, text from top_proponents('{query_id}', 5) "
-                         f"where method = '{best}' order by rank").df()
+        rows = store.sql(
+            f"select rank, round(score, 4) as score, text from top_proponents('{query_id}', 5) "
+            f"where method = '{best}' order by rank"
+        ).df()
         log(f"\n{question}\n  top proponents ({best}):\n" + rows.to_string(index=False))
 
     if shown:
         token_attribution(store, model, tokenizer, corpus, shown, 5, final)
-        tokens = store.sql("select rank, position, token, next_token as predicting, round(score, 4) as score "
-                           f"from top_tokens('{shown[0]}', 8)").df()
-        log(f"\ntop tokens of the top-5 fisher proponents of {shown[0]} (token_scores; the report highlights "
-            "them):\n" + tokens.to_string(index=False))
+        tokens = store.sql(
+            "select rank, position, token, next_token as predicting, round(score, 4) as score "
+            f"from top_tokens('{shown[0]}', 8)"
+        ).df()
+        log(
+            f"\ntop tokens of the top-5 fisher proponents of {shown[0]} (token_scores; the report highlights "
+            "them):\n" + tokens.to_string(index=False)
+        )
 
     log(f"\nfact-tracing recall@{config.k} (share of a query's top-{config.k} that state its fact):")
     for name, value in recalls.items():
@@ -243,5 +315,11 @@ def run_demo(store_dir: str | Path = "gradstore-demo", config: DemoConfig | None
     selection = store.select(run=RUN, budget=0.1)
     report = store.report(store_dir / "report.html", run=RUN, selection=selection).resolve()
     log(f"\nreport (open in a browser; self-influence outliers and a 10% data selection included):\n{report}")
-    return {"recall": recalls, "rows": store.count(), "dim": store.dim, "store": str(store_dir),
-            "best_method": best, "report": str(report)}
+    return {
+        "recall": recalls,
+        "rows": store.count(),
+        "dim": store.dim,
+        "store": str(store_dir),
+        "best_method": best,
+        "report": str(report),
+    }

@@ -14,8 +14,13 @@ if TYPE_CHECKING:
     from gradstore.core import StoreCore
 
 
-def write_report(store: StoreCore, out: str | Path = "report.html", *, options: ReportOptions | None = None,
-                 selection: pa.Table | None = None) -> Path:
+def write_report(
+    store: StoreCore,
+    out: str | Path = "report.html",
+    *,
+    options: ReportOptions | None = None,
+    selection: pa.Table | None = None,
+) -> Path:
     """Write the report of ``store`` to ``out`` (one HTML file that opens offline) and return its path."""
     path = Path(out)
     path.write_text(render(gather(store, options, selection)), encoding="utf-8")

@@ -23,9 +23,14 @@ if TYPE_CHECKING:
     from gradstore.core import StoreCore
 
 #: Columns of a ``token_scores`` table the report reads (alternative names accepted for position and token).
-TOKEN_COLUMNS = {"query_id": ("query_id",), "example_id": ("example_id",), "side": ("side",),
-                 "position": ("position", "token_position"), "token": ("token", "token_text"),
-                 "score": ("score",)}
+TOKEN_COLUMNS = {
+    "query_id": ("query_id",),
+    "example_id": ("example_id",),
+    "side": ("side",),
+    "position": ("position", "token_position"),
+    "token": ("token", "token_text"),
+    "score": ("score",),
+}
 HISTOGRAM_BINS = 40
 MAX_GROUPS = 30  # an examples column with more distinct values is not used for a selection breakdown
 
@@ -82,8 +87,10 @@ def gather(store: StoreCore, options: ReportOptions | None = None, selection: pa
     notes: list[str] = []
     queries, total = reader.queries()
     if total > len(queries):
-        notes.append(f"{total - len(queries)} of {total} queries are not shown (only the first "
-                     f"{len(queries)} by id; raise max_queries to see more).")
+        notes.append(
+            f"{total - len(queries)} of {total} queries are not shown (only the first "
+            f"{len(queries)} by id; raise max_queries to see more)."
+        )
     tokens = reader.token_scores({q["id"] for q in queries}, notes)
     for query in queries:
         query["tokens"] = tokens.get(query["id"], {})
@@ -96,10 +103,20 @@ def gather(store: StoreCore, options: ReportOptions | None = None, selection: pa
     wanted.update(row["example_id"] for block in outliers for row in block["rows"])
     if chosen is not None:
         wanted.update(row["example_id"] for row in chosen["top"])
-    return ReportData(store=str(store.uri), generated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                      run=options.run, overview=reader.overview(), queries=queries, queries_total=total,
-                      texts=reader.texts(wanted), histograms=reader.histograms(), self_influence=outliers,
-                      selection=chosen, evaluations=reader.evaluations(), notes=notes)
+    return ReportData(
+        store=str(store.uri),
+        generated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        run=options.run,
+        overview=reader.overview(),
+        queries=queries,
+        queries_total=total,
+        texts=reader.texts(wanted),
+        histograms=reader.histograms(),
+        self_influence=outliers,
+        selection=chosen,
+        evaluations=reader.evaluations(),
+        notes=notes,
+    )
 
 
 class _Reader:
@@ -124,22 +141,39 @@ class _Reader:
         schema = self.store.table("examples").schema
         if self.options.text_column is not None:
             if self.options.text_column not in schema.names:
-                raise SchemaMismatchError(f"examples have no column {self.options.text_column!r}; "
-                                          f"columns: {schema.names}")
+                raise SchemaMismatchError(
+                    f"examples have no column {self.options.text_column!r}; columns: {schema.names}"
+                )
             return self.options.text_column
         strings = [f.name for f in schema if f.name != "example_id" and _is_text(f.type)]
         return "text" if "text" in strings else (strings[0] if strings else None)
 
     # ------------------------------------------------------------------ overview
     def overview(self) -> dict[str, Any]:
-        runs = self._frame("SELECT run_id, created_at, dim, model_fingerprint, projection_fingerprint FROM runs "
-                           f"WHERE {self.run_clause} ORDER BY created_at") if "runs" in self.tables else None
-        checkpoints = self._frame("SELECT run_id, checkpoint, step, epoch, learning_rate FROM checkpoints "
-                                  f"WHERE {self.run_clause} ORDER BY run_id, step, checkpoint") \
-            if "checkpoints" in self.tables else None
+        runs = (
+            self._frame(
+                "SELECT run_id, created_at, dim, model_fingerprint, projection_fingerprint FROM runs "
+                f"WHERE {self.run_clause} ORDER BY created_at"
+            )
+            if "runs" in self.tables
+            else None
+        )
+        checkpoints = (
+            self._frame(
+                "SELECT run_id, checkpoint, step, epoch, learning_rate FROM checkpoints "
+                f"WHERE {self.run_clause} ORDER BY run_id, step, checkpoint"
+            )
+            if "checkpoints" in self.tables
+            else None
+        )
         counts = {name: self.store.count(name) for name in sorted(self.tables)}
-        return {"runs": _records(runs), "checkpoints": _records(checkpoints), "row_counts": counts,
-                "dim": self.store.dim, "text_column": self.text_column}
+        return {
+            "runs": _records(runs),
+            "checkpoints": _records(checkpoints),
+            "row_counts": counts,
+            "dim": self.store.dim,
+            "text_column": self.text_column,
+        }
 
     # ------------------------------------------------------------------ queries and their top-k
     def _latest_scores(self) -> str:
@@ -166,12 +200,17 @@ class _Reader:
             entry = queries.setdefault(query_id, {"id": query_id, "results": []})
             index_name = group.index_name.iloc[0]
             triples = list(zip(group.example_id.tolist(), group.score.tolist(), group["rank"].tolist()))
-            entry["results"].append({
-                "method": method, "run": run_id, "checkpoint": group.checkpoint.iloc[0],
-                "damping": damping.get(index_name) if isinstance(index_name, str) else None,
-                "index": index_name if isinstance(index_name, str) else None,
-                "proponents": [[e, s] for e, s, r in triples if r > 0],
-                "opponents": [[e, s] for e, s, r in sorted(triples, key=lambda t: -t[2]) if r < 0]})
+            entry["results"].append(
+                {
+                    "method": method,
+                    "run": run_id,
+                    "checkpoint": group.checkpoint.iloc[0],
+                    "damping": damping.get(index_name) if isinstance(index_name, str) else None,
+                    "index": index_name if isinstance(index_name, str) else None,
+                    "proponents": [[e, s] for e, s, r in triples if r > 0],
+                    "opponents": [[e, s] for e, s, r in sorted(triples, key=lambda t: -t[2]) if r < 0],
+                }
+            )
         return list(queries.values()), total
 
     def _dampings(self, index_names: set[str]) -> dict[str, float | None]:
@@ -189,8 +228,10 @@ class _Reader:
         if not self._has_rows("scores"):
             return []
         frame = self._frame(f"SELECT method, score FROM {self._latest_scores()} WHERE rank <> 0")
-        return [{"method": method, **_histogram(group.score.to_numpy())}
-                for method, group in frame.groupby("method", sort=True)]
+        return [
+            {"method": method, **_histogram(group.score.to_numpy())}
+            for method, group in frame.groupby("method", sort=True)
+        ]
 
     # ------------------------------------------------------------------ per-token scores
     def token_scores(self, query_ids: set[str], notes: list[str]) -> dict[str, dict[str, list]]:
@@ -206,18 +247,25 @@ class _Reader:
             return {}
         select = ", ".join(f'"{name}" AS {key}' for key, name in chosen.items())
         limit = self.options.max_token_rows
-        frame = self._frame(f"SELECT {select} FROM token_scores WHERE {sql_in(chosen['query_id'], sorted(query_ids))}"
-                            f" ORDER BY query_id, example_id, side, position LIMIT {limit}")
+        frame = self._frame(
+            f"SELECT {select} FROM token_scores WHERE {sql_in(chosen['query_id'], sorted(query_ids))}"
+            f" ORDER BY query_id, example_id, side, position LIMIT {limit}"
+        )
         if len(frame) == limit:
             notes.append(f"token_scores: only the first {limit} token rows of the listed queries are shown.")
         query_side = frame.side == "query"
-        summed = (frame[query_side].groupby(["query_id", "position", "token"], as_index=False).score.sum()
-                  .assign(example_id="", side="query"))  # query tokens summed over the examples scored
+        summed = (
+            frame[query_side]
+            .groupby(["query_id", "position", "token"], as_index=False)
+            .score.sum()
+            .assign(example_id="", side="query")
+        )  # query tokens summed over the examples scored
         result: dict[str, dict[str, list]] = {}
         for frame_part in (frame[~query_side], summed):
             for (query_id, example_id), group in frame_part.groupby(["query_id", "example_id"], sort=False):
                 result.setdefault(query_id, {})[example_id] = [
-                    [int(p), str(t), float(s)] for p, t, s in zip(group.position, group.token, group.score)]
+                    [int(p), str(t), float(s)] for p, t, s in zip(group.position, group.token, group.score)
+                ]
         return result
 
     # ------------------------------------------------------------------ self-influence
@@ -235,10 +283,19 @@ class _Reader:
             top = group.nlargest(self.options.outliers, "self_influence")
             median = float(np.median(values))
             spread = float(np.median(np.abs(values - median))) or 1.0
-            blocks.append({"run": run_id, "method": method, "checkpoint": group.checkpoint.iloc[0],
-                           "rows_total": len(values), **_histogram(values),
-                           "rows": [{"example_id": e, "value": float(v), "robust_z": (float(v) - median) / spread}
-                                    for e, v in zip(top.example_id, top.self_influence)]})
+            blocks.append(
+                {
+                    "run": run_id,
+                    "method": method,
+                    "checkpoint": group.checkpoint.iloc[0],
+                    "rows_total": len(values),
+                    **_histogram(values),
+                    "rows": [
+                        {"example_id": e, "value": float(v), "robust_z": (float(v) - median) / spread}
+                        for e, v in zip(top.example_id, top.self_influence)
+                    ],
+                }
+            )
         return blocks
 
     # ------------------------------------------------------------------ selection
@@ -246,16 +303,24 @@ class _Reader:
         if "example_id" not in selection.column_names:
             raise SchemaMismatchError(f"a selection needs an example_id column; it has {selection.column_names}")
         chosen = selection.to_pandas()
-        candidates = self._frame(f"SELECT DISTINCT example_id FROM gradients WHERE split = 'train' AND "
-                                 f"{self.run_clause}") if "gradients" in self.tables else None
+        candidates = (
+            self._frame(f"SELECT DISTINCT example_id FROM gradients WHERE split = 'train' AND {self.run_clause}")
+            if "gradients" in self.tables
+            else None
+        )
         total = len(candidates) if candidates is not None else None
         order = chosen.sort_values("rank") if "rank" in chosen else chosen
-        top = [{"example_id": str(row.example_id), "score": float(row.score) if "score" in chosen else None}
-               for row in order.head(self.options.outliers).itertuples()]
-        return {"selected": len(chosen), "candidates": total,
-                "fraction": len(chosen) / total if total else None,
-                "breakdown": self._breakdown(chosen.example_id.astype(str).tolist(), candidates),
-                "top": top}
+        top = [
+            {"example_id": str(row.example_id), "score": float(row.score) if "score" in chosen else None}
+            for row in order.head(self.options.outliers).itertuples()
+        ]
+        return {
+            "selected": len(chosen),
+            "candidates": total,
+            "fraction": len(chosen) / total if total else None,
+            "breakdown": self._breakdown(chosen.example_id.astype(str).tolist(), candidates),
+            "top": top,
+        }
 
     def _breakdown(self, selected: list[str], candidates) -> list[dict[str, Any]]:
         """Per low-cardinality ``examples`` column: how many candidates and selected examples each value has."""
@@ -274,9 +339,14 @@ class _Reader:
             if not 1 < values.nunique() <= MAX_GROUPS:
                 continue
             counts = examples.assign(group=values).groupby("group").selected.agg(["size", "sum"])
-            result.append({"column": column, "groups": counts.index.tolist(),
-                           "candidates": counts["size"].astype(int).tolist(),
-                           "selected": counts["sum"].astype(int).tolist()})
+            result.append(
+                {
+                    "column": column,
+                    "groups": counts.index.tolist(),
+                    "candidates": counts["size"].astype(int).tolist(),
+                    "selected": counts["sum"].astype(int).tolist(),
+                }
+            )
         return result
 
     # ------------------------------------------------------------------ evaluations and texts
@@ -284,8 +354,10 @@ class _Reader:
         if not self._has_rows("evaluations"):
             return None
         frame = self._frame("SELECT * FROM evaluations LIMIT 500")
-        return {"columns": [str(c) for c in frame.columns],
-                "rows": [[_cell(v) for v in row] for row in frame.itertuples(index=False)]}
+        return {
+            "columns": [str(c) for c in frame.columns],
+            "rows": [[_cell(v) for v in row] for row in frame.itertuples(index=False)],
+        }
 
     def texts(self, example_ids: set[str]) -> dict[str, str]:
         if self.text_column is None or not example_ids:
@@ -296,8 +368,10 @@ class _Reader:
 
         table = dataset.to_table(columns=["example_id", self.text_column])
         table = table.filter(pc.is_in(table.column("example_id"), value_set=ids))
-        return {e: "" if t is None else str(t) for e, t in
-                zip(table.column("example_id").to_pylist(), table.column(self.text_column).to_pylist())}
+        return {
+            e: "" if t is None else str(t)
+            for e, t in zip(table.column("example_id").to_pylist(), table.column(self.text_column).to_pylist())
+        }
 
 
 def _is_text(kind: pa.DataType) -> bool:

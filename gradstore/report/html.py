@@ -38,18 +38,20 @@ def _asset(name: str) -> str:
 def render(data: ReportData) -> str:
     """The complete HTML page for ``data``."""
     title = f"gradstore report: {data.store}"
-    return "\n".join([
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f'<meta http-equiv="Content-Security-Policy" content="{_POLICY}">',
-        f"<title>{html.escape(title)}</title>",
-        f"<style>{_asset('report.css')}</style>",
-        "</head><body>",
-        f"<header><h1>gradstore report</h1><p class=\"meta\">{html.escape(data.store)} &middot; generated "
-        f"{html.escape(data.generated_at)}</p></header>",
-        '<main id="report"></main>',
-        f'<script type="application/json" id="report-data">{script_safe_json(data.to_json())}</script>',
-        f"<script>{plotly_js()}</script>",
-        f"<script>{_asset('report.js')}</script>",
-        "</body></html>",
-    ])
+    return "\n".join(
+        [
+            "<!DOCTYPE html>",
+            '<html lang="en"><head><meta charset="utf-8">',
+            f'<meta http-equiv="Content-Security-Policy" content="{_POLICY}">',
+            f"<title>{html.escape(title)}</title>",
+            f"<style>{_asset('report.css')}</style>",
+            "</head><body>",
+            f'<header><h1>gradstore report</h1><p class="meta">{html.escape(data.store)} &middot; generated '
+            f"{html.escape(data.generated_at)}</p></header>",
+            '<main id="report"></main>',
+            f'<script type="application/json" id="report-data">{script_safe_json(data.to_json())}</script>',
+            f"<script>{plotly_js()}</script>",
+            f"<script>{_asset('report.js')}</script>",
+            "</body></html>",
+        ]
+    )
