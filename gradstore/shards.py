@@ -21,11 +21,9 @@ from dataclasses import dataclass, replace
 
 import lance
 import numpy as np
-import pyarrow as pa
 
 from gradstore.core import GradientBlock, StoreCore, sql_literal
 from gradstore.core import schema as S
-from gradstore.core.vectors import decode
 from indexers import VectorBlocks
 
 DEFAULT_BLOCK_ROWS = 65536
@@ -87,11 +85,7 @@ class Shard:
         for batch in scanner.to_batches():
             if batch.num_rows == 0:
                 continue
-            yield GradientBlock(
-                grad_ids=np.array(batch.column("grad_id").to_numpy()),
-                vectors=decode(batch.column(S.VECTOR_COLUMN), batch.column(S.NORM_COLUMN), self.storage_dtype),
-                metadata=pa.Table.from_batches([batch.select(metadata_columns)]),
-            )
+            yield GradientBlock.from_batch(batch, metadata_columns, self.storage_dtype)
 
     def source(self) -> VectorBlocks:
         """The shard as a re-iterable ``(grad_ids, vectors)`` source (what preconditioners fit on)."""

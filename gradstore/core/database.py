@@ -65,6 +65,15 @@ class GradientBlock:
     def __len__(self) -> int:
         return len(self.grad_ids)
 
+    @classmethod
+    def from_batch(cls, batch: pa.RecordBatch, metadata_columns: Sequence[str], storage_dtype: str) -> GradientBlock:
+        """A block from a scanned record batch of ``grad_id``, metadata and the stored vector columns."""
+        return cls(
+            grad_ids=np.array(batch.column("grad_id").to_numpy()),
+            vectors=decode(batch.column(S.VECTOR_COLUMN), batch.column(S.NORM_COLUMN), storage_dtype),
+            metadata=pa.Table.from_batches([batch.select(list(metadata_columns))]),
+        )
+
     def torch(self, device: str | None = None):
         """The vectors as a torch tensor (zero-copy on CPU)."""
         import torch
@@ -363,11 +372,7 @@ class StoreCore:
                 return
             except _READ_ERRORS as error:
                 raise self._unreadable(S.GRADIENTS, error) from error
-            yield GradientBlock(
-                grad_ids=np.array(batch.column("grad_id").to_numpy()),
-                vectors=decode(batch.column(S.VECTOR_COLUMN), batch.column(S.NORM_COLUMN), dtype),
-                metadata=pa.Table.from_batches([batch.select(metadata_columns)]),
-            )
+            yield GradientBlock.from_batch(batch, metadata_columns, dtype)
 
     def read_gradients(
         self,
