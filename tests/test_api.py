@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from torch import nn
@@ -230,3 +231,29 @@ def test_one_formatting_style_and_a_clean_lint():
     for arguments in (["format", "--check", "."], ["check", "."]):
         result = subprocess.run([str(ruff), *arguments], capture_output=True, text=True, cwd=ROOT)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_repeated_attribute_calls_are_listed_once_by_the_macros(filled):
+    store, _ = filled
+    store.add_examples([{"example_id": f"x{i}", "source": f"s{i % 2}"} for i in range(N_TRAIN)])
+    store.attribute(["q0"], run="run", k=3, method="grad-dot")
+    latest = store.attribute(["q0"], run="run", k=5, method="grad-dot")
+    assert store.sql("SELECT count(DISTINCT call_id) FROM scores").fetchall() == [(2,)]
+    listed = store.sql("SELECT example_id FROM top_proponents('q0', 10)").df().example_id.tolist()
+    assert listed == latest.column("example_id").to_pylist()  # the latest call only, each row once
+    assert store.count("scores") == 8  # the table keeps every call
+
+
+def test_a_scores_table_from_before_call_ids_gets_the_column(store):
+    import lance
+
+    import gradstore.core.schema as S
+
+    old = pa.schema([f for f in S.SCORES_SCHEMA if f.name != "call_id"], metadata=S.SCORES_SCHEMA.metadata)
+    lance.write_dataset(old.empty_table(), f"{store.uri}/{S.SCORES}.lance", schema=old, mode="overwrite")
+    reopened = gradstore.open(store.uri)
+    model = _model()
+    _capture(reopened, model)
+    table = reopened.attribute(run="run", k=2, method="grad-dot")
+    assert "call_id" in reopened.table(S.SCORES).schema.names
+    assert reopened.sql("SELECT count(DISTINCT call_id), count(*) FROM scores").fetchall() == [(1, table.num_rows)]

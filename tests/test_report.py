@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from datetime import datetime, timezone
 
 import numpy as np
 import pandas as pd
@@ -14,7 +13,6 @@ import pyarrow as pa
 import pytest
 
 import gradstore
-from gradstore.core.schema import SCORES_SCHEMA
 from gradstore.demo import DemoConfig, run_demo
 from gradstore.report import ReportOptions, gather
 from gradstore.report.html import plotly_js, script_safe_json
@@ -127,7 +125,8 @@ def token_store(tmp_path):
     """One score row, per-token scores on both sides (other column names), and an evaluations table."""
     store = gradstore.open(tmp_path / "store")
     store.add_examples(pd.DataFrame({"example_id": ["q", "a"], "text": ["what is x", "x is y"]}))
-    store.table("scores").add(
+    store.append_results(
+        "scores",
         pa.table(
             {
                 "query_id": ["q"],
@@ -139,9 +138,8 @@ def token_store(tmp_path):
                 "run_id": ["r"],
                 "checkpoint": ["c"],
                 "index_name": [None],
-                "created_at": [datetime.now(timezone.utc)],
             },
-        ).cast(SCORES_SCHEMA)
+        ),
     )
     store.db.create_table(
         "token_scores",

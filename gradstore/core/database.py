@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -454,12 +455,30 @@ class StoreCore:
         commits.upsert(self.table(S.EXAMPLES), table, ["example_id"], "add_examples")
         return table.num_rows
 
-    def append_results(self, name: str, table: pa.Table) -> None:
-        """Append a result table (``scores``, ``self_influence``) stamped with the current time."""
+    def append_results(self, name: str, table: pa.Table) -> str:
+        """Append a result table (``scores``, ``self_influence``) stamped with the current time and, for
+        ``scores``, a new call id (returned); a store made before a column existed gets it (nulls) first."""
         schema = S.FIXED_SCHEMAS[name]
+        call_id = uuid.uuid4().hex
         now = pa.array([datetime.now(timezone.utc)] * table.num_rows, schema.field("created_at").type)
-        rows = table.append_column(schema.field("created_at"), now).select(schema.names).cast(schema)
-        commits.append(self.table(name), rows, f"{name} results")
+        table = table.append_column(schema.field("created_at"), now)
+        if "call_id" in schema.names and "call_id" not in table.column_names:
+            table = table.append_column(schema.field("call_id"), pa.array([call_id] * table.num_rows, pa.string()))
+        self._add_missing_string_columns(name, schema)
+        commits.append(self.table(name), table.select(schema.names).cast(schema), f"{name} results")
+        return call_id
+
+    def _add_missing_string_columns(self, name: str, schema: pa.Schema) -> None:
+        """Give a table made by an earlier version the (string) columns of ``schema`` it lacks, as nulls."""
+        missing = [f.name for f in schema if f.name not in self.table(name).schema.names]
+        if missing:
+            if any(schema.field(column).type != pa.string() for column in missing):
+                raise StoreCorruptError(f"table {name!r} lacks columns {missing} that cannot be added")
+            dataset = self.table(name).to_lance()
+            commits.retrying(
+                lambda: dataset.add_columns({c: "CAST(NULL AS STRING)" for c in missing}), f"{name} columns"
+            )
+            self.table(name).checkout_latest()
 
     def append_table(self, name: str, rows: pa.Table) -> None:
         """Append ``rows`` to table ``name``, creating it with their schema on first use (for tables of the

@@ -1,5 +1,9 @@
 """DuckDB macros shipped with the store's SQL (see ``docs/sql.md`` for runnable examples).
 
+The ``scores`` macros read ``latest_scores()``: of each (run, query, method), the rows of the latest
+attribute call only (every call stamps its rows with one ``created_at`` and a ``call_id``), so repeating a
+call does not list its results twice; the ``scores`` table itself keeps every call.
+
 - ``top_proponents(query, k)``: the top-k proponents of a query with the example's columns.
 - ``top_opponents(query, k)``: the top-k opponents likewise.
 - ``influential_examples(k, min_queries)``: examples in the top-k of at least ``min_queries`` queries,
@@ -16,24 +20,29 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 SCORES_MACROS = [
+    """CREATE MACRO latest_scores() AS TABLE
+       SELECT * EXCLUDE (latest_at) FROM (
+           SELECT *, max(created_at) OVER (PARTITION BY run_id, query_id, method) AS latest_at FROM scores)
+       WHERE created_at = latest_at""",
     """CREATE MACRO top_proponents(q, k) AS TABLE
        SELECT s.query_id, s.rank, s.score, s.method, e.*
-       FROM scores s JOIN examples e USING (example_id)
+       FROM latest_scores() s JOIN examples e USING (example_id)
        WHERE s.query_id = q AND s.rank BETWEEN 1 AND k ORDER BY s.rank""",
     """CREATE MACRO top_opponents(q, k) AS TABLE
        SELECT s.query_id, -s.rank AS rank, s.score, s.method, e.*
-       FROM scores s JOIN examples e USING (example_id)
+       FROM latest_scores() s JOIN examples e USING (example_id)
        WHERE s.query_id = q AND s.rank BETWEEN -k AND -1 ORDER BY s.rank DESC""",
     """CREATE MACRO influential_examples(k, min_queries) AS TABLE
        SELECT * FROM (
            SELECT example_id, count(DISTINCT query_id) AS queries, avg(score) AS mean_score
-           FROM scores WHERE rank BETWEEN 1 AND k GROUP BY example_id)
+           FROM latest_scores() WHERE rank BETWEEN 1 AND k GROUP BY example_id)
        WHERE queries >= min_queries
        ORDER BY queries DESC, mean_score DESC, example_id""",
     """CREATE MACRO influence_by(column_name) AS TABLE
        SELECT e[column_name] AS "group", count(*) AS hits, count(DISTINCT s.query_id) AS queries,
               sum(s.score) AS total_score, avg(s.score) AS mean_score
-       FROM scores s JOIN (SELECT example_id, struct_pack(*COLUMNS(*)) AS e FROM examples) USING (example_id)
+       FROM latest_scores() s JOIN (SELECT example_id, struct_pack(*COLUMNS(*)) AS e FROM examples)
+            USING (example_id)
        WHERE s.rank >= 1 GROUP BY 1 ORDER BY total_score DESC""",
 ]
 SELF_INFLUENCE_MACROS = [

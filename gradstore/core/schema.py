@@ -93,6 +93,7 @@ SCORES_SCHEMA = _tagged(
         pa.field("run_id", pa.string()),
         pa.field("checkpoint", pa.string()),
         pa.field("index_name", pa.string()),
+        pa.field("call_id", pa.string()),  # one per attribute call (stores made before it hold nulls)
         pa.field("created_at", _TIMESTAMP),
     ]
 )
