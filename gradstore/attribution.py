@@ -24,7 +24,7 @@ from gradstore.core import StoreCore, sql_literal
 from gradstore.core import schema as S
 from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError, MissingIdsError
-from gradstore.fitting import FitCache, Selection, fit_spec
+from gradstore.fitting import FitCache, Selection
 from gradstore.index import AttributionIndex, build_index
 from gradstore.methods import BlockStructure, Method, check_k, resolve_method
 from gradstore.queries import Queries, QueryInput, resolve_queries
@@ -156,7 +156,7 @@ def score_matrix(
         raise InvalidArgumentError("score_matrix scores one checkpoint; TracIn sums over several (use attribute)")
     checkpoint = checkpoint or store.default_checkpoint(run)
     selection = Selection(run, checkpoint, split, where)
-    space = ScoringSpace(resolved, fits.get(fit_spec(store, selection, resolved, blocks), damping))
+    space = fits.space(selection, resolved, blocks, damping)
     resolved_queries = resolve_queries(store, queries, run, checkpoint)
     prepared = space.queries(resolved_queries.vectors)
     parts, example_ids, grad_ids = [], [], []
@@ -342,7 +342,7 @@ def self_influence(
     engine = resolve_engine(engine)
     checkpoint = checkpoint or store.default_checkpoint(run)
     selection = Selection(run, checkpoint, split, where)
-    space = ScoringSpace(resolved, fits.get(fit_spec(store, selection, resolved, blocks), damping, engine=engine))
+    space = fits.space(selection, resolved, blocks, damping, engine)
     values = scans.self_influence(engine, selection.shards(store, engine.parallelism, ("example_id",)), space)
     n = values.num_rows
     table = pa.table(

@@ -30,6 +30,7 @@ from gradstore.core import schema as S
 from gradstore.engine import Engine, LocalEngine
 from gradstore.errors import InvalidArgumentError, MissingCurvatureError, StoreCorruptError
 from gradstore.methods import DEFAULT_DAMPING, FULL_FISHER_MAX_DIM, BlockStructure, Method, check_blocks
+from gradstore.scoring import ScoringSpace
 from gradstore.shards import Shard, fragment_shards
 from indexers import FitStatistics, Preconditioner, VectorBlocks, load_preconditioner, make_preconditioner
 
@@ -121,6 +122,17 @@ class FitCache:
         self.store = store
         self._fits: dict[FitSpec, tuple[tuple[int, int], Preconditioner]] = {}
         self.fitted = 0  # passes over the data made by this cache (for tests and logs)
+
+    def space(
+        self,
+        selection: Selection,
+        method: Method,
+        blocks: BlockStructure = "auto",
+        damping: float | None = None,
+        engine: Engine | None = None,
+    ) -> ScoringSpace:
+        """The scoring space of ``method`` over ``selection``: its fit from this cache, re-damped."""
+        return ScoringSpace(method, self.get(fit_spec(self.store, selection, method, blocks), damping, engine=engine))
 
     def get(
         self, spec: FitSpec, damping: float | None = None, *, refit: bool = False, engine: Engine | None = None

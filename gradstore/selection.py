@@ -22,11 +22,10 @@ from gradstore.attribution import learning_rates, per_example_shards
 from gradstore.core import StoreCore
 from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError
-from gradstore.fitting import FitCache, Selection, fit_spec
+from gradstore.fitting import FitCache, Selection
 from gradstore.methods import BlockStructure, resolve_method
 from gradstore.queries import QueryInput, resolve_queries
 from gradstore.scans import example_totals, unit_rows
-from gradstore.scoring import ScoringSpace
 
 Aggregate = Literal["max", "mean"]
 AGGREGATES = get_args(Aggregate)
@@ -70,7 +69,7 @@ def select(
     jobs = []
     for checkpoint, rate in rates.items():
         selection = Selection(run, checkpoint, split, where)
-        space = ScoringSpace(method, fits.get(fit_spec(store, selection, method, blocks), damping, engine=engine))
+        space = fits.space(selection, method, blocks, damping, engine)
         resolved = resolve_queries(store, target, run, checkpoint)
         jobs.append((selection.filter, rate, space, unit_rows(space.whitened(torch.from_numpy(resolved.vectors)))))
     shards = per_example_shards(store, engine, [Selection(run, c, split, where) for c in rates])
