@@ -141,7 +141,7 @@ def probe(arguments: str) -> None:
     torch.set_num_threads(1)
     store = gradstore.open(store_path, create=False)
     index = store.build_index(RUN, method="fisher")  # the persisted fit: no pass over the data
-    shard = fragment_shards(store, index.selection.filter, 1)[0]
+    shard = fragment_shards(store, RUN, index.selection.filter, 1)[0]
     shard = replace(
         shard, fragments=shard.fragments[: max(1, round(len(shard.fragments) * fraction))], block_rows=block_rows
     )
@@ -177,8 +177,8 @@ def main() -> None:
             log(f"fisher fit (16 layer blocks) {name}: {time.perf_counter() - start:.1f} s")
         space, prepared = index.space, index.space.queries(queries)
         where = index.selection.filter
-        local_shards = fragment_shards(store, where, 1)
-        ray_shards = fragment_shards(store, where, ray_engine.parallelism)
+        local_shards = fragment_shards(store, RUN, where, 1)
+        ray_shards = fragment_shards(store, RUN, where, ray_engine.parallelism)
         log("warm-up")
         paired(local_shards, ray_shards, ray_engine, space, prepared, 1)
         local_s, ray_s, same = paired(local_shards, ray_shards, ray_engine, space, prepared, args.rounds)

@@ -104,7 +104,7 @@ def _result_table(
 ) -> pa.Table:
     n_queries, width = scores.shape
     flat_ids = grad_ids.reshape(-1)
-    example_of = store.example_ids_for(flat_ids)
+    example_of = store.example_ids_for(flat_ids, index.manifest["run_id"])
     ranks = np.tile(np.arange(1, width + 1, dtype=np.int32), n_queries) * (1 if largest else -1)
     n = len(flat_ids)
     return pa.table(
@@ -280,7 +280,7 @@ def per_example_shards(store: StoreCore, engine: Engine, selections: Sequence[Se
     :data:`EXAMPLES_PER_TASK` rows per shard."""
     first = selections[0]
     parts = max(engine.parallelism, math.ceil(first.count(store) / EXAMPLES_PER_TASK))
-    return example_shards(store, None, first.filter, parts)
+    return example_shards(store, first.run, None, first.filter, parts)
 
 
 def _example_table(

@@ -99,8 +99,10 @@ def info(
     """Tables, row counts, runs, dimension, versions and size on disk of a store."""
     summary = _open(store, create=create).info()
     typer.echo(f"store      {summary['uri']}")
-    typer.echo(f"dim        {summary['dim']}  ({summary['storage_dtype']} storage)")
-    typer.echo(f"runs       {', '.join(summary['runs']) or '-'}")
+    dims = ", ".join(map(str, summary["dims"])) or "-"
+    typer.echo(f"dims       {dims}  ({summary['storage_dtype']} storage)")
+    runs = ", ".join(f"{run} ({dim})" for run, dim in summary["run_dims"].items())
+    typer.echo(f"runs       {runs or '-'}")
     size = summary["bytes_on_disk"]
     typer.echo(f"on disk    {size / 1e6:.2f} MB" if size is not None else "on disk    (remote)")
     typer.echo(f"{'table':16s}{'rows':>12s}{'fragments':>11s}{'version':>9s}")

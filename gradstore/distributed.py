@@ -45,7 +45,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from gradstore.capture import StoreCapture, config_for_run
 from gradstore.core import commits
-from gradstore.core import schema as S
 from gradstore.core.writer import GradientWriter, WriterConfig
 
 if TYPE_CHECKING:
@@ -211,7 +210,7 @@ class DistributedCapture(StoreCapture):
             if failure is not None:
                 raise RuntimeError(f"gradstore: rank 0 could not start the capture: {failure}")
             StoreCapture.__enter__(self)
-        committer.table = self.store.table(S.GRADIENTS)
+        committer.table = self.store.gradient_table(self.run_id)
         self._hook = register_optimizer_step_post_hook(self._after_step)
         return self
 
@@ -232,10 +231,14 @@ class DistributedCapture(StoreCapture):
         self._committer.commit(self._stager.take())
 
     def _open_writer(self) -> GradientWriter:
-        self._stager = FragmentStager(self.store.table(S.GRADIENTS))
+        self._stager = FragmentStager(self.store.gradient_table(self.run_id))
         config = dataclasses.replace(self._writer_config or WriterConfig(), max_fragments=0)
         return GradientWriter(
-            self._stager, run_id=self.run_id, dim=self.store.dim, storage_dtype=self.store.storage_dtype, config=config
+            self._stager,
+            run_id=self.run_id,
+            dim=self.store.run_dim(self.run_id),
+            storage_dtype=self.store.storage_dtype,
+            config=config,
         )
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

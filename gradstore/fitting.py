@@ -26,7 +26,6 @@ from typing import Literal
 import numpy as np
 
 from gradstore.core import StoreCore, gradient_filter
-from gradstore.core import schema as S
 from gradstore.engine import Engine, LocalEngine
 from gradstore.errors import InvalidArgumentError, MissingCurvatureError, StoreCorruptError
 from gradstore.methods import DEFAULT_DAMPING, FULL_FISHER_MAX_DIM, BlockStructure, Method, check_blocks
@@ -45,7 +44,7 @@ class Selection:
     """Which stored rows a fit or an index covers."""
 
     run: str
-    checkpoint: str
+    checkpoint: str | None  # None: every row of the run (rows written without a checkpoint label)
     split: str = "train"
     where: str | None = None
 
@@ -72,17 +71,19 @@ class Selection:
 
     def shards(self, store: StoreCore, parts: int, columns: tuple[str, ...] = ()) -> list[Shard]:
         """The selected rows as at most ``parts`` shards of fragments (see :mod:`gradstore.shards`)."""
-        return fragment_shards(store, self.filter, parts, columns=columns)
+        return fragment_shards(store, self.run, self.filter, parts, columns=columns)
 
     def state(self, store: StoreCore) -> tuple[int, int]:
         """``(rows, largest grad_id)`` of the selection now: a fit of other rows is stale."""
-        with store.reading(S.GRADIENTS):
-            ids = store.table(S.GRADIENTS).to_lance().to_table(columns=["grad_id"], filter=self.filter).column(0)
+        with store.reading(store.gradient_table_name(self.run)):
+            ids = store.gradient_table(self.run).to_lance().to_table(columns=["grad_id"], filter=self.filter).column(0)
         return len(ids), (int(np.max(ids.to_numpy())) if len(ids) else -1)
 
     def count(self, store: StoreCore) -> int:
         """Rows currently selected."""
-        return store.count(S.GRADIENTS, self.filter)
+        name = store.gradient_table_name(self.run)
+        with store.reading(name):
+            return store.table(name).count_rows(self.filter)
 
 
 @dataclass(frozen=True)
@@ -179,8 +180,10 @@ class FitCache:
     def _unfitted(self, spec: FitSpec) -> Preconditioner:
         name = spec.preconditioner
         if name == "fisher":
-            layers = self.store.run_spec(spec.selection.run).layers
-            blocks = [(s.offset, s.size) for s in layers] if spec.blocks == "layer" else None
+            blocks = None
+            if spec.blocks == "layer":
+                layers = self.store.run_spec(spec.selection.run, "a per-layer Fisher (blocks='layer')").layers
+                blocks = [(s.offset, s.size) for s in layers]
             return make_preconditioner("fisher", damping=DEFAULT_DAMPING, blocks=blocks)
         if name == "kfac":
             return self._kronecker(spec)
@@ -189,7 +192,9 @@ class FitCache:
         return make_preconditioner(name, damping=DEFAULT_DAMPING)
 
     def _kronecker(self, spec: FitSpec) -> Preconditioner:
-        layers = self.store.run_spec(spec.selection.run).layers
+        layers = self.store.run_spec(
+            spec.selection.run, f"method {spec.preconditioner!r} (its Kronecker layout)"
+        ).layers
         dense = [s.name for s in layers if s.mode == "dense"]
         if dense:
             raise InvalidArgumentError(f"kfac needs Kronecker-structured rows; layers {dense} use a dense projection")

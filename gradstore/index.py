@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from gradstore.core import StoreCore
-from gradstore.core import schema as S
 from gradstore.core.sidefiles import check_component
 from gradstore.core.stored_rows import in_memory, stored_blocks
 from gradstore.engine import Engine, LocalEngine
@@ -138,7 +137,7 @@ class AttributionIndex:
                 )
             if rerank > 0:
                 _, candidates = self._searchable().search(prepared.numpy(), rerank * k)
-                return {True: exact_rerank(self.store, self.space, prepared, candidates, k)}
+                return {True: exact_rerank(self.store, self.selection.run, self.space, prepared, candidates, k)}
             return {True: self._searchable().search(prepared.numpy(), k)}
         engine = engine or LocalEngine()
         if isinstance(engine, LocalEngine):  # stream the stored rows with read-ahead, or search the cache
@@ -148,7 +147,7 @@ class AttributionIndex:
         return top_k(engine, shards, self.space, prepared, k, sides)
 
     def _rows(self) -> VectorBlocks | PreparedRows:
-        version = self.store.table(S.GRADIENTS).version
+        version = self.store.gradient_table(self.selection.run).version
         if self._cache is not None and self._cache[0] == version:
             return self._cache[1]
         stored = stored_blocks(self.store, *astuple(self.selection))
@@ -198,7 +197,7 @@ def prepared_source(space: ScoringSpace, source: VectorBlocks) -> VectorBlocks:
 
 def default_index_name(selection: Selection, method: Method, damping: float | None, kind: str) -> str:
     """A readable, file-system safe name: the selection and method in words plus a hash of the exact values."""
-    parts = [selection.run, selection.checkpoint, selection.split, method.name]
+    parts = [selection.run, selection.checkpoint or "", selection.split, method.name]  # None: unlabelled rows
     if method.damped:
         parts.append(f"d{damping:g}")
     parts.append(kind)
@@ -237,7 +236,7 @@ def build_index(
     if rows == 0:
         raise InvalidArgumentError(f"no training rows match {selection}: capture the run first")
     if kind == "auto":
-        kind = choose_index_kind(rows, store.dim)
+        kind = choose_index_kind(rows, store.run_dim(selection.run))
     name = (
         check_component(name, "index name")
         if name is not None
@@ -265,7 +264,7 @@ def build_index(
         "blocks": spec.blocks,
         "eigen_correction": spec.eigen_correction,
         "fit": spec.key(),
-        "gradients_version": store.table(S.GRADIENTS).version,
+        "gradients_version": store.gradient_table(selection.run).version,
         "built_at": datetime.now(timezone.utc).isoformat(),
         **_expected_manifest(store, selection.run),
     }
@@ -344,7 +343,7 @@ def _add_new_rows(index: AttributionIndex) -> None:
                 index.faiss_index.add(ids[fresh], index.space.rows(torch.from_numpy(vectors[fresh])).numpy())
                 index._gpu_copy = None
                 index.indexed_ids = np.concatenate([index.indexed_ids, ids[fresh]])
-    index.manifest.update(rows=rows, gradients_version=index.store.table(S.GRADIENTS).version)
+    index.manifest.update(rows=rows, gradients_version=index.store.gradient_table(index.selection.run).version)
     index.save()
 
 

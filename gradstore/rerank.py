@@ -18,12 +18,12 @@ from gradstore.scoring import ScoringSpace
 from indexers import RunningTopK
 
 
-def read_rows(store: StoreCore, grad_ids: np.ndarray) -> np.ndarray:
-    """The stored float32 vectors of ``grad_ids`` (sorted, unique, all present), in that order."""
+def read_rows(store: StoreCore, run: str, grad_ids: np.ndarray) -> np.ndarray:
+    """The stored float32 vectors of run ``run``'s ``grad_ids`` (sorted, unique, all present), in that order."""
     if len(grad_ids) == 0:
-        return np.empty((0, store.dim), np.float32)
+        return np.empty((0, store.run_dim(run)), np.float32)
     table = (
-        store.table(S.GRADIENTS)
+        store.gradient_table(run)
         .to_lance()
         .to_table(
             columns=["grad_id", S.VECTOR_COLUMN, S.NORM_COLUMN],
@@ -36,14 +36,15 @@ def read_rows(store: StoreCore, grad_ids: np.ndarray) -> np.ndarray:
 
 
 def rerank(
-    store: StoreCore, space: ScoringSpace, prepared: torch.Tensor, candidates: np.ndarray, k: int
+    store: StoreCore, run: str, space: ScoringSpace, prepared: torch.Tensor, candidates: np.ndarray, k: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k among each query's ``candidates [q, c]`` (``grad_id``s; ``-1`` marks none, as FAISS does).
+    """Exact top-k among each query's ``candidates [q, c]`` (``grad_id``s of run ``run``; ``-1`` marks none,
+    as FAISS does).
 
     Returns ``(scores float32 [q, k'], ids int64 [q, k'])``, best first; ``-1`` ids (score ``-inf``) fill rows
     with fewer than ``k`` candidates."""
     wanted = np.unique(candidates[candidates >= 0])
-    rows = space.rows(torch.from_numpy(read_rows(store, wanted))).to(torch.float32)
+    rows = space.rows(torch.from_numpy(read_rows(store, run, wanted))).to(torch.float32)
     present = candidates >= 0
     positions = torch.from_numpy(np.where(present, np.searchsorted(wanted, candidates), 0))
     scores = (

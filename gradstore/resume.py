@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from gradstore.core import StoreCore, gradient_filter
-from gradstore.core import schema as S
 from ingest import CapturedBatch
 
 Key = tuple[str, int, str, str]
@@ -35,11 +34,11 @@ class CommittedRows:
 
     def _load(self, from_step: int) -> None:
         self.from_step = from_step
-        if self.store.dim is None or not self.store.has_run(self.run):
+        if not self.store.has_run(self.run):
             return
         where = gradient_filter(self.run, None, None, (from_step, None), None)
         table = (
-            self.store.table(S.GRADIENTS)
+            self.store.gradient_table(self.run)
             .to_lance()
             .to_table(columns=["checkpoint", "step", "split", "example_id"], filter=where)
         )

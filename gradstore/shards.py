@@ -92,25 +92,20 @@ class Shard:
         return lambda: ((block.grad_ids, block.vectors) for block in self.blocks())
 
 
-def _dataset(store: StoreCore) -> lance.LanceDataset | None:
-    return store.table(S.GRADIENTS).to_lance() if store.dim is not None else None
-
-
 def fragment_shards(
     store: StoreCore,
+    run: str,
     where: str | None,
     parts: int,
     *,
     columns: Sequence[str] = ("example_id",),
     block_rows: int | None = None,
 ) -> list[Shard]:
-    """The rows matching ``where`` as at most ``parts`` shards of contiguous fragments with about equal row
-    counts, in dataset order (empty when the store has no gradients). ``block_rows`` defaults to
-    :func:`block_rows_for` the store's dim."""
-    dataset = _dataset(store)
-    if dataset is None:
-        return []
-    block_rows = block_rows or block_rows_for(store.dim)
+    """The rows of run ``run``'s gradient table matching ``where`` as at most ``parts`` shards of contiguous
+    fragments with about equal row counts, in dataset order. ``block_rows`` defaults to :func:`block_rows_for`
+    the run's dim."""
+    dataset = store.gradient_table(run).to_lance()
+    block_rows = block_rows or block_rows_for(store.run_dim(run))
     fragments = dataset.get_fragments()
     sizes = np.array([fragment.count_rows() for fragment in fragments], dtype=np.int64)
     groups: list[list[int]] = [[] for _ in range(max(1, min(parts, len(fragments))))]
@@ -138,6 +133,7 @@ def fragment_shards(
 
 def example_shards(
     store: StoreCore,
+    run: str,
     where: str | None,
     sample_where: str | None,
     parts: int,
@@ -146,16 +142,15 @@ def example_shards(
     block_rows: int | None = None,
     sample_size: int = 4096,
 ) -> list[Shard]:
-    """The rows matching ``where`` as ``parts`` (or fewer) shards of disjoint ``example_id`` ranges covering
-    every id, each over all fragments: every row of an example lands in the same shard.
+    """The rows of run ``run``'s gradient table matching ``where`` as ``parts`` (or fewer) shards of disjoint
+    ``example_id`` ranges covering every id, each over all fragments: every row of an example lands in the
+    same shard.
 
     The range boundaries are quantiles of a sample of the ids of rows matching ``sample_where`` (every
     ``n / sample_size``-th id, streamed), so they balance the shards without holding all ids; any
     boundaries give the same results, only the balance depends on them."""
-    dataset = _dataset(store)
-    if dataset is None:
-        return []
-    block_rows = block_rows or block_rows_for(store.dim)
+    dataset = store.gradient_table(run).to_lance()
+    block_rows = block_rows or block_rows_for(store.run_dim(run))
     whole = Shard(
         dataset.uri,
         dataset.version,

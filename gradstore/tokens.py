@@ -113,7 +113,7 @@ def token_scores(
     )
     query_rows = query_tokens.rows.sum(dim=1)
     _, grad_ids = index.search(query_rows, k)  # the store's top-k: the only examples recomputed
-    example_of = store.example_ids_for(grad_ids.reshape(-1))
+    example_of = store.example_ids_for(grad_ids.reshape(-1), run)
     top = [(q, rank + 1, example_of[int(g)]) for q in range(len(grad_ids)) for rank, g in enumerate(grad_ids[q])]
     wanted = sorted({example_id for _, _, example_id in top})
     train_config = config_for_run(store, run, {"split": "train", "checkpoint": checkpoint})

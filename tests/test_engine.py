@@ -209,9 +209,9 @@ def test_shards_partition_the_rows(integers):
     where = "split = 'train'"
     every = sorted(store.read_gradients("ints", split="train").grad_ids.tolist())
     for parts in (1, 3, 50):
-        by_fragment = [b.grad_ids for s in fragment_shards(store, where, parts) for b in s.blocks()]
+        by_fragment = [b.grad_ids for s in fragment_shards(store, "ints", where, parts) for b in s.blocks()]
         assert sorted(np.concatenate(by_fragment).tolist()) == every
-        shards = example_shards(store, where, where, parts)
+        shards = example_shards(store, "ints", where, where, parts)
         assert 1 <= len(shards) <= parts
         seen: list[set[str]] = []
         for shard in shards:

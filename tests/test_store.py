@@ -185,8 +185,9 @@ def test_append_errors_reject_the_whole_batch(store):
             writer.append(bad, ["x", "y", "z"])
         writer.append(np.ones((1, 4)), ["ok"])
     assert store.sql("select example_id from gradients").fetchall() == [("ok",)]
-    with pytest.raises(gradstore.SchemaMismatchError, match="4-dimensional"):
-        store.create_run("other", dim=8)
+    store.create_run("other", dim=8)  # a run of another dim gets a table of its own
+    with store.writer("other") as writer, pytest.raises(gradstore.SchemaMismatchError, match=r"\[n, 8\]"):
+        writer.append(np.zeros((1, 4)), ["a"])
     with pytest.raises(gradstore.UnknownRunError, match="unknown run 'nope'"):
         store.writer("nope")
     with pytest.raises(gradstore.UnknownRunError):

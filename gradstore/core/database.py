@@ -29,6 +29,7 @@ from gradstore.core import schema as S
 from gradstore.core import sql as store_sql
 from gradstore.core.curvature import LayerCurvature, load_curvature, save_curvature
 from gradstore.core.filters import StepRange, gradient_filter, sql_literal
+from gradstore.core.gradient_tables import GradientTables, is_gradient_table, table_dim
 from gradstore.core.macros import macros_for
 from gradstore.core.sidefiles import SideFiles
 from gradstore.core.tabular import to_arrow_table
@@ -100,12 +101,22 @@ class StoreCore:
         self._storage_dtype = storage_dtype
         self.storage_options = storage_options
         self._tables: dict[str, Any] = {}
+        self._run_dims: dict[str, int] = {}  # a run's dim never changes
         self.files = SideFiles(uri, storage_options)
+        self.gradient_tables = GradientTables(self.has_table, self.table, self._create_table, self._list_tables)
 
     # ------------------------------------------------------------------ tables
     def has_table(self, name: str) -> bool:
         """Whether the store holds table ``name`` (a table whose creation never committed does not count)."""
         return name in self._tables or (name in self.db.list_tables().tables and self._committed(name))
+
+    def _list_tables(self) -> list[str]:
+        return list(self.db.list_tables().tables)
+
+    def table_names(self) -> list[str]:
+        """The store's tables as users see them in SQL: every gradient table counts as ``gradients``."""
+        names = {S.GRADIENTS if is_gradient_table(name) else name for name in self._list_tables()}
+        return sorted(name for name in names if name != S.GRADIENTS or self.dims)
 
     def _committed(self, name: str) -> bool:
         """Whether table ``name`` has a committed version (a process killed while creating it leaves none)."""
@@ -161,18 +172,41 @@ class StoreCore:
             if not self.has_table(name):
                 self._create_table(name, schema)
 
-    # ------------------------------------------------------------------ runs
+    # ------------------------------------------------------------------ runs and their gradient tables
+    @property
+    def dims(self) -> list[int]:
+        """The vector dimensions the store holds (one gradient table each), ascending."""
+        return list(self.gradient_tables.by_dim())
+
     @property
     def dim(self) -> int | None:
-        """Dimension of the stored vectors (``None`` until the first run is created)."""
-        if not self.has_table(S.GRADIENTS):
-            return None
-        return self.table(S.GRADIENTS).schema.field(S.VECTOR_COLUMN).type.list_size
+        """Dimension of the stored vectors: ``None`` until the first run is created; a store holding runs of
+        several dims raises ``InvalidArgumentError`` (ask :meth:`run_dim` for a run's dim)."""
+        dims = self.dims
+        if len(dims) > 1:
+            raise InvalidArgumentError(
+                f"store {self.uri} holds runs of several dims {dims}: use store.run_dim(run) for a run's dim"
+            )
+        return dims[0] if dims else None
+
+    def run_dim(self, run_id: str) -> int:
+        """The dim of run ``run_id``'s vectors (raises ``UnknownRunError``)."""
+        if run_id not in self._run_dims:
+            self._run_dims[run_id] = int(self.run(run_id)["dim"])
+        return self._run_dims[run_id]
+
+    def gradient_table_name(self, run_id: str) -> str:
+        """The name of the table holding run ``run_id``'s rows (see :mod:`gradstore.core.gradient_tables`)."""
+        return self.gradient_tables.name_for_dim(self.run_dim(run_id))
+
+    def gradient_table(self, run_id: str):
+        """The LanceDB table holding run ``run_id``'s rows."""
+        return self.table(self.gradient_table_name(run_id))
 
     @property
     def storage_dtype(self) -> str:
-        """Storage dtype of the vector column (see :mod:`gradstore.core.vectors`)."""
-        if self.has_table(S.GRADIENTS):
+        """Storage dtype of the vector column (see :mod:`gradstore.core.vectors`); one per store."""
+        if self.gradient_tables.primary_dim() is not None:
             return storage_dtype_of(self.table(S.GRADIENTS).schema.field(S.VECTOR_COLUMN).type)
         return self._storage_dtype
 
@@ -193,13 +227,6 @@ class StoreCore:
         check_run_name(run_id)
         if dim <= 0:
             raise InvalidArgumentError(f"dim must be positive, got {dim}")
-        if self.dim is None:  # another process may create it first, with another dim: checked below
-            self._create_table(S.GRADIENTS, S.gradients_schema(dim, self._storage_dtype))
-        if self.dim != dim:
-            raise SchemaMismatchError(
-                f"this store holds {self.dim}-dimensional gradients; run {run_id!r} "
-                f"would write {dim}-dimensional ones (use another store)"
-            )
         projection_json = json.dumps(projection, sort_keys=True) if projection is not None else None
         existing = self.run(run_id) if self.has_run(run_id) else None
         if existing is not None:
@@ -208,6 +235,7 @@ class StoreCore:
             if existing["projection"] != projection_json or existing["dim"] != dim:
                 raise SchemaMismatchError(f"run {run_id!r} exists with a different projection spec or dim")
             return existing
+        self.gradient_tables.ensure(dim, self._storage_dtype)  # before the run: its rows need the table
         row = {
             "run_id": run_id,
             "created_at": datetime.now(timezone.utc),
@@ -245,11 +273,17 @@ class StoreCore:
         spec = self.run(run_id)["projection"]
         return json.loads(spec) if spec else None
 
-    def run_spec(self, run_id: str) -> ProjectionSpec:
-        """The run's projection spec."""
+    def run_spec(self, run_id: str, needed_for: str | None = None) -> ProjectionSpec:
+        """The run's projection spec; a run created without one (vectors written by hand) raises
+        ``SchemaMismatchError`` saying what needed it (``needed_for``)."""
         stored = self.run_projection(run_id)
         if stored is None:
-            raise SchemaMismatchError(f"run {run_id!r} has no projection spec")
+            raise SchemaMismatchError(
+                f"run {run_id!r} has no projection spec (its vectors were written without capture)"
+                + (f", and {needed_for} needs one" if needed_for else "")
+                + ": such vectors are used as they are (grad-dot, cosine, diagonal, fisher with blocks='full', "
+                "trackstar, tracin); layer blocks, kfac/ekfac and captured queries need a projection"
+            )
         return ProjectionSpec.from_dict(stored)
 
     def ensure_run(
@@ -297,13 +331,32 @@ class StoreCore:
             query = query.where(f"run_id = {sql_literal(run_id)}")
         return query.to_arrow().sort_by([("run_id", "ascending"), ("step", "ascending")])
 
-    def default_checkpoint(self, run_id: str) -> str:
-        """The run's latest recorded checkpoint (by step, then recording time), or ``"train"`` when none is."""
+    def default_checkpoint(self, run_id: str) -> str | None:
+        """The checkpoint a call on run ``run_id`` uses when given none: the run's latest recorded checkpoint
+        (by step, then recording time); for a run with none recorded (vectors written by hand), the checkpoint
+        label its rows carry (``None`` if they carry none: every row of the run), ``"train"`` when it has no
+        rows. Rows carrying several labels and no recorded checkpoint raise ``InvalidArgumentError``."""
         self.run(run_id)
         checkpoints = self.checkpoints(run_id).sort_by([("step", "ascending"), ("created_at", "ascending")])
-        if checkpoints.num_rows == 0:
-            return "train"
-        return checkpoints.column("checkpoint")[checkpoints.num_rows - 1].as_py()
+        if checkpoints.num_rows:
+            return checkpoints.column("checkpoint")[checkpoints.num_rows - 1].as_py()
+        labels = self._row_checkpoints(run_id)
+        if len(labels) > 1:
+            raise InvalidArgumentError(
+                f"run {run_id!r} records no checkpoint and its rows carry several checkpoint labels "
+                f"{sorted(labels, key=str)}: pass checkpoint=..."
+            )
+        return labels.pop() if labels else S.DEFAULT_CHECKPOINT
+
+    def _row_checkpoints(self, run_id: str) -> set[str | None]:
+        """The distinct ``checkpoint`` values of run ``run_id``'s rows (one column streamed)."""
+        name = self.gradient_table_name(run_id)
+        labels: set[str | None] = set()
+        with self.reading(name):
+            scanner = self.table(name).to_lance().scanner(columns=["checkpoint"], filter=gradient_filter(run_id))
+            for batch in scanner.to_batches():
+                labels.update(batch.column(0).unique().to_pylist())
+        return labels
 
     def save_curvature(self, run_id: str, checkpoint: str, stats: LayerCurvature) -> None:
         """Save per-layer Kronecker curvature statistics of a run's checkpoint (a side file)."""
@@ -316,17 +369,15 @@ class StoreCore:
 
     # ------------------------------------------------------------------ writing and reading gradients
     def writer(self, run_id: str, config: WriterConfig | None = None, **thresholds: Any) -> GradientWriter:
-        """A streaming writer for ``run_id`` (see :class:`gradstore.core.writer.GradientWriter`).
-
-        Keyword arguments override :class:`~gradstore.core.writer.WriterConfig` fields.
+        """A streaming writer for ``run_id`` (see :class:`gradstore.core.writer.GradientWriter`) into the run's
+        own gradient table. Keyword arguments override :class:`~gradstore.core.writer.WriterConfig` fields.
         """
-        self.run(run_id)
         if thresholds:
             config = WriterConfig(**{**(config or WriterConfig()).__dict__, **thresholds})
         return GradientWriter(
-            commits.InertTable(self.table(S.GRADIENTS)),
+            commits.InertTable(self.gradient_table(run_id)),
             run_id=run_id,
-            dim=self.dim,
+            dim=self.run_dim(run_id),
             storage_dtype=self.storage_dtype,
             config=config,
         )
@@ -345,17 +396,17 @@ class StoreCore:
         """Stream matching gradient rows as float32 blocks of at most ``block_rows`` rows.
 
         Filters combine with AND; ``where`` is a SQL filter on metadata columns. Only one block is
-        in memory at a time.
+        in memory at a time. The rows come from one gradient table: ``run`` may be omitted only while the
+        store holds one dim, and runs of several dims raise ``InvalidArgumentError`` (a block never mixes dims).
         """
-        if self.dim is None:
+        name = self._table_of_runs(run)
+        if name is None:
             return
-        for name in [run] if isinstance(run, str) else (run or []):
-            self.run(name)
         wanted = ["grad_id", *[c for c in columns if c != "grad_id"], S.VECTOR_COLUMN, S.NORM_COLUMN]
-        unknown = set(wanted) - set(self.table(S.GRADIENTS).schema.names)
+        unknown = set(wanted) - set(self.table(name).schema.names)
         if unknown:
             raise SchemaMismatchError(f"gradients table has no column(s) {sorted(unknown)}")
-        dataset = self.table(S.GRADIENTS).to_lance()
+        dataset = self.table(name).to_lance()
         scanner = dataset.scanner(
             columns=wanted, filter=gradient_filter(run, checkpoint, split, steps, where), batch_size=block_rows
         )
@@ -372,8 +423,26 @@ class StoreCore:
             except StopIteration:
                 return
             except _READ_ERRORS as error:
-                raise self._unreadable(S.GRADIENTS, error) from error
+                raise self._unreadable(name, error) from error
             yield GradientBlock.from_batch(batch, metadata_columns, dtype)
+
+    def _table_of_runs(self, run: Names | None) -> str | None:
+        """The one gradient table holding ``run``'s rows (every gradient's, for ``None``); ``None`` if the store
+        has no gradient table yet."""
+        runs = [run] if isinstance(run, str) else list(run or [])
+        if not runs:
+            tables = self.gradient_tables.by_dim()
+            if len(tables) > 1:
+                raise InvalidArgumentError(
+                    f"store {self.uri} holds runs of several dims {list(tables)}: pass run=... "
+                    "(the rows of one read share one dim)"
+                )
+            return next(iter(tables.values()), None)
+        names = {self.gradient_table_name(name) for name in runs}
+        if len(names) > 1:
+            dims = {name: self.run_dim(name) for name in runs}
+            raise InvalidArgumentError(f"runs of several dims {dims} cannot be read together: read one dim at a time")
+        return names.pop()
 
     def read_gradients(
         self,
@@ -390,10 +459,12 @@ class StoreCore:
             self.iter_gradients(run, checkpoint=checkpoint, split=split, steps=steps, where=where, columns=columns)
         )
         if not blocks:
+            name = self._table_of_runs(run)
             names = [c for c in columns if c != "grad_id"]
-            schema = pa.schema([self.table(S.GRADIENTS).schema.field(c) for c in names]) if self.dim else None
-            empty = schema.empty_table() if schema is not None else pa.table({})
-            return GradientBlock(np.empty(0, np.int64), np.empty((0, self.dim or 0), np.float32), empty)
+            schema = self.table(name).schema if name is not None else None
+            empty = pa.schema([schema.field(c) for c in names]).empty_table() if schema is not None else pa.table({})
+            dim = table_dim(schema) if schema is not None else 0
+            return GradientBlock(np.empty(0, np.int64), np.empty((0, dim), np.float32), empty)
         return GradientBlock(
             np.concatenate([b.grad_ids for b in blocks]),
             np.concatenate([b.vectors for b in blocks]),
@@ -401,26 +472,35 @@ class StoreCore:
         )
 
     def count(self, table: str = S.GRADIENTS, where: str | None = None) -> int:
-        """Row count of a table (0 if it does not exist yet)."""
-        if not self.has_table(table):
-            return 0
-        with self.reading(table):
-            return self.table(table).count_rows(where)
+        """Row count of a table (0 if it does not exist yet); ``gradients`` counts the rows of every dim."""
+        names = list(self.gradient_tables.by_dim().values()) if table == S.GRADIENTS else [table]
+        total = 0
+        for name in names:
+            if self.has_table(name):
+                with self.reading(name):
+                    total += self.table(name).count_rows(where)
+        return total
 
-    def example_ids_for(self, grad_ids: np.ndarray) -> dict[int, str]:
-        """``grad_id -> example_id`` for the given ids (one filtered scan of two int/string columns)."""
+    def example_ids_for(self, grad_ids: np.ndarray, run: str | None = None) -> dict[int, str]:
+        """``grad_id -> example_id`` for the given ids of run ``run`` (``None``: looked up in every gradient
+        table); one filtered scan of two int/string columns per table."""
         unique = np.unique(grad_ids)
         if len(unique) == 0:
             return {}
-        with self.reading(S.GRADIENTS):
-            table = (
-                self.table(S.GRADIENTS)
-                .to_lance()
-                .to_table(
-                    columns=["grad_id", "example_id"], filter=f"grad_id IN ({', '.join(str(int(g)) for g in unique)})"
+        names = [self.gradient_table_name(run)] if run is not None else self.gradient_tables.by_dim().values()
+        found: dict[int, str] = {}
+        for name in names:
+            with self.reading(name):
+                table = (
+                    self.table(name)
+                    .to_lance()
+                    .to_table(
+                        columns=["grad_id", "example_id"],
+                        filter=f"grad_id IN ({', '.join(str(int(g)) for g in unique)})",
+                    )
                 )
-            )
-        return dict(zip(table.column("grad_id").to_pylist(), table.column("example_id").to_pylist()))
+            found.update(zip(table.column("grad_id").to_pylist(), table.column("example_id").to_pylist()))
+        return found
 
     # ------------------------------------------------------------------ examples and results
     def add_examples(self, data: Any, id_column: str = "example_id") -> int:
@@ -483,6 +563,8 @@ class StoreCore:
     def append_table(self, name: str, rows: pa.Table) -> None:
         """Append ``rows`` to table ``name``, creating it with their schema on first use (for tables of the
         layers above, such as ``evaluations``)."""
+        if is_gradient_table(name):
+            raise InvalidNameError(f"table {name!r} is a gradient table's name; write gradients with store.writer")
         if not self.has_table(name):
             self._create_table(name, rows.schema.with_metadata({S.FORMAT_KEY: S.FORMAT_VERSION}))
         existing = self.table(name).schema
@@ -494,13 +576,23 @@ class StoreCore:
 
     # ------------------------------------------------------------------ SQL
     def sql(self, query: str):
-        """Run read-only DuckDB SQL over every table (vectors excluded); returns a DuckDB relation."""
-        tables = {name: self.table(name).to_lance() for name in self.db.list_tables().tables}
+        """Run read-only DuckDB SQL over every table (vectors excluded); returns a DuckDB relation.
+
+        ``gradients`` holds the rows of every run of every dim; ``gradients_<dim>`` those of one dim."""
+        tables = {name: self.table(name).to_lance() for name in self._list_tables() if not is_gradient_table(name)}
+        by_dim = {
+            f"{S.GRADIENTS}_{dim}": self.table(name).to_lance() for dim, name in self.gradient_tables.by_dim().items()
+        }
+        unions = {S.GRADIENTS: list(by_dim)} if len(by_dim) > 1 else {}
+        if len(by_dim) == 1:
+            tables[S.GRADIENTS] = next(iter(by_dim.values()))
+        tables.update(by_dim)
         columns = {name: table.schema.names for name, table in tables.items()}
         self._sql_connection = store_sql.connect(
             tables,
             macros_for(columns),  # lives with its relation
             self.storage_options,
+            unions,
         )
         return store_sql.run_query(self._sql_connection, query)
 
@@ -524,9 +616,11 @@ class StoreCore:
         return verify_store(self)
 
     def info(self) -> dict[str, Any]:
-        """A summary: tables with rows, fragments and versions, runs, dim, dtype, bytes on disk."""
+        """A summary: tables with rows, fragments and versions, runs with their dims, dims, dtype, bytes on disk.
+
+        ``dim`` is the store's one dim, or ``None`` while it holds none or several (see ``dims``)."""
         tables = {}
-        for name in sorted(self.db.list_tables().tables):
+        for name in sorted(self._list_tables()):
             dataset = self.table(name).to_lance()
             tables[name] = {
                 "rows": dataset.count_rows(),
@@ -534,12 +628,15 @@ class StoreCore:
                 "version": dataset.version,
             }
         size = self.files.bytes_under_store()
-        runs = self.runs().column("run_id").to_pylist() if self.has_table(S.RUNS) else []
+        runs = self.runs() if self.has_table(S.RUNS) else S.RUNS_SCHEMA.empty_table()
+        dims = self.dims
         return {
             "uri": self.uri,
-            "dim": self.dim,
+            "dim": dims[0] if len(dims) == 1 else None,
+            "dims": dims,
             "storage_dtype": self.storage_dtype,
-            "runs": runs,
+            "runs": runs.column("run_id").to_pylist(),
+            "run_dims": dict(zip(runs.column("run_id").to_pylist(), runs.column("dim").to_pylist())),
             "tables": tables,
             "bytes_on_disk": size,
         }
@@ -608,7 +705,7 @@ def connect(
         runs_schema = store.table(S.RUNS).schema
         if (runs_schema.metadata or {}).get(S.FORMAT_KEY) != S.FORMAT_VERSION:
             raise NotAStoreError(f"{uri} holds a '{S.RUNS}' table that gradstore did not write")
-        if storage_dtype is not None and store.dim is not None and store.storage_dtype != storage_dtype:
+        if storage_dtype is not None and store.dims and store.storage_dtype != storage_dtype:
             raise SchemaMismatchError(f"store {uri} stores {store.storage_dtype} vectors, not {storage_dtype}")
     elif not create:
         raise NotAStoreError(f"no gradstore store at {uri}")

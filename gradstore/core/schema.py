@@ -9,6 +9,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from gradstore.core.vectors import vector_type
+from ingest import CaptureLabels
 
 FORMAT_KEY = b"gradstore.format"
 FORMAT_VERSION = b"1"
@@ -19,6 +20,10 @@ GRADIENTS = "gradients"
 EXAMPLES = "examples"
 SCORES = "scores"
 SELF_INFLUENCE = "self_influence"
+
+#: The checkpoint label of rows appended without one: capture's default, so rows written by hand and
+#: captured rows are selected alike.
+DEFAULT_CHECKPOINT: str = CaptureLabels.checkpoint
 
 VECTOR_COLUMN = "grad"
 NORM_COLUMN = "grad_norm"

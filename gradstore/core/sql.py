@@ -12,7 +12,7 @@ shows while rows are produced (``CAST('abc' AS INTEGER)``), is a ``SQLError`` wi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import duckdb
 import lance
@@ -42,6 +42,10 @@ class VectorlessLanceView(lance.LanceDataset):
         return pads.Scanner.from_batches(scan.to_reader(), columns=columns, filter=filter)
 
 
+def _identifier(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
 def _is_large(data_type: pa.DataType) -> bool:
     return (
         pa.types.is_large_string(data_type) or pa.types.is_large_binary(data_type) or pa.types.is_large_list(data_type)
@@ -49,13 +53,20 @@ def _is_large(data_type: pa.DataType) -> bool:
 
 
 def connect(
-    tables: Mapping[str, lance.LanceDataset], macros: Iterable[str] = (), storage_options: dict[str, str] | None = None
+    tables: Mapping[str, lance.LanceDataset],
+    macros: Iterable[str] = (),
+    storage_options: dict[str, str] | None = None,
+    unions: Mapping[str, Sequence[str]] | None = None,
 ) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with one view per store table and the given macro definitions."""
+    """A DuckDB connection with one view per store table, one view per entry of ``unions`` (name -> the
+    tables whose rows it lists, ``UNION ALL BY NAME``) and the given macro definitions."""
     con = duckdb.connect()
     for name, dataset in tables.items():
         view = VectorlessLanceView(dataset.uri, version=dataset.version, storage_options=storage_options)
         con.register(name, view)
+    for name, parts in (unions or {}).items():
+        union = " UNION ALL BY NAME ".join(f"SELECT * FROM {_identifier(part)}" for part in parts)
+        con.execute(f"CREATE VIEW {_identifier(name)} AS {union}")
     for macro in macros:
         con.execute(macro)
     con.execute("SET enable_external_access = false")

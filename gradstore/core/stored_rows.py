@@ -27,12 +27,10 @@ def stored_blocks(
     """A re-iterable source of the selected rows' stored values (rows are read-only views of Lance's buffers)."""
 
     def source() -> Iterator[tuple[np.ndarray, ...]]:
-        if store.dim is None:
-            return
         scaled = store.storage_dtype != "float32"
         columns = ["grad_id", S.VECTOR_COLUMN] + ([S.NORM_COLUMN] if scaled else [])
         scanner = (
-            store.table(S.GRADIENTS)
+            store.gradient_table(run)
             .to_lance()
             .scanner(
                 columns=columns, filter=gradient_filter(run, checkpoint, split, None, where), batch_size=block_rows

@@ -2,8 +2,8 @@
 
 Every table is opened and scanned in full (each column of each row is decoded, so a missing or
 unreadable data file shows), its row count compared with the count its manifest reports; the
-gradients table's vectors and norms must be finite, its ``grad_id``s unique and its runs known; every
-side file must match the checksum written beside it.
+gradient tables' (one per dim) vectors and norms must be finite, their ``grad_id``s unique and their runs
+known and of the table's dim; every side file must match the checksum written beside it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from gradstore.core import schema as S
+from gradstore.core.gradient_tables import is_gradient_table, table_dim
 from gradstore.core.vectors import decode, storage_dtype_of
 
 
@@ -60,7 +61,7 @@ def _scan(name: str, dataset: Any, block_rows: int, store: Any, report: VerifyRe
     runs: set[str] = set()
     for batch in dataset.to_batches(batch_size=block_rows):
         rows += batch.num_rows
-        if name != S.GRADIENTS:
+        if not is_gradient_table(name):
             continue
         grad_ids.append(batch.column("grad_id").to_numpy())
         runs.update(batch.column("run_id").unique().to_pylist())
@@ -75,7 +76,12 @@ def _scan(name: str, dataset: Any, block_rows: int, store: Any, report: VerifyRe
         duplicated = len(ids) - len(np.unique(ids))
         if duplicated:
             report.problems.append(f"table {name}: {duplicated} duplicated grad_id(s)")
-        known = set(store.runs().column("run_id").to_pylist())
-        if runs - known:
-            report.problems.append(f"table {name}: rows of unknown run(s) {sorted(runs - known)}")
+        known = store.runs()
+        dims = dict(zip(known.column("run_id").to_pylist(), known.column("dim").to_pylist()))
+        if runs - set(dims):
+            report.problems.append(f"table {name}: rows of unknown run(s) {sorted(runs - set(dims))}")
+        dim = table_dim(dataset.schema)
+        elsewhere = sorted(run for run in runs if run in dims and dims[run] != dim)
+        if elsewhere:
+            report.problems.append(f"table {name}: rows of run(s) {elsewhere} whose dim is not this table's {dim}")
     return rows

@@ -115,14 +115,15 @@ class GradientWriter:
 
         Metadata columns (scalars broadcast to all rows, or length-``n`` sequences): ``checkpoint``,
         ``step``, ``epoch``, ``example_hash``, ``split``, ``rank``, ``loss``, ``num_tokens``,
-        ``learning_rate``. Returns the rows' ``grad_id``s (empty for dropped rows).
+        ``learning_rate``. ``checkpoint`` defaults to capture's default label (``"train"``), so rows written
+        by hand are selected as captured ones are. Returns the rows' ``grad_id``s (empty for dropped rows).
         """
         self._raise_if_failed()
         vectors = _as_float32_rows(grads, self.dim)
         ids = [str(i) for i in example_ids]
         if len(ids) != len(vectors):
             raise SchemaMismatchError(f"{len(vectors)} gradient rows but {len(ids)} example ids")
-        metadata = checked_metadata(metadata, len(ids))
+        metadata = checked_metadata({"checkpoint": S.DEFAULT_CHECKPOINT, **metadata}, len(ids))
         vectors, ids, metadata = self._check_finite(vectors, ids, metadata)
         n = len(ids)
         if n == 0:

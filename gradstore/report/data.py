@@ -82,7 +82,7 @@ def gather(store: StoreCore, options: ReportOptions | None = None, selection: pa
         raise ValueError("max_queries and outliers must be >= 0 and top >= 1")
     if options.run is not None:
         store.run(options.run)  # UnknownRunError for a run the store does not hold
-    tables = set(store.db.list_tables().tables)
+    tables = set(store.table_names())
     reader = _Reader(store, tables, options)
     notes: list[str] = []
     queries, total = reader.queries()
@@ -171,9 +171,16 @@ class _Reader:
             "runs": _records(runs),
             "checkpoints": _records(checkpoints),
             "row_counts": counts,
-            "dim": self.store.dim,
+            "dim": self._dim(),
             "text_column": self.text_column,
         }
+
+    def _dim(self) -> int | str | None:
+        """The reported run's dim, else the store's dims (``"16, 64"`` for several)."""
+        if self.options.run is not None:
+            return self.store.run_dim(self.options.run)
+        dims = self.store.dims
+        return dims[0] if len(dims) == 1 else (", ".join(map(str, dims)) or None)
 
     # ------------------------------------------------------------------ queries and their top-k
     def _latest_scores(self) -> str:
