@@ -172,7 +172,7 @@ def scores_by_example(
 ) -> np.ndarray:
     """Every training example's score for every query, ``[queries, len(train_ids)]``, from
     ``store.attribute(..., write=False)`` (scores of several rows of one example are summed)."""
-    k = store.table("gradients").count_rows(f"run_id = {sql_literal(run)} AND split = 'train'")
+    k = store.gradient_table(run).count_rows(f"run_id = {sql_literal(run)} AND split = 'train'")
     table = store.attribute(queries, run=run, k=k, write=False, **options)
     query_ids = table.column("query_id").to_pylist()
     order = {q: i for i, q in enumerate(dict.fromkeys(query_ids))}

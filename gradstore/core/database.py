@@ -374,12 +374,15 @@ class StoreCore:
         """
         if thresholds:
             config = WriterConfig(**{**(config or WriterConfig()).__dict__, **thresholds})
+        name = self.gradient_table_name(run_id)
+        others = [self.table(other) for other in self.gradient_tables.by_dim().values() if other != name]
         return GradientWriter(
-            commits.InertTable(self.gradient_table(run_id)),
+            commits.InertTable(self.table(name)),
             run_id=run_id,
             dim=self.run_dim(run_id),
             storage_dtype=self.storage_dtype,
             config=config,
+            id_tables=others,  # grad_ids stay unique across the store, not only within the run's table
         )
 
     def iter_gradients(

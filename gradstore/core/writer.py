@@ -81,14 +81,22 @@ class GradientWriter:
     """Buffered, background-committing appender of gradient rows for one run.
 
     ``grad_id`` values are ``prefix << 32 | counter``: the 31-bit prefix is drawn at random for each writer
-    and checked against the table, so writers in different processes never collide and ids stay stable
-    across compaction (unlike Lance's ``_rowid``).
+    and checked against the table (and ``id_tables``, the store's other gradient tables), so writers in
+    different processes never collide and ids stay stable across compaction (unlike Lance's ``_rowid``).
     """
 
     def __init__(
-        self, table: Any, *, run_id: str, dim: int, storage_dtype: str, config: WriterConfig | None = None
+        self,
+        table: Any,
+        *,
+        run_id: str,
+        dim: int,
+        storage_dtype: str,
+        config: WriterConfig | None = None,
+        id_tables: Sequence[Any] = (),
     ) -> None:
         self._table = table
+        self._id_tables = [table, *id_tables]
         self.run_id = run_id
         self.dim = dim
         self.storage_dtype = storage_dtype
@@ -185,9 +193,10 @@ class GradientWriter:
     # ------------------------------------------------------------------ internals
     def _prefix_taken(self, prefix: int) -> bool:
         low, high = prefix << 32, (prefix + 1) << 32
-        if self._table.count_rows() == 0:
-            return False
-        return self._table.count_rows(f"grad_id >= {low} AND grad_id < {high}") > 0
+        return any(
+            table.count_rows() > 0 and table.count_rows(f"grad_id >= {low} AND grad_id < {high}") > 0
+            for table in self._id_tables
+        )
 
     def _check_finite(self, vectors: np.ndarray, ids: list[str], metadata: dict) -> tuple:
         peaks = row_peaks(vectors)
