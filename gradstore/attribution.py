@@ -75,6 +75,7 @@ def attribute(
             engine=engine,
         )
     checkpoint = checkpoint or store.default_checkpoint(run)
+    resolved_queries = resolve_queries(store, queries, run, checkpoint)  # first: queries of another dim fail fast
     index = build_index(
         store,
         fits,
@@ -85,7 +86,6 @@ def attribute(
         blocks=blocks,
         engine=engine,
     )
-    resolved_queries = resolve_queries(store, queries, run, checkpoint)
     sides = (True, False) if opponents else (True,)
     found = index.search_sides(resolved_queries.vectors, k, sides, engine, rerank)
     table = pa.concat_tables([_result_table(store, index, resolved_queries.ids, *found[side], side) for side in sides])

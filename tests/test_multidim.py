@@ -10,6 +10,7 @@ import pytest
 
 import gradstore
 from gradstore.core import schema as S
+from gradstore.shards import example_shards, fragment_shards
 
 N_TRAIN, N_QUERY = 48, 4
 #: run -> (dim, checkpoint label its rows carry; None: appended without one)
@@ -268,3 +269,32 @@ def test_two_processes_creating_runs_of_different_dims_both_get_their_table(tmp_
         block = store.read_gradients(run)
         np.testing.assert_allclose(block.vectors, np.full((3, dim), dim), rtol=1e-3)
     assert store.verify().ok
+
+
+def test_shards_cover_the_runs_own_table_only(stores):
+    multi, _ = stores
+    for run in ("a16", "b64"):
+        where = f"run_id = '{run}' AND split = 'train'"
+        for shards in (fragment_shards(multi, run, where, 3), example_shards(multi, run, where, where, 3)):
+            blocks = [block for shard in shards for block in shard.blocks()]
+            ids = sorted(e for block in blocks for e in block.metadata.column("example_id").to_pylist())
+            assert ids == sorted(_rows(run)[1][:N_TRAIN])
+            assert {block.vectors.shape[1] for block in blocks} == {RUNS[run][0]}
+
+
+def test_the_ray_engine_reads_the_runs_own_table(stores):
+    ray = pytest.importorskip("ray")
+    from gradstore.engine import RayEngine
+
+    multi, _ = stores
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        engine = RayEngine()
+        for run in ("b64", "hand"):
+            options = dict(run=run, k=4, method="fisher", opponents=True, write=False)
+            _same(multi.attribute(**options, engine=engine), multi.attribute(**options))
+            got = multi.self_influence(run=run, method="grad-dot", write=False, engine=engine)
+            expected = multi.self_influence(run=run, method="grad-dot", write=False)
+            np.testing.assert_allclose(got.column("self_influence"), expected.column("self_influence"), rtol=1e-6)
+    finally:
+        ray.shutdown()

@@ -114,7 +114,8 @@ class StoreCore:
         return list(self.db.list_tables().tables)
 
     def table_names(self) -> list[str]:
-        """The store's tables as users see them in SQL: every gradient table counts as ``gradients``."""
+        """The store's tables with every gradient table (one per dim) named ``gradients``, as SQL's union
+        view and :meth:`count` see them."""
         names = {S.GRADIENTS if is_gradient_table(name) else name for name in self._list_tables()}
         return sorted(name for name in names if name != S.GRADIENTS or self.dims)
 
