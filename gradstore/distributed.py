@@ -239,6 +239,7 @@ class DistributedCapture(StoreCapture):
             dim=self.store.run_dim(self.run_id),
             storage_dtype=self.store.storage_dtype,
             config=config,
+            id_tables=self.store.other_gradient_tables(self.run_id),
         )
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -298,3 +298,24 @@ def test_the_ray_engine_reads_the_runs_own_table(stores):
             np.testing.assert_allclose(got.column("self_influence"), expected.column("self_influence"), rtol=1e-6)
     finally:
         ray.shutdown()
+
+
+def test_runs_of_several_dims_on_object_storage(s3_bucket, tmp_path):
+    pytest.importorskip("boto3")
+    bucket, options = s3_bucket
+    remote = gradstore.open(f"s3://{bucket}/store", storage_options=options)
+    local = gradstore.open(tmp_path / "local")
+    for store in (remote, local):
+        for run in ("b64", "hand"):
+            _write(store, run)
+    assert remote.dims == [8, 64] and remote.gradient_table_name("hand") == "gradients_8"
+    for run in ("b64", "hand"):
+        for kind in ("exact", "Flat"):
+            options_ = dict(run=run, k=3, method="fisher", kind=kind, write=False)
+            _same(remote.attribute(**options_), local.attribute(**options_))
+    assert dict(remote.sql("select run_id, count(*) from gradients group by 1").fetchall()) == {
+        "b64": N_TRAIN + N_QUERY,
+        "hand": N_TRAIN + N_QUERY,
+    }
+    remote.compact()
+    assert remote.verify().ok

@@ -204,6 +204,12 @@ class StoreCore:
         """The LanceDB table holding run ``run_id``'s rows."""
         return self.table(self.gradient_table_name(run_id))
 
+    def other_gradient_tables(self, run_id: str) -> list[Any]:
+        """The gradient tables of the dims other than run ``run_id``'s (a writer keeps its ``grad_id``s unique
+        across them too)."""
+        own = self.gradient_table_name(run_id)
+        return [self.table(name) for name in self.gradient_tables.by_dim().values() if name != own]
+
     @property
     def storage_dtype(self) -> str:
         """Storage dtype of the vector column (see :mod:`gradstore.core.vectors`); one per store."""
@@ -375,15 +381,13 @@ class StoreCore:
         """
         if thresholds:
             config = WriterConfig(**{**(config or WriterConfig()).__dict__, **thresholds})
-        name = self.gradient_table_name(run_id)
-        others = [self.table(other) for other in self.gradient_tables.by_dim().values() if other != name]
         return GradientWriter(
-            commits.InertTable(self.table(name)),
+            commits.InertTable(self.gradient_table(run_id)),
             run_id=run_id,
             dim=self.run_dim(run_id),
             storage_dtype=self.storage_dtype,
             config=config,
-            id_tables=others,  # grad_ids stay unique across the store, not only within the run's table
+            id_tables=self.other_gradient_tables(run_id),  # grad_ids unique across the store, not one table
         )
 
     def iter_gradients(
