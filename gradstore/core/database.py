@@ -122,7 +122,11 @@ class StoreCore:
     def _committed(self, name: str) -> bool:
         """Whether table ``name`` has a committed version (a process killed while creating it leaves none)."""
         selector = pafs.FileSelector(f"{self.files.store_path}/{name}.lance/_versions", allow_not_found=True)
-        return any(info.base_name.endswith(".manifest") for info in self.files.filesystem.get_file_info(selector))
+        try:
+            listing = self.files.filesystem.get_file_info(selector)
+        except FileNotFoundError:  # another process created the folder while it was listed: nothing committed then
+            return False
+        return any(info.base_name.endswith(".manifest") for info in listing)
 
     def table(self, name: str):
         """The LanceDB table ``name`` (``StoreCorruptError`` if it cannot be opened, ``KeyError`` if absent)."""
