@@ -183,11 +183,11 @@ def _check(path: Path, n: int, rows: int, dim: int, sample: int = 16) -> list[st
     """What is wrong with a store that ``n`` writers of ``rows`` rows each filled: lost, duplicated rows
     (example ids and grad_ids), sampled vectors that differ from what was written."""
     store = gradstore.open(path)
-    table = store.table(S.GRADIENTS).to_lance().to_table(columns=["example_id", "grad_id"])
-    ids = table.column("example_id").to_pylist()
+    stored = store.sql("SELECT example_id, grad_id FROM gradients").fetchall()
+    ids = [example_id for example_id, _ in stored]
     expected = {i for t in range(n) for i in _share_ids(t, rows)}
     problems = []
-    if len(ids) != len(set(ids)) or len(set(table.column("grad_id").to_pylist())) != len(ids):
+    if len(ids) != len(set(ids)) or len({grad_id for _, grad_id in stored}) != len(ids):
         problems.append(f"{len(ids) - len(set(ids))} duplicated rows")
     if expected - set(ids) or set(ids) - expected:
         problems.append(f"{len(expected - set(ids))} lost rows, {len(set(ids) - expected)} unknown rows")
