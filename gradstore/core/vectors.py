@@ -20,8 +20,8 @@ import pyarrow as pa
 import torch
 
 STORAGE_DTYPES = ("float16", "float32")
-#: Values per kernel call when encoding. Below torch's parallel grain size (32,768 values) each kernel runs on
-#: the calling thread: encoding, a memory-bound pass, then never wakes OpenMP workers that spin on cores other
+#: Values per kernel call when encoding: torch's parallel grain size, so each kernel does one grain of work
+#: on one thread. Encoding, a memory-bound pass, then never keeps OpenMP workers spinning on cores other
 #: writers (or the training) need, and its temporaries stay small (no fresh pages to fault in per commit).
 ENCODE_CHUNK_VALUES = 32768
 DEFAULT_STORAGE_DTYPE = "float16"
