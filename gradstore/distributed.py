@@ -68,17 +68,19 @@ class FragmentStager:
     (fragments) without committing them; :meth:`take` hands their metadata over for a collective commit.
 
     ``count_rows`` reads the real table (the writer uses it to draw a free ``grad_id`` prefix).
+    ``storage_options``: the store's (endpoint and credentials of an object-store URI; ``None`` on local disk).
     """
 
-    def __init__(self, table: Any) -> None:
+    def __init__(self, table: Any, storage_options: dict[str, str] | None = None) -> None:
         self._table = table
         self.uri = table.to_lance().uri
+        self._storage_options = storage_options
         self._pending: list[FragmentMetadata] = []
         self._lock = threading.Lock()
 
     def add(self, data: pa.Table) -> None:
         """Write ``data`` as new data files of the gradients dataset (invisible until committed)."""
-        fragments = write_fragments(data, self.uri, schema=data.schema)
+        fragments = write_fragments(data, self.uri, schema=data.schema, storage_options=self._storage_options)
         with self._lock:
             self._pending.extend(fragments)
 
@@ -231,7 +233,7 @@ class DistributedCapture(StoreCapture):
         self._committer.commit(self._stager.take())
 
     def _open_writer(self) -> GradientWriter:
-        self._stager = FragmentStager(self.store.gradient_table(self.run_id))
+        self._stager = FragmentStager(self.store.gradient_table(self.run_id), self.store.storage_options)
         config = dataclasses.replace(self._writer_config or WriterConfig(), max_fragments=0)
         return GradientWriter(
             self._stager,

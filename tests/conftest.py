@@ -26,37 +26,11 @@ def store(store_path):
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A local S3-compatible server (moto in server mode, a subprocess on a free localhost port)."""
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
     pytest.importorskip("moto.server")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None:
-                    raise RuntimeError("the moto server exited") from None
-                time.sleep(0.1)
-        else:
-            raise RuntimeError("the moto server did not start")
+    from gradstore.local_s3 import moto_server
+
+    with moto_server() as endpoint:
         yield endpoint
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 @pytest.fixture
@@ -65,21 +39,7 @@ def s3_bucket(s3_endpoint, request):
     import re
     import uuid
 
-    import boto3
+    from gradstore.local_s3 import new_bucket
 
-    options = {
-        "aws_endpoint": s3_endpoint,
-        "aws_access_key_id": "testing",
-        "aws_secret_access_key": "testing",
-        "aws_region": "us-east-1",
-        "allow_http": "true",
-    }
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
-    boto3.client(
-        "s3",
-        endpoint_url=s3_endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket=name)
-    return name, options
+    return name, new_bucket(s3_endpoint, name)

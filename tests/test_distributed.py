@@ -167,3 +167,32 @@ def test_a_killed_rank_leaves_exactly_the_committed_rows(job):
     data_files = list((store_path / "gradients.lance" / "data").glob("*.lance"))
     referenced = {f.path for frag in store.table("gradients").to_lance().get_fragments() for f in frag.metadata.files}
     assert len(data_files) > len(referenced)
+
+
+def _s3_worker(rank: int, port: int, uri: str, storage_options: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LANCE_LOG="error")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    store = gradstore.open(uri, storage_dtype="float32", storage_options=storage_options)
+    wrapped = wrap(make_model(), "ddp")
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    options = {**OPTIONS, "curvature": True, "checkpoint": "c0"}
+    with distributed_capture(store, wrapped, "s3", optimizer=opt, commit_every=2, **options) as cap:
+        train(wrapped, cap, opt, rank, WORLD, STEPS)
+    dist.destroy_process_group()
+
+
+def test_ranks_capture_into_a_store_on_object_storage(s3_bucket, tmp_path, monkeypatch):
+    bucket, storage_options = s3_bucket
+    monkeypatch.chdir(tmp_path)  # nothing may land on local disk under a relative "s3:" path
+    uri = f"s3://{bucket}/store"
+    mp.spawn(_s3_worker, args=(free_port(), uri, storage_options), nprocs=WORLD, join=True)
+    reference = reference_rows(tmp_path)
+    store = gradstore.open(uri, storage_options=storage_options)
+    got = rows_by_key(store, "s3")  # every row exactly once
+    assert set(got) == set(reference) and len(got) == STEPS * GLOBAL_BATCH
+    for key, vector in reference.items():
+        assert np.linalg.norm(got[key] - vector) <= 1e-5 * np.linalg.norm(vector), key
+    assert len(store.table("gradients").to_lance().versions()) == 1 + 2  # creation, one commit per flush point
+    assert store.load_curvature("s3", "c0")  # the ranks' pooled statistics, saved to the bucket
+    assert os.listdir(tmp_path) == ["reference"]

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 import gradstore
+from gradstore.local_s3 import s3_client
 
-boto3 = pytest.importorskip("boto3")
+pytest.importorskip("boto3")
 
 N_TRAIN, N_QUERY = 24, 3
 
@@ -35,14 +36,7 @@ def _capture(store: gradstore.GradStore) -> None:
 
 
 def _objects(options: dict, bucket: str) -> list[str]:
-    client = boto3.client(
-        "s3",
-        endpoint_url=options["aws_endpoint"],
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+    pages = s3_client(options["aws_endpoint"]).get_paginator("list_objects_v2").paginate(Bucket=bucket)
     return [item["Key"] for page in pages for item in page.get("Contents", [])]
 
 

@@ -149,3 +149,28 @@ def test_appends_larger_than_a_commit_and_uneven_sizes_keep_every_row(store):
     block = store.read_gradients("r")
     order = np.argsort(block.metadata.column("example_id").to_numpy(zero_copy_only=False).astype(int))
     np.testing.assert_allclose(block.vectors[order], rows, rtol=1e-3)
+
+
+def test_encoding_in_chunks_covers_every_row_in_place():
+    from gradstore.core.vectors import ENCODE_CHUNK_VALUES, encode_rows
+
+    dim = 100
+    rows = np.random.default_rng(0).standard_normal((3 * (ENCODE_CHUNK_VALUES // dim) + 7, dim)).astype(np.float32)
+    rows[5] = 0.0
+    values, norms = encode_rows(rows, "float16")
+    np.testing.assert_allclose(norms, np.linalg.norm(rows.astype(np.float64), axis=1), rtol=1e-6)
+    scale = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0).astype(np.float32)
+    np.testing.assert_array_equal(values, (rows * scale[:, None]).astype(np.float16))
+
+
+def test_buffers_reused_across_commits_keep_every_rows_own_values(store_path):
+    store = gradstore.open(store_path, storage_dtype="float32")
+    store.create_run("r", dim=64)
+    rows = np.random.default_rng(1).standard_normal((3000, 64)).astype(np.float32)
+    with store.writer("r", commit_rows=700, max_pending_commits=1) as writer:
+        for start in range(0, len(rows), 300):
+            writer.append(rows[start : start + 300], [str(i) for i in range(start, start + 300)])
+    assert writer.commits == 5
+    block = store.read_gradients("r")
+    order = np.argsort(block.metadata.column("example_id").to_numpy(zero_copy_only=False).astype(int))
+    np.testing.assert_array_equal(block.vectors[order], rows)

@@ -13,11 +13,17 @@ Storage dtypes
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pyarrow as pa
 import torch
 
 STORAGE_DTYPES = ("float16", "float32")
+#: Values per kernel call when encoding: torch's parallel grain size, so each kernel does one grain of work
+#: on one thread. Encoding, a memory-bound pass, then never keeps OpenMP workers spinning on cores other
+#: writers (or the training) need, and its temporaries stay small (no fresh pages to fault in per commit).
+ENCODE_CHUNK_VALUES = 32768
 DEFAULT_STORAGE_DTYPE = "float16"
 #: The largest row norm a store holds (``grad_norm`` is float32): larger rows would be stored as ``inf``.
 MAX_NORM = float(np.finfo(np.float32).max)
@@ -36,10 +42,20 @@ def vector_type(dim: int, dtype: str) -> pa.DataType:
     return pa.list_(value, dim)
 
 
+def _row_chunks(rows: int, dim: int) -> Iterator[slice]:
+    """Consecutive row ranges of at most :data:`ENCODE_CHUNK_VALUES` values (at least one row each)."""
+    step = max(1, ENCODE_CHUNK_VALUES // max(dim, 1))
+    return (slice(start, min(start + step, rows)) for start in range(0, rows, step))
+
+
 def row_norms(vectors: np.ndarray) -> np.ndarray:
     """Euclidean norm of each float32 row, as float64. Rows whose float32 sum of squares under- or
     overflows (entries below ~1e-19 or above ~1e19) are recomputed in float64 after scaling by their max."""
-    norms = torch.linalg.vector_norm(torch.from_numpy(vectors), dim=1).double().numpy()
+    source = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32))
+    chunked = torch.empty(len(vectors), dtype=torch.float32)
+    for rows in _row_chunks(*source.shape):
+        torch.linalg.vector_norm(source[rows], dim=1, out=chunked[rows])
+    norms = chunked.double().numpy()
     suspect = ~np.isfinite(norms) | (norms < 1e-18)
     if suspect.any():
         rows = vectors[suspect].astype(np.float64)
@@ -66,7 +82,8 @@ def encode_rows(vectors: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray
     """Encode float32 rows ``[n, dim]`` for storage: ``(values [n, dim], norms float64 [n])``.
 
     Never modifies ``vectors`` and never returns a view of it. A row holding NaN/Inf gets a non-finite norm.
-    Runs on torch's vectorised CPU kernels (numpy's float16 cast is several times slower).
+    Runs on torch's vectorised CPU kernels (numpy's float16 cast is several times slower), chunk by chunk on
+    the calling thread (:data:`ENCODE_CHUNK_VALUES`), writing straight into the result.
     """
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     norms = row_norms(vectors)
@@ -74,7 +91,11 @@ def encode_rows(vectors: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray
         return vectors.copy(), norms
     scale = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
     scale = torch.from_numpy(scale.astype(np.float32))[:, None]
-    return (torch.from_numpy(vectors) * scale).to(torch.float16).numpy(), norms
+    source = torch.from_numpy(vectors)
+    values = torch.empty(source.shape, dtype=torch.float16)
+    for rows in _row_chunks(*source.shape):
+        torch.mul(source[rows], scale[rows], out=values[rows])
+    return values.numpy(), norms
 
 
 def encode(vectors: np.ndarray, dtype: str) -> tuple[pa.FixedSizeListArray, pa.Array]:

@@ -107,6 +107,7 @@ class GradientWriter:
         self._lock = threading.Lock()
         self._buffer: _Buffer | None = None
         self._capacity = max(1, min(self.config.commit_rows, self.config.commit_bytes // (4 * dim + 64)))
+        self._spare_blocks: list[np.ndarray] = []  # encoded buffers' float32 blocks, reused (no page faults)
         self._queue: queue.Queue = queue.Queue(maxsize=self.config.max_pending_commits)
         self._error: BaseException | None = None
         self._closed = False
@@ -149,7 +150,7 @@ class GradientWriter:
             self._hand_over()
         with self._lock:
             if self._buffer is None:
-                self._buffer = _Buffer(max(self._capacity, n), self.dim)
+                self._buffer = _Buffer(self._block(n))
             self._buffer.add(chunk, vectors)
             full = (
                 self._buffer.rows >= self._capacity
@@ -238,6 +239,19 @@ class GradientWriter:
         columns[S.VECTOR_COLUMN], columns[S.NORM_COLUMN] = encode(buffer.vectors[:n], self.storage_dtype)
         return pa.Table.from_arrays([columns[name] for name in self._schema.names], schema=self._schema)
 
+    def _block(self, rows: int) -> np.ndarray:
+        """A float32 block for a new buffer of at least ``rows`` rows: a spare one when it fits. Caller holds
+        the lock."""
+        if rows <= self._capacity and self._spare_blocks:
+            return self._spare_blocks.pop()
+        return np.empty((max(self._capacity, rows), self.dim), dtype=np.float32)
+
+    def _recycle(self, buffer: _Buffer) -> None:
+        """Keep an encoded buffer's block for a later buffer (at most as many as can be in flight)."""
+        with self._lock:
+            if len(buffer.vectors) == self._capacity and len(self._spare_blocks) <= self.config.max_pending_commits:
+                self._spare_blocks.append(buffer.vectors)
+
     def _hand_over(self) -> None:
         with self._lock:
             buffer, self._buffer = self._buffer, None
@@ -285,7 +299,8 @@ class GradientWriter:
 
     def _commit(self, buffer: _Buffer) -> None:
         try:
-            table = self._table_of(buffer)
+            table = self._table_of(buffer)  # holds copies: the buffer's block is free again
+            self._recycle(buffer)
             self._table.add(table)
             self.commits += 1
             self.rows_committed += table.num_rows
@@ -320,9 +335,9 @@ class _Buffer:
     """Rows waiting for one commit: per-append chunks and one float32 block that appends copy into
     (no per-append allocation, no concatenation at commit time)."""
 
-    def __init__(self, capacity: int, dim: int) -> None:
+    def __init__(self, block: np.ndarray) -> None:
         self.chunks: list[_Chunk] = []
-        self.vectors = np.empty((capacity, dim), dtype=np.float32)
+        self.vectors = block
         self.rows = 0
         self.since = time.monotonic()
 
