@@ -49,13 +49,12 @@ class AckingWriter:
         self.next += count
         return self.pending[-1]
 
-    def flush(self) -> list[tuple[int, int]]:
-        """Flush, then acknowledge every row appended since the last flush; their ``(start, count)``s."""
+    def flush(self) -> None:
+        """Flush, then acknowledge every row appended since the last flush."""
         self.writer.flush()
-        flushed, self.pending = self.pending, []
-        for start, count in flushed:
+        for start, count in self.pending:
             self.progress.line("ack", self.name, self.run, self.tag, start, count)
-        return flushed
+        self.pending = []
 
     def close(self) -> None:
         """Close the writer (nothing is pending after a flush)."""
