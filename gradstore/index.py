@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import tempfile
+import uuid
 from collections.abc import Iterator
 from dataclasses import astuple
 from datetime import datetime, timezone
@@ -55,6 +56,9 @@ log = logging.getLogger(__name__)
 INDEXES = "indexes"
 MANIFEST_FILE = "manifest.json"
 IDS_FILE = "ids.npy"
+#: The manifest key naming the directory of the index's FAISS files (``faiss`` before it was written).
+FAISS_FILES = "faiss_files"
+FAISS_PREFIX = "faiss"
 DEFAULT_CACHE_BYTES = 2 << 30
 
 
@@ -173,16 +177,21 @@ class AttributionIndex:
         return self._gpu_copy
 
     def save(self) -> None:
-        """Write the FAISS index (if any) and then the manifest to the store's side files."""
+        """Write the FAISS index (if any) to a new directory, then the manifest that names it, then delete
+        the FAISS files of earlier saves: a save killed part-way leaves the previous index whole and in use."""
         files = self.store.files
         if self.faiss_index is not None:
+            self.manifest[FAISS_FILES] = f"{FAISS_PREFIX}{uuid.uuid4().hex[:16]}"
             with tempfile.TemporaryDirectory(prefix="gradstore-index-") as scratch:
                 self.faiss_index.save(Path(scratch), self.manifest)
                 np.save(Path(scratch) / IDS_FILE, self.indexed_ids)
-                files.put_directory(Path(scratch), INDEXES, self.name, "faiss")
+                files.put_directory(Path(scratch), INDEXES, self.name, self.manifest[FAISS_FILES])
         files.write_bytes(
             json.dumps(self.manifest, indent=2, sort_keys=True, default=str).encode(), INDEXES, self.name, MANIFEST_FILE
         )
+        for child in files.children(INDEXES, self.name):
+            if child.startswith(FAISS_PREFIX) and child != self.manifest.get(FAISS_FILES):
+                files.remove(INDEXES, self.name, child)
 
 
 def prepared_source(space: ScoringSpace, source: VectorBlocks) -> VectorBlocks:
@@ -371,7 +380,7 @@ def load_index(store: StoreCore, fits: FitCache, name: str, *, missing_ok: bool 
     index = AttributionIndex(store, manifest, ScoringSpace(method, preconditioner))
     if manifest["kind"] != "exact":
         try:
-            with store.files.local_directory(INDEXES, name, "faiss") as directory:
+            with store.files.local_directory(INDEXES, name, manifest.get(FAISS_FILES, FAISS_PREFIX)) as directory:
                 index.faiss_index = FaissIndex.load(directory, expected_manifest=manifest, mmap=False)
                 index.indexed_ids = np.load(directory / IDS_FILE, allow_pickle=False)
         except LowerIndexMismatchError as error:

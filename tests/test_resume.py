@@ -3,13 +3,13 @@ with exactly the rows of an uninterrupted run; without it the re-run steps are d
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from store_workload import job_environment
 
 import gradstore
 
@@ -17,10 +17,9 @@ JOB = Path(__file__).with_name("resume_job.py")
 
 
 def _job(store: Path, workdir: Path, mode: str) -> int:
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(JOB.parents[1]), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(
         [sys.executable, str(JOB), str(store), str(workdir), mode],
-        env=environment,
+        env=job_environment(),
         capture_output=True,
         text=True,
         timeout=300,

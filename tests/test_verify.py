@@ -57,7 +57,7 @@ def test_a_deleted_data_file_is_reported_and_reads_raise_store_corrupt(store_pat
 
 def test_a_damaged_side_file_is_reported_and_never_used(store_path):
     _store(store_path)
-    faiss_dir = store_path / ROOT / "indexes" / "flat" / "faiss"
+    (faiss_dir,) = (store_path / ROOT / "indexes" / "flat").glob("faiss*")  # the FAISS files of the last save
     target = next(p for p in sorted(faiss_dir.iterdir()) if p.suffix != ".sha256" and p.stat().st_size > 64)
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -5,6 +5,12 @@ They live under ``<store>/_gradstore/`` in the store's own storage, local direct
 store or passed by a user can reach outside that root. Each file is written whole (to a temporary name
 then renamed on local disk; one PUT on object storage), so a reader never sees half a file, and its
 SHA-256 is kept beside it, so a damaged file is reported as such instead of being used.
+
+A process may be killed between any two of these steps, so each leaves a state that checks out:
+replacing a file first lets its checksum file accept the old and the new content, then replaces the file,
+then keeps only the new checksum; removing a key first deletes its ``manifest.json`` (the file written
+last, which puts a fit or index in use) and every checksum, so what a kill leaves of a half-removed key
+is neither used nor reported as damaged (a checksum never outlives its file).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from gradstore.errors import InvalidNameError, StoreCorruptError
 
 ROOT = "_gradstore"
 CHECKSUM_SUFFIX = ".sha256"
+#: The file of a directory key written last (fits, indexes): the key is in use once it exists.
+MANIFEST = "manifest.json"
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
 
 
@@ -58,8 +66,15 @@ class SideFiles:
         SHA-256 beside it (``<name>.sha256``), which :meth:`read_bytes` and :meth:`damaged` check."""
         target = self.path(*parts)
         self.filesystem.create_dir(target.rsplit("/", 1)[0], recursive=True)
+        digest = hashlib.sha256(data).hexdigest()
+        try:
+            accepted = self._get(target + CHECKSUM_SUFFIX).decode().split()
+        except (FileNotFoundError, UnicodeDecodeError):
+            accepted = []
+        if accepted and digest not in accepted:  # while the file is replaced, either content checks out
+            self._put(target + CHECKSUM_SUFFIX, "\n".join([digest, *accepted]).encode())
         self._put(target, data)
-        self._put(target + CHECKSUM_SUFFIX, hashlib.sha256(data).hexdigest().encode())
+        self._put(target + CHECKSUM_SUFFIX, digest.encode())
 
     def _put(self, target: str, data: bytes) -> None:
         if self.local:
@@ -78,10 +93,10 @@ class SideFiles:
         target = self.path(*parts)
         data = self._get(target)
         try:
-            expected = self._get(target + CHECKSUM_SUFFIX).decode().strip()
+            accepted = self._get(target + CHECKSUM_SUFFIX).decode().split()
         except FileNotFoundError:
             return data  # written before checksums were kept
-        if hashlib.sha256(data).hexdigest() != expected:
+        if hashlib.sha256(data).hexdigest() not in accepted:
             raise StoreCorruptError(f"side file {target} is damaged: its content does not match its checksum")
         return data
 
@@ -115,8 +130,8 @@ class SideFiles:
                 continue
             checked += 1
             try:
-                expected = self._get(path + CHECKSUM_SUFFIX).decode().strip()
-                if hashlib.sha256(self._get(path)).hexdigest() != expected:
+                accepted = self._get(path + CHECKSUM_SUFFIX).decode().split()
+                if hashlib.sha256(self._get(path)).hexdigest() not in accepted:
                     problems.append(f"side file {path} is damaged (checksum mismatch)")
             except (OSError, StoreCorruptError, UnicodeDecodeError) as error:
                 problems.append(f"side file {path} cannot be read: {error}")
@@ -126,11 +141,23 @@ class SideFiles:
         """Whether a file (or directory) exists under the key."""
         return self.filesystem.get_file_info(self.path(*parts)).type != pafs.FileType.NotFound
 
+    def children(self, *parts: str) -> list[str]:
+        """The names directly under a directory key (none if it does not exist)."""
+        selector = pafs.FileSelector(self.path(*parts), allow_not_found=True)
+        return sorted(info.base_name for info in self.filesystem.get_file_info(selector))
+
     def remove(self, *parts: str) -> None:
-        """Delete a directory key and everything under it (nothing happens if it does not exist)."""
+        """Delete a key and everything under it (nothing happens if it does not exist): a directory's
+        ``manifest.json`` first, then every checksum, then the rest (see the module docstring)."""
         target = self.path(*parts)
         info = self.filesystem.get_file_info(target)
         if info.type == pafs.FileType.Directory:
+            selector = pafs.FileSelector(target, recursive=True)
+            checksums = [i.path for i in self.filesystem.get_file_info(selector) if i.path.endswith(CHECKSUM_SUFFIX)]
+            manifest = f"{target}/{MANIFEST}"
+            for path in [manifest + CHECKSUM_SUFFIX, manifest, *checksums]:
+                if self.filesystem.get_file_info(path).type == pafs.FileType.File:
+                    self.filesystem.delete_file(path)
             self.filesystem.delete_dir(target)
         elif info.type == pafs.FileType.File:
             self.filesystem.delete_file(target)
@@ -184,7 +211,7 @@ def _check_directory(directory: Path, shown: str) -> None:
                     digest.update(chunk)
         except FileNotFoundError:
             raise StoreCorruptError(f"side file {shown}/{path.relative_to(directory)} is missing") from None
-        if digest.hexdigest() != checksum.read_text().strip():
+        if digest.hexdigest() not in checksum.read_text().split():
             raise StoreCorruptError(
                 f"side file {shown}/{path.relative_to(directory)} is damaged: its content does not match its checksum"
             )
