@@ -27,8 +27,10 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
   curvature-aware factorized projections whose fixed basis comes from ``ingest.basis.estimate_basis`` on the
   final model's training inputs (true-Fisher second moments; ``factors`` ``kfac``: K-FAC eigenbasis,
   ``gradient``: partial traces of the per-example gradients' second moment, ``unit``: the same with every
-  example's gradient normalised). Logistic regression 32x10 = 320 dims; MLP 16x16 per layer (the 10-way
-  output layer gets 16x10) = 416 dims.
+  example's gradient normalised), each with the requested per-layer sizes and with ``split="energy"``
+  (``curvature-<factors>-energy``: each layer's ``k_in * k_out`` re-divided between the sides to keep the
+  most Kronecker energy, same dims per layer; the note column shows the sizes). Logistic regression 32x10 =
+  320 dims; MLP 16x16 per layer (the 10-way output layer gets 16x10) = 416 dims.
   One extra logistic-regression row, "exact-Hessian IF", preconditions the query rows with the true Hessian
   of the training objective (computed here with torch; gradstore does not compute Hessians) and scores them
   through gradstore's ``grad-dot`` path as raw query vectors — a sanity check of the protocol against the

@@ -128,19 +128,27 @@ def basis_from_curvature(
     k_out: int = 16,
     layer_sizes: LayerSizes | None = None,
     previous: ProjectionBasis | None = None,
+    split: str = "fixed",
 ) -> ProjectionBasis:
     """The eigenbasis from a previous capture's ``curvature=True`` statistics (``store.load_curvature``).
 
     ``spec`` is that capture's projection spec. Statistics of exact slots are the full ``A``/``S``; those of
     a factorized slot live in its projected coordinates (``P A P^T``), so their eigenvectors ``v`` are lifted
     to the layer's coordinates as ``v^T P`` (within the span of that capture's matrices: ``previous`` when
-    it used a basis, else its seeded random ones).
+    it used a basis, else its seeded random ones). ``split="energy"``: per-layer sizes re-divided as in
+    :func:`basis_from_covariances` (within that capture's dims).
     """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     matrices = {}
     for name, (a_cov, s_cov, _) in stats.items():
         slot = spec.slot(name)
         layer_k_in, layer_k_out = slot_sizes(name, k_in, k_out, layer_sizes)
-        rows = [leading_rows(a_cov, min(layer_k_in, slot.d_in_eff)), leading_rows(s_cov, min(layer_k_out, slot.d_out))]
+        (a_values, a_rows), (s_values, s_rows) = eigenbasis(a_cov), eigenbasis(s_cov)
+        layer_k_in, layer_k_out = min(layer_k_in, len(a_values)), min(layer_k_out, len(s_values))
+        if split == "energy":
+            layer_k_in, layer_k_out = energy_split(a_values, s_values, layer_k_in, layer_k_out)
+        rows = [a_rows[:layer_k_in], s_rows[:layer_k_out]]
         if slot.mode == "factorized":
             if previous is not None:
                 lifts = [p.astype(np.float64) for p in previous.matrices[name]]

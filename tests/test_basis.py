@@ -155,6 +155,14 @@ def test_basis_from_curvature_statistics():
     for name in ("0", "2"):
         for p, q in zip(from_stats.matrices[name], prepass.matrices[name]):
             np.testing.assert_allclose(p.T @ p, q.T @ q, atol=1e-4)
+    # the energy split from the statistics is the pre-pass's (sizes and subspaces)
+    from_stats = basis_from_curvature(cap.curvature(), cap.spec, k_in=2, k_out=3, split="energy")
+    config = ProjectionConfig(k_in=2, k_out=3)
+    prepass = estimate_basis(model, batches(x, y), sum_loss, config, split="energy")
+    assert from_stats.sizes("2") == prepass.sizes("2") != (2, 3)  # rank-2 output side of the 3-way head
+    for name in ("0", "2"):
+        for p, q in zip(from_stats.matrices[name], prepass.matrices[name]):
+            np.testing.assert_allclose(p.T @ p, q.T @ q, atol=1e-4)
     # factorized statistics live in projected coordinates: lifted rows R = V^T P diagonalise A exactly
     cfg = CaptureConfig.from_options(
         projection="factorized", k_in=5, k_out=3, curvature=True, loss_reduction="sum", seed=2
