@@ -27,8 +27,10 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
   curvature-aware factorized projections whose fixed basis comes from ``ingest.basis.estimate_basis`` on the
   final model's training inputs (true-Fisher second moments; ``factors`` ``kfac``: K-FAC eigenbasis,
   ``gradient``: partial traces of the per-example gradients' second moment, ``unit``: the same with every
-  example's gradient normalised). Logistic regression 32x10 = 320 dims; MLP 16x16 per layer (the 10-way
-  output layer gets 16x10) = 416 dims.
+  example's gradient normalised), each with the requested per-layer sizes and with ``split="energy"``
+  (``curvature-<factors>-energy``: each layer's ``k_in * k_out`` re-divided between the sides to keep the
+  most Kronecker energy, same dims per layer; the note column shows the sizes). Logistic regression 32x10 =
+  320 dims; MLP 16x16 per layer (the 10-way output layer gets 16x10) = 416 dims.
   One extra logistic-regression row, "exact-Hessian IF", preconditions the query rows with the true Hessian
   of the training objective (computed here with torch; gradstore does not compute Hessians) and scores them
   through gradstore's ``grad-dot`` path as raw query vectors — a sanity check of the protocol against the
@@ -79,6 +81,7 @@ REFERENCE = {  # issue 5, independent scripts on this kind of machine
 }
 VALIDATION: dict[tuple[str, str], float] = {}  # (model, "fisher <variant>") -> validation LDS at the chosen damping
 CURVATURE = ("kfac", "gradient", "unit")  # estimate_basis factors of the curvature-aware variants
+SPLITS = ("fixed", "energy")  # estimate_basis splits: as requested, or re-divided per layer at equal dims
 DAMPING_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 
@@ -256,6 +259,7 @@ def fisher_basis(
     k_in: int,
     k_out: int,
     factors: str,
+    split: str,
     batch: int = 250,
 ) -> ProjectionBasis:
     """The curvature-aware basis of the trained model on ``inputs`` (``ingest.estimate_basis``).
@@ -271,7 +275,9 @@ def fisher_basis(
         return (weights * -torch.log_softmax(logits, 1)).sum(0)  # [classes]: one loss per label
 
     batches = [inputs[i : i + batch] for i in range(0, len(inputs), batch)]
-    return estimate_basis(module, batches, loss_fn, ProjectionConfig(k_in=k_in, k_out=k_out), factors=factors)
+    return estimate_basis(
+        module, batches, loss_fn, ProjectionConfig(k_in=k_in, k_out=k_out), factors=factors, split=split
+    )
 
 
 def capture(
@@ -379,11 +385,10 @@ def evaluate_model(
         store = gradstore.open(workdir / f"{config.name}-{variant}", storage_dtype="float32")
         basis = None
         if variant.startswith("curvature-"):
-            basis = fisher_basis(
-                config, data.x_train, snapshots["final"], k_in, k_out, variant.removeprefix("curvature-")
-            )
+            factors, _, split = variant.removeprefix("curvature-").partition("-")
+            basis = fisher_basis(config, data.x_train, snapshots["final"], k_in, k_out, factors, split or "fixed")
         capture(store, config, data, snapshots, plan, projection, k_in, k_out, basis)
-        dim = store.dim
+        dim = f"{store.dim}" if basis is None else f"{store.dim} ({sizes_text(basis)})"
         damping, grid = choose_damping(store, data, truth)
         log(
             f"{config.name} {variant}: validation LDS by damping "
@@ -423,6 +428,20 @@ def evaluate_model(
     return rows
 
 
+def sizes_text(basis: ProjectionBasis) -> str:
+    """Per-layer ``k_in x k_out`` of a basis, e.g. ``0:32x8 2:16x10``."""
+    return " ".join(f"{name}:{'x'.join(map(str, basis.sizes(name)))}" for name in basis.matrices)
+
+
+def curvature_variants(k_in: int, k_out: int) -> dict[str, tuple[str, int, int]]:
+    """The curvature-aware variants, ``curvature-<factors>`` (requested split) and ``curvature-<factors>-energy``."""
+    return {
+        f"curvature-{factors}" + ("" if split == "fixed" else f"-{split}"): ("factorized", k_in, k_out)
+        for split in SPLITS
+        for factors in CURVATURE
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--subsets", type=int, default=100)
@@ -443,7 +462,7 @@ def main() -> None:
                 "exact": (None, 0, 0),
                 "factorized": ("factorized", 32, 10),
                 "dense": ("dense", 32, 10),
-                **{f"curvature-{f}": ("factorized", 32, 10) for f in CURVATURE},
+                **curvature_variants(32, 10),
             },
         ),
         "mlp": (
@@ -452,7 +471,7 @@ def main() -> None:
                 "exact": (None, 0, 0),
                 "factorized": ("factorized", 16, 16),
                 "dense": ("dense", 16, 16),
-                **{f"curvature-{f}": ("factorized", 16, 16) for f in CURVATURE},
+                **curvature_variants(16, 16),
             },
         ),
     }
@@ -463,9 +482,9 @@ def main() -> None:
             if args.variants:
                 variants = {v: spec for v, spec in variants.items() if v in args.variants.split(",")}
             rows += evaluate_model(config, data, variants, args.subsets, args.seed, Path(workdir))
-    print(f"{'model':<7} {'method':<28} {'LDS':>6} {'s.e.':>6}  {'reference':<28} note")
+    print(f"{'model':<7} {'method':<34} {'LDS':>6} {'s.e.':>6}  {'reference':<28} note")
     for model, method, value, stderr, note in rows:
-        print(f"{model:<7} {method:<28} {value:>6.3f} {stderr:>6.3f}  {REFERENCE.get((model, method), '-'):<28} {note}")
+        print(f"{model:<7} {method:<34} {value:>6.3f} {stderr:>6.3f}  {REFERENCE.get((model, method), '-'):<28} {note}")
     print(f"runtime {time.perf_counter() - began:.0f}s, {args.subsets} subsets, {args.threads} thread(s)")
     # Each model's figure: among a family of variants, the one whose damping-tuned Fisher influence has the
     # best *validation* LDS (chosen like the damping, never on test). Random projections first (for reference),

@@ -58,10 +58,16 @@ def run_basis(store: StoreCore, run: str) -> ProjectionBasis | None:
 
 
 def basis_from_run(
-    store: StoreCore, run: str, checkpoint: str, k_in: int = 16, k_out: int = 16, layer_sizes: LayerSizes | None = None
+    store: StoreCore,
+    run: str,
+    checkpoint: str,
+    k_in: int = 16,
+    k_out: int = 16,
+    layer_sizes: LayerSizes | None = None,
+    split: str = "fixed",
 ) -> ProjectionBasis:
     """The curvature-aware basis from a run's ``curvature=True`` statistics at ``checkpoint``
-    (:func:`ingest.basis.basis_from_curvature` with that run's spec and basis)."""
+    (:func:`ingest.basis.basis_from_curvature` with that run's spec and basis; ``split`` as there)."""
     return basis_from_curvature(
         store.load_curvature(run, checkpoint),
         store.run_spec(run),
@@ -69,4 +75,5 @@ def basis_from_run(
         k_out,
         layer_sizes,
         previous=run_basis(store, run),
+        split=split,
     )

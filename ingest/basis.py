@@ -31,18 +31,42 @@ from ingest.projection import LayerSizes, ProjectionBasis, ProjectionSpec, proje
 Covariances = Mapping[str, tuple[np.ndarray, np.ndarray]]
 
 
-def leading_rows(cov: np.ndarray, k: int) -> np.ndarray:
-    """The top-``k`` eigenvectors of a symmetric ``cov [d, d]`` as rows ``[k, d]`` (float64), largest
-    eigenvalue first; a 1-D ``cov`` is a diagonal, whose eigenvectors are the unit vectors of its largest
-    entries."""
+def eigenbasis(cov: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eigenvalues (clipped at zero, largest first) and eigenvectors as rows ``[d, d]`` (float64) of a
+    symmetric ``cov [d, d]``; a 1-D ``cov`` is a diagonal, whose eigenvectors are unit vectors (ties keep
+    index order)."""
     cov = np.asarray(cov, dtype=np.float64)
     if cov.ndim == 1:
-        order = np.argsort(-cov, kind="stable")[:k]
+        order = np.argsort(-cov, kind="stable")
         rows = np.zeros((len(order), cov.shape[0]))
         rows[np.arange(len(order)), order] = 1.0
-        return rows
-    _, vectors = np.linalg.eigh((cov + cov.T) / 2)
-    return vectors[:, ::-1][:, :k].T.copy()
+        return np.clip(cov[order], 0.0, None), rows
+    values, vectors = np.linalg.eigh((cov + cov.T) / 2)
+    return np.clip(values[::-1], 0.0, None), vectors[:, ::-1].T.copy()
+
+
+def leading_rows(cov: np.ndarray, k: int) -> np.ndarray:
+    """The top-``k`` eigenvectors of a symmetric ``cov [d, d]`` (or a diagonal ``[d]``) as rows ``[k, d]``
+    (float64), largest eigenvalue first."""
+    return eigenbasis(cov)[1][:k]
+
+
+def energy_split(a_values: np.ndarray, s_values: np.ndarray, k_in: int, k_out: int) -> tuple[int, int]:
+    """The ``(k_in', k_out')`` with ``k_in' * k_out' == k_in * k_out`` (each within its side's width) whose
+    leading eigenvalues keep most of the Kronecker model's energy, ``sum(a[:k_in']) * sum(s[:k_out'])``.
+
+    Same bytes per example as ``(k_in, k_out)``, which is kept unless another split keeps strictly more (by a
+    relative 1e-9). ``a_values``/``s_values``: each side's eigenvalues, largest first."""
+    budget = k_in * k_out
+    kept_in, kept_out = np.cumsum(a_values), np.cumsum(s_values)
+    best, best_energy = (k_in, k_out), kept_in[k_in - 1] * kept_out[k_out - 1]
+    for size_in in range(1, len(a_values) + 1):
+        size_out, rest = divmod(budget, size_in)
+        if rest == 0 and size_out <= len(s_values):
+            energy = kept_in[size_in - 1] * kept_out[size_out - 1]
+            if energy > best_energy * (1 + 1e-9):
+                best, best_energy = (size_in, size_out), energy
+    return best
 
 
 def random_tail(top: np.ndarray, tail: int, seed: int, layer: str, side: str) -> np.ndarray:
@@ -65,6 +89,9 @@ def side_rows(cov: np.ndarray, k: int, tail: int, seed: int, layer: str, side: s
     return np.concatenate([top, random_tail(top, tail, seed, layer, side)]) if tail else top
 
 
+SPLITS = ("fixed", "energy")
+
+
 def basis_from_covariances(
     covariances: Covariances,
     k_in: int = 16,
@@ -72,12 +99,21 @@ def basis_from_covariances(
     layer_sizes: LayerSizes | None = None,
     tail: int = 0,
     seed: int = 0,
+    split: str = "fixed",
 ) -> ProjectionBasis:
     """The eigenbasis of per-layer ``(A, S)`` (``A`` may be a vector: a diagonal), sizes as in a capture
-    (:func:`ingest.projection.slot_sizes`, capped at the layer's width)."""
+    (:func:`ingest.projection.slot_sizes`, capped at the layer's width).
+
+    ``split="energy"`` re-divides each layer's ``k_in * k_out`` dims between the two sides by
+    :func:`energy_split` (same bytes per layer and in total); ``"fixed"`` keeps the requested sizes."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     matrices = {}
     for name, (a_cov, s_cov) in covariances.items():
         layer_k_in, layer_k_out = slot_sizes(name, k_in, k_out, layer_sizes)
+        layer_k_in, layer_k_out = min(layer_k_in, a_cov.shape[0]), min(layer_k_out, s_cov.shape[0])
+        if split == "energy":
+            layer_k_in, layer_k_out = energy_split(eigenbasis(a_cov)[0], eigenbasis(s_cov)[0], layer_k_in, layer_k_out)
         matrices[name] = (
             side_rows(a_cov, layer_k_in, tail, seed, name, "in"),
             side_rows(s_cov, layer_k_out, tail, seed, name, "out"),
@@ -92,19 +128,27 @@ def basis_from_curvature(
     k_out: int = 16,
     layer_sizes: LayerSizes | None = None,
     previous: ProjectionBasis | None = None,
+    split: str = "fixed",
 ) -> ProjectionBasis:
     """The eigenbasis from a previous capture's ``curvature=True`` statistics (``store.load_curvature``).
 
     ``spec`` is that capture's projection spec. Statistics of exact slots are the full ``A``/``S``; those of
     a factorized slot live in its projected coordinates (``P A P^T``), so their eigenvectors ``v`` are lifted
     to the layer's coordinates as ``v^T P`` (within the span of that capture's matrices: ``previous`` when
-    it used a basis, else its seeded random ones).
+    it used a basis, else its seeded random ones). ``split="energy"``: per-layer sizes re-divided as in
+    :func:`basis_from_covariances` (within that capture's dims).
     """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     matrices = {}
     for name, (a_cov, s_cov, _) in stats.items():
         slot = spec.slot(name)
         layer_k_in, layer_k_out = slot_sizes(name, k_in, k_out, layer_sizes)
-        rows = [leading_rows(a_cov, min(layer_k_in, slot.d_in_eff)), leading_rows(s_cov, min(layer_k_out, slot.d_out))]
+        (a_values, a_rows), (s_values, s_rows) = eigenbasis(a_cov), eigenbasis(s_cov)
+        layer_k_in, layer_k_out = min(layer_k_in, len(a_values)), min(layer_k_out, len(s_values))
+        if split == "energy":
+            layer_k_in, layer_k_out = energy_split(a_values, s_values, layer_k_in, layer_k_out)
+        rows = [a_rows[:layer_k_in], s_rows[:layer_k_out]]
         if slot.mode == "factorized":
             if previous is not None:
                 lifts = [p.astype(np.float64) for p in previous.matrices[name]]
@@ -228,6 +272,7 @@ def estimate_basis(
     config: ProjectionConfig | None = None,
     tail: int = 0,
     factors: str = "kfac",
+    split: str = "fixed",
 ) -> ProjectionBasis:
     """A short pre-pass estimating each captured layer's K-FAC eigenbasis.
 
@@ -244,15 +289,23 @@ def estimate_basis(
     ``seed`` (for a random ``tail``) come from ``config`` (default :class:`ProjectionConfig`), so the basis fits
     a capture with the same config. Using the model's loss with the true labels gives the empirical-Fisher
     ``S``; sampling labels from the model's predictions in ``loss_fn`` gives the true Fisher's.
+
+    ``split="energy"`` lets each layer trade input-side for output-side dims at the same ``k_in * k_out``
+    (:func:`energy_split`): e.g. the output gradients of a layer under a ``C``-way classifier head span about
+    ``C - 1`` directions, so dims beyond those are better spent on the input side.
     """
     if factors not in FACTORS:
         raise ValueError(f"factors must be one of {FACTORS}, got {factors!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     config = config or ProjectionConfig()
     layers = select_layers(model, tuple(config.layer_types), config.include, config.exclude)
     if not layers:
         raise ValueError("estimate_basis: no supported layer matches the layer selection")
     covariances = _moments(model, layers, batches, loss_fn, _CovarianceHooks(layers, factors))
-    return basis_from_covariances(covariances, config.k_in, config.k_out, config.layer_sizes, tail, config.seed)
+    return basis_from_covariances(
+        covariances, config.k_in, config.k_out, config.layer_sizes, tail, config.seed, split=split
+    )
 
 
 def _moments(

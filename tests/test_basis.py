@@ -15,7 +15,7 @@ from torch.func import functional_call, grad, vmap
 
 import gradstore
 from gradstore.basis import basis_from_run, basis_key, run_basis
-from ingest.basis import basis_from_curvature, estimate_basis, side_rows
+from ingest.basis import basis_from_curvature, energy_split, estimate_basis, side_rows
 from ingest.capture import CaptureConfig, GradientCapture, ProjectionConfig
 from ingest.projection import ProjectionBasis, ProjectionMismatchError, ProjectionSpec, projection_matrix
 
@@ -155,6 +155,14 @@ def test_basis_from_curvature_statistics():
     for name in ("0", "2"):
         for p, q in zip(from_stats.matrices[name], prepass.matrices[name]):
             np.testing.assert_allclose(p.T @ p, q.T @ q, atol=1e-4)
+    # the energy split from the statistics is the pre-pass's (sizes and subspaces)
+    from_stats = basis_from_curvature(cap.curvature(), cap.spec, k_in=2, k_out=3, split="energy")
+    config = ProjectionConfig(k_in=2, k_out=3)
+    prepass = estimate_basis(model, batches(x, y), sum_loss, config, split="energy")
+    assert from_stats.sizes("2") == prepass.sizes("2") != (2, 3)  # rank-2 output side of the 3-way head
+    for name in ("0", "2"):
+        for p, q in zip(from_stats.matrices[name], prepass.matrices[name]):
+            np.testing.assert_allclose(p.T @ p, q.T @ q, atol=1e-4)
     # factorized statistics live in projected coordinates: lifted rows R = V^T P diagonalise A exactly
     cfg = CaptureConfig.from_options(
         projection="factorized", k_in=5, k_out=3, curvature=True, loss_reduction="sum", seed=2
@@ -288,6 +296,38 @@ def test_gradient_and_unit_factors():
         assert_diagonalises(unit.matrices[name][1], np.einsum("boi,bpi->op", g, g))
     with pytest.raises(ValueError, match="factors"):
         estimate_basis(model, batches(x, y), sum_loss, config, factors="hessian")
+
+
+def test_energy_split_keeps_the_bytes_and_moves_dims_past_a_spectral_cliff():
+    flat = np.ones(8)
+    assert energy_split(flat, np.ones(8), 4, 4) == (4, 4)  # all splits keep 16 of 64: the requested one stays
+    assert energy_split(flat, np.array([1.0, 1.0, 0.0, 0.0]), 2, 4) == (4, 2)  # rank-2 output side
+    assert energy_split(np.array([4.0, 3, 2, 1]), np.array([5.0, 4, 0]), 2, 2) == (2, 2)
+    assert energy_split(np.array([4.0, 3, 2, 1]), np.array([9.0, 1, 0]), 2, 2) == (4, 1)  # 10 * 9 > 7 * 10
+
+
+def test_energy_split_basis_maximises_the_kept_kronecker_energy():
+    """factors="gradient", split="energy": per layer, among the splits with k_in * k_out equal to the
+    requested one, the kept energy sum(top k_in eig E[G^T G]) * sum(top k_out eig E[G G^T]) is the largest
+    (brute force from torch.func per-sample gradients), and the rows are those partial traces' eigenvectors."""
+    model = mlp()
+    x, y = data()
+    config = ProjectionConfig(k_in=2, k_out=3)
+    basis = estimate_basis(model, batches(x, y), sum_loss, config, factors="gradient", split="energy")
+    fixed = estimate_basis(model, batches(x, y), sum_loss, config, factors="gradient")
+    assert {name: fixed.sizes(name) for name in fixed.matrices} == {"0": (2, 3), "2": (2, 3)}
+    for name, g in hand_gradients(model, x, y).items():
+        a_cov, s_cov = np.einsum("boi,boj->ij", g, g), np.einsum("boi,bpi->op", g, g)
+        a, s = (np.cumsum(np.sort(np.linalg.eigvalsh(c))[::-1]) for c in (a_cov, s_cov))
+        splits = [(i, 6 // i) for i in range(1, len(a) + 1) if 6 % i == 0 and 6 // i <= len(s)]
+        best = max(a[i - 1] * s[o - 1] for i, o in splits)
+        k_in, k_out = basis.sizes(name)
+        assert k_in * k_out == 6 and a[k_in - 1] * s[k_out - 1] == pytest.approx(best, rel=1e-6)
+        assert_diagonalises(basis.matrices[name][0], a_cov)
+        assert_diagonalises(basis.matrices[name][1], s_cov)
+    assert basis.sizes("2")[1] < 3  # the 3-way head's output gradients have rank 2: dims move to the input
+    with pytest.raises(ValueError, match="split"):
+        estimate_basis(model, batches(x, y), sum_loss, config, split="greedy")
 
 
 def test_several_losses_per_batch_sum_their_second_moments():
