@@ -189,7 +189,7 @@ def test_build_index_and_cli_on_ray(captured, ray_engine, tmp_path):
     index = captured.build_index("run", method="fisher", refit=True, engine=ray_engine)
     assert index.manifest["rows"] == 240
     queries = captured.read_gradients("run", checkpoint="b", split="query").vectors
-    for kind, label in (("Flat", "flat"), ("IVF2,Flat", "ivf")):
+    for kind, label in (("Flat", "flat"), ("IVF2,Flat", "ivf"), ("IVF4,SQ8", "ivf-sq8")):
         local = captured.build_index("run", method="fisher", kind=kind, name=f"local-{label}", refit=True)
         remote = captured.build_index(
             "run", method="fisher", kind=kind, name=f"ray-{label}", refit=True, engine=ray_engine
