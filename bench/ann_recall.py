@@ -66,9 +66,10 @@ class TwoStage:
 
 
 def ivf_kind(rows: int) -> tuple[str, int]:
-    """``IVF<nlist>,SQ8`` with ``nlist`` the power of two nearest ``sqrt(rows)`` (at least 16), and its nprobe
-    (1/32 of the lists, at least 4)."""
-    nlist = max(16, 2 ** round(np.log2(np.sqrt(rows))))
+    """``IVF<nlist>,SQ8`` with ``nlist`` the power of two nearest ``sqrt(rows)`` within [16, 256], and its
+    nprobe (1/32 of the lists, at least 4). 256 lists at most: k-means of more centroids over thousands of
+    dims (trained on ``64 nlist`` rows) takes many minutes on this 2-core machine."""
+    nlist = min(256, max(16, 2 ** round(np.log2(np.sqrt(rows)))))
     return f"IVF{nlist},SQ8", max(4, nlist // 32)
 
 

@@ -194,6 +194,7 @@ def test_build_index_and_cli_on_ray(captured, ray_engine, tmp_path):
         remote = captured.build_index(
             "run", method="fisher", kind=kind, name=f"ray-{label}", refit=True, engine=ray_engine
         )
+        assert len(remote.selection.shards(captured, ray_engine.parallelism)) > 1  # rows added by several tasks
         assert remote.indexed_ids.tolist() == local.indexed_ids.tolist()  # shards merged in dataset order
         for got, want in zip(remote.search(queries, 4), local.search(queries, 4)):
             np.testing.assert_allclose(got, want, rtol=1e-5)
