@@ -54,6 +54,7 @@ class TwoStage:
     seconds: float  # two-stage search, median
     exact_seconds: float  # streaming exact scan, median (alternated with the two-stage search)
     build_seconds: float
+    sweep: tuple[tuple[int, float], ...] = ()  # (nprobe, two-stage recall@10) at more lists probed
 
     def line(self, label: str) -> str:
         """One printed line."""
@@ -62,6 +63,7 @@ class TwoStage:
             f"+ exact re-rank of {RERANK * K} candidates: recall@10 {self.recall:.3f} (FAISS alone "
             f"{self.alone:.3f}); {self.seconds:.2f} s vs exact scan {self.exact_seconds:.2f} s: "
             f"{self.seconds / self.exact_seconds:.2f}; index build {self.build_seconds:.1f} s"
+            + "".join(f"\n  two-stage recall@10 at nprobe {nprobe}: {recall:.3f}" for nprobe, recall in self.sweep)
         )
 
 
@@ -81,10 +83,12 @@ def two_stage(
     rounds: int = 3,
     engine=None,
     kind: tuple[str, int] | None = None,
+    sweep: bool = False,
 ) -> TwoStage:
     """Build the fisher two-stage index over ``run``/``checkpoint``'s training rows afresh (adding rows on
     ``engine``; ``kind``: factory and nprobe, default :func:`ivf_kind`) and time its search against a streaming
-    exact top-k scan, alternated for ``rounds`` rounds."""
+    exact top-k scan, alternated for ``rounds`` rounds; with ``sweep``, also the recall probing 4x and 16x
+    the lists, and all of them."""
     rows = store.count(where=f"run_id = '{run}' AND checkpoint = '{checkpoint}' AND split = 'train'")
     factory, nprobe = kind or ivf_kind(rows)
     name = f"bench-two-stage-{factory.replace(',', '-')}"
@@ -103,6 +107,12 @@ def two_stage(
         start = time.perf_counter()
         _, ann_ids = ann.search(queries, K, rerank=RERANK)
         ann_times.append(time.perf_counter() - start)
+    probes = sorted({min(n, ann.faiss_index.nlist) for n in (4 * nprobe, 16 * nprobe, ann.faiss_index.nlist)})
+    recalls = []
+    for more in probes if sweep else ():
+        ann.faiss_index.nprobe = more
+        recalls.append((more, recall_at_k(ann.search(queries, K, rerank=RERANK)[1], exact_ids)))
+    ann.faiss_index.nprobe = nprobe
     return TwoStage(
         kind=factory,
         nprobe=nprobe,
@@ -113,6 +123,7 @@ def two_stage(
         seconds=statistics.median(ann_times),
         exact_seconds=statistics.median(exact_times),
         build_seconds=build,
+        sweep=tuple(recalls),
     )
 
 
@@ -138,7 +149,7 @@ def captured_store(places: int, epochs: int) -> tuple[gradstore.GradStore, str, 
 def real_gradients(places: int = 64, epochs: int = 16, rounds: int = 3, engine=None) -> TwoStage:
     """The two-stage figures on the demo model's captured gradients."""
     store, checkpoint, queries = captured_store(places, epochs)
-    return two_stage(store, RUN, checkpoint, queries, rounds, engine)
+    return two_stage(store, RUN, checkpoint, queries, rounds, engine, sweep=True)
 
 
 def main() -> None:
