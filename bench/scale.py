@@ -11,11 +11,13 @@ Arms (fisher method, 64 queries, top-10; per-layer Fisher blocks fitted once, on
 * scoring rows/s, in-process (one streaming scan, torch on 2 threads) and on Ray with 2 workers (one CPU
   each, 2 tasks per CPU), alternated for ``--rounds`` rounds after a warm-up; the ratio of medians
   ``ray seconds / in-process seconds`` is the engine's overhead (target <= 1.3);
-* the same scan over the first 25%, 50% and 100% of the fragments, both engines (cost linear in N);
-* two-stage search: a FAISS ``IVF256,SQ8`` index over the prepared rows (trained on a sample here, rows
-  added per shard on Ray and merged), searched with nprobe 8, its ``10 k`` candidates re-scored exactly
-  from the store: recall@10 against the exact scan, and time against the in-process exact scan (alternated;
-  on these synthetic clustered rows, not real gradients);
+* the same scan over the first 25% and 50% of the fragments, both engines (cost linear in N; 100% is the
+  arm above);
+* two-stage search (``bench/ann_recall.py``): a FAISS ``IVF<nlist>,SQ8`` index over the prepared rows (trained
+  here on a sample read by ``take``, rows added per shard on Ray and merged), its ``10 k`` candidates re-scored
+  exactly from the store (read back by ``take``): recall@10 against the exact scan, and time against the
+  in-process exact scan (alternated), on these synthetic rows and (``--no-real`` skips it) on the demo
+  model's captured gradients (its own cached store);
 * peak RSS of one scoring worker (a fresh process running one scan task over all rows or half of them)
   at two block sizes: it depends on the block size and Lance's read-ahead, not on N (Lance batches stop at
   fragment ends, so blocks are at most one fragment: 8,192 rows here).
@@ -39,16 +41,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ann_recall import ivf_kind, real_gradients, two_stage
 
 import gradstore
 from gradstore.engine import Engine, LocalEngine, RayEngine
 from gradstore.scans import top_k
 from gradstore.shards import Shard, fragment_shards
-from indexers import recall_at_k
 from ingest import LayerSlot, ProjectionSpec
 
 DIM, LAYERS, K, QUERIES, RUN = 4096, 16, 10, 64, "scale"
-ANN_KIND, NPROBE, RERANK = "IVF256,SQ8", 8, 10
 WRITE_ROWS = 8192
 
 
@@ -154,6 +155,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=100_000, help="stored rows (the issue's full size: 1000000)")
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds per arm")
+    parser.add_argument(
+        "--no-local-fit", dest="local_fit", action="store_false", help="fit on Ray only (the in-process fit untimed)"
+    )
+    parser.add_argument("--no-real", dest="real", action="store_false", help="skip the real-gradient ANN arm")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:
@@ -171,7 +176,7 @@ def main() -> None:
     ray_engine = RayEngine()
     try:
         ray_engine.map(_nothing, [None] * ray_engine.parallelism, None)  # start the workers (import gradstore)
-        for name, engine in (("in-process", LocalEngine()), ("ray", ray_engine)):
+        for name, engine in (("in-process", LocalEngine()), ("ray", ray_engine))[0 if args.local_fit else 1 :]:
             start = time.perf_counter()
             index = store.build_index(RUN, method="fisher", refit=True, engine=engine)
             log(f"fisher fit (16 layer blocks) {name}: {time.perf_counter() - start:.1f} s")
@@ -187,35 +192,23 @@ def main() -> None:
         print(f"  in-process      {local_s:7.2f} s  {rows / local_s:12,.0f} rows/s")
         print(f"  ray, 2 workers  {ray_s:7.2f} s  {rows / ray_s:12,.0f} rows/s   same ids: {same}")
 
-        print("cost against N (first fractions of the fragments; seconds, median of 3):")
+        print(f"cost against N (first fractions of the fragments; seconds, median of {min(3, args.rounds)}):")
         print(f"  {'rows':>10s} {'in-process':>11s} {'ray':>8s} {'s per 100k (in-process)':>25s}")
         fragments = local_shards[0].fragments
-        for fraction in (0.25, 0.5, 1.0):
+        for fraction in (0.25, 0.5):
             part = fragments[: max(1, round(len(fragments) * fraction))]
             subset = [replace(local_shards[0], fragments=part)]
             count = sum(store.table("gradients").to_lance().get_fragment(i).count_rows() for i in part)
             ray_subset = [replace(s, fragments=tuple(i for i in s.fragments if i in part)) for s in ray_shards]
-            local_f, ray_f, _ = paired(subset, [s for s in ray_subset if s.fragments], ray_engine, space, prepared, 3)
+            ray_subset = [s for s in ray_subset if s.fragments]
+            local_f, ray_f, _ = paired(subset, ray_subset, ray_engine, space, prepared, min(3, args.rounds))
             print(f"  {count:>10,d} {local_f:>10.2f}s {ray_f:>7.2f}s {local_f / count * 1e5:>24.2f}s")
+        print(f"  {rows:>10,d} {local_s:>10.2f}s {ray_s:>7.2f}s {local_s / rows * 1e5:>24.2f}s   (the arm above)")
 
-        start = time.perf_counter()
-        ann = store.build_index(RUN, method="fisher", kind=ANN_KIND, refit=True, engine=ray_engine)
-        log(f"{ANN_KIND} build (train here, add on Ray): {time.perf_counter() - start:.1f} s")
-        ann.faiss_index.nprobe = NPROBE
-        exact_times, ann_times = [], []
-        for _ in range(3):  # alternated with the in-process exact scan
-            elapsed, exact_ids = scan(LocalEngine(), local_shards, space, prepared)
-            exact_times.append(elapsed)
-            start = time.perf_counter()
-            _, ann_ids = ann.search(queries, K, rerank=RERANK)
-            ann_times.append(time.perf_counter() - start)
-        ann_s, exact_s = statistics.median(ann_times), statistics.median(exact_times)
-        alone = recall_at_k(ann.search(queries, K)[1], exact_ids)
-        print(
-            f"two-stage {ANN_KIND} (nprobe {NPROBE}) + exact re-rank of {RERANK * K} candidates: recall@10 "
-            f"{recall_at_k(ann_ids, exact_ids):.3f} (FAISS alone {alone:.3f}), {ann_s:.2f} s vs exact scan "
-            f"{exact_s:.2f} s: {ann_s / exact_s:.2f} (target <= 0.2)"
-        )
+        ann = two_stage(store, RUN, "final", queries, min(3, args.rounds), ray_engine, ivf_kind(rows))
+        print(ann.line("these synthetic clustered rows") + " (rows added on Ray)")
+        if args.real:
+            print(real_gradients(rounds=min(3, args.rounds)).line("the demo model's captured gradients"))
     finally:
         ray.shutdown()
 

@@ -75,9 +75,14 @@ class Selection:
 
     def state(self, store: StoreCore) -> tuple[int, int]:
         """``(rows, largest grad_id)`` of the selection now: a fit of other rows is stale."""
+        ids = self.grad_ids(store)
+        return len(ids), (int(np.max(ids)) if len(ids) else -1)
+
+    def grad_ids(self, store: StoreCore) -> np.ndarray:
+        """The ``grad_id``s of the selected rows (one pass over the id column)."""
         with store.reading(store.gradient_table_name(self.run)):
-            ids = store.gradient_table(self.run).to_lance().to_table(columns=["grad_id"], filter=self.filter).column(0)
-        return len(ids), (int(np.max(ids.to_numpy())) if len(ids) else -1)
+            table = store.gradient_table(self.run).to_lance().to_table(columns=["grad_id"], filter=self.filter)
+        return table.column(0).to_numpy()
 
     def count(self, store: StoreCore) -> int:
         """Rows currently selected."""

@@ -36,6 +36,7 @@ from gradstore.engine import Engine, LocalEngine
 from gradstore.errors import IndexMismatchError, InvalidArgumentError, StoreCorruptError, UnknownIndexError
 from gradstore.fitting import FitCache, FitSpec, Selection, fit_spec
 from gradstore.methods import DEFAULT_DAMPING, BlockStructure, Method, resolve_method
+from gradstore.rerank import RowLocator
 from gradstore.rerank import rerank as exact_rerank
 from gradstore.scans import TopK, faiss_parts, top_k
 from gradstore.scoring import ScoringSpace
@@ -83,6 +84,7 @@ class AttributionIndex:
         self._gpu_copy: FaissIndex | None = None
         self._cache: tuple[int, PreparedRows] | None = None  # (version, rows ready for the exact kernel)
         self._passes = 0
+        self._locator = RowLocator()  # grad_id -> stored row, for re-ranking FAISS candidates
 
     @property
     def name(self) -> str:
@@ -141,7 +143,11 @@ class AttributionIndex:
                 )
             if rerank > 0:
                 _, candidates = self._searchable().search(prepared.numpy(), rerank * k)
-                return {True: exact_rerank(self.store, self.selection.run, self.space, prepared, candidates, k)}
+                return {
+                    True: exact_rerank(
+                        self.store, self.selection.run, self.space, prepared, candidates, k, self._locator
+                    )
+                }
             return {True: self._searchable().search(prepared.numpy(), k)}
         engine = engine or LocalEngine()
         if isinstance(engine, LocalEngine):  # stream the stored rows with read-ahead, or search the cache
@@ -279,9 +285,9 @@ def build_index(
     }
     index = AttributionIndex(store, manifest, ScoringSpace(resolved, preconditioner))
     if kind != "exact":
-        source = selection.blocks(store)
-        _build_faiss(index, kind, source, engine or LocalEngine())
-        index.manifest["recall_at_10"] = _measure_recall(index, source, recall_queries)
+        engine = engine or LocalEngine()
+        _build_faiss(index, kind, selection.blocks(store), engine)
+        index.manifest["recall_at_10"] = _measure_recall(index, engine, recall_queries)
         log.info("index %s: FAISS %s recall@10 vs exact = %.3f", name, kind, index.manifest["recall_at_10"])
     index.save()
     return index
@@ -298,17 +304,18 @@ def _same_build(manifest: dict[str, Any], spec: FitSpec, method: Method, damping
 
 
 def _build_faiss(index: AttributionIndex, kind: str, source: VectorBlocks, engine: Engine) -> None:
-    """Train on a sample of the prepared rows here, then add the rows: here, or per shard on ``engine``
-    (each task fills a copy of the trained index; the copies are merged in shard order)."""
+    """Train on a sample of the prepared rows here (only the sampled rows are read), then add the rows: here,
+    or per shard on ``engine`` (each task fills a copy of the trained index; the copies are merged in shard
+    order)."""
     try:
         faiss_index = FaissIndex(kind, index.manifest["dim"], metric="ip")
     except ValueError as error:
         raise InvalidArgumentError(f"index kind {kind!r}: {error}") from error
-    prepared = _numpy_source(index.space, source)
-    faiss_index.train(prepared)
+    sample = _sample(index, faiss_index.training_rows, seed=0)
+    faiss_index.train(lambda: iter([sample]), sample_size=len(sample[0]))
     added = [np.empty(0, np.int64)]
     if isinstance(engine, LocalEngine):
-        for ids, vectors in prepared():
+        for ids, vectors in _numpy_source(index.space, source)():
             faiss_index.add(ids, vectors)
             added.append(ids)
     else:
@@ -329,14 +336,25 @@ def _numpy_source(space: ScoringSpace, source: VectorBlocks) -> VectorBlocks:
     return lambda: ((ids, rows.numpy()) for ids, rows in prepared())
 
 
-def _measure_recall(index: AttributionIndex, source: VectorBlocks, n_queries: int) -> float:
-    """Recall@10 of the FAISS index against exact search, with stored rows as queries."""
-    from indexers import recall_at_k
-    from indexers.faiss_index import sample_rows
+def _sample(index: AttributionIndex, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A uniform random sample of the selected rows, in the searched space: ``(grad_ids, float32 rows)``.
 
-    prepared = index.space.queries(torch.from_numpy(sample_rows(source, n_queries, seed=1)))
+    One pass over the ``grad_id`` column, then only the sampled rows are read (Lance ``take``)."""
+    ids = index.selection.grad_ids(index.store)
+    chosen = np.sort(np.random.default_rng(seed).choice(ids, size=min(size, len(ids)), replace=False))
+    found, stored = index._locator.read(index.store, index.selection.run, chosen)
+    return chosen[found], index.space.rows(torch.from_numpy(stored)).numpy()
+
+
+def _measure_recall(index: AttributionIndex, engine: Engine, n_queries: int) -> float:
+    """Recall@10 of the FAISS index against exact search (on ``engine``), with stored rows as queries."""
+    from indexers import recall_at_k
+
+    _, rows = _sample(index, n_queries, seed=1)
+    prepared = index.space.queries(torch.from_numpy(rows))
     _, approx = index.faiss_index.search(prepared.numpy(), 10)
-    _, exact = ExactIndex().search(prepared, prepared_source(index.space, source), 10)
+    shards = index.selection.shards(index.store, engine.parallelism)
+    _, exact = top_k(engine, shards, index.space, prepared, 10)[True]
     return recall_at_k(approx, exact)
 
 

@@ -147,9 +147,12 @@ class FaissIndex:
         ``sample_size`` defaults to ``max(10_000, 64 * nlist)`` rows."""
         if self._index.is_trained:
             return
-        if sample_size is None:
-            sample_size = max(10_000, 64 * (self.nlist or 0))
-        self._index.train(sample_rows(source, sample_size, seed))
+        self._index.train(sample_rows(source, sample_size or self.training_rows, seed))
+
+    @property
+    def training_rows(self) -> int:
+        """The default training sample: ``max(10_000, 64 * nlist)`` rows."""
+        return max(10_000, 64 * (self.nlist or 0))
 
     def add(self, ids: np.ndarray, vectors: ArrayLike) -> None:
         """Append ``vectors [n, dim]`` under ``ids [n]`` (incremental: rows appended since the build)."""

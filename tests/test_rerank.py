@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import gradstore
+from gradstore.rerank import RowLocator
 from indexers import recall_at_k
 from ingest import LayerSlot, ProjectionSpec
 
@@ -14,10 +16,9 @@ pytest.importorskip("faiss")
 DIM = 32
 
 
-@pytest.fixture(scope="module")
-def clustered(tmp_path_factory):
+def _clustered_store(path) -> tuple[gradstore.GradStore, np.ndarray]:
     """1,200 float32 rows around 12 cluster centres, and 16 query rows near them."""
-    store = gradstore.open(tmp_path_factory.mktemp("rerank") / "store", storage_dtype="float32")
+    store = gradstore.open(path, storage_dtype="float32")
     layers = tuple(LayerSlot(f"l{i}", "linear", 8, 8, 4, 4, "factorized", 16 * i, 16, False) for i in range(2))
     store.ensure_run("run", ProjectionSpec(seed=0, kind="factorized", layers=layers))
     rng = np.random.default_rng(0)
@@ -27,6 +28,11 @@ def clustered(tmp_path_factory):
         writer.append(rows, [f"x{i:04d}" for i in range(1200)], checkpoint="train", split="train")
     queries = (centres[rng.integers(0, 12, 16)] + rng.standard_normal((16, DIM))).astype(np.float32)
     return store, queries
+
+
+@pytest.fixture(scope="module")
+def clustered(tmp_path_factory):
+    return _clustered_store(tmp_path_factory.mktemp("rerank") / "store")
 
 
 def test_rerank_of_every_row_equals_exact_search(clustered):
@@ -57,3 +63,61 @@ def test_rerank_scores_are_exact_and_recall_does_not_drop(clustered):
         assert list(values) == sorted(values, reverse=True)
     table = store.attribute(queries, run="run", method="fisher", kind="IVF16,PQ4", rerank=4, k=10, write=False)
     assert table.num_rows == 160
+
+
+def _stored(store) -> dict[int, np.ndarray]:
+    block = store.read_gradients("run")
+    return dict(zip(block.grad_ids.tolist(), block.vectors))
+
+
+def test_row_locator_reads_the_asked_rows_after_appends_deletions_and_compaction(tmp_path):
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    store.create_run("run", dim=4)
+    rng = np.random.default_rng(1)
+    locator = RowLocator()
+
+    def append(n: int, prefix: str) -> None:
+        with store.writer("run", commit_rows=16) as writer:
+            writer.append(
+                rng.standard_normal((n, 4)).astype(np.float32), [f"{prefix}{i}" for i in range(n)], checkpoint="c"
+            )
+
+    def check(asked: np.ndarray) -> None:
+        rows = _stored(store)
+        found, got = locator.read(store, "run", asked)
+        assert found.tolist() == [g in rows for g in asked.tolist()]
+        np.testing.assert_array_equal(got, np.stack([rows[g] for g in asked[found].tolist()]))
+
+    append(50, "a")
+    first = np.array(sorted(_stored(store)))
+    check(first[::3])
+    append(40, "b")  # a new writer: a second id prefix, more fragments
+    check(np.array(sorted(_stored(store)))[1::4])
+    store.table("gradients").delete("example_id IN ('a3', 'a4', 'a10', 'b7')")  # offsets after them shift
+    check(first[::2])  # some of them deleted: reported as not found
+    assert len(store.table("gradients").to_lance().get_fragments()) > 1
+    store.compact()  # rows move to new fragments
+    assert len(store.table("gradients").to_lance().get_fragments()) == 1
+    every = np.array(sorted(_stored(store)))
+    check(every[::-1][::5][::-1].copy())
+    found, got = locator.read(store, "run", np.empty(0, np.int64))
+    assert found.shape == (0,) and got.shape == (0, 4)
+
+
+def test_rerank_drops_candidates_deleted_since_the_build(tmp_path):
+    store, queries = _clustered_store(tmp_path / "store")
+    approximate = store.build_index("run", method="fisher", kind="IVF4,SQ8")
+    _, before = approximate.search(queries, 10, rerank=1200)
+    gone = sorted({int(g) for g in before[:, 0]})
+    store.table("gradients").delete(f"grad_id IN ({', '.join(map(str, gone))})")
+    scores, got = approximate.search(queries, 10, rerank=1200)  # every remaining row is a candidate
+    rows = _stored(store)
+    assert not set(gone) & set(rows)
+    ids = np.array(sorted(rows))
+    exact = (
+        approximate.prepare_queries(queries)
+        @ approximate.space.rows(torch.from_numpy(np.stack([rows[g] for g in ids]))).T
+    )
+    want = torch.topk(exact, 10, dim=1)
+    np.testing.assert_array_equal(got, ids[want.indices.numpy()])
+    np.testing.assert_allclose(scores, want.values.numpy(), rtol=1e-5)
