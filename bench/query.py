@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gradstore.vectors import encode_rows
 
 import gradstore
+from gradstore.core.vectors import encode_rows
 from indexers import ExactIndex, FaissIndex, recall_at_k, require_faiss
 from indexers.screening import fast_bfloat16_matmul
 from ingest.projection import LayerSlot, ProjectionSpec

@@ -200,6 +200,24 @@ def test_bfloat16_kernel_ranks_what_a_bf16_gemm_cannot(largest: bool) -> None:
     assert (np.sort(plain_ids, 1) != np.sort(expected_ids, 1)).any()
 
 
+@pytest.mark.parametrize("largest", [True, False])
+def test_bfloat16_kernel_exact_when_one_query_crowds_the_screen_pool(largest: bool) -> None:
+    """One query scores far higher than the others on every row, so the pool of rows best for some query holds
+    only its rows and the other queries' floors start loose: the result must still be the float32 one."""
+    rng = np.random.default_rng(11)
+    vectors = rng.standard_normal((3000, 64)).astype(np.float32)
+    direction = np.eye(64, dtype=np.float32)[0]
+    vectors[:200] += 8 * direction  # the pool (4 * k * 3 rows) is filled by these rows, the best for query 0
+    queries = rng.standard_normal((3, 64)).astype(np.float32)
+    queries[0] = direction
+    ids = rng.permutation(10**6)[:3000].astype(np.int64)
+    index = ExactIndex(device="cpu", kernel="bfloat16", block_rows=1000)
+    scores, found = index.search(queries, index.prepare(ids, vectors), 5, largest)
+    float32 = ExactIndex(device="cpu", kernel="float32", block_rows=1000).search(queries, (ids, vectors), 5, largest)
+    np.testing.assert_array_equal(found, float32[1])
+    np.testing.assert_allclose(scores, float32[0], rtol=1e-6)
+
+
 def test_scores_within_tolerance_of_float32_on_store_rows(kernel: str) -> None:
     """The store's float16 unit rows x norm at W-query's dimension: every score within 1e-3 |q| |g| of the
     float64 one, and every found row's true score within that tolerance of the true k-th best."""
