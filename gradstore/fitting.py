@@ -18,7 +18,7 @@ import json
 import logging
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
@@ -75,14 +75,25 @@ class Selection:
         return fragment_shards(store, self.filter, parts, columns=columns)
 
     def state(self, store: StoreCore) -> tuple[int, int]:
-        """``(rows, largest grad_id)`` of the selection now: a fit of other rows is stale."""
-        with store.reading(S.GRADIENTS):
-            ids = store.table(S.GRADIENTS).to_lance().to_table(columns=["grad_id"], filter=self.filter).column(0)
-        return len(ids), (int(np.max(ids.to_numpy())) if len(ids) else -1)
+        """``(rows, largest grad_id)`` of the selection now: a fit of other rows is stale. Kept per table
+        version in the store's row cache (repeated calls on unchanged rows read nothing)."""
+
+        def read() -> tuple[int, int]:
+            with store.reading(S.GRADIENTS):
+                ids = store.table(S.GRADIENTS).to_lance().to_table(columns=["grad_id"], filter=self.filter).column(0)
+            return len(ids), (int(np.max(ids.to_numpy())) if len(ids) else -1)
+
+        return store.row_cache.memo(self.cache_key(store, "state"), read)
 
     def count(self, store: StoreCore) -> int:
         """Rows currently selected."""
-        return store.count(S.GRADIENTS, self.filter)
+        if not store.has_table(S.GRADIENTS):
+            return 0
+        return self.state(store)[0]
+
+    def cache_key(self, store: StoreCore, what: str) -> tuple:
+        """The store's row cache key of ``what`` about this selection at the gradients table's current version."""
+        return (store.table(S.GRADIENTS).version, astuple(self), (what,))
 
 
 @dataclass(frozen=True)

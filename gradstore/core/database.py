@@ -30,6 +30,7 @@ from gradstore.core import sql as store_sql
 from gradstore.core.curvature import LayerCurvature, load_curvature, save_curvature
 from gradstore.core.filters import StepRange, gradient_filter, sql_literal
 from gradstore.core.macros import macros_for
+from gradstore.core.rowcache import RowCache
 from gradstore.core.sidefiles import SideFiles
 from gradstore.core.tabular import to_arrow_table
 from gradstore.core.vectors import DEFAULT_STORAGE_DTYPE, check_storage_dtype, decode, storage_dtype_of
@@ -101,6 +102,7 @@ class StoreCore:
         self.storage_options = storage_options
         self._tables: dict[str, Any] = {}
         self.files = SideFiles(uri, storage_options)
+        self.row_cache = RowCache()  # rows prepared for search, by gradients version and selection
 
     # ------------------------------------------------------------------ tables
     def has_table(self, name: str) -> bool:
