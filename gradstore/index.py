@@ -171,6 +171,11 @@ class AttributionIndex:
         cache.put(key, prepared, nbytes)
         return prepared
 
+    def cached_rows(self) -> PreparedRows | None:
+        """The rows an exact search of this index finds in the store's row cache now (``None``: the next search
+        reads them)."""
+        return self.store.row_cache.get(self._cache_key())
+
     def _cache_key(self) -> tuple:
         """``(gradients version, selection, what the rows are)``: the stored rows themselves for methods that
         search them as stored (shared by every such index), else this index's method, fit and damping."""

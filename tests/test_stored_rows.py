@@ -50,10 +50,10 @@ def test_streamed_cached_and_uncached_searches_agree(tmp_path, method: str, dtyp
     index = store.build_index("r", checkpoint="c", method=method)
     index.cache_bytes = 0  # over this index's cap: streamed, nothing kept
     streamed = index.search(queries, 7, largest=False)
-    assert store.row_cache.get(index._cache_key()) is None
+    assert index.cached_rows() is None
     index.cache_bytes = None
     filled = index.search(queries, 7, largest=False)  # read once into the store's row cache
-    assert store.row_cache.get(index._cache_key()) is not None
+    assert index.cached_rows() is not None
     cached = index.search(queries, 7, largest=False)
     for other in (filled, cached):
         np.testing.assert_array_equal(other[1], streamed[1])
@@ -74,11 +74,11 @@ def test_row_cache_serves_repeated_calls_and_drops_rows_of_an_older_version(tmp_
     queries = np.random.default_rng(2).standard_normal((3, DIM)).astype(np.float32)
     first = store.attribute(queries, run="r", checkpoint="c", k=4, write=False)
     index = store.build_index("r", checkpoint="c")
-    cached = store.row_cache.get(index._cache_key())
+    cached = index.cached_rows()
     assert cached is not None
     fisher = store.build_index("r", checkpoint="c", method="fisher")
     store.attribute(queries, run="r", checkpoint="c", k=4, method="fisher", write=False)
-    assert fisher._cache_key() == index._cache_key() and store.row_cache.get(index._cache_key()) is cached
+    assert fisher._cache_key() == index._cache_key() and index.cached_rows() is cached
     again = store.attribute(queries, run="r", checkpoint="c", k=4, write=False)
     assert again.column("grad_id").to_pylist() == first.column("grad_id").to_pylist()
     assert again.column("example_id").to_pylist() == first.column("example_id").to_pylist()
@@ -87,10 +87,10 @@ def test_row_cache_serves_repeated_calls_and_drops_rows_of_an_older_version(tmp_
         writer.append(100 * queries.sum(axis=0, keepdims=True), ["new"], checkpoint="c", split="train")
     grown = store.attribute(queries, run="r", checkpoint="c", k=4, write=False)
     assert grown.column("example_id").to_pylist()[::4] == ["new"] * 3
-    assert store.row_cache.get(old_key) is None and store.row_cache.get(index._cache_key()) is not None
+    assert store.row_cache.get(old_key) is None and index.cached_rows() is not None
     store.row_cache.clear()
     store.row_cache.budget_bytes = 1
     streamed = store.attribute(queries, run="r", checkpoint="c", k=4, write=False)
-    assert store.row_cache.get(index._cache_key()) is None
+    assert index.cached_rows() is None
     assert streamed.column("grad_id").to_pylist() == grown.column("grad_id").to_pylist()
     assert streamed.column("example_id").to_pylist() == grown.column("example_id").to_pylist()

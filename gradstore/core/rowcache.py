@@ -10,20 +10,27 @@ its row count).
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-#: Default budget: the float32 size of about 130,000 rows x 4,096 dims (the float16 rows and their bf16 copy
-#: take as much).
-DEFAULT_BUDGET_BYTES = 2 << 30
+
+def default_budget_bytes() -> int:
+    """A quarter of this machine's physical memory, at least 2 GiB (float16 rows and their bf16 copy take
+    4 bytes a value: 2 GiB hold 130,000 rows x 4,096 dims)."""
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        physical = 0
+    return max(2 << 30, physical // 4)
 
 
 class RowCache:
     """Entries ``key -> (value, nbytes)``, least recently used dropped first beyond ``budget_bytes``."""
 
-    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
-        self.budget_bytes = budget_bytes
+    def __init__(self, budget_bytes: int | None = None) -> None:
+        self.budget_bytes = default_budget_bytes() if budget_bytes is None else budget_bytes
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
 
     def get(self, key: Hashable) -> Any | None:
