@@ -19,6 +19,9 @@ ids, ties broken by the smaller id), at close to the cost of the bf16 GEMM when 
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,9 +125,24 @@ def candidate_scores(
     ``floor [q]`` is a lower bound of each query's final k-th best float32 score (``-inf`` when unknown). The
     screen works in units of each query's norm: ``out_ij ~ v_i . q_j / ||q_j||``. Only per-row passes touch the
     whole ``[n, q]`` screen (its row minimum and maximum); the per-query test runs on the rows that pass the
-    per-row one (see :func:`_reaching`)."""
+    per-row one (see :func:`_reaching`). Those passes run on one thread: dozens of small operations, each a
+    barrier for every thread, cost more in waits than they gain on a busy machine."""
     out = block.screen @ queries.screen_t  # [n, q] bf16
-    low, high = (side.to(torch.float32) for side in torch.aminmax(out, dim=1))
+    low, high = torch.aminmax(out, dim=1)
+    with one_thread():
+        return _candidates(block, queries, floor, k, out, low.to(torch.float32), high.to(torch.float32))
+
+
+def _candidates(
+    block: ScreenedBlock,
+    queries: ScreenedQueries,
+    floor: torch.Tensor,
+    k: int,
+    out: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`candidate_scores` after the screen and its row minimum ``low`` and maximum ``high``."""
     bound = torch.maximum(high, low.neg()).mul_(OUT)
     bound.add_(block.norms, alpha=queries.on_norms).add_(block.residuals, alpha=queries.on_residuals)
     best = high  # each row's largest (scaled) screen value over the queries
@@ -142,6 +160,34 @@ def candidate_scores(
     keep = _reaching(out, block.scales, best, bound, unit_floor, first)
     scores = torch.cat([first_scores, _rescored(block, keep, queries.exact_t)])
     return scores.T, block.ids[torch.cat([first, keep])]
+
+
+class _OneThread:
+    """Torch's CPU operations on one thread while some search is inside; the count before the first entry is
+    restored when the last one leaves (safe for nested and concurrent searches)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._restore = 1
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._inside == 0:
+                self._restore = torch.get_num_threads()
+                torch.set_num_threads(1)
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside -= 1
+                if self._inside == 0:
+                    torch.set_num_threads(self._restore)
+
+
+one_thread = _OneThread()
 
 
 def _screen_top_k(out: torch.Tensor, scales: torch.Tensor | None, best: torch.Tensor, k: int) -> torch.Tensor:

@@ -260,3 +260,23 @@ def test_auto_kernel_follows_the_cpu() -> None:
     assert ExactIndex(device="cpu", kernel="float32").kernel == "float32"
     with pytest.raises(ValueError, match="kernel"):
         ExactIndex(device="cpu", kernel="int8")
+
+
+def test_screen_bookkeeping_runs_on_one_thread_and_restores_the_count() -> None:
+    from indexers.screening import one_thread
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_thread():
+            assert torch.get_num_threads() == 1
+            with one_thread():
+                assert torch.get_num_threads() == 1
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        queries, vectors, ids = integer_data(3, 200, 8, 4)
+        index = ExactIndex(device="cpu", kernel="bfloat16", block_rows=64)
+        index.search(queries, index.prepare(ids, vectors), 5)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
