@@ -48,6 +48,34 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
     return kernel
 
 
+class _OneThread:
+    """Torch's CPU operations on one thread while some search is inside; the count before the first entry is
+    restored when the last one leaves (safe for nested and concurrent searches)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._restore = 1
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._inside == 0:
+                self._restore = torch.get_num_threads()
+                torch.set_num_threads(1)
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside -= 1
+                if self._inside == 0:
+                    torch.set_num_threads(self._restore)
+
+
+one_thread = _OneThread()
+
+
 @dataclass
 class ScreenedBlock:
     """Rows ready for the bf16 kernel: the stored rows (exact), their bf16 copy, and the norms of the bound.
@@ -96,6 +124,10 @@ class ScreenedQueries:
     row serves all queries (cheap per-row passes instead of per-pair ones)."""
 
     def __init__(self, queries: torch.Tensor) -> None:
+        with one_thread():  # small float64 operations: thread barriers would cost more than they gain
+            self._prepare(queries)
+
+    def _prepare(self, queries: torch.Tensor) -> None:
         self.exact_t = queries.T.contiguous()
         exact = queries.double()
         norms = torch.linalg.vector_norm(exact, dim=1)
@@ -160,34 +192,6 @@ def _candidates(
     keep = _reaching(out, block.scales, best, bound, unit_floor, first)
     scores = torch.cat([first_scores, _rescored(block, keep, queries.exact_t)])
     return scores.T, block.ids[torch.cat([first, keep])]
-
-
-class _OneThread:
-    """Torch's CPU operations on one thread while some search is inside; the count before the first entry is
-    restored when the last one leaves (safe for nested and concurrent searches)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._inside = 0
-        self._restore = 1
-
-    @contextmanager
-    def __call__(self) -> Iterator[None]:
-        with self._lock:
-            if self._inside == 0:
-                self._restore = torch.get_num_threads()
-                torch.set_num_threads(1)
-            self._inside += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._inside -= 1
-                if self._inside == 0:
-                    torch.set_num_threads(self._restore)
-
-
-one_thread = _OneThread()
 
 
 def _screen_top_k(out: torch.Tensor, scales: torch.Tensor | None, best: torch.Tensor, k: int) -> torch.Tensor:
