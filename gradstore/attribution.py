@@ -88,14 +88,13 @@ def attribute(
     )
     sides = (True, False) if opponents else (True,)
     found = index.search_sides(resolved_queries.vectors, k, sides, engine, rerank)
-    table = pa.concat_tables([_result_table(store, index, resolved_queries.ids, *found[side], side) for side in sides])
+    table = pa.concat_tables([_result_table(index, resolved_queries.ids, *found[side], side) for side in sides])
     if write:
         store.append_results(S.SCORES, table)
     return table
 
 
 def _result_table(
-    store: StoreCore,
     index: AttributionIndex,
     query_ids: list[str],
     scores: np.ndarray,
@@ -104,13 +103,12 @@ def _result_table(
 ) -> pa.Table:
     n_queries, width = scores.shape
     flat_ids = grad_ids.reshape(-1)
-    example_of = store.example_ids_for(flat_ids, index.manifest["run_id"])
     ranks = np.tile(np.arange(1, width + 1, dtype=np.int32), n_queries) * (1 if largest else -1)
     n = len(flat_ids)
     return pa.table(
         {
             "query_id": pa.array(np.repeat(np.asarray(query_ids, dtype=object), width), pa.string()),
-            "example_id": pa.array([example_of[g] for g in flat_ids.tolist()], pa.string()),
+            "example_id": index.example_ids(flat_ids),
             "grad_id": pa.array(flat_ids, pa.int64()),
             "score": pa.array(scores.reshape(-1).astype(np.float64)),
             "rank": pa.array(ranks),

@@ -18,7 +18,7 @@ import json
 import logging
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
@@ -74,9 +74,14 @@ class Selection:
         return fragment_shards(store, self.run, self.filter, parts, columns=columns)
 
     def state(self, store: StoreCore) -> tuple[int, int]:
-        """``(rows, largest grad_id)`` of the selection now: a fit of other rows is stale."""
-        ids = self.grad_ids(store)
-        return len(ids), (int(np.max(ids)) if len(ids) else -1)
+        """``(rows, largest grad_id)`` of the selection now: a fit of other rows is stale. Kept per table
+        version in the store's row cache (repeated calls on unchanged rows read nothing)."""
+
+        def read() -> tuple[int, int]:
+            ids = self.grad_ids(store)
+            return len(ids), (int(np.max(ids)) if len(ids) else -1)
+
+        return store.row_cache.memo(self.cache_key(store, "state"), read)
 
     def grad_ids(self, store: StoreCore) -> np.ndarray:
         """The ``grad_id``s of the selected rows (one pass over the id column)."""
@@ -86,9 +91,13 @@ class Selection:
 
     def count(self, store: StoreCore) -> int:
         """Rows currently selected."""
-        name = store.gradient_table_name(self.run)
-        with store.reading(name):
-            return store.table(name).count_rows(self.filter)
+        if not store.has_table(store.gradient_table_name(self.run)):
+            return 0
+        return self.state(store)[0]
+
+    def cache_key(self, store: StoreCore, what: str) -> tuple:
+        """The store's row cache key of ``what`` about this selection at its gradient table's current version."""
+        return (store.gradient_table(self.run).version, astuple(self), (what,))
 
 
 @dataclass(frozen=True)

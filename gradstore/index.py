@@ -7,9 +7,10 @@ projection fingerprint, method, damping, kind, rows). The preconditioner comes f
 damping costs no pass over the data and no second copy of the fit. Loading an index whose manifest does
 not match the store (another projection, another dimension) raises ``IndexMismatchError``.
 
-Kinds: ``"exact"`` (blocked matmul + running top-k over the stored rows, which are cached in memory when
-they fit ``cache_bytes``), or any FAISS factory string (``"Flat"``, ``"IVF1024,Flat"``, ...); ``"auto"``
-picks by :func:`indexers.choose_index_kind` and reports the recall of an ANN index against exact search.
+Kinds: ``"exact"`` (blocked matmul + running top-k over the stored rows, which the first search reads once
+into the store's in-memory :class:`~gradstore.core.rowcache.RowCache` when they fit its budget), or any FAISS
+factory string (``"Flat"``, ``"IVF1024,Flat"``, ...); ``"auto"`` picks by :func:`indexers.choose_index_kind` and
+reports the recall of an ANN index against exact search.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from gradstore.core import StoreCore
 from gradstore.core.sidefiles import check_component
-from gradstore.core.stored_rows import in_memory, stored_blocks
+from gradstore.core.stored_rows import stored_blocks
 from gradstore.engine import Engine, LocalEngine
 from gradstore.errors import IndexMismatchError, InvalidArgumentError, StoreCorruptError, UnknownIndexError
 from gradstore.fitting import FitCache, FitSpec, Selection, fit_spec
@@ -60,7 +62,7 @@ IDS_FILE = "ids.npy"
 #: The manifest key naming the directory of the index's FAISS files (``faiss`` before it was written).
 FAISS_FILES = "faiss_files"
 FAISS_PREFIX = "faiss"
-DEFAULT_CACHE_BYTES = 2 << 30
+READ_BLOCK_ROWS = 65536  # rows per Lance read: the next read overlaps preparing (or scoring) this one
 
 
 class AttributionIndex:
@@ -73,7 +75,7 @@ class AttributionIndex:
         space: ScoringSpace,
         faiss_index: FaissIndex | None = None,
         indexed_ids: np.ndarray | None = None,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        cache_bytes: int | None = None,
     ) -> None:
         self.store = store
         self.manifest = manifest
@@ -82,8 +84,6 @@ class AttributionIndex:
         self.indexed_ids = np.empty(0, np.int64) if indexed_ids is None else indexed_ids  # grad_ids in FAISS
         self.cache_bytes = cache_bytes
         self._gpu_copy: FaissIndex | None = None
-        self._cache: tuple[int, PreparedRows] | None = None  # (version, rows ready for the exact kernel)
-        self._passes = 0
         self._locator = RowLocator()  # grad_id -> stored row, for re-ranking FAISS candidates
 
     @property
@@ -132,8 +132,8 @@ class AttributionIndex:
     ) -> TopK:
         """Top-k (``True`` in ``sides``) and bottom-k (``False``) in one scan of the rows.
 
-        Exact search reads the rows on ``engine`` (default: this process, from the in-memory copy of the
-        prepared rows when it fits ``cache_bytes``); FAISS search runs here, and with ``rerank=m`` its
+        Exact search reads the rows on ``engine`` (default: this process, from the rows the store's row
+        cache holds, see :meth:`_rows`); FAISS search runs here, and with ``rerank=m`` its
         ``m * k`` best candidates are re-scored exactly from the stored rows (:mod:`gradstore.rerank`)."""
         prepared = self.space.queries(queries)
         if self.faiss_index is not None:
@@ -157,24 +157,69 @@ class AttributionIndex:
         return top_k(engine, shards, self.space, prepared, k, sides)
 
     def _rows(self) -> VectorBlocks | PreparedRows:
-        version = self.store.gradient_table(self.selection.run).version
-        if self._cache is not None and self._cache[0] == version:
-            return self._cache[1]
-        stored = stored_blocks(self.store, *astuple(self.selection))
-        rows = self.selection.count(self.store)
-        self._passes += 1  # the first search streams (one-shot attribute calls); later ones fill the cache
-        if rows * self.manifest["dim"] * 4 > self.cache_bytes or self._passes == 1:
-            if self.method.query_only:  # rows searched as stored: the kernel reads float16 tiles itself
-                return prefetched(stored)
-            return prefetched(prepared_source(self.space, self.selection.blocks(self.store)))
-        if self.method.query_only:  # cached as stored (float16 unit rows + norms) next to their bf16 copy
-            self._cache = (version, ExactIndex().prepare(*in_memory(stored)))
-            return self._cache[1]
-        blocks = list(prepared_source(self.space, self.selection.blocks(self.store))())
-        ids = np.concatenate([b[0] for b in blocks]) if blocks else np.empty(0, np.int64)
-        vectors = torch.cat([b[1] for b in blocks]) if blocks else torch.empty(0, self.manifest["dim"])
-        self._cache = (version, ExactIndex().prepare(ids, vectors))
-        return self._cache[1]
+        """The rows to search: from the store's :class:`~gradstore.core.rowcache.RowCache` (rows prepared by an
+        earlier search of the same rows at the same table version, by any index over them when the method
+        searches the rows as stored), else read now with read-ahead and kept there, or streamed when they
+        exceed the cache's budget (``cache_bytes`` of this index, when set, caps it)."""
+        cache = self.store.row_cache
+        key = self._cache_key()
+        cached = cache.get(key)
+        if cached is not None:
+            return cached
+        kernel = ExactIndex()
+        stored_bytes = 2 if self.method.query_only and self.store.storage_dtype == "float16" else 4
+        per_value = stored_bytes + 2 if kernel.kernel == "bfloat16" else 4  # the rows (+ their bf16 copy)
+        nbytes = self.selection.count(self.store) * self.manifest["dim"] * per_value
+        if self.method.query_only:  # rows searched as stored: the kernel reads float16 tiles itself
+            source = stored_blocks(self.store, *astuple(self.selection), block_rows=READ_BLOCK_ROWS)
+        else:
+            source = prepared_source(self.space, self.selection.blocks(self.store, READ_BLOCK_ROWS))
+        if not cache.admits(nbytes) or (self.cache_bytes is not None and nbytes > self.cache_bytes):
+            return prefetched(source)
+        prepared = kernel.prepare_blocks(prefetched(source))
+        cache.put(key, prepared, nbytes)
+        return prepared
+
+    def cached_rows(self) -> PreparedRows | None:
+        """The rows an exact search of this index finds in the store's row cache now (``None``: the next search
+        reads them)."""
+        return self.store.row_cache.get(self._cache_key())
+
+    def _cache_key(self) -> tuple:
+        """``(gradients version, selection, what the rows are)``: the stored rows themselves for methods that
+        search them as stored (shared by every such index), else this index's method, fit and damping."""
+        what = (
+            ("stored",)
+            if self.method.query_only
+            else (self.method.name, self.manifest.get("fit"), self.manifest.get("damping"))
+        )
+        return (self.store.gradient_table(self.selection.run).version, astuple(self.selection), what)
+
+    def example_ids(self, grad_ids: np.ndarray) -> pa.Array:
+        """The ``example_id`` of each of ``grad_ids`` (rows of this index's selection, any shape), looked up in
+        the selection's ``(grad_id, example_id)`` table, read once per table version into the store's row
+        cache; ids outside it are looked up in the store (``KeyError`` for unknown ones)."""
+        flat = np.asarray(grad_ids, np.int64).reshape(-1)
+        key = self.selection.cache_key(self.store, "example_ids")
+        table = self.store.row_cache.get(key)
+        if table is None:
+            table = self._example_table()
+            self.store.row_cache.put(key, table, table.nbytes)
+        known = table.column("grad_id").to_numpy()
+        positions = np.minimum(np.searchsorted(known, flat), max(len(known) - 1, 0))
+        if len(known) and (known[positions] == flat).all():
+            return table.column("example_id").take(pa.array(positions))
+        example_of = self.store.example_ids_for(flat, self.selection.run)
+        return pa.array([example_of[g] for g in flat.tolist()], pa.string())
+
+    def _example_table(self) -> pa.Table:
+        with self.store.reading(self.store.gradient_table_name(self.selection.run)):
+            table = (
+                self.store.gradient_table(self.selection.run)
+                .to_lance()
+                .to_table(columns=["grad_id", "example_id"], filter=self.selection.filter)
+            )
+        return table.sort_by("grad_id").combine_chunks()
 
     def _searchable(self) -> FaissIndex:
         """The FAISS index to search: a copy on all GPUs when faiss-gpu and a CUDA driver are present."""

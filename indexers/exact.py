@@ -69,6 +69,21 @@ class ExactIndex:
             blocks.append(self._prepared(ids[part], vectors[part], None if scales is None else scales[part]))
         return PreparedRows(self.kernel, blocks, int(vectors.shape[1]) if vectors.ndim == 2 else 0)
 
+    def prepare_blocks(self, source: VectorBlocks) -> PreparedRows:
+        """Every row of ``source`` (blocks with or without scales) made ready as :meth:`prepare` makes in-memory
+        rows. Small blocks are joined up to ``block_rows`` (one copy) before they are prepared, so a source read
+        in small pieces (to overlap reading with preparing) is searched in large blocks, which screen best."""
+        blocks, dim, pending = [], 0, []
+        for block in map(unpack_block, source()):
+            pending.append(block)
+            if sum(len(part[0]) for part in pending) >= self.block_rows:
+                prepared = self.prepare(*_joined(pending))
+                blocks, dim, pending = blocks + prepared.blocks, prepared.dim, []
+        if pending:
+            prepared = self.prepare(*_joined(pending))
+            blocks, dim = blocks + prepared.blocks, prepared.dim
+        return PreparedRows(self.kernel, blocks, dim)
+
     def search(
         self,
         queries: ArrayLike,
@@ -140,6 +155,19 @@ class ExactIndex:
                     continue
                 raw, upcast = _reused(upcast, raw, torch.float32)
                 yield ids_t, (raw if transform is None else transform(raw).to(torch.float32)), scales_t
+
+
+def _joined(parts: list[tuple]) -> tuple[np.ndarray, ArrayLike, np.ndarray | None]:
+    """Blocks ``(ids, vectors, scales or None)`` as one (the block itself when there is one)."""
+    if len(parts) == 1:
+        return parts[0]
+    ids = np.concatenate([part[0] for part in parts])
+    if isinstance(parts[0][1], torch.Tensor):
+        vectors = torch.cat([part[1] for part in parts])
+    else:
+        vectors = np.concatenate([part[1] for part in parts])
+    scales = None if parts[0][2] is None else np.concatenate([part[2] for part in parts])
+    return ids, vectors, scales
 
 
 def _reused(

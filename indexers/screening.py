@@ -10,13 +10,18 @@ result and ``gamma = d 2**-24`` the worst-case float32 accumulation error (count
 the float32 score it is compared with), all times a 1% safety factor. Taking the largest query-side factors
 and the row's largest ``|out|`` gives one bound per row, valid for every query. A row (times its scale ``s``)
 is rescored in float32 when, for some query, its upper bound reaches that query's floor: the k-th best float32
-score known so far (from earlier blocks, and from rescoring the screen's own top-k rows of this block). No row
+score known so far (from earlier blocks, and from rescoring each query's top-k rows of this block on the screen,
+looked for among the rows best for any query). Only per-row passes (the screen's row minimum and maximum) run
+over the whole ``[rows, queries]`` screen; the per-query test runs on the few rows that pass the per-row one. No row
 of the float32 top-k, ties included, can be dropped, so the result equals the float32 kernel's (scores and
 ids, ties broken by the smaller id), at close to the cost of the bf16 GEMM when candidates are few.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +46,34 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
     if kernel == "auto":
         return "bfloat16" if device.type == "cpu" and fast_bfloat16_matmul() else "float32"
     return kernel
+
+
+class _OneThread:
+    """Torch's CPU operations on one thread while some search is inside; the count before the first entry is
+    restored when the last one leaves (safe for nested and concurrent searches)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._restore = 1
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._inside == 0:
+                self._restore = torch.get_num_threads()
+                torch.set_num_threads(1)
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside -= 1
+                if self._inside == 0:
+                    torch.set_num_threads(self._restore)
+
+
+one_thread = _OneThread()
 
 
 @dataclass
@@ -91,6 +124,10 @@ class ScreenedQueries:
     row serves all queries (cheap per-row passes instead of per-pair ones)."""
 
     def __init__(self, queries: torch.Tensor) -> None:
+        with one_thread():  # small float64 operations: thread barriers would cost more than they gain
+            self._prepare(queries)
+
+    def _prepare(self, queries: torch.Tensor) -> None:
         self.exact_t = queries.T.contiguous()
         exact = queries.double()
         norms = torch.linalg.vector_norm(exact, dim=1)
@@ -109,6 +146,7 @@ class ScreenedQueries:
 
 OUT = SAFETY * BF16_ROUNDOFF / (1 - BF16_ROUNDOFF)  # the bf16 result's rounding, relative to |result|
 FLOOR_MARGIN = 2.0**-22  # the float32 division of a floor by a query norm, relative
+POOL = 4  # rows per query and per k searched for the queries' best rows on the screen
 
 
 def candidate_scores(
@@ -117,22 +155,75 @@ def candidate_scores(
     """Float32 scores ``[q, m]`` of the block's rows ``ids [m]`` that can reach some query's top-k.
 
     ``floor [q]`` is a lower bound of each query's final k-th best float32 score (``-inf`` when unknown). The
-    screen works in units of each query's norm: ``out_ij ~ v_i . q_j / ||q_j||``."""
-    out = (block.screen @ queries.screen_t).to(torch.float32)  # [n, q]
+    screen works in units of each query's norm: ``out_ij ~ v_i . q_j / ||q_j||``. Only per-row passes touch the
+    whole ``[n, q]`` screen (its row minimum and maximum); the per-query test runs on the rows that pass the
+    per-row one (see :func:`_reaching`). Those passes run on one thread: dozens of small operations, each a
+    barrier for every thread, cost more in waits than they gain on a busy machine."""
+    out = block.screen @ queries.screen_t  # [n, q] bf16
     low, high = torch.aminmax(out, dim=1)
-    bound = torch.maximum(high, low.neg_()).mul_(OUT)
+    with one_thread():
+        return _candidates(block, queries, floor, k, out, low.to(torch.float32), high.to(torch.float32))
+
+
+def _candidates(
+    block: ScreenedBlock,
+    queries: ScreenedQueries,
+    floor: torch.Tensor,
+    k: int,
+    out: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`candidate_scores` after the screen and its row minimum ``low`` and maximum ``high``."""
+    bound = torch.maximum(high, low.neg()).mul_(OUT)
     bound.add_(block.norms, alpha=queries.on_norms).add_(block.residuals, alpha=queries.on_residuals)
+    best = high  # each row's largest (scaled) screen value over the queries
     if block.scales is not None:
-        out.mul_(block.scales[:, None])
+        best = torch.where(block.scales >= 0, high * block.scales, low * block.scales)
         bound.mul_(block.scales.abs())
-    if len(block) >= k:  # the exact scores of the screen's top-k rows give a tight floor
-        best = out.topk(k, dim=0).indices.flatten().unique()
-        floor = torch.maximum(floor, _rescored(block, best, queries.exact_t).topk(k, dim=0).values[k - 1])
+    first = torch.empty(0, dtype=torch.int64, device=out.device)
+    first_scores = torch.empty(0, queries.exact_t.shape[1], dtype=torch.float32, device=out.device)
+    if len(block) >= k:  # the float32 scores of each query's best rows on the screen give a tight floor
+        first = _screen_top_k(out, block.scales, best, k)
+        first_scores = _rescored(block, first, queries.exact_t)
+        floor = torch.maximum(floor, first_scores.topk(k, dim=0).values[k - 1])
     unit_floor = floor / queries.norms
     unit_floor -= unit_floor.abs() * FLOOR_MARGIN
-    reach = out.sub_(unit_floor).amax(dim=1).add_(bound)  # best upper bound minus floor, over the queries
-    keep = (reach >= 0).nonzero().flatten()
-    return _rescored(block, keep, queries.exact_t).T, block.ids[keep]
+    keep = _reaching(out, block.scales, best, bound, unit_floor, first)
+    scores = torch.cat([first_scores, _rescored(block, keep, queries.exact_t)])
+    return scores.T, block.ids[torch.cat([first, keep])]
+
+
+def _screen_top_k(out: torch.Tensor, scales: torch.Tensor | None, best: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows among each query's ``k`` best on the (scaled) screen, looked for in a pool of the rows whose best
+    value is among the ``POOL * k * q`` largest (the top-k of a query can only miss the pool when others' rows
+    crowd it out; then its floor is merely less tight)."""
+    pool = best.topk(min(len(best), POOL * k * out.shape[1])).indices
+    values = out[pool].to(torch.float32)
+    if scales is not None:
+        values.mul_(scales[pool, None])
+    return pool[values.topk(k, dim=0).indices.flatten().unique()]
+
+
+def _reaching(
+    out: torch.Tensor,
+    scales: torch.Tensor | None,
+    best: torch.Tensor,
+    bound: torch.Tensor,
+    unit_floor: torch.Tensor,
+    done: torch.Tensor,
+) -> torch.Tensor:
+    """Rows (not in ``done``) whose upper bound ``scales * out_ij + bound_i`` reaches ``unit_floor_j`` for some
+    query ``j``. A row whose best value misses the lowest floor misses every query's (float32 rounding is
+    monotone, so this per-row test never drops a row the per-query one keeps); the rest are tested per query."""
+    maybe = best.sub(unit_floor.min()).add_(bound) >= 0
+    maybe[done] = False
+    rows = maybe.nonzero().flatten()
+    values = out[rows].to(torch.float32)
+    if scales is not None:
+        values.mul_(scales[rows, None])
+    reach = values.sub_(unit_floor).amax(dim=1).add_(bound[rows])
+    return rows[reach >= 0]
 
 
 def _rescored(block: ScreenedBlock, rows: torch.Tensor, queries_t: torch.Tensor) -> torch.Tensor:

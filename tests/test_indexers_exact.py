@@ -200,6 +200,24 @@ def test_bfloat16_kernel_ranks_what_a_bf16_gemm_cannot(largest: bool) -> None:
     assert (np.sort(plain_ids, 1) != np.sort(expected_ids, 1)).any()
 
 
+@pytest.mark.parametrize("largest", [True, False])
+def test_bfloat16_kernel_exact_when_one_query_crowds_the_screen_pool(largest: bool) -> None:
+    """One query scores far higher than the others on every row, so the pool of rows best for some query holds
+    only its rows and the other queries' floors start loose: the result must still be the float32 one."""
+    rng = np.random.default_rng(11)
+    vectors = rng.standard_normal((3000, 64)).astype(np.float32)
+    direction = np.eye(64, dtype=np.float32)[0]
+    vectors[:200] += 8 * direction  # the pool (4 * k * 3 rows) is filled by these rows, the best for query 0
+    queries = rng.standard_normal((3, 64)).astype(np.float32)
+    queries[0] = direction
+    ids = rng.permutation(10**6)[:3000].astype(np.int64)
+    index = ExactIndex(device="cpu", kernel="bfloat16", block_rows=1000)
+    scores, found = index.search(queries, index.prepare(ids, vectors), 5, largest)
+    float32 = ExactIndex(device="cpu", kernel="float32", block_rows=1000).search(queries, (ids, vectors), 5, largest)
+    np.testing.assert_array_equal(found, float32[1])
+    np.testing.assert_allclose(scores, float32[0], rtol=1e-6)
+
+
 def test_scores_within_tolerance_of_float32_on_store_rows(kernel: str) -> None:
     """The store's float16 unit rows x norm at W-query's dimension: every score within 1e-3 |q| |g| of the
     float64 one, and every found row's true score within that tolerance of the true k-th best."""
@@ -242,3 +260,23 @@ def test_auto_kernel_follows_the_cpu() -> None:
     assert ExactIndex(device="cpu", kernel="float32").kernel == "float32"
     with pytest.raises(ValueError, match="kernel"):
         ExactIndex(device="cpu", kernel="int8")
+
+
+def test_screen_bookkeeping_runs_on_one_thread_and_restores_the_count() -> None:
+    from indexers.screening import one_thread
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_thread():
+            assert torch.get_num_threads() == 1
+            with one_thread():
+                assert torch.get_num_threads() == 1
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        queries, vectors, ids = integer_data(3, 200, 8, 4)
+        index = ExactIndex(device="cpu", kernel="bfloat16", block_rows=64)
+        index.search(queries, index.prepare(ids, vectors), 5)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -48,13 +48,14 @@ def test_streamed_cached_and_uncached_searches_agree(tmp_path, method: str, dtyp
     store = _store(tmp_path / "s", dtype)
     queries = np.random.default_rng(1).standard_normal((5, DIM)).astype(np.float32)
     index = store.build_index("r", checkpoint="c", method=method)
+    index.cache_bytes = 0  # over this index's cap: streamed, nothing kept
     streamed = index.search(queries, 7, largest=False)
+    assert index.cached_rows() is None
+    index.cache_bytes = None
+    filled = index.search(queries, 7, largest=False)  # read once into the store's row cache
+    assert index.cached_rows() is not None
     cached = index.search(queries, 7, largest=False)
-    assert index._cache is not None  # the second search filled the cache
-    index.cache_bytes = 0
-    index._cache = None
-    uncached = index.search(queries, 7, largest=False)
-    for other in (cached, uncached):
+    for other in (filled, cached):
         np.testing.assert_array_equal(other[1], streamed[1])
         np.testing.assert_allclose(other[0], streamed[0], rtol=1e-5, atol=1e-6)
     decoded = store.read_gradients("r", checkpoint="c", split="train", columns=())
@@ -64,3 +65,32 @@ def test_streamed_cached_and_uncached_searches_agree(tmp_path, method: str, dtyp
         queries = queries / np.linalg.norm(queries, axis=1, keepdims=True)
     expected = np.argsort(queries.astype(np.float64) @ rows.astype(np.float64).T, axis=1, kind="stable")[:, :7]
     np.testing.assert_array_equal(streamed[1], decoded.grad_ids[expected])
+
+
+def test_row_cache_serves_repeated_calls_and_drops_rows_of_an_older_version(tmp_path) -> None:
+    """Repeated attribute calls read Lance once; rows appended since are searched (the old entry is dropped);
+    every method that searches the rows as stored shares one entry; a too small budget streams instead."""
+    store = _store(tmp_path / "s", "float16")
+    queries = np.random.default_rng(2).standard_normal((3, DIM)).astype(np.float32)
+    first = store.attribute(queries, run="r", checkpoint="c", k=4, write=False)
+    index = store.build_index("r", checkpoint="c")
+    cached = index.cached_rows()
+    assert cached is not None
+    fisher = store.build_index("r", checkpoint="c", method="fisher")
+    store.attribute(queries, run="r", checkpoint="c", k=4, method="fisher", write=False)
+    assert fisher._cache_key() == index._cache_key() and index.cached_rows() is cached
+    again = store.attribute(queries, run="r", checkpoint="c", k=4, write=False)
+    assert again.column("grad_id").to_pylist() == first.column("grad_id").to_pylist()
+    assert again.column("example_id").to_pylist() == first.column("example_id").to_pylist()
+    old_key = index._cache_key()
+    with store.writer("r") as writer:  # a row that beats every stored one for every query
+        writer.append(100 * queries.sum(axis=0, keepdims=True), ["new"], checkpoint="c", split="train")
+    grown = store.attribute(queries, run="r", checkpoint="c", k=4, write=False)
+    assert grown.column("example_id").to_pylist()[::4] == ["new"] * 3
+    assert store.row_cache.get(old_key) is None and index.cached_rows() is not None
+    store.row_cache.clear()
+    store.row_cache.budget_bytes = 1
+    streamed = store.attribute(queries, run="r", checkpoint="c", k=4, write=False)
+    assert index.cached_rows() is None
+    assert streamed.column("grad_id").to_pylist() == grown.column("grad_id").to_pylist()
+    assert streamed.column("example_id").to_pylist() == grown.column("example_id").to_pylist()

@@ -31,6 +31,7 @@ from gradstore.core.curvature import LayerCurvature, load_curvature, save_curvat
 from gradstore.core.filters import StepRange, gradient_filter, sql_literal
 from gradstore.core.gradient_tables import GradientTables, is_gradient_table, table_dim
 from gradstore.core.macros import macros_for
+from gradstore.core.rowcache import RowCache
 from gradstore.core.sidefiles import SideFiles
 from gradstore.core.tabular import to_arrow_table
 from gradstore.core.vectors import DEFAULT_STORAGE_DTYPE, check_storage_dtype, decode, storage_dtype_of
@@ -104,6 +105,7 @@ class StoreCore:
         self._run_dims: dict[str, int] = {}  # a run's dim never changes
         self.files = SideFiles(uri, storage_options)
         self.gradient_tables = GradientTables(self.has_table, self.table, self._create_table, self._list_tables)
+        self.row_cache = RowCache()  # rows prepared for search, by gradients version and selection
 
     # ------------------------------------------------------------------ tables
     def has_table(self, name: str) -> bool:

@@ -50,12 +50,3 @@ def _values(column: pa.FixedSizeListArray) -> np.ndarray:
     """``[n, dim]`` numpy view of a fixed-size list column (copied only when Arrow cannot share it)."""
     dim = column.type.list_size
     return column.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)
-
-
-def in_memory(source: VectorBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """All of a :func:`stored_blocks` source in memory: ``(grad_ids, rows, norms or None)``, writable copies."""
-    blocks = list(source())
-    if not blocks:
-        return np.empty(0, np.int64), np.empty((0, 0), np.float32), None
-    ids, rows = np.concatenate([b[0] for b in blocks]), np.concatenate([b[1] for b in blocks])
-    return ids, rows, np.concatenate([b[2] for b in blocks]) if len(blocks[0]) == 3 else None
