@@ -10,7 +10,8 @@ Kronecker projection, so we use an **Adafactor-style factored** second moment: f
 
 and the projected row is ``P_out D_out G D_in P_in^T = (P_out D_out) G (P_in D_in)^T``: the normalisation is
 folded into the projection matrices (or applied to the materialised gradient for exact/dense slots), so the
-factorized route keeps its cost. The factors are refreshed from the optimizer after every optimizer step.
+factorized route keeps its cost. The factors are refreshed from the optimizer by the first captured forward
+after each optimizer step.
 """
 
 from __future__ import annotations
