@@ -208,7 +208,8 @@ def main() -> None:
         print(
             f"repeat {r}: median ratio {rep.median:.4f} (quartiles {q[0]:.4f} / {q[2]:.4f}); ratio of totals "
             f"{sum(rep.t_cap) / sum(rep.t_plain):.4f}; median s/step plain {med_plain:.4f} ({1 / med_plain:.3f} "
-            f"steps/s), captured {med_cap:.4f} ({1 / med_cap:.3f} steps/s)"
+            f"steps/s), captured {med_cap:.4f} ({1 / med_cap:.3f} steps/s); fastest step captured / plain "
+            f"{min(rep.t_cap) / min(rep.t_plain):.4f} (least disturbed by other load)"
         )
         print(
             f"  store: {rep.rows} rows (expected {rep.expected_rows}; capture reported {rep.rows_written}); "
