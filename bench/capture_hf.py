@@ -9,9 +9,15 @@ warm-up, steps alternate plain / captured. A plain step runs with the capture pa
 their first line: a few microseconds against a step of about a second); a captured step is timed until its
 rows have reached the writer (``flush`` of the delivery queue), so its background work is not pushed into
 the next, plain step. Step time = ``on_step_begin`` -> ``on_step_end`` (forward, backward, optimizer step,
-zero_grad). The result is the median of the per-pair ratios captured / plain.
+zero_grad). One run's figure is the median of its per-pair ratios captured / plain; the script makes
+``--repeats`` (3) runs per arm and reports the median of their medians (each run's median is printed).
 
-    python bench/capture_hf.py [--pairs 10] [--warmup 2]
+Two arms, alternating run by run: the plain callback (raw projected rows) and the callback with
+``normalizer="adam_factored"`` (rows normalised by Adam's second moments; bergson's Adam arm is 1.17 on this
+workload). The Adam arm's line comes just above the last line, which is the plain callback's
+``RESULT capture_hf_overhead=<ratio> target<=1.03 PASS|MISS``.
+
+    python bench/capture_hf.py [--pairs 10] [--warmup 2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import gradstore
 from gradstore.hf import GradstoreCallback, with_example_ids
 
 BATCH, SEQ, VOCAB = 16, 128, 512
+TARGET = 1.03  # issue 12
+REPEATS = 3
 
 
 class PairedTimer(TrainerCallback):
@@ -77,17 +85,15 @@ def collate(features: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2, help="captured steps before the measured pairs")
-    opts = parser.parse_args()
-    torch.set_num_threads(2)
-    steps = opts.warmup + 2 * opts.pairs
+def measure(pairs: int, warmup: int, normalizer: str | None) -> tuple[PairedTimer, int, int, int]:
+    """One Trainer run with paired plain / captured steps; returns the timer, rows, dim and layers captured."""
+    steps = warmup + 2 * pairs
     with tempfile.TemporaryDirectory() as tmp:
         store = gradstore.open(os.path.join(tmp, "store"))
-        callback = GradstoreCallback(store, "bench", include=r"^transformer\.h\.", layer_types=("conv1d", "linear"))
-        timer = PairedTimer(callback, opts.warmup)
+        callback = GradstoreCallback(
+            store, "bench", include=r"^transformer\.h\.", layer_types=("conv1d", "linear"), normalizer=normalizer
+        )
+        timer = PairedTimer(callback, warmup)
         args = TrainingArguments(
             output_dir=os.path.join(tmp, "out"),
             per_device_train_batch_size=BATCH,
@@ -112,17 +118,50 @@ def main() -> None:
             data_collator=with_example_ids(collate),
             callbacks=[callback, timer],
         ).train()
-        rows, dim, layers = store.count(), store.dim, len(store.run_spec("bench").layers)
-    ratios = [c / p for p, c in zip(timer.plain, timer.captured)]
-    expected = (opts.warmup + opts.pairs) * BATCH
-    print(f"layers {layers}, dim {dim}, rows written {rows} (expected {expected}), pairs {len(ratios)}")
+        return timer, store.count(), store.dim, len(store.run_spec("bench").layers)
+
+
+def report(
+    name: str, normalizer: str | None, runs: list[tuple[PairedTimer, int, int, int]], warmup: int
+) -> tuple[float, bool]:
+    """Print each repeat of one arm; return the median of the repeats' medians and whether every row arrived."""
+    pairs = len(runs[0][0].plain)
+    # Adam-normalised capture starts once the optimizer holds second moments: the first step has no rows.
+    expected = (warmup + pairs - (normalizer is not None)) * BATCH
+    medians, rows_ok = [], True
+    for r, (timer, rows, dim, layers) in enumerate(runs):
+        ratios = [c / p for p, c in zip(timer.plain, timer.captured)]
+        medians.append(statistics.median(ratios))
+        rows_ok = rows_ok and rows == expected
+        print(
+            f"{name} repeat {r}: median ratio {medians[-1]:.3f}; layers {layers}, dim {dim}, rows {rows} "
+            f"(expected {expected}); median step plain {statistics.median(timer.plain) * 1e3:.0f} ms, captured "
+            f"{statistics.median(timer.captured) * 1e3:.0f} ms; pair ratios {[round(x, 3) for x in ratios]}"
+        )
+    print(f"{name}: median ratio per repeat {', '.join(f'{m:.3f}' for m in medians)}")
+    return statistics.median(medians), rows_ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2, help="captured steps before the measured pairs")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="Trainer runs per arm; result = their median")
+    opts = parser.parse_args()
+    torch.set_num_threads(2)
+    raw: list[tuple[PairedTimer, int, int, int]] = []
+    adam: list[tuple[PairedTimer, int, int, int]] = []
+    for _ in range(opts.repeats):  # the arms alternate run by run, so drift of the machine hits both
+        raw.append(measure(opts.pairs, opts.warmup, None))
+        adam.append(measure(opts.pairs, opts.warmup, "adam_factored"))
+    adam_ratio, adam_rows = report("adam", "adam_factored", adam, opts.warmup)
+    ratio, rows_ok = report("raw", None, raw, opts.warmup)
     print(
-        f"median step: plain {statistics.median(timer.plain) * 1e3:.0f} ms, captured "
-        f"{statistics.median(timer.captured) * 1e3:.0f} ms; pair ratios {[round(r, 3) for r in ratios]}"
+        f"capture_hf_adam_overhead={adam_ratio:.3f} (normalizer='adam_factored'; rows complete: {adam_rows}; "
+        "bergson with Adam normalisation: 1.17)"
     )
-    ratio = statistics.median(ratios)
-    ok = ratio <= 1.05 and rows == expected
-    print(f"RESULT capture_hf_overhead={ratio:.3f} target<=1.05 {'PASS' if ok else 'MISS'}")
+    ok = ratio <= TARGET and rows_ok
+    print(f"RESULT capture_hf_overhead={ratio:.3f} target<={TARGET} {'PASS' if ok else 'MISS'}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from ingest.delivery import Delivery
 from ingest.hooks import ActiveBatch, LayerHook, in_backward
 from ingest.ids import content_hashes, find_inputs, find_mask, normalize_ids
 from ingest.layers import LayerInfo, select_layers
-from ingest.normalizers import NORMALIZERS, adam_second_moment, factored_scales
+from ingest.normalizers import NORMALIZERS, adam_factored_scales
 from ingest.per_example import ROUTES
 from ingest.projection import LAYER_KINDS, LayerSizes, ProjectionBasis, ProjectionSpec, make_slot, slot_sizes
 from ingest.scaling import REDUCTIONS, example_scales, example_token_counts
@@ -259,6 +259,7 @@ class GradientCapture:
             for slot, info in zip(self.spec.layers, layers)
         ]
         self._normalized = self.config.normalizer is None  # False until the optimizer holds second moments
+        self._moments_stale = self.config.normalizer is not None  # the optimizer stepped since the last refresh
         self.batch: ActiveBatch | None = None
         self.is_paused = False
         self.route = self.config.route
@@ -377,7 +378,11 @@ class GradientCapture:
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         kwargs = dict(kwargs)
         kwarg_ids = kwargs.pop(ID_KWARG, None)
-        if self.is_paused or not torch.is_grad_enabled() or in_backward() or not self._normalized:
+        if self.is_paused or not torch.is_grad_enabled() or in_backward():
+            return args, kwargs
+        if self._moments_stale:
+            self._refresh_normalizer()
+        if not self._normalized:
             return args, kwargs
         set_ids, self._next_ids = self._next_ids, None
         if kwarg_ids is not None and set_ids is not None:
@@ -436,18 +441,23 @@ class GradientCapture:
             self.optimizer = optimizer
         if optimizer is self.optimizer:
             self.step += 1
-            self._refresh_normalizer()
+            # refreshed by the next captured forward, so paused steps do not pay for it
+            self._moments_stale = self.config.normalizer is not None
 
     def _refresh_normalizer(self) -> None:
         """Fold the optimizer's current second moments into the layers (``normalizer`` set)."""
         if self.config.normalizer is None or self.optimizer is None:
             return
-        moments = [adam_second_moment(self.optimizer, h.module, h.slot.kind, h.slot.has_bias) for h in self.layer_hooks]
-        if any(v is None for v in moments):
-            return  # no state yet (before the first step): keep not capturing
-        for hook, v in zip(self.layer_hooks, moments):
-            hook.set_scales(factored_scales(v))
+        scales = []
+        for h in self.layer_hooks:
+            layer = adam_factored_scales(self.optimizer, h.module, h.slot.kind, h.slot.has_bias)
+            if layer is None:
+                return  # no state yet (before the first step): keep not capturing
+            scales.append(layer)
+        for hook, layer in zip(self.layer_hooks, scales):
+            hook.set_scales(layer)
         self._normalized = True
+        self._moments_stale = False
 
     def _learning_rate(self) -> float | None:
         if self.optimizer is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -30,9 +30,11 @@ from ingest.per_example import (
     dense_project,
     embedding_exact,
     embedding_project_inputs,
+    input_operands,
     linear_exact,
     project_gradient,
     project_inputs,
+    project_tokens,
     tokens_view,
 )
 from ingest.projection import LayerSlot, projection_matrix
@@ -53,6 +55,14 @@ class ActiveBatch:
     meta: dict[str, Any] = field(default_factory=dict)
     rows: torch.Tensor | None = None  # [B, dim] float32, allocated at the first gradient
     finalize_queued: bool = False
+
+
+class GemmOperands(NamedTuple):
+    """A factorized layer's projection operands, laid out for one 2-D GEMM per side."""
+
+    in_t: torch.Tensor  # [d_in, k_in] = P_in[:, :d_in]^T
+    in_bias: torch.Tensor | None  # [k_in] = P_in[:, d_in] (bias column), None without bias
+    out_t: torch.Tensor  # [d_out, k_out] = P_out^T
 
 
 def in_backward() -> bool:
@@ -93,6 +103,7 @@ class LayerHook:
         self.padding_idx = getattr(module, "padding_idx", None) if slot.kind == "embedding" else None
         self._matrices: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
         self._scaled: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+        self._operands: dict[tuple[torch.device, torch.dtype], GemmOperands] = {}
         self.scales: tuple[torch.Tensor, torch.Tensor] | None = None  # (out [d_out], in [d_in_eff]) normaliser
 
     def set_scales(self, scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -100,6 +111,7 @@ class LayerHook:
         :mod:`ingest.normalizers`); ``None`` removes them."""
         self.scales = scales
         self._scaled = {}
+        self._operands = {}
 
     def attach(self) -> torch.utils.hooks.RemovableHandle:
         """Register the forward hook on the module."""
@@ -116,6 +128,16 @@ class LayerHook:
             factor = self.scales[1] if side == "in" else self.scales[0]
             self._scaled[key] = base * factor.to(device=device, dtype=dtype)
         return self._scaled[key]
+
+    def operands(self, device: torch.device, dtype: torch.dtype) -> GemmOperands:
+        """The factorized route's GEMM operands (from :meth:`matrix`, cached per device and dtype):
+        ``P_in[:, :d_in]^T``, its bias column and ``P_out^T``, each contiguous."""
+        key = (device, dtype)
+        if key not in self._operands:
+            weight_t, bias = input_operands(self.matrix("in", device, dtype), self.slot.d_in, self.slot.has_bias)
+            out_t = self.matrix("out", device, dtype).T.contiguous()
+            self._operands[key] = GemmOperands(weight_t, bias, out_t)
+        return self._operands[key]
 
     def _base_matrix(self, side: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (side, device, dtype)
@@ -179,7 +201,8 @@ class LayerHook:
         if route == "auto":
             route = choose_route(x.shape[1], s.d_in_eff, s.d_out, s.k_in, s.k_out)
         if route == "project":
-            return route, project_inputs(x, self.matrix("in", x.device, x.dtype), s.has_bias)
+            ops = self.operands(x.device, x.dtype)
+            return route, project_tokens(x, ops.in_t, ops.in_bias)
         return route, x
 
     def _refuse_recomputation(self, grad: torch.Tensor) -> None:
@@ -209,7 +232,7 @@ class LayerHook:
     def _block(self, route: str, saved: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
         s = self.slot
         if route == "project":
-            dy_p = torch.matmul(dy, self.matrix("out", dy.device, dy.dtype).T)
+            dy_p = project_tokens(dy, self.operands(dy.device, dy.dtype).out_t)
             return contract_tokens(saved, dy_p).flatten(1)
         if s.kind == "embedding":
             grad = embedding_exact(saved, dy, s.d_in, self.padding_idx)
@@ -241,7 +264,7 @@ class LayerHook:
                 if route == "project"
                 else project_inputs(saved, self.matrix("in", saved.device, saved.dtype), s.has_bias)
             )
-            dy_p = torch.matmul(dy, self.matrix("out", dy.device, dy.dtype).T)
+            dy_p = project_tokens(dy, self.operands(dy.device, dy.dtype).out_t)
         dy_p = dy_p * batch.scales.to(dy_p.device, dy_p.dtype).view(-1, 1, 1)
         mask = batch.token_mask
         if mask is not None and tuple(mask.shape) != tuple(x_p.shape[:2]):

@@ -10,7 +10,8 @@ Kronecker projection, so we use an **Adafactor-style factored** second moment: f
 
 and the projected row is ``P_out D_out G D_in P_in^T = (P_out D_out) G (P_in D_in)^T``: the normalisation is
 folded into the projection matrices (or applied to the materialised gradient for exact/dense slots), so the
-factorized route keeps its cost. The factors are refreshed from the optimizer after every optimizer step.
+factorized route keeps its cost. The factors are refreshed from the optimizer by the first captured forward
+after each optimizer step.
 """
 
 from __future__ import annotations
@@ -27,11 +28,44 @@ def factored_scales(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_scale [d_out], in_scale [d_in])`` with ``out_o * in_i = (r_o c_i / sum(r))^-1/2`` for a
     non-negative ``v: [d_out, d_in]`` (row sums ``r``, column sums ``c``); float32."""
     v = v.detach().double().clamp(min=0)
-    rows, cols = v.sum(dim=1), v.sum(dim=0)
+    return scales_from_sums(v.sum(dim=1), v.sum(dim=0))
+
+
+def scales_from_sums(rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`factored_scales` from the row sums ``[d_out]`` and column sums ``[d_in]`` (float64) of ``v``."""
     tiny = torch.finfo(torch.float32).tiny
     out_scale = (rows / rows.sum().clamp(min=tiny)).clamp(min=tiny).rsqrt()
     in_scale = cols.clamp(min=tiny).rsqrt()
     return out_scale.float(), in_scale.float()
+
+
+def adam_factored_scales(
+    optimizer: torch.optim.Optimizer, module: nn.Module, kind: str, has_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``factored_scales(adam_second_moment(...))`` without building ``v``: the row and column sums are reduced
+    straight from the optimizer's ``exp_avg_sq`` (float64 accumulation) and bias-corrected afterwards. Adam's
+    second moments are non-negative, so no entry needs the clamp. ``None`` while the optimizer holds no state."""
+    weight = _moment(optimizer, module.weight)
+    bias = _moment(optimizer, module.bias) if has_bias else None
+    if weight is None or (has_bias and bias is None):
+        return None
+    v, correction = weight
+    out_dim = 0 if kind == "linear" else 1  # Conv1D weights are [in, out]; embeddings [num, dim] (in = the index)
+    rows = v.sum(dim=1 - out_dim, dtype=torch.float64) / correction
+    cols = v.sum(dim=out_dim, dtype=torch.float64) / correction
+    if bias is not None:
+        v_b = bias[0].reshape(-1).double() / bias[1]
+        rows = rows + v_b
+        cols = torch.cat([cols, v_b.sum().reshape(1)])
+    return scales_from_sums(rows, cols)
+
+
+def _moment(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+    """``(exp_avg_sq, bias correction)`` of ``param``, or None without optimizer state."""
+    state = optimizer.state.get(param, {})
+    if "exp_avg_sq" not in state:
+        return None
+    return _full(state["exp_avg_sq"]).detach(), _bias_correction(optimizer, param, state)
 
 
 def adam_second_moment(

@@ -40,13 +40,22 @@ def choose_route(tokens: int, d_in_eff: int, d_out: int, k_in: int, k_out: int) 
     return "materialize" if materialize < project else "project"
 
 
+def input_operands(p_in: torch.Tensor, d_in: int, has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``P_in`` split for :func:`project_tokens`: ``(P_in[:, :d_in]^T`` contiguous ``[d_in, k_in]``, the bias
+    column ``[k_in]`` or None``)``. Contiguous ``[d, k]`` operands make the skinny GEMM a plain ``mm``/``addmm``."""
+    return p_in[:, :d_in].T.contiguous(), p_in[:, d_in].contiguous() if has_bias else None
+
+
+def project_tokens(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight_t (+ bias)`` over the last dim as one 2-D GEMM (bias fused into ``addmm``): ``[..., k]``."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
+    return out.view(*x.shape[:-1], weight_t.shape[1])
+
+
 def project_inputs(x: torch.Tensor, p_in: torch.Tensor, has_bias: bool) -> torch.Tensor:
     """``[x, 1] @ P_in^T`` without building the augmented input: ``[B, T, k_in]``."""
-    d_in = x.shape[-1]
-    out = torch.matmul(x, p_in[:, :d_in].T)
-    if has_bias:
-        out = out + p_in[:, d_in]
-    return out
+    return project_tokens(x, *input_operands(p_in, x.shape[-1], has_bias))
 
 
 def embedding_project_inputs(idx: torch.Tensor, p_in: torch.Tensor, padding_idx: int | None) -> torch.Tensor:

@@ -9,7 +9,7 @@ from torch.func import functional_call, grad, vmap
 
 import gradstore
 from ingest.capture import CaptureConfig, GradientCapture
-from ingest.normalizers import adam_second_moment, factored_scales
+from ingest.normalizers import adam_factored_scales, adam_second_moment, factored_scales
 from ingest.projection import projection_matrix
 
 
@@ -17,6 +17,57 @@ def test_factored_scales_invert_a_rank_one_second_moment():
     a, b = torch.rand(4) + 0.1, torch.rand(6) + 0.1
     out_scale, in_scale = factored_scales(torch.outer(a, b))
     torch.testing.assert_close(torch.outer(out_scale, in_scale), torch.outer(a, b).rsqrt(), rtol=1e-5, atol=0)
+
+
+def test_scales_reduced_from_the_optimizer_state_equal_those_of_the_full_second_moment():
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    layers = {
+        "linear": (nn.Linear(5, 7), True),
+        "linear_no_bias": (nn.Linear(5, 7, bias=False), False),
+        "conv1d": (Conv1D(7, 5), True),  # weight [in 5, out 7]
+        "embedding": (nn.Embedding(9, 4), False),
+    }
+    opt = torch.optim.AdamW([p for module, _ in layers.values() for p in module.parameters()], lr=1e-2)
+    assert adam_factored_scales(opt, layers["linear"][0], "linear", True) is None  # no state yet
+    for _ in range(3):
+        x = torch.randn(6, 5)
+        loss = sum(layers[name][0](x).pow(2).sum() for name in ("linear", "linear_no_bias", "conv1d"))
+        loss = loss + layers["embedding"][0](torch.randint(0, 9, (6,))).pow(3).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for name, (module, has_bias) in layers.items():
+        kind = name.split("_")[0]
+        got = adam_factored_scales(opt, module, kind, has_bias)
+        expected = factored_scales(adam_second_moment(opt, module, kind, has_bias))
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=0)
+
+
+def test_paused_steps_refresh_nothing_and_the_next_captured_forward_uses_the_latest_moments():
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batches = []
+    config = CaptureConfig.from_options(projection=None, normalizer="adam_factored")
+    with GradientCapture(model, batches.append, config, optimizer=opt) as cap:
+        hook = cap.layer_hooks[0]
+        for step in range(4):
+            cap.resume() if step in (0, 3) else cap.pause()
+            expected = None if step == 0 else factored_scales(adam_second_moment(opt, model, "linear", True))
+            out = model(torch.randn(2, 5))
+            if step in (1, 2):
+                assert hook.scales is None  # paused: the optimizer's steps are not folded in
+            elif step == 3:  # the first captured forward after them folds in the latest moments
+                for got, want in zip(hook.scales, expected):
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+            out.pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        cap.flush()
+    assert [b.step for b in batches] == [3]  # step 0 has no optimizer state; steps 1 and 2 were paused
 
 
 def per_example_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
