@@ -16,8 +16,8 @@ Arms (fisher method, 64 queries, top-10; per-layer Fisher blocks fitted once, on
 * two-stage search (``bench/ann_recall.py``): a FAISS ``IVF<nlist>,SQ8`` index over the prepared rows (trained
   here on a sample read by ``take``, rows added per shard on Ray and merged), its ``10 k`` candidates re-scored
   exactly from the store (read back by ``take``): recall@10 against the exact scan, and time against the
-  in-process exact scan (alternated), on these synthetic rows and (``--no-real`` skips it) on the demo
-  model's captured gradients (its own cached store);
+  in-process exact scan (alternated), on these synthetic rows and (with ``--real``) on the demo
+  model's captured gradients (its own cached store; ``bench/ann_recall.py`` runs that arm alone);
 * peak RSS of one scoring worker (a fresh process running one scan task over all rows or half of them)
   at two block sizes: it depends on the block size and Lance's read-ahead, not on N (Lance batches stop at
   fragment ends, so blocks are at most one fragment: 8,192 rows here).
@@ -158,7 +158,9 @@ def main() -> None:
     parser.add_argument(
         "--no-local-fit", dest="local_fit", action="store_false", help="fit on Ray only (the in-process fit untimed)"
     )
-    parser.add_argument("--no-real", dest="real", action="store_false", help="skip the real-gradient ANN arm")
+    parser.add_argument(
+        "--real", action="store_true", help="also run the real-gradient ANN arm (bench/ann_recall.py runs it alone)"
+    )
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:
