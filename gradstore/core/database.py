@@ -259,15 +259,51 @@ class StoreCore:
             "config": json.dumps(config or {}, sort_keys=True, default=str),
         }
         commits.append(self.table(S.RUNS), pa.Table.from_pylist([row], schema=S.RUNS_SCHEMA), "run creation")
-        return row
+        winner = self.run(run_id)  # another process may have created the run since has_run: the first commit wins
+        if self._is_row(winner, row):
+            return row
+        commits.retrying(lambda: self._delete_run_row(row), "run creation")
+        if winner["projection"] != projection_json or winner["dim"] != dim:
+            raise SchemaMismatchError(
+                f"run {run_id!r} was created at the same time by another process with a different projection spec "
+                "or dim; this capture's spec was withdrawn"
+            )
+        if not exist_ok:
+            raise InvalidArgumentError(f"run {run_id!r} already exists (pass exist_ok=True to append to it)")
+        return winner
+
+    @staticmethod
+    def _is_row(stored: dict, row: dict) -> bool:
+        return all(stored[key] == row[key] for key in ("created_at", "projection", "dim", "config"))
+
+    def _run_rows(self, run_id: str) -> list[dict]:
+        """The ``runs`` rows of ``run_id`` in commit order (Lance assigns fragment ids, hence row addresses,
+        in commit order; compaction keeps the order), each with its ``_rowaddr``."""
+        rows = (
+            self.table(S.RUNS)
+            .to_lance()
+            .to_table(filter=f"run_id = {sql_literal(run_id)}", with_row_address=True)
+            .sort_by("_rowaddr")
+        )
+        return rows.to_pylist()
+
+    def _delete_run_row(self, row: dict) -> None:
+        """Withdraw a run row this process committed and lost (found again on every attempt: compaction moves it)."""
+        for stored in self._run_rows(row["run_id"]):
+            if self._is_row(stored, row):
+                self.table(S.RUNS).to_lance().delete(f"_rowaddr = {int(stored['_rowaddr'])}")
+                return
 
     def run(self, run_id: str) -> dict:
-        """The ``runs`` row of ``run_id`` as a dict (raises ``UnknownRunError``)."""
-        rows = self.table(S.RUNS).search().where(f"run_id = {sql_literal(run_id)}").to_list()
+        """The ``runs`` row of ``run_id`` as a dict (raises ``UnknownRunError``); the first committed one if
+        two processes created the run at once."""
+        rows = self._run_rows(run_id)
         if not rows:
             known = self.table(S.RUNS).to_arrow().column("run_id").to_pylist()
             raise UnknownRunError(f"unknown run {run_id!r}; the store holds runs {known}")
-        return rows[0]
+        winner = rows[0]  # runs created at once by two processes: the first commit is the run
+        del winner["_rowaddr"]
+        return winner
 
     def has_run(self, run_id: str) -> bool:
         """Whether the store holds run ``run_id``."""
