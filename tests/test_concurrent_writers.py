@@ -81,3 +81,13 @@ def test_retrying_reruns_only_retryable_conflicts():
     with pytest.raises(OSError, match="disk full"):
         commits.retrying(broken, "test")
     assert len(calls) == 1
+
+
+def test_a_transaction_lance_gave_up_rebasing_is_retried():
+    # what a writer saw once in the soak: Lance's own rebase retries exhausted by other writers' commits
+    exhausted = OSError(
+        "Commit conflict for version 725: Failed to commit the transaction after 20 retries., "
+        "rust/lance/src/io/commit.rs:2083:9"
+    )
+    assert commits.is_retryable(exhausted)
+    assert not commits.is_retryable(OSError("Commit conflict for version 7: incompatible schema change"))

@@ -32,7 +32,13 @@ T = TypeVar("T")
 #: Schema metadata keys LanceDB interprets (and may act on) when rows are added or a table is searched.
 ACTIVE_METADATA_KEYS = ("embedding_functions",)
 #: Messages of Lance errors that mean "nothing was committed, run the operation again".
-RETRYABLE_MESSAGES = ("Retryable commit conflict", "Too many concurrent writers")
+RETRYABLE_MESSAGES = (
+    "Retryable commit conflict",
+    "Too many concurrent writers",
+    # Lance rebased the transaction onto each newer version and gave up after its own retries (several writers
+    # and a compaction committing all the time): nothing of it was committed
+    "Failed to commit the transaction after",
+)
 MAX_ATTEMPTS = 12
 BASE_DELAY_S = 0.02
 MAX_DELAY_S = 2.0
