@@ -330,7 +330,8 @@ def fused_into_layer(repeats: int) -> None:
         t = {name: min(cpu_ms(fn, repeats) for _ in range(3)) for name, fn in gemms.items()}
         print(
             f"  {d_in} -> {d_out}: forward {t['forward']:.3f}, extra columns "
-            f"{t['forward extended'] - t['forward']:+.3f} vs separate {t['separate input projection']:.3f}; input gradient {t['input gradient']:.3f}, extra "
+            f"{t['forward extended'] - t['forward']:+.3f} vs separate {t['separate input projection']:.3f}; "
+            f"input gradient {t['input gradient']:.3f}, extra "
             f"columns {t['input gradient extended'] - t['input gradient']:+.3f} vs separate "
             f"{t['separate output-gradient projection']:.3f}; layer's own columns bit-identical: {same}"
         )
