@@ -153,8 +153,8 @@ class CollectiveCommit:
 
         dataset = commits.retrying(commit, "collective commit")
         self.commits += 1
-        if self._max_fragments and len(dataset.get_fragments()) > self._max_fragments:
-            dataset.optimize.compact_files()
+        if self._max_fragments and commits.small_fragments(dataset) > self._max_fragments:
+            commits.compact(self.table, "collective compaction")
         return sum(f.physical_rows for f in fragments)
 
 

@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 import gradstore
+from gradstore.core import commits
 from gradstore.core.writer import WriterConfig
 
 
@@ -48,6 +49,31 @@ def test_compaction_keeps_fragments_bounded(store):
     assert store.count() == 1000
     assert len(set(store.read_gradients().grad_ids.tolist())) == 1000
     assert store.compact()["gradients"] == 1
+
+
+def test_compaction_writes_fragments_of_bounded_size(store, monkeypatch):
+    """Compaction merges small fragments up to the byte-bounded target, never into one huge fragment (a scan's
+    shards are groups of whole fragments: a huge one would be one task's work alone)."""
+    store.create_run("r", dim=256)  # float16: 512 bytes a row
+    monkeypatch.setattr(commits, "FRAGMENT_VECTOR_BYTES", 512 * 4096)
+    assert commits.target_fragment_rows(store.table("gradients").schema) == 4096
+    assert commits.target_fragment_rows(store.table("runs").schema) is None  # metadata tables: Lance's default
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((20_000, 256)).astype(np.float32)
+    with store.writer("r", WriterConfig(commit_rows=1000, max_fragments=0)) as writer:
+        for start in range(0, len(rows), 1000):
+            writer.append(rows[start : start + 1000], [f"e{i}" for i in range(start, start + 1000)])
+    dataset = store.table("gradients").to_lance()
+    assert len(dataset.get_fragments()) == 20 and commits.small_fragments(dataset) == 20
+    store.compact()
+    dataset = store.table("gradients").to_lance()
+    sizes = [fragment.count_rows() for fragment in dataset.get_fragments()]
+    assert sum(sizes) == 20_000 and max(sizes) < 2 * 4096 and len(sizes) >= 3  # about the target, not all rows
+    assert commits.small_fragments(dataset) <= 1  # only the remainder is under half the target
+    block = store.read_gradients(columns=["example_id"])
+    stored = dict(zip(block.metadata.column("example_id").to_pylist(), block.vectors))
+    assert len(stored) == 20_000
+    np.testing.assert_allclose(np.stack([stored[f"e{i}"] for i in range(20_000)]), rows, rtol=2e-3, atol=2e-3)
 
 
 def test_backpressure_bounds_the_queue(store):

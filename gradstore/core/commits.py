@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import pyarrow as pa
 
+from gradstore.core import schema as S
 from gradstore.errors import StoreCorruptError
 
 log = logging.getLogger(__name__)
@@ -95,9 +96,41 @@ def upsert(table: Any, data: pa.Table, on: Sequence[str], what: str = "upsert") 
     table.checkout_latest()
 
 
+#: Compaction of a gradients table writes fragments of about this many bytes of vectors (32,768 rows of 4,096
+#: float16 dims). Lance's default target (about 1M rows, 8 GB at that width) made fragments that one task of a
+#: scan must read alone: shards are groups of whole fragments, so a 532,480-row fragment left a two-worker
+#: scan unbalanced and made "the first 10% of the rows" half of them.
+FRAGMENT_VECTOR_BYTES = 256 << 20
+
+
+def target_fragment_rows(schema: pa.Schema) -> int | None:
+    """Rows of a compacted fragment of a table with this schema: bounded by :data:`FRAGMENT_VECTOR_BYTES` for
+    a gradients table (a fixed-size-list vector column), Lance's default (``None``) for the others."""
+    if S.VECTOR_COLUMN not in schema.names:
+        return None
+    vector_type = schema.field(S.VECTOR_COLUMN).type
+    if not pa.types.is_fixed_size_list(vector_type):
+        return None
+    row_bytes = vector_type.list_size * max(1, vector_type.value_type.bit_width // 8)
+    return max(4096, FRAGMENT_VECTOR_BYTES // row_bytes)
+
+
+def small_fragments(dataset: Any) -> int:
+    """Fragments of a Lance dataset that compaction would still merge (under half its target size)."""
+    target = target_fragment_rows(dataset.schema) or 1 << 20
+    return sum(1 for fragment in dataset.get_fragments() if fragment.count_rows() < target // 2)
+
+
 def compact(table: Any, what: str = "compaction") -> None:
-    """Compact a table's fragments (retried when a concurrent commit wins the race)."""
-    retrying(lambda: table.to_lance().optimize.compact_files(), what)
+    """Compact a table's fragments into fragments of :func:`target_fragment_rows` (retried when a concurrent
+    commit wins the race)."""
+
+    def run() -> None:
+        dataset = table.to_lance()
+        target = target_fragment_rows(dataset.schema)
+        dataset.optimize.compact_files(**({} if target is None else {"target_rows_per_fragment": target}))
+
+    retrying(run, what)
 
 
 class InertTable:

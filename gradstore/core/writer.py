@@ -49,8 +49,9 @@ class WriterConfig:
         commit_bytes: ... or this many bytes.
         commit_seconds: ... or its oldest row has waited this long (checked on append and by the thread).
         max_pending_commits: buffers that may wait for the committing thread before ``append`` blocks.
-        max_fragments: compact small fragments when a table holds more fragments than this (0: never, for
-            writers whose rows another process commits, see :mod:`gradstore.distributed`).
+        max_fragments: compact when a table holds more small fragments (under half the compaction target,
+            :func:`gradstore.core.commits.target_fragment_rows`) than this (0: never, for writers whose rows
+            another process commits, see :mod:`gradstore.distributed`).
         nonfinite: ``"raise"`` rejects a batch with NaN/Inf rows (``NonFiniteGradientError``, nothing of
             the batch is written); ``"drop"`` drops those rows, logs a warning and counts them.
     """
@@ -315,8 +316,8 @@ class GradientWriter:
         if not self.config.max_fragments:
             return
         try:
-            if len(self._table.to_lance().get_fragments()) > self.config.max_fragments:
-                commits.compact(self._table, "writer compaction")  # Lance's default target: ~1M-row fragments
+            if commits.small_fragments(self._table.to_lance()) > self.config.max_fragments:
+                commits.compact(self._table, "writer compaction")
                 self.compactions += 1
         except Exception as error:
             log.warning("gradstore writer: compaction skipped (%r); the rows are committed", error)
