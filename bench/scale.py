@@ -210,7 +210,8 @@ def main() -> None:
         ann = two_stage(store, RUN, "final", queries, min(3, args.rounds), ray_engine, ivf_kind(rows))
         print(ann.line("these synthetic clustered rows") + " (rows added on Ray)")
         if args.real:
-            print(real_gradients(rounds=min(3, args.rounds)).line("the demo model's captured gradients"))
+            for result in real_gradients(rounds=min(3, args.rounds)):
+                print(result.line("the demo model's captured gradients"))
     finally:
         ray.shutdown()
 
