@@ -1,4 +1,4 @@
-"""FAISS indexes: Flat == exact, IVF recall on captured gradients, HNSW settings, persistence, manifests, GPU (skips)."""
+"""FAISS indexes: Flat == exact, IVF recall on captured gradients, HNSW, persistence, manifests, GPU (skips)."""
 
 from __future__ import annotations
 
