@@ -257,8 +257,8 @@ class AttributionIndex:
             with tempfile.TemporaryDirectory(prefix="gradstore-index-") as scratch:
                 self.faiss_index.save(Path(scratch), self.manifest)
                 np.save(Path(scratch) / IDS_FILE, self.indexed_ids)
-                if self.manifest.get(FIRST_STAGE) == BALANCED:
-                    self.first_space.preconditioner.save(Path(scratch) / FIRST_STAGE)
+                if self.manifest.get(FIRST_STAGE) == BALANCED:  # beside the FAISS files: the space of their rows
+                    self.first_space.preconditioner.save(Path(scratch))
                 files.put_directory(Path(scratch), INDEXES, self.name, self.manifest[FAISS_FILES])
         files.write_bytes(
             json.dumps(self.manifest, indent=2, sort_keys=True, default=str).encode(), INDEXES, self.name, MANIFEST_FILE
@@ -467,7 +467,7 @@ def load_index(store: StoreCore, fits: FitCache, name: str, *, missing_ok: bool 
                 index.faiss_index = FaissIndex.load(directory, expected_manifest=manifest, mmap=False)
                 index.indexed_ids = np.load(directory / IDS_FILE, allow_pickle=False)
                 if manifest.get(FIRST_STAGE) == BALANCED:
-                    index.first_space = ScoringSpace(method, load_preconditioner(directory / FIRST_STAGE))
+                    index.first_space = ScoringSpace(method, load_preconditioner(directory))
         except LowerIndexMismatchError as error:
             raise IndexMismatchError(error.differences) from error
         except (OSError, ValueError, RuntimeError) as error:
