@@ -123,7 +123,7 @@ def test_rerank_drops_candidates_deleted_since_the_build(tmp_path):
     np.testing.assert_allclose(scores, want.values.numpy(), rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["fisher", "diagonal", "grad-dot", "trackstar"])
+@pytest.mark.parametrize("method", ["fisher", "diagonal", "kfac", "ekfac", "grad-dot", "trackstar"])
 def test_faiss_holds_balanced_rows_whose_inner_products_are_the_scores(clustered, method):
     store, queries = clustered
     exact = store.build_index("run", method=method)
