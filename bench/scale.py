@@ -13,7 +13,7 @@ Arms (fisher method, 64 queries, top-10; per-layer Fisher blocks fitted once, on
   ``ray seconds / in-process seconds`` is the engine's overhead (target <= 1.3);
 * the same scan over the first fragments that hold 10%, 25% and 50% of the rows, both engines (cost linear
   in N; 100% is the arm above);
-* two-stage search (``bench/ann_recall.py``): a FAISS ``IVF<nlist>,SQ8`` index over the prepared rows (trained
+* two-stage search (``bench/ann_recall.py``): a FAISS ``IVF<nlist>,SQ8`` index over the balanced rows (trained
   here on a sample read by ``take``, rows added per shard on Ray and merged), its ``10 k`` candidates re-scored
   exactly from the store (read back by ``take``): recall@10 against the exact scan, and time against the
   in-process exact scan (alternated), on these synthetic rows and (with ``--real``) on the demo
@@ -220,7 +220,8 @@ def main() -> None:
         ann = two_stage(store, RUN, "final", queries, min(3, args.rounds), ray_engine, ivf_kind(rows))
         print(ann.line("these synthetic clustered rows") + " (rows added on Ray)")
         if args.real:
-            print(real_gradients(rounds=min(3, args.rounds)).line("the demo model's captured gradients"))
+            for result in real_gradients(rounds=min(3, args.rounds)):
+                print(result.line("the demo model's captured gradients"))
     finally:
         ray.shutdown()
 

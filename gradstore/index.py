@@ -9,8 +9,12 @@ not match the store (another projection, another dimension) raises ``IndexMismat
 
 Kinds: ``"exact"`` (blocked matmul + running top-k over the stored rows, which the first search reads once
 into the store's in-memory :class:`~gradstore.core.rowcache.RowCache` when they fit its budget), or any FAISS
-factory string (``"Flat"``, ``"IVF1024,Flat"``, ...); ``"auto"`` picks by :func:`indexers.choose_index_kind` and
-reports the recall of an ANN index against exact search.
+factory string (``"Flat"``, ``"HNSW32,Flat"``, ``"IVF1024,Flat"``, ...); ``"auto"`` picks by
+:func:`indexers.choose_index_kind` and reports the recall of an ANN index against exact search. A FAISS index
+holds the rows in the balanced space (:meth:`~gradstore.scoring.ScoringSpace.balanced`: ``P^-1/2`` on rows and
+queries alike, manifest ``first_stage: "balanced"``); indexes built before it hold the prepared rows and are
+searched with prepared queries. On real gradients only an exhaustive compressed scan or an HNSW graph over the
+balanced rows holds the neighbours (``docs/scale.md``): IVF partitions do not.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from indexers import (
     VectorBlocks,
     choose_index_kind,
     gpu_available,
+    load_preconditioner,
     manifest_diff,
     prefetched,
 )
@@ -62,6 +67,9 @@ IDS_FILE = "ids.npy"
 #: The manifest key naming the directory of the index's FAISS files (``faiss`` before it was written).
 FAISS_FILES = "faiss_files"
 FAISS_PREFIX = "faiss"
+#: The manifest key saying what space the FAISS index's rows are in; ``BALANCED`` for every index built now.
+FIRST_STAGE = "first_stage"
+BALANCED = "balanced"
 READ_BLOCK_ROWS = 65536  # rows per Lance read: the next read overlaps preparing (or scoring) this one
 
 
@@ -76,10 +84,14 @@ class AttributionIndex:
         faiss_index: FaissIndex | None = None,
         indexed_ids: np.ndarray | None = None,
         cache_bytes: int | None = None,
+        first_space: ScoringSpace | None = None,
     ) -> None:
         self.store = store
         self.manifest = manifest
         self.space = space
+        self.first_space = first_space or space
+        """The space the FAISS rows were made in: the fit as it was when the index was built (a refit of rows
+        appended since re-scores candidates, it does not move the rows already indexed)."""
         self.faiss_index = faiss_index
         self.indexed_ids = np.empty(0, np.int64) if indexed_ids is None else indexed_ids  # grad_ids in FAISS
         self.cache_bytes = cache_bytes
@@ -141,20 +153,29 @@ class AttributionIndex:
                 raise InvalidArgumentError(
                     "opponents (bottom-k) need an exact index: FAISS returns the largest scores only"
                 )
+            first = self.first_stage(queries, rows=False)
             if rerank > 0:
-                _, candidates = self._searchable().search(prepared.numpy(), rerank * k)
+                _, candidates = self._searchable().search(first, rerank * k)
                 return {
                     True: exact_rerank(
                         self.store, self.selection.run, self.space, prepared, candidates, k, self._locator
                     )
                 }
-            return {True: self._searchable().search(prepared.numpy(), k)}
+            return {True: self._searchable().search(first, k)}
         engine = engine or LocalEngine()
         if isinstance(engine, LocalEngine):  # stream the stored rows with read-ahead, or search the cache
             rows = self._rows()
             return {side: ExactIndex().search(prepared, rows, k, largest=side) for side in sides}
         shards = self.selection.shards(self.store, engine.parallelism)
         return top_k(engine, shards, self.space, prepared, k, sides)
+
+    def first_stage(self, vectors: np.ndarray | torch.Tensor, rows: bool) -> np.ndarray:
+        """Raw ``vectors`` (stored ``rows``, or queries) as the FAISS index holds and searches them: in the balanced
+        space, or (indexes built before it) the prepared rows and queries."""
+        if self.manifest.get(FIRST_STAGE) == BALANCED:
+            return self.first_space.balanced(vectors).numpy()
+        raw = torch.as_tensor(np.asarray(vectors, np.float32)) if isinstance(vectors, np.ndarray) else vectors
+        return (self.space.rows(raw) if rows else self.space.queries(raw)).to(torch.float32).numpy()
 
     def _rows(self) -> VectorBlocks | PreparedRows:
         """The rows to search: from the store's :class:`~gradstore.core.rowcache.RowCache` (rows prepared by an
@@ -236,6 +257,8 @@ class AttributionIndex:
             with tempfile.TemporaryDirectory(prefix="gradstore-index-") as scratch:
                 self.faiss_index.save(Path(scratch), self.manifest)
                 np.save(Path(scratch) / IDS_FILE, self.indexed_ids)
+                if self.manifest.get(FIRST_STAGE) == BALANCED:  # beside the FAISS files: the space of their rows
+                    self.first_space.preconditioner.save(Path(scratch))
                 files.put_directory(Path(scratch), INDEXES, self.name, self.manifest[FAISS_FILES])
         files.write_bytes(
             json.dumps(self.manifest, indent=2, sort_keys=True, default=str).encode(), INDEXES, self.name, MANIFEST_FILE
@@ -324,6 +347,7 @@ def build_index(
         "blocks": spec.blocks,
         "eigen_correction": spec.eigen_correction,
         "fit": spec.key(),
+        **({FIRST_STAGE: BALANCED} if kind != "exact" else {}),
         "gradients_version": store.gradient_table(selection.run).version,
         "built_at": datetime.now(timezone.utc).isoformat(),
         **_expected_manifest(store, selection.run),
@@ -349,19 +373,20 @@ def _same_build(manifest: dict[str, Any], spec: FitSpec, method: Method, damping
 
 
 def _build_faiss(index: AttributionIndex, kind: str, source: VectorBlocks, engine: Engine) -> None:
-    """Train on a sample of the prepared rows here (only the sampled rows are read), then add the rows: here,
+    """Train on a sample of the balanced rows here (only the sampled rows are read), then add the rows: here,
     or per shard on ``engine`` (each task fills a copy of the trained index; the copies are merged in shard
-    order)."""
+    order). HNSW graphs cannot be merged: their rows are added here whatever the engine."""
     try:
         faiss_index = FaissIndex(kind, index.manifest["dim"], metric="ip")
     except ValueError as error:
         raise InvalidArgumentError(f"index kind {kind!r}: {error}") from error
-    sample = _sample(index, faiss_index.training_rows, seed=0)
-    faiss_index.train(lambda: iter([sample]), sample_size=len(sample[0]))
+    ids, stored = _sample(index, faiss_index.training_rows, seed=0)
+    sample = (ids, index.first_stage(stored, rows=True))
+    faiss_index.train(lambda: iter([sample]), sample_size=len(ids))
     added = [np.empty(0, np.int64)]
-    if isinstance(engine, LocalEngine):
-        for ids, vectors in _numpy_source(index.space, source)():
-            faiss_index.add(ids, vectors)
+    if isinstance(engine, LocalEngine) or not faiss_index.mergeable:
+        for ids, vectors in source():
+            faiss_index.add(ids, index.first_stage(vectors, rows=True))
             added.append(ids)
     else:
         parts = faiss_parts(
@@ -376,19 +401,14 @@ def _build_faiss(index: AttributionIndex, kind: str, source: VectorBlocks, engin
     index.faiss_index, index.indexed_ids = faiss_index, np.concatenate(added)
 
 
-def _numpy_source(space: ScoringSpace, source: VectorBlocks) -> VectorBlocks:
-    prepared = prepared_source(space, source)
-    return lambda: ((ids, rows.numpy()) for ids, rows in prepared())
-
-
 def _sample(index: AttributionIndex, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """A uniform random sample of the selected rows, in the searched space: ``(grad_ids, float32 rows)``.
+    """A uniform random sample of the selected rows as stored: ``(grad_ids, float32 rows)``.
 
     One pass over the ``grad_id`` column, then only the sampled rows are read (Lance ``take``)."""
     ids = index.selection.grad_ids(index.store)
     chosen = np.sort(np.random.default_rng(seed).choice(ids, size=min(size, len(ids)), replace=False))
     found, stored = index._locator.read(index.store, index.selection.run, chosen)
-    return chosen[found], index.space.rows(torch.from_numpy(stored)).numpy()
+    return chosen[found], stored
 
 
 def _measure_recall(index: AttributionIndex, engine: Engine, n_queries: int) -> float:
@@ -397,7 +417,7 @@ def _measure_recall(index: AttributionIndex, engine: Engine, n_queries: int) -> 
 
     _, rows = _sample(index, n_queries, seed=1)
     prepared = index.space.queries(torch.from_numpy(rows))
-    _, approx = index.faiss_index.search(prepared.numpy(), 10)
+    _, approx = index.faiss_index.search(index.first_stage(rows, rows=False), 10)
     shards = index.selection.shards(index.store, engine.parallelism)
     _, exact = top_k(engine, shards, index.space, prepared, 10)[True]
     return recall_at_k(approx, exact)
@@ -412,7 +432,7 @@ def _add_new_rows(index: AttributionIndex) -> None:
         for ids, vectors in index.selection.blocks(index.store)():
             fresh = ~np.isin(ids, index.indexed_ids)
             if fresh.any():
-                index.faiss_index.add(ids[fresh], index.space.rows(torch.from_numpy(vectors[fresh])).numpy())
+                index.faiss_index.add(ids[fresh], index.first_stage(vectors[fresh], rows=True))
                 index._gpu_copy = None
                 index.indexed_ids = np.concatenate([index.indexed_ids, ids[fresh]])
     index.manifest.update(rows=rows, gradients_version=index.store.gradient_table(index.selection.run).version)
@@ -446,6 +466,8 @@ def load_index(store: StoreCore, fits: FitCache, name: str, *, missing_ok: bool 
             with store.files.local_directory(INDEXES, name, manifest.get(FAISS_FILES, FAISS_PREFIX)) as directory:
                 index.faiss_index = FaissIndex.load(directory, expected_manifest=manifest, mmap=False)
                 index.indexed_ids = np.load(directory / IDS_FILE, allow_pickle=False)
+                if manifest.get(FIRST_STAGE) == BALANCED:
+                    index.first_space = ScoringSpace(method, load_preconditioner(directory))
         except LowerIndexMismatchError as error:
             raise IndexMismatchError(error.differences) from error
         except (OSError, ValueError, RuntimeError) as error:

@@ -77,8 +77,9 @@ def _top_k_task(shard: Shard, job: _TopKJob) -> TopK:
 def faiss_parts(
     engine: Engine, shards: Sequence[Shard], space: ScoringSpace, trained: FaissIndex
 ) -> list[tuple[FaissIndex, np.ndarray]]:
-    """Per shard: a copy of the ``trained`` (empty) index holding the shard's prepared rows, and their ids
-    in the order added; merging them in shard order gives the index one process would build."""
+    """Per shard: a copy of the ``trained`` (empty) index holding the shard's balanced rows
+    (:meth:`~gradstore.scoring.ScoringSpace.balanced`), and their ids in the order added; merging them in shard
+    order gives the index one process would build."""
     return engine.map(_faiss_task, shards, (space, trained))
 
 
@@ -86,7 +87,7 @@ def _faiss_task(shard: Shard, job: tuple[ScoringSpace, FaissIndex]) -> tuple[Fai
     space, index = job
     added = [np.empty(0, np.int64)]
     for block in shard.blocks():
-        index.add(block.grad_ids, space.rows(torch.from_numpy(block.vectors)).numpy())
+        index.add(block.grad_ids, space.balanced(block.vectors).numpy())
         added.append(block.grad_ids)
     return index, np.concatenate(added)
 

@@ -37,6 +37,16 @@ class ScoringSpace:
         """Stored rows in the searched space (unchanged for query-side preconditioning)."""
         return rows if self.method.query_only else self._both(rows)
 
+    def balanced(self, vectors: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Queries and rows alike in one space whose inner product is the score: ``P^-1/2 v`` (unit-normalised
+        for ``unit_norm`` methods), float32, so ``score(q, g) = balanced(q) . balanced(g)`` for every method.
+
+        Approximate first stages search here: for query-side methods the rows as stored are anisotropic while
+        ``P^-1 q`` weights their low-variance directions most, so graphs, partitions and quantizers built over
+        the stored rows spend their resolution where the score does not look (``docs/scale.md``)."""
+        raw = torch.as_tensor(np.asarray(vectors, dtype=np.float32)) if isinstance(vectors, np.ndarray) else vectors
+        return self._both(raw.to(torch.float32))
+
     def _both(self, vectors: torch.Tensor) -> torch.Tensor:
         """``P^-1/2 v``, unit-normalised for ``unit_norm`` methods (zero vectors stay zero), float32."""
         whitened = self.preconditioner.apply_both(vectors).to(torch.float32)

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pandas as pd
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
@@ -120,6 +121,19 @@ def test_attribution_commands(tmp_path):
     assert selected.exit_code == 0 and pq.read_table(chosen).num_rows == 4
     index = runner.invoke(app, ["build-index", str(path), "--run", "demo", "--kind", "Flat"])
     assert index.exit_code == 0 and json.loads(index.output)["recall_at_10"] == 1.0
+    graph = runner.invoke(
+        app, ["build-index", str(path), "--run", "demo", "--method", "fisher", "--kind", "HNSW8,Flat"]
+    )
+    assert graph.exit_code == 0 and json.loads(graph.output)["recall_at_10"] == 1.0  # a small graph: all searched
+    two_stage = runner.invoke(
+        app,
+        ["attribute", str(path), "--run", "demo", "--queries", query, "-k", "3", "--method", "fisher"]
+        + ["--kind", "HNSW8,Flat", "--rerank", "2", "--out", str(tmp_path / "graph.parquet")],
+    )
+    assert two_stage.exit_code == 0, two_stage.output
+    exact = pq.read_table(out).filter(pc.greater(pq.read_table(out).column("rank"), 0)).sort_by("rank")
+    graph_rows = pq.read_table(tmp_path / "graph.parquet").sort_by("rank")
+    assert graph_rows.column("grad_id").to_pylist() == exact.column("grad_id").to_pylist()
     missing = runner.invoke(app, ["attribute", str(path), "--run", "demo", "--queries", "nope"])
     assert missing.exit_code == 1 and "nope" in missing.output
 

@@ -1,7 +1,8 @@
-"""FAISS indexes: Flat == exact, IVF recall on captured gradients, persistence, manifests, GPU (skips)."""
+"""FAISS indexes: Flat == exact, IVF recall on captured gradients, HNSW, persistence, manifests, GPU (skips)."""
 
 from __future__ import annotations
 
+import pickle
 import sys
 
 import numpy as np
@@ -23,7 +24,7 @@ from indexers import (
     recall_at_k,
     require_faiss,
 )
-from indexers.faiss_index import GPU_MAX_K, sample_rows
+from indexers.faiss_index import DEFAULT_EF_SEARCH, GPU_MAX_K, sample_rows
 from indexers.recall import ivf_nlist
 
 MANIFEST = {
@@ -195,3 +196,31 @@ def test_gpu_search_matches_cpu_and_large_k_falls_back(random_rows, factory: str
     with pytest.warns(UserWarning, match="GPU limit"):
         _, found = gpu.search(queries, GPU_MAX_K + 1)
     assert found.shape == (6, GPU_MAX_K + 1)
+
+
+def test_hnsw_ef_search_persists_and_keeps_at_least_k(tmp_path, random_rows) -> None:
+    ids, vectors, queries = random_rows
+    index = FaissIndex("HNSW8,Flat", 32)
+    assert index.graph and index.ef_search == DEFAULT_EF_SEARCH and index.nprobe is None and not index.mergeable
+    assert not FaissIndex("Flat", 32).graph and FaissIndex("Flat", 32).ef_search is None
+    with pytest.raises(ValueError, match="ef_search"):
+        index.ef_search = 0
+    index.add(ids, vectors)
+    index.ef_search = 1  # a search still keeps k candidates
+    scores, found = index.search(queries, 50)
+    assert (found >= 0).all() and found.shape == (6, 50)
+    assert (np.diff(scores, axis=1) <= 0).all()
+    index.ef_search = 500  # the whole graph: exact
+    _, exact_ids = ExactIndex(device="cpu").search(queries, (ids, vectors), 10)
+    np.testing.assert_array_equal(index.search(queries, 10)[1], exact_ids)
+    index.save(tmp_path / "hnsw", MANIFEST)
+    for mmap in (True, False):
+        loaded = FaissIndex.load(tmp_path / "hnsw", mmap=mmap)
+        assert loaded.graph and loaded.ef_search == 500
+        np.testing.assert_array_equal(loaded.search(queries, 10)[1], exact_ids)
+    loaded.add(ids[:5] + 10_000, vectors[:5] * 100)  # incremental: reachable in the graph
+    assert loaded.ntotal == 505 and set(loaded.search(vectors[:5] * 100, 1)[1].ravel()) == set(ids[:5] + 10_000)
+    copy = pickle.loads(pickle.dumps(loaded))  # what a Ray task gets
+    assert copy.graph and copy.ef_search == 500 and copy.ntotal == 505
+    with pytest.raises(ValueError, match="cannot merge"):
+        copy.merge_from(loaded)

@@ -121,3 +121,61 @@ def test_rerank_drops_candidates_deleted_since_the_build(tmp_path):
     want = torch.topk(exact, 10, dim=1)
     np.testing.assert_array_equal(got, ids[want.indices.numpy()])
     np.testing.assert_allclose(scores, want.values.numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["fisher", "diagonal", "kfac", "ekfac", "grad-dot", "trackstar"])
+def test_faiss_holds_balanced_rows_whose_inner_products_are_the_scores(clustered, method):
+    store, queries = clustered
+    exact = store.build_index("run", method=method)
+    flat = store.build_index("run", method=method, kind="Flat")
+    assert flat.manifest["first_stage"] == "balanced"
+    rows = store.read_gradients("run").vectors
+    balanced = flat.first_stage(queries, rows=False) @ flat.first_stage(rows, rows=True).T
+    np.testing.assert_allclose(
+        balanced, exact.space.scores(exact.prepare_queries(queries), torch.from_numpy(rows)), rtol=1e-4, atol=1e-4
+    )
+    want_scores, want = exact.search(queries, 10)
+    got_scores, got = flat.search(queries, 10)  # FAISS alone, no re-rank
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got_scores, want_scores, rtol=1e-4, atol=1e-4)
+
+
+def test_hnsw_two_stage_equals_exact_after_reload_and_append(tmp_path):
+    store, queries = _clustered_store(tmp_path / "store")
+    graph = store.build_index("run", method="fisher", kind="HNSW16,Flat", name="graph")
+    assert graph.faiss_index.graph and graph.faiss_index.ef_search == 128
+    exact = store.build_index("run", method="fisher")
+    want_scores, want = exact.search(queries, 10)
+    scores, got = graph.search(queries, 10, rerank=2)
+    assert recall_at_k(got, want) >= 0.95  # 1.0 here
+    rows = _stored(store)
+    prepared = exact.prepare_queries(queries).numpy()
+    for query, ids, values in zip(prepared, got, scores):  # re-ranked: exact scores of the stored rows
+        np.testing.assert_allclose(values, [query @ rows[i] for i in ids], rtol=1e-5, atol=1e-5)
+    reloaded = store.index("graph")
+    assert reloaded.faiss_index.graph and reloaded.faiss_index.ef_search == 128
+    assert recall_at_k(reloaded.search(queries, 10, rerank=2)[1], want) >= 0.95
+
+    rng = np.random.default_rng(5)
+    fresh = (queries[:4, None] * 3 + rng.standard_normal((4, 5, DIM))).reshape(20, DIM).astype(np.float32)
+    with store.writer("run") as writer:  # rows near the queries: the new best answers of the first 4 queries
+        writer.append(fresh, [f"y{i:04d}" for i in range(20)], checkpoint="train", split="train")
+    appended = store.build_index("run", method="fisher", kind="HNSW16,Flat", name="graph")  # the same fit
+    assert appended.faiss_index.ntotal == appended.manifest["rows"] == 1220
+    exact = store.build_index("run", method="fisher")
+    want_scores, want = exact.search(queries, 10)
+    new_ids = set(np.setdiff1d(list(_stored(store)), list(rows)).tolist())
+    assert set(want[:4].ravel().tolist()) & new_ids  # the appended rows matter
+    scores, got = appended.search(queries, 10, rerank=2)
+    assert recall_at_k(got, want) >= 0.95
+    np.testing.assert_allclose(scores[got == want], want_scores[got == want], rtol=1e-5)
+    # the rows were refitted, the indexed rows were not moved: FAISS searches in the space of the build's fit
+    assert store.fits.fitted == 2
+    every = _stored(store)
+    alone_scores, alone = appended.search(queries, 10)
+    first = appended.first_stage(queries, rows=False)
+    for query, ids, values in zip(first, alone, alone_scores):
+        np.testing.assert_allclose(
+            values, appended.first_stage(np.stack([every[i] for i in ids]), rows=True) @ query, rtol=1e-4
+        )
+    np.testing.assert_array_equal(store.index("graph").first_stage(queries, rows=False), first)
