@@ -153,10 +153,11 @@ def test_choose_index_kind_rule() -> None:
     assert ivf_nlist(6000) == 128 and ivf_nlist(1_000_000) == 4096 and ivf_nlist(10) == 1
     speed = {"flops_per_s": 1e11}  # 200k x 4096 x 64 queries: 1.05 s estimated
     assert choose_index_kind(150_000, 4096, **speed) == "exact"
-    assert choose_index_kind(200_000, 4096, **speed) == "IVF2048,Flat"
-    assert choose_index_kind(200_000, 4096, memory_budget_bytes=2 * 2**30, **speed) == "IVF2048,SQfp16"
+    assert choose_index_kind(200_000, 4096, **speed) == "HNSW32,SQfp16"  # 1.7 GB of fp16 rows + links
+    assert choose_index_kind(200_000, 4096, memory_budget_bytes=2 * 2**30, **speed) == "HNSW32,SQfp16"
     assert choose_index_kind(200_000, 4096, memory_budget_bytes=2**30, **speed) == "IVF2048,PQ256"
-    assert choose_index_kind(10_000, 100, time_budget_s=0.0) == "IVF256,Flat"
+    assert choose_index_kind(10_000, 100, time_budget_s=0.0) == "HNSW32,SQfp16"
+    assert choose_index_kind(10_000, 100, time_budget_s=0.0, memory_budget_bytes=10**6) == "IVF256,PQ5"
 
 
 def test_recall_at_k() -> None:
