@@ -1,8 +1,10 @@
 """The bfloat16 encoding (bf16 unit rows as uint16 bit patterns + float32 norm): the store's accuracy rule,
 exact search against float32, the encoding read from the table's field tag (old untagged stores still read,
-unknown tags refused), verify and SQL on such a store."""
+unknown tags refused), verify and SQL on such a store, and the read-ahead of its rows."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 import gradstore
+import gradstore.index as index_module
 from gradstore.core import schema as S
 from gradstore.core.stored_rows import stored_blocks
 from gradstore.core.vectors import (
@@ -23,6 +26,7 @@ from gradstore.core.vectors import (
     vector_field,
 )
 from gradstore.errors import GradstoreError, StoreCorruptError
+from indexers import UNIT_BF16_NORM, ExactIndex, prefetched
 
 DIM = 4096
 
@@ -184,3 +188,38 @@ def test_unknown_or_contradictory_encodings_are_refused(tmp_path, monkeypatch) -
     assert reopened.runs().num_rows == 1  # the rest of the store stays readable
     with pytest.raises(GradstoreError, match="float8_e4m3"):
         reopened.read_gradients("r")
+
+
+def test_read_ahead_of_stored_rows_same_results_errors_raised_no_thread_left(tmp_path, monkeypatch) -> None:
+    """The first search reads the bf16 rows with a read-ahead thread: the same top-k as reading in line; a
+    failure while reading reaches the caller, leaves nothing in the row cache and no thread behind."""
+    store = gradstore.open(tmp_path / "s", storage_dtype="bfloat16")
+    vectors = _rows(700, 64, seed=9)
+    _write(store, "r", vectors, checkpoint="train")
+    queries = _rows(4, 64, seed=10)
+    source = stored_blocks(store, "r", "train", "train", block_rows=128)
+    kernel = ExactIndex(block_rows=256, max_norm=UNIT_BF16_NORM)
+    inline = kernel.search(queries, source, 5)
+    ahead = kernel.search(queries, prefetched(source, depth=2), 5)
+    np.testing.assert_array_equal(ahead[1], inline[1])
+    np.testing.assert_array_equal(ahead[0], inline[0])
+
+    def failing(*args, **kwargs):
+        blocks = stored_blocks(*args, **{**kwargs, "block_rows": 128})
+
+        def source():
+            for number, block in enumerate(blocks()):
+                if number == 2:
+                    raise OSError("lance: data file unreadable")
+                yield block
+
+        return source
+
+    before = threading.active_count()
+    monkeypatch.setattr(index_module, "stored_blocks", failing)
+    with pytest.raises(OSError, match="unreadable"):
+        store.attribute(queries, run="r", k=5, write=False)
+    assert store.build_index("r").cached_rows() is None and threading.active_count() == before
+    monkeypatch.undo()
+    found = store.attribute(queries, run="r", k=5, write=False).column("grad_id").to_numpy().reshape(4, 5)
+    np.testing.assert_array_equal(found, inline[1])
