@@ -1,21 +1,22 @@
-"""W-query: exact top-10 search over the store's own rows (default float16 encoding), 50,000 and 200,000 x 4,096.
+"""W-query: exact top-10 search over the store's own rows (default encoding), 50,000 and 200,000 x 4,096.
 
-For each size, in one process: N(0,1) float32 rows are encoded as the store encodes them (float16 unit rows
-and a float32 norm) and written to a store on disk. These arms then alternate step by step (paired, the order
-rotating every step) after a warm-up, and the median of each arm and of each paired ratio is reported:
+For each size, in one process: N(0,1) float32 rows are encoded as the store encodes them (the default float16
+unit rows and a float32 norm, or ``--storage-dtype bfloat16``/``float32``) and written to a store on disk.
+These arms then alternate step by step (paired, the order rotating every step) after a warm-up, and the
+median of each arm and of each paired ratio is reported:
 
 - ``torch fp32``: ``torch.topk(X @ Q.T)`` over the decoded float32 rows (the reference of the target);
 - ``exact float32 kernel``: :class:`ExactIndex` with ``kernel="float32"`` over the same rows;
 - ``exact bf16 kernel, store rows prepared``: the kernel over the rows the store's row cache holds for the
-  attribution index (float16 unit rows + norms and their bf16 copy, read and prepared once): **the headline**,
-  ``exact_store_vs_torch_fp32``;
-- ``exact float32 kernel, float16 -> float32 blocks``: the same rows upcast block by block (what a search
+  attribution index (float16 unit rows + norms and their bf16 copy, or bfloat16 rows as read + norms; read and
+  prepared once): **the headline**, ``exact_store_vs_torch_fp32``;
+- ``exact float32 kernel, stored -> float32 blocks``: the same rows upcast block by block (what a search
   streamed from disk computes when the rows exceed the row cache's budget);
 - ``bf16 GEMM + topk, rows already bf16``: the kernel limit (no exactness guarantee);
 - ``store.attribute from disk, repeat call``: end to end (index, fit, queries, search over the cached rows,
   example ids, result table; ``write=False``), against the in-memory search: target ``<= 1.2``;
 - ``store.attribute from disk, first call``: the same with the row cache emptied first (Lance read with
-  read-ahead, bf16 preparation, search), in the first ``--cold-steps`` steps only.
+  read-ahead, bf16 preparation of float16 rows, search), in the first ``--cold-steps`` steps only.
 
 FAISS ``Flat`` is timed after the paired steps. Above the last line: ``attribute_disk_vs_memory=<x> target<=1.2``
 (the larger of the sizes' median paired ratios, repeat calls). The last line is ``RESULT
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 import gradstore
-from gradstore.core.vectors import encode_rows
+from gradstore.core.vectors import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES, decode, encode
 from indexers import ExactIndex, FaissIndex, recall_at_k, require_faiss
 from indexers.screening import fast_bfloat16_matmul
 from ingest.projection import LayerSlot, ProjectionSpec
@@ -48,7 +49,7 @@ K = 10
 TORCH = "torch fp32 topk(X @ Q.T)"
 FP32 = "exact float32 kernel"
 STORE = "exact bf16 kernel, store rows prepared"
-TILES32 = "exact float32 kernel, float16 -> float32 blocks"
+TILES32 = "exact float32 kernel, stored -> float32 blocks"
 LIMIT = "bf16 GEMM + topk, rows already bf16"
 DISK = "store.attribute from disk, repeat call"
 COLD = "store.attribute from disk, first call"
@@ -67,16 +68,15 @@ def standard_normal(rows: int, dim: int, seed: int, chunk: int = 16384) -> np.nd
     return out.numpy()
 
 
-def as_stored(x: np.ndarray, chunk: int = 16384) -> None:
-    """Overwrite ``x`` with what the store's float32 reader returns for it (float16 unit rows x float32 norm)."""
+def as_stored(x: np.ndarray, dtype: str, chunk: int = 16384) -> None:
+    """Overwrite ``x`` with what the store's float32 reader returns for it when stored as ``dtype``."""
     for start in range(0, len(x), chunk):
-        values, norms = encode_rows(x[start : start + chunk], "float16")
-        x[start : start + chunk] = values.astype(np.float32) * norms[:, None]
+        x[start : start + chunk] = decode(*encode(x[start : start + chunk], dtype), dtype)
 
 
-def write_store(root: Path, x: np.ndarray, chunk: int = 8192) -> gradstore.GradStore:
-    """A store on disk holding ``x`` as run ``bench`` (checkpoint ``train``, split ``train``)."""
-    store = gradstore.open(root)
+def write_store(root: Path, x: np.ndarray, dtype: str, chunk: int = 8192) -> gradstore.GradStore:
+    """A store on disk holding ``x`` as run ``bench`` (checkpoint ``train``, split ``train``), stored as ``dtype``."""
+    store = gradstore.open(root, storage_dtype=dtype)
     spec = ProjectionSpec(0, "none", (LayerSlot("w", "linear", 64, 64, None, None, "exact", 0, x.shape[1], False),))
     store.create_run("bench", dim=x.shape[1], projection=spec.to_dict())
     with store.writer("bench") as writer:
@@ -97,16 +97,16 @@ def one_size(rows: int, args: argparse.Namespace, root: Path) -> tuple[dict[str,
     log(f"{rows} rows: generating and encoding")
     x = standard_normal(rows, args.dim, seed=0)
     q = standard_normal(args.queries, args.dim, seed=1)
-    as_stored(x)
+    as_stored(x, args.storage_dtype)
     log(f"{rows} rows: writing the store")
-    store = write_store(root / f"s{rows}", x)
+    store = write_store(root / f"s{rows}", x, args.storage_dtype)
     times = paired_arms(x, q, store, args.steps, args.cold_steps)
     medians = {name: statistics.median(values) for name, values in times.items()}
     ratios = {
         "store / torch fp32": paired(times, STORE, TORCH),
         "disk repeat / in-memory": paired(times, DISK, STORE),
         "disk first / in-memory": paired(times, COLD, STORE),
-        "float16 -> float32 blocks / in-memory": paired(times, TILES32, STORE),
+        "stored -> float32 blocks / in-memory": paired(times, TILES32, STORE),
     }
     log(f"{rows} rows: FAISS Flat")
     flat = FaissIndex("Flat", args.dim)
@@ -184,13 +184,15 @@ def main() -> None:
     parser.add_argument("--cold-steps", type=int, default=3)
     parser.add_argument("--faiss-steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=DEFAULT_STORAGE_DTYPE)
     args = parser.parse_args()
     faiss = require_faiss()
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
     kernel = ExactIndex(device="cpu").kernel
     print(
-        f"W-query: float16 store rows x {args.dim}, {args.queries} queries, top-{K}, {args.threads} threads; "
+        f"W-query: {args.storage_dtype} store rows x {args.dim}, {args.queries} queries, top-{K}, "
+        f"{args.threads} threads; "
         f"native bf16 matmul: {fast_bfloat16_matmul()} (kernel='auto' runs {kernel}); medians of "
         f"{args.steps} paired steps (FAISS: {args.faiss_steps})"
     )

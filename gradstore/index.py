@@ -47,6 +47,7 @@ from gradstore.rerank import rerank as exact_rerank
 from gradstore.scans import TopK, faiss_parts, top_k
 from gradstore.scoring import ScoringSpace
 from indexers import (
+    UNIT_BF16_NORM,
     ExactIndex,
     FaissIndex,
     PreparedRows,
@@ -165,7 +166,7 @@ class AttributionIndex:
         engine = engine or LocalEngine()
         if isinstance(engine, LocalEngine):  # stream the stored rows with read-ahead, or search the cache
             rows = self._rows()
-            return {side: ExactIndex().search(prepared, rows, k, largest=side) for side in sides}
+            return {side: self._exact().search(prepared, rows, k, largest=side) for side in sides}
         shards = self.selection.shards(self.store, engine.parallelism)
         return top_k(engine, shards, self.space, prepared, k, sides)
 
@@ -187,11 +188,10 @@ class AttributionIndex:
         cached = cache.get(key)
         if cached is not None:
             return cached
-        kernel = ExactIndex()
-        stored_bytes = 2 if self.method.query_only and self.store.storage_dtype == "float16" else 4
-        per_value = stored_bytes + 2 if kernel.kernel == "bfloat16" else 4  # the rows (+ their bf16 copy)
-        nbytes = self.selection.count(self.store) * self.manifest["dim"] * per_value
-        if self.method.query_only:  # rows searched as stored: the kernel reads float16 tiles itself
+        kernel = self._exact()
+        stored = self.store.storage_dtype if self.method.query_only else "float32"
+        nbytes = self.selection.count(self.store) * self.manifest["dim"] * prepared_bytes(stored, kernel.kernel)
+        if self.method.query_only:  # rows searched as stored: the kernel converts (or screens) them itself
             source = stored_blocks(self.store, *astuple(self.selection), block_rows=READ_BLOCK_ROWS)
         else:
             source = prepared_source(self.space, self.selection.blocks(self.store, READ_BLOCK_ROWS))
@@ -200,6 +200,12 @@ class AttributionIndex:
         prepared = kernel.prepare_blocks(prefetched(source))
         cache.put(key, prepared, nbytes)
         return prepared
+
+    def _exact(self) -> ExactIndex:
+        """The exact kernel for this index's rows: rows searched as stored in the bfloat16 encoding are unit rows
+        rounded to bf16, so their norms are known without measuring them."""
+        bf16_units = self.method.query_only and self.store.storage_dtype == "bfloat16"
+        return ExactIndex(block_rows=READ_BLOCK_ROWS, max_norm=UNIT_BF16_NORM if bf16_units else None)
 
     def cached_rows(self) -> PreparedRows | None:
         """The rows an exact search of this index finds in the store's row cache now (``None``: the next search
@@ -266,6 +272,14 @@ class AttributionIndex:
         for child in files.children(INDEXES, self.name):
             if child.startswith(FAISS_PREFIX) and child != self.manifest.get(FAISS_FILES):
                 files.remove(INDEXES, self.name, child)
+
+
+def prepared_bytes(stored: str, kernel: str) -> int:
+    """Bytes a value of rows stored as ``stored`` takes once prepared for ``kernel``: float32 rows for the float32
+    kernel; the rows plus their bf16 copy for the bfloat16 kernel, or the rows alone when they are bf16."""
+    if kernel == "float32":
+        return 4
+    return {"bfloat16": 2, "float16": 4}.get(stored, 6)
 
 
 def prepared_source(space: ScoringSpace, source: VectorBlocks) -> VectorBlocks:

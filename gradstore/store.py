@@ -387,9 +387,10 @@ def open_store(
 ) -> GradStore:
     """Create or open the store at ``uri`` (a local directory or an object-store URI such as ``s3://bucket/x``).
 
-    ``storage_dtype`` (``"float16"`` default, or ``"float32"``) applies when the gradients table is created;
-    asking for a different one on an existing store is an error. ``read_consistency`` is how stale a read
-    may be (0: always see other writers' latest commits). ``storage_options``: endpoint and credentials of
+    ``storage_dtype`` (``"float16"`` default, ``"bfloat16"`` or ``"float32"``; see :mod:`gradstore.core.vectors`)
+    applies when the gradients table is created; asking for a different one on an existing store is an error.
+    ``read_consistency`` is how stale a read may be (0: always see other writers' latest commits).
+    ``storage_options``: endpoint and credentials of
     an object store (Lance's names: ``aws_endpoint``, ``aws_access_key_id``, ``aws_secret_access_key``,
     ``aws_region``, ``allow_http``, ...); when not given for an ``s3://`` store they are read from the
     standard AWS environment variables. Tables and side files use the same options.

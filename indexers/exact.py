@@ -18,6 +18,9 @@ from indexers.screening import (
 )
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+#: An upper bound of the norm of a float32 unit vector rounded to bfloat16 (each entry moves by at most 2**-8 of
+#: itself; the rest covers the float32 rounding of the unit vector's own scaling, with a wide margin).
+UNIT_BF16_NORM = 1 + 2**-6
 
 
 class PreparedRows:
@@ -42,12 +45,23 @@ class ExactIndex:
     bfloat16 on a CPU with native bf16 matmul (AVX-512 BF16 / AMX), float32 elsewhere; :attr:`kernel` says
     which one runs. The bf16 screen runs on :class:`PreparedRows` and on bf16 blocks; streamed float16 and
     float32 blocks are scored in float32 by either kernel (a bf16 copy made for one search costs more than
-    it saves).
+    it saves). ``max_norm``, when given, is an upper bound of every stored row's norm (before its scale) that
+    the caller guarantees, e.g. :data:`UNIT_BF16_NORM` for unit rows rounded to bf16: the bfloat16 kernel then
+    screens bf16 rows without measuring their norms (a pass over the rows that costs about a bf16 GEMM).
     """
 
-    def __init__(self, device: str | torch.device | None = None, block_rows: int = 65536, kernel: str = "auto"):
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        block_rows: int = 65536,
+        kernel: str = "auto",
+        max_norm: float | None = None,
+    ):
         if block_rows < 1:
             raise ValueError("block_rows must be >= 1")
+        if max_norm is not None and not max_norm >= 0:
+            raise ValueError(f"max_norm must be a non-negative bound of the row norms, got {max_norm}")
+        self.max_norm = max_norm
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -136,7 +150,7 @@ class ExactIndex:
         """One block of :meth:`prepare`: float32 rows, or a :class:`ScreenedBlock` for the bf16 kernel."""
         ids_t, scales_t = torch.from_numpy(ids).to(self.device), as_scales(scales, self.device)
         if self.kernel == "bfloat16":
-            return screened_block(ids_t, as_tensor(vectors, None, self.device), scales_t)
+            return screened_block(ids_t, as_tensor(vectors, None, self.device), scales_t, self.max_norm)
         return ids_t, as_tensor(vectors, torch.float32, self.device), scales_t
 
     def _streamed(self, source: VectorBlocks, transform: Transform | None) -> Iterator:
@@ -151,7 +165,7 @@ class ExactIndex:
                 scales_t = as_scales(None if scales is None else scales[part], self.device)
                 raw = as_tensor(vectors[part], None, self.device)
                 if self.kernel == "bfloat16" and raw.dtype == torch.bfloat16 and transform is None:
-                    yield screened_block(ids_t, raw, scales_t)
+                    yield screened_block(ids_t, raw, scales_t, self.max_norm)
                     continue
                 raw, upcast = _reused(upcast, raw, torch.float32)
                 yield ids_t, (raw if transform is None else transform(raw).to(torch.float32)), scales_t

@@ -94,12 +94,20 @@ class ScreenedBlock:
         return len(self.ids)
 
 
-def screened_block(ids: torch.Tensor, exact: torch.Tensor, scales: torch.Tensor | None) -> ScreenedBlock:
+def screened_block(
+    ids: torch.Tensor, exact: torch.Tensor, scales: torch.Tensor | None, max_norm: float | None = None
+) -> ScreenedBlock:
     """Make the bf16 copy, the row norms and the rows' bf16 rounding errors, one float32 tile at a time
-    (converted once, then rounded and measured while it is hot)."""
+    (converted once, then rounded and measured while it is hot). bf16 rows are their own screen (no rounding
+    error); their norms are measured the same way (torch's bf16 reductions are several times slower than
+    converting), or, given ``max_norm`` (an upper bound of every row's norm the caller guarantees), not at all:
+    the bound needs no more than an upper bound of each norm."""
     rows = exact.shape[0]
     if exact.dtype == torch.bfloat16:
-        norms = torch.linalg.vector_norm(exact, dim=1, dtype=torch.float32)
+        if max_norm is not None:
+            norms = torch.full((rows,), max_norm, dtype=torch.float32, device=exact.device)
+        else:
+            norms = _row_norms(exact)
         return ScreenedBlock(ids, exact, scales, exact, norms, torch.zeros_like(norms))
     screen = torch.empty(exact.shape, dtype=torch.bfloat16, device=exact.device)
     norms = torch.empty(rows, dtype=torch.float32, device=exact.device)
@@ -115,6 +123,18 @@ def screened_block(ids: torch.Tensor, exact: torch.Tensor, scales: torch.Tensor 
         torch.linalg.vector_norm(values, dim=1, out=norms[part])
         torch.linalg.vector_norm(error[:n].copy_(screen[part]).sub_(values), dim=1, out=residuals[part])
     return ScreenedBlock(ids, exact, scales, screen, norms, residuals)
+
+
+def _row_norms(rows: torch.Tensor) -> torch.Tensor:
+    """float32 norms of low-precision rows, converted to float32 one tile at a time."""
+    norms = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
+    tile_rows = max(1, TILE_ELEMENTS // max(1, rows.shape[1]))
+    tile = torch.empty(min(rows.shape[0], tile_rows), rows.shape[1], dtype=torch.float32, device=rows.device)
+    for start in range(0, rows.shape[0], tile_rows):
+        part = slice(start, start + tile_rows)
+        n = min(rows.shape[0], start + tile_rows) - start
+        torch.linalg.vector_norm(tile[:n].copy_(rows[part]), dim=1, out=norms[part])
+    return norms
 
 
 class ScreenedQueries:

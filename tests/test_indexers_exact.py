@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from indexers import CosinePreconditioner, ExactIndex, blocks_from_arrays
+from indexers import UNIT_BF16_NORM, CosinePreconditioner, ExactIndex, blocks_from_arrays
 from indexers.screening import fast_bfloat16_matmul
 
 
@@ -280,3 +280,44 @@ def test_screen_bookkeeping_runs_on_one_thread_and_restores_the_count() -> None:
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_bf16_unit_rows_with_a_known_norm_bound_search_like_measured_ones(largest: bool) -> None:
+    """``max_norm`` (unit rows rounded to bf16, e.g. the store's bfloat16 rows) skips measuring the norms and
+    changes nothing: prepared, streamed and measured searches all give the float32 result over the bf16 rows."""
+    rng = np.random.default_rng(11)
+    unit = rng.standard_normal((2500, 256)).astype(np.float32)
+    unit[::5] = unit[1::5] + 1e-3 * unit[::5]  # near ties
+    unit /= np.linalg.norm(unit, axis=1, keepdims=True)
+    unit[7] = 0.0
+    rows = torch.from_numpy(unit).bfloat16()
+    scales = np.logspace(-8, 2, 2500).astype(np.float32)
+    ids = np.arange(2500, dtype=np.int64)
+    queries = rng.standard_normal((9, 256)).astype(np.float32)
+    known = ExactIndex(device="cpu", kernel="bfloat16", block_rows=700, max_norm=UNIT_BF16_NORM)
+    measured = ExactIndex(device="cpu", kernel="bfloat16", block_rows=700)
+    assert (known.prepare(ids, rows, scales).blocks[0].norms == UNIT_BF16_NORM).all()
+    expected = ExactIndex(device="cpu", kernel="float32").search(
+        queries, (ids, rows.float() * torch.from_numpy(scales)[:, None]), 8, largest
+    )
+    for index in (known, measured):
+        for source in (index.prepare(ids, rows, scales), lambda: iter([(ids, rows, scales)])):
+            found = index.search(queries, source, 8, largest)
+            np.testing.assert_array_equal(found[1], expected[1])
+            np.testing.assert_allclose(found[0], expected[0], rtol=1e-5, atol=1e-6 * np.abs(expected[0]).max())
+    with pytest.raises(ValueError, match="max_norm"):
+        ExactIndex(device="cpu", max_norm=-1.0)
+
+
+def test_unit_bf16_norm_bounds_every_unit_row_rounded_to_bf16() -> None:
+    rng = np.random.default_rng(12)
+    rows = [rng.standard_normal((400, d)) * rng.uniform(1e-8, 1e3, (400, 1)) for d in (1, 3, 16, 4096)]
+    rows += [np.full((1, d), 1.0) for d in range(1, 300)]  # every entry rounded the same way
+    for block in rows:
+        block = block.astype(np.float32)
+        unit = torch.from_numpy(
+            block / np.linalg.norm(block.astype(np.float64), axis=1, keepdims=True).astype(np.float32)
+        )
+        norms = torch.linalg.vector_norm(unit.bfloat16().double(), dim=1)
+        assert (norms <= (1 + 2**-8) * (1 + 1e-6)).all() and (norms <= UNIT_BF16_NORM).all()

@@ -17,7 +17,7 @@ def _rows(n: int, dim: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal((n, dim)) * scale).astype(np.float32)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_vectors_and_metadata_round_trip(store_path, dtype):
     store = gradstore.open(store_path, storage_dtype=dtype)
     store.create_run("r", dim=24, projection={"kind": "test"})
@@ -46,7 +46,7 @@ def test_vectors_and_metadata_round_trip(store_path, dtype):
     order = np.argsort(block.grad_ids)
     assert block.grad_ids[order].tolist() == sorted(grad_ids.tolist())
     got = block.vectors[order]
-    tolerance = 2e-3 if dtype == "float16" else 0
+    tolerance = {"float16": 2e-3, "bfloat16": 8e-3}.get(dtype, 0)
     np.testing.assert_allclose(got, vectors, rtol=tolerance, atol=tolerance * np.abs(vectors).max())
     meta = block.metadata.take(pa.array(order)).to_pydict()
     assert meta["example_id"] == ids

@@ -1,10 +1,11 @@
-"""Search over rows as stored (float16 unit rows + norm, or float32): same rows as the decoded reader, and the
-streamed first search, the cached later ones and a never-cached index all return the same top-k."""
+"""Search over rows as stored (float16 or bfloat16 unit rows + norm, or float32): same rows as the decoded reader,
+and the streamed first search, the cached later ones and a never-cached index all return the same top-k."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import gradstore
 from gradstore.core.stored_rows import stored_blocks
@@ -30,20 +31,25 @@ def _store(path, dtype: str, rows: int = 300):
     return store
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_stored_blocks_hold_the_decoded_rows(tmp_path, dtype: str) -> None:
     store = _store(tmp_path / "s", dtype)
     decoded = store.read_gradients("r", checkpoint="c", split="train", columns=())
     blocks = list(stored_blocks(store, "r", "c", "train", block_rows=100)())
     assert [len(block[0]) for block in blocks] == [100, 100, 100]
-    assert all(len(block) == (3 if dtype == "float16" else 2) for block in blocks)
-    rows = np.concatenate([b[1].astype(np.float32) * (b[2][:, None] if len(b) == 3 else 1) for b in blocks])
+    assert all(len(block) == (2 if dtype == "float32" else 3) for block in blocks)
+    rows = np.concatenate(
+        [torch.as_tensor(b[1]).float().numpy() * (b[2][:, None] if len(b) == 3 else 1) for b in blocks]
+    )
     np.testing.assert_array_equal(np.concatenate([b[0] for b in blocks]), decoded.grad_ids)
     np.testing.assert_allclose(rows, decoded.vectors, rtol=1e-6)
     assert list(stored_blocks(store, "r", "c", "train", where="example_id = 'none'")()) == []
 
 
-@pytest.mark.parametrize(("method", "dtype"), [("grad-dot", "float16"), ("grad-dot", "float32"), ("cosine", "float16")])
+@pytest.mark.parametrize(
+    ("method", "dtype"),
+    [("grad-dot", "float16"), ("grad-dot", "bfloat16"), ("grad-dot", "float32"), ("cosine", "float16")],
+)
 def test_streamed_cached_and_uncached_searches_agree(tmp_path, method: str, dtype: str) -> None:
     store = _store(tmp_path / "s", dtype)
     queries = np.random.default_rng(1).standard_normal((5, DIM)).astype(np.float32)

@@ -220,7 +220,7 @@ class StoreCore:
     def storage_dtype(self) -> str:
         """Storage dtype of the vector column (see :mod:`gradstore.core.vectors`); one per store."""
         if self.gradient_tables.primary_dim() is not None:
-            return storage_dtype_of(self.table(S.GRADIENTS).schema.field(S.VECTOR_COLUMN).type)
+            return storage_dtype_of(self.table(S.GRADIENTS).schema.field(S.VECTOR_COLUMN))
         return self._storage_dtype
 
     def create_run(

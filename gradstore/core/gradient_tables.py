@@ -79,7 +79,7 @@ class GradientTables:
             self._create_table(S.GRADIENTS, S.gradients_schema(dim, storage_dtype))
         name = self.name_for_dim(dim)
         if not self._has_table(name):
-            stored = storage_dtype_of(self._open_table(S.GRADIENTS).schema.field(S.VECTOR_COLUMN).type)
+            stored = storage_dtype_of(self._open_table(S.GRADIENTS).schema.field(S.VECTOR_COLUMN))
             self._create_table(name, S.gradients_schema(dim, stored))
         return name
 

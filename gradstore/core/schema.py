@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from gradstore.core.vectors import vector_type
+from gradstore.core.vectors import vector_field
 from ingest import CaptureLabels
 
 FORMAT_KEY = b"gradstore.format"
@@ -81,7 +81,7 @@ def gradients_schema(dim: int, dtype: str) -> pa.Schema:
     return _tagged(
         GRADIENT_METADATA_FIELDS
         + [
-            pa.field(VECTOR_COLUMN, vector_type(dim, dtype), nullable=False),
+            vector_field(VECTOR_COLUMN, dim, dtype),
             pa.field(NORM_COLUMN, pa.float32(), nullable=False),
         ]
     )

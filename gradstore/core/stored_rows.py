@@ -1,8 +1,9 @@
 """Gradient rows as the store holds them, for search: no decoding to float32, no regrouping of Lance batches.
 
-The float16 layout (unit rows + a float32 norm) is handed over as ``(grad_ids, unit rows, norms)`` blocks,
-the :data:`indexers.VectorBlocks` form with scales, so the exact kernel converts each tile itself (to bf16 or
-float32) instead of the reader writing a float32 copy first; float32 rows come as ``(grad_ids, rows)``.
+The unit-row layouts (float16 or bfloat16 unit rows + a float32 norm) are handed over as ``(grad_ids, unit
+rows, norms)`` blocks, the :data:`indexers.VectorBlocks` form with scales, so the exact kernel converts each
+tile itself (to bf16 or float32) instead of the reader writing a float32 copy first, and bfloat16 rows reach
+its bf16 GEMM as read (a torch bfloat16 view of Lance's buffer); float32 rows come as ``(grad_ids, rows)``.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
 
 from gradstore.core import schema as S
 from gradstore.core.filters import gradient_filter
+from gradstore.core.vectors import UNIT_DTYPES, stored_values
 
 if TYPE_CHECKING:
     from gradstore.core.database import StoreCore
@@ -26,8 +27,9 @@ def stored_blocks(
 ) -> VectorBlocks:
     """A re-iterable source of the selected rows' stored values (rows are read-only views of Lance's buffers)."""
 
-    def source() -> Iterator[tuple[np.ndarray, ...]]:
-        scaled = store.storage_dtype != "float32"
+    def source() -> Iterator[tuple]:
+        dtype = store.storage_dtype
+        scaled = dtype in UNIT_DTYPES
         columns = ["grad_id", S.VECTOR_COLUMN] + ([S.NORM_COLUMN] if scaled else [])
         scanner = (
             store.gradient_table(run)
@@ -40,13 +42,7 @@ def stored_blocks(
             if batch.num_rows == 0:
                 continue
             ids = np.array(batch.column("grad_id").to_numpy())  # small copies: writable, unlike Arrow's buffers
-            rows = _values(batch.column(S.VECTOR_COLUMN))
+            rows = stored_values(batch.column(S.VECTOR_COLUMN), dtype)
             yield (ids, rows, np.array(batch.column(S.NORM_COLUMN).to_numpy())) if scaled else (ids, rows)
 
     return source
-
-
-def _values(column: pa.FixedSizeListArray) -> np.ndarray:
-    """``[n, dim]`` numpy view of a fixed-size list column (copied only when Arrow cannot share it)."""
-    dim = column.type.list_size
-    return column.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)

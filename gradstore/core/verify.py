@@ -60,14 +60,14 @@ def _scan(name: str, dataset: Any, block_rows: int, store: Any, report: VerifyRe
     rows = 0
     grad_ids: list[np.ndarray] = []
     runs: set[str] = set()
+    dtype = storage_dtype_of(dataset.schema.field(S.VECTOR_COLUMN)) if is_gradient_table(name) else None
     for batch in dataset.to_batches(batch_size=block_rows):
         rows += batch.num_rows
         if not is_gradient_table(name):
             continue
         grad_ids.append(batch.column("grad_id").to_numpy())
         runs.update(batch.column("run_id").unique().to_pylist())
-        column = batch.column(S.VECTOR_COLUMN)
-        vectors = decode(column, batch.column(S.NORM_COLUMN), storage_dtype_of(column.type))
+        vectors = decode(batch.column(S.VECTOR_COLUMN), batch.column(S.NORM_COLUMN), dtype)
         bad = np.flatnonzero(~np.isfinite(vectors).all(axis=1))
         if len(bad):
             ids = batch.column("example_id").take(pa.array(bad[:5])).to_pylist()
