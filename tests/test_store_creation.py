@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -107,3 +108,34 @@ def test_a_store_with_a_read_consistency_interval_sees_its_own_writes(store_path
     store.record_checkpoint("r", "c", step=3)
     store.add_examples([{"example_id": "a", "text": "x"}])
     assert (store.count(), store.count("examples"), store.checkpoints("r").num_rows) == (2, 1, 1)
+
+
+def _create_gradients_table(path: str, dim: int, barrier, results) -> None:
+    store = gradstore.open(path)
+    barrier.wait()
+    try:
+        store._create_table(S.GRADIENTS, S.gradients_schema(dim, "float16"))
+        results.put(("ok", dim))
+    except Exception as error:  # reported to the test
+        results.put(("error", repr(error)))
+
+
+def test_two_processes_creating_one_table_commit_exactly_one_first_version(tmp_path):
+    """Lance's ``create`` mode let a process that lost the race overwrite the winner's table as version 2
+    (5-7 of 40 races); creation must leave the first version alone and both creators must see one table."""
+    context = mp.get_context("spawn")  # forking a process that runs Lance's async runtime may deadlock
+    for trial in range(8):
+        path = str(tmp_path / f"store{trial}")
+        gradstore.open(path)
+        barrier, results = context.Barrier(2), context.Queue()
+        processes = [
+            context.Process(target=_create_gradients_table, args=(path, dim, barrier, results)) for dim in (8, 16)
+        ]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(120)
+        outcomes = [results.get(timeout=10) for _ in processes]
+        assert all(kind == "ok" for kind, _ in outcomes), outcomes
+        dataset = gradstore.open(path).table(S.GRADIENTS).to_lance()
+        assert dataset.version == 1, f"trial {trial}: the first version was overwritten"
