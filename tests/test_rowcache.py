@@ -3,7 +3,12 @@ the old entry; values over the budget are not kept."""
 
 from __future__ import annotations
 
+import lance
+import numpy as np
+import pytest
+
 from gradstore.core.rowcache import RowCache
+from gradstore.errors import InvalidArgumentError
 
 
 def test_budget_recency_and_versions() -> None:
@@ -21,3 +26,29 @@ def test_budget_recency_and_versions() -> None:
     assert cache.get((2, "d")) is None and len(cache) == 2
     cache.clear()
     assert len(cache) == 0 and cache.nbytes == 0
+
+
+def test_run_metadata_is_read_once_per_table_version(store, monkeypatch) -> None:
+    """``run()`` and a hand-written run's checkpoint labels come from the row cache while their table's version
+    is unchanged, and are read again (and right) once it changes; callers get copies."""
+    store.create_run("a", dim=4)
+    first = store.run("a")
+    first["dim"] = 99  # a caller changing its copy changes nothing cached
+    reads: list[int] = []
+    original = lance.LanceDataset.to_table
+    monkeypatch.setattr(
+        lance.LanceDataset, "to_table", lambda self, *args, **kwargs: reads.append(1) or original(self, *args, **kwargs)
+    )
+    assert store.run("a")["dim"] == 4 and not reads
+    store.create_run("b", dim=4)  # a new version of the runs table
+    reads.clear()
+    assert store.run("a")["dim"] == 4 and reads  # read again at the new version
+
+    with store.writer("a") as writer:
+        writer.append(np.ones((2, 4), np.float32), ["e0", "e1"], checkpoint="x")
+    assert store.default_checkpoint("a") == "x"
+    assert store.default_checkpoint("a") == "x"  # from the cache: the labels set was not consumed
+    with store.writer("a") as writer:
+        writer.append(np.ones((1, 4), np.float32), ["e2"], checkpoint="y")
+    with pytest.raises(InvalidArgumentError, match="several checkpoint labels"):
+        store.default_checkpoint("a")  # the new gradients version carries both labels

@@ -51,6 +51,9 @@ from ingest import ProjectionSpec
 
 log = logging.getLogger(__name__)
 
+#: Bytes the row cache counts for a run's ``runs`` rows or its rows' checkpoint labels (small metadata kept per
+#: table version beside the prepared rows, so repeated calls on a run read no metadata table again).
+RUN_ROW_BYTES = 4096
 #: What Lance raises when a table's files cannot be read (translated to ``StoreCorruptError``).
 _READ_ERRORS = (OSError, RuntimeError, pa.ArrowException)
 
@@ -281,14 +284,16 @@ class StoreCore:
 
     def _run_rows(self, run_id: str) -> list[dict]:
         """The ``runs`` rows of ``run_id`` in commit order (Lance assigns fragment ids, hence row addresses,
-        in commit order; compaction keeps the order), each with its ``_rowaddr``."""
-        rows = (
-            self.table(S.RUNS)
-            .to_lance()
-            .to_table(filter=f"run_id = {sql_literal(run_id)}", with_row_address=True)
-            .sort_by("_rowaddr")
-        )
-        return rows.to_pylist()
+        in commit order; compaction keeps the order), each with its ``_rowaddr``. Kept in the row cache per
+        version of the ``runs`` table (a version never changes), so repeated calls read nothing."""
+        dataset = self.table(S.RUNS).to_lance()
+
+        def read() -> list[dict]:
+            filtered = dataset.to_table(filter=f"run_id = {sql_literal(run_id)}", with_row_address=True)
+            return filtered.sort_by("_rowaddr").to_pylist()
+
+        rows = self.row_cache.memo((dataset.version, S.RUNS, run_id), read, RUN_ROW_BYTES)
+        return [dict(row) for row in rows]  # copies: callers may change them
 
     def _delete_run_row(self, row: dict) -> None:
         """Withdraw a run row this process committed and lost (found again on every attempt: compaction moves it)."""
@@ -401,14 +406,20 @@ class StoreCore:
         return labels.pop() if labels else S.DEFAULT_CHECKPOINT
 
     def _row_checkpoints(self, run_id: str) -> set[str | None]:
-        """The distinct ``checkpoint`` values of run ``run_id``'s rows (one column streamed)."""
+        """The distinct ``checkpoint`` values of run ``run_id``'s rows (one column streamed once per version of
+        the run's gradient table, then kept in the row cache)."""
         name = self.gradient_table_name(run_id)
-        labels: set[str | None] = set()
         with self.reading(name):
-            scanner = self.table(name).to_lance().scanner(columns=["checkpoint"], filter=gradient_filter(run_id))
-            for batch in scanner.to_batches():
-                labels.update(batch.column(0).unique().to_pylist())
-        return labels
+            dataset = self.table(name).to_lance()
+
+            def read() -> frozenset[str | None]:
+                labels: set[str | None] = set()
+                scanner = dataset.scanner(columns=["checkpoint"], filter=gradient_filter(run_id))
+                for batch in scanner.to_batches():
+                    labels.update(batch.column(0).unique().to_pylist())
+                return frozenset(labels)
+
+            return set(self.row_cache.memo((dataset.version, name, "checkpoint labels", run_id), read, RUN_ROW_BYTES))
 
     def save_curvature(self, run_id: str, checkpoint: str, stats: LayerCurvature) -> None:
         """Save per-layer Kronecker curvature statistics of a run's checkpoint (a side file)."""
