@@ -45,7 +45,7 @@ from gradstore.methods import DEFAULT_DAMPING, BlockStructure, Method, resolve_m
 from gradstore.rerank import RowLocator
 from gradstore.rerank import rerank as exact_rerank
 from gradstore.scans import TopK, faiss_parts, top_k
-from gradstore.scoring import ScoringSpace
+from gradstore.scoring import ScoringSpace, as_float32
 from indexers import (
     UNIT_BF16_NORM,
     ExactIndex,
@@ -175,7 +175,7 @@ class AttributionIndex:
         space, or (indexes built before it) the prepared rows and queries."""
         if self.manifest.get(FIRST_STAGE) == BALANCED:
             return self.first_space.balanced(vectors).numpy()
-        raw = torch.as_tensor(np.asarray(vectors, np.float32)) if isinstance(vectors, np.ndarray) else vectors
+        raw = as_float32(vectors)
         return (self.space.rows(raw) if rows else self.space.queries(raw)).to(torch.float32).numpy()
 
     def _rows(self) -> VectorBlocks | PreparedRows:

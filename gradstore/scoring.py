@@ -15,6 +15,13 @@ from gradstore.methods import Method
 from indexers import Preconditioner
 
 
+def as_float32(vectors: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """``vectors`` (a numpy array or a tensor) as a float32 tensor (shared with a float32 array's memory)."""
+    if isinstance(vectors, np.ndarray):
+        return torch.as_tensor(np.asarray(vectors, dtype=np.float32))
+    return vectors.to(torch.float32)
+
+
 @dataclass
 class ScoringSpace:
     """``score(q, g) = queries(q) . rows(g)`` for one method and its fitted preconditioner."""
@@ -24,11 +31,7 @@ class ScoringSpace:
 
     def queries(self, queries: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Raw query vectors ``[q, dim]`` in the space the stored rows are searched in (float32)."""
-        raw = (
-            torch.as_tensor(np.asarray(queries, dtype=np.float32))
-            if isinstance(queries, np.ndarray)
-            else queries.to(torch.float32)
-        )
+        raw = as_float32(queries)
         if self.method.query_only:
             return self.preconditioner.apply_query(raw).to(torch.float32)
         return self._both(raw)
@@ -44,8 +47,7 @@ class ScoringSpace:
         Approximate first stages search here: for query-side methods the rows as stored are anisotropic while
         ``P^-1 q`` weights their low-variance directions most, so graphs, partitions and quantizers built over
         the stored rows spend their resolution where the score does not look (``docs/scale.md``)."""
-        raw = torch.as_tensor(np.asarray(vectors, dtype=np.float32)) if isinstance(vectors, np.ndarray) else vectors
-        return self._both(raw.to(torch.float32))
+        return self._both(as_float32(vectors))
 
     def _both(self, vectors: torch.Tensor) -> torch.Tensor:
         """``P^-1/2 v``, unit-normalised for ``unit_norm`` methods (zero vectors stay zero), float32."""
