@@ -42,7 +42,7 @@ import torch
 import gradstore
 from gradstore.core.vectors import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES, decode, encode
 from indexers import ExactIndex, FaissIndex, recall_at_k, require_faiss
-from indexers.screening import fast_bfloat16_matmul
+from indexers.screening import RowPieces, fast_bfloat16_matmul
 from ingest.projection import LayerSlot, ProjectionSpec
 
 K = 10
@@ -116,6 +116,11 @@ def one_size(rows: int, args: argparse.Namespace, root: Path) -> tuple[dict[str,
     return medians, ratios
 
 
+def joined(rows: torch.Tensor | RowPieces) -> torch.Tensor:
+    """A prepared block's stored rows as one tensor (the row cache keeps rows read in pieces as they were read)."""
+    return torch.cat(rows.pieces) if isinstance(rows, RowPieces) else rows
+
+
 def paired(times: dict[str, list[float]], arm: str, base: str) -> float:
     """Median over the steps of ``arm / base`` measured in the same step."""
     return statistics.median(a / b for a, b in zip(times[arm], times[base]))
@@ -137,7 +142,7 @@ def paired_arms(
     if prepared is None or prepared.kernel != "bfloat16":
         raise SystemExit("the store's row cache holds no bf16-prepared rows (budget too small or no native bf16)")
     limit_rows = torch.cat([block.screen for block in prepared.blocks])
-    stored = [(block.ids, block.exact, block.scales) for block in prepared.blocks]
+    stored = [(block.ids, joined(block.exact), block.scales) for block in prepared.blocks]
 
     def cold() -> object:
         store.row_cache.clear()

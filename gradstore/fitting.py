@@ -64,6 +64,7 @@ class Selection:
                 where=self.where,
                 columns=(),
                 block_rows=block_rows,
+                selected_rows=self.count(store),
             ):
                 yield block.grad_ids, block.vectors
 

@@ -181,8 +181,9 @@ class AttributionIndex:
     def _rows(self) -> VectorBlocks | PreparedRows:
         """The rows to search: from the store's :class:`~gradstore.core.rowcache.RowCache` (rows prepared by an
         earlier search of the same rows at the same table version, by any index over them when the method
-        searches the rows as stored), else read now with read-ahead and kept there, or streamed when they
-        exceed the cache's budget (``cache_bytes`` of this index, when set, caps it)."""
+        searches the rows as stored), else read with read-ahead and prepared block by block as the search reaches
+        them (the search of one block overlaps the read of the next) and kept there once all are prepared, or
+        streamed when they exceed the cache's budget (``cache_bytes`` of this index, when set, caps it)."""
         cache = self.store.row_cache
         key = self._cache_key()
         cached = cache.get(key)
@@ -190,16 +191,17 @@ class AttributionIndex:
             return cached
         kernel = self._exact()
         stored = self.store.storage_dtype if self.method.query_only else "float32"
-        nbytes = self.selection.count(self.store) * self.manifest["dim"] * prepared_bytes(stored, kernel.kernel)
+        selected = self.selection.count(self.store)
+        nbytes = selected * self.manifest["dim"] * prepared_bytes(stored, kernel.kernel)
         if self.method.query_only:  # rows searched as stored: the kernel converts (or screens) them itself
-            source = stored_blocks(self.store, *astuple(self.selection), block_rows=READ_BLOCK_ROWS)
+            source = stored_blocks(
+                self.store, *astuple(self.selection), block_rows=READ_BLOCK_ROWS, selected_rows=selected
+            )
         else:
             source = prepared_source(self.space, self.selection.blocks(self.store, READ_BLOCK_ROWS))
         if not cache.admits(nbytes) or (self.cache_bytes is not None and nbytes > self.cache_bytes):
             return prefetched(source)
-        prepared = kernel.prepare_blocks(prefetched(source))
-        cache.put(key, prepared, nbytes)
-        return prepared
+        return kernel.prepare_blocks(prefetched(source), on_complete=lambda rows: cache.put(key, rows, nbytes))
 
     def _exact(self) -> ExactIndex:
         """The exact kernel for this index's rows: rows searched as stored in the bfloat16 encoding are unit rows

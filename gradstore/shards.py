@@ -24,6 +24,7 @@ import numpy as np
 
 from gradstore.core import GradientBlock, StoreCore, sql_literal
 from gradstore.core import schema as S
+from gradstore.core.scanning import vector_scanner
 from indexers import VectorBlocks
 
 DEFAULT_BLOCK_ROWS = 65536
@@ -32,13 +33,6 @@ DEFAULT_BLOCK_ROWS = 65536
 #: the bf16 screen): its peak RSS on 1,000,000 x 4,096 rows was 1.3 GB at 4,096-row blocks, 1.8 GB at 8,192
 #: and 2.6 GB at 16,384, with no measurable change in scan speed (``bench/scale.py``).
 DEFAULT_BLOCK_BYTES = 64 << 20
-
-
-#: Batches and bytes Lance reads ahead of the consumer. Its defaults buffer far more (about 2 GB of I/O):
-#: a worker's peak memory then grew with the shard's size; with these it is about the I/O buffer plus a few
-#: blocks, whatever the shard's size.
-READAHEAD_BATCHES = 2
-IO_BUFFER_BYTES = 256 << 20
 
 
 def block_rows_for(dim: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> int:
@@ -73,17 +67,7 @@ class Shard:
         dataset = lance.dataset(self.uri, version=self.version, storage_options=self.storage_options)
         fragments = [dataset.get_fragment(i) for i in self.fragments]
         wanted = ["grad_id", *[c for c in self.columns if c != "grad_id"], S.VECTOR_COLUMN, S.NORM_COLUMN]
-        scanner = dataset.scanner(
-            columns=wanted,
-            filter=self.filter,
-            batch_size=self.block_rows,
-            fragments=fragments,
-            scan_in_order=True,
-            batch_readahead=READAHEAD_BATCHES,
-            fragment_readahead=1,
-            io_buffer_size=IO_BUFFER_BYTES,
-            late_materialization=self.late_materialization,
-        )
+        scanner = vector_scanner(dataset, wanted, self.filter, self.block_rows, self.late_materialization, fragments)
         metadata_columns = wanted[1:-2]
         for batch in scanner.to_batches():
             if batch.num_rows == 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -9,6 +10,7 @@ import torch
 
 from indexers.blocks import ArrayLike, VectorBlocks, as_tensor, blocks_from_arrays, unpack_block
 from indexers.screening import (
+    RowPieces,
     ScreenedBlock,
     ScreenedQueries,
     as_scales,
@@ -24,15 +26,54 @@ UNIT_BF16_NORM = 1 + 2**-6
 
 
 class PreparedRows:
-    """In-memory rows made ready once for repeated searches with one kernel (see :meth:`ExactIndex.prepare`)."""
+    """In-memory rows made ready once for repeated searches with one kernel (see :meth:`ExactIndex.prepare`).
 
-    def __init__(self, kernel: str, blocks: list, dim: int) -> None:
+    Rows prepared from a stream (:meth:`ExactIndex.prepare_blocks`) are prepared block by block as the first
+    search iterates them, so that search scores each block while the stream reads the next; they are
+    :attr:`complete` once some iteration reached the end. Iterating is safe from several threads (each block
+    is prepared once)."""
+
+    def __init__(
+        self,
+        kernel: str,
+        blocks: list,
+        pending: Iterator | None = None,
+        on_complete: Callable[[PreparedRows], None] | None = None,
+    ) -> None:
         self.kernel = kernel
-        self.blocks = blocks
-        self.dim = dim
+        self.blocks = list(blocks)
+        self._pending = pending
+        self._on_complete = on_complete
+        self._lock = threading.Lock()
+
+    @property
+    def complete(self) -> bool:
+        """Whether every block is prepared (rows from a stream: once an iteration reached its end)."""
+        return self._pending is None
+
+    def __iter__(self) -> Iterator:
+        """The prepared blocks in order, preparing the pending ones as they are reached."""
+        position = 0
+        while True:
+            if position < len(self.blocks):
+                yield self.blocks[position]
+                position += 1
+                continue
+            with self._lock:
+                if position < len(self.blocks):  # another iteration prepared it meanwhile
+                    continue
+                if self._pending is None:
+                    return
+                block = next(self._pending, None)
+                if block is None:
+                    self._pending = None
+                    if self._on_complete is not None:
+                        self._on_complete(self)
+                    return
+                self.blocks.append(block)
 
     def __len__(self) -> int:
-        return sum(len(block[0]) if isinstance(block, tuple) else len(block) for block in self.blocks)
+        return sum(len(block[0]) if isinstance(block, tuple) else len(block) for block in self)
 
 
 class ExactIndex:
@@ -81,22 +122,42 @@ class ExactIndex:
         for start in range(0, len(ids), self.block_rows):
             part = slice(start, start + self.block_rows)
             blocks.append(self._prepared(ids[part], vectors[part], None if scales is None else scales[part]))
-        return PreparedRows(self.kernel, blocks, int(vectors.shape[1]) if vectors.ndim == 2 else 0)
+        return PreparedRows(self.kernel, blocks)
 
-    def prepare_blocks(self, source: VectorBlocks) -> PreparedRows:
+    def prepare_blocks(
+        self, source: VectorBlocks, on_complete: Callable[[PreparedRows], None] | None = None
+    ) -> PreparedRows:
         """Every row of ``source`` (blocks with or without scales) made ready as :meth:`prepare` makes in-memory
-        rows. Small blocks are joined up to ``block_rows`` (one copy) before they are prepared, so a source read
-        in small pieces (to overlap reading with preparing) is searched in large blocks, which screen best."""
-        blocks, dim, pending = [], 0, []
+        rows, block by block as the first search reaches them (:class:`PreparedRows`); ``on_complete`` is called
+        with the rows once the last block is prepared. Consecutive small blocks are grouped up to ``block_rows``
+        rows and prepared as one, so a source read in small pieces (Lance returns a batch per fragment) is
+        searched in large blocks, which screen best; the bfloat16 kernel keeps the group's rows in their pieces
+        (:class:`~indexers.screening.RowPieces`: no copy), the float32 kernel joins them."""
+        return PreparedRows(self.kernel, [], self._prepared_stream(source), on_complete)
+
+    def _prepared_stream(self, source: VectorBlocks) -> Iterator:
+        """The prepared blocks of :meth:`prepare_blocks`, one group of source blocks at a time."""
+        group: list[tuple] = []
         for block in map(unpack_block, source()):
-            pending.append(block)
-            if sum(len(part[0]) for part in pending) >= self.block_rows:
-                prepared = self.prepare(*_joined(pending))
-                blocks, dim, pending = blocks + prepared.blocks, prepared.dim, []
-        if pending:
-            prepared = self.prepare(*_joined(pending))
-            blocks, dim = blocks + prepared.blocks, prepared.dim
-        return PreparedRows(self.kernel, blocks, dim)
+            if group and sum(len(part[0]) for part in group) + len(block[0]) > self.block_rows:
+                yield from self._prepared_group(group)
+                group = []
+            group.append(block)
+        if group:
+            yield from self._prepared_group(group)
+
+    def _prepared_group(self, group: list[tuple]) -> list:
+        """Consecutive source blocks ``(ids, vectors, scales or None)`` prepared as one block (a single source
+        block larger than ``block_rows`` as several)."""
+        if len(group) == 1:
+            return self.prepare(*group[0]).blocks
+        ids = np.concatenate([part[0] for part in group])
+        scales = None if group[0][2] is None else np.concatenate([part[2] for part in group])
+        if self.kernel == "bfloat16":
+            pieces = RowPieces([as_tensor(part[1], None, self.device) for part in group])
+            return [self._prepared(ids, pieces, scales)]
+        vectors = torch.cat([as_tensor(part[1], torch.float32, self.device) for part in group])
+        return self.prepare(ids, vectors, scales).blocks
 
     def search(
         self,
@@ -123,7 +184,7 @@ class ExactIndex:
         if isinstance(source, PreparedRows):
             if transform is not None or source.kernel != self.kernel:
                 raise ValueError("prepared rows are searched as prepared: same kernel, no transform")
-            blocks = iter(source.blocks)
+            blocks = iter(source)
         else:
             if isinstance(source, tuple):
                 source = blocks_from_arrays(*source, block_rows=self.block_rows)
@@ -146,11 +207,12 @@ class ExactIndex:
         scores, ids = best.result()
         return (scores if largest else -scores).cpu().numpy(), ids.cpu().numpy()
 
-    def _prepared(self, ids: np.ndarray, vectors: ArrayLike, scales: np.ndarray | None):
+    def _prepared(self, ids: np.ndarray, vectors: ArrayLike | RowPieces, scales: np.ndarray | None):
         """One block of :meth:`prepare`: float32 rows, or a :class:`ScreenedBlock` for the bf16 kernel."""
         ids_t, scales_t = torch.from_numpy(ids).to(self.device), as_scales(scales, self.device)
         if self.kernel == "bfloat16":
-            return screened_block(ids_t, as_tensor(vectors, None, self.device), scales_t, self.max_norm)
+            rows = vectors if isinstance(vectors, RowPieces) else as_tensor(vectors, None, self.device)
+            return screened_block(ids_t, rows, scales_t, self.max_norm)
         return ids_t, as_tensor(vectors, torch.float32, self.device), scales_t
 
     def _streamed(self, source: VectorBlocks, transform: Transform | None) -> Iterator:
@@ -169,19 +231,6 @@ class ExactIndex:
                     continue
                 raw, upcast = _reused(upcast, raw, torch.float32)
                 yield ids_t, (raw if transform is None else transform(raw).to(torch.float32)), scales_t
-
-
-def _joined(parts: list[tuple]) -> tuple[np.ndarray, ArrayLike, np.ndarray | None]:
-    """Blocks ``(ids, vectors, scales or None)`` as one (the block itself when there is one)."""
-    if len(parts) == 1:
-        return parts[0]
-    ids = np.concatenate([part[0] for part in parts])
-    if isinstance(parts[0][1], torch.Tensor):
-        vectors = torch.cat([part[1] for part in parts])
-    else:
-        vectors = np.concatenate([part[1] for part in parts])
-    scales = None if parts[0][2] is None else np.concatenate([part[2] for part in parts])
-    return ids, vectors, scales
 
 
 def _reused(

@@ -29,7 +29,7 @@ import torch
 
 BF16_ROUNDOFF = 2.0**-8
 SAFETY = 1.01  # covers the float32 rounding of the norms and of the bound itself (relative ~1e-4)
-TILE_ELEMENTS = 1 << 22  # float32 elements converted at a time (16 MB: few large ops, good on a busy CPU)
+TILE_ELEMENTS = 1 << 20  # float32 elements converted at a time (4 MB: a tile and its error stay in the shared cache)
 
 
 def fast_bfloat16_matmul() -> bool:
@@ -76,6 +76,47 @@ class _OneThread:
 one_thread = _OneThread()
 
 
+class RowPieces:
+    """Rows ``[n, d]`` held as consecutive pieces (the buffers of the Lance batches one block was read in) instead
+    of being copied into one tensor: a block's exact rows are read tile by tile once, to make its screen, and
+    afterwards only gathered a few at a time, for rescoring."""
+
+    def __init__(self, pieces: list[torch.Tensor]) -> None:
+        if not pieces or any(piece.ndim != 2 or piece.shape[1] != pieces[0].shape[1] for piece in pieces):
+            raise ValueError("row pieces must be one or more [rows, d] tensors of one width")
+        self.pieces = pieces
+        sizes = torch.tensor([0] + [len(piece) for piece in pieces], device=pieces[0].device)
+        self.starts = sizes.cumsum(0)
+        self.shape = torch.Size((int(self.starts[-1]), pieces[0].shape[1]))
+        self.dtype = pieces[0].dtype
+        self.device = pieces[0].device
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows at positions ``rows`` (an int64 tensor, any order) as one ``[len(rows), d]`` tensor."""
+        piece_of = torch.searchsorted(self.starts[1:], rows, right=True)
+        gathered = torch.empty(len(rows), self.shape[1], dtype=self.dtype, device=self.device)
+        for piece in piece_of.unique().tolist():
+            mine = piece_of == piece
+            gathered[mine] = self.pieces[piece][rows[mine] - self.starts[piece]]
+        return gathered
+
+
+Rows = torch.Tensor | RowPieces
+
+
+def row_tiles(rows: Rows, tile_rows: int) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``(positions, tile)``: ``rows`` in consecutive tiles of at most ``tile_rows`` rows, none across two pieces."""
+    start = 0
+    for piece in rows.pieces if isinstance(rows, RowPieces) else [rows]:
+        for offset in range(0, len(piece), tile_rows):
+            tile = piece[offset : offset + tile_rows]
+            yield slice(start + offset, start + offset + len(tile)), tile
+        start += len(piece)
+
+
 @dataclass
 class ScreenedBlock:
     """Rows ready for the bf16 kernel: the stored rows (exact), their bf16 copy, and the norms of the bound.
@@ -84,7 +125,7 @@ class ScreenedBlock:
     ``residuals`` ``||exact[i] - screen[i]||``, both unscaled."""
 
     ids: torch.Tensor
-    exact: torch.Tensor
+    exact: Rows
     scales: torch.Tensor | None
     screen: torch.Tensor
     norms: torch.Tensor
@@ -95,30 +136,30 @@ class ScreenedBlock:
 
 
 def screened_block(
-    ids: torch.Tensor, exact: torch.Tensor, scales: torch.Tensor | None, max_norm: float | None = None
+    ids: torch.Tensor, exact: Rows, scales: torch.Tensor | None, max_norm: float | None = None
 ) -> ScreenedBlock:
     """Make the bf16 copy, the row norms and the rows' bf16 rounding errors, one float32 tile at a time
     (converted once, then rounded and measured while it is hot). bf16 rows are their own screen (no rounding
-    error); their norms are measured the same way (torch's bf16 reductions are several times slower than
-    converting), or, given ``max_norm`` (an upper bound of every row's norm the caller guarantees), not at all:
-    the bound needs no more than an upper bound of each norm."""
-    rows = exact.shape[0]
+    error; rows in pieces are joined into it); their norms are measured the same way (torch's bf16 reductions
+    are several times slower than converting), or, given ``max_norm`` (an upper bound of every row's norm the
+    caller guarantees), not at all: the bound needs no more than an upper bound of each norm."""
+    rows, dim = exact.shape
     if exact.dtype == torch.bfloat16:
+        screen = torch.cat(exact.pieces) if isinstance(exact, RowPieces) else exact
         if max_norm is not None:
             norms = torch.full((rows,), max_norm, dtype=torch.float32, device=exact.device)
         else:
-            norms = _row_norms(exact)
-        return ScreenedBlock(ids, exact, scales, exact, norms, torch.zeros_like(norms))
+            norms = _row_norms(screen)
+        return ScreenedBlock(ids, screen, scales, screen, norms, torch.zeros_like(norms))
     screen = torch.empty(exact.shape, dtype=torch.bfloat16, device=exact.device)
     norms = torch.empty(rows, dtype=torch.float32, device=exact.device)
     residuals = torch.empty_like(norms)
-    tile_rows = max(1, TILE_ELEMENTS // max(1, exact.shape[1]))
-    tile = torch.empty(min(rows, tile_rows), exact.shape[1], dtype=torch.float32, device=exact.device)
+    tile_rows = max(1, TILE_ELEMENTS // max(1, dim))
+    tile = torch.empty(min(rows, tile_rows), dim, dtype=torch.float32, device=exact.device)
     error = torch.empty_like(tile)
-    for start in range(0, rows, tile_rows):
-        part = slice(start, start + tile_rows)
-        n = min(rows, start + tile_rows) - start
-        values = exact[part] if exact.dtype == torch.float32 else tile[:n].copy_(exact[part])
+    for part, stored in row_tiles(exact, tile_rows):
+        n = len(stored)
+        values = stored if stored.dtype == torch.float32 else tile[:n].copy_(stored)
         screen[part].copy_(values)
         torch.linalg.vector_norm(values, dim=1, out=norms[part])
         torch.linalg.vector_norm(error[:n].copy_(screen[part]).sub_(values), dim=1, out=residuals[part])
@@ -130,10 +171,8 @@ def _row_norms(rows: torch.Tensor) -> torch.Tensor:
     norms = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
     tile_rows = max(1, TILE_ELEMENTS // max(1, rows.shape[1]))
     tile = torch.empty(min(rows.shape[0], tile_rows), rows.shape[1], dtype=torch.float32, device=rows.device)
-    for start in range(0, rows.shape[0], tile_rows):
-        part = slice(start, start + tile_rows)
-        n = min(rows.shape[0], start + tile_rows) - start
-        torch.linalg.vector_norm(tile[:n].copy_(rows[part]), dim=1, out=norms[part])
+    for part, stored in row_tiles(rows, tile_rows):
+        torch.linalg.vector_norm(tile[: len(stored)].copy_(stored), dim=1, out=norms[part])
     return norms
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from indexers import UNIT_BF16_NORM, CosinePreconditioner, ExactIndex, blocks_from_arrays
-from indexers.screening import fast_bfloat16_matmul
+from indexers.screening import RowPieces, fast_bfloat16_matmul, row_tiles
 
 
 @pytest.fixture(params=["float32", "bfloat16"])
@@ -321,3 +323,70 @@ def test_unit_bf16_norm_bounds_every_unit_row_rounded_to_bf16() -> None:
         )
         norms = torch.linalg.vector_norm(unit.bfloat16().double(), dim=1)
         assert (norms <= (1 + 2**-8) * (1 + 1e-6)).all() and (norms <= UNIT_BF16_NORM).all()
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_rows_prepared_from_small_pieces_search_like_the_streamed_ones(kernel: str, scaled: bool) -> None:
+    """Blocks of uneven sizes (Lance returns one batch per fragment) are grouped up to ``block_rows`` without a
+    copy (bf16 kernel: rows kept in their pieces); the prepared rows fill as the first search reaches them, call
+    ``on_complete`` once, when the last is prepared, and search like the streamed rows afterwards."""
+    queries, vectors, ids = integer_data(11, 403, 12, 5)
+    scales = np.random.default_rng(3).uniform(-2, 2, len(ids)).astype(np.float32) if scaled else None
+    cuts = [0, 1, 40, 41, 100, 230, 231, 403]
+    pieces = [(ids[a:b], vectors[a:b].astype(np.float16)) for a, b in zip(cuts, cuts[1:])]
+    if scaled:
+        pieces = [(*piece, scales[a:b]) for piece, a, b in zip(pieces, cuts, cuts[1:])]
+    index = ExactIndex(device="cpu", kernel=kernel, block_rows=64)
+    completed = []
+    prepared = index.prepare_blocks(lambda: iter(pieces), on_complete=completed.append)
+    assert not prepared.complete and prepared.blocks == []
+    streamed_source = lambda: iter(pieces)  # noqa: E731
+    for largest in (True, False):
+        streamed = index.search(queries, streamed_source, 9, largest)
+        found = index.search(queries, prepared, 9, largest)
+        np.testing.assert_array_equal(found[1], streamed[1])
+        np.testing.assert_array_equal(found[0], streamed[0])
+        reference = brute_force(
+            queries, vectors.astype(np.float16) * (1 if scales is None else scales[:, None]), ids, 9, largest
+        )
+        np.testing.assert_array_equal(found[1], reference[1])
+    assert prepared.complete and completed == [prepared] and len(prepared) == 403
+    assert all(len(block if kernel == "bfloat16" else block[0]) <= 64 for block in prepared.blocks[:-1])
+
+
+def test_prepared_rows_fill_once_when_searched_from_two_threads() -> None:
+    queries, vectors, ids = integer_data(12, 500, 8, 3)
+    reads = []
+
+    def source():
+        for start in range(0, 500, 50):
+            reads.append(start)
+            yield ids[start : start + 50], vectors[start : start + 50]
+
+    index = ExactIndex(device="cpu", kernel="bfloat16", block_rows=100)
+    prepared = index.prepare_blocks(source)
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: index.search(queries, prepared, 7), range(2)))
+    expected = brute_force(queries, vectors, ids, 7)
+    for scores, found in results:
+        np.testing.assert_array_equal(found, expected[1])
+        np.testing.assert_array_equal(scores, expected[0].astype(np.float32))
+    assert reads == list(range(0, 500, 50)) and len(prepared.blocks) == 5
+
+
+def test_row_pieces_gather_rows_in_any_order() -> None:
+    rows = torch.arange(60, dtype=torch.float32).view(20, 3)
+    pieces = RowPieces([rows[:1], rows[1:9], rows[9:20]])
+    assert pieces.shape == (20, 3) and len(pieces) == 20 and pieces.dtype == torch.float32
+    wanted = torch.tensor([19, 0, 8, 9, 3, 3, 10], dtype=torch.int64)
+    torch.testing.assert_close(pieces[wanted], rows[wanted], rtol=0, atol=0)
+    assert [(part.start, part.stop, len(tile)) for part, tile in row_tiles(pieces, 4)] == [
+        (0, 1, 1),
+        (1, 5, 4),
+        (5, 9, 4),
+        (9, 13, 4),
+        (13, 17, 4),
+        (17, 20, 3),
+    ]
+    with pytest.raises(ValueError, match="one width"):
+        RowPieces([rows, rows[:, :2]])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import gradstore
+from gradstore.core.scanning import late_materialization
 from gradstore.core.stored_rows import stored_blocks
 from ingest.projection import LayerSlot, ProjectionSpec
 
@@ -44,6 +45,23 @@ def test_stored_blocks_hold_the_decoded_rows(tmp_path, dtype: str) -> None:
     np.testing.assert_array_equal(np.concatenate([b[0] for b in blocks]), decoded.grad_ids)
     np.testing.assert_allclose(rows, decoded.vectors, rtol=1e-6)
     assert list(stored_blocks(store, "r", "c", "train", where="example_id = 'none'")()) == []
+
+
+def test_scans_take_or_read_every_vector_by_the_share_selected(tmp_path) -> None:
+    """A filter keeping most of a table reads every row's vector and filters after, a narrower one takes the
+    vectors of the matching rows (Lance's late materialization): the rows are the same either way."""
+    assert not late_materialization(300, 300) and not late_materialization(86, 100)
+    assert late_materialization(84, 100) and late_materialization(0, 10)
+    store = _store(tmp_path / "s", "float16")
+    where = "example_id < 'e2'"  # e0, e1, e10..e19, e100..e199: 112 of 300 rows
+    chosen = {}
+    for selected in (None, 112, 300):
+        blocks = list(stored_blocks(store, "r", "c", "train", where, block_rows=1000, selected_rows=selected)())
+        chosen[selected] = (np.concatenate([b[0] for b in blocks]), np.concatenate([b[1] for b in blocks]))
+    assert len(chosen[None][0]) == 112
+    for selected in (112, 300):
+        np.testing.assert_array_equal(chosen[selected][0], chosen[None][0])
+        np.testing.assert_array_equal(chosen[selected][1], chosen[None][1])
 
 
 @pytest.mark.parametrize(

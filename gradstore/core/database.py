@@ -32,6 +32,7 @@ from gradstore.core.filters import StepRange, gradient_filter, sql_literal
 from gradstore.core.gradient_tables import GradientTables, is_gradient_table, table_dim
 from gradstore.core.macros import macros_for
 from gradstore.core.rowcache import RowCache
+from gradstore.core.scanning import late_materialization, vector_scanner
 from gradstore.core.sidefiles import SideFiles
 from gradstore.core.tabular import to_arrow_table
 from gradstore.core.vectors import DEFAULT_STORAGE_DTYPE, check_storage_dtype, decode, storage_dtype_of
@@ -456,12 +457,16 @@ class StoreCore:
         where: str | None = None,
         columns: Sequence[str] = ("example_id",),
         block_rows: int = 65536,
+        selected_rows: int | None = None,
     ) -> Iterator[GradientBlock]:
         """Stream matching gradient rows as float32 blocks of at most ``block_rows`` rows.
 
         Filters combine with AND; ``where`` is a SQL filter on metadata columns. Only one block is
         in memory at a time. The rows come from one gradient table: ``run`` may be omitted only while the
         store holds one dim, and runs of several dims raise ``InvalidArgumentError`` (a block never mixes dims).
+        ``selected_rows``, when the caller knows how many rows match, lets a scan that keeps most of the table
+        read every row's vector instead of taking the matching ones
+        (:func:`~gradstore.core.scanning.late_materialization`).
         """
         name = self._table_of_runs(run)
         if name is None:
@@ -471,8 +476,9 @@ class StoreCore:
         if unknown:
             raise SchemaMismatchError(f"gradients table has no column(s) {sorted(unknown)}")
         dataset = self.table(name).to_lance()
-        scanner = dataset.scanner(
-            columns=wanted, filter=gradient_filter(run, checkpoint, split, steps, where), batch_size=block_rows
+        late = selected_rows is None or late_materialization(selected_rows, dataset.count_rows())
+        scanner = vector_scanner(
+            dataset, wanted, gradient_filter(run, checkpoint, split, steps, where), block_rows, late
         )
         dtype = self.storage_dtype
         metadata_columns = wanted[1:-2]

@@ -15,6 +15,7 @@ import numpy as np
 
 from gradstore.core import schema as S
 from gradstore.core.filters import gradient_filter
+from gradstore.core.scanning import late_materialization, vector_scanner
 from gradstore.core.vectors import UNIT_DTYPES, stored_values
 
 if TYPE_CHECKING:
@@ -23,20 +24,27 @@ if TYPE_CHECKING:
 
 
 def stored_blocks(
-    store: StoreCore, run: str, checkpoint: str, split: str, where: str | None = None, block_rows: int = 65536
+    store: StoreCore,
+    run: str,
+    checkpoint: str,
+    split: str,
+    where: str | None = None,
+    block_rows: int = 65536,
+    selected_rows: int | None = None,
 ) -> VectorBlocks:
-    """A re-iterable source of the selected rows' stored values (rows are read-only views of Lance's buffers)."""
+    """A re-iterable source of the selected rows' stored values (rows are read-only views of Lance's buffers).
+    ``selected_rows`` (how many rows the filter keeps, when the caller knows) decides whether the vectors of
+    the matching rows are taken after the filter or every row's is read
+    (:func:`~gradstore.core.scanning.late_materialization`); unknown: taken after the filter."""
 
     def source() -> Iterator[tuple]:
         dtype = store.storage_dtype
         scaled = dtype in UNIT_DTYPES
         columns = ["grad_id", S.VECTOR_COLUMN] + ([S.NORM_COLUMN] if scaled else [])
-        scanner = (
-            store.gradient_table(run)
-            .to_lance()
-            .scanner(
-                columns=columns, filter=gradient_filter(run, checkpoint, split, None, where), batch_size=block_rows
-            )
+        dataset = store.gradient_table(run).to_lance()
+        late = selected_rows is None or late_materialization(selected_rows, dataset.count_rows())
+        scanner = vector_scanner(
+            dataset, columns, gradient_filter(run, checkpoint, split, None, where), block_rows, late
         )
         for batch in scanner.to_reader():
             if batch.num_rows == 0:
