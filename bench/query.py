@@ -117,7 +117,7 @@ def one_size(rows: int, args: argparse.Namespace, root: Path) -> tuple[dict[str,
 
 
 def joined(rows: torch.Tensor | RowPieces) -> torch.Tensor:
-    """A prepared block's stored rows as one tensor (the row cache keeps rows read in pieces as they were read)."""
+    """A prepared block's rows as one tensor (the row cache keeps rows read in pieces as they were read)."""
     return torch.cat(rows.pieces) if isinstance(rows, RowPieces) else rows
 
 
@@ -141,7 +141,7 @@ def paired_arms(
     prepared = store.build_index("bench").cached_rows()
     if prepared is None or prepared.kernel != "bfloat16":
         raise SystemExit("the store's row cache holds no bf16-prepared rows (budget too small or no native bf16)")
-    limit_rows = torch.cat([block.screen for block in prepared.blocks])
+    limit_rows = torch.cat([joined(block.screen) for block in prepared.blocks])
     stored = [(block.ids, joined(block.exact), block.scales) for block in prepared.blocks]
 
     def cold() -> object:

@@ -78,16 +78,15 @@ one_thread = _OneThread()
 
 class RowPieces:
     """Rows ``[n, d]`` held as consecutive pieces (the buffers of the Lance batches one block was read in) instead
-    of being copied into one tensor: a block's exact rows are read tile by tile once, to make its screen, and
-    afterwards only gathered a few at a time, for rescoring."""
+    of being copied into one tensor: float16 rows are read tile by tile once, to make the block's screen, and
+    afterwards only gathered a few at a time, for rescoring; bf16 rows are screened one GEMM per piece."""
 
     def __init__(self, pieces: list[torch.Tensor]) -> None:
         if not pieces or any(piece.ndim != 2 or piece.shape[1] != pieces[0].shape[1] for piece in pieces):
             raise ValueError("row pieces must be one or more [rows, d] tensors of one width")
         self.pieces = pieces
-        sizes = torch.tensor([0] + [len(piece) for piece in pieces], device=pieces[0].device)
-        self.starts = sizes.cumsum(0)
-        self.shape = torch.Size((int(self.starts[-1]), pieces[0].shape[1]))
+        self.starts = np.cumsum([0] + [len(piece) for piece in pieces]).tolist()
+        self.shape = torch.Size((self.starts[-1], pieces[0].shape[1]))
         self.dtype = pieces[0].dtype
         self.device = pieces[0].device
 
@@ -96,12 +95,17 @@ class RowPieces:
 
     def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows at positions ``rows`` (an int64 tensor, any order) as one ``[len(rows), d]`` tensor."""
-        piece_of = torch.searchsorted(self.starts[1:], rows, right=True)
-        gathered = torch.empty(len(rows), self.shape[1], dtype=self.dtype, device=self.device)
-        for piece in piece_of.unique().tolist():
-            mine = piece_of == piece
-            gathered[mine] = self.pieces[piece][rows[mine] - self.starts[piece]]
-        return gathered
+        ordered, order = rows.sort()
+        bounds = torch.searchsorted(ordered, torch.tensor(self.starts, device=rows.device)).tolist()
+        parts = [
+            piece[ordered[low:high] - start]
+            for piece, start, low, high in zip(self.pieces, self.starts, bounds, bounds[1:])
+            if high > low
+        ]
+        gathered = torch.cat(parts) if parts else torch.empty(0, self.shape[1], dtype=self.dtype, device=self.device)
+        result = torch.empty_like(gathered)
+        result[order] = gathered
+        return result
 
 
 Rows = torch.Tensor | RowPieces
@@ -127,7 +131,7 @@ class ScreenedBlock:
     ids: torch.Tensor
     exact: Rows
     scales: torch.Tensor | None
-    screen: torch.Tensor
+    screen: Rows
     norms: torch.Tensor
     residuals: torch.Tensor
 
@@ -140,17 +144,16 @@ def screened_block(
 ) -> ScreenedBlock:
     """Make the bf16 copy, the row norms and the rows' bf16 rounding errors, one float32 tile at a time
     (converted once, then rounded and measured while it is hot). bf16 rows are their own screen (no rounding
-    error; rows in pieces are joined into it); their norms are measured the same way (torch's bf16 reductions
+    error, no copy: rows in pieces stay in them); their norms are measured the same way (torch's bf16 reductions
     are several times slower than converting), or, given ``max_norm`` (an upper bound of every row's norm the
     caller guarantees), not at all: the bound needs no more than an upper bound of each norm."""
     rows, dim = exact.shape
     if exact.dtype == torch.bfloat16:
-        screen = torch.cat(exact.pieces) if isinstance(exact, RowPieces) else exact
         if max_norm is not None:
             norms = torch.full((rows,), max_norm, dtype=torch.float32, device=exact.device)
         else:
-            norms = _row_norms(screen)
-        return ScreenedBlock(ids, screen, scales, screen, norms, torch.zeros_like(norms))
+            norms = _row_norms(exact)
+        return ScreenedBlock(ids, exact, scales, exact, norms, torch.zeros_like(norms))
     screen = torch.empty(exact.shape, dtype=torch.bfloat16, device=exact.device)
     norms = torch.empty(rows, dtype=torch.float32, device=exact.device)
     residuals = torch.empty_like(norms)
@@ -218,10 +221,20 @@ def candidate_scores(
     whole ``[n, q]`` screen (its row minimum and maximum); the per-query test runs on the rows that pass the
     per-row one (see :func:`_reaching`). Those passes run on one thread: dozens of small operations, each a
     barrier for every thread, cost more in waits than they gain on a busy machine."""
-    out = block.screen @ queries.screen_t  # [n, q] bf16
+    out = _screen_products(block.screen, queries.screen_t)  # [n, q] bf16
     low, high = torch.aminmax(out, dim=1)
     with one_thread():
         return _candidates(block, queries, floor, k, out, low.to(torch.float32), high.to(torch.float32))
+
+
+def _screen_products(screen: Rows, queries_t: torch.Tensor) -> torch.Tensor:
+    """``screen @ queries_t`` (bf16 ``[n, q]``), one GEMM per piece of rows kept in pieces."""
+    if isinstance(screen, torch.Tensor):
+        return screen @ queries_t
+    out = torch.empty(len(screen), queries_t.shape[1], dtype=torch.bfloat16, device=screen.device)
+    for piece, start in zip(screen.pieces, screen.starts):
+        torch.mm(piece, queries_t, out=out[start : start + len(piece)])
+    return out
 
 
 def _candidates(

@@ -326,14 +326,19 @@ def test_unit_bf16_norm_bounds_every_unit_row_rounded_to_bf16() -> None:
 
 
 @pytest.mark.parametrize("scaled", [False, True])
-def test_rows_prepared_from_small_pieces_search_like_the_streamed_ones(kernel: str, scaled: bool) -> None:
+@pytest.mark.parametrize("stored", [torch.float16, torch.bfloat16])
+def test_rows_prepared_from_small_pieces_search_like_the_streamed_ones(
+    kernel: str, scaled: bool, stored: torch.dtype
+) -> None:
     """Blocks of uneven sizes (Lance returns one batch per fragment) are grouped up to ``block_rows`` without a
-    copy (bf16 kernel: rows kept in their pieces); the prepared rows fill as the first search reaches them, call
-    ``on_complete`` once, when the last is prepared, and search like the streamed rows afterwards."""
+    copy (bf16 kernel: rows kept in their pieces, bf16 ones screened piece by piece); the prepared rows fill as
+    the first search reaches them, call ``on_complete`` once, when the last is prepared, and search like the
+    streamed rows afterwards."""
     queries, vectors, ids = integer_data(11, 403, 12, 5)
     scales = np.random.default_rng(3).uniform(-2, 2, len(ids)).astype(np.float32) if scaled else None
     cuts = [0, 1, 40, 41, 100, 230, 231, 403]
-    pieces = [(ids[a:b], vectors[a:b].astype(np.float16)) for a, b in zip(cuts, cuts[1:])]
+    rows = torch.from_numpy(vectors).to(stored)
+    pieces = [(ids[a:b], rows[a:b]) for a, b in zip(cuts, cuts[1:])]
     if scaled:
         pieces = [(*piece, scales[a:b]) for piece, a, b in zip(pieces, cuts, cuts[1:])]
     index = ExactIndex(device="cpu", kernel=kernel, block_rows=64)
