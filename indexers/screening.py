@@ -79,7 +79,7 @@ one_thread = _OneThread()
 class RowPieces:
     """Rows ``[n, d]`` held as consecutive pieces (the buffers of the Lance batches one block was read in) instead
     of being copied into one tensor: float16 rows are read tile by tile once, to make the block's screen, and
-    afterwards only gathered a few at a time, for rescoring; bf16 rows are screened one GEMM per piece."""
+    afterwards only a few at a time, for rescoring; bf16 rows are screened one GEMM per piece."""
 
     def __init__(self, pieces: list[torch.Tensor]) -> None:
         if not pieces or any(piece.ndim != 2 or piece.shape[1] != pieces[0].shape[1] for piece in pieces):
@@ -93,19 +93,16 @@ class RowPieces:
     def __len__(self) -> int:
         return self.shape[0]
 
-    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
-        """The rows at positions ``rows`` (an int64 tensor, any order) as one ``[len(rows), d]`` tensor."""
+    def products(self, rows: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+        """``self[rows] @ matrix`` in float32 (``rows`` an int64 tensor of positions, any order), one GEMM per
+        piece on the rows it holds: the rows are never gathered into one tensor."""
         ordered, order = rows.sort()
         bounds = torch.searchsorted(ordered, torch.tensor(self.starts, device=rows.device)).tolist()
-        parts = [
-            piece[ordered[low:high] - start]
-            for piece, start, low, high in zip(self.pieces, self.starts, bounds, bounds[1:])
-            if high > low
-        ]
-        gathered = torch.cat(parts) if parts else torch.empty(0, self.shape[1], dtype=self.dtype, device=self.device)
-        result = torch.empty_like(gathered)
-        result[order] = gathered
-        return result
+        products = torch.empty(len(rows), matrix.shape[1], dtype=torch.float32, device=self.device)
+        for piece, start, low, high in zip(self.pieces, self.starts, bounds, bounds[1:]):
+            if high > low:
+                products[order[low:high]] = piece[ordered[low:high] - start].to(torch.float32) @ matrix
+        return products
 
 
 Rows = torch.Tensor | RowPieces
@@ -300,7 +297,10 @@ def _reaching(
 
 def _rescored(block: ScreenedBlock, rows: torch.Tensor, queries_t: torch.Tensor) -> torch.Tensor:
     """Float32 scores ``[len(rows), q]`` of the block's ``rows``."""
-    scores = block.exact[rows].to(torch.float32) @ queries_t
+    if isinstance(block.exact, RowPieces):
+        scores = block.exact.products(rows, queries_t)
+    else:
+        scores = block.exact[rows].to(torch.float32) @ queries_t
     return scores if block.scales is None else scores.mul_(block.scales[rows, None])
 
 

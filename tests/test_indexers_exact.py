@@ -379,12 +379,16 @@ def test_prepared_rows_fill_once_when_searched_from_two_threads() -> None:
     assert reads == list(range(0, 500, 50)) and len(prepared.blocks) == 5
 
 
-def test_row_pieces_gather_rows_in_any_order() -> None:
-    rows = torch.arange(60, dtype=torch.float32).view(20, 3)
+def test_row_pieces_multiply_rows_in_any_order() -> None:
+    rows = torch.arange(60, dtype=torch.float32).view(20, 3).to(torch.float16)
     pieces = RowPieces([rows[:1], rows[1:9], rows[9:20]])
-    assert pieces.shape == (20, 3) and len(pieces) == 20 and pieces.dtype == torch.float32
+    assert pieces.shape == (20, 3) and len(pieces) == 20 and pieces.dtype == torch.float16
     wanted = torch.tensor([19, 0, 8, 9, 3, 3, 10], dtype=torch.int64)
-    torch.testing.assert_close(pieces[wanted], rows[wanted], rtol=0, atol=0)
+    matrix = torch.tensor([[1.0, 0.5], [-2.0, 0.25], [3.0, 1.0]])
+    products = pieces.products(wanted, matrix)
+    assert products.dtype == torch.float32
+    torch.testing.assert_close(products, rows[wanted].float() @ matrix, rtol=0, atol=0)
+    assert pieces.products(torch.empty(0, dtype=torch.int64), matrix).shape == (0, 2)
     assert [(part.start, part.stop, len(tile)) for part, tile in row_tiles(pieces, 4)] == [
         (0, 1, 1),
         (1, 5, 4),
