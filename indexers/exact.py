@@ -10,12 +10,14 @@ import torch
 
 from indexers.blocks import ArrayLike, VectorBlocks, as_tensor, blocks_from_arrays, unpack_block
 from indexers.screening import (
+    TILE_ELEMENTS,
     RowPieces,
     ScreenedBlock,
     ScreenedQueries,
     as_scales,
     candidate_scores,
     resolve_kernel,
+    row_tiles,
     screened_block,
 )
 
@@ -200,7 +202,7 @@ class ExactIndex:
             if is_screened:
                 best.add(*candidate_scores(block, screened, best.floor(), k))
                 continue
-            scores = rows @ queries_t
+            scores = _products(rows, queries_t)
             if scales is not None:
                 scores *= scales[:, None]
             best.add(scores.T, ids)
@@ -217,8 +219,10 @@ class ExactIndex:
 
     def _streamed(self, source: VectorBlocks, transform: Transform | None) -> Iterator:
         """The source's blocks, cut to ``block_rows``: bf16 blocks screened as they are (bfloat16 kernel, no
-        transform), all others upcast to float32 in a reused buffer and multiplied. Measured: for a block
-        scored once, making its bf16 copy and norms costs more than the float32 GEMM saves."""
+        transform), others scored in float32 as they are (:func:`_products` upcasts tile by tile), or, with a
+        transform, upcast into a reused buffer and transformed. Measured on 65,536 float16 rows: screening a
+        block scored once (bf16 copy, norms, rounding errors) costs 0.43-0.67 s against 0.19-0.37 s for the
+        tiled float32 products (1-64 queries)."""
         upcast: torch.Tensor | None = None
         for ids, vectors, scales in map(unpack_block, source()):
             for start in range(0, len(ids), self.block_rows):
@@ -229,8 +233,28 @@ class ExactIndex:
                 if self.kernel == "bfloat16" and raw.dtype == torch.bfloat16 and transform is None:
                     yield screened_block(ids_t, raw, scales_t, self.max_norm)
                     continue
+                if transform is None:  # scored as stored, upcast one tile at a time (see _products)
+                    yield ids_t, raw, scales_t
+                    continue
                 raw, upcast = _reused(upcast, raw, torch.float32)
-                yield ids_t, (raw if transform is None else transform(raw).to(torch.float32)), scales_t
+                yield ids_t, transform(raw).to(torch.float32), scales_t
+
+
+def _products(rows: torch.Tensor, queries_t: torch.Tensor) -> torch.Tensor:
+    """``rows @ queries_t`` in float32. On the CPU, low-precision rows are upcast one cache-sized tile at a time
+    into a small reused buffer, each tile multiplied while it is hot: measured on 65,536 float16 rows x 4,096,
+    2.4-2.8x faster than upcasting the whole block first (1-64 queries), whose 1 GB float32 copy is written to
+    memory and read back."""
+    if rows.dtype == torch.float32:
+        return rows @ queries_t
+    if rows.device.type != "cpu":
+        return rows.to(torch.float32) @ queries_t
+    products = torch.empty(rows.shape[0], queries_t.shape[1], dtype=torch.float32)
+    tile_rows = max(1, TILE_ELEMENTS // max(1, rows.shape[1]))
+    tile = torch.empty(min(rows.shape[0], tile_rows), rows.shape[1], dtype=torch.float32)
+    for part, stored in row_tiles(rows, tile_rows):
+        torch.mm(tile[: len(stored)].copy_(stored), queries_t, out=products[part])
+    return products
 
 
 def _reused(
