@@ -15,7 +15,7 @@ shard's examples), never a ``queries x rows`` matrix:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +25,8 @@ import torch
 from gradstore.engine import Engine
 from gradstore.scoring import ScoringSpace
 from gradstore.shards import Shard
-from indexers import FaissIndex, RunningTopK
+from indexers import FaissIndex, RunningTopK, float32_products
+from indexers.blocks import as_tensor, unpack_block
 
 TopK = dict[bool, tuple[np.ndarray, np.ndarray]]
 """``{largest: (scores [q, k'], ids [q, k'])}``: top-k for ``True``, bottom-k for ``False``, best first."""
@@ -64,13 +65,26 @@ def _signed(best: RunningTopK, largest: bool) -> tuple[np.ndarray, np.ndarray]:
 
 def _top_k_task(shard: Shard, job: _TopKJob) -> TopK:
     best = {side: RunningTopK(len(job.prepared), job.k) for side in job.sides}
-    queries_t = job.prepared.T.contiguous()
-    for block in shard.blocks():
-        scores = (job.space.rows(torch.from_numpy(block.vectors)) @ queries_t).T
-        ids = torch.from_numpy(block.grad_ids)
+    for ids, scores in _block_scores(shard, job.space, job.prepared.T.contiguous()):
         for side, running in best.items():
             running.add(scores if side else -scores, ids)
     return {side: _signed(running, side) for side, running in best.items()}
+
+
+def _block_scores(shard: Shard, space: ScoringSpace, queries_t: torch.Tensor) -> Iterator[tuple]:
+    """``(grad_ids [n], scores [q, n])`` of each of the shard's blocks. Methods that search the rows as stored
+    score them as stored, upcast tile by tile and scaled by their norms after the product (no float32 copy of the
+    block, as the local exact search); the others decode the rows and map them into the method's space."""
+    if space.method.query_only:
+        for block in shard.stored_blocks():
+            ids, rows, norms = unpack_block(block)
+            scores = float32_products(as_tensor(rows, None), queries_t)
+            if norms is not None:
+                scores.mul_(torch.from_numpy(norms)[:, None])
+            yield torch.from_numpy(ids), scores.T
+        return
+    for block in shard.blocks():
+        yield torch.from_numpy(block.grad_ids), (space.rows(torch.from_numpy(block.vectors)) @ queries_t).T
 
 
 # ---------------------------------------------------------------------------------------------- FAISS builds

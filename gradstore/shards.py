@@ -25,6 +25,7 @@ import numpy as np
 from gradstore.core import GradientBlock, StoreCore, sql_literal
 from gradstore.core import schema as S
 from gradstore.core.scanning import vector_scanner
+from gradstore.core.stored_rows import stored_block, stored_columns
 from indexers import VectorBlocks
 
 DEFAULT_BLOCK_ROWS = 65536
@@ -73,6 +74,19 @@ class Shard:
             if batch.num_rows == 0:
                 continue
             yield GradientBlock.from_batch(batch, metadata_columns, self.storage_dtype)
+
+    def stored_blocks(self) -> Iterator[tuple]:
+        """The shard's rows as stored (:func:`~gradstore.core.stored_rows.stored_block`: no float32 decoding), in
+        blocks of at most ``block_rows`` rows, in dataset order; the metadata columns are not read."""
+        if not self.fragments:
+            return
+        dataset = lance.dataset(self.uri, version=self.version, storage_options=self.storage_options)
+        fragments = [dataset.get_fragment(i) for i in self.fragments]
+        columns = stored_columns(self.storage_dtype)
+        scanner = vector_scanner(dataset, columns, self.filter, self.block_rows, self.late_materialization, fragments)
+        for batch in scanner.to_batches():
+            if batch.num_rows:
+                yield stored_block(batch, self.storage_dtype)
 
     def source(self) -> VectorBlocks:
         """The shard as a re-iterable ``(grad_ids, vectors)`` source (what preconditioners fit on)."""

@@ -6,7 +6,7 @@ Works on numpy/torch arrays and re-iterable sources of ``(ids, vectors)`` blocks
 
 from indexers.blocks import VectorBlocks, blocks_from_arrays
 from indexers.errors import IndexMismatchError, NotFittedError
-from indexers.exact import UNIT_BF16_NORM, ExactIndex, PreparedRows, RunningTopK
+from indexers.exact import UNIT_BF16_NORM, ExactIndex, PreparedRows, RunningTopK, float32_products
 from indexers.faiss_index import FaissIndex, default_nprobe, gpu_available, require_faiss
 from indexers.manifest import check_manifest, manifest_diff
 from indexers.preconditioner import FitStatistics
@@ -43,6 +43,7 @@ __all__ = [
     "check_manifest",
     "choose_index_kind",
     "default_nprobe",
+    "float32_products",
     "gpu_available",
     "load_preconditioner",
     "make_preconditioner",

@@ -158,6 +158,31 @@ def test_attribute_on_ray_equals_in_process(captured, ray_engine, method, blocks
     _same(local, refit)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rows_searched_as_stored_on_ray_equal_in_process(tmp_path, ray_engine, dtype):
+    """Workers score unit rows as stored (upcast tile by tile, times their norms after the product), like the
+    in-process exact search; rows spread over several fragments and norms over six orders of magnitude."""
+    store = gradstore.open(tmp_path / "store", storage_dtype=dtype)
+    store.create_run("r", dim=300)
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((900, 300)).astype(np.float32) * np.logspace(-3, 3, 900, dtype=np.float32)[:, None]
+    with store.writer("r", commit_rows=200) as writer:
+        for start in range(0, 900, 150):
+            writer.append(
+                rows[start : start + 150], [f"e{i}" for i in range(start, start + 150)], checkpoint="c", split="train"
+            )
+    queries = rng.standard_normal((6, 300)).astype(np.float32)
+    local = store.attribute(queries, run="r", k=9, opponents=True, write=False)
+    remote = store.attribute(queries, run="r", k=9, opponents=True, write=False, engine=ray_engine)
+    _same(local, remote)
+    decoded = store.read_gradients("r", checkpoint="c", columns=()).vectors.astype(np.float64)
+    best = np.argsort(-(queries.astype(np.float64) @ decoded.T), axis=1)[:, :9]
+    frame = remote.to_pandas()
+    for row in range(6):
+        got = frame[(frame.query_id == frame.query_id.unique()[row]) & (frame["rank"] > 0)]
+        assert got.example_id.tolist() == [f"e{i}" for i in best[row]]
+
+
 def test_a_fit_on_ray_equals_the_in_process_fit(captured, ray_engine):
     from gradstore.fitting import Selection, fit_spec
     from gradstore.methods import resolve_method

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow as pa
 
 from gradstore.core import schema as S
 from gradstore.core.filters import gradient_filter
@@ -39,18 +40,29 @@ def stored_blocks(
 
     def source() -> Iterator[tuple]:
         dtype = store.storage_dtype
-        scaled = dtype in UNIT_DTYPES
-        columns = ["grad_id", S.VECTOR_COLUMN] + ([S.NORM_COLUMN] if scaled else [])
+        columns = stored_columns(dtype)
         dataset = store.gradient_table(run).to_lance()
         late = selected_rows is None or late_materialization(selected_rows, dataset.count_rows())
         scanner = vector_scanner(
             dataset, columns, gradient_filter(run, checkpoint, split, None, where), block_rows, late
         )
         for batch in scanner.to_reader():
-            if batch.num_rows == 0:
-                continue
-            ids = np.array(batch.column("grad_id").to_numpy())  # small copies: writable, unlike Arrow's buffers
-            rows = stored_values(batch.column(S.VECTOR_COLUMN), dtype)
-            yield (ids, rows, np.array(batch.column(S.NORM_COLUMN).to_numpy())) if scaled else (ids, rows)
+            if batch.num_rows:
+                yield stored_block(batch, dtype)
 
     return source
+
+
+def stored_columns(dtype: str) -> list[str]:
+    """The columns :func:`stored_block` reads for rows stored as ``dtype``."""
+    return ["grad_id", S.VECTOR_COLUMN] + ([S.NORM_COLUMN] if dtype in UNIT_DTYPES else [])
+
+
+def stored_block(batch: pa.RecordBatch, dtype: str) -> tuple:
+    """A scanned batch of :func:`stored_columns` as a :data:`indexers.VectorBlocks` block: ``(grad_ids, rows as
+    stored, norms)`` for unit-row encodings (the row is ``norm * unit row``), ``(grad_ids, rows)`` for float32."""
+    ids = np.array(batch.column("grad_id").to_numpy())  # small copies: writable, unlike Arrow's buffers
+    rows = stored_values(batch.column(S.VECTOR_COLUMN), dtype)
+    if dtype not in UNIT_DTYPES:
+        return ids, rows
+    return ids, rows, np.array(batch.column(S.NORM_COLUMN).to_numpy())
