@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import lance
 import numpy as np
+import pyarrow as pa
 
 from gradstore.core import GradientBlock, StoreCore, sql_literal
 from gradstore.core import schema as S
@@ -63,30 +64,24 @@ class Shard:
 
     def blocks(self) -> Iterator[GradientBlock]:
         """The shard's rows as float32 blocks of at most ``block_rows`` rows, in dataset order."""
-        if not self.fragments:
-            return
-        dataset = lance.dataset(self.uri, version=self.version, storage_options=self.storage_options)
-        fragments = [dataset.get_fragment(i) for i in self.fragments]
         wanted = ["grad_id", *[c for c in self.columns if c != "grad_id"], S.VECTOR_COLUMN, S.NORM_COLUMN]
-        scanner = vector_scanner(dataset, wanted, self.filter, self.block_rows, self.late_materialization, fragments)
-        metadata_columns = wanted[1:-2]
-        for batch in scanner.to_batches():
-            if batch.num_rows == 0:
-                continue
-            yield GradientBlock.from_batch(batch, metadata_columns, self.storage_dtype)
+        for batch in self._batches(wanted):
+            yield GradientBlock.from_batch(batch, wanted[1:-2], self.storage_dtype)
 
     def stored_blocks(self) -> Iterator[tuple]:
         """The shard's rows as stored (:func:`~gradstore.core.stored_rows.stored_block`: no float32 decoding), in
         blocks of at most ``block_rows`` rows, in dataset order; the metadata columns are not read."""
+        for batch in self._batches(stored_columns(self.storage_dtype)):
+            yield stored_block(batch, self.storage_dtype)
+
+    def _batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
+        """The shard's non-empty batches of ``columns``."""
         if not self.fragments:
             return
         dataset = lance.dataset(self.uri, version=self.version, storage_options=self.storage_options)
         fragments = [dataset.get_fragment(i) for i in self.fragments]
-        columns = stored_columns(self.storage_dtype)
         scanner = vector_scanner(dataset, columns, self.filter, self.block_rows, self.late_materialization, fragments)
-        for batch in scanner.to_batches():
-            if batch.num_rows:
-                yield stored_block(batch, self.storage_dtype)
+        yield from (batch for batch in scanner.to_batches() if batch.num_rows)
 
     def source(self) -> VectorBlocks:
         """The shard as a re-iterable ``(grad_ids, vectors)`` source (what preconditioners fit on)."""
