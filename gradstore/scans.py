@@ -27,6 +27,7 @@ from gradstore.scoring import ScoringSpace
 from gradstore.shards import Shard
 from indexers import FaissIndex, RunningTopK, float32_products
 from indexers.blocks import as_tensor, unpack_block
+from indexers.screening import as_scales
 
 TopK = dict[bool, tuple[np.ndarray, np.ndarray]]
 """``{largest: (scores [q, k'], ids [q, k'])}``: top-k for ``True``, bottom-k for ``False``, best first."""
@@ -78,10 +79,10 @@ def _block_scores(shard: Shard, space: ScoringSpace, queries_t: torch.Tensor) ->
     if space.method.query_only:
         for block in shard.stored_blocks():
             ids, rows, norms = unpack_block(block)
-            scores = float32_products(as_tensor(rows, None), queries_t)
-            if norms is not None:
-                scores.mul_(torch.from_numpy(norms)[:, None])
-            yield torch.from_numpy(ids), scores.T
+            yield (
+                torch.from_numpy(ids),
+                float32_products(as_tensor(rows, None), queries_t, as_scales(norms, torch.device("cpu"))).T,
+            )
         return
     for block in shard.blocks():
         yield torch.from_numpy(block.grad_ids), (space.rows(torch.from_numpy(block.vectors)) @ queries_t).T
