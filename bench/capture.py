@@ -31,6 +31,10 @@ storage, and the row count in the store at the end (must equal captured steps x 
 
 Each repeat's median is printed; the last line is ``RESULT capture_overhead=<median of the repeats' medians>
 target<=1.02 PASS|MISS`` (issue 12).
+
+``--device cuda`` (``bench/gpu_check.sh``) trains both copies on the GPU (same workload; each timed step ends
+with ``torch.cuda.synchronize()``, so it covers the GPU's work and the capture's device-to-host copies are
+started inside it); the last line is then ``RESULT capture_overhead_cuda=<x> target<=1.02``.
 """
 
 from __future__ import annotations
@@ -76,14 +80,19 @@ def make_batches(count: int, seed: int) -> list[torch.Tensor]:
 def train_step(model: GPT2LMHeadModel, opt: torch.optim.Optimizer, tokens: torch.Tensor, seed: int) -> float:
     """One timed training step (forward, backward, optimizer step, zero_grad); returns seconds.
 
-    The RNG is reseeded (untimed) first, so both arms draw the same dropout masks for a batch.
+    The RNG is reseeded (untimed) first, so both arms draw the same dropout masks for a batch. On a GPU the step
+    is timed from an idle device to the end of its queued work.
     """
     torch.manual_seed(seed)
+    if tokens.is_cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
     opt.step()
     opt.zero_grad()
+    if tokens.is_cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -117,15 +126,15 @@ class Repeat:
         return statistics.median(self.ratios)
 
 
-def measure(steps: int, warmup: int, seed: int) -> Repeat:
-    """One paired run: fresh model copies, optimizers and store; ``warmup`` + ``steps`` pairs."""
-    plain = make_model(seed)
+def measure(steps: int, warmup: int, seed: int, device: torch.device) -> Repeat:
+    """One paired run on ``device``: fresh model copies, optimizers and store; ``warmup`` + ``steps`` pairs."""
+    plain = make_model(seed).to(device)
     captured = copy.deepcopy(plain)
     plain.train()
     captured.train()
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-4)
     opt_captured = torch.optim.AdamW(captured.parameters(), lr=1e-4)
-    batches = make_batches(warmup + steps, seed + 1)
+    batches = [batch.to(device) for batch in make_batches(warmup + steps, seed + 1)]
 
     root = Path(tempfile.mkdtemp(prefix="gradstore-bench-capture-"))
     try:
@@ -186,14 +195,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="untimed pairs before measuring, per repeat")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="paired measurements; the result is their median")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both model copies train")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA GPU")
 
     torch.set_num_threads(2)
-    repeats = [measure(args.steps, args.warmup, args.seed) for _ in range(args.repeats)]
+    device = torch.device(args.device)
+    repeats = [measure(args.steps, args.warmup, args.seed, device) for _ in range(args.repeats)]
     spec = repeats[0].spec
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU, 2 threads"
     print(
         f"W-capture: GPT-2 4x256, batch {BATCH} x {SEQ}, {len(spec.layers)} layers captured, "
-        f"{spec.dim} dims ({spec.layers[0].k_out}x{spec.layers[0].k_in} factorized), float16 store"
+        f"{spec.dim} dims ({spec.layers[0].k_out}x{spec.layers[0].k_in} factorized), float16 store; {where}"
     )
     print(
         "method: two identical model copies (plain / captured), same batches, order alternating per pair; "
@@ -223,7 +237,8 @@ def main() -> None:
     ratio = statistics.median(medians)
     print(f"median ratio per repeat: {', '.join(f'{m:.4f}' for m in medians)}")
     verdict = "PASS" if ratio <= TARGET else "MISS"
-    print(f"RESULT capture_overhead={ratio:.4f} target<={TARGET} {verdict}")
+    name = "capture_overhead" if device.type == "cpu" else f"capture_overhead_{device.type}"
+    print(f"RESULT {name}={ratio:.4f} target<={TARGET} {verdict}")
 
 
 if __name__ == "__main__":

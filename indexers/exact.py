@@ -105,8 +105,8 @@ class ExactIndex:
         if max_norm is not None and not max_norm >= 0:
             raise ValueError(f"max_norm must be a non-negative bound of the row norms, got {max_norm}")
         self.max_norm = max_norm
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device is None:  # CUDA when torch sees a GPU; the bfloat16 kernel is a CPU kernel
+            device = "cuda" if torch.cuda.is_available() and kernel != "bfloat16" else "cpu"
         self.device = torch.device(device)
         self.block_rows = block_rows
         self.kernel = resolve_kernel(kernel, self.device)

@@ -40,11 +40,19 @@ def fast_bfloat16_matmul() -> bool:
 
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:
-    """``"bfloat16"`` or ``"float32"``: ``"auto"`` picks bfloat16 on a CPU with native bf16 matmul."""
+    """``"bfloat16"`` or ``"float32"``: ``"auto"`` picks bfloat16 on a CPU with native bf16 matmul.
+
+    The bfloat16 kernel runs on CPUs only: its error bound counts float32 accumulation, which CUDA's bf16
+    GEMMs do not promise (cuBLAS may reduce split-K partial sums in bf16)."""
     if kernel not in ("auto", "bfloat16", "float32"):
         raise ValueError(f"kernel must be 'auto', 'bfloat16' or 'float32', got {kernel!r}")
     if kernel == "auto":
         return "bfloat16" if device.type == "cpu" and fast_bfloat16_matmul() else "float32"
+    if kernel == "bfloat16" and device.type != "cpu":
+        raise ValueError(
+            f"the bfloat16 kernel runs on the CPU only (its error bound needs float32 accumulation, which bf16 "
+            f"GEMMs on {device.type} do not promise); use kernel='float32' or 'auto' there"
+        )
     return kernel
 
 

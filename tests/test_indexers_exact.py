@@ -264,6 +264,14 @@ def test_auto_kernel_follows_the_cpu() -> None:
         ExactIndex(device="cpu", kernel="int8")
 
 
+def test_bfloat16_kernel_is_a_cpu_kernel() -> None:
+    """Its bound needs float32 accumulation, which bf16 GEMMs on other devices do not promise."""
+    assert ExactIndex(kernel="bfloat16").device.type == "cpu"  # device=None: the CPU even where CUDA is seen
+    assert ExactIndex(device="meta").kernel == "float32"
+    with pytest.raises(ValueError, match="CPU only"):
+        ExactIndex(device="meta", kernel="bfloat16")
+
+
 def test_screen_bookkeeping_runs_on_one_thread_and_restores_the_count() -> None:
     from indexers.screening import one_thread
 
