@@ -120,6 +120,16 @@ class AttributionIndex:
         m = self.manifest
         return Selection(m["run_id"], m["checkpoint"], m["split"], m["where"])
 
+    @property
+    def search_path(self) -> str:
+        """Where and how a search of this index runs on this machine, e.g. ``"exact, bfloat16 kernel on cpu"``
+        (the bf16 screen where the CPU multiplies bf16 natively, float32 elsewhere and on CUDA) or
+        ``"faiss HNSW32,SQfp16 on gpu"`` (a copy on the GPUs where faiss has GPU support and a driver answers)."""
+        if self.faiss_index is not None:
+            return f"faiss {self.manifest['kind']} on {'gpu' if gpu_available() else 'cpu'}"
+        exact = self._exact()
+        return f"exact, {exact.kernel} kernel on {exact.device.type}"
+
     def prepare_queries(self, queries: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Queries in the space the stored rows are searched in."""
         return self.space.queries(queries)
@@ -494,4 +504,4 @@ def load_index(store: StoreCore, fits: FitCache, name: str, *, missing_ok: bool 
 def index_summary(index: AttributionIndex) -> dict[str, Any]:
     """The manifest fields people look at."""
     keys = ("name", "run_id", "checkpoint", "split", "method", "damping", "kind", "rows", "recall_at_10")
-    return {k: index.manifest.get(k) for k in keys}
+    return {**{k: index.manifest.get(k) for k in keys}, "search": index.search_path}

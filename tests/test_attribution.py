@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 import gradstore
+from gradstore.index import index_summary
 from gradstore.queries import QueryBatch
-from indexers import IndexMismatchError
+from indexers import IndexMismatchError, gpu_available
+from indexers.screening import fast_bfloat16_matmul
 
 N_TRAIN, N_QUERY = 48, 5
 LEARNING_RATES = {"c0": 0.3, "c1": 0.1}
@@ -240,6 +242,21 @@ def test_faiss_flat_index_equals_exact_and_is_incremental(captured):
         assert reloaded.faiss_index.ntotal == N_TRAIN + 2
     finally:  # the module's other tests share this store
         store.table("gradients").delete("example_id LIKE 'extra%'")
+
+
+def test_an_index_says_where_and_how_it_searches(captured, monkeypatch):
+    """``search_path`` names the kernel this machine runs (bf16 screen only with native bf16 matmul) and the
+    device; ``gradstore build-index`` prints it."""
+    store, _, _ = captured
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    expected = "bfloat16" if device == "cpu" and fast_bfloat16_matmul() else "float32"
+    exact = store.build_index("run", checkpoint="c0", method="grad-dot")
+    assert exact.search_path == f"exact, {expected} kernel on {device}"
+    monkeypatch.setattr("indexers.screening.fast_bfloat16_matmul", lambda: False)
+    assert exact.search_path == f"exact, float32 kernel on {device}"
+    flat = store.build_index("run", checkpoint="c0", kind="Flat")
+    assert flat.search_path == f"faiss Flat on {'gpu' if gpu_available() else 'cpu'}"
+    assert index_summary(flat)["search"] == flat.search_path
 
 
 def test_index_from_another_projection_is_refused(captured):
