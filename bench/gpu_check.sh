@@ -5,8 +5,9 @@
 #
 # 1. Install gradstore with the `gpu` extra (faiss-gpu in place of faiss-cpu: the same `faiss` module, never
 #    both) and `hf`, over the machine's own CUDA build of torch. Where pip reaches no package index, set
-#    GPU_CHECK_WHEELS=<folder of wheels> to install those instead (no dependency resolution); what is still
-#    missing is reported and the checks that need it are skipped: pytest's store test without LanceDB, the
+#    GPU_CHECK_WHEELS=<folder of wheels> to install those instead (no dependency resolution; an empty folder
+#    installs nothing and costs no wait); what is still missing is reported and the checks that need it are
+#    skipped: pytest's store test without LanceDB, the
 #    FAISS GPU test without a GPU build of faiss, both benchmarks without the store's dependencies.
 # 2. pytest -m gpu: CUDA capture against torch.func and the CPU capture, training unchanged by capture, AMP
 #    scaling, exact search on CUDA against numpy, the store's search on CUDA, FAISS GPU against CPU.
@@ -45,7 +46,7 @@ torch.cuda.is_available() and torch.cuda.get_device_name())'"
 if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
     step install "$PYTHON" -m pip install --no-index --no-deps --no-build-isolation "$GPU_CHECK_WHEELS"/*.whl -e .
 else
-    step install "$PYTHON" -m pip install -e '.[gpu,hf]'
+    step install "$PYTHON" -m pip install --retries 1 --timeout 20 -e '.[gpu,hf]'
 fi
 if ! has gradstore; then # no index and no wheels: the repository's own packages still import from its root
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
