@@ -17,7 +17,7 @@ Two arms, alternating run by run: the plain callback (raw projected rows) and th
 workload). The Adam arm's line comes just above the last line, which is the plain callback's
 ``RESULT capture_hf_overhead=<ratio> target<=1.03 PASS|MISS``.
 
-    python bench/capture_hf.py [--pairs 10] [--warmup 2] [--repeats 3]
+    python bench/capture_hf.py [--pairs 20] [--warmup 2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def report(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--pairs", type=int, default=20, help="measured pairs per run (WORKLOADS: >= 20)")
     parser.add_argument("--warmup", type=int, default=2, help="captured steps before the measured pairs")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="Trainer runs per arm; result = their median")
     opts = parser.parse_args()
