@@ -72,6 +72,9 @@ FAISS_PREFIX = "faiss"
 FIRST_STAGE = "first_stage"
 BALANCED = "balanced"
 READ_BLOCK_ROWS = 65536  # rows per Lance read: the next read overlaps preparing (or scoring) this one
+#: The share of a GPU's free memory that one selection's prepared rows may take in the row cache; the rest stays
+#: for the search's own buffers and whatever else runs on the device (training, other caches).
+DEVICE_CACHE_SHARE = 0.5
 
 
 class AttributionIndex:
@@ -209,7 +212,8 @@ class AttributionIndex:
             )
         else:
             source = prepared_source(self.space, self.selection.blocks(self.store, READ_BLOCK_ROWS))
-        if not cache.admits(nbytes) or (self.cache_bytes is not None and nbytes > self.cache_bytes):
+        too_large = not cache.admits(nbytes) or (self.cache_bytes is not None and nbytes > self.cache_bytes)
+        if too_large or not device_admits(nbytes, kernel.device):
             return prefetched(source)
         return kernel.prepare_blocks(prefetched(source), on_complete=lambda rows: cache.put(key, rows, nbytes))
 
@@ -284,6 +288,17 @@ class AttributionIndex:
         for child in files.children(INDEXES, self.name):
             if child.startswith(FAISS_PREFIX) and child != self.manifest.get(FAISS_FILES):
                 files.remove(INDEXES, self.name, child)
+
+
+def device_admits(nbytes: int, device: torch.device) -> bool:
+    """Whether ``nbytes`` of prepared rows may be kept on ``device``: on the CPU the row cache's budget alone
+    decides; on a CUDA device they must also fit in :data:`DEVICE_CACHE_SHARE` of its free memory (the row
+    cache's budget is a share of the host's memory, which may be far larger than the GPU's), else the rows are
+    streamed to it block by block."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return nbytes <= DEVICE_CACHE_SHARE * free
 
 
 def prepared_bytes(stored: str, kernel: str) -> int:

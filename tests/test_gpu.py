@@ -173,3 +173,26 @@ def test_store_attribute_searches_on_the_device(tmp_path) -> None:
     block = next(iter(prepared))
     rows = block[1] if isinstance(block, tuple) else block.exact
     assert rows.device.type == DEVICE.type
+
+
+def test_rows_larger_than_the_gpu_allows_are_streamed_to_it(tmp_path, monkeypatch) -> None:
+    """Where the prepared rows exceed the device's share of free memory, the store streams them to the device
+    block by block instead of caching them there, with the same result."""
+    if DEVICE.type != "cuda":
+        pytest.skip("the device's free memory only limits the row cache on CUDA")
+    pytest.importorskip("lancedb")
+    import gradstore
+
+    rng = np.random.default_rng(1)
+    vectors, queries = rng.standard_normal((300, 16)).astype(np.float32), rng.standard_normal((3, 16))
+    store = gradstore.open(tmp_path / "store")
+    store.create_run("r", dim=16)
+    with store.writer("r") as writer:
+        writer.append(vectors, [f"e{i}" for i in range(len(vectors))], checkpoint="c", split="train")
+    cached = store.attribute(queries.astype(np.float32), run="r", k=4, write=False)
+    assert store.build_index("r").cached_rows() is not None
+    store.row_cache.clear()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1024, 80 << 30))
+    streamed = store.attribute(queries.astype(np.float32), run="r", k=4, write=False)
+    assert store.build_index("r").cached_rows() is None
+    assert streamed.column("grad_id").to_pylist() == cached.column("grad_id").to_pylist()

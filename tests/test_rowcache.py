@@ -52,3 +52,16 @@ def test_run_metadata_is_read_once_per_table_version(store, monkeypatch) -> None
         writer.append(np.ones((1, 4), np.float32), ["e2"], checkpoint="y")
     with pytest.raises(InvalidArgumentError, match="several checkpoint labels"):
         store.default_checkpoint("a")  # the new gradients version carries both labels
+
+
+def test_prepared_rows_take_at_most_half_a_gpus_free_memory(monkeypatch) -> None:
+    """The row cache's budget is a share of the host's memory; rows prepared on a GPU must also fit in half of
+    its free memory (else they are streamed to it)."""
+    import torch
+
+    from gradstore.index import device_admits
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000, 4000))
+    cuda = torch.device("cuda")
+    assert device_admits(500, cuda) and not device_admits(501, cuda)
+    assert device_admits(10**15, torch.device("cpu"))  # the CPU: the row cache's own budget decides
