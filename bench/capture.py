@@ -32,9 +32,11 @@ storage, and the row count in the store at the end (must equal captured steps x 
 Each repeat's median is printed; the last line is ``RESULT capture_overhead=<median of the repeats' medians>
 target<=1.02 PASS|MISS`` (issue 12).
 
-``--device cuda`` (``bench/gpu_check.sh``) trains both copies on the GPU (same workload; each timed step ends
-with ``torch.cuda.synchronize()``, so it covers the GPU's work and the capture's device-to-host copies are
-started inside it); the last line is then ``RESULT capture_overhead_cuda=<x> target<=1.02``.
+``--fused`` captures with ``fused=True`` (the projections inside the layers' GEMMs, :mod:`ingest.fused`); the last
+line is then ``RESULT capture_overhead_fused=...``. ``--device cuda`` (``bench/gpu_check.sh``) trains both copies on
+the GPU (same workload; each timed step ends with ``torch.cuda.synchronize()``, so it covers the GPU's work and the
+capture's device-to-host copies are started inside it); the last line is then ``RESULT
+capture_overhead_cuda=<x> target<=1.02``.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ class Repeat:
         return statistics.median(self.ratios)
 
 
-def measure(steps: int, warmup: int, seed: int, device: torch.device) -> Repeat:
+def measure(steps: int, warmup: int, seed: int, device: torch.device, fused: bool = False) -> Repeat:
     """One paired run on ``device``: fresh model copies, optimizers and store; ``warmup`` + ``steps`` pairs."""
     plain = make_model(seed).to(device)
     captured = copy.deepcopy(plain)
@@ -146,6 +148,7 @@ def measure(steps: int, warmup: int, seed: int, device: torch.device) -> Repeat:
             include=r"transformer\.h\.",
             layer_types=("linear", "conv1d"),
             loss_reduction="token_mean",
+            fused=fused,
         )
         spec = cap.spec
         if len(spec.layers) != EXPECTED_LAYERS or spec.dim != EXPECTED_DIM:
@@ -196,18 +199,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=REPEATS, help="paired measurements; the result is their median")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both model copies train")
+    parser.add_argument("--fused", action="store_true", help="project inside the layers' GEMMs (ingest.fused)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA GPU")
 
     torch.set_num_threads(2)
     device = torch.device(args.device)
-    repeats = [measure(args.steps, args.warmup, args.seed, device) for _ in range(args.repeats)]
+    repeats = [measure(args.steps, args.warmup, args.seed, device, args.fused) for _ in range(args.repeats)]
     spec = repeats[0].spec
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU, 2 threads"
     print(
         f"W-capture: GPT-2 4x256, batch {BATCH} x {SEQ}, {len(spec.layers)} layers captured, "
-        f"{spec.dim} dims ({spec.layers[0].k_out}x{spec.layers[0].k_in} factorized), float16 store; {where}"
+        f"{spec.dim} dims ({spec.layers[0].k_out}x{spec.layers[0].k_in} factorized{', fused' if args.fused else ''}), "
+        f"float16 store; {where}"
     )
     print(
         "method: two identical model copies (plain / captured), same batches, order alternating per pair; "
@@ -237,7 +242,7 @@ def main() -> None:
     ratio = statistics.median(medians)
     print(f"median ratio per repeat: {', '.join(f'{m:.4f}' for m in medians)}")
     verdict = "PASS" if ratio <= TARGET else "MISS"
-    name = "capture_overhead" if device.type == "cpu" else f"capture_overhead_{device.type}"
+    name = "capture_overhead" + ("_fused" if args.fused else "") + ("" if device.type == "cpu" else f"_{device.type}")
     print(f"RESULT {name}={ratio:.4f} target<={TARGET} {verdict}")
 
 

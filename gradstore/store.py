@@ -68,6 +68,7 @@ class GradStore(StoreCore):
         loss_reduction: LossReduction = RUN_DEFAULT,
         loss_scale: float = RUN_DEFAULT,
         normalizer: Literal["adam_factored"] | None = None,
+        fused: bool = True,
         rank: int | None = None,
         per_example_loss: Callable[..., torch.Tensor] | None = None,
         grad_scaler: Any = None,
@@ -78,15 +79,16 @@ class GradStore(StoreCore):
         """Capture per-example gradients of ``model`` into run ``run`` (a context manager).
 
         Per capture: ``split`` (``"train"``/``"query"``), ``checkpoint``, ``learning_rate`` (overrides the
-        optimizer's; for checkpoint passes without one), ``curvature`` (also record Kronecker covariances of
-        the training rows for ``kfac``), ``normalizer``, ``rank``. Per run: ``projection`` (``"factorized"``
-        ``k_out x k_in`` per layer, ``"dense"``, or ``None`` for exact gradients), ``k_in``/``k_out``, ``seed``,
-        ``layer_types``/``include``/``exclude`` (which layers), ``route``, ``layer_sizes`` (per-layer
-        ``(k_in, k_out)`` by layer-name regex), ``basis`` (fixed projection matrices such as the curvature-aware
-        ones of :func:`ingest.basis.estimate_basis`, kept in the store for the run's later captures), and
-        ``loss_reduction``/``loss_scale`` (how the loop's loss was formed): a new run takes them as given (else
-        the defaults: factorized 16 x 16, mean reduction); later captures of the run reuse the run's own unless
-        told otherwise, and one whose projection differs is refused with ``ProjectionMismatchError``.
+        optimizer's; for checkpoint passes without one), ``curvature`` (also record Kronecker covariances of the
+        training rows for ``kfac``), ``normalizer``, ``fused`` (project inside the Linear/Conv1D layers' own GEMMs:
+        the same rows, about half the capture's cost; :mod:`ingest.fused`), ``rank``. Per run: ``projection``
+        (``"factorized"`` ``k_out x k_in`` per layer, ``"dense"``, or ``None`` for exact gradients),
+        ``k_in``/``k_out``, ``seed``, ``layer_types``/``include``/``exclude`` (which layers), ``route``,
+        ``layer_sizes`` (per-layer ``(k_in, k_out)`` by layer-name regex), ``basis`` (fixed projection matrices such
+        as the curvature-aware ones of :func:`ingest.basis.estimate_basis`, kept in the store for the run's later
+        captures), and ``loss_reduction``/``loss_scale`` (how the loop's loss was formed): a new run takes them as
+        given (else the defaults: factorized 16 x 16, mean reduction); later captures of the run reuse the run's own
+        unless told otherwise, and one whose projection differs is refused with ``ProjectionMismatchError``.
         ``resume=True`` (a job restarted from a checkpoint): rows of ``(checkpoint, step, split, example_id)``
         already committed to the run are skipped (:mod:`gradstore.resume`).
         """
@@ -107,6 +109,7 @@ class GradStore(StoreCore):
             "loss_reduction": loss_reduction,
             "loss_scale": loss_scale,
             "normalizer": normalizer,
+            "fused": fused,
             "max_pending_batches": max_pending_batches,
         }
         if rank is not None:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ingest.curvature import CurvatureStats
+from ingest.fused import FUSED_MARK, FusedGemm, fusable
 from ingest.per_example import (
     choose_route,
     contract_tokens,
@@ -76,6 +77,7 @@ class HookOwner(Protocol):
     batch: ActiveBatch | None
     is_paused: bool
     route: str
+    fused: bool
 
     def rows(self, batch: ActiveBatch, device: torch.device) -> torch.Tensor: ...
 
@@ -86,6 +88,9 @@ class HookOwner(Protocol):
 
 class LayerHook:
     """Capture of one module into its :class:`LayerSlot` of the row."""
+
+    #: Whether this hook may fuse the projections into the module's GEMMs (``owner.fused``, see :mod:`ingest.fused`).
+    FUSABLE = True
 
     def __init__(
         self,
@@ -105,6 +110,7 @@ class LayerHook:
         self._scaled: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
         self._operands: dict[tuple[torch.device, torch.dtype], GemmOperands] = {}
         self.scales: tuple[torch.Tensor, torch.Tensor] | None = None  # (out [d_out], in [d_in_eff]) normaliser
+        self.fusion_checks: dict[tuple, bool] = {}  # see ingest.fused.FusedGemm
 
     def set_scales(self, scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Diagonal factors ``(D_out, D_in)`` applied as ``D_out G D_in`` before projection (see
@@ -113,9 +119,31 @@ class LayerHook:
         self._scaled = {}
         self._operands = {}
 
-    def attach(self) -> torch.utils.hooks.RemovableHandle:
-        """Register the forward hook on the module."""
-        return self.module.register_forward_hook(self._forward)
+    def attach(self) -> Attachment:
+        """Register the forward hook on the module and, for a fused capture of a Linear or Conv1D slot of the
+        factorized kind, put the fused forward (:mod:`ingest.fused`) in place of the module's own."""
+        handle = self.module.register_forward_hook(self._forward)
+        fuse = self.FUSABLE and self.owner.fused and self.slot.mode == "factorized"
+        return Attachment(handle, self.module, self._fused_forward if fuse and self.slot.kind != "embedding" else None)
+
+    def _fused_forward(self, x: torch.Tensor, *args: Any, original: Any, **kwargs: Any) -> Any:
+        """The module's forward with the projections in its GEMMs where :func:`~ingest.fused.fusable`, else its
+        own forward (whose output the forward hook then captures)."""
+        s = self.slot
+        if args or kwargs or not fusable(self.module, s.kind, x, self.owner.route, s.k_in, s.k_out):
+            return original(x, *args, **kwargs)
+        batch = self.owner.batch
+        capture = None
+        if batch is not None and not self.owner.is_paused and torch.is_grad_enabled() and not in_backward():
+            if x.shape[0] != batch.size:  # broadcast or not batch-first: the forward hook deals with it
+                return original(x)
+            capture = (batch.generation, batch.size)
+        weight, bias = self.module.weight, self.module.bias
+        x2d = x.reshape(-1, x.shape[-1])
+        out = FusedGemm.apply(x2d, weight, bias, s.kind == "linear", self, capture)
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        setattr(out, FUSED_MARK, True)
+        return out
 
     def matrix(self, side: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """This layer's projection matrix for ``side`` (cached per device and dtype), with the normaliser's
@@ -176,6 +204,8 @@ class LayerHook:
         if in_backward():
             output.register_hook(self._refuse_recomputation)
             return replaced
+        if getattr(output, FUSED_MARK, False):
+            return None  # the fused GEMMs hand this output's projections to add_projected
         if x.shape[0] != batch.size:
             raise ValueError(
                 f"capture: layer {self.slot.name!r} got a batch of {x.shape[0]} for a forward of "
@@ -221,13 +251,29 @@ class LayerHook:
             return  # a second backward through an already captured graph
         with torch.no_grad():
             dy = tokens_view(dy.detach(), batch.size)
-            block = self._block(route, saved, dy)
-            rows = self.owner.rows(batch, block.device)
-            rows[:, self.slot.offset : self.slot.offset + self.slot.size] += block
+            self._add_block(batch, self._block(route, saved, dy))
             stats = self.owner.curvature_stats()
             if stats is not None:
                 self._add_curvature(stats, batch, route, saved, dy)
         self.owner.gradient_arrived(batch)
+
+    def add_projected(self, generation: int, inputs: torch.Tensor, gradients: torch.Tensor) -> None:
+        """Take one use's projected inputs ``[B, T, k_in]`` and output gradients ``[B, T, k_out]`` from the
+        fused GEMMs (:mod:`ingest.fused`): the ``project`` route's block and curvature terms without projecting."""
+        batch = self.owner.batch
+        if batch is None or batch.generation != generation:
+            return  # a second backward through an already captured graph
+        with torch.no_grad():
+            self._add_block(batch, contract_tokens(inputs, gradients).flatten(1))
+            stats = self.owner.curvature_stats()
+            if stats is not None:
+                self._record_curvature(stats, batch, inputs, gradients)
+        self.owner.gradient_arrived(batch)
+
+    def _add_block(self, batch: ActiveBatch, block: torch.Tensor) -> None:
+        """Add this layer's block ``[B, size]`` into the batch's rows."""
+        rows = self.owner.rows(batch, block.device)
+        rows[:, self.slot.offset : self.slot.offset + self.slot.size] += block
 
     def _block(self, route: str, saved: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
         s = self.slot
@@ -265,8 +311,38 @@ class LayerHook:
                 else project_inputs(saved, self.matrix("in", saved.device, saved.dtype), s.has_bias)
             )
             dy_p = project_tokens(dy, self.operands(dy.device, dy.dtype).out_t)
+        self._record_curvature(stats, batch, x_p, dy_p)
+
+    def _record_curvature(
+        self, stats: CurvatureStats, batch: ActiveBatch, x_p: torch.Tensor, dy_p: torch.Tensor
+    ) -> None:
+        """Add ``a a^T`` and ``s s^T`` of every (unpadded) token: ``a`` the (projected) input, ``s`` the
+        (projected) output gradient times the example's scale."""
         dy_p = dy_p * batch.scales.to(dy_p.device, dy_p.dtype).view(-1, 1, 1)
         mask = batch.token_mask
         if mask is not None and tuple(mask.shape) != tuple(x_p.shape[:2]):
             mask = None
-        stats.add(s.name, x_p, dy_p, mask)
+        stats.add(self.slot.name, x_p, dy_p, mask)
+
+
+class Attachment:
+    """A layer hook's hold on its module: the forward hook, and the fused forward put in place of the module's own
+    (``fused``: a callable taking the original forward as ``original=``), both undone by :meth:`remove`."""
+
+    def __init__(self, handle: torch.utils.hooks.RemovableHandle, module: nn.Module, fused: Any | None = None) -> None:
+        self.handle = handle
+        self.module = module
+        self._previous = module.__dict__.get("forward")  # an instance-level forward someone else set, if any
+        self._fused = fused is not None
+        if fused is not None:
+            module.forward = functools.partial(fused, original=module.forward)
+
+    def remove(self) -> None:
+        """Remove the forward hook and give the module its forward back."""
+        self.handle.remove()
+        if self._fused:
+            if self._previous is None:
+                del self.module.forward
+            else:
+                self.module.forward = self._previous
+            self._fused = False

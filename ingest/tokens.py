@@ -35,6 +35,8 @@ class TokenRows:
 class TokenLayerHook(LayerHook):
     """A layer hook that keeps each position's term of the layer's block instead of their sum."""
 
+    FUSABLE = False  # per-token blocks need each position's projected input and gradient: the hooks' route
+
     def _backward(self, generation: int, route: str, saved: torch.Tensor, dy: torch.Tensor) -> None:
         batch = self.owner.batch
         if batch is None or batch.generation != generation:

@@ -152,21 +152,27 @@ def test_exact_index_on_the_device_matches_brute_force(block_rows: int, largest:
         np.testing.assert_array_equal(scores, expected_scores.astype(np.float32), err_msg=name)
 
 
-def test_store_attribute_searches_on_the_device(tmp_path) -> None:
-    """A store's exact search prepares its row cache on the device (ExactIndex's default where torch sees a
-    GPU) and returns numpy's top-k of the stored rows."""
+def store_with_rows(path, rows: int, dim: int, seed: int):
+    """A store at ``path`` with ``rows`` random training rows of run ``r``, and 4 random queries."""
     pytest.importorskip("lancedb")
     import gradstore
 
-    rng = np.random.default_rng(0)
-    vectors, queries = rng.standard_normal((500, 32)).astype(np.float32), rng.standard_normal((4, 32))
-    store = gradstore.open(tmp_path / "store")
-    store.create_run("r", dim=32)
+    rng = np.random.default_rng(seed)
+    vectors, queries = rng.standard_normal((rows, dim)).astype(np.float32), rng.standard_normal((4, dim))
+    store = gradstore.open(path)
+    store.create_run("r", dim=dim)
     with store.writer("r") as writer:
-        writer.append(vectors, [f"e{i}" for i in range(len(vectors))], checkpoint="c", split="train")
+        writer.append(vectors, [f"e{i}" for i in range(rows)], checkpoint="c", split="train")
+    return store, queries.astype(np.float32)
+
+
+def test_store_attribute_searches_on_the_device(tmp_path) -> None:
+    """A store's exact search prepares its row cache on the device (ExactIndex's default where torch sees a
+    GPU) and returns numpy's top-k of the stored rows."""
+    store, queries = store_with_rows(tmp_path / "store", 500, 32, seed=0)
     blocks = list(store.iter_gradients("r"))
     grad_ids, stored = np.concatenate([b.grad_ids for b in blocks]), np.concatenate([b.vectors for b in blocks])
-    result = store.attribute(queries.astype(np.float32), run="r", k=5, write=False)
+    result = store.attribute(queries, run="r", k=5, write=False)
     _, expected_ids = brute_force(queries, stored, grad_ids, 5)
     np.testing.assert_array_equal(result.column("grad_id").to_numpy().reshape(4, 5), expected_ids)
     prepared = store.build_index("r").cached_rows()
@@ -180,19 +186,11 @@ def test_rows_larger_than_the_gpu_allows_are_streamed_to_it(tmp_path, monkeypatc
     block by block instead of caching them there, with the same result."""
     if DEVICE.type != "cuda":
         pytest.skip("the device's free memory only limits the row cache on CUDA")
-    pytest.importorskip("lancedb")
-    import gradstore
-
-    rng = np.random.default_rng(1)
-    vectors, queries = rng.standard_normal((300, 16)).astype(np.float32), rng.standard_normal((3, 16))
-    store = gradstore.open(tmp_path / "store")
-    store.create_run("r", dim=16)
-    with store.writer("r") as writer:
-        writer.append(vectors, [f"e{i}" for i in range(len(vectors))], checkpoint="c", split="train")
-    cached = store.attribute(queries.astype(np.float32), run="r", k=4, write=False)
+    store, queries = store_with_rows(tmp_path / "store", 300, 16, seed=1)
+    cached = store.attribute(queries, run="r", k=4, write=False)
     assert store.build_index("r").cached_rows() is not None
     store.row_cache.clear()
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1024, 80 << 30))
-    streamed = store.attribute(queries.astype(np.float32), run="r", k=4, write=False)
+    streamed = store.attribute(queries, run="r", k=4, write=False)
     assert store.build_index("r").cached_rows() is None
     assert streamed.column("grad_id").to_pylist() == cached.column("grad_id").to_pylist()
