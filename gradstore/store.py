@@ -68,7 +68,7 @@ class GradStore(StoreCore):
         loss_reduction: LossReduction = RUN_DEFAULT,
         loss_scale: float = RUN_DEFAULT,
         normalizer: Literal["adam_factored"] | None = None,
-        fused: bool = True,
+        fused: bool = False,
         rank: int | None = None,
         per_example_loss: Callable[..., torch.Tensor] | None = None,
         grad_scaler: Any = None,
@@ -81,9 +81,9 @@ class GradStore(StoreCore):
         Per capture: ``split`` (``"train"``/``"query"``), ``checkpoint``, ``learning_rate`` (overrides the
         optimizer's; for checkpoint passes without one), ``curvature`` (also record Kronecker covariances of the
         training rows for ``kfac``), ``normalizer``, ``fused`` (project inside the Linear/Conv1D layers' own GEMMs:
-        the same rows, about half the capture's cost; :mod:`ingest.fused`), ``rank``. Per run: ``projection``
-        (``"factorized"`` ``k_out x k_in`` per layer, ``"dense"``, or ``None`` for exact gradients),
-        ``k_in``/``k_out``, ``seed``, ``layer_types``/``include``/``exclude`` (which layers), ``route``,
+        the same rows, cheaper where batches hold more tokens than a layer is wide; :mod:`ingest.fused`), ``rank``.
+        Per run: ``projection`` (``"factorized"`` ``k_out x k_in`` per layer, ``"dense"``, or ``None`` for exact
+        gradients), ``k_in``/``k_out``, ``seed``, ``layer_types``/``include``/``exclude`` (which layers), ``route``,
         ``layer_sizes`` (per-layer ``(k_in, k_out)`` by layer-name regex), ``basis`` (fixed projection matrices such
         as the curvature-aware ones of :func:`ingest.basis.estimate_basis`, kept in the store for the run's later
         captures), and ``loss_reduction``/``loss_scale`` (how the loop's loss was formed): a new run takes them as

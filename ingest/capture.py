@@ -111,7 +111,8 @@ class CaptureConfig:
     covariances of the training rows. ``normalizer``: ``"adam_factored"`` records LESS-style rows normalised
     by the optimizer's Adam second moments in factored form (see :mod:`ingest.normalizers`); forwards before
     the optimizer holds state are not captured. ``fused``: project inside the Linear/Conv1D layers' own GEMMs
-    (:mod:`ingest.fused`; the same rows, training unchanged, the activations read once instead of twice).
+    (:mod:`ingest.fused`; the same rows, training unchanged, the activations read once instead of twice, the
+    weights copied twice per step: it pays where batches hold more tokens than a layer is wide).
     """
 
     projection: ProjectionConfig = field(default_factory=ProjectionConfig)
@@ -122,7 +123,7 @@ class CaptureConfig:
     curvature: bool = False
     max_pending_batches: int = 4
     normalizer: str | None = None
-    fused: bool = True
+    fused: bool = False
 
     @classmethod
     def from_options(cls, **options: Any) -> CaptureConfig:
