@@ -8,7 +8,9 @@ the bias) and the output-gradient projection as ``k_out`` extra columns on its i
 
 The layer's own columns come from the same GEMM calls, with operands in the same layouts, as torch's ``addmm``
 (HF ``Conv1D``; ``nn.Linear`` on 2-D or contiguous 3-D inputs) and its backward, and the weight and bias
-gradients are computed as torch's backward computes them, so training stays bit-identical (tested). Only
+gradients are computed as torch's backward computes them; where the BLAS would sum the widened GEMM in another
+order (checked once per shape, :func:`widening_is_exact`), that pass runs unfused. Training stays bit-identical
+(tested). Only
 ``factorized`` slots on the ``project`` route of float inputs outside autocast are fused; every other call runs
 the module's own forward and the hooks of :mod:`ingest.hooks`. A fused module runs fused whether or not a batch
 is being captured, so a forward and its gradient-checkpointing recomputation save the same tensors.
@@ -32,7 +34,7 @@ FUSED_MARK = "_gradstore_fused"
 class FusedLayer(Protocol):
     """What :class:`FusedGemm` needs from a layer hook."""
 
-    #: ``(pass, shape, threads) -> whether the fused GEMM gave the layer's own columns bit for bit``
+    #: ``(pass, shape, threads, device type, dtype) -> whether that pass widens exactly`` (:func:`widening_is_exact`)
     fusion_checks: dict[tuple, bool]
 
     def operands(self, device: torch.device, dtype: torch.dtype) -> Any: ...
@@ -48,14 +50,14 @@ class FusedGemm(torch.autograd.Function):
     The BLAS does not promise that extra columns leave the others' bits alone (a 5 -> 6 layer on 4 rows sums in
     another order), so each pass checks once per shape and thread count, on random operands of those shapes and
     layouts, that the widened GEMM gives the layer's own columns bit for bit (:func:`widening_is_exact`); where it
-    does not, that pass runs unfused (the layer's own GEMM and a projection GEMM, as the hooks do) in the same autograd
-    node, so a checkpointed forward and its recomputation save the same tensors."""
+    does not, that pass runs unfused (the layer's own GEMM and a projection GEMM, as the hooks do) in the same
+    autograd node, so a checkpointed forward and its recomputation save the same tensors."""
 
     @staticmethod
     def forward(ctx, x2d, weight, bias, transposed: bool, layer: FusedLayer, capture):  # type: ignore[override]
         ops = layer.operands(x2d.device, x2d.dtype)
         in_weight = ops.in_t.T if transposed else ops.in_t
-        key = ("forward", tuple(x2d.shape), torch.get_num_threads())
+        key = ("forward", tuple(x2d.shape), torch.get_num_threads(), x2d.device.type, x2d.dtype)
         if key not in layer.fusion_checks:
             layer.fusion_checks[key] = widening_is_exact(x2d, weight, in_weight, transposed, bias is not None)
         if layer.fusion_checks[key]:
@@ -76,7 +78,7 @@ class FusedGemm(torch.autograd.Function):
         # torch's mm backward multiplies dy by nn.Linear's W as it is, and by Conv1D's W as a transposed view
         own = weight if ctx.transposed else weight.t()
         out_weight = ops.out_t if ctx.transposed else ops.out_t.T
-        key = ("backward", tuple(dy.shape), torch.get_num_threads())
+        key = ("backward", tuple(dy.shape), torch.get_num_threads(), dy.device.type, dy.dtype)
         if key not in ctx.layer.fusion_checks:
             ctx.layer.fusion_checks[key] = widening_is_exact(dy, weight, out_weight, not ctx.transposed)
         if ctx.layer.fusion_checks[key]:

@@ -103,6 +103,20 @@ def train(model: nn.Module, steps: int, capture: bool) -> list:
     return out
 
 
+def test_fused_capture_on_the_device_gives_the_hooks_rows() -> None:
+    """``fused=True`` (projections inside the layers' GEMMs) gives the hooks' rows on the device, and the same
+    parameter gradients bit for bit."""
+    batch = on_device(padded_batch())
+    results = {}
+    for fused in (False, True):
+        model = tiny_gpt2(attention="eager").to(DEVICE)
+        config = CaptureConfig.from_options(loss_reduction="token_mean", fused=fused)
+        _, out = captured(model, batch, config)
+        results[fused] = (out[0].grads, [p.grad for p in model.parameters()])
+    assert rel_err(results[True][0], results[False][0]) < 1e-6
+    assert all(torch.equal(p, q) for p, q in zip(results[False][1], results[True][1]))
+
+
 def test_capture_does_not_change_training_on_the_device() -> None:
     """Weights after steps with AdamW, dropout and accumulation are bit-identical with and without capture
     (where training on this device is bit-reproducible at all), and steps are counted."""
