@@ -114,6 +114,7 @@ def _product(x2d: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None
     return x2d.mm(operand) if bias is None else torch.addmm(bias, x2d, operand)
 
 
+# Verdicts are kept per exact shape (the BLAS picks kernels by shape), so every new token count costs one check.
 def widening_is_exact(
     x2d: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor, transposed: bool, with_bias: bool = False
 ) -> bool:
