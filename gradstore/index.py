@@ -26,6 +26,7 @@ import re
 import tempfile
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import astuple
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,6 +37,7 @@ import pyarrow as pa
 import torch
 
 from gradstore.core import StoreCore
+from gradstore.core.rowfiles import row_file_name
 from gradstore.core.sidefiles import check_component
 from gradstore.core.stored_rows import stored_blocks
 from gradstore.engine import Engine, LocalEngine
@@ -59,6 +61,7 @@ from indexers import (
     prefetched,
 )
 from indexers import IndexMismatchError as LowerIndexMismatchError
+from indexers.saved_rows import rows_from_state
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,7 @@ class AttributionIndex:
         self.cache_bytes = cache_bytes
         self._gpu_copy: FaissIndex | None = None
         self._locator = RowLocator()  # grad_id -> stored row, for re-ranking FAISS candidates
+        self._examples: tuple[tuple, Future] | None = None  # the example table being read, under its cache key
 
     @property
     def name(self) -> str:
@@ -179,6 +183,7 @@ class AttributionIndex:
         engine = engine or LocalEngine()
         if isinstance(engine, LocalEngine):  # stream the stored rows with read-ahead, or search the cache
             rows = self._rows()
+            self._read_examples_meanwhile()
             return {side: self._exact().search(prepared, rows, k, largest=side) for side in sides}
         shards = self.selection.shards(self.store, engine.parallelism)
         return top_k(engine, shards, self.space, prepared, k, sides)
@@ -194,9 +199,11 @@ class AttributionIndex:
     def _rows(self) -> VectorBlocks | PreparedRows:
         """The rows to search: from the store's :class:`~gradstore.core.rowcache.RowCache` (rows prepared by an
         earlier search of the same rows at the same table version, by any index over them when the method
-        searches the rows as stored), else read with read-ahead and prepared block by block as the search reaches
-        them (the search of one block overlaps the read of the next) and kept there once all are prepared, or
-        streamed when they exceed the cache's budget (``cache_bytes`` of this index, when set, caps it)."""
+        searches the rows as stored), else from a row file an earlier process wrote (rows searched as stored,
+        on the CPU: :mod:`gradstore.core.rowfiles`), else read with read-ahead and prepared block by block as the
+        search reaches them (the search of one block overlaps the read of the next) and kept there (and written
+        to a row file) once all are prepared, or streamed when they exceed the cache's budget (``cache_bytes``
+        of this index, when set, caps it)."""
         cache = self.store.row_cache
         key = self._cache_key()
         cached = cache.get(key)
@@ -206,16 +213,52 @@ class AttributionIndex:
         stored = self.store.storage_dtype if self.method.query_only else "float32"
         selected = self.selection.count(self.store)
         nbytes = selected * self.manifest["dim"] * prepared_bytes(stored, kernel.kernel)
-        if self.method.query_only:  # rows searched as stored: the kernel converts (or screens) them itself
-            source = stored_blocks(
-                self.store, *astuple(self.selection), block_rows=READ_BLOCK_ROWS, selected_rows=selected
-            )
-        else:
-            source = prepared_source(self.space, self.selection.blocks(self.store, READ_BLOCK_ROWS))
         too_large = not cache.admits(nbytes) or (self.cache_bytes is not None and nbytes > self.cache_bytes)
-        if too_large or not device_admits(nbytes, kernel.device):
+        kept = not too_large and device_admits(nbytes, kernel.device)
+        if not self.method.query_only:
+            source = prepared_source(self.space, self.selection.blocks(self.store, READ_BLOCK_ROWS))
+            if not kept:
+                return prefetched(source)
+            return kernel.prepare_blocks(prefetched(source), on_complete=lambda rows: cache.put(key, rows, nbytes))
+        # rows searched as stored: the kernel converts (or screens) them itself
+        dataset = self.store.gradient_table(self.selection.run).to_lance()
+        files = self.store.row_files
+        name = None
+        if kept and kernel.device.type == "cpu" and dataset.version == key[0]:
+            name = row_file_name(*self._row_file_parts(dataset, kernel))
+            dim = self.manifest["dim"]
+            found = files.load(name, lambda state: rows_from_state(state, kernel.kernel, dim, selected))
+            if found is not None:
+                cache.put(key, found, nbytes)
+                return found
+        source = stored_blocks(
+            self.store, *astuple(self.selection), block_rows=READ_BLOCK_ROWS, selected_rows=selected, dataset=dataset
+        )
+        if not kept:
             return prefetched(source)
-        return kernel.prepare_blocks(prefetched(source), on_complete=lambda rows: cache.put(key, rows, nbytes))
+
+        def complete(rows: PreparedRows) -> None:
+            cache.put(key, rows, nbytes)
+            if name is not None:
+                files.save_later(name, rows, nbytes)
+
+        return kernel.prepare_blocks(prefetched(source), on_complete=complete)
+
+    def _row_file_parts(self, dataset: Any, kernel: ExactIndex) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What this index's stored rows are (store, table, selection, kernel) and exactly what they are read from
+        (``dataset``'s version and its fragments' immutable data and deletion files): the parts of their row
+        file's name."""
+        uri = self.store.uri if "://" in self.store.uri else str(Path(self.store.uri).resolve())
+        identity = {
+            "store": uri,
+            "table": self.store.gradient_table_name(self.selection.run),
+            "selection": astuple(self.selection),
+            "kernel": kernel.kernel,
+            "max_norm": kernel.max_norm,
+            "block_rows": READ_BLOCK_ROWS,
+        }
+        content = {"version": dataset.version, "fragments": [str(f.metadata) for f in dataset.get_fragments()]}
+        return identity, content
 
     def _exact(self) -> ExactIndex:
         """The exact kernel for this index's rows: rows searched as stored in the bfloat16 encoding are unit rows
@@ -246,7 +289,8 @@ class AttributionIndex:
         key = self.selection.cache_key(self.store, "example_ids")
         table = self.store.row_cache.get(key)
         if table is None:
-            table = self._example_table()
+            pending, self._examples = self._examples, None
+            table = pending[1].result() if pending is not None and pending[0] == key else self._example_table()
             self.store.row_cache.put(key, table, table.nbytes)
         known = table.column("grad_id").to_numpy()
         positions = np.minimum(np.searchsorted(known, flat), max(len(known) - 1, 0))
@@ -254,6 +298,15 @@ class AttributionIndex:
             return table.column("example_id").take(pa.array(positions))
         example_of = self.store.example_ids_for(flat, self.selection.run)
         return pa.array([example_of[g] for g in flat.tolist()], pa.string())
+
+    def _read_examples_meanwhile(self) -> None:
+        """Start reading the selection's ``(grad_id, example_id)`` table in a thread, for :meth:`example_ids` after
+        the search, unless the row cache holds it (a first call: Lance's read runs beside the search's GEMMs)."""
+        key = self.selection.cache_key(self.store, "example_ids")
+        if self.store.row_cache.get(key) is None and (self._examples is None or self._examples[0] != key):
+            reader = ThreadPoolExecutor(1, thread_name_prefix="gradstore-examples")
+            self._examples = (key, reader.submit(self._example_table))
+            reader.shutdown(wait=False)
 
     def _example_table(self) -> pa.Table:
         with self.store.reading(self.store.gradient_table_name(self.selection.run)):

@@ -20,6 +20,7 @@ from torch import nn
 from gradstore.attribution import ScoreMatrix, attribute, score_matrix, self_influence
 from gradstore.capture import RUN_DEFAULT, StoreCapture, config_for_run
 from gradstore.core import StoreCore, WriterConfig, connect
+from gradstore.core.rowfiles import RowFiles
 from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.fitting import FitCache, Selection
 from gradstore.index import AttributionIndex, build_index, load_index
@@ -39,9 +40,14 @@ class GradStore(StoreCore):
     """A gradient store. Create or open one with :func:`gradstore.open`."""
 
     def __init__(
-        self, uri: str, db: lancedb.DBConnection, storage_dtype: str, storage_options: dict[str, str] | None = None
+        self,
+        uri: str,
+        db: lancedb.DBConnection,
+        storage_dtype: str,
+        storage_options: dict[str, str] | None = None,
+        row_files: RowFiles | None = None,
     ) -> None:
-        super().__init__(uri, db, storage_dtype, storage_options)
+        super().__init__(uri, db, storage_dtype, storage_options, row_files)
         self.fits = FitCache(self)
 
     # ------------------------------------------------------------------ capture
@@ -387,6 +393,7 @@ def open_store(
     storage_dtype: str | None = None,
     read_consistency: timedelta = timedelta(0),
     storage_options: dict[str, str] | None = None,
+    row_files: bool | str | Path = True,
 ) -> GradStore:
     """Create or open the store at ``uri`` (a local directory or an object-store URI such as ``s3://bucket/x``).
 
@@ -397,6 +404,8 @@ def open_store(
     an object store (Lance's names: ``aws_endpoint``, ``aws_access_key_id``, ``aws_secret_access_key``,
     ``aws_region``, ``allow_http``, ...); when not given for an ``s3://`` store they are read from the
     standard AWS environment variables. Tables and side files use the same options.
+    ``row_files``: where exact search keeps the rows it prepared for the next process
+    (:mod:`gradstore.core.rowfiles`; ``True``: the user's cache directory, a path: there, ``False``: nowhere).
     """
     return connect(
         uri,
@@ -405,4 +414,5 @@ def open_store(
         storage_dtype=storage_dtype,
         read_consistency=read_consistency,
         storage_options=storage_options,
+        row_files=row_files,
     )

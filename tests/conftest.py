@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("LANCE_LOG", "error")
+# row files (gradstore.core.rowfiles) the tests write go to a directory of this session, not the user's cache
+os.environ["GRADSTORE_CACHE_DIR"] = tempfile.mkdtemp(prefix="gradstore-test-cache-")
 
 
 @pytest.fixture

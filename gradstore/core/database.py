@@ -32,6 +32,7 @@ from gradstore.core.filters import StepRange, gradient_filter, sql_literal
 from gradstore.core.gradient_tables import GradientTables, is_gradient_table, table_dim
 from gradstore.core.macros import macros_for
 from gradstore.core.rowcache import RowCache
+from gradstore.core.rowfiles import RowFiles, default_directory
 from gradstore.core.scanning import late_materialization, vector_scanner
 from gradstore.core.sidefiles import SideFiles
 from gradstore.core.tabular import to_arrow_table
@@ -99,7 +100,12 @@ class StoreCore:
     """Tables, runs, checkpoints, gradient I/O, examples, results, side files and SQL of one store."""
 
     def __init__(
-        self, uri: str, db: lancedb.DBConnection, storage_dtype: str, storage_options: dict[str, str] | None = None
+        self,
+        uri: str,
+        db: lancedb.DBConnection,
+        storage_dtype: str,
+        storage_options: dict[str, str] | None = None,
+        row_files: RowFiles | None = None,
     ) -> None:
         self.uri = uri
         self.db = db
@@ -110,6 +116,7 @@ class StoreCore:
         self.files = SideFiles(uri, storage_options)
         self.gradient_tables = GradientTables(self.has_table, self.table, self._create_table, self._list_tables)
         self.row_cache = RowCache()  # rows prepared for search, by gradients version and selection
+        self.row_files = row_files or RowFiles(None)  # the same, on local disk between processes
 
     # ------------------------------------------------------------------ tables
     def has_table(self, name: str) -> bool:
@@ -383,11 +390,15 @@ class StoreCore:
         commits.upsert(self.table(S.CHECKPOINTS), row, ["run_id", "checkpoint"], "checkpoint record")
 
     def checkpoints(self, run_id: str | None = None) -> pa.Table:
-        """Checkpoints (of one run, or all), ordered by step."""
-        query = self.table(S.CHECKPOINTS).search()
-        if run_id is not None:
-            query = query.where(f"run_id = {sql_literal(run_id)}")
-        return query.to_arrow().sort_by([("run_id", "ascending"), ("step", "ascending")])
+        """Checkpoints (of one run, or all), ordered by step. Kept in the row cache per version of the
+        ``checkpoints`` table, so repeated calls (every call that defaults its checkpoint) read nothing."""
+        dataset = self.table(S.CHECKPOINTS).to_lance()
+
+        def read() -> pa.Table:
+            where = None if run_id is None else f"run_id = {sql_literal(run_id)}"
+            return dataset.to_table(filter=where).sort_by([("run_id", "ascending"), ("step", "ascending")])
+
+        return self.row_cache.memo((dataset.version, S.CHECKPOINTS, run_id), read, RUN_ROW_BYTES)
 
     def default_checkpoint(self, run_id: str) -> str | None:
         """The checkpoint a call on run ``run_id`` uses when given none: the run's latest recorded checkpoint
@@ -750,6 +761,7 @@ def connect(
     storage_dtype: str | None = None,
     read_consistency: timedelta = timedelta(0),
     storage_options: dict[str, str] | None = None,
+    row_files: bool | str | Path = True,
 ) -> StoreCore:
     """Create or open the store at ``uri`` as an instance of ``store_class`` (see :func:`gradstore.open`)."""
     uri = str(uri)
@@ -767,7 +779,8 @@ def connect(
             raise NotAStoreError(f"no gradstore store at {uri} (pass create=True to make one)")
     try:
         db = lancedb.connect(uri, read_consistency_interval=read_consistency, storage_options=options)
-        store = store_class(uri, db, storage_dtype or DEFAULT_STORAGE_DTYPE, options)
+        files = RowFiles(None if row_files is False else default_directory() if row_files is True else row_files)
+        store = store_class(uri, db, storage_dtype or DEFAULT_STORAGE_DTYPE, options, files)
         exists = store.has_table(S.RUNS)
     except Exception as error:
         raise StoreCorruptError(f"cannot open store {uri}: {error}") from error

@@ -9,7 +9,7 @@ its bf16 GEMM as read (a torch bfloat16 view of Lance's buffer); float32 rows co
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,20 +32,20 @@ def stored_blocks(
     where: str | None = None,
     block_rows: int = 65536,
     selected_rows: int | None = None,
+    dataset: Any | None = None,
 ) -> VectorBlocks:
     """A re-iterable source of the selected rows' stored values (rows are read-only views of Lance's buffers).
     ``selected_rows`` (how many rows the filter keeps, when the caller knows) decides whether the vectors of
     the matching rows are taken after the filter or every row's is read
-    (:func:`~gradstore.core.scanning.late_materialization`); unknown: taken after the filter."""
+    (:func:`~gradstore.core.scanning.late_materialization`); unknown: taken after the filter. ``dataset``: the
+    run's Lance dataset at the version to read (default: the table's latest, looked up at each iteration)."""
 
     def source() -> Iterator[tuple]:
         dtype = store.storage_dtype
         columns = stored_columns(dtype)
-        dataset = store.gradient_table(run).to_lance()
-        late = selected_rows is None or late_materialization(selected_rows, dataset.count_rows())
-        scanner = vector_scanner(
-            dataset, columns, gradient_filter(run, checkpoint, split, None, where), block_rows, late
-        )
+        read = dataset if dataset is not None else store.gradient_table(run).to_lance()
+        late = selected_rows is None or late_materialization(selected_rows, read.count_rows())
+        scanner = vector_scanner(read, columns, gradient_filter(run, checkpoint, split, None, where), block_rows, late)
         for batch in scanner.to_reader():
             if batch.num_rows:
                 yield stored_block(batch, dtype)

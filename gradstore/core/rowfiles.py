@@ -1,0 +1,174 @@
+"""Prepared rows kept in files on local disk between processes, so that a new process's first exact search maps
+them instead of reading Lance.
+
+The first exact search of a selection reads its rows from Lance and prepares them for the kernel (the bf16 copy,
+norms and rounding errors of the screen): on a 2-core machine, 50,000 x 4,096 float16 rows take ~0.9 s where
+searching them takes ~0.17 s, most of it Lance's decoding and the page faults of ~800 MB of fresh memory. The
+:class:`~gradstore.core.rowcache.RowCache` spares that to later calls of one process only; a command-line call
+is a new process every time. Once a search has prepared every row, a background thread writes them
+(``torch.save``) to ``<cache dir>/rows/<name>.rows.pt``; the next process's first search memory-maps the file
+(``torch.load(mmap=True, weights_only=True)``: tensors only, no code runs) and searches the mapped rows where
+they lie, in the operating system's page cache.
+
+A row file is a derived copy, never the truth: its name hashes what the rows are (store, table, selection,
+kernel) and exactly which immutable Lance data and deletion files they were read from, so rows appended,
+deleted or rewritten give another name and a stale file is never served; writing a file removes the other
+files of the same rows. Files live in a directory of the user's (``GRADSTORE_CACHE_DIR``, else
+``$XDG_CACHE_HOME/gradstore``, else ``~/.cache/gradstore``), never in the store, so a store from someone else
+cannot plant one; a file that does not load, or does not hold the rows its name promises (kernel, width, row
+count), is removed and the rows are read from Lance. Selections smaller than :data:`MIN_BYTES` are not worth a
+file; files beyond the budget (the row cache's: a file is fast only while the page cache can hold it) are
+removed least recently used first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradstore.core.rowcache import default_budget_bytes
+from indexers import PreparedRows
+from indexers.saved_rows import rows_state
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".rows.pt"
+MIN_BYTES = 32 << 20  # smaller selections read from Lance in well under 0.1 s
+STALE_TEMP_SECONDS = 3600  # a temporary file this old was left by a process that died while writing
+
+
+def default_directory() -> Path:
+    """``$GRADSTORE_CACHE_DIR/rows``, else ``$XDG_CACHE_HOME/gradstore/rows``, else ``~/.cache/gradstore/rows``."""
+    base = os.environ.get("GRADSTORE_CACHE_DIR")
+    if not base:
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        base = str(Path(xdg) / "gradstore")
+    return Path(base) / "rows"
+
+
+def row_file_name(identity: dict[str, Any], content: dict[str, Any]) -> str:
+    """``<hash of what the rows are>-<hash of what they were read from>``: files of one selection share the
+    first part, so a new file of it can remove the stale ones."""
+    return f"{_digest(identity)}-{_digest(content)}"
+
+
+def _digest(value: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+class RowFiles:
+    """The row files of one directory (``None``: none are kept).
+
+    ``budget_bytes`` caps the directory (default: the row cache's budget), ``min_bytes`` the smallest
+    selection written."""
+
+    def __init__(
+        self, directory: str | Path | None, budget_bytes: int | None = None, min_bytes: int = MIN_BYTES
+    ) -> None:
+        self.directory = None if directory is None else Path(directory)
+        self.budget_bytes = default_budget_bytes() if budget_bytes is None else budget_bytes
+        self.min_bytes = min_bytes
+        self._writing: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def path(self, name: str) -> Path | None:
+        """Where the file ``name`` (a :func:`row_file_name`) lives, ``None`` without a directory."""
+        return None if self.directory is None else self.directory / f"{name}{SUFFIX}"
+
+    def load(self, name: str, check: Callable[[Any], PreparedRows]) -> PreparedRows | None:
+        """The rows in file ``name``, memory-mapped and checked by ``check`` (a loaded state -> rows, raising on
+        rows that are not the expected ones); ``None`` when there is no such file or it fails to load or check
+        (then it is removed)."""
+        path = self.path(name)
+        if path is None or not path.is_file():
+            return None
+        try:
+            rows = check(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+        except Exception as error:  # a damaged cache file only costs a read from Lance
+            log.warning("row file %s is unusable (%s); removed, the rows are read from the store", path, error)
+            path.unlink(missing_ok=True)
+            return None
+        os.utime(path)  # recently used: removed last
+        return rows
+
+    def save_later(self, name: str, rows: PreparedRows, nbytes: int) -> None:
+        """Write ``rows`` (complete, ``nbytes`` in memory) to file ``name`` in a background thread, when they are
+        large enough to be worth a file and fit the budget. The thread is not a daemon: a process that ends
+        waits for the file (once; afterwards every new process maps it)."""
+        if self.directory is None or not self.min_bytes <= nbytes <= self.budget_bytes:
+            return
+        thread = threading.Thread(target=self._save, args=(name, rows, nbytes), name="gradstore-row-file")
+        with self._lock:
+            self._writing = [t for t in self._writing if t.is_alive()] + [thread]
+        thread.start()
+
+    def wait(self) -> None:
+        """Return once every file being written has been written (or given up)."""
+        with self._lock:
+            writing = list(self._writing)
+        for thread in writing:
+            thread.join()
+
+    def _save(self, name: str, rows: PreparedRows, nbytes: int) -> None:
+        """Write to a temporary file and rename it into place (readers see a whole file or none), then remove the
+        other files of the same rows and, least recently used first, files beyond the budget."""
+        assert self.directory is not None
+        temporary = self.directory / f".{name}.{uuid.uuid4().hex}.tmp"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if shutil.disk_usage(self.directory).free < 2 * nbytes:
+                log.info("no row file for %s: less than twice its %d bytes free in %s", name, nbytes, self.directory)
+                return
+            start = time.perf_counter()
+            torch.save(rows_state(rows), temporary)
+            os.replace(temporary, self.directory / f"{name}{SUFFIX}")
+            log.info("row file %s written in %.1f s", name, time.perf_counter() - start)
+            self._evict(name)
+        except Exception as error:  # a cache that cannot be written costs only speed
+            log.warning("row file %s not written: %s", name, error)
+        finally:
+            temporary.unlink(missing_ok=True)
+
+    def _evict(self, kept: str) -> None:
+        """Remove the other files of ``kept``'s rows, temporary files of dead writers, and the least recently used
+        files until the directory holds at most the budget."""
+        assert self.directory is not None
+        selection = kept.split("-")[0]
+        now = time.time()
+        files = []
+        for path in self.directory.iterdir():
+            try:
+                stat = path.stat()
+                if path.name.endswith(".tmp") and now - stat.st_mtime > STALE_TEMP_SECONDS:
+                    path.unlink()
+                elif path.name.endswith(SUFFIX) and path.name != f"{kept}{SUFFIX}":
+                    if path.name.split("-")[0] == selection:
+                        path.unlink()
+                    else:
+                        files.append((stat.st_mtime, stat.st_size, path))
+            except FileNotFoundError:  # another process removed it meanwhile
+                continue
+        total = sum(size for _, size, _ in files) + self._size(kept)
+        for _, size, path in sorted(files, key=lambda entry: entry[0]):
+            if total <= self.budget_bytes:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+
+    def _size(self, name: str) -> int:
+        path = self.path(name)
+        try:
+            return 0 if path is None else path.stat().st_size
+        except FileNotFoundError:  # removed by another process's eviction meanwhile
+            return 0
