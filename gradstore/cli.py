@@ -201,7 +201,8 @@ def build_index_command(
     engine: EngineOption = EngineChoice.local,
     ray_address: RayAddressOption = None,
 ) -> None:
-    """Fit a preconditioner (or reuse the store's fit) and build (or update) a persisted index."""
+    """Fit a preconditioner (or reuse the store's fit) and build (or update) a persisted index; an exact index's
+    rows are read and prepared now, and left in a row file for later calls (``"row_file"``)."""
     with _user_errors():
         index = _open(store).build_index(
             run,
@@ -213,7 +214,11 @@ def build_index_command(
             refit=refit,
             engine=_engine(engine, ray_address),
         )
-    typer.echo(json.dumps(index_summary(index), indent=2))
+        summary = index_summary(index)
+        if kind == "exact" and engine == EngineChoice.local:  # later calls (new processes) map the rows
+            row_file = index.warm()
+            summary["row_file"] = None if row_file is None else str(row_file)
+    typer.echo(json.dumps(summary, indent=2))
 
 
 @app.command()

@@ -223,9 +223,8 @@ class AttributionIndex:
         # rows searched as stored: the kernel converts (or screens) them itself
         dataset = self.store.gradient_table(self.selection.run).to_lance()
         files = self.store.row_files
-        name = None
-        if kept and kernel.device.type == "cpu" and dataset.version == key[0]:
-            name = row_file_name(*self._row_file_parts(dataset, kernel))
+        name = self._row_file_name(dataset, kernel) if kept and dataset.version == key[0] else None
+        if name is not None:
             dim = self.manifest["dim"]
             found = files.load(name, lambda state: rows_from_state(state, kernel.kernel, dim, selected))
             if found is not None:
@@ -244,10 +243,13 @@ class AttributionIndex:
 
         return kernel.prepare_blocks(prefetched(source), on_complete=complete)
 
-    def _row_file_parts(self, dataset: Any, kernel: ExactIndex) -> tuple[dict[str, Any], dict[str, Any]]:
-        """What this index's stored rows are (store, table, selection, kernel) and exactly what they are read from
-        (``dataset``'s version and its fragments' immutable data and deletion files): the parts of their row
-        file's name."""
+    def _row_file_name(self, dataset: Any, kernel: ExactIndex) -> str | None:
+        """The name of the row file of this index's rows as ``dataset`` (the run's Lance dataset at one version)
+        holds them: what the rows are (store, table, selection, kernel) and exactly what they are read from (the
+        version and its fragments' immutable data and deletion files). ``None`` where rows get no file: methods
+        that transform them, or rows prepared on a GPU."""
+        if not self.method.query_only or kernel.device.type != "cpu":
+            return None
         uri = self.store.uri if "://" in self.store.uri else str(Path(self.store.uri).resolve())
         identity = {
             "store": uri,
@@ -258,7 +260,23 @@ class AttributionIndex:
             "block_rows": READ_BLOCK_ROWS,
         }
         content = {"version": dataset.version, "fragments": [str(f.metadata) for f in dataset.get_fragments()]}
-        return identity, content
+        return row_file_name(identity, content)
+
+    def warm(self) -> Path | None:
+        """Prepare this exact index's rows now, as its first search would (into the store's row cache), and wait
+        for their row file, so that the first search of a later process maps it. Returns the row file, or
+        ``None`` (a FAISS index, rows beyond the cache's budget, no row files for these rows or this store)."""
+        if self.faiss_index is not None:
+            return None
+        rows = self._rows()
+        if not isinstance(rows, PreparedRows):
+            return None
+        for _ in rows:  # prepares every block; the last one files the rows
+            pass
+        self.store.row_files.wait()
+        name = self._row_file_name(self.store.gradient_table(self.selection.run).to_lance(), self._exact())
+        path = None if name is None else self.store.row_files.path(name)
+        return path if path is not None and path.is_file() else None
 
     def _exact(self) -> ExactIndex:
         """The exact kernel for this index's rows: rows searched as stored in the bfloat16 encoding are unit rows

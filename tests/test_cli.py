@@ -121,6 +121,8 @@ def test_attribution_commands(tmp_path):
     assert selected.exit_code == 0 and pq.read_table(chosen).num_rows == 4
     index = runner.invoke(app, ["build-index", str(path), "--run", "demo", "--kind", "Flat"])
     assert index.exit_code == 0 and json.loads(index.output)["recall_at_10"] == 1.0
+    exact_index = runner.invoke(app, ["build-index", str(path), "--run", "demo", "--method", "grad-dot"])
+    assert exact_index.exit_code == 0 and json.loads(exact_index.output)["row_file"] is None  # under 32 MiB
     graph = runner.invoke(
         app, ["build-index", str(path), "--run", "demo", "--method", "fisher", "--kind", "HNSW8,Flat"]
     )

@@ -242,3 +242,18 @@ def test_saved_rows_that_do_not_fit_are_refused(tmp_path) -> None:
     with pytest.raises(SavedRowsError, match="format"):
         rows_from_state([1, 2], "bfloat16", DIM, 50)
     assert RowFiles(None).path("x") is None
+
+
+def test_warming_an_index_leaves_the_row_file_for_the_next_process(tmp_path, no_lance_reads) -> None:
+    cache = tmp_path / "cache"
+    store = _open(tmp_path / "s", cache)
+    _write(store, 200, seed=0)
+    index = store.build_index("r", checkpoint="c", method="grad-dot")
+    assert index.cached_rows() is None
+    path = index.warm()
+    assert path is not None and path.parent == cache and _files(cache) == [path]
+    assert index.cached_rows() is not None
+    assert store.build_index("r", checkpoint="c", method="cosine").warm() is None  # transformed rows: no file
+    expected = _attribute(store)
+    no_lance_reads()
+    np.testing.assert_array_equal(_attribute(_open(tmp_path / "s", cache))[0], expected[0])
