@@ -78,16 +78,21 @@ class FusedGemm(torch.autograd.Function):
         # torch's mm backward multiplies dy by nn.Linear's W as it is, and by Conv1D's W as a transposed view
         own = weight if ctx.transposed else weight.t()
         out_weight = ops.out_t if ctx.transposed else ops.out_t.T
+        needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         key = ("backward", tuple(dy.shape), torch.get_num_threads(), dy.device.type, dy.dtype)
-        if key not in ctx.layer.fusion_checks:
+        if needs_x and key not in ctx.layer.fusion_checks:
             ctx.layer.fusion_checks[key] = widening_is_exact(dy, weight, out_weight, not ctx.transposed)
-        if ctx.layer.fusion_checks[key]:
+        if not needs_x:  # e.g. the first layer on raw inputs: torch's backward skips dy W, so only project
+            grad_x, gradients = None, dy.mm(ops.out_t)
+        elif ctx.layer.fusion_checks[key]:
             wide_dx = dy.mm(_widened(weight, out_weight, not ctx.transposed))
             grad_x, gradients = wide_dx[:, : own.shape[1]], wide_dx[:, own.shape[1] :]
         else:
             grad_x, gradients = dy.mm(own), dy.mm(ops.out_t)
-        grad_weight = dy.t().mm(x2d) if ctx.transposed else x2d.t().mm(dy)  # as torch's mm backward forms them
-        grad_bias = dy.sum(0) if ctx.has_bias else None
+        grad_weight = None
+        if needs_weight:  # as torch's mm backward forms it
+            grad_weight = dy.t().mm(x2d) if ctx.transposed else x2d.t().mm(dy)
+        grad_bias = dy.sum(0) if ctx.has_bias and needs_bias else None
         if ctx.capture is not None:
             generation, batch_size = ctx.capture
             ctx.layer.add_projected(

@@ -195,3 +195,29 @@ def test_a_widening_found_exact_is_exact_on_other_data(transposed: bool) -> None
                 torch.cat([bias, torch.randn(4, generator=generator)]), x, _widened(weight, extra, transposed)
             )
             assert not exact or torch.equal(wide[:, :d_out], own), (rows, d_in, d_out)
+
+
+def test_gradients_nobody_needs_are_not_computed_fused() -> None:
+    """A first layer on raw inputs (no input gradient) and a frozen weight: the fused backward skips what torch's
+    own backward skips (no widened ``dy W`` GEMM, no weight gradient), with the same rows and gradients as the
+    hooks."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(12, 20), nn.Tanh(), nn.Linear(20, 6))
+    x = torch.randn(5, 7, 12)
+    results = {}
+
+    def frozen_then_run(model: nn.Module) -> None:
+        model[2].weight.requires_grad_(False)  # frozen after the capture chose its layers
+        model(x).pow(2).sum().backward()
+
+    for fused in (False, True):
+        model = copy.deepcopy(base)
+        cap, out = captured(model, lambda m=model: frozen_then_run(m), fused, k_in=4, k_out=3)
+        results[fused] = (out[0].grads, [p.grad for p in model.parameters()])
+        if fused:  # an input-gradient pass (and its check) for the second layer only
+            passes = [sorted(key[0] for key in hook.fusion_checks) for hook in cap.layer_hooks]
+            assert passes == [["forward"], ["backward", "forward"]]
+    (rows, grads), (fused_rows, fused_grads) = results[False], results[True]
+    assert rel_err(fused_rows, rows) < 1e-6
+    assert fused_grads[2] is None and grads[2] is None  # the frozen weight
+    assert all((g is None and h is None) or torch.equal(g, h) for g, h in zip(grads, fused_grads))
