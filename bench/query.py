@@ -9,7 +9,8 @@ median of each arm and of each paired ratio is reported:
 - ``exact float32 kernel``: :class:`ExactIndex` with ``kernel="float32"`` over the same rows;
 - ``exact store kernel, store rows prepared``: the store's kernel (bfloat16 on a CPU with native bf16 matmul)
   over the rows the store's row cache holds for the attribution index (float16 unit rows + norms and their bf16
-  copy, or bfloat16 rows as read + norms; read and prepared once): **the headline**, ``exact_store_vs_torch_fp32``;
+  copy, or bfloat16 rows as read + norms; read and prepared once, then mapped from the row file the first search
+  wrote): **the headline**, ``exact_store_vs_torch_fp32``;
 - ``exact float32 kernel, stored -> float32 blocks``: the same rows upcast block by block (what a search
   streamed from disk computes when the rows exceed the row cache's budget; bf16-screened rows only);
 - ``bf16 GEMM + topk, rows already bf16``: the kernel limit (no exactness guarantee);

@@ -224,9 +224,12 @@ class AttributionIndex:
         dataset = self.store.gradient_table(self.selection.run).to_lance()
         files = self.store.row_files
         name = self._row_file_name(dataset, kernel) if kept and dataset.version == key[0] else None
+
+        def check(state: Any) -> PreparedRows:
+            return rows_from_state(state, kernel.kernel, self.manifest["dim"], selected)
+
         if name is not None:
-            dim = self.manifest["dim"]
-            found = files.load(name, lambda state: rows_from_state(state, kernel.kernel, dim, selected))
+            found = files.load(name, check)
             if found is not None:
                 cache.put(key, found, nbytes)
                 return found
@@ -239,7 +242,14 @@ class AttributionIndex:
         def complete(rows: PreparedRows) -> None:
             cache.put(key, rows, nbytes)
             if name is not None:
-                files.save_later(name, rows, nbytes)
+                files.save_later(name, rows, nbytes, then=lambda: map_written(rows))
+
+        def map_written(rows: PreparedRows) -> None:
+            """Keep the mapped file instead of the rows in memory (the same searches, as fast, in pages the system
+            can drop and read again rather than in the process's own memory)."""
+            mapped = files.load(name, check)
+            if mapped is not None:
+                cache.replace(key, rows, mapped)
 
         return kernel.prepare_blocks(prefetched(source), on_complete=complete)
 

@@ -257,3 +257,31 @@ def test_warming_an_index_leaves_the_row_file_for_the_next_process(tmp_path, no_
     expected = _attribute(store)
     no_lance_reads()
     np.testing.assert_array_equal(_attribute(_open(tmp_path / "s", cache))[0], expected[0])
+
+
+def _mapped_from(path: Path) -> list[tuple[int, int]]:
+    """Address ranges of this process's memory mapped from ``path``."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(path.resolve())):
+            start, end = line.split()[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
+def test_once_written_the_row_cache_holds_the_mapped_file(tmp_path) -> None:
+    """The rows a first search prepared in memory give way to the mapped file once it is written (pages the
+    system can drop and read again), and searches return the same."""
+    cache = tmp_path / "cache"
+    store = _open(tmp_path / "s", cache)
+    _write(store, 300, seed=0)
+    index = store.build_index("r", checkpoint="c", method="grad-dot")
+    first = _attribute(store)
+    store.row_files.wait()
+    (path,) = _files(cache)
+    screen = index.cached_rows().blocks[0].screen
+    assert any(start <= screen.data_ptr() < end for start, end in _mapped_from(path))
+    again = _attribute(store)
+    np.testing.assert_array_equal(again[0], first[0])
+    np.testing.assert_array_equal(again[1], first[1])

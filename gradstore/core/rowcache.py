@@ -11,6 +11,7 @@ its row count).
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -27,19 +28,22 @@ def default_budget_bytes() -> int:
 
 
 class RowCache:
-    """Entries ``key -> (value, nbytes)``, least recently used dropped first beyond ``budget_bytes``."""
+    """Entries ``key -> (value, nbytes)``, least recently used dropped first beyond ``budget_bytes``; safe to use
+    from several threads (a row file's writer swaps the rows it wrote in, :mod:`gradstore.core.rowfiles`)."""
 
     def __init__(self, budget_bytes: int | None = None) -> None:
         self.budget_bytes = default_budget_bytes() if budget_bytes is None else budget_bytes
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._lock = threading.RLock()
 
     def get(self, key: Hashable) -> Any | None:
         """The value under ``key`` (now the most recently used), or ``None``."""
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        self._entries.move_to_end(key)
-        return entry[0]
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[0]
 
     def memo(self, key: Hashable, make: Callable[[], Any], nbytes: int = 0) -> Any:
         """The value under ``key``, made by ``make()`` and kept (when admitted) if there is none."""
@@ -58,23 +62,35 @@ class RowCache:
         (``key[1:]`` equal) and then the least recently used ones until the budget holds."""
         if not self.admits(nbytes):
             return
-        for stale in [k for k in self._entries if _same_rows(k, key)]:
-            del self._entries[stale]
-        self._entries[key] = (value, nbytes)
-        while self.nbytes > self.budget_bytes:
-            self._entries.popitem(last=False)
+        with self._lock:
+            for stale in [k for k in self._entries if _same_rows(k, key)]:
+                del self._entries[stale]
+            self._entries[key] = (value, nbytes)
+            while self.nbytes > self.budget_bytes:
+                self._entries.popitem(last=False)
+
+    def replace(self, key: Hashable, old: Any, new: Any) -> bool:
+        """Put ``new`` in place of ``old`` under ``key`` (same size, same recency) if ``old`` is still there."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry[0] is not old:
+                return False
+            self._entries[key] = (new, entry[1])
+            return True
 
     @property
     def nbytes(self) -> int:
         """Bytes held now."""
-        return sum(size for _, size in self._entries.values())
+        with self._lock:
+            return sum(size for _, size in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def clear(self) -> None:
         """Drop every entry."""
-        self._entries.clear()
+        with self._lock:
+            self._entries.clear()
 
 
 def _same_rows(old: Hashable, new: Hashable) -> bool:

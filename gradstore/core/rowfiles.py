@@ -102,13 +102,14 @@ class RowFiles:
         os.utime(path)  # recently used: removed last
         return rows
 
-    def save_later(self, name: str, rows: PreparedRows, nbytes: int) -> None:
+    def save_later(self, name: str, rows: PreparedRows, nbytes: int, then: Callable[[], None] | None = None) -> None:
         """Write ``rows`` (complete, ``nbytes`` in memory) to file ``name`` in a background thread, when they are
-        large enough to be worth a file and fit the budget. The thread is not a daemon: a process that ends
-        waits for the file (once; afterwards every new process maps it)."""
+        large enough to be worth a file and fit the budget, and call ``then()`` in that thread once the file is
+        in place. The thread is not a daemon: a process that ends waits for the file (once; afterwards every new
+        process maps it)."""
         if self.directory is None or not self.min_bytes <= nbytes <= self.budget_bytes:
             return
-        thread = threading.Thread(target=self._save, args=(name, rows, nbytes), name="gradstore-row-file")
+        thread = threading.Thread(target=self._save, args=(name, rows, nbytes, then), name="gradstore-row-file")
         with self._lock:
             self._writing = [t for t in self._writing if t.is_alive()] + [thread]
         thread.start()
@@ -120,7 +121,7 @@ class RowFiles:
         for thread in writing:
             thread.join()
 
-    def _save(self, name: str, rows: PreparedRows, nbytes: int) -> None:
+    def _save(self, name: str, rows: PreparedRows, nbytes: int, then: Callable[[], None] | None) -> None:
         """Write to a temporary file and rename it into place (readers see a whole file or none), then remove the
         other files of the same rows and, least recently used first, files beyond the budget."""
         assert self.directory is not None
@@ -135,6 +136,8 @@ class RowFiles:
             os.replace(temporary, self.directory / f"{name}{SUFFIX}")
             log.info("row file %s written in %.1f s", name, time.perf_counter() - start)
             self._evict(name)
+            if then is not None:
+                then()
         except Exception as error:  # a cache that cannot be written costs only speed
             log.warning("row file %s not written: %s", name, error)
         finally:
