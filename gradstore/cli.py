@@ -389,6 +389,28 @@ def evaluate_lds(
     _print_table(table.select(["label", "value", "stderr", "noise_ceiling", "queries", "subsets", "seeds"]))
 
 
+@app.command("row-files")
+def row_files(
+    directory: Annotated[
+        Path | None, typer.Option(help="Row file directory (default: GRADSTORE_CACHE_DIR's, else the user cache's).")
+    ] = None,
+    clear: Annotated[bool, typer.Option(help="Remove every row file.")] = False,
+) -> None:
+    """List (or remove) the row files exact search leaves for later processes: prepared rows that a new process
+    maps instead of reading them from its store (derived copies: removing them costs one read)."""
+    from gradstore.core.rowfiles import RowFiles, default_directory
+
+    files = RowFiles(directory or default_directory())
+    if clear:
+        typer.echo(f"removed {files.clear()} row files from {files.directory}")
+        return
+    entries = files.entries()
+    typer.echo(f"{files.directory}: {len(entries)} row files, {sum(e['bytes'] for e in entries) / 1e6:.1f} MB")
+    for entry in entries:
+        used = entry["last_used"].strftime("%Y-%m-%d %H:%M:%S")
+        typer.echo(f"{entry['name']}  {entry['bytes'] / 1e6:10.1f} MB  last used {used} UTC")
+
+
 @app.command()
 def report(
     store: StoreArg,

@@ -393,7 +393,7 @@ def open_store(
     storage_dtype: str | None = None,
     read_consistency: timedelta = timedelta(0),
     storage_options: dict[str, str] | None = None,
-    row_files: bool | str | Path = True,
+    row_files: bool | str | Path | RowFiles = True,
 ) -> GradStore:
     """Create or open the store at ``uri`` (a local directory or an object-store URI such as ``s3://bucket/x``).
 
@@ -405,7 +405,8 @@ def open_store(
     ``aws_region``, ``allow_http``, ...); when not given for an ``s3://`` store they are read from the
     standard AWS environment variables. Tables and side files use the same options.
     ``row_files``: where exact search keeps the rows it prepared for the next process
-    (:mod:`gradstore.core.rowfiles`; ``True``: the user's cache directory, a path: there, ``False``: nowhere).
+    (:mod:`gradstore.core.rowfiles`; ``True``: the user's cache directory, a path: there, ``False``: nowhere, or a
+    :class:`~gradstore.core.rowfiles.RowFiles` with its own budget).
     """
     return connect(
         uri,

@@ -285,3 +285,26 @@ def test_once_written_the_row_cache_holds_the_mapped_file(tmp_path) -> None:
     again = _attribute(store)
     np.testing.assert_array_equal(again[0], first[0])
     np.testing.assert_array_equal(again[1], first[1])
+
+
+def test_row_files_are_listed_and_cleared_from_the_command_line(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from gradstore.cli import app
+
+    cache = tmp_path / "cache"
+    store = gradstore.open(tmp_path / "s", row_files=RowFiles(cache, budget_bytes=1 << 30, min_bytes=0))
+    assert store.row_files.budget_bytes == 1 << 30
+    _write(store, 200, seed=0)
+    _attribute(store)
+    store.row_files.wait()
+    (path,) = _files(cache)
+    (entry,) = store.row_files.entries()
+    assert entry["name"] + SUFFIX == path.name and entry["bytes"] == path.stat().st_size
+    runner = CliRunner()
+    listed = runner.invoke(app, ["row-files", "--directory", str(cache)])
+    assert listed.exit_code == 0 and "1 row files" in listed.output and entry["name"] in listed.output
+    cleared = runner.invoke(app, ["row-files", "--directory", str(cache), "--clear"])
+    assert cleared.exit_code == 0 and "removed 1 row files" in cleared.output
+    assert _files(cache) == [] and store.row_files.entries() == []
+    np.testing.assert_array_equal(_attribute(gradstore.open(tmp_path / "s", row_files=False))[0], _reference(store))

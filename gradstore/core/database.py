@@ -32,7 +32,7 @@ from gradstore.core.filters import StepRange, gradient_filter, sql_literal
 from gradstore.core.gradient_tables import GradientTables, is_gradient_table, table_dim
 from gradstore.core.macros import macros_for
 from gradstore.core.rowcache import RowCache
-from gradstore.core.rowfiles import RowFiles, default_directory
+from gradstore.core.rowfiles import RowFiles, directory_of
 from gradstore.core.scanning import late_materialization, vector_scanner
 from gradstore.core.sidefiles import SideFiles
 from gradstore.core.tabular import to_arrow_table
@@ -761,7 +761,7 @@ def connect(
     storage_dtype: str | None = None,
     read_consistency: timedelta = timedelta(0),
     storage_options: dict[str, str] | None = None,
-    row_files: bool | str | Path = True,
+    row_files: bool | str | Path | RowFiles = True,
 ) -> StoreCore:
     """Create or open the store at ``uri`` as an instance of ``store_class`` (see :func:`gradstore.open`)."""
     uri = str(uri)
@@ -779,7 +779,7 @@ def connect(
             raise NotAStoreError(f"no gradstore store at {uri} (pass create=True to make one)")
     try:
         db = lancedb.connect(uri, read_consistency_interval=read_consistency, storage_options=options)
-        files = RowFiles(None if row_files is False else default_directory() if row_files is True else row_files)
+        files = row_files if isinstance(row_files, RowFiles) else RowFiles(directory_of(row_files))
         store = store_class(uri, db, storage_dtype or DEFAULT_STORAGE_DTYPE, options, files)
         exists = store.has_table(S.RUNS)
     except Exception as error:

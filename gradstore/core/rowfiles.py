@@ -32,6 +32,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,13 @@ def default_directory() -> Path:
         xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         base = str(Path(xdg) / "gradstore")
     return Path(base) / "rows"
+
+
+def directory_of(row_files: bool | str | Path) -> Path | None:
+    """The directory ``gradstore.open(..., row_files=...)`` means: ``True`` the default one, ``False`` none."""
+    if row_files is True:
+        return default_directory()
+    return None if row_files is False else Path(row_files)
 
 
 def row_file_name(identity: dict[str, Any], content: dict[str, Any]) -> str:
@@ -113,6 +121,35 @@ class RowFiles:
         with self._lock:
             self._writing = [t for t in self._writing if t.is_alive()] + [thread]
         thread.start()
+
+    def entries(self) -> list[dict[str, Any]]:
+        """The row files there are now, most recently used first: ``name``, ``bytes``, ``last_used`` (UTC)."""
+        found = []
+        for path in self._files():
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # removed by another process meanwhile
+                continue
+            last_used = datetime.fromtimestamp(stat.st_mtime, timezone.utc)
+            found.append({"name": path.name[: -len(SUFFIX)], "bytes": stat.st_size, "last_used": last_used})
+        return sorted(found, key=lambda entry: entry["last_used"], reverse=True)
+
+    def clear(self) -> int:
+        """Remove every row file (searches read their rows from the stores again); returns how many."""
+        self.wait()
+        removed = 0
+        for path in self._files():
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
+
+    def _files(self) -> list[Path]:
+        if self.directory is None or not self.directory.is_dir():
+            return []
+        return [path for path in self.directory.iterdir() if path.name.endswith(SUFFIX)]
 
     def wait(self) -> None:
         """Return once every file being written has been written (or given up)."""
