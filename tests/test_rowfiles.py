@@ -308,3 +308,24 @@ def test_row_files_are_listed_and_cleared_from_the_command_line(tmp_path) -> Non
     assert cleared.exit_code == 0 and "removed 1 row files" in cleared.output
     assert _files(cache) == [] and store.row_files.entries() == []
     np.testing.assert_array_equal(_attribute(gradstore.open(tmp_path / "s", row_files=False))[0], _reference(store))
+
+
+def test_processes_share_row_files(tmp_path) -> None:
+    """Two processes searching a store for the first time at once both write its row file (one stays); a third
+    process maps it and reads no row from Lance; all find the rows a search of the store finds."""
+    import json
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    store = gradstore.open(tmp_path / "s", row_files=False)
+    _write(store, 300, seed=0)
+    job = [sys.executable, str(Path(__file__).with_name("rowfile_job.py")), str(tmp_path / "s"), str(cache)]
+    first = [subprocess.Popen(job, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [process.communicate(timeout=300)[0] for process in first]
+    assert [process.returncode for process in first] == [0, 0]
+    assert len(_files(cache)) == 1 and not list(cache.glob("*.tmp"))
+    mapped = subprocess.run([*job, "--no-lance"], capture_output=True, text=True, timeout=300)
+    assert mapped.returncode == 0, mapped.stderr
+    expected = _reference(store).reshape(-1).tolist()
+    assert all(json.loads(output) == expected for output in [*outputs, mapped.stdout])
