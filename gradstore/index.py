@@ -215,28 +215,34 @@ class AttributionIndex:
         nbytes = selected * self.manifest["dim"] * prepared_bytes(stored, kernel.kernel)
         too_large = not cache.admits(nbytes) or (self.cache_bytes is not None and nbytes > self.cache_bytes)
         kept = not too_large and device_admits(nbytes, kernel.device)
-        if not self.method.query_only:
-            source = prepared_source(self.space, self.selection.blocks(self.store, READ_BLOCK_ROWS))
-            if not kept:
-                return prefetched(source)
-            return kernel.prepare_blocks(prefetched(source), on_complete=lambda rows: cache.put(key, rows, nbytes))
-        # rows searched as stored: the kernel converts (or screens) them itself
+        if self.method.query_only:  # rows searched as stored: the kernel converts (or screens) them itself
+            return self._stored_rows(kernel, key, selected, nbytes if kept else None)
+        source = prepared_source(self.space, self.selection.blocks(self.store, READ_BLOCK_ROWS))
+        if not kept:
+            return prefetched(source)
+        return kernel.prepare_blocks(prefetched(source), on_complete=lambda rows: cache.put(key, rows, nbytes))
+
+    def _stored_rows(
+        self, kernel: ExactIndex, key: tuple, selected: int, nbytes: int | None
+    ) -> VectorBlocks | PreparedRows:
+        """:meth:`_rows` of rows searched as stored: from their row file, else read (``nbytes``: what they take
+        once prepared, ``None`` when they are not kept) and, once prepared, kept in the row cache and written to
+        a row file, whose mapping then takes the place of the rows in memory."""
+        cache, files = self.store.row_cache, self.store.row_files
         dataset = self.store.gradient_table(self.selection.run).to_lance()
-        files = self.store.row_files
-        name = self._row_file_name(dataset, kernel) if kept and dataset.version == key[0] else None
+        name = self._row_file_name(dataset, kernel) if nbytes is not None and dataset.version == key[0] else None
 
         def check(state: Any) -> PreparedRows:
             return rows_from_state(state, kernel.kernel, self.manifest["dim"], selected)
 
-        if name is not None:
-            found = files.load(name, check)
-            if found is not None:
-                cache.put(key, found, nbytes)
-                return found
+        found = None if name is None else files.load(name, check)
+        if found is not None:
+            cache.put(key, found, nbytes)
+            return found
         source = stored_blocks(
             self.store, *astuple(self.selection), block_rows=READ_BLOCK_ROWS, selected_rows=selected, dataset=dataset
         )
-        if not kept:
+        if nbytes is None:
             return prefetched(source)
 
         def complete(rows: PreparedRows) -> None:
@@ -245,9 +251,7 @@ class AttributionIndex:
                 files.save_later(name, rows, nbytes, then=lambda: map_written(rows))
 
         def map_written(rows: PreparedRows) -> None:
-            """Keep the mapped file instead of the rows in memory (the same searches, as fast, in pages the system
-            can drop and read again rather than in the process's own memory)."""
-            mapped = files.load(name, check)
+            mapped = files.load(name, check)  # the same searches, as fast, in pages the system can drop and reread
             if mapped is not None:
                 cache.replace(key, rows, mapped)
 
