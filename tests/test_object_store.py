@@ -110,3 +110,28 @@ def test_credentials_and_endpoint_come_from_the_aws_environment(s3_bucket, monke
 def test_storage_options_on_a_local_path_are_refused(tmp_path):
     with pytest.raises(gradstore.InvalidArgumentError):
         gradstore.open(tmp_path / "store", storage_options={"aws_region": "us-east-1"})
+
+
+def test_a_new_process_maps_the_row_file_of_a_store_on_object_storage(s3_bucket, tmp_path, monkeypatch):
+    """Row files live on local disk whatever the store: a second handle (as a new process) searches the rows an
+    earlier search of the S3 store prepared without reading them from the bucket, and finds the same."""
+    import gradstore.index
+    from gradstore.core.rowfiles import RowFiles
+
+    bucket, options = s3_bucket
+    uri = f"s3://{bucket}/store"
+    first = gradstore.open(uri, storage_options=options, row_files=RowFiles(tmp_path / "cache", min_bytes=0))
+    _capture(first)
+    expected = first.attribute(run="run", k=5, method="fisher", write=False)
+    first.row_files.wait()
+    assert len(first.row_files.entries()) == 1
+    assert not any("rows.pt" in key for key in _objects(options, bucket))  # nothing derived lands in the bucket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the stored rows were read from the bucket")
+
+    monkeypatch.setattr(gradstore.index, "stored_blocks", refuse)
+    again = gradstore.open(uri, storage_options=options, row_files=RowFiles(tmp_path / "cache", min_bytes=0))
+    found = again.attribute(run="run", k=5, method="fisher", write=False)
+    assert found.column("grad_id").to_pylist() == expected.column("grad_id").to_pylist()
+    np.testing.assert_array_equal(found.column("score").to_numpy(), expected.column("score").to_numpy())

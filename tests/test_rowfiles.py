@@ -329,3 +329,19 @@ def test_processes_share_row_files(tmp_path) -> None:
     assert mapped.returncode == 0, mapped.stderr
     expected = _reference(store).reshape(-1).tolist()
     assert all(json.loads(output) == expected for output in [*outputs, mapped.stdout])
+
+
+def test_a_file_that_cannot_be_written_costs_nothing_but_the_file(tmp_path, monkeypatch, caplog) -> None:
+    import gradstore.core.rowfiles as rowfiles
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rowfiles.torch, "save", disk_full)
+    cache = tmp_path / "cache"
+    store = _open(tmp_path / "s", cache)
+    _write(store, 200, seed=0)
+    np.testing.assert_array_equal(_attribute(store)[0], _reference(store))
+    store.row_files.wait()
+    assert "not written" in caplog.text and list(cache.iterdir()) == []  # no file, no temporary left
+    np.testing.assert_array_equal(_attribute(store)[0], _reference(store))
