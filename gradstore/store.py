@@ -12,7 +12,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-import lancedb
 import pyarrow as pa
 import torch
 from torch import nn
@@ -39,15 +38,9 @@ IndexKind = str  # "exact", "auto" or a FAISS factory string such as "Flat" or "
 class GradStore(StoreCore):
     """A gradient store. Create or open one with :func:`gradstore.open`."""
 
-    def __init__(
-        self,
-        uri: str,
-        db: lancedb.DBConnection,
-        storage_dtype: str,
-        storage_options: dict[str, str] | None = None,
-        row_files: RowFiles | None = None,
-    ) -> None:
-        super().__init__(uri, db, storage_dtype, storage_options, row_files)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """See :class:`~gradstore.core.StoreCore` (made by :func:`open_store`)."""
+        super().__init__(*args, **kwargs)
         self.fits = FitCache(self)
 
     # ------------------------------------------------------------------ capture
