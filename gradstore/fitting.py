@@ -170,6 +170,11 @@ class FitCache:
         if spec in self._fits and self._fits[spec][0] == state:
             return self._fits[spec][1]
         key = spec.key()
+        with self.store.files.reading(FITS, key):  # not while another process replaces it
+            return self._stored(key, state)
+
+    def _stored(self, key: str, state: tuple[int, int]) -> Preconditioner | None:
+        """The fit stored under ``key`` if it was made of the rows ``state`` describes."""
         try:
             manifest = json.loads(self.store.files.read_bytes(FITS, key, MANIFEST))
         except FileNotFoundError:
@@ -228,11 +233,9 @@ class FitCache:
         )
 
     def _save(self, spec: FitSpec, state: tuple[int, int], fitted: Preconditioner) -> None:
+        """Replace the stored fit of ``spec`` (its files, then the manifest that puts them in use), holding the
+        key's writers' lock: processes fitting the same rows at once save one after the other."""
         key = spec.key()
-        self.store.files.remove(FITS, key)
-        with tempfile.TemporaryDirectory(prefix="gradstore-fit-") as scratch:
-            fitted.save(Path(scratch))
-            self.store.files.put_directory(Path(scratch), FITS, key, "preconditioner")
         manifest = {
             **asdict(spec),
             "rows": state[0],
@@ -240,7 +243,11 @@ class FitCache:
             "projection_fingerprint": self.store.run(spec.selection.run)["projection_fingerprint"],
             "fitted_at": datetime.now(timezone.utc).isoformat(),
         }
-        self.store.files.write_bytes(json.dumps(manifest, indent=2, sort_keys=True).encode(), FITS, key, MANIFEST)
+        with self.store.files.writing(FITS, key), tempfile.TemporaryDirectory(prefix="gradstore-fit-") as scratch:
+            self.store.files.remove(FITS, key)
+            fitted.save(Path(scratch))
+            self.store.files.put_directory(Path(scratch), FITS, key, "preconditioner")
+            self.store.files.write_bytes(json.dumps(manifest, indent=2, sort_keys=True).encode(), FITS, key, MANIFEST)
 
 
 def fit_on(engine: Engine, shards: list[Shard], preconditioner: Preconditioner) -> Preconditioner:

@@ -359,6 +359,10 @@ class AttributionIndex:
         """Write the FAISS index (if any) to a new directory, then the manifest that names it, then delete
         the FAISS files of earlier saves: a save killed part-way leaves the previous index whole and in use."""
         files = self.store.files
+        with files.writing(INDEXES, self.name):  # processes saving the same index at once take turns
+            self._save_files(files)
+
+    def _save_files(self, files: Any) -> None:
         if self.faiss_index is not None:
             self.manifest[FAISS_FILES] = f"{FAISS_PREFIX}{uuid.uuid4().hex[:16]}"
             with tempfile.TemporaryDirectory(prefix="gradstore-index-") as scratch:
@@ -458,7 +462,6 @@ def build_index(
             existing.space = ScoringSpace(resolved, preconditioner)
             _add_new_rows(existing)
             return existing
-    store.files.remove(INDEXES, name)
     manifest = {
         "name": name,
         "run_id": selection.run,
@@ -566,8 +569,14 @@ def _add_new_rows(index: AttributionIndex) -> None:
 
 
 def load_index(store: StoreCore, fits: FitCache, name: str, *, missing_ok: bool = False) -> AttributionIndex | None:
-    """Load index ``name``; raises ``IndexMismatchError`` if it does not match the store's run."""
+    """Load index ``name``; raises ``IndexMismatchError`` if it does not match the store's run. Not while another
+    process saves it (the manifest and the FAISS files it names are read as one)."""
     check_component(name, "index name")
+    with store.files.reading(INDEXES, name):
+        return _load_index(store, fits, name, missing_ok)
+
+
+def _load_index(store: StoreCore, fits: FitCache, name: str, missing_ok: bool) -> AttributionIndex | None:
     try:
         manifest = json.loads(store.files.read_bytes(INDEXES, name, MANIFEST_FILE))
     except FileNotFoundError:

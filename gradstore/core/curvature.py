@@ -27,13 +27,16 @@ def save_curvature(files: SideFiles, run_id: str, checkpoint: str, stats: LayerC
         arrays[f"{layer}|count"] = np.asarray(count)
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    files.write_bytes(buffer.getvalue(), *_key(run_id, checkpoint))
+    key = _key(run_id, checkpoint)
+    with files.writing(*key):  # ranks saving at once take turns (file and checksum stay one pair)
+        files.write_bytes(buffer.getvalue(), *key)
 
 
 def load_curvature(files: SideFiles, run_id: str, checkpoint: str) -> LayerCurvature:
     """Per layer ``(A, S, count)`` saved by a capture with ``curvature=True``."""
     try:
-        data = files.read_bytes(*_key(run_id, checkpoint))
+        with files.reading(*_key(run_id, checkpoint)):
+            data = files.read_bytes(*_key(run_id, checkpoint))
     except FileNotFoundError:
         raise MissingCurvatureError(
             f"no curvature statistics for run {run_id!r} checkpoint {checkpoint!r}: capture with curvature=True"

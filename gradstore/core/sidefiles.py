@@ -6,6 +6,11 @@ store or passed by a user can reach outside that root. Each file is written whol
 then renamed on local disk; one PUT on object storage), so a reader never sees half a file, and its
 SHA-256 is kept beside it, so a damaged file is reported as such instead of being used.
 
+Processes that write the same key at once (two jobs fitting the same rows, DDP ranks saving curvature) hold its
+writers' lock (:meth:`SideFiles.writing`, an advisory ``flock`` on local stores) and readers its shared lock
+(:meth:`SideFiles.reading`), so a file and its checksum are always one writer's pair and no reader sees a key
+half replaced. Object stores offer no lock: there the writers of one key must not overlap.
+
 A process may be killed between any two of these steps, so each leaves a state that checks out:
 replacing a file first lets its checksum file accept the old and the new content, then replaces the file,
 then keeps only the new checksum; removing a key first deletes its ``manifest.json`` (the file written
@@ -22,18 +27,24 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
 from gradstore.core import storage
+
+try:
+    import fcntl
+except ImportError:  # not on POSIX: writers are not serialized
+    fcntl = None
 from gradstore.errors import InvalidNameError, StoreCorruptError
 
 ROOT = "_gradstore"
 CHECKSUM_SUFFIX = ".sha256"
 #: The file of a directory key written last (fits, indexes): the key is in use once it exists.
 MANIFEST = "manifest.json"
+LOCKS = "locks"  # the writers' lock files of local stores (see SideFiles.writing)
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
 
 
@@ -140,6 +151,34 @@ class SideFiles:
     def exists(self, *parts: str) -> bool:
         """Whether a file (or directory) exists under the key."""
         return self.filesystem.get_file_info(self.path(*parts)).type != pafs.FileType.NotFound
+
+    def writing(self, *parts: str) -> AbstractContextManager[None]:
+        """Hold a key's lock exclusively while writing or replacing it: processes that save the same fit or
+        index at once take turns (one's removal would delete the other's files mid-write, and two checksums
+        written at once can leave one file's content beside the other's checksum), and no reader
+        (:meth:`reading`) sees a half-replaced key. On a local store an advisory ``flock`` on
+        ``_gradstore/locks/<hash of the key>.lock``; an object store offers no lock, so there the writers of
+        one key must not overlap."""
+        return self._locked(parts, exclusive=True)
+
+    def reading(self, *parts: str) -> AbstractContextManager[None]:
+        """Hold a key's lock shared while reading it (readers do not wait for each other, only for a writer)."""
+        return self._locked(parts, exclusive=False)
+
+    @contextmanager
+    def _locked(self, parts: tuple[str, ...], exclusive: bool) -> Iterator[None]:
+        if not self.local or fcntl is None:
+            yield
+            return
+        locks = Path(self.root) / LOCKS
+        locks.mkdir(parents=True, exist_ok=True)
+        name = hashlib.sha256(self.path(*parts).encode()).hexdigest()[:32]
+        with open(locks / f"{name}.lock", "a+b") as handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
     def children(self, *parts: str) -> list[str]:
         """The names directly under a directory key (none if it does not exist)."""
