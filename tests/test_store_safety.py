@@ -125,6 +125,35 @@ def test_a_planted_index_manifest_cannot_write_outside_the_store(tmp_path):
     assert store.attribute(run="r", k=2).num_rows == 4  # exact search builds no side file
 
 
+def test_a_planted_lock_directory_link_cannot_create_files_outside_the_store(tmp_path):
+    """``_gradstore/locks`` planted as a link to a directory outside the store: saving and reading fits and indexes
+    (which take the writers' lock) create nothing there, and attribution still works."""
+    root = tmp_path / "stores" / "store"
+    _small_store(root)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (root / "_gradstore").mkdir(exist_ok=True)
+    (root / "_gradstore" / "locks").symlink_to(elsewhere, target_is_directory=True)
+    again = gradstore.open(root)
+    assert again.attribute(run="r", k=2, method="fisher", write=False).num_rows == 4
+    assert again.attribute(run="r", k=2, kind="Flat", write=False).num_rows == 4
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_store_this_process_cannot_lock_is_still_read(tmp_path, monkeypatch):
+    """Where the lock file cannot be made (a read-only store), fits and indexes are read without it."""
+    store = _small_store(tmp_path / "store")
+    expected = store.attribute(run="r", k=2, method="fisher", write=False)
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(os, "open", read_only)
+    again = gradstore.open(tmp_path / "store")
+    found = again.attribute(run="r", k=2, method="fisher", write=False)
+    assert found.column("grad_id").to_pylist() == expected.column("grad_id").to_pylist()
+
+
 def test_a_run_name_with_dots_keeps_its_curvature_inside_the_store(tmp_path):
     root = tmp_path / "stores" / "store"
     store = gradstore.open(root)

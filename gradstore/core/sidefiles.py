@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import pyarrow.fs as pafs
 
@@ -167,18 +168,30 @@ class SideFiles:
 
     @contextmanager
     def _locked(self, parts: tuple[str, ...], exclusive: bool) -> Iterator[None]:
-        if not self.local or fcntl is None:
+        handle = self._lock_file(parts) if self.local and fcntl is not None else None
+        if handle is None:
             yield
             return
-        locks = Path(self.root) / LOCKS
-        locks.mkdir(parents=True, exist_ok=True)
-        name = hashlib.sha256(self.path(*parts).encode()).hexdigest()[:32]
-        with open(locks / f"{name}.lock", "a+b") as handle:
+        with handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             try:
                 yield
             finally:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+    def _lock_file(self, parts: tuple[str, ...]) -> BinaryIO | None:
+        """The open lock file of a key, or ``None``: on a store this process cannot write (read-only: no writer
+        to wait for), or where ``locks`` would lead outside the store (a link planted in it)."""
+        locks = Path(self.root) / LOCKS
+        name = hashlib.sha256(self.path(*parts).encode()).hexdigest()[:32]
+        try:
+            locks.mkdir(parents=True, exist_ok=True)
+            if not locks.resolve().is_relative_to(Path(self.store_path).resolve()):
+                return None
+            descriptor = os.open(locks / f"{name}.lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError:
+            return None
+        return os.fdopen(descriptor, "r+b")
 
     def children(self, *parts: str) -> list[str]:
         """The names directly under a directory key (none if it does not exist)."""
