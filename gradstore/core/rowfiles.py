@@ -23,6 +23,7 @@ removed least recently used first.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -107,7 +108,8 @@ class RowFiles:
             log.warning("row file %s is unusable (%s); removed, the rows are read from the store", path, error)
             path.unlink(missing_ok=True)
             return None
-        os.utime(path)  # recently used: removed last
+        with contextlib.suppress(OSError):  # removed by another process meanwhile, or a read-only directory
+            os.utime(path)  # recently used: removed last
         return rows
 
     def save_later(self, name: str, rows: PreparedRows, nbytes: int, then: Callable[[], None] | None = None) -> None:

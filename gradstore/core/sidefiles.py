@@ -34,12 +34,12 @@ from typing import BinaryIO
 import pyarrow.fs as pafs
 
 from gradstore.core import storage
+from gradstore.errors import InvalidNameError, StoreCorruptError
 
 try:
     import fcntl
 except ImportError:  # not on POSIX: writers are not serialized
     fcntl = None
-from gradstore.errors import InvalidNameError, StoreCorruptError
 
 ROOT = "_gradstore"
 CHECKSUM_SUFFIX = ".sha256"
