@@ -18,7 +18,7 @@ from indexers.exact import PreparedRows
 from indexers.screening import RowPieces, Rows, ScreenedBlock
 
 FORMAT = 1
-LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
+EXACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what stored (exact) rows may be
 
 
 class SavedRowsError(ValueError):
@@ -70,7 +70,7 @@ def _pieces(rows: Rows) -> list[torch.Tensor]:
 def _screened(state: Any, dim: int) -> ScreenedBlock:
     ids = _ids(state)
     n = len(ids)
-    exact = _rows(state.get("exact"), "exact", dim, n, LOW_PRECISION)
+    exact = _rows(state.get("exact"), "exact", dim, n, EXACT_DTYPES)
     screen = _rows(state.get("screen"), "screen", dim, n, (torch.bfloat16,))
     norms, residuals = _vector(state, "norms", n), _vector(state, "residuals", n)
     return ScreenedBlock(ids, exact, _scales(state, n), screen, norms, residuals)
