@@ -74,21 +74,22 @@ def attribute(
             write=write,
             engine=engine,
         )
-    checkpoint = checkpoint or store.default_checkpoint(run)
-    resolved_queries = resolve_queries(store, queries, run, checkpoint)  # first: queries of another dim fail fast
-    index = build_index(
-        store,
-        fits,
-        Selection(run, checkpoint, split, where),
-        resolved.name,
-        damping=damping,
-        kind=kind,
-        blocks=blocks,
-        engine=engine,
-    )
-    sides = (True, False) if opponents else (True,)
-    found = index.search_sides(resolved_queries.vectors, k, sides, engine, rerank)
-    table = pa.concat_tables([_result_table(index, resolved_queries.ids, *found[side], side) for side in sides])
+    with store.snapshot():  # every read of the call sees the tables as they were at its first read
+        checkpoint = checkpoint or store.default_checkpoint(run)
+        resolved_queries = resolve_queries(store, queries, run, checkpoint)  # first: queries of another dim fail fast
+        index = build_index(
+            store,
+            fits,
+            Selection(run, checkpoint, split, where),
+            resolved.name,
+            damping=damping,
+            kind=kind,
+            blocks=blocks,
+            engine=engine,
+        )
+        sides = (True, False) if opponents else (True,)
+        found = index.search_sides(resolved_queries.vectors, k, sides, engine, rerank)
+        table = pa.concat_tables([_result_table(index, resolved_queries.ids, *found[side], side) for side in sides])
     if write:
         store.append_results(S.SCORES, table)
     return table

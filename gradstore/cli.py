@@ -394,21 +394,27 @@ def row_files(
     directory: Annotated[
         Path | None, typer.Option(help="Row file directory (default: GRADSTORE_CACHE_DIR's, else the user cache's).")
     ] = None,
-    clear: Annotated[bool, typer.Option(help="Remove every row file.")] = False,
+    clear: Annotated[bool, typer.Option(help="Remove every row file and scan file.")] = False,
 ) -> None:
     """List (or remove) the row files exact search leaves for later processes: prepared rows that a new process
-    maps instead of reading them from its store (derived copies: removing them costs one read)."""
+    maps instead of reading them from its store, and beside them the scan files of small metadata reads (derived
+    copies: removing them costs one read)."""
     from gradstore.core.rowfiles import RowFiles, default_directory
+    from gradstore.core.scanfiles import SCANS_DIRECTORY, ScanFiles
 
     files = RowFiles(directory or default_directory())
+    assert files.directory is not None
+    scans = ScanFiles(files.directory / SCANS_DIRECTORY)
     if clear:
-        typer.echo(f"removed {files.clear()} row files from {files.directory}")
+        typer.echo(f"removed {files.clear()} row files and {scans.clear()} scan files from {files.directory}")
         return
     entries = files.entries()
     typer.echo(f"{files.directory}: {len(entries)} row files, {sum(e['bytes'] for e in entries) / 1e6:.1f} MB")
     for entry in entries:
         used = entry["last_used"].strftime("%Y-%m-%d %H:%M:%S")
         typer.echo(f"{entry['name']}  {entry['bytes'] / 1e6:10.1f} MB  last used {used} UTC")
+    scan_usage = scans.usage()
+    typer.echo(f"{scans.directory}: {scan_usage[0]} scan files, {scan_usage[1] / 1e6:.1f} MB")
 
 
 @app.command()

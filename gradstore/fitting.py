@@ -86,9 +86,7 @@ class Selection:
 
     def grad_ids(self, store: StoreCore) -> np.ndarray:
         """The ``grad_id``s of the selected rows (one pass over the id column)."""
-        with store.reading(store.gradient_table_name(self.run)):
-            table = store.gradient_table(self.run).to_lance().to_table(columns=["grad_id"], filter=self.filter)
-        return table.column(0).to_numpy()
+        return store.scan(store.gradient_table_name(self.run), ["grad_id"], self.filter).column(0).to_numpy()
 
     def count(self, store: StoreCore) -> int:
         """Rows currently selected."""
@@ -98,7 +96,7 @@ class Selection:
 
     def cache_key(self, store: StoreCore, what: str) -> tuple:
         """The store's row cache key of ``what`` about this selection at its gradient table's current version."""
-        return (store.gradient_table(self.run).version, astuple(self), (what,))
+        return (store.gradient_dataset(self.run).version, astuple(self), (what,))
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ import re
 import tempfile
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import astuple
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,7 +36,7 @@ import pyarrow as pa
 import torch
 
 from gradstore.core import StoreCore
-from gradstore.core.rowfiles import row_file_name
+from gradstore.core.cachefiles import cache_file_name, dataset_content
 from gradstore.core.sidefiles import check_component
 from gradstore.core.stored_rows import stored_blocks
 from gradstore.engine import Engine, LocalEngine
@@ -104,7 +103,6 @@ class AttributionIndex:
         self.cache_bytes = cache_bytes
         self._gpu_copy: FaissIndex | None = None
         self._locator = RowLocator()  # grad_id -> stored row, for re-ranking FAISS candidates
-        self._examples: tuple[tuple, Future] | None = None  # the example table being read, under its cache key
 
     @property
     def name(self) -> str:
@@ -183,7 +181,6 @@ class AttributionIndex:
         engine = engine or LocalEngine()
         if isinstance(engine, LocalEngine):  # stream the stored rows with read-ahead, or search the cache
             rows = self._rows()
-            self._read_examples_meanwhile()
             return {side: self._exact().search(prepared, rows, k, largest=side) for side in sides}
         shards = self.selection.shards(self.store, engine.parallelism)
         return top_k(engine, shards, self.space, prepared, k, sides)
@@ -229,7 +226,7 @@ class AttributionIndex:
         once prepared, ``None`` when they are not kept) and, once prepared, kept in the row cache and written to
         a row file, whose mapping then takes the place of the rows in memory."""
         cache, files = self.store.row_cache, self.store.row_files
-        dataset = self.store.gradient_table(self.selection.run).to_lance()
+        dataset = self.store.gradient_dataset(self.selection.run)
         name = self._row_file_name(dataset, kernel) if nbytes is not None and dataset.version == key[0] else None
 
         def check(state: Any) -> PreparedRows:
@@ -273,8 +270,7 @@ class AttributionIndex:
             "max_norm": kernel.max_norm,
             "block_rows": READ_BLOCK_ROWS,
         }
-        content = {"version": dataset.version, "fragments": [str(f.metadata) for f in dataset.get_fragments()]}
-        return row_file_name(identity, content)
+        return cache_file_name(identity, dataset_content(dataset))
 
     def warm(self) -> Path | None:
         """Prepare this exact index's rows now, as its first search would (into the store's row cache), and wait
@@ -288,7 +284,7 @@ class AttributionIndex:
         for _ in rows:  # prepares every block; the last one files the rows
             pass
         self.store.row_files.wait()
-        name = self._row_file_name(self.store.gradient_table(self.selection.run).to_lance(), self._exact())
+        name = self._row_file_name(self.store.gradient_dataset(self.selection.run), self._exact())
         path = None if name is None else self.store.row_files.path(name)
         return path if path is not None and path.is_file() else None
 
@@ -311,18 +307,18 @@ class AttributionIndex:
             if self.method.query_only
             else (self.method.name, self.manifest.get("fit"), self.manifest.get("damping"))
         )
-        return (self.store.gradient_table(self.selection.run).version, astuple(self.selection), what)
+        return (self.store.gradient_dataset(self.selection.run).version, astuple(self.selection), what)
 
     def example_ids(self, grad_ids: np.ndarray) -> pa.Array:
         """The ``example_id`` of each of ``grad_ids`` (rows of this index's selection, any shape), looked up in
-        the selection's ``(grad_id, example_id)`` table, read once per table version into the store's row
-        cache; ids outside it are looked up in the store (``KeyError`` for unknown ones)."""
+        the selection's ``(grad_id, example_id)`` table (a :meth:`~gradstore.core.StoreCore.scan`, sorted once per
+        table version in the store's row cache); ids outside it are looked up in the store (``KeyError`` for unknown
+        ones)."""
         flat = np.asarray(grad_ids, np.int64).reshape(-1)
         key = self.selection.cache_key(self.store, "example_ids")
         table = self.store.row_cache.get(key)
         if table is None:
-            pending, self._examples = self._examples, None
-            table = pending[1].result() if pending is not None and pending[0] == key else self._example_table()
+            table = self._example_table()
             self.store.row_cache.put(key, table, table.nbytes)
         known = table.column("grad_id").to_numpy()
         positions = np.minimum(np.searchsorted(known, flat), max(len(known) - 1, 0))
@@ -331,23 +327,12 @@ class AttributionIndex:
         example_of = self.store.example_ids_for(flat, self.selection.run)
         return pa.array([example_of[g] for g in flat.tolist()], pa.string())
 
-    def _read_examples_meanwhile(self) -> None:
-        """Start reading the selection's ``(grad_id, example_id)`` table in a thread, for :meth:`example_ids` after
-        the search, unless the row cache holds it (a first call: Lance's read runs beside the search's GEMMs)."""
-        key = self.selection.cache_key(self.store, "example_ids")
-        if self.store.row_cache.get(key) is None and (self._examples is None or self._examples[0] != key):
-            reader = ThreadPoolExecutor(1, thread_name_prefix="gradstore-examples")
-            self._examples = (key, reader.submit(self._example_table))
-            reader.shutdown(wait=False)
-
     def _example_table(self) -> pa.Table:
-        with self.store.reading(self.store.gradient_table_name(self.selection.run)):
-            table = (
-                self.store.gradient_table(self.selection.run)
-                .to_lance()
-                .to_table(columns=["grad_id", "example_id"], filter=self.selection.filter)
-            )
-        return table.sort_by("grad_id").combine_chunks()
+        """The selection's ``(grad_id, example_id)`` table in ``grad_id`` order."""
+        name = self.store.gradient_table_name(self.selection.run)
+        table = self.store.scan(name, ["grad_id", "example_id"], self.selection.filter).combine_chunks()
+        ids = table.column("grad_id").to_numpy()
+        return table if bool(np.all(ids[1:] >= ids[:-1])) else table.sort_by("grad_id").combine_chunks()
 
     def _searchable(self) -> FaissIndex:
         """The FAISS index to search: a copy on all GPUs when faiss-gpu and a CUDA driver are present."""
@@ -477,7 +462,7 @@ def build_index(
         "eigen_correction": spec.eigen_correction,
         "fit": spec.key(),
         **({FIRST_STAGE: BALANCED} if kind != "exact" else {}),
-        "gradients_version": store.gradient_table(selection.run).version,
+        "gradients_version": store.gradient_dataset(selection.run).version,
         "built_at": datetime.now(timezone.utc).isoformat(),
         **_expected_manifest(store, selection.run),
     }
@@ -564,7 +549,7 @@ def _add_new_rows(index: AttributionIndex) -> None:
                 index.faiss_index.add(ids[fresh], index.first_stage(vectors[fresh], rows=True))
                 index._gpu_copy = None
                 index.indexed_ids = np.concatenate([index.indexed_ids, ids[fresh]])
-    index.manifest.update(rows=rows, gradients_version=index.store.gradient_table(index.selection.run).version)
+    index.manifest.update(rows=rows, gradients_version=index.store.gradient_dataset(index.selection.run).version)
     index.save()
 
 

@@ -38,7 +38,7 @@ class RowLocator:
         ``run``: the rows of the ids present in the store now, in that order."""
         name = store.gradient_table_name(run)
         with store.reading(name):
-            dataset = store.gradient_table(run).to_lance()
+            dataset = store.gradient_dataset(run)
             if (name, dataset.version) != self._key:
                 self._build(dataset)
                 self._key = (name, dataset.version)

@@ -100,7 +100,7 @@ def fragment_shards(
     """The rows of run ``run``'s gradient table matching ``where`` as at most ``parts`` shards of contiguous
     fragments with about equal row counts, in dataset order. ``block_rows`` defaults to :func:`block_rows_for`
     the run's dim."""
-    dataset = store.gradient_table(run).to_lance()
+    dataset = store.gradient_dataset(run)
     block_rows = block_rows or block_rows_for(store.run_dim(run))
     fragments = dataset.get_fragments()
     sizes = np.array([fragment.count_rows() for fragment in fragments], dtype=np.int64)
@@ -145,7 +145,7 @@ def example_shards(
     The range boundaries are quantiles of a sample of the ids of rows matching ``sample_where`` (every
     ``n / sample_size``-th id, streamed), so they balance the shards without holding all ids; any
     boundaries give the same results, only the balance depends on them."""
-    dataset = store.gradient_table(run).to_lance()
+    dataset = store.gradient_dataset(run)
     block_rows = block_rows or block_rows_for(store.run_dim(run))
     whole = Shard(
         dataset.uri,

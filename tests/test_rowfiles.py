@@ -297,9 +297,11 @@ def test_row_files_are_listed_and_cleared_from_the_command_line(tmp_path) -> Non
     runner = CliRunner()
     listed = runner.invoke(app, ["row-files", "--directory", str(cache)])
     assert listed.exit_code == 0 and "1 row files" in listed.output and entry["name"] in listed.output
+    scans = store.scan_files.usage()[0]
+    assert scans >= 4 and f"{scans} scan files" in listed.output  # runs, checkpoints, ids, example ids
     cleared = runner.invoke(app, ["row-files", "--directory", str(cache), "--clear"])
-    assert cleared.exit_code == 0 and "removed 1 row files" in cleared.output
-    assert _files(cache) == [] and store.row_files.entries() == []
+    assert cleared.exit_code == 0 and f"removed 1 row files and {scans} scan files" in cleared.output
+    assert _files(cache) == [] and store.row_files.entries() == [] and store.scan_files.usage() == (0, 0)
     np.testing.assert_array_equal(_attribute(gradstore.open(tmp_path / "s", row_files=False))[0], _reference(store))
 
 
@@ -336,5 +338,6 @@ def test_a_file_that_cannot_be_written_costs_nothing_but_the_file(tmp_path, monk
     _write(store, 200, seed=0)
     np.testing.assert_array_equal(_attribute(store)[0], _reference(store))
     store.row_files.wait()
-    assert "not written" in caplog.text and list(cache.iterdir()) == []  # no file, no temporary left
+    assert "not written" in caplog.text
+    assert [path for path in cache.iterdir() if path.is_file()] == []  # no row file, no temporary left
     np.testing.assert_array_equal(_attribute(store)[0], _reference(store))

@@ -8,6 +8,7 @@ selection.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import uuid
@@ -33,6 +34,7 @@ from gradstore.core.gradient_tables import GradientTables, is_gradient_table, ta
 from gradstore.core.macros import macros_for
 from gradstore.core.rowcache import RowCache
 from gradstore.core.rowfiles import RowFiles, directory_of
+from gradstore.core.scanfiles import SCANS_DIRECTORY, ScanFiles
 from gradstore.core.scanning import late_materialization, vector_scanner
 from gradstore.core.sidefiles import SideFiles
 from gradstore.core.tabular import to_arrow_table
@@ -56,6 +58,12 @@ log = logging.getLogger(__name__)
 #: Bytes the row cache counts for a run's ``runs`` rows or its rows' checkpoint labels (small metadata kept per
 #: table version beside the prepared rows, so repeated calls on a run read no metadata table again).
 RUN_ROW_BYTES = 4096
+#: The tables a :meth:`StoreCore.snapshot` block has read, ``(store uri, table name) -> Lance dataset`` at the version
+#: its first read saw (``None`` outside a block). A context variable: a thread that runs its work in a copy of the
+#: caller's context (``contextvars.copy_context().run``) shares the block's view.
+_SNAPSHOT: contextvars.ContextVar[dict[tuple[str, str], lance.LanceDataset] | None] = contextvars.ContextVar(
+    "gradstore_snapshot", default=None
+)
 #: What Lance raises when a table's files cannot be read (translated to ``StoreCorruptError``).
 _READ_ERRORS = (OSError, RuntimeError, pa.ArrowException)
 
@@ -117,6 +125,13 @@ class StoreCore:
         self.gradient_tables = GradientTables(self.has_table, self.table, self._create_table, self._list_tables)
         self.row_cache = RowCache()  # rows prepared for search, by gradients version and selection
         self.row_files = row_files or RowFiles(None)  # the same, on local disk between processes
+        scans = None if self.row_files.directory is None else self.row_files.directory / SCANS_DIRECTORY
+        self.scan_files = ScanFiles(scans)  # small reads (runs, checkpoints, a selection's ids), the same
+
+    @property
+    def location(self) -> str:
+        """The store's URI, a local path made absolute (what names the store in cache files)."""
+        return self.uri if "://" in self.uri else str(Path(self.uri).resolve())
 
     # ------------------------------------------------------------------ tables
     def has_table(self, name: str) -> bool:
@@ -154,6 +169,59 @@ class StoreCore:
             commits.check_inert(schema, f"table {name!r} of store {self.uri}")
             self._tables[name] = table
         return self._tables[name]
+
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """Reads inside this block see every table at the version its first read in the block saw: one
+        consistent view for a whole call (rows appended meanwhile by another writer are not half seen), and one
+        look-up of a table's latest version instead of one per read. For reads only: a write inside the block
+        is not seen by the block's later reads. Nested blocks share the outermost one's view."""
+        if _SNAPSHOT.get() is not None:
+            yield
+            return
+        token = _SNAPSHOT.set({})
+        try:
+            yield
+        finally:
+            _SNAPSHOT.reset(token)
+
+    def dataset(self, name: str) -> lance.LanceDataset:
+        """Table ``name``'s Lance dataset: at its latest version, or inside a :meth:`snapshot` block at the version
+        the block saw first."""
+        pins = _SNAPSHOT.get()
+        if pins is None:
+            return self.table(name).to_lance()
+        key = (self.uri, name)
+        dataset = pins.get(key)
+        if dataset is None:
+            dataset = pins.setdefault(key, self.table(name).to_lance())
+        return dataset
+
+    def scan(
+        self, name: str, columns: Sequence[str] | None = None, where: str | None = None, row_address: bool = False
+    ) -> pa.Table:
+        """Table ``name``'s ``columns`` (all: ``None``) of the rows matching ``where`` (with ``_rowaddr`` when
+        ``row_address``), as :meth:`dataset` gives the table. For small metadata reads: kept per table version in
+        the row cache and, for the next process, in a scan file (:mod:`gradstore.core.scanfiles`)."""
+        dataset = self.dataset(name)
+        columns = None if columns is None else list(columns)
+        identity = {"store": self.location, "table": name, "columns": columns, "where": where}
+        identity["row_address"] = row_address
+        key = (dataset.version, "scan", name, json.dumps(identity, sort_keys=True))
+        found = self.row_cache.get(key)
+        if found is not None:
+            return found
+        schema = dataset.schema if columns is None else pa.schema([dataset.schema.field(c) for c in columns])
+        if row_address:
+            schema = schema.append(pa.field("_rowaddr", pa.uint64()))
+
+        def read() -> pa.Table:
+            with self.reading(name):
+                return dataset.to_table(columns=columns, filter=where, with_row_address=row_address)
+
+        table = self.scan_files.read(dataset, identity, read, schema)
+        self.row_cache.put(key, table, table.nbytes)
+        return table
 
     @contextmanager
     def reading(self, name: str) -> Iterator[None]:
@@ -224,6 +292,10 @@ class StoreCore:
         """The LanceDB table holding run ``run_id``'s rows."""
         return self.table(self.gradient_table_name(run_id))
 
+    def gradient_dataset(self, run_id: str) -> lance.LanceDataset:
+        """The Lance dataset of run ``run_id``'s rows (as :meth:`dataset` gives it: pinned inside a snapshot)."""
+        return self.dataset(self.gradient_table_name(run_id))
+
     def other_gradient_tables(self, run_id: str) -> list[Any]:
         """The gradient tables of the dims other than run ``run_id``'s (a writer keeps its ``grad_id``s unique
         across them too)."""
@@ -234,7 +306,7 @@ class StoreCore:
     def storage_dtype(self) -> str:
         """Storage dtype of the vector column (see :mod:`gradstore.core.vectors`); one per store."""
         if self.gradient_tables.primary_dim() is not None:
-            return storage_dtype_of(self.table(S.GRADIENTS).schema.field(S.VECTOR_COLUMN))
+            return storage_dtype_of(self.dataset(S.GRADIENTS).schema.field(S.VECTOR_COLUMN))
         return self._storage_dtype
 
     def create_run(
@@ -292,16 +364,10 @@ class StoreCore:
 
     def _run_rows(self, run_id: str) -> list[dict]:
         """The ``runs`` rows of ``run_id`` in commit order (Lance assigns fragment ids, hence row addresses,
-        in commit order; compaction keeps the order), each with its ``_rowaddr``. Kept in the row cache per
-        version of the ``runs`` table (a version never changes), so repeated calls read nothing."""
-        dataset = self.table(S.RUNS).to_lance()
-
-        def read() -> list[dict]:
-            filtered = dataset.to_table(filter=f"run_id = {sql_literal(run_id)}", with_row_address=True)
-            return filtered.sort_by("_rowaddr").to_pylist()
-
-        rows = self.row_cache.memo((dataset.version, S.RUNS, run_id), read, RUN_ROW_BYTES)
-        return [dict(row) for row in rows]  # copies: callers may change them
+        in commit order; compaction keeps the order), each with its ``_rowaddr``. A :meth:`scan`: repeated calls
+        on the same version of the ``runs`` table read nothing, a new process reads its scan file."""
+        rows = self.scan(S.RUNS, where=f"run_id = {sql_literal(run_id)}", row_address=True)
+        return rows.sort_by("_rowaddr").to_pylist()
 
     def _delete_run_row(self, row: dict) -> None:
         """Withdraw a run row this process committed and lost (found again on every attempt: compaction moves it)."""
@@ -390,15 +456,10 @@ class StoreCore:
         commits.upsert(self.table(S.CHECKPOINTS), row, ["run_id", "checkpoint"], "checkpoint record")
 
     def checkpoints(self, run_id: str | None = None) -> pa.Table:
-        """Checkpoints (of one run, or all), ordered by step. Kept in the row cache per version of the
-        ``checkpoints`` table, so repeated calls (every call that defaults its checkpoint) read nothing."""
-        dataset = self.table(S.CHECKPOINTS).to_lance()
-
-        def read() -> pa.Table:
-            where = None if run_id is None else f"run_id = {sql_literal(run_id)}"
-            return dataset.to_table(filter=where).sort_by([("run_id", "ascending"), ("step", "ascending")])
-
-        return self.row_cache.memo((dataset.version, S.CHECKPOINTS, run_id), read, RUN_ROW_BYTES)
+        """Checkpoints (of one run, or all), ordered by step. A :meth:`scan`, so repeated calls (every call that
+        defaults its checkpoint) on the same version of the ``checkpoints`` table read nothing."""
+        where = None if run_id is None else f"run_id = {sql_literal(run_id)}"
+        return self.scan(S.CHECKPOINTS, where=where).sort_by([("run_id", "ascending"), ("step", "ascending")])
 
     def default_checkpoint(self, run_id: str) -> str | None:
         """The checkpoint a call on run ``run_id`` uses when given none: the run's latest recorded checkpoint
@@ -422,7 +483,7 @@ class StoreCore:
         the run's gradient table, then kept in the row cache)."""
         name = self.gradient_table_name(run_id)
         with self.reading(name):
-            dataset = self.table(name).to_lance()
+            dataset = self.dataset(name)
 
             def read() -> frozenset[str | None]:
                 labels: set[str | None] = set()
@@ -483,10 +544,10 @@ class StoreCore:
         if name is None:
             return
         wanted = ["grad_id", *[c for c in columns if c != "grad_id"], S.VECTOR_COLUMN, S.NORM_COLUMN]
-        unknown = set(wanted) - set(self.table(name).schema.names)
+        dataset = self.dataset(name)
+        unknown = set(wanted) - set(dataset.schema.names)
         if unknown:
             raise SchemaMismatchError(f"gradients table has no column(s) {sorted(unknown)}")
-        dataset = self.table(name).to_lance()
         late = selected_rows is None or late_materialization(selected_rows, dataset.count_rows())
         scanner = vector_scanner(
             dataset, wanted, gradient_filter(run, checkpoint, split, steps, where), block_rows, late
@@ -559,7 +620,7 @@ class StoreCore:
         for name in names:
             if self.has_table(name):
                 with self.reading(name):
-                    total += self.table(name).count_rows(where)
+                    total += self.dataset(name).count_rows(where)
         return total
 
     def example_ids_for(self, grad_ids: np.ndarray, run: str | None = None) -> dict[int, str]:
@@ -572,13 +633,9 @@ class StoreCore:
         found: dict[int, str] = {}
         for name in names:
             with self.reading(name):
-                table = (
-                    self.table(name)
-                    .to_lance()
-                    .to_table(
-                        columns=["grad_id", "example_id"],
-                        filter=f"grad_id IN ({', '.join(str(int(g)) for g in unique)})",
-                    )
+                table = self.dataset(name).to_table(
+                    columns=["grad_id", "example_id"],
+                    filter=f"grad_id IN ({', '.join(str(int(g)) for g in unique)})",
                 )
             found.update(zip(table.column("grad_id").to_pylist(), table.column("example_id").to_pylist()))
         return found
@@ -660,10 +717,8 @@ class StoreCore:
         """Run read-only DuckDB SQL over every table (vectors excluded); returns a DuckDB relation.
 
         ``gradients`` holds the rows of every run of every dim; ``gradients_<dim>`` those of one dim."""
-        tables = {name: self.table(name).to_lance() for name in self._list_tables() if not is_gradient_table(name)}
-        by_dim = {
-            f"{S.GRADIENTS}_{dim}": self.table(name).to_lance() for dim, name in self.gradient_tables.by_dim().items()
-        }
+        tables = {name: self.dataset(name) for name in self._list_tables() if not is_gradient_table(name)}
+        by_dim = {f"{S.GRADIENTS}_{dim}": self.dataset(name) for dim, name in self.gradient_tables.by_dim().items()}
         unions = {S.GRADIENTS: list(by_dim)} if len(by_dim) > 1 else {}
         if len(by_dim) == 1:
             tables[S.GRADIENTS] = next(iter(by_dim.values()))

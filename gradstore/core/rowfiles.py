@@ -24,14 +24,11 @@ removed least recently used first.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -39,6 +36,7 @@ from typing import Any
 
 import torch
 
+from gradstore.core.cachefiles import evict, write_into_place
 from gradstore.core.rowcache import default_budget_bytes
 from indexers import PreparedRows
 from indexers.saved_rows import rows_state
@@ -47,7 +45,6 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".rows.pt"
 MIN_BYTES = 32 << 20  # smaller selections read from Lance in well under 0.1 s
-STALE_TEMP_SECONDS = 3600  # a temporary file this old was left by a process that died while writing
 
 
 def default_directory() -> Path:
@@ -66,16 +63,6 @@ def directory_of(row_files: bool | str | Path) -> Path | None:
     return None if row_files is False else Path(row_files)
 
 
-def row_file_name(identity: dict[str, Any], content: dict[str, Any]) -> str:
-    """``<hash of what the rows are>-<hash of what they were read from>``: files of one selection share the
-    first part, so a new file of it can remove the stale ones."""
-    return f"{_digest(identity)}-{_digest(content)}"
-
-
-def _digest(value: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
 class RowFiles:
     """The row files of one directory (``None``: none are kept).
 
@@ -92,7 +79,8 @@ class RowFiles:
         self._lock = threading.Lock()
 
     def path(self, name: str) -> Path | None:
-        """Where the file ``name`` (a :func:`row_file_name`) lives, ``None`` without a directory."""
+        """Where the file ``name`` (a :func:`~gradstore.core.cachefiles.cache_file_name`) lives, ``None`` without a
+        directory."""
         return None if self.directory is None else self.directory / f"{name}{SUFFIX}"
 
     def load(self, name: str, check: Callable[[Any], PreparedRows]) -> PreparedRows | None:
@@ -161,56 +149,20 @@ class RowFiles:
             thread.join()
 
     def _save(self, name: str, rows: PreparedRows, nbytes: int, then: Callable[[], None] | None) -> None:
-        """Write to a temporary file and rename it into place (readers see a whole file or none), then remove the
-        other files of the same rows and, least recently used first, files beyond the budget."""
+        """Write the file into place (readers see a whole file or none), then remove the other files of the same
+        rows and, least recently used first, files beyond the budget."""
         assert self.directory is not None
-        temporary = self.directory / f".{name}.{uuid.uuid4().hex}.tmp"
+        path = self.directory / f"{name}{SUFFIX}"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             if shutil.disk_usage(self.directory).free < 2 * nbytes:
                 log.info("no row file for %s: less than twice its %d bytes free in %s", name, nbytes, self.directory)
                 return
             start = time.perf_counter()
-            torch.save(rows_state(rows), temporary)
-            os.replace(temporary, self.directory / f"{name}{SUFFIX}")
+            write_into_place(path, lambda temporary: torch.save(rows_state(rows), temporary))
             log.info("row file %s written in %.1f s", name, time.perf_counter() - start)
-            self._evict(name)
+            evict(path, SUFFIX, self.budget_bytes)
             if then is not None:
                 then()
         except Exception as error:  # a cache that cannot be written costs only speed
             log.warning("row file %s not written: %s", name, error)
-        finally:
-            temporary.unlink(missing_ok=True)
-
-    def _evict(self, kept: str) -> None:
-        """Remove the other files of ``kept``'s rows, temporary files of dead writers, and the least recently used
-        files until the directory holds at most the budget."""
-        assert self.directory is not None
-        selection = kept.split("-")[0]
-        now = time.time()
-        files = []
-        for path in self.directory.iterdir():
-            try:
-                stat = path.stat()
-                if path.name.endswith(".tmp") and now - stat.st_mtime > STALE_TEMP_SECONDS:
-                    path.unlink()
-                elif path.name.endswith(SUFFIX) and path.name != f"{kept}{SUFFIX}":
-                    if path.name.split("-")[0] == selection:
-                        path.unlink()
-                    else:
-                        files.append((stat.st_mtime, stat.st_size, path))
-            except FileNotFoundError:  # another process removed it meanwhile
-                continue
-        total = sum(size for _, size, _ in files) + self._size(kept)
-        for _, size, path in sorted(files, key=lambda entry: entry[0]):
-            if total <= self.budget_bytes:
-                break
-            path.unlink(missing_ok=True)
-            total -= size
-
-    def _size(self, name: str) -> int:
-        path = self.path(name)
-        try:
-            return 0 if path is None else path.stat().st_size
-        except FileNotFoundError:  # removed by another process's eviction meanwhile
-            return 0

@@ -43,7 +43,7 @@ def stored_blocks(
     def source() -> Iterator[tuple]:
         dtype = store.storage_dtype
         columns = stored_columns(dtype)
-        read = dataset if dataset is not None else store.gradient_table(run).to_lance()
+        read = dataset if dataset is not None else store.gradient_dataset(run)
         late = selected_rows is None or late_materialization(selected_rows, read.count_rows())
         scanner = vector_scanner(read, columns, gradient_filter(run, checkpoint, split, None, where), block_rows, late)
         for batch in scanner.to_reader():

@@ -1,0 +1,80 @@
+"""What the row files and scan files share: names, atomic writes and a byte budget for files of derived data kept
+on local disk between processes (:mod:`gradstore.core.rowfiles`, :mod:`gradstore.core.scanfiles`).
+
+A file's name is ``<hash of what it holds>-<hash of what that was read from>``: files of the same thing share the
+first part, so writing a new one removes the stale ones."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+STALE_TEMP_SECONDS = 3600  # a temporary file this old was left by a process that died while writing
+
+
+def cache_file_name(identity: dict[str, Any], content: dict[str, Any]) -> str:
+    """``<hash of identity>-<hash of content>`` (each 32 hex digits)."""
+    return f"{_digest(identity)}-{_digest(content)}"
+
+
+def _digest(value: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def dataset_content(dataset: Any) -> dict[str, Any]:
+    """What a read of the Lance ``dataset`` (one version of a table) reads from: its version and its fragments'
+    data and deletion files, which Lance never changes in place (a table made again at the same path and version
+    has other files)."""
+    return {"version": dataset.version, "fragments": [str(f.metadata) for f in dataset.get_fragments()]}
+
+
+def write_into_place(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(temporary)`` a temporary file beside ``path``, then rename it to ``path``: readers see a whole file or
+    none. The temporary file is removed if anything fails."""
+    temporary = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def evict(kept: Path, suffix: str, budget_bytes: int) -> None:
+    """In ``kept``'s directory, remove the other files of the same thing as ``kept`` (same first part of the name),
+    temporary files of dead writers, and the least recently used ``suffix`` files until the directory holds at most
+    ``budget_bytes``."""
+    same = kept.name.split("-")[0]
+    now = time.time()
+    files = []
+    for path in kept.parent.iterdir():
+        try:
+            stat = path.stat()
+            if path.name.endswith(".tmp") and now - stat.st_mtime > STALE_TEMP_SECONDS:
+                path.unlink()
+            elif path.name.endswith(suffix) and path.name != kept.name:
+                if path.name.split("-")[0] == same:
+                    path.unlink()
+                else:
+                    files.append((stat.st_mtime, stat.st_size, path))
+        except FileNotFoundError:  # another process removed it meanwhile
+            continue
+    total = sum(size for _, size, _ in files) + _size(kept)
+    for _, size, path in sorted(files, key=lambda entry: entry[0]):
+        if total <= budget_bytes:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # removed by another process's eviction meanwhile
+        return 0
