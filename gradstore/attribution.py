@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gradstore import scans
-from gradstore.core import StoreCore, sql_literal
+from gradstore.core import StoreCore, one_snapshot, sql_literal
 from gradstore.core import schema as S
 from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError, MissingIdsError
@@ -37,6 +37,7 @@ from indexers import IdentityPreconditioner
 EXAMPLES_PER_TASK = 65536
 
 
+@one_snapshot
 def attribute(
     store: StoreCore,
     fits: FitCache,
@@ -74,22 +75,21 @@ def attribute(
             write=write,
             engine=engine,
         )
-    with store.snapshot():  # every read of the call sees the tables as they were at its first read
-        checkpoint = checkpoint or store.default_checkpoint(run)
-        resolved_queries = resolve_queries(store, queries, run, checkpoint)  # first: queries of another dim fail fast
-        index = build_index(
-            store,
-            fits,
-            Selection(run, checkpoint, split, where),
-            resolved.name,
-            damping=damping,
-            kind=kind,
-            blocks=blocks,
-            engine=engine,
-        )
-        sides = (True, False) if opponents else (True,)
-        found = index.search_sides(resolved_queries.vectors, k, sides, engine, rerank)
-        table = pa.concat_tables([_result_table(index, resolved_queries.ids, *found[side], side) for side in sides])
+    checkpoint = checkpoint or store.default_checkpoint(run)
+    resolved_queries = resolve_queries(store, queries, run, checkpoint)  # first: queries of another dim fail fast
+    index = build_index(
+        store,
+        fits,
+        Selection(run, checkpoint, split, where),
+        resolved.name,
+        damping=damping,
+        kind=kind,
+        blocks=blocks,
+        engine=engine,
+    )
+    sides = (True, False) if opponents else (True,)
+    found = index.search_sides(resolved_queries.vectors, k, sides, engine, rerank)
+    table = pa.concat_tables([_result_table(index, resolved_queries.ids, *found[side], side) for side in sides])
     if write:
         store.append_results(S.SCORES, table)
     return table
@@ -136,6 +136,7 @@ class ScoreMatrix:
         return torch.from_numpy(self.scores)
 
 
+@one_snapshot
 def score_matrix(
     store: StoreCore,
     fits: FitCache,
@@ -226,6 +227,7 @@ def checkpoint_queries(
         yield checkpoint, resolved
 
 
+@one_snapshot
 def tracin(
     store: StoreCore,
     queries: QueryInput = None,

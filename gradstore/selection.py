@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import torch
 
 from gradstore.attribution import learning_rates, per_example_shards
-from gradstore.core import StoreCore
+from gradstore.core import StoreCore, one_snapshot
 from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError
 from gradstore.fitting import FitCache, Selection
@@ -31,6 +31,7 @@ Aggregate = Literal["max", "mean"]
 AGGREGATES = get_args(Aggregate)
 
 
+@one_snapshot
 def select(
     store: StoreCore,
     fits: FitCache,

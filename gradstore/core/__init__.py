@@ -4,7 +4,7 @@ Imports nothing of ``gradstore`` above this package (but :mod:`gradstore.errors`
 (fitting and scoring, capture, the ``GradStore`` facade, CLI and integrations) build on it.
 """
 
-from gradstore.core.database import GradientBlock, StoreCore, connect
+from gradstore.core.database import GradientBlock, StoreCore, connect, one_snapshot
 from gradstore.core.filters import check_filter, gradient_filter, sql_in, sql_literal
 from gradstore.core.sidefiles import SideFiles
 from gradstore.core.writer import GradientWriter, WriterConfig
@@ -18,6 +18,7 @@ __all__ = [
     "check_filter",
     "connect",
     "gradient_filter",
+    "one_snapshot",
     "sql_in",
     "sql_literal",
 ]

@@ -9,15 +9,16 @@ selection.
 from __future__ import annotations
 
 import contextvars
+import functools
 import json
 import logging
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lance
 import lancedb
@@ -64,6 +65,21 @@ RUN_ROW_BYTES = 4096
 _SNAPSHOT: contextvars.ContextVar[dict[tuple[str, str], lance.LanceDataset] | None] = contextvars.ContextVar(
     "gradstore_snapshot", default=None
 )
+_Call = TypeVar("_Call", bound=Callable[..., Any])
+
+
+def one_snapshot(function: _Call) -> _Call:
+    """Decorate ``function(store, ...)`` (a call on a :class:`StoreCore`) to run inside ``store.snapshot()``: all its
+    reads see one version of each table. For calls that write, if at all, only after their last read."""
+
+    @functools.wraps(function)
+    def in_snapshot(store: StoreCore, *args: Any, **kwargs: Any) -> Any:
+        with store.snapshot():
+            return function(store, *args, **kwargs)
+
+    return in_snapshot  # type: ignore[return-value]
+
+
 #: What Lance raises when a table's files cannot be read (translated to ``StoreCorruptError``).
 _READ_ERRORS = (OSError, RuntimeError, pa.ArrowException)
 
