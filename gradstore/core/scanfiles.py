@@ -105,9 +105,9 @@ class ScanFiles:
     def _save(self, path: Path, table: pa.Table) -> None:
         """Write the file into place (readers see a whole file or none), then keep the directory within budget."""
 
-        def write(temporary: Path) -> None:
+        def write(temporary: Path) -> None:  # one record batch: a reader maps whole columns, no chunks to join
             with ipc.new_file(str(temporary), table.schema) as writer:
-                writer.write_table(table)
+                writer.write_table(table.combine_chunks())
 
         try:
             write_into_place(path, write)
