@@ -6,14 +6,19 @@ first part, so writing a new one removes the stale ones."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+_Loaded = TypeVar("_Loaded")
 
 STALE_TEMP_SECONDS = 3600  # a temporary file this old was left by a process that died while writing
 
@@ -32,6 +37,23 @@ def dataset_content(dataset: Any) -> dict[str, Any]:
     data and deletion files, which Lance never changes in place (a table made again at the same path and version
     has other files)."""
     return {"version": dataset.version, "fragments": [str(f.metadata) for f in dataset.get_fragments()]}
+
+
+def load_or_remove(path: Path, load: Callable[[Path], _Loaded], kind: str) -> _Loaded | None:
+    """``load(path)``; ``None`` when there is no file at ``path`` or it fails to load or check (then the ``kind``
+    file is removed: a damaged cache file only costs a read from the store). A loaded file is marked recently used
+    (removed last by :func:`evict`)."""
+    if not path.is_file():
+        return None
+    try:
+        loaded = load(path)
+    except Exception as error:
+        log.warning("%s %s is unusable (%s); removed, read from the store instead", kind, path, error)
+        path.unlink(missing_ok=True)
+        return None
+    with contextlib.suppress(OSError):  # removed by another process meanwhile, or a read-only directory
+        os.utime(path)
+    return loaded
 
 
 def write_into_place(path: Path, write: Callable[[Path], None]) -> None:

@@ -23,7 +23,6 @@ removed least recently used first.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -36,7 +35,7 @@ from typing import Any
 
 import torch
 
-from gradstore.core.cachefiles import evict, write_into_place
+from gradstore.core.cachefiles import evict, load_or_remove, write_into_place
 from gradstore.core.rowcache import default_budget_bytes
 from indexers import PreparedRows
 from indexers.saved_rows import rows_state
@@ -88,17 +87,13 @@ class RowFiles:
         rows that are not the expected ones); ``None`` when there is no such file or it fails to load or check
         (then it is removed)."""
         path = self.path(name)
-        if path is None or not path.is_file():
+        if path is None:
             return None
-        try:
-            rows = check(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
-        except Exception as error:  # a damaged cache file only costs a read from Lance
-            log.warning("row file %s is unusable (%s); removed, the rows are read from the store", path, error)
-            path.unlink(missing_ok=True)
-            return None
-        with contextlib.suppress(OSError):  # removed by another process meanwhile, or a read-only directory
-            os.utime(path)  # recently used: removed last
-        return rows
+
+        def load(path: Path) -> PreparedRows:
+            return check(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+
+        return load_or_remove(path, load, "row file")
 
     def save_later(self, name: str, rows: PreparedRows, nbytes: int, then: Callable[[], None] | None = None) -> None:
         """Write ``rows`` (complete, ``nbytes`` in memory) to file ``name`` in a background thread, when they are

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from gradstore.core.cachefiles import cache_file_name, dataset_content, evict, write_into_place
+from gradstore.core.cachefiles import cache_file_name, dataset_content, evict, load_or_remove, write_into_place
 
 log = logging.getLogger(__name__)
 
@@ -86,21 +85,15 @@ class ScanFiles:
         return [path for path in self.directory.iterdir() if path.name.endswith(SUFFIX)]
 
     def _load(self, path: Path, schema: pa.Schema) -> pa.Table | None:
-        if not path.is_file():
-            return None
-        try:
+        def load(path: Path) -> pa.Table:
             with pa.memory_map(str(path)) as source:
                 table = ipc.open_file(source).read_all()
             table.validate(full=True)
             if [(f.name, f.type) for f in table.schema] != [(f.name, f.type) for f in schema]:
                 raise ValueError(f"holds columns {table.schema.names}, the scan reads {schema.names}")
-        except (OSError, ValueError, pa.ArrowException) as error:  # a damaged cache file only costs a Lance read
-            log.warning("scan file %s is unusable (%s); removed, the table is read from the store", path, error)
-            path.unlink(missing_ok=True)
-            return None
-        with contextlib.suppress(OSError):  # removed by another process meanwhile, or a read-only directory
-            os.utime(path)  # recently used: removed last
-        return table
+            return table
+
+        return load_or_remove(path, load, "scan file")
 
     def _save(self, path: Path, table: pa.Table) -> None:
         """Write the file into place (readers see a whole file or none), then keep the directory within budget."""
