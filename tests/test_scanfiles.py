@@ -173,3 +173,18 @@ def test_a_snapshot_is_shared_with_threads_run_in_its_context(tmp_path) -> None:
         outside = pool.submit(store.dataset, S.GRADIENTS).result()  # a thread outside the block's context
     assert seen is pinned
     assert outside.version > pinned.version
+
+
+def test_a_scan_file_that_cannot_be_written_costs_nothing_but_the_file(tmp_path, monkeypatch, caplog) -> None:
+    import gradstore.core.scanfiles as scanfiles
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(scanfiles.ipc, "new_file", disk_full)
+    cache = tmp_path / "cache"
+    store = _open(tmp_path / "s", cache)
+    _write(store, 30, seed=0)
+    assert _attribute(store).column("example_id").to_pylist() == _reference(store)
+    assert "not written" in caplog.text
+    assert list((cache / SCANS_DIRECTORY).iterdir()) == []  # no file, no temporary left

@@ -105,5 +105,5 @@ class ScanFiles:
         try:
             write_into_place(path, write)
             evict(path, SUFFIX, self.budget_bytes)
-        except OSError as error:  # a cache that cannot be written costs only speed
+        except (OSError, pa.ArrowException) as error:  # a cache that cannot be written costs only speed
             log.warning("scan file %s not written: %s", path, error)
