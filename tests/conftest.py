@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 
@@ -10,6 +11,19 @@ import pytest
 os.environ.setdefault("LANCE_LOG", "error")
 # row files (gradstore.core.rowfiles) the tests write go to a directory of this session, not the user's cache
 os.environ["GRADSTORE_CACHE_DIR"] = tempfile.mkdtemp(prefix="gradstore-test-cache-")
+
+
+@pytest.fixture
+def disk_full(monkeypatch):
+    """``disk_full(owner, name)``: calling ``owner.name`` raises ``OSError(ENOSPC)``, as a write to a full disk does."""
+
+    def fill(owner, name: str) -> None:
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(owner, name, full)
+
+    return fill
 
 
 @pytest.fixture

@@ -326,13 +326,10 @@ def test_processes_share_row_files(tmp_path) -> None:
     assert all(json.loads(output) == expected for output in [*outputs, mapped.stdout])
 
 
-def test_a_file_that_cannot_be_written_costs_nothing_but_the_file(tmp_path, monkeypatch, caplog) -> None:
+def test_a_file_that_cannot_be_written_costs_nothing_but_the_file(tmp_path, disk_full, caplog) -> None:
     import gradstore.core.rowfiles as rowfiles
 
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(rowfiles.torch, "save", disk_full)
+    disk_full(rowfiles.torch, "save")
     cache = tmp_path / "cache"
     store = _open(tmp_path / "s", cache)
     _write(store, 200, seed=0)

@@ -175,13 +175,10 @@ def test_a_snapshot_is_shared_with_threads_run_in_its_context(tmp_path) -> None:
     assert outside.version > pinned.version
 
 
-def test_a_scan_file_that_cannot_be_written_costs_nothing_but_the_file(tmp_path, monkeypatch, caplog) -> None:
+def test_a_scan_file_that_cannot_be_written_costs_nothing_but_the_file(tmp_path, disk_full, caplog) -> None:
     import gradstore.core.scanfiles as scanfiles
 
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(scanfiles.ipc, "new_file", disk_full)
+    disk_full(scanfiles.ipc, "new_file")
     cache = tmp_path / "cache"
     store = _open(tmp_path / "s", cache)
     _write(store, 30, seed=0)
