@@ -56,8 +56,8 @@ from ingest import ProjectionSpec
 
 log = logging.getLogger(__name__)
 
-#: Bytes the row cache counts for a run's ``runs`` rows or its rows' checkpoint labels (small metadata kept per
-#: table version beside the prepared rows, so repeated calls on a run read no metadata table again).
+#: Bytes the row cache counts for a run's rows' checkpoint labels (small metadata kept per table version beside the
+#: prepared rows, so repeated calls on a run read no column again).
 RUN_ROW_BYTES = 4096
 #: The tables a :meth:`StoreCore.snapshot` block has read, ``(store uri, table name) -> Lance dataset`` at the version
 #: its first read saw (``None`` outside a block). A context variable: a thread that runs its work in a copy of the
@@ -221,8 +221,13 @@ class StoreCore:
         the row cache and, for the next process, in a scan file (:mod:`gradstore.core.scanfiles`)."""
         dataset = self.dataset(name)
         columns = None if columns is None else list(columns)
-        identity = {"store": self.location, "table": name, "columns": columns, "where": where}
-        identity["row_address"] = row_address
+        identity = {
+            "store": self.location,
+            "table": name,
+            "columns": columns,
+            "where": where,
+            "row_address": row_address,
+        }
         key = (dataset.version, "scan", name, json.dumps(identity, sort_keys=True))
         found = self.row_cache.get(key)
         if found is not None:
