@@ -6,6 +6,7 @@ or a hostile pickle are never served (the rows are read from Lance and the bad f
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -196,11 +197,13 @@ def test_files_beyond_the_budget_go_least_recently_used_first(tmp_path) -> None:
     store.row_files.budget_bytes = 2 * of_a.stat().st_size + 1024  # two files
     _attribute(store, "b")
     store.row_files.wait()
+    (of_b,) = [path for path in _files(cache) if path != of_a]
+    for path in (of_a, of_b):
+        os.utime(path, (1000, 1000))  # both long unused (no test depends on the clock's resolution)
     again = _open(tmp_path / "s", cache)
     again.row_files.budget_bytes = store.row_files.budget_bytes
     _attribute(again, "a")  # maps a's file: now more recently used than b's
     again.row_files.wait()
-    (of_b,) = [path for path in _files(cache) if path != of_a]
     _attribute(again, "c")
     again.row_files.wait()
     remaining = _files(cache)

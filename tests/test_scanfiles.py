@@ -5,6 +5,7 @@ whole call."""
 from __future__ import annotations
 
 import contextvars
+import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -185,3 +186,31 @@ def test_a_scan_file_that_cannot_be_written_costs_nothing_but_the_file(tmp_path,
     assert _attribute(store).column("example_id").to_pylist() == _reference(store)
     assert "not written" in caplog.text
     assert list((cache / SCANS_DIRECTORY).iterdir()) == []  # no file, no temporary left
+
+
+def test_scan_files_beyond_the_file_budget_go_least_recently_used_first(tmp_path) -> None:
+    cache = tmp_path / "cache"
+    store = _open(tmp_path / "s", cache)
+    _write(store, 10, seed=0)
+    store.scan_files.clear()
+    store.scan_files.budget_files = 3
+    wheres = [f"run_id = 'r' AND dim > {bound}" for bound in range(5)]  # five distinct scans of the runs table
+    for age, where in enumerate(wheres):
+        assert store.scan(S.RUNS, ["run_id"], where).column(0).to_pylist() == ["r"]
+        os.utime(_scan_path(store, where), (1000 + age, 1000 + age))  # used in this order, whatever the clock says
+    assert store.scan_files.usage()[0] == 3
+    again = _open(tmp_path / "s", cache)  # a new process: only the three latest scans come from files
+    again.scan_files.budget_files = 3
+    kept = {where for where in wheres if again.scan_files._load(_scan_path(again, where), _runs_schema()) is not None}
+    assert kept == set(wheres[2:])
+
+
+def _scan_path(store: gradstore.GradStore, where: str):
+    from gradstore.core.cachefiles import cache_file_name, dataset_content
+
+    identity = {"store": store.location, "table": S.RUNS, "columns": ["run_id"], "where": where, "row_address": False}
+    return store.scan_files.directory / f"{cache_file_name(identity, dataset_content(store.dataset(S.RUNS)))}{SUFFIX}"
+
+
+def _runs_schema() -> pa.Schema:
+    return pa.schema([pa.field("run_id", pa.string())])

@@ -68,10 +68,10 @@ def write_into_place(path: Path, write: Callable[[Path], None]) -> None:
         temporary.unlink(missing_ok=True)
 
 
-def evict(kept: Path, suffix: str, budget_bytes: int) -> None:
+def evict(kept: Path, suffix: str, budget_bytes: int, budget_files: int | None = None) -> None:
     """In ``kept``'s directory, remove the other files of the same thing as ``kept`` (same first part of the name),
     temporary files of dead writers, and the least recently used ``suffix`` files until the directory holds at most
-    ``budget_bytes``."""
+    ``budget_bytes`` and (when given) ``budget_files`` of them."""
     same = kept.name.split("-")[0]
     now = time.time()
     files = []
@@ -88,11 +88,13 @@ def evict(kept: Path, suffix: str, budget_bytes: int) -> None:
         except FileNotFoundError:  # another process removed it meanwhile
             continue
     total = sum(size for _, size, _ in files) + _size(kept)
+    count = len(files) + 1
     for _, size, path in sorted(files, key=lambda entry: entry[0]):
-        if total <= budget_bytes:
+        if total <= budget_bytes and (budget_files is None or count <= budget_files):
             break
         path.unlink(missing_ok=True)
         total -= size
+        count -= 1
 
 
 def _size(path: Path) -> int:

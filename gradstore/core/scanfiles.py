@@ -12,8 +12,8 @@ cache_file_name`): by what was read (store, table, columns, filter) and exactly 
 version and its fragments' immutable data and deletion files), so a scan of other data is never served. Files
 live beside the row files in the user's cache directory (``<row files>/scans``), never in the store; a file that
 does not load, fails Arrow's full validation or holds other columns than the scan asks for is removed and the scan
-runs on Lance. Scans larger than :data:`MAX_FILE_BYTES` are not kept; beyond :data:`BUDGET_BYTES` the least
-recently used files are removed.
+runs on Lance. Scans larger than :data:`MAX_FILE_BYTES` are not kept; beyond :data:`BUDGET_BYTES` or
+:data:`BUDGET_FILES` the least recently used files are removed.
 """
 
 from __future__ import annotations
@@ -35,17 +35,23 @@ SUFFIX = ".arrow"
 SCANS_DIRECTORY = "scans"  # under the row files' directory
 MAX_FILE_BYTES = 64 << 20  # a scan this large takes long enough on Lance that its own read dominates
 BUDGET_BYTES = 512 << 20
+BUDGET_FILES = 2048  # small files of stores long gone would otherwise pile up (and each save lists the directory)
 
 
 class ScanFiles:
     """The scan files of one directory (``None``: none are kept)."""
 
     def __init__(
-        self, directory: str | Path | None, budget_bytes: int = BUDGET_BYTES, max_file_bytes: int = MAX_FILE_BYTES
+        self,
+        directory: str | Path | None,
+        budget_bytes: int = BUDGET_BYTES,
+        max_file_bytes: int = MAX_FILE_BYTES,
+        budget_files: int = BUDGET_FILES,
     ) -> None:
         self.directory = None if directory is None else Path(directory)
         self.budget_bytes = budget_bytes
         self.max_file_bytes = max_file_bytes
+        self.budget_files = budget_files
 
     def read(self, dataset: Any, identity: dict[str, Any], scan: Callable[[], pa.Table], schema: pa.Schema) -> pa.Table:
         """What ``scan()`` (a read of the Lance ``dataset`` described by ``identity``) returns: from its file when
@@ -104,6 +110,6 @@ class ScanFiles:
 
         try:
             write_into_place(path, write)
-            evict(path, SUFFIX, self.budget_bytes)
+            evict(path, SUFFIX, self.budget_bytes, self.budget_files)
         except (OSError, pa.ArrowException) as error:  # a cache that cannot be written costs only speed
             log.warning("scan file %s not written: %s", path, error)
