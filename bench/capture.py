@@ -11,15 +11,15 @@ Workload (``../shared/WORKLOADS.md``, W-capture; issue 3 "Benchmark"):
   four blocks at the default 16 x 16 factorized projection (4,096 dims per example), rows streamed
   into a real store (``gradstore.open(tmpdir)``, default float16 storage) by the background writer.
 
-Method (paired): two model copies with identical initial weights (``copy.deepcopy``), each with its own
-AdamW; only the second has capture hooks. For every batch both arms run one step on that same batch,
-back to back, and the order inside a pair alternates (plain first on even pairs, captured first on odd
-pairs) so drift and cache effects cancel. After ``--warmup`` pairs, ``--steps`` pairs are timed; the
-median of the per-pair ratios ``t_captured / t_plain`` is one repeat's figure. The script runs ``--repeats``
-(3) such paired measurements (fresh models, optimizers and store each, same seed) and reports the median of
-their medians. Two models are used rather than pause/resume on one model so the plain arm carries no hooks.
-The RNG is reseeded per batch (untimed) so both arms draw the same dropout masks; capture must not change
-training, so both copies must then end with bit-identical weights (checked and reported).
+Method (paired): model copies with identical initial weights (``copy.deepcopy``), each with its own AdamW; only
+the captured one has capture hooks (the third, ``floor``, is described below). For every batch every arm runs one
+step on that same batch, back to back, and the order rotates from batch to batch so drift and cache effects
+cancel. After ``--warmup`` batches, ``--steps`` are timed; the median of the per-batch ratios ``t_captured /
+t_plain`` is one repeat's figure. The script runs ``--repeats`` (3) such paired measurements (fresh models,
+optimizers and store each, same seed) and reports the median of their medians. Separate models are used rather
+than pause/resume on one model so the plain arm carries no hooks. The RNG is reseeded per batch (untimed) so the
+arms draw the same dropout masks; capture must not change training, so the plain and captured copies must end
+with bit-identical weights (checked and reported).
 
 Work the capture pushes to background threads (content hashing and ``writer.append`` on the sink thread,
 float16 encoding and Lance commits on the writer thread) shares the 2 cores with training; it lands in
@@ -28,6 +28,13 @@ whichever step is running, so the ratio of total times is printed beside the med
 Also reported: steps/s of each arm (median step time), bytes per stored example on disk (store
 directory size / rows, and the gradients table alone) against the nominal ``2 * dim + 4`` of float16
 storage, and the row count in the store at the end (must equal captured steps x 16).
+
+Beside them a third copy (``floor``) runs the capture's projection GEMMs and nothing else: the same hooks' work
+(``addmm`` of every captured layer's inputs to 16 columns in a forward hook, ``mm`` of its output gradients in a
+tensor hook, the per-example contraction; :func:`ingest.per_example.project_tokens` and ``contract_tokens``) with
+the results dropped, no store, no scaling, no copy. Its median ratio to the plain step is what any capture that
+projects with dense ``k = 16`` matrices through its own GEMMs pays on this machine: the floor the capture's
+ratio is compared with (``docs/capture.md``).
 
 Each repeat's median is printed; the last line is ``RESULT capture_overhead=<median of the repeats' medians>
 target<=1.02 PASS|MISS`` (issue 12).
@@ -47,14 +54,18 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.pytorch_utils import Conv1D
 
 import gradstore
 from gradstore.core import schema as S
+from ingest.per_example import contract_tokens, project_tokens
 from ingest.projection import ProjectionSpec
 
 TARGET = 1.02
@@ -64,6 +75,7 @@ SEQ = 128
 VOCAB = 512
 EXPECTED_LAYERS = 16
 EXPECTED_DIM = 4096
+K = 16  # projection columns per side (W-capture: 16 x 16)
 
 
 def make_model(seed: int) -> GPT2LMHeadModel:
@@ -98,6 +110,35 @@ def train_step(model: GPT2LMHeadModel, opt: torch.optim.Optimizer, tokens: torch
     return time.perf_counter() - start
 
 
+class ProjectionFloor:
+    """The projection GEMMs of a capture of ``model``'s block layers and nothing else (results dropped): forward
+    hooks project each layer's inputs, hooks on the outputs project the output gradients and contract per
+    example, with operands of the capture's shapes."""
+
+    def __init__(self, model: nn.Module) -> None:
+        generator = torch.Generator().manual_seed(0)
+        layers = [m for name, m in model.named_modules() if isinstance(m, Conv1D) and name.startswith("transformer.h.")]
+        if len(layers) != EXPECTED_LAYERS:
+            raise SystemExit(f"expected {EXPECTED_LAYERS} Conv1D layers in the blocks, found {len(layers)}")
+        for layer in layers:
+            d_in, d_out = layer.weight.shape
+            shapes = ((d_in, K), (K,), (d_out, K))
+            in_t, in_bias, out_t = (torch.randn(shape, generator=generator).to(layer.weight.device) for shape in shapes)
+            layer.register_forward_hook(self._forward_hook(in_t, in_bias, out_t))
+
+    @staticmethod
+    def _forward_hook(in_t: torch.Tensor, in_bias: torch.Tensor, out_t: torch.Tensor) -> Callable:
+        def project(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            inputs = project_tokens(args[0].detach(), in_t, in_bias)
+
+            def contract(dy: torch.Tensor) -> None:
+                contract_tokens(inputs, project_tokens(dy, out_t))
+
+            output.register_hook(contract)
+
+        return project
+
+
 def dir_bytes(path: Path) -> int:
     """Total size of the files under ``path``."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -105,10 +146,11 @@ def dir_bytes(path: Path) -> int:
 
 @dataclass
 class Repeat:
-    """One paired measurement: per-pair step times of both arms and what the store holds afterwards."""
+    """One paired measurement: per-batch step times of every arm and what the store holds afterwards."""
 
     t_plain: list[float]
     t_cap: list[float]
+    t_floor: list[float]
     rows: int
     expected_rows: int
     rows_written: int
@@ -127,15 +169,23 @@ class Repeat:
     def median(self) -> float:
         return statistics.median(self.ratios)
 
+    @property
+    def floor_median(self) -> float:
+        """Median per-triple ratio of the projection GEMMs alone (:class:`ProjectionFloor`) to the plain step."""
+        return statistics.median(f / p for f, p in zip(self.t_floor, self.t_plain))
+
 
 def measure(steps: int, warmup: int, seed: int, device: torch.device, fused: bool = False) -> Repeat:
-    """One paired run on ``device``: fresh model copies, optimizers and store; ``warmup`` + ``steps`` pairs."""
+    """One paired run on ``device``: fresh model copies, optimizers and store; ``warmup`` + ``steps`` batches."""
     plain = make_model(seed).to(device)
     captured = copy.deepcopy(plain)
-    plain.train()
-    captured.train()
+    floor = copy.deepcopy(plain)
+    for model in (plain, captured, floor):
+        model.train()
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-4)
     opt_captured = torch.optim.AdamW(captured.parameters(), lr=1e-4)
+    opt_floor = torch.optim.AdamW(floor.parameters(), lr=1e-4)
+    ProjectionFloor(floor)
     batches = [batch.to(device) for batch in make_batches(warmup + steps, seed + 1)]
 
     root = Path(tempfile.mkdtemp(prefix="gradstore-bench-capture-"))
@@ -156,28 +206,25 @@ def measure(steps: int, warmup: int, seed: int, device: torch.device, fused: boo
                 f"expected {EXPECTED_LAYERS} layers / {EXPECTED_DIM} dims, got {len(spec.layers)} / {spec.dim}"
             )
 
-        t_plain: list[float] = []
-        t_cap: list[float] = []
+        arms = {"plain": (plain, opt_plain), "captured": (captured, opt_captured), "floor": (floor, opt_floor)}
+        times: dict[str, list[float]] = {name: [] for name in arms}
         wall = time.perf_counter()
         with cap:
             for i, tokens in enumerate(batches):
-                step_seed = seed * 1_000_003 + i  # same dropout masks in both arms
-                if i % 2 == 0:
-                    a = train_step(plain, opt_plain, tokens, step_seed)
-                    b = train_step(captured, opt_captured, tokens, step_seed)
-                else:
-                    b = train_step(captured, opt_captured, tokens, step_seed)
-                    a = train_step(plain, opt_plain, tokens, step_seed)
-                if i >= warmup:
-                    t_plain.append(a)
-                    t_cap.append(b)
+                step_seed = seed * 1_000_003 + i  # same dropout masks in every arm
+                names = list(arms)
+                for name in names[i % len(names) :] + names[: i % len(names)]:  # the order rotates
+                    elapsed = train_step(*arms[name], tokens, step_seed)
+                    if i >= warmup:
+                        times[name].append(elapsed)
             loop_s = time.perf_counter() - wall
             drain = time.perf_counter()
             cap.flush()
             flush_s = time.perf_counter() - drain
         return Repeat(
-            t_plain=t_plain,
-            t_cap=t_cap,
+            t_plain=times["plain"],
+            t_cap=times["captured"],
+            t_floor=times["floor"],
             rows=store.table(S.GRADIENTS).count_rows(),
             expected_rows=len(batches) * BATCH,
             rows_written=cap.rows_written,
@@ -194,8 +241,8 @@ def measure(steps: int, warmup: int, seed: int, device: torch.device, fused: boo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=24, help="measured pairs per repeat (>= 20 for the report)")
-    parser.add_argument("--warmup", type=int, default=4, help="untimed pairs before measuring, per repeat")
+    parser.add_argument("--steps", type=int, default=24, help="measured batches per repeat (>= 20 for the report)")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed batches before measuring, per repeat")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="paired measurements; the result is their median")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both model copies train")
@@ -215,9 +262,9 @@ def main() -> None:
         f"float16 store; {where}"
     )
     print(
-        "method: two identical model copies (plain / captured), same batches, order alternating per pair; "
-        f"{args.warmup} warm-up + {args.steps} measured pairs per repeat, {args.repeats} repeats (fresh models, "
-        "optimizers and store each)"
+        "method: three identical model copies (plain / captured / projection GEMMs only), same batches, order "
+        f"rotating per batch; {args.warmup} warm-up + {args.steps} measured batches per repeat, {args.repeats} "
+        "repeats (fresh models, optimizers and store each)"
     )
     nominal = 2 * spec.dim + 4
     for r, rep in enumerate(repeats):
@@ -228,7 +275,8 @@ def main() -> None:
             f"repeat {r}: median ratio {rep.median:.4f} (quartiles {q[0]:.4f} / {q[2]:.4f}); ratio of totals "
             f"{sum(rep.t_cap) / sum(rep.t_plain):.4f}; median s/step plain {med_plain:.4f} ({1 / med_plain:.3f} "
             f"steps/s), captured {med_cap:.4f} ({1 / med_cap:.3f} steps/s); fastest step captured / plain "
-            f"{min(rep.t_cap) / min(rep.t_plain):.4f} (least disturbed by other load)"
+            f"{min(rep.t_cap) / min(rep.t_plain):.4f} (least disturbed by other load); projection GEMMs alone "
+            f"(floor): median ratio {rep.floor_median:.4f}"
         )
         print(
             f"  store: {rep.rows} rows (expected {rep.expected_rows}; capture reported {rep.rows_written}); "
@@ -241,6 +289,11 @@ def main() -> None:
     medians = [rep.median for rep in repeats]
     ratio = statistics.median(medians)
     print(f"median ratio per repeat: {', '.join(f'{m:.4f}' for m in medians)}")
+    floors = [rep.floor_median for rep in repeats]
+    print(
+        f"projection GEMMs alone (floor), median ratio per repeat: {', '.join(f'{m:.4f}' for m in floors)}; "
+        f"median {statistics.median(floors):.4f}"
+    )
     verdict = "PASS" if ratio <= TARGET else "MISS"
     name = "capture_overhead" + ("_fused" if args.fused else "") + ("" if device.type == "cpu" else f"_{device.type}")
     print(f"RESULT {name}={ratio:.4f} target<={TARGET} {verdict}")
