@@ -39,6 +39,10 @@ ratio is compared with (``docs/capture.md``).
 Each repeat's median is printed; the last line is ``RESULT capture_overhead=<median of the repeats' medians>
 target<=1.02 PASS|MISS`` (issue 12).
 
+``--width N`` trains a GPT-2 of ``n_embd = N`` instead (64-wide heads; not W-capture: its RESULT is named
+``capture_overhead_width<N>``), to see how the cost falls as layers widen: the projections cost ``16 (d_in +
+d_out)`` multiply-adds per token and side pair, the layer's own forward and backward ``3 d_in d_out``.
+
 ``--fused`` captures with ``fused=True`` (the projections inside the layers' GEMMs, :mod:`ingest.fused`); the last
 line is then ``RESULT capture_overhead_fused=...``. ``--device cuda`` (``bench/gpu_check.sh``) trains both copies on
 the GPU (same workload; each timed step ends with ``torch.cuda.synchronize()``, so it covers the GPU's work and the
@@ -76,12 +80,13 @@ VOCAB = 512
 EXPECTED_LAYERS = 16
 EXPECTED_DIM = 4096
 K = 16  # projection columns per side (W-capture: 16 x 16)
+WIDTH = 256  # W-capture's n_embd
 
 
-def make_model(seed: int) -> GPT2LMHeadModel:
-    """The W-capture GPT-2, randomly initialised from ``seed``."""
+def make_model(seed: int, width: int = WIDTH) -> GPT2LMHeadModel:
+    """The W-capture GPT-2 (``width`` 256; other widths keep its 64-wide heads), randomly initialised from ``seed``."""
     torch.manual_seed(seed)
-    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=SEQ, vocab_size=VOCAB)
+    config = GPT2Config(n_layer=4, n_embd=width, n_head=width // 64, n_positions=SEQ, vocab_size=VOCAB)
     return GPT2LMHeadModel(config)
 
 
@@ -175,9 +180,11 @@ class Repeat:
         return statistics.median(f / p for f, p in zip(self.t_floor, self.t_plain))
 
 
-def measure(steps: int, warmup: int, seed: int, device: torch.device, fused: bool = False) -> Repeat:
+def measure(
+    steps: int, warmup: int, seed: int, device: torch.device, fused: bool = False, width: int = WIDTH
+) -> Repeat:
     """One paired run on ``device``: fresh model copies, optimizers and store; ``warmup`` + ``steps`` batches."""
-    plain = make_model(seed).to(device)
+    plain = make_model(seed, width).to(device)
     captured = copy.deepcopy(plain)
     floor = copy.deepcopy(plain)
     for model in (plain, captured, floor):
@@ -247,17 +254,23 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both model copies train")
     parser.add_argument("--fused", action="store_true", help="project inside the layers' GEMMs (ingest.fused)")
+    parser.add_argument(
+        "--width", type=int, default=WIDTH, help="the model's n_embd (W-capture: 256; others are not W-capture)"
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA GPU")
 
     torch.set_num_threads(2)
     device = torch.device(args.device)
-    repeats = [measure(args.steps, args.warmup, args.seed, device, args.fused) for _ in range(args.repeats)]
+    if args.width % 64:
+        raise SystemExit("--width must be a multiple of 64 (64-wide heads)")
+    repeats = [measure(args.steps, args.warmup, args.seed, device, args.fused, args.width) for _ in range(args.repeats)]
     spec = repeats[0].spec
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU, 2 threads"
     print(
-        f"W-capture: GPT-2 4x256, batch {BATCH} x {SEQ}, {len(spec.layers)} layers captured, "
+        f"{'W-capture' if args.width == WIDTH else 'not W-capture'}: GPT-2 4x{args.width}, batch {BATCH} x {SEQ}, "
+        f"{len(spec.layers)} layers captured, "
         f"{spec.dim} dims ({spec.layers[0].k_out}x{spec.layers[0].k_in} factorized{', fused' if args.fused else ''}), "
         f"float16 store; {where}"
     )
@@ -296,6 +309,7 @@ def main() -> None:
     )
     verdict = "PASS" if ratio <= TARGET else "MISS"
     name = "capture_overhead" + ("_fused" if args.fused else "") + ("" if device.type == "cpu" else f"_{device.type}")
+    name += "" if args.width == WIDTH else f"_width{args.width}"
     print(f"RESULT {name}={ratio:.4f} target<={TARGET} {verdict}")
 
 
