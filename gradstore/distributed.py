@@ -80,7 +80,13 @@ class FragmentStager:
 
     def add(self, data: pa.Table) -> None:
         """Write ``data`` as new data files of the gradients dataset (invisible until committed)."""
-        fragments = write_fragments(data, self.uri, schema=data.schema, storage_options=self._storage_options)
+        fragments = write_fragments(
+            data,
+            self.uri,
+            schema=data.schema,
+            storage_options=self._storage_options,
+            max_rows_per_file=commits.file_rows(data.schema) or 1 << 20,
+        )
         with self._lock:
             self._pending.extend(fragments)
 

@@ -51,13 +51,31 @@ def test_compaction_keeps_fragments_bounded(store):
     assert store.compact()["gradients"] == 1
 
 
+def test_commits_cut_gradients_into_files_of_bounded_size(store, monkeypatch):
+    """A commit of more rows than :func:`commits.file_rows` is written as several data files of at most that many
+    rows (Lance reads a file's vectors into one buffer of its size); metadata tables keep Lance's default."""
+    store.create_run("r", dim=256)  # float16: 512 bytes a row
+    monkeypatch.setattr(commits, "FILE_VECTOR_BYTES", 512 * 300)
+    assert commits.file_rows(store.table("gradients").schema) == 300
+    rows = np.random.default_rng(0).standard_normal((1000, 256)).astype(np.float32)
+    with store.writer("r", WriterConfig(commit_rows=1000, max_fragments=0)) as writer:
+        writer.append(rows, [f"e{i}" for i in range(1000)])
+    assert writer.commits == 1
+    sizes = [fragment.count_rows() for fragment in store.table("gradients").to_lance().get_fragments()]
+    assert sizes == [300, 300, 300, 100]
+    assert len(store.table("runs").to_lance().get_fragments()) == 1
+    block = store.read_gradients(columns=["example_id"])
+    assert block.metadata.column("example_id").to_pylist() == [f"e{i}" for i in range(1000)]
+    np.testing.assert_allclose(block.vectors, rows, rtol=1e-3, atol=1e-3)
+
+
 def test_compaction_writes_fragments_of_bounded_size(store, monkeypatch):
     """Compaction merges small fragments up to the byte-bounded target, never into one huge fragment (a scan's
     shards are groups of whole fragments: a huge one would be one task's work alone)."""
     store.create_run("r", dim=256)  # float16: 512 bytes a row
-    monkeypatch.setattr(commits, "FRAGMENT_VECTOR_BYTES", 512 * 4096)
-    assert commits.target_fragment_rows(store.table("gradients").schema) == 4096
-    assert commits.target_fragment_rows(store.table("runs").schema) is None  # metadata tables: Lance's default
+    monkeypatch.setattr(commits, "FILE_VECTOR_BYTES", 512 * 4096)
+    assert commits.file_rows(store.table("gradients").schema) == 4096
+    assert commits.file_rows(store.table("runs").schema) is None  # metadata tables: Lance's default
     rng = np.random.default_rng(0)
     rows = rng.standard_normal((20_000, 256)).astype(np.float32)
     with store.writer("r", WriterConfig(commit_rows=1000, max_fragments=0)) as writer:

@@ -50,7 +50,7 @@ class WriterConfig:
         commit_seconds: ... or its oldest row has waited this long (checked on append and by the thread).
         max_pending_commits: buffers that may wait for the committing thread before ``append`` blocks.
         max_fragments: compact when a table holds more small fragments (under half the compaction target,
-            :func:`gradstore.core.commits.target_fragment_rows`) than this (0: never, for writers whose rows
+            :func:`gradstore.core.commits.file_rows`) than this (0: never, for writers whose rows
             another process commits, see :mod:`gradstore.distributed`).
         nonfinite: ``"raise"`` rejects a batch with NaN/Inf rows (``NonFiniteGradientError``, nothing of
             the batch is written); ``"drop"`` drops those rows, logs a warning and counts them.
