@@ -99,15 +99,16 @@ def upsert(table: Any, data: pa.Table, on: Sequence[str], what: str = "upsert") 
     table.checkout_latest()
 
 
-#: A gradients table's data files (one per fragment) hold about this many bytes of vectors at most: 1,024 rows of
-#: 4,096 float16 dims. Lance reads a file's vector column into one buffer of about that size; glibc maps buffers
-#: above its mmap threshold (32 MB at most) fresh from the kernel and unmaps them after, so each read page of a
-#: large file cost a page fault, while buffers this size are reused. Measured on 50,000 x 4,096 float16 rows, whole
-#: scans on the 2-core machine (2026-12-03): 0.65-0.73 s in files of 32,768 rows (256 MB, the compaction target
-#: before), 0.43-0.48 s of 8,192, 0.28-0.30 s of 2,048, 0.12-0.14 s of 1,024, 0.17-0.24 s of 512; system time
-#: 0.8 s -> 0.1 s. Small files also balance a scan's shards (groups of whole fragments); Lance's default (about 1M
-#: rows, 8 GB at that width) left a two-worker scan with one task.
-FILE_VECTOR_BYTES = 8 << 20
+#: A gradients table's data files (one per fragment) hold about this many bytes of vectors at most: 4,096 rows of
+#: 4,096 float16 dims. Lance reads a file's vector column into one buffer of about the file's size, and glibc maps
+#: buffers above its mmap threshold fresh from the kernel for each file and unmaps them after (a page fault per page
+#: read), so large files scan slowly; many small ones make the row files of exact search many pieces. Measured on
+#: 50,000 x 4,096 float16 rows on the 2-core machine (2026-12-03), whole scans: 0.65-0.73 s in files of 32,768 rows
+#: (256 MB, the compaction target before), 0.40-0.47 s of 4,096 or 8,192, 0.28-0.30 s of 2,048, 0.12-0.14 s of 1,024;
+#: but a new process's first search with a row file took 0.174 s over 4,096-row files against 0.184 (8,192), 0.192
+#: (32,768) and 0.215 s (1,024: 49 pieces to map and rescore). Small files also balance a scan's shards (groups of
+#: whole fragments); Lance's default (about 1M rows, 8 GB at that width) left a two-worker scan with one task.
+FILE_VECTOR_BYTES = 32 << 20
 #: Fewest rows a gradients data file is cut to, however wide its rows.
 MIN_FILE_ROWS = 256
 
