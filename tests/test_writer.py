@@ -10,11 +10,14 @@ import sys
 import textwrap
 import time
 
+import lance
 import numpy as np
+import pytest
 
 import gradstore
 from gradstore.core import commits
-from gradstore.core.writer import WriterConfig
+from gradstore.core.writer import GradientWriter, WriterConfig
+from gradstore.distributed import FragmentStager
 
 
 def test_appends_are_committed_in_large_batches(store):
@@ -51,16 +54,30 @@ def test_compaction_keeps_fragments_bounded(store):
     assert store.compact()["gradients"] == 1
 
 
-def test_commits_cut_gradients_into_files_of_bounded_size(store, monkeypatch):
-    """A commit of more rows than :func:`commits.file_rows` is written as several data files of at most that many
-    rows (Lance reads a file's vectors into one buffer of its size); metadata tables keep Lance's default."""
+@pytest.mark.parametrize("path", ["commit", "rank fragments"])
+def test_gradients_are_cut_into_files_of_bounded_size(store, monkeypatch, path):
+    """A commit of more rows than :func:`commits.file_rows`, and the fragments a rank of a distributed capture
+    stages, are written as several data files of at most that many rows (Lance reads a file's vectors into one
+    buffer of its size); metadata tables keep Lance's default."""
     store.create_run("r", dim=256)  # float16: 512 bytes a row
     monkeypatch.setattr(commits, "FILE_VECTOR_BYTES", 512 * 300)
     assert commits.file_rows(store.table("gradients").schema) == 300
     rows = np.random.default_rng(0).standard_normal((1000, 256)).astype(np.float32)
-    with store.writer("r", WriterConfig(commit_rows=1000, max_fragments=0)) as writer:
+    config = WriterConfig(commit_rows=1000, max_fragments=0)
+    stager = FragmentStager(store.gradient_table("r"))
+    if path == "commit":
+        target = store.writer("r", config)
+    else:
+        target = GradientWriter(stager, run_id="r", dim=256, storage_dtype=store.storage_dtype, config=config)
+    with target as writer:
         writer.append(rows, [f"e{i}" for i in range(1000)])
     assert writer.commits == 1
+    if path == "rank fragments":
+        staged = stager.take()
+        assert [fragment.physical_rows for fragment in staged] == [300, 300, 300, 100]
+        dataset = stager.to_lance()
+        lance.LanceDataset.commit(dataset, lance.LanceOperation.Append(staged), read_version=dataset.version)
+        store.table("gradients").checkout_latest()
     sizes = [fragment.count_rows() for fragment in store.table("gradients").to_lance().get_fragments()]
     assert sizes == [300, 300, 300, 100]
     assert len(store.table("runs").to_lance().get_fragments()) == 1
