@@ -44,7 +44,7 @@ target<=1.02 PASS|MISS`` (issue 12).
 d_out)`` multiply-adds per token and side pair, the layer's own forward and backward ``3 d_in d_out``.
 
 ``--fused`` captures with ``fused=True`` (the projections inside the layers' GEMMs, :mod:`ingest.fused`); the last
-line is then ``RESULT capture_overhead_fused=...``. ``--device cuda`` (``bench/gpu_check.sh``) trains both copies on
+line is then ``RESULT capture_overhead_fused=...``. ``--device cuda`` (``bench/gpu_check.sh``) trains every copy on
 the GPU (same workload; each timed step ends with ``torch.cuda.synchronize()``, so it covers the GPU's work and the
 capture's device-to-host copies are started inside it); the last line is then ``RESULT
 capture_overhead_cuda=<x> target<=1.02``.
@@ -115,33 +115,31 @@ def train_step(model: GPT2LMHeadModel, opt: torch.optim.Optimizer, tokens: torch
     return time.perf_counter() - start
 
 
-class ProjectionFloor:
-    """The projection GEMMs of a capture of ``model``'s block layers and nothing else (results dropped): forward
+def hook_projection_floor(model: nn.Module) -> None:
+    """Give ``model``'s block layers the projection GEMMs of a capture and nothing else (results dropped): forward
     hooks project each layer's inputs, hooks on the outputs project the output gradients and contract per
     example, with operands of the capture's shapes."""
+    generator = torch.Generator().manual_seed(0)
+    layers = [m for name, m in model.named_modules() if isinstance(m, Conv1D) and name.startswith("transformer.h.")]
+    if len(layers) != EXPECTED_LAYERS:
+        raise SystemExit(f"expected {EXPECTED_LAYERS} Conv1D layers in the blocks, found {len(layers)}")
+    for layer in layers:
+        d_in, d_out = layer.weight.shape
+        shapes = ((d_in, K), (K,), (d_out, K))
+        in_t, in_bias, out_t = (torch.randn(shape, generator=generator).to(layer.weight.device) for shape in shapes)
+        layer.register_forward_hook(_projecting_hook(in_t, in_bias, out_t))
 
-    def __init__(self, model: nn.Module) -> None:
-        generator = torch.Generator().manual_seed(0)
-        layers = [m for name, m in model.named_modules() if isinstance(m, Conv1D) and name.startswith("transformer.h.")]
-        if len(layers) != EXPECTED_LAYERS:
-            raise SystemExit(f"expected {EXPECTED_LAYERS} Conv1D layers in the blocks, found {len(layers)}")
-        for layer in layers:
-            d_in, d_out = layer.weight.shape
-            shapes = ((d_in, K), (K,), (d_out, K))
-            in_t, in_bias, out_t = (torch.randn(shape, generator=generator).to(layer.weight.device) for shape in shapes)
-            layer.register_forward_hook(self._forward_hook(in_t, in_bias, out_t))
 
-    @staticmethod
-    def _forward_hook(in_t: torch.Tensor, in_bias: torch.Tensor, out_t: torch.Tensor) -> Callable:
-        def project(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            inputs = project_tokens(args[0].detach(), in_t, in_bias)
+def _projecting_hook(in_t: torch.Tensor, in_bias: torch.Tensor, out_t: torch.Tensor) -> Callable:
+    def project(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        inputs = project_tokens(args[0].detach(), in_t, in_bias)
 
-            def contract(dy: torch.Tensor) -> None:
-                contract_tokens(inputs, project_tokens(dy, out_t))
+        def contract(dy: torch.Tensor) -> None:
+            contract_tokens(inputs, project_tokens(dy, out_t))
 
-            output.register_hook(contract)
+        output.register_hook(contract)
 
-        return project
+    return project
 
 
 def dir_bytes(path: Path) -> int:
@@ -176,7 +174,7 @@ class Repeat:
 
     @property
     def floor_median(self) -> float:
-        """Median per-triple ratio of the projection GEMMs alone (:class:`ProjectionFloor`) to the plain step."""
+        """Median per-batch ratio of the projection GEMMs alone (:func:`hook_projection_floor`) to the plain step."""
         return statistics.median(f / p for f, p in zip(self.t_floor, self.t_plain))
 
 
@@ -192,7 +190,7 @@ def measure(
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-4)
     opt_captured = torch.optim.AdamW(captured.parameters(), lr=1e-4)
     opt_floor = torch.optim.AdamW(floor.parameters(), lr=1e-4)
-    ProjectionFloor(floor)
+    hook_projection_floor(floor)
     batches = [batch.to(device) for batch in make_batches(warmup + steps, seed + 1)]
 
     root = Path(tempfile.mkdtemp(prefix="gradstore-bench-capture-"))
