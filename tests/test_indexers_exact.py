@@ -338,10 +338,11 @@ def test_unit_bf16_norm_bounds_every_unit_row_rounded_to_bf16() -> None:
 def test_rows_prepared_from_small_pieces_search_like_the_streamed_ones(
     kernel: str, scaled: bool, stored: torch.dtype
 ) -> None:
-    """Blocks of uneven sizes (Lance returns one batch per fragment) are grouped up to ``block_rows`` without a
-    copy (bf16 kernel: rows kept in their pieces, bf16 ones screened piece by piece); the prepared rows fill as
-    the first search reaches them, call ``on_complete`` once, when the last is prepared, and search like the
-    streamed rows afterwards."""
+    """Blocks of uneven sizes (Lance returns one batch per fragment): the bf16 kernel groups them up to
+    ``block_rows`` without a copy (rows kept in their pieces, bf16 ones screened piece by piece), the float32
+    kernel prepares each as it comes (split at ``block_rows``, never joined); the prepared rows fill as the first
+    search reaches them, call ``on_complete`` once, when the last is prepared, and search like the streamed rows
+    afterwards."""
     queries, vectors, ids = integer_data(11, 403, 12, 5)
     scales = np.random.default_rng(3).uniform(-2, 2, len(ids)).astype(np.float32) if scaled else None
     cuts = [0, 1, 40, 41, 100, 230, 231, 403]
@@ -365,6 +366,8 @@ def test_rows_prepared_from_small_pieces_search_like_the_streamed_ones(
         np.testing.assert_array_equal(found[1], reference[1])
     assert prepared.complete and completed == [prepared] and len(prepared) == 403
     assert all(len(block if kernel == "bfloat16" else block[0]) <= 64 for block in prepared.blocks[:-1])
+    if kernel == "float32":
+        assert [len(block[0]) for block in prepared.blocks] == [1, 39, 1, 59, 64, 64, 2, 1, 64, 64, 44]
 
 
 def test_prepared_rows_fill_once_when_searched_from_two_threads() -> None:

@@ -20,6 +20,7 @@ import gradstore.index
 from gradstore.core.rowfiles import SUFFIX, RowFiles
 from indexers import ExactIndex
 from indexers.saved_rows import SavedRowsError, rows_from_state, rows_state
+from indexers.screening import ScreenedBlock
 from ingest.projection import LayerSlot, ProjectionSpec
 
 DIM = 40
@@ -276,8 +277,9 @@ def test_once_written_the_row_cache_holds_the_mapped_file(tmp_path) -> None:
     first = _attribute(store)
     store.row_files.wait()
     (path,) = _files(cache)
-    screen = index.cached_rows().blocks[0].screen
-    assert any(start <= screen.data_ptr() < end for start, end in _mapped_from(path))
+    block = index.cached_rows().blocks[0]
+    searched = block.screen if isinstance(block, ScreenedBlock) else block[1]  # bf16 screen, or float32 rows
+    assert any(start <= searched.data_ptr() < end for start, end in _mapped_from(path))
     again = _attribute(store)
     np.testing.assert_array_equal(again[0], first[0])
     np.testing.assert_array_equal(again[1], first[1])
