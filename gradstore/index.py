@@ -209,7 +209,7 @@ class AttributionIndex:
         kernel = self._exact()
         stored = self.store.storage_dtype if self.method.query_only else "float32"
         selected = self.selection.count(self.store)
-        nbytes = selected * self.manifest["dim"] * prepared_bytes(stored, kernel.kernel)
+        nbytes = selected * self.manifest["dim"] * prepared_bytes(stored, kernel)
         too_large = not cache.admits(nbytes) or (self.cache_bytes is not None and nbytes > self.cache_bytes)
         kept = not too_large and device_admits(nbytes, kernel.device)
         if self.method.query_only:  # rows searched as stored: the kernel converts (or screens) them itself
@@ -375,12 +375,14 @@ def device_admits(nbytes: int, device: torch.device) -> bool:
     return nbytes <= DEVICE_CACHE_SHARE * free
 
 
-def prepared_bytes(stored: str, kernel: str) -> int:
-    """Bytes a value of rows stored as ``stored`` takes once prepared for ``kernel``: float32 rows for the float32
-    kernel; the rows plus their bf16 copy for the bfloat16 kernel, or the rows alone when they are bf16."""
-    if kernel == "float32":
-        return 4
-    return {"bfloat16": 2, "float16": 4}.get(stored, 6)
+def prepared_bytes(stored: str, kernel: ExactIndex) -> int:
+    """Bytes a value of rows stored as ``stored`` takes once ``kernel`` prepared them: the float32 kernel keeps the
+    rows as stored on the CPU and float32 rows on a GPU; the bfloat16 kernel keeps the rows plus their bf16 copy,
+    or the rows alone when they are bf16."""
+    width = 2 if stored in ("float16", "bfloat16") else 4
+    if kernel.kernel == "float32":
+        return width if kernel.device.type == "cpu" else 4
+    return width if stored == "bfloat16" else width + 2
 
 
 def prepared_source(space: ScoringSpace, source: VectorBlocks) -> VectorBlocks:

@@ -82,8 +82,8 @@ class ExactIndex:
     """Brute-force search over a source of vector blocks, never holding more than one block of scores.
 
     Results equal a full float32 ``Q @ X.T`` followed by a sort (best score first, ties broken by the smaller
-    id). Two kernels give the same result: ``"float32"`` (blocks of any float dtype upcast one block at a
-    time, e.g. the store's float16 rows) and ``"bfloat16"`` (a bf16 GEMM screens, float32 rescoring of the
+    id). Two kernels give the same result: ``"float32"`` (blocks of any float dtype upcast one cache-sized
+    tile at a time, e.g. the store's float16 rows) and ``"bfloat16"`` (a bf16 GEMM screens, float32 rescoring of the
     rows that provably can reach the top-k decides; see :mod:`indexers.screening`). ``kernel="auto"`` takes
     bfloat16 on a CPU with native bf16 matmul (AVX-512 BF16 / AMX), float32 elsewhere; :attr:`kernel` says
     which one runs. The bf16 screen runs on :class:`PreparedRows` and on bf16 blocks; streamed float16 and
@@ -113,8 +113,10 @@ class ExactIndex:
 
     def prepare(self, ids: np.ndarray, vectors: ArrayLike, scales: np.ndarray | None = None) -> PreparedRows:
         """In-memory ``ids [n]`` and rows ``[n, d]`` (times ``scales [n]`` when given) made ready for repeated
-        searches: float32 for the float32 kernel, plus a bf16 copy and row norms for the bfloat16 kernel.
-        Float32 rows on the device are referenced, not copied."""
+        searches. The float32 kernel keeps float16, bfloat16 and float32 rows as they are on the CPU (each search
+        upcasts them one cache-sized tile at a time: :func:`float32_products`) and float32 rows on a GPU; the
+        bfloat16 kernel adds a bf16 copy and row norms. Rows already in a kept dtype on the device are referenced,
+        not copied."""
         ids = np.asarray(ids, dtype=np.int64)
         if ids.ndim != 1 or len(ids) != len(vectors) or (scales is not None and len(scales) != len(ids)):
             raise ValueError(
@@ -134,11 +136,12 @@ class ExactIndex:
         with the rows once the last block is prepared. For the bfloat16 kernel, consecutive small blocks are
         grouped up to ``block_rows`` rows and prepared as one, so a source read in small pieces (Lance returns a
         batch per fragment) is screened in large blocks, which screen best; the group's rows stay in their pieces
-        (:class:`~indexers.screening.RowPieces`: no copy). The float32 kernel prepares each source block as it
-        comes, so the first search scores a block while the source reads the next: its speed does not depend on
-        the block size (50,000 x 4,096 rows, 64 queries, 2 threads: 0.45-0.46 s in blocks of 1,024 to 65,536 rows),
-        while joining the pieces cost a second float32 copy of the rows (``bench/query.py --rows 50000`` on a 2-core
-        AVX2 CPU, first search ever over the float16 rows read from Lance: 1.78 s joined, 0.98 s block by block)."""
+        (:class:`~indexers.screening.RowPieces`: no copy). The float32 kernel keeps each source block as it
+        comes (on the CPU as read: no copy), so the first search scores a block while the source reads the next:
+        its speed does not depend on the block size (50,000 x 4,096 rows, 64 queries, 2 threads: 0.45-0.46 s in
+        blocks of 1,024 to 65,536 rows), while joining the pieces cost a second float32 copy of the rows
+        (``bench/query.py --rows 50000`` on a 2-core AVX2 CPU, first search ever over the float16 rows read from
+        Lance: 1.78 s joined, 0.98 s block by block with a float32 copy of each block)."""
         return PreparedRows(self.kernel, [], self._prepared_stream(source), on_complete)
 
     def _prepared_stream(self, source: VectorBlocks) -> Iterator:
@@ -213,12 +216,16 @@ class ExactIndex:
         return (scores if largest else -scores).cpu().numpy(), ids.cpu().numpy()
 
     def _prepared(self, ids: np.ndarray, vectors: ArrayLike | RowPieces, scales: np.ndarray | None):
-        """One block of :meth:`prepare`: float32 rows, or a :class:`ScreenedBlock` for the bf16 kernel."""
+        """One block of :meth:`prepare`: ``(ids, rows, scales)`` for the float32 kernel, a :class:`ScreenedBlock`
+        for the bf16 kernel."""
         ids_t, scales_t = torch.from_numpy(ids).to(self.device), as_scales(scales, self.device)
         if self.kernel == "bfloat16":
             rows = vectors if isinstance(vectors, RowPieces) else as_tensor(vectors, None, self.device)
             return screened_block(ids_t, rows, scales_t, self.max_norm)
-        return ids_t, as_tensor(vectors, torch.float32, self.device), scales_t
+        rows = as_tensor(vectors, None, self.device)
+        if self.device.type != "cpu" or rows.dtype not in (torch.float16, torch.bfloat16):
+            rows = rows.to(torch.float32)
+        return ids_t, rows, scales_t
 
     def _streamed(self, source: VectorBlocks, transform: Transform | None) -> Iterator:
         """The source's blocks, cut to ``block_rows``: bf16 blocks screened as they are (bfloat16 kernel, no

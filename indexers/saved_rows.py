@@ -1,11 +1,11 @@
 """Prepared rows as plain tensors and back: what a row file holds (:mod:`gradstore.core.rowfiles`).
 
-:class:`~indexers.exact.PreparedRows` are ``ScreenedBlock`` s (bfloat16 kernel) or ``(ids, float32 rows,
-scales)`` blocks (float32 kernel). :func:`rows_state` turns them into a dict of tensors, lists, strings and
-``None`` (what ``torch.save`` writes and ``torch.load(weights_only=True)`` reads without running code);
-:func:`rows_from_state` checks such a dict from a file before any search trusts it: every tensor's dtype,
-rank, width and length, the kernel, and the total row count the caller expects. Rows kept in pieces stay in
-pieces (a memory-mapped file's tensors are searched where they lie, never joined into a copy).
+:class:`~indexers.exact.PreparedRows` are ``ScreenedBlock`` s (bfloat16 kernel) or ``(ids, rows, scales)``
+blocks (float32 kernel: the rows as stored, float16, bfloat16 or float32). :func:`rows_state` turns them into a
+dict of tensors, lists, strings and ``None`` (what ``torch.save`` writes and ``torch.load(weights_only=True)``
+reads without running code); :func:`rows_from_state` checks such a dict from a file before any search trusts it:
+every tensor's dtype, rank, width and length, the kernel, and the total row count the caller expects. Rows kept
+in pieces stay in pieces (a memory-mapped file's tensors are searched where they lie, never joined into a copy).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def rows_from_state(state: Any, kernel: str, dim: int, n_rows: int) -> PreparedR
     blocks = state.get("blocks")
     if not isinstance(blocks, list):
         raise SavedRowsError("saved rows hold no list of blocks")
-    prepared = [(_screened if kernel == "bfloat16" else _float32_block)(block, dim) for block in blocks]
+    prepared = [(_screened if kernel == "bfloat16" else _float32_kernel_block)(block, dim) for block in blocks]
     found = sum(len(block) if isinstance(block, ScreenedBlock) else len(block[0]) for block in prepared)
     if found != n_rows:
         raise SavedRowsError(f"saved rows hold {found} rows, the selection {n_rows}")
@@ -76,11 +76,11 @@ def _screened(state: Any, dim: int) -> ScreenedBlock:
     return ScreenedBlock(ids, exact, _scales(state, n), screen, norms, residuals)
 
 
-def _float32_block(state: Any, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _float32_kernel_block(state: Any, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     ids = _ids(state)
     rows = state.get("rows")
-    if not _is_matrix(rows, (torch.float32,), dim) or len(rows) != len(ids):
-        raise SavedRowsError(f"a block's rows are not float32 [{len(ids)}, {dim}]")
+    if not _is_matrix(rows, EXACT_DTYPES, dim) or len(rows) != len(ids):
+        raise SavedRowsError(f"a block's rows are not [{len(ids)}, {dim}] rows of {EXACT_DTYPES}")
     return ids, rows, _scales(state, len(ids))
 
 

@@ -333,6 +333,26 @@ def test_unit_bf16_norm_bounds_every_unit_row_rounded_to_bf16() -> None:
         assert (norms <= (1 + 2**-8) * (1 + 1e-6)).all() and (norms <= UNIT_BF16_NORM).all()
 
 
+@pytest.mark.parametrize("stored", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_float32_kernel_keeps_rows_as_stored_on_the_cpu(stored: torch.dtype) -> None:
+    """Prepared for the float32 kernel on the CPU, float16, bfloat16 and float32 rows are referenced as they are
+    (each search upcasts them one tile at a time: no float32 copy is kept), other dtypes become float32; the
+    searches equal brute force either way."""
+    queries, vectors, ids = integer_data(13, 300, 10, 4)
+    rows = torch.from_numpy(vectors).to(stored)
+    index = ExactIndex(device="cpu", kernel="float32")
+    prepared = index.prepare(ids, rows)
+    (block,) = prepared.blocks
+    kept = stored != torch.float64
+    assert block[1].dtype == (stored if kept else torch.float32)
+    assert (block[1].data_ptr() == rows.data_ptr()) == kept
+    for largest in (True, False):
+        found = index.search(queries, prepared, 7, largest)
+        reference = brute_force(queries, vectors, ids, 7, largest)
+        np.testing.assert_array_equal(found[1], reference[1])
+        np.testing.assert_array_equal(found[0], reference[0].astype(np.float32))
+
+
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("stored", [torch.float16, torch.bfloat16])
 def test_rows_prepared_from_small_pieces_search_like_the_streamed_ones(

@@ -65,3 +65,23 @@ def test_prepared_rows_take_at_most_half_a_gpus_free_memory(monkeypatch) -> None
     cuda = torch.device("cuda")
     assert device_admits(500, cuda) and not device_admits(501, cuda)
     assert device_admits(10**15, torch.device("cpu"))  # the CPU: the row cache's own budget decides
+
+
+@pytest.mark.parametrize("kernel", ["float32", "bfloat16"])
+@pytest.mark.parametrize("stored", ["float16", "bfloat16", "float32"])
+def test_the_row_cache_is_charged_what_the_prepared_rows_hold(kernel: str, stored: str) -> None:
+    """``prepared_bytes`` per value equals the bytes of the row tensors a kernel keeps on the CPU (ids, norms and
+    scales aside): the float32 kernel keeps the rows as stored, the bfloat16 kernel adds a bf16 copy unless they
+    are bf16 already."""
+    import torch
+
+    from gradstore.index import prepared_bytes
+    from indexers import ExactIndex
+    from indexers.screening import ScreenedBlock
+
+    rows = torch.randn(64, 32).to(getattr(torch, stored))
+    index = ExactIndex(device="cpu", kernel=kernel)
+    (block,) = index.prepare(np.arange(64), rows).blocks
+    held = [block.exact, block.screen] if isinstance(block, ScreenedBlock) else [block[1]]
+    distinct = {tensor.data_ptr(): tensor.numel() * tensor.element_size() for tensor in held}
+    assert sum(distinct.values()) == 64 * 32 * prepared_bytes(stored, index)

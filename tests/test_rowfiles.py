@@ -238,6 +238,11 @@ def test_saved_rows_that_do_not_fit_are_refused(tmp_path) -> None:
         rows_from_state({**state, "blocks": [{**state["blocks"][0], "ids": torch.zeros(50)}]}, "bfloat16", DIM, 50)
     with pytest.raises(SavedRowsError, match="format"):
         rows_from_state([1, 2], "bfloat16", DIM, 50)
+    float32_kernel = rows_state(ExactIndex(device="cpu", kernel="float32").prepare(np.arange(50), rows.half()))
+    assert float32_kernel["blocks"][0]["rows"].dtype == torch.float16  # the rows as stored
+    wide = {**float32_kernel["blocks"][0], "rows": torch.zeros(50, DIM, dtype=torch.float64)}
+    with pytest.raises(SavedRowsError, match="rows"):
+        rows_from_state({**float32_kernel, "blocks": [wide]}, "float32", DIM, 50)
     assert RowFiles(None).path("x") is None
 
 
