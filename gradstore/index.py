@@ -379,7 +379,7 @@ def prepared_bytes(stored: str, kernel: ExactIndex) -> int:
     """Bytes a value of rows stored as ``stored`` takes once ``kernel`` prepared them: the float32 kernel keeps the
     rows as stored on the CPU and float32 rows on a GPU; the bfloat16 kernel keeps the rows plus their bf16 copy,
     or the rows alone when they are bf16."""
-    width = 2 if stored in ("float16", "bfloat16") else 4
+    width = getattr(torch, stored).itemsize
     if kernel.kernel == "float32":
         return width if kernel.device.type == "cpu" else 4
     return width if stored == "bfloat16" else width + 2

@@ -22,6 +22,8 @@ from indexers.screening import (
 )
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+#: Row dtypes that prepared rows keep as they are on the CPU (the store's encodings); others become float32.
+STORED_ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: An upper bound of the norm of a float32 unit vector rounded to bfloat16 (each entry moves by at most 2**-8 of
 #: itself; the rest covers the float32 rounding of the unit vector's own scaling, with a wide margin).
 UNIT_BF16_NORM = 1 + 2**-6
@@ -223,7 +225,7 @@ class ExactIndex:
             rows = vectors if isinstance(vectors, RowPieces) else as_tensor(vectors, None, self.device)
             return screened_block(ids_t, rows, scales_t, self.max_norm)
         rows = as_tensor(vectors, None, self.device)
-        if self.device.type != "cpu" or rows.dtype not in (torch.float16, torch.bfloat16):
+        if self.device.type != "cpu" or rows.dtype not in STORED_ROW_DTYPES:
             rows = rows.to(torch.float32)
         return ids_t, rows, scales_t
 

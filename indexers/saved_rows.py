@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 
-from indexers.exact import PreparedRows
+from indexers.exact import STORED_ROW_DTYPES, PreparedRows
 from indexers.screening import RowPieces, Rows, ScreenedBlock
 
 FORMAT = 1
-EXACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what stored (exact) rows may be
 
 
 class SavedRowsError(ValueError):
@@ -70,7 +69,7 @@ def _pieces(rows: Rows) -> list[torch.Tensor]:
 def _screened(state: Any, dim: int) -> ScreenedBlock:
     ids = _ids(state)
     n = len(ids)
-    exact = _rows(state.get("exact"), "exact", dim, n, EXACT_DTYPES)
+    exact = _rows(state.get("exact"), "exact", dim, n, STORED_ROW_DTYPES)
     screen = _rows(state.get("screen"), "screen", dim, n, (torch.bfloat16,))
     norms, residuals = _vector(state, "norms", n), _vector(state, "residuals", n)
     return ScreenedBlock(ids, exact, _scales(state, n), screen, norms, residuals)
@@ -79,8 +78,8 @@ def _screened(state: Any, dim: int) -> ScreenedBlock:
 def _float32_kernel_block(state: Any, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     ids = _ids(state)
     rows = state.get("rows")
-    if not _is_matrix(rows, EXACT_DTYPES, dim) or len(rows) != len(ids):
-        raise SavedRowsError(f"a block's rows are not [{len(ids)}, {dim}] rows of {EXACT_DTYPES}")
+    if not _is_matrix(rows, STORED_ROW_DTYPES, dim) or len(rows) != len(ids):
+        raise SavedRowsError(f"a block's rows are not [{len(ids)}, {dim}] rows of {STORED_ROW_DTYPES}")
     return ids, rows, _scales(state, len(ids))
 
 

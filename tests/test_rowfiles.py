@@ -283,7 +283,7 @@ def test_once_written_the_row_cache_holds_the_mapped_file(tmp_path) -> None:
     store.row_files.wait()
     (path,) = _files(cache)
     block = index.cached_rows().blocks[0]
-    searched = block.screen if isinstance(block, ScreenedBlock) else block[1]  # bf16 screen, or float32 rows
+    searched = block.screen if isinstance(block, ScreenedBlock) else block[1]  # the bf16 screen, or the rows as stored
     assert any(start <= searched.data_ptr() < end for start, end in _mapped_from(path))
     again = _attribute(store)
     np.testing.assert_array_equal(again[0], first[0])
