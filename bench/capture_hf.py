@@ -5,12 +5,13 @@ The workload of WORKLOADS.md (GPT-2 4 x 256, batches of 16 x 128 random tokens, 
 16 x 16 into a real store (float16 rows, default writer).
 
 Paired per step inside one Trainer run (the machine is shared and noisy; whole runs drift apart): after the
-warm-up, steps alternate plain / captured. A plain step runs with the capture paused (its hooks return at
-their first line: a few microseconds against a step of about a second); a captured step is timed until its
-rows have reached the writer (``flush`` of the delivery queue), so its background work is not pushed into
-the next, plain step. Step time = ``on_step_begin`` -> ``on_step_end`` (forward, backward, optimizer step,
-zero_grad). One run's figure is the median of its per-pair ratios captured / plain; the script makes
-``--repeats`` (3) runs per arm and reports the median of their medians (each run's median is printed).
+warm-up, steps alternate plain / captured (``PairedSteps``). A plain step runs with the capture paused (its
+hooks return at their first line: a few microseconds against a step of about a second); a captured step is
+timed until its rows have reached the writer (``flush`` of the delivery queue), so its background work is not
+pushed into the next, plain step. Step time = the first callback's ``on_step_begin`` -> the last callback's
+``on_step_end`` (forward, backward, optimizer step, zero_grad and the capture callback's own step work). One
+run's figure is the median of its per-pair ratios captured / plain; the script makes ``--repeats`` (3) runs
+per arm and reports the median of their medians (each run's median is printed).
 
 Two arms, alternating run by run: the plain callback (raw projected rows) and the callback with
 ``normalizer="adam_factored"`` (rows normalised by Adam's second moments; bergson's Adam arm is 1.17 on this
@@ -27,6 +28,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -42,31 +44,51 @@ TARGET = 1.03  # issue 12
 REPEATS = 3
 
 
-class PairedTimer(TrainerCallback):
-    """Alternates plain (capture paused) and captured steps after the warm-up and times each."""
+class PairedSteps:
+    """Alternates plain and captured steps after the warm-up and times each one.
 
-    def __init__(self, capture: GradstoreCallback, warmup: int) -> None:
-        self.capture = capture
+    ``pause`` / ``resume`` switch the capture off and on before a step's clock starts; ``settle`` runs at the end
+    of a captured step, inside its time (e.g. handing the rows to the writer). A step's time runs from the first
+    callback's ``on_step_begin`` to the last one's ``on_step_end``: put ``first`` before the capture's callback
+    and ``last`` after it, so the capture's own step work is timed.
+    """
+
+    def __init__(
+        self,
+        warmup: int,
+        pause: Callable[[], None],
+        resume: Callable[[], None],
+        settle: Callable[[], None] = lambda: None,
+    ) -> None:
         self.warmup = warmup
         self.plain: list[float] = []
         self.captured: list[float] = []
-        self._start = 0.0
+        steps = self
+        started = [0.0]
 
-    def _captures(self, step: int) -> bool:
+        class First(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs) -> None:
+                resume() if steps.captures(state.global_step) else pause()
+                started[0] = time.perf_counter()
+
+        class Last(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs) -> None:
+                step = state.global_step - 1  # on_step_end runs after the increment
+                if steps.captures(step):
+                    settle()
+                elapsed = time.perf_counter() - started[0]
+                if step >= steps.warmup:
+                    (steps.captured if steps.captures(step) else steps.plain).append(elapsed)
+
+        self.first, self.last = First(), Last()
+
+    def captures(self, step: int) -> bool:
+        """Whether ``step`` (0-based) is a captured one: every warm-up step, then every second one."""
         return step < self.warmup or (step - self.warmup) % 2 == 1
 
-    def on_step_begin(self, args, state, control, **kwargs) -> None:
-        cap = self.capture.capture
-        cap.resume() if self._captures(state.global_step) else cap.pause()
-        self._start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs) -> None:
-        step = state.global_step - 1  # on_step_end runs after the increment
-        if self._captures(step):
-            self.capture.capture.capture.flush()  # rows handed to the writer
-        elapsed = time.perf_counter() - self._start
-        if step >= self.warmup:
-            (self.captured if self._captures(step) else self.plain).append(elapsed)
+    def ratios(self) -> list[float]:
+        """Each pair's captured / plain step time."""
+        return [c / p for p, c in zip(self.plain, self.captured)]
 
 
 def model() -> GPT2LMHeadModel:
@@ -85,7 +107,28 @@ def collate(features: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def measure(pairs: int, warmup: int, normalizer: str | None) -> tuple[PairedTimer, int, int, int]:
+def training_args(output_dir: str, steps: int) -> TrainingArguments:
+    """The workload's Trainer settings: AdamW lr 1e-4, constant schedule, CPU, no saving or logging."""
+    return TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=BATCH,
+        max_steps=steps,
+        learning_rate=1e-4,
+        optim="adamw_torch",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        save_strategy="no",
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+
+
+def measure(pairs: int, warmup: int, normalizer: str | None) -> tuple[PairedSteps, int, int, int]:
     """One Trainer run with paired plain / captured steps; returns the timer, rows, dim and layers captured."""
     steps = warmup + 2 * pairs
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,36 +136,25 @@ def measure(pairs: int, warmup: int, normalizer: str | None) -> tuple[PairedTime
         callback = GradstoreCallback(
             store, "bench", include=r"^transformer\.h\.", layer_types=("conv1d", "linear"), normalizer=normalizer
         )
-        timer = PairedTimer(callback, warmup)
-        args = TrainingArguments(
-            output_dir=os.path.join(tmp, "out"),
-            per_device_train_batch_size=BATCH,
-            max_steps=steps,
-            learning_rate=1e-4,
-            optim="adamw_torch",
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            save_strategy="no",
-            logging_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            remove_unused_columns=False,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            seed=0,
+        # callback.capture exists from on_train_begin on: look it up at each step
+        timer = PairedSteps(
+            warmup,
+            pause=lambda: callback.capture.pause(),
+            resume=lambda: callback.capture.resume(),
+            settle=lambda: callback.capture.capture.flush(),
         )
         Trainer(
             model=model(),
-            args=args,
+            args=training_args(os.path.join(tmp, "out"), steps),
             train_dataset=dataset(steps),
             data_collator=with_example_ids(collate),
-            callbacks=[callback, timer],
+            callbacks=[timer.first, callback, timer.last],
         ).train()
         return timer, store.count(), store.dim, len(store.run_spec("bench").layers)
 
 
 def report(
-    name: str, normalizer: str | None, runs: list[tuple[PairedTimer, int, int, int]], warmup: int
+    name: str, normalizer: str | None, runs: list[tuple[PairedSteps, int, int, int]], warmup: int
 ) -> tuple[float, bool]:
     """Print each repeat of one arm; return the median of the repeats' medians and whether every row arrived."""
     pairs = len(runs[0][0].plain)
@@ -130,7 +162,7 @@ def report(
     expected = (warmup + pairs - (normalizer is not None)) * BATCH
     medians, rows_ok = [], True
     for r, (timer, rows, dim, layers) in enumerate(runs):
-        ratios = [c / p for p, c in zip(timer.plain, timer.captured)]
+        ratios = timer.ratios()
         medians.append(statistics.median(ratios))
         rows_ok = rows_ok and rows == expected
         print(
@@ -149,8 +181,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=REPEATS, help="Trainer runs per arm; result = their median")
     opts = parser.parse_args()
     torch.set_num_threads(2)
-    raw: list[tuple[PairedTimer, int, int, int]] = []
-    adam: list[tuple[PairedTimer, int, int, int]] = []
+    raw: list[tuple[PairedSteps, int, int, int]] = []
+    adam: list[tuple[PairedSteps, int, int, int]] = []
     for _ in range(opts.repeats):  # the arms alternate run by run, so drift of the machine hits both
         raw.append(measure(opts.pairs, opts.warmup, None))
         adam.append(measure(opts.pairs, opts.warmup, "adam_factored"))
