@@ -1,0 +1,180 @@
+"""W-query: gradstore's exact search against bergson's exact ``Attributor.search``, in one sitting.
+
+The workload of WORKLOADS.md: N(0,1) float32 rows (50,000 x 4,096 by default; ``--rows 200000`` for the larger
+variant), 64 queries, top-10, generated as ``bench/query.py`` generates them. Each tool holds the rows in its
+default float16 encoding: gradstore's store on disk (float16 unit rows and a float32 norm) and a bergson 2.5.1
+index (float16 values in ``gradients.bin`` + ``info.json`` + a saved ``GradientProcessor``, 16 modules of 256
+columns, as 16 x 16 projections of 16 layers make), written from the same float32 rows.
+
+The arms alternate step by step (the order rotating every step) after a warm-up; the script reports each arm's
+median and the median paired ratios:
+
+- ``torch fp32``: ``torch.topk(X @ Q.T)`` over the float32 rows in memory (the reference of ``bench/query.py``);
+- ``gradstore search``: the store's exact kernel over the rows its row cache holds (prepared once);
+- ``bergson search``: ``Attributor.search`` over the rows its constructor copied into memory (float32, its
+  default), plus ``torch.topk`` over all of them as its ``search`` does;
+- ``gradstore store.attribute, repeat call``: end to end (queries, search, example ids, result table);
+- ``gradstore store.attribute, first call``: row cache emptied first (rows mapped from the row file an earlier
+  search wrote, as a new process finds them);
+- ``bergson load + search``: a new ``Attributor`` (reads its memory map into float32 tensors) and one search, as a
+  new process finds it.
+
+Before timing, both tools' top-10 ids are checked against torch's (recall@10 printed; ties at float16/float32
+resolution aside they must agree: at least 0.99). The last line is ``RESULT exact_vs_bergson=<gradstore search / bergson
+search> target<=1.0 PASS|MISS`` (the larger over the sizes); the first-call ratio is printed above it.
+
+bergson is not a dependency of gradstore; install it as ``bench/capture_peers.py`` says.
+
+    python bench/query_peers.py [--rows 50000] [--steps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from query import K, as_stored, log, paired, standard_normal, timed, write_store
+
+from indexers import ExactIndex, recall_at_k
+
+try:
+    from bergson.data import create_index
+    from bergson.gradients import GradientProcessor
+    from bergson.query.attributor import Attributor
+except ImportError as error:  # the peer is optional: say how to get it
+    raise SystemExit(f"bench/query_peers.py needs bergson 2.5.1 ({error}); see bench/capture_peers.py") from None
+
+TARGET = 1.0  # issue 12: exact search at least as fast as the best peer's
+MODULES = 16  # 16 layers x 16 x 16 = 4,096 columns
+TORCH = "torch fp32 topk(X @ Q.T)"
+OURS = "gradstore search"
+THEIRS = "bergson search"
+ATTRIBUTE = "gradstore store.attribute, repeat call"
+OURS_FIRST = "gradstore store.attribute, first call"
+THEIRS_FIRST = "bergson load + search"
+
+
+def write_bergson_index(root: Path, x: np.ndarray) -> dict[str, int]:
+    """A bergson index at ``root`` holding ``x`` as float16 in ``MODULES`` equal modules; returns its sizes."""
+    width = x.shape[1] // MODULES
+    sizes = {f"layer{m}": width for m in range(MODULES)}
+    grads = create_index(root, num_grads=len(x), grad_sizes=sizes, dtype=np.float16)
+    grads[:] = x.reshape(len(x), -1).astype(np.float16)
+    grads.flush()
+    GradientProcessor({}, projection_dim=16).save(root)
+    return sizes
+
+
+def by_module(q: np.ndarray, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Queries split into bergson's per-module columns."""
+    bounds = np.cumsum([0, *sizes.values()])
+    return {name: torch.from_numpy(q[:, lo:hi]) for name, lo, hi in zip(sizes, bounds[:-1], bounds[1:])}
+
+
+def one_size(rows: int, args: argparse.Namespace, root: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds of every arm, and the median paired ratios."""
+    log(f"{rows} rows: generating, encoding, writing both stores")
+    x = standard_normal(rows, args.dim, seed=0)
+    q = standard_normal(args.queries, args.dim, seed=1)
+    as_stored(x, "float16")  # x = what gradstore's reader returns; bergson's float16 rounds it once more
+    store = write_store(root / f"gradstore{rows}", x, "float16")
+    sizes = write_bergson_index(root / f"bergson{rows}", x)
+    xt, qt = torch.from_numpy(x), torch.from_numpy(q)
+    queries = by_module(q, sizes)
+
+    attribute = partial(store.attribute, q, run="bench", k=K, write=False)
+    attribute()  # reads the rows into the row cache and writes the row file
+    store.row_files.wait()
+    prepared = store.build_index("bench").cached_rows()
+    if prepared is None:
+        raise SystemExit("the store's row cache holds no prepared rows (budget too small)")
+    kernel = ExactIndex(kernel=prepared.kernel)
+    first_grad_id = store.sql("select min(grad_id) from gradients").fetchall()[0][0]
+    attributor = Attributor(root / f"bergson{rows}")
+
+    def first_call() -> object:
+        store.row_cache.clear()
+        return attribute()
+
+    def bergson_first() -> object:
+        return Attributor(root / f"bergson{rows}").search(queries, K)
+
+    reference = torch.topk(xt @ qt.T, K, dim=0).indices.T.numpy()
+    ours = kernel.search(q, prepared, K)[1] - first_grad_id
+    theirs = attributor.search(queries, K).indices.numpy()
+    log(
+        f"{rows} rows: recall@{K} vs torch: gradstore {recall_at_k(ours, reference):.4f}, "
+        f"bergson {recall_at_k(theirs, reference):.4f}"
+    )
+    for name, found in (("gradstore", ours), ("bergson", theirs)):
+        if recall_at_k(found, reference) < 0.99:
+            raise SystemExit(f"{name}'s top-{K} disagrees with torch's: not the same search")
+
+    arms: dict[str, Callable[[], object]] = {
+        TORCH: lambda: torch.topk(xt @ qt.T, K, dim=0),
+        OURS: lambda: kernel.search(q, prepared, K),
+        THEIRS: lambda: attributor.search(queries, K),
+        ATTRIBUTE: attribute,
+        OURS_FIRST: first_call,
+        THEIRS_FIRST: bergson_first,
+    }
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    log(f"{rows} rows: 1 warm-up + {args.steps} paired steps")
+    for step in range(args.steps + 1):
+        names = list(arms)
+        for name in names[step % len(names) :] + names[: step % len(names)]:
+            elapsed = timed(arms[name])
+            if step:
+                times[name].append(elapsed)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    ratios = {
+        "gradstore / bergson, search": paired(times, OURS, THEIRS),
+        "gradstore / bergson, first call": paired(times, OURS_FIRST, THEIRS_FIRST),
+        "gradstore / torch fp32": paired(times, OURS, TORCH),
+        "bergson / torch fp32": paired(times, THEIRS, TORCH),
+    }
+    return medians, ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[50_000])
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--queries", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(
+        f"W-query against bergson: float16 rows x {args.dim}, {args.queries} queries, top-{K}, "
+        f"CPU, {args.threads} threads; medians of {args.steps} paired steps"
+    )
+    worst: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="gradstore-query-peers-") as tmp:
+        for rows in args.rows:
+            medians, ratios = one_size(rows, args, Path(tmp))
+            print(f"\n{rows} rows | median s | vs torch fp32")
+            print("|---|---:|---:|")
+            for name, seconds in medians.items():
+                print(f"| {name} | {seconds:.3f} | {seconds / medians[TORCH]:.2f}x |")
+            print(f"{rows} rows, median paired ratios: " + "; ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+            for name, value in ratios.items():
+                worst[name] = max(worst.get(name, 0.0), value)
+    first = worst["gradstore / bergson, first call"]
+    print(f"query_first_call_vs_bergson={first:.3f} (store.attribute end to end vs bergson load + search)")
+    headline = worst["gradstore / bergson, search"]
+    print(f"RESULT exact_vs_bergson={headline:.3f} target<={TARGET} {'PASS' if headline <= TARGET else 'MISS'}")
+
+
+if __name__ == "__main__":
+    main()
