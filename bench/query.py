@@ -221,17 +221,53 @@ def paired_arms(
         recall = recall_at_k(found, reference_ids)
         if recall < 1.0:
             log(f"  {name}: recall@{K} vs torch {recall:.4f} (ties at float32 resolution)")
-    times: dict[str, list[float]] = {name: [] for name in arms}
     log(f"{len(x)} rows: 1 warm-up + {steps} paired steps")
+    # a first call reads every row again: in the first steps only
+    return run_paired(arms, steps, skip=lambda name, step: name == FIRST and step > cold_steps)
+
+
+def run_paired(
+    arms: dict[str, Callable[[], object]], steps: int, skip: Callable[[str, int], bool] = lambda name, step: False
+) -> dict[str, list[float]]:
+    """Seconds of every arm in each of ``steps`` paired steps after one warm-up step; the arms' order rotates
+    every step; ``skip(name, step)`` leaves an arm out of a step."""
+    times: dict[str, list[float]] = {name: [] for name in arms}
     for step in range(steps + 1):
         names = list(arms)
         for name in names[step % len(names) :] + names[: step % len(names)]:
-            if name == FIRST and step > cold_steps:  # a first call reads every row again: in the first steps only
+            if skip(name, step):
                 continue
             elapsed = timed(arms[name])
             if step:
                 times[name].append(elapsed)
     return times
+
+
+def worst_over_sizes(
+    args: argparse.Namespace,
+    measure: Callable[[int, argparse.Namespace, Path], tuple[dict[str, float], dict[str, float]]],
+    prefix: str,
+) -> dict[str, float]:
+    """``measure`` every size of ``args.rows`` (in one temporary directory named with ``prefix``), print each
+    size's medians (and each against torch fp32) and paired ratios; return each ratio's largest over the sizes."""
+    worst: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        for rows in args.rows:
+            medians, ratios = measure(rows, args, Path(tmp))
+            report_size(rows, medians, ratios, worst)
+    return worst
+
+
+def report_size(rows: int, medians: dict[str, float], ratios: dict[str, float], worst: dict[str, float]) -> None:
+    """Print one size's medians (and each against torch fp32) and its paired ratios; keep each ratio's largest
+    over the sizes in ``worst``."""
+    print(f"\n{rows} rows | median s | vs torch fp32")
+    print("|---|---:|---:|")
+    for name, seconds in medians.items():
+        print(f"| {name} | {seconds:.3f} | {seconds / medians[TORCH]:.2f}x |")
+    print(f"{rows} rows, median paired ratios: " + "; ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    for name, value in ratios.items():
+        worst[name] = max(worst.get(name, 0.0), value)
 
 
 def main() -> None:
@@ -258,17 +294,7 @@ def main() -> None:
         f"native bf16 matmul: {fast_bfloat16_matmul()} (kernel='auto' runs {kernel}); medians of "
         f"{args.steps} paired steps (FAISS: {args.faiss_steps})"
     )
-    worst: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="gradstore-query-") as tmp:
-        for rows in args.rows:
-            medians, ratios = one_size(rows, args, Path(tmp))
-            print(f"\n{rows} rows | median s | vs torch fp32")
-            print("|---|---:|---:|")
-            for name, seconds in medians.items():
-                print(f"| {name} | {seconds:.3f} | {seconds / medians[TORCH]:.2f}x |")
-            print(f"{rows} rows, median paired ratios: " + "; ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
-            for name, value in ratios.items():
-                worst[name] = max(worst.get(name, 0.0), value)
+    worst = worst_over_sizes(args, one_size, "gradstore-query-")
     disk = max(worst["disk repeat / in-memory"], worst["disk first, row file / in-memory"])
     headline = worst["store / torch fp32"]
     print(

@@ -34,7 +34,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -43,7 +42,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from query import K, as_stored, log, paired, standard_normal, timed, write_store
+from query import TORCH, K, as_stored, log, paired, run_paired, standard_normal, worst_over_sizes, write_store
 
 from indexers import ExactIndex, recall_at_k
 
@@ -56,7 +55,6 @@ except ImportError as error:  # the peer is optional: say how to get it
 
 TARGET = 1.0  # issue 12: exact search at least as fast as the best peer's
 MODULES = 16  # 16 layers x 16 x 16 = 4,096 columns
-TORCH = "torch fp32 topk(X @ Q.T)"
 OURS = "gradstore search"
 THEIRS = "bergson search"
 ATTRIBUTE = "gradstore store.attribute, repeat call"
@@ -128,14 +126,8 @@ def one_size(rows: int, args: argparse.Namespace, root: Path) -> tuple[dict[str,
         OURS_FIRST: first_call,
         THEIRS_FIRST: bergson_first,
     }
-    times: dict[str, list[float]] = {name: [] for name in arms}
     log(f"{rows} rows: 1 warm-up + {args.steps} paired steps")
-    for step in range(args.steps + 1):
-        names = list(arms)
-        for name in names[step % len(names) :] + names[: step % len(names)]:
-            elapsed = timed(arms[name])
-            if step:
-                times[name].append(elapsed)
+    times = run_paired(arms, args.steps)
     medians = {name: statistics.median(values) for name, values in times.items()}
     ratios = {
         "gradstore / bergson, search": paired(times, OURS, THEIRS),
@@ -159,17 +151,7 @@ def main() -> None:
         f"W-query against bergson: float16 rows x {args.dim}, {args.queries} queries, top-{K}, "
         f"CPU, {args.threads} threads; medians of {args.steps} paired steps"
     )
-    worst: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="gradstore-query-peers-") as tmp:
-        for rows in args.rows:
-            medians, ratios = one_size(rows, args, Path(tmp))
-            print(f"\n{rows} rows | median s | vs torch fp32")
-            print("|---|---:|---:|")
-            for name, seconds in medians.items():
-                print(f"| {name} | {seconds:.3f} | {seconds / medians[TORCH]:.2f}x |")
-            print(f"{rows} rows, median paired ratios: " + "; ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
-            for name, value in ratios.items():
-                worst[name] = max(worst.get(name, 0.0), value)
+    worst = worst_over_sizes(args, one_size, "gradstore-query-peers-")
     first = worst["gradstore / bergson, first call"]
     print(f"query_first_call_vs_bergson={first:.3f} (store.attribute end to end vs bergson load + search)")
     headline = worst["gradstore / bergson, search"]
