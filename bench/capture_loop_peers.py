@@ -43,13 +43,13 @@ import gradstore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from capture import BATCH, EXPECTED_DIM, EXPECTED_LAYERS, K, make_batches, make_model, train_step
+from peers import report_against_peer
 
 try:
     from dattri_llm import GradientStorageManager, HookManager, HookManagerConfig, OffloadCallback
 except ImportError as error:  # the peer is optional: say how to get it
     raise SystemExit(f"bench/capture_loop_peers.py needs dattri-llm 0.1.0 ({error}); see its docstring") from None
 
-TARGET = 1.0  # issue 12: capture below every peer
 BLOCK_LAYERS = r"transformer\.h\.\d+\.(attn|mlp)\.(c_attn|c_proj|c_fc)$"
 
 
@@ -148,14 +148,7 @@ def main() -> None:
                 f"captured {steps_ms[name]:.0f} ms",
                 flush=True,
             )
-    for name, per_repeat in medians.items():
-        figures = ", ".join(f"{m:.3f}" for m in per_repeat)
-        print(f"{name} captured / plain: {figures} (median {statistics.median(per_repeat):.3f})")
-    versus = [g / d for g, d in zip(medians["gradstore"], medians["dattri-llm"])]
-    ratio = statistics.median(versus)
-    ok = ratio <= TARGET and complete
-    print(f"gradstore / dattri-llm per repeat: {[round(x, 3) for x in versus]}; rows and weights complete: {complete}")
-    print(f"RESULT capture_loop_vs_dattri={ratio:.3f} target<={TARGET} {'PASS' if ok else 'MISS'}")
+    report_against_peer(medians, "gradstore", "dattri-llm", "capture_loop_vs_dattri", complete)
 
 
 if __name__ == "__main__":

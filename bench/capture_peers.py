@@ -47,13 +47,13 @@ from gradstore.hf import GradstoreCallback, with_example_ids
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from capture_hf import BATCH, PairedSteps, collate, dataset, model, training_args
+from peers import report_against_peer
 
 try:
     from bergson.huggingface import GradientCollectorCallback, prepare_for_gradient_collection
 except ImportError as error:  # the peer is optional: say how to get it
     raise SystemExit(f"bench/capture_peers.py needs bergson 2.5.1 ({error}); see its docstring") from None
 
-TARGET = 1.0  # issue 12: capture below every peer
 DIM = 4096  # 16 layers x 16 x 16
 
 
@@ -151,18 +151,11 @@ def main() -> None:
                 f"{statistics.median(timer.captured) * 1e3:.0f} ms; pair ratios {[round(x, 3) for x in ratios]}",
                 flush=True,
             )
-    for arm, per_cycle in medians.items():
-        figures = ", ".join(f"{r:.3f}" for r in per_cycle)
-        print(f"{arm} captured / plain: {figures} (median {statistics.median(per_cycle):.3f})")
     if opts.adam:
         adam = [g / b for g, b in zip(medians["gradstore_adam"], medians["bergson_adam"])]
         per_cycle = [round(x, 3) for x in adam]
         print(f"capture_hf_adam_vs_bergson_adam={statistics.median(adam):.3f} (per cycle {per_cycle})")
-    versus = [g / b for g, b in zip(medians["gradstore"], medians["bergson"])]
-    ratio = statistics.median(versus)
-    ok = ratio <= TARGET and rows_ok
-    print(f"gradstore / bergson per cycle: {[round(x, 3) for x in versus]}; rows complete: {rows_ok}")
-    print(f"RESULT capture_hf_vs_bergson={ratio:.3f} target<={TARGET} {'PASS' if ok else 'MISS'}")
+    report_against_peer(medians, "gradstore", "bergson", "capture_hf_vs_bergson", rows_ok)
 
 
 if __name__ == "__main__":
