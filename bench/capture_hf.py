@@ -61,26 +61,24 @@ class PairedSteps:
         settle: Callable[[], None] = lambda: None,
     ) -> None:
         self.warmup = warmup
+        self.pause, self.resume, self.settle = pause, resume, settle
         self.plain: list[float] = []
         self.captured: list[float] = []
-        steps = self
-        started = [0.0]
+        self.started = 0.0
+        self.first, self.last = _StartClock(self), _StopClock(self)
 
-        class First(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs) -> None:
-                resume() if steps.captures(state.global_step) else pause()
-                started[0] = time.perf_counter()
+    def begin(self, step: int) -> None:
+        """Switch the capture for ``step`` (0-based) and start its clock."""
+        self.resume() if self.captures(step) else self.pause()
+        self.started = time.perf_counter()
 
-        class Last(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs) -> None:
-                step = state.global_step - 1  # on_step_end runs after the increment
-                if steps.captures(step):
-                    settle()
-                elapsed = time.perf_counter() - started[0]
-                if step >= steps.warmup:
-                    (steps.captured if steps.captures(step) else steps.plain).append(elapsed)
-
-        self.first, self.last = First(), Last()
+    def end(self, step: int) -> None:
+        """Settle a captured ``step``, stop its clock and keep its time once the warm-up is over."""
+        if self.captures(step):
+            self.settle()
+        elapsed = time.perf_counter() - self.started
+        if step >= self.warmup:
+            (self.captured if self.captures(step) else self.plain).append(elapsed)
 
     def captures(self, step: int) -> bool:
         """Whether ``step`` (0-based) is a captured one: every warm-up step, then every second one."""
@@ -89,6 +87,26 @@ class PairedSteps:
     def ratios(self) -> list[float]:
         """Each pair's captured / plain step time."""
         return [c / p for p, c in zip(self.plain, self.captured)]
+
+
+class _StartClock(TrainerCallback):
+    """``PairedSteps.first``: switches the capture and starts the step's clock."""
+
+    def __init__(self, steps: PairedSteps) -> None:
+        self.steps = steps
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        self.steps.begin(state.global_step)
+
+
+class _StopClock(TrainerCallback):
+    """``PairedSteps.last``: stops the step's clock."""
+
+    def __init__(self, steps: PairedSteps) -> None:
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self.steps.end(state.global_step - 1)  # on_step_end runs after the increment
 
 
 def model() -> GPT2LMHeadModel:
