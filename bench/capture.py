@@ -68,6 +68,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
 
 import gradstore
+from gradstore.capture import StoreCapture
 from gradstore.core import schema as S
 from ingest.per_example import contract_tokens, project_tokens
 from ingest.projection import ProjectionSpec
@@ -142,6 +143,28 @@ def _projecting_hook(in_t: torch.Tensor, in_bias: torch.Tensor, out_t: torch.Ten
     return project
 
 
+def block_capture(
+    store: gradstore.GradStore, model: nn.Module, optimizer: torch.optim.Optimizer, fused: bool = False
+) -> StoreCapture:
+    """W-capture's capture of ``model`` (not entered): the 16 Conv1D layers of the blocks at 16 x 16, token-mean
+    loss, into ``store`` as run ``bench``; refuses another layer count or width."""
+    cap = store.capture(
+        model,
+        "bench",
+        optimizer=optimizer,
+        include=r"transformer\.h\.",
+        layer_types=("linear", "conv1d"),
+        loss_reduction="token_mean",
+        fused=fused,
+    )
+    spec = cap.spec
+    if len(spec.layers) != EXPECTED_LAYERS or spec.dim != EXPECTED_DIM:
+        raise SystemExit(
+            f"expected {EXPECTED_LAYERS} layers / {EXPECTED_DIM} dims, got {len(spec.layers)} / {spec.dim}"
+        )
+    return cap
+
+
 def dir_bytes(path: Path) -> int:
     """Total size of the files under ``path``."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -196,20 +219,8 @@ def measure(
     root = Path(tempfile.mkdtemp(prefix="gradstore-bench-capture-"))
     try:
         store = gradstore.open(root / "store")
-        cap = store.capture(
-            captured,
-            "bench",
-            optimizer=opt_captured,
-            include=r"transformer\.h\.",
-            layer_types=("linear", "conv1d"),
-            loss_reduction="token_mean",
-            fused=fused,
-        )
+        cap = block_capture(store, captured, opt_captured, fused)
         spec = cap.spec
-        if len(spec.layers) != EXPECTED_LAYERS or spec.dim != EXPECTED_DIM:
-            raise SystemExit(
-                f"expected {EXPECTED_LAYERS} layers / {EXPECTED_DIM} dims, got {len(spec.layers)} / {spec.dim}"
-            )
 
         arms = {"plain": (plain, opt_plain), "captured": (captured, opt_captured), "floor": (floor, opt_floor)}
         times: dict[str, list[float]] = {name: [] for name in arms}

@@ -146,28 +146,44 @@ def training_args(output_dir: str, steps: int) -> TrainingArguments:
     )
 
 
+def paired_gradstore(
+    store: gradstore.GradStore, warmup: int, normalizer: str | None
+) -> tuple[GradstoreCallback, PairedSteps]:
+    """gradstore's callback on the workload's 16 block layers, and the paired timer that pauses it on plain steps
+    and times its captured steps until their rows have reached the writer."""
+    callback = GradstoreCallback(
+        store, "bench", include=r"^transformer\.h\.", layer_types=("conv1d", "linear"), normalizer=normalizer
+    )
+    # callback.capture exists from on_train_begin on: look it up at each step
+    timer = PairedSteps(
+        warmup,
+        pause=lambda: callback.capture.pause(),
+        resume=lambda: callback.capture.resume(),
+        settle=lambda: callback.capture.capture.flush(),
+    )
+    return callback, timer
+
+
+def workload_trainer(
+    tmp: str, steps: int, capture: TrainerCallback, timer: PairedSteps, collator: Callable[[list[dict]], dict]
+) -> Trainer:
+    """The workload's Trainer for ``steps`` steps (output under ``tmp``), ``capture`` between the timer's callbacks."""
+    return Trainer(
+        model=model(),
+        args=training_args(os.path.join(tmp, "out"), steps),
+        train_dataset=dataset(steps),
+        data_collator=collator,
+        callbacks=[timer.first, capture, timer.last],
+    )
+
+
 def measure(pairs: int, warmup: int, normalizer: str | None) -> tuple[PairedSteps, int, int, int]:
     """One Trainer run with paired plain / captured steps; returns the timer, rows, dim and layers captured."""
     steps = warmup + 2 * pairs
     with tempfile.TemporaryDirectory() as tmp:
         store = gradstore.open(os.path.join(tmp, "store"))
-        callback = GradstoreCallback(
-            store, "bench", include=r"^transformer\.h\.", layer_types=("conv1d", "linear"), normalizer=normalizer
-        )
-        # callback.capture exists from on_train_begin on: look it up at each step
-        timer = PairedSteps(
-            warmup,
-            pause=lambda: callback.capture.pause(),
-            resume=lambda: callback.capture.resume(),
-            settle=lambda: callback.capture.capture.flush(),
-        )
-        Trainer(
-            model=model(),
-            args=training_args(os.path.join(tmp, "out"), steps),
-            train_dataset=dataset(steps),
-            data_collator=with_example_ids(collate),
-            callbacks=[timer.first, callback, timer.last],
-        ).train()
+        callback, timer = paired_gradstore(store, warmup, normalizer)
+        workload_trainer(tmp, steps, callback, timer, with_example_ids(collate)).train()
         return timer, store.count(), store.dim, len(store.run_spec("bench").layers)
 
 

@@ -42,7 +42,7 @@ import torch
 import gradstore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from capture import BATCH, EXPECTED_DIM, EXPECTED_LAYERS, K, make_batches, make_model, train_step
+from capture import BATCH, EXPECTED_DIM, EXPECTED_LAYERS, K, block_capture, make_batches, make_model, train_step
 from peers import report_against_peer
 
 try:
@@ -76,16 +76,7 @@ def measure(steps: int, warmup: int, seed: int) -> tuple[dict[str, list[float]],
     root = Path(tempfile.mkdtemp(prefix="gradstore-bench-peers-"))
     try:
         store = gradstore.open(root / "store")
-        capture = store.capture(
-            copies["gradstore"],
-            "bench",
-            optimizer=optimizers["gradstore"],
-            include=r"transformer\.h\.",
-            layer_types=("linear", "conv1d"),
-            loss_reduction="token_mean",
-        )
-        if len(capture.spec.layers) != EXPECTED_LAYERS or capture.spec.dim != EXPECTED_DIM:
-            raise SystemExit(f"gradstore captures {len(capture.spec.layers)} layers / {capture.spec.dim} dims")
+        capture = block_capture(store, copies["gradstore"], optimizers["gradstore"])
         manager, files = dattri_manager(copies["dattri-llm"], root / "dattri")
         times: dict[str, list[float]] = {name: [] for name in copies}
         with capture, manager.collect():

@@ -40,13 +40,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import torch
-from transformers import Trainer
 
 import gradstore
-from gradstore.hf import GradstoreCallback, with_example_ids
+from gradstore.hf import with_example_ids
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from capture_hf import BATCH, PairedSteps, collate, dataset, model, training_args
+from capture_hf import BATCH, PairedSteps, collate, paired_gradstore, workload_trainer
 from peers import report_against_peer
 
 try:
@@ -90,32 +89,14 @@ def run(arm: str, pairs: int, warmup: int) -> tuple[PairedSteps, int]:
     with tempfile.TemporaryDirectory() as tmp:
         if arm.startswith("gradstore"):
             store = gradstore.open(os.path.join(tmp, "store"))
-            capture = GradstoreCallback(
-                store,
-                "bench",
-                include=r"^transformer\.h\.",
-                layer_types=("conv1d", "linear"),
-                normalizer="adam_factored" if adam else None,
-            )
-            timer = PairedSteps(
-                warmup,
-                pause=lambda: capture.capture.pause(),
-                resume=lambda: capture.capture.resume(),
-                settle=lambda: capture.capture.capture.flush(),
-            )
+            capture, timer = paired_gradstore(store, warmup, "adam_factored" if adam else None)
             collator = with_example_ids(collate)
         else:
             capture = GradientCollectorCallback(Path(tmp) / "bergson", use_optimizer_state=adam)
             switch = BergsonSwitch(capture)
             timer = PairedSteps(warmup, pause=switch.pause, resume=switch.resume)
             collator = collate
-        trainer = Trainer(
-            model=model(),
-            args=training_args(os.path.join(tmp, "out"), steps),
-            train_dataset=dataset(steps),
-            data_collator=collator,
-            callbacks=[timer.first, capture, timer.last],
-        )
+        trainer = workload_trainer(tmp, steps, capture, timer, collator)
         if arm.startswith("bergson"):
             prepare_for_gradient_collection(trainer)
         trainer.train()
