@@ -1,4 +1,4 @@
-"""Arrow schemas of the store's tables (see DESIGN.md, "Data model").
+"""Arrow schemas of the store's tables (see docs/store.md, "Tables").
 
 The gradient table's vector column is created when the first run fixes the dimension; the ``examples``
 table takes the user's own columns on the first ``add_examples``.
