@@ -20,13 +20,22 @@ import torch
 from tqdm.auto import tqdm
 
 from gradstore import scans
+from gradstore.arguments import check_where, require_rows
 from gradstore.core import StoreCore, one_snapshot, sql_literal
 from gradstore.core import schema as S
 from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError, MissingIdsError
 from gradstore.fitting import FitCache, Selection
 from gradstore.index import AttributionIndex, build_index
-from gradstore.methods import BlockStructure, Method, check_k, resolve_method
+from gradstore.methods import (
+    DEFAULT_METHOD,
+    BlockStructure,
+    Method,
+    check_arguments,
+    check_k,
+    given_arguments,
+    resolve_method,
+)
 from gradstore.queries import Queries, QueryInput, resolve_queries
 from gradstore.scoring import ScoringSpace
 from gradstore.shards import Shard, example_shards
@@ -45,7 +54,7 @@ def attribute(
     *,
     run: str,
     k: int = 10,
-    method: str = "grad-dot",
+    method: str = DEFAULT_METHOD,
     checkpoint: str | None = None,
     checkpoints: Sequence[str] | None = None,
     damping: float | None = None,
@@ -57,10 +66,24 @@ def attribute(
     write: bool = True,
     engine: EngineName | Engine = "local",
     rerank: int = 0,
+    query_checkpoint: str | None = None,
 ) -> pa.Table:
     """Top-k training rows for each query; see :meth:`gradstore.GradStore.attribute`."""
     check_k(k)
-    resolved = resolve_method(method)
+    resolved = resolve_method(method, "attribute")
+    check_arguments(
+        "attribute",
+        resolved,
+        given_arguments(
+            damping=damping,
+            blocks=blocks,
+            checkpoint=checkpoint,
+            checkpoints=checkpoints,
+            kind=kind,
+            rerank=rerank,
+            query_checkpoint=query_checkpoint,
+        ),
+    )
     engine = resolve_engine(engine)
     if resolved.over_checkpoints:
         return tracin(
@@ -76,11 +99,13 @@ def attribute(
             engine=engine,
         )
     checkpoint = checkpoint or store.default_checkpoint(run)
-    resolved_queries = resolve_queries(store, queries, run, checkpoint)  # first: queries of another dim fail fast
+    selection = Selection(run, checkpoint, split, where)
+    require_rows(store, selection)
+    resolved_queries = resolve_queries(store, queries, run, checkpoint, query_checkpoint)  # another dim fails fast
     index = build_index(
         store,
         fits,
-        Selection(run, checkpoint, split, where),
+        selection,
         resolved.name,
         damping=damping,
         kind=kind,
@@ -149,15 +174,20 @@ def score_matrix(
     blocks: BlockStructure = "auto",
     split: str = "train",
     where: str | None = None,
+    query_checkpoint: str | None = None,
 ) -> ScoreMatrix:
     """Queries x training rows scores (for small problems: it is dense); nothing is written to ``scores``."""
-    resolved = resolve_method(method)
-    if resolved.over_checkpoints:
-        raise InvalidArgumentError("score_matrix scores one checkpoint; TracIn sums over several (use attribute)")
+    resolved = resolve_method(method, "score_matrix")
+    check_arguments(
+        "score_matrix",
+        resolved,
+        given_arguments(damping=damping, blocks=blocks, query_checkpoint=query_checkpoint),
+    )
     checkpoint = checkpoint or store.default_checkpoint(run)
     selection = Selection(run, checkpoint, split, where)
+    require_rows(store, selection)
+    resolved_queries = resolve_queries(store, queries, run, checkpoint, query_checkpoint)
     space = fits.space(selection, resolved, blocks, damping)
-    resolved_queries = resolve_queries(store, queries, run, checkpoint)
     prepared = space.queries(resolved_queries.vectors)
     parts, example_ids, grad_ids = [], [], []
     for block in _selected(store, selection):
@@ -249,6 +279,7 @@ def tracin(
     so that every row of an example, at every checkpoint, is summed by one task; each task ranks its
     examples and the top-k lists are merged (ties: the smaller example id)."""
     check_k(k)
+    check_where(store, run, where)
     engine = resolve_engine(engine)
     rates = learning_rates(store, run, checkpoints)
     space = ScoringSpace(resolve_method("grad-dot"), IdentityPreconditioner())
@@ -325,7 +356,7 @@ def self_influence(
     fits: FitCache,
     *,
     run: str,
-    method: str = "fisher",
+    method: str = DEFAULT_METHOD,
     checkpoint: str | None = None,
     damping: float | None = None,
     blocks: BlockStructure = "auto",
@@ -335,14 +366,12 @@ def self_influence(
     engine: EngineName | Engine = "local",
 ) -> pa.Table:
     """``g^T P^-1 g`` for every selected training row; see :meth:`gradstore.GradStore.self_influence`."""
-    resolved = resolve_method(method)
-    if resolved.name == "cosine" or resolved.unit_norm or resolved.over_checkpoints:
-        raise InvalidArgumentError(
-            f"self-influence under {resolved.name!r} is not informative; use grad-dot, diagonal, fisher, kfac or ekfac"
-        )
+    resolved = resolve_method(method, "self_influence")  # cosine-like methods: 1 for every row, not informative
+    check_arguments("self_influence", resolved, given_arguments(damping=damping, blocks=blocks))
     engine = resolve_engine(engine)
     checkpoint = checkpoint or store.default_checkpoint(run)
     selection = Selection(run, checkpoint, split, where)
+    require_rows(store, selection)
     space = fits.space(selection, resolved, blocks, damping, engine)
     values = scans.self_influence(engine, selection.shards(store, engine.parallelism, ("example_id",)), space)
     n = values.num_rows

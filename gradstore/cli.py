@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import timedelta
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, NoReturn
 
 import typer
 
 from gradstore.engine import resolve_engine
-from gradstore.errors import GradstoreError
+from gradstore.errors import GradstoreError, InvalidArgumentError
 from gradstore.index import index_summary
+from gradstore.methods import DEFAULT_METHOD, method_names, resolve_method
 
 app = typer.Typer(
     help="gradstore: a gradient-store database for training data attribution.",
@@ -26,15 +27,8 @@ app = typer.Typer(
 StoreArg = Annotated[Path, typer.Argument(help="Store directory (or object-store URI).")]
 
 
-class Method(str, Enum):
-    grad_dot = "grad-dot"
-    cosine = "cosine"
-    diagonal = "diagonal"
-    fisher = "fisher"
-    kfac = "kfac"
-    ekfac = "ekfac"
-    tracin = "tracin"
-    trackstar = "trackstar"
+Method = Enum("Method", {name: name for name in method_names()}, type=str)  # the registry's methods
+SelectSpace = Enum("SelectSpace", {name: name for name in method_names("select")}, type=str)
 
 
 class Blocks(str, Enum):
@@ -71,28 +65,31 @@ class OutputFormat(str, Enum):
 def _open(store: Path, create: bool = False):
     import gradstore
 
-    try:
-        return gradstore.open(store, create=create)
-    except GradstoreError as error:
-        _fail(error)
+    return gradstore.open(store, create=create)
 
 
-@contextmanager
-def _user_errors() -> Iterator[None]:
-    """Turn the errors a user can cause (bad ids, runs, methods, options) into a message and exit code 1."""
-    try:
-        yield
-    except (GradstoreError, ValueError, KeyError) as error:
-        _fail(error)
+def _one_line_errors(command: Callable[..., None]) -> Callable[..., None]:
+    """A command that prints one line and exits with code 1 for every ``GradstoreError`` (what a user can cause)
+    and ``OSError`` (a file it cannot read or write), never a traceback."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            command(*args, **kwargs)
+        except (GradstoreError, OSError) as error:
+            _fail(error)
+
+    return run
 
 
-def _fail(error: Exception) -> None:
+def _fail(error: Exception) -> NoReturn:
     lines = str(error).strip().splitlines()  # one line: DuckDB appends the query and a caret marker
     typer.secho(f"error: {lines[0] if lines else type(error).__name__}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=1)
 
 
 @app.command()
+@_one_line_errors
 def info(
     store: StoreArg, create: Annotated[bool, typer.Option(help="Create an empty store if none exists.")] = False
 ) -> None:
@@ -111,6 +108,7 @@ def info(
 
 
 @app.command()
+@_one_line_errors
 def sql(
     store: StoreArg,
     query: Annotated[str, typer.Argument(help="One read-only DuckDB SQL statement.")],
@@ -119,16 +117,12 @@ def sql(
     max_rows: Annotated[int, typer.Option(help="Rows shown in table format.")] = 50,
 ) -> None:
     """Run DuckDB SQL over the store's tables (runs, checkpoints, gradients, examples, scores, ...)."""
-    handle = _open(store)
-    try:
-        table = handle.sql(query).arrow()
-    except GradstoreError as error:
-        _fail(error)
+    table = _open(store).sql(query).arrow()
     if hasattr(table, "read_all"):
         table = table.read_all()
     if format is OutputFormat.parquet:
         if out is None:
-            _fail(ValueError("--format parquet needs --out FILE"))
+            _fail(InvalidArgumentError("--format parquet needs --out FILE"))
         import pyarrow.parquet as pq
 
         pq.write_table(table, out)
@@ -150,6 +144,7 @@ def sql(
 
 
 @app.command()
+@_one_line_errors
 def compact(
     store: StoreArg,
     cleanup_days: Annotated[
@@ -163,6 +158,7 @@ def compact(
 
 
 @app.command()
+@_one_line_errors
 def verify(store: StoreArg) -> None:
     """Read every table and side file and report what is damaged (exit code 1 if anything is)."""
     report = _open(store).verify()
@@ -189,11 +185,12 @@ def _csv_list(value: str | None) -> list[str] | None:
 
 
 @app.command("build-index")
+@_one_line_errors
 def build_index_command(
     store: StoreArg,
     run: Annotated[str, typer.Option(help="Run whose training rows are indexed.")],
     checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
-    method: MethodOption = Method.fisher,
+    method: MethodOption = Method[DEFAULT_METHOD],
     damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
     kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
     blocks: BlocksOption = Blocks.auto,
@@ -203,25 +200,25 @@ def build_index_command(
 ) -> None:
     """Fit a preconditioner (or reuse the store's fit) and build (or update) a persisted index; an exact index's
     rows are read and prepared now, and left in a row file for later calls (``"row_file"``)."""
-    with _user_errors():
-        index = _open(store).build_index(
-            run,
-            checkpoint=checkpoint,
-            method=method.value,
-            damping=damping,
-            kind=kind,
-            blocks=blocks.value,
-            refit=refit,
-            engine=_engine(engine, ray_address),
-        )
-        summary = index_summary(index)
-        if kind == "exact" and engine == EngineChoice.local:  # later calls (new processes) map the rows
-            row_file = index.warm()
-            summary["row_file"] = None if row_file is None else str(row_file)
+    index = _open(store).build_index(
+        run,
+        checkpoint=checkpoint,
+        method=method.value,
+        damping=damping,
+        kind=kind,
+        blocks=blocks.value,
+        refit=refit,
+        engine=_engine(engine, ray_address),
+    )
+    summary = index_summary(index)
+    if kind == "exact" and engine == EngineChoice.local:  # later calls (new processes) map the rows
+        row_file = index.warm()
+        summary["row_file"] = None if row_file is None else str(row_file)
     typer.echo(json.dumps(summary, indent=2))
 
 
 @app.command()
+@_one_line_errors
 def attribute(
     store: StoreArg,
     run: Annotated[str, typer.Option(help="Run to attribute against.")],
@@ -230,7 +227,7 @@ def attribute(
     ] = None,
     where: Annotated[str | None, typer.Option(help="SQL filter selecting query rows instead.")] = None,
     k: Annotated[int, typer.Option("-k", "--k", help="Results per query.")] = 10,
-    method: MethodOption = Method.fisher,
+    method: MethodOption = Method[DEFAULT_METHOD],
     checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
     damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
     kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
@@ -242,23 +239,31 @@ def attribute(
     rerank: Annotated[
         int, typer.Option(help="FAISS kinds: re-score the index's rerank x k candidates exactly (0: off).")
     ] = 0,
+    query_checkpoint: Annotated[
+        str | None, typer.Option(help="Checkpoint of the stored query rows (default: see docs/api.md).")
+    ] = None,
+    checkpoints: Annotated[str | None, typer.Option(help="tracin: comma-separated checkpoints summed over.")] = None,
+    write: Annotated[bool, typer.Option(help="Append the results to the store's scores table.")] = True,
 ) -> None:
-    """Top-k proponents (and opponents) of query examples; results are appended to the scores table."""
+    """Top-k proponents (and opponents) of query examples; results are appended to the scores table unless
+    --no-write (a store this process cannot write answers with --no-write)."""
     selected = _csv_list(queries) if queries else where
-    with _user_errors():
-        table = _open(store).attribute(
-            selected,
-            run=run,
-            k=k,
-            method=method.value,
-            checkpoint=checkpoint,
-            damping=damping,
-            kind=kind,
-            blocks=blocks.value,
-            opponents=opponents,
-            engine=_engine(engine, ray_address),
-            rerank=rerank,
-        )
+    table = _open(store).attribute(
+        selected,
+        run=run,
+        k=k,
+        method=method.value,
+        checkpoint=checkpoint,
+        query_checkpoint=query_checkpoint,
+        checkpoints=_csv_list(checkpoints),
+        write=write,
+        damping=damping,
+        kind=kind,
+        blocks=blocks.value,
+        opponents=opponents,
+        engine=_engine(engine, ray_address),
+        rerank=rerank,
+    )
     if out is not None:
         import pyarrow.parquet as pq
 
@@ -267,6 +272,7 @@ def attribute(
 
 
 @app.command()
+@_one_line_errors
 def select(
     store: StoreArg,
     run: Annotated[str, typer.Option(help="Run holding the candidate training rows.")],
@@ -274,7 +280,9 @@ def select(
         str | None, typer.Option(help="Comma-separated target query ids (default: every query row).")
     ] = None,
     budget: Annotated[float, typer.Option(help="Fraction (<= 1) or number of examples to select.")] = 0.05,
-    preconditioner: Annotated[str, typer.Option(help="Space of the cosine: grad-dot, diagonal, fisher.")] = "grad-dot",
+    preconditioner: Annotated[
+        SelectSpace, typer.Option(help="Method whose preconditioned space the cosines are taken in.")
+    ] = SelectSpace["grad-dot"],
     aggregate: Annotated[str, typer.Option(help="max (LESS) or mean over the target set.")] = "max",
     out: Annotated[Path | None, typer.Option(help="Write the selection to this parquet file.")] = None,
     engine: EngineOption = EngineChoice.local,
@@ -283,16 +291,15 @@ def select(
     """LESS-style data selection: the training examples most aligned with a target set."""
     from gradstore.selection import export_selection
 
-    with _user_errors():
-        count_or_fraction = int(budget) if budget > 1 and budget.is_integer() else budget
-        table = _open(store).select(
-            _csv_list(target),
-            run=run,
-            budget=count_or_fraction,
-            preconditioner=preconditioner,
-            aggregate=aggregate,
-            engine=_engine(engine, ray_address),
-        )
+    count_or_fraction = int(budget) if budget > 1 and budget.is_integer() else budget
+    table = _open(store).select(
+        _csv_list(target),
+        run=run,
+        budget=count_or_fraction,
+        preconditioner=preconditioner.value,
+        aggregate=aggregate,
+        engine=_engine(engine, ray_address),
+    )
     if out is not None:
         export_selection(table, out)
         typer.echo(f"wrote {table.num_rows} selected examples to {out}", err=True)
@@ -300,20 +307,30 @@ def select(
 
 
 @app.command("self-influence")
+@_one_line_errors
 def self_influence_command(
     store: StoreArg,
     run: Annotated[str, typer.Option(help="Run whose training rows are scored.")],
-    method: MethodOption = Method.fisher,
+    method: MethodOption = Method[DEFAULT_METHOD],
     checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
     top: Annotated[int, typer.Option(help="Rows shown.")] = 20,
+    damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
+    blocks: BlocksOption = Blocks.auto,
+    write: Annotated[bool, typer.Option(help="Append the values to the store's self_influence table.")] = True,
     engine: EngineOption = EngineChoice.local,
     ray_address: RayAddressOption = None,
 ) -> None:
-    """Self-influence of every training row (written to the self_influence table); shows the largest."""
-    with _user_errors():
-        table = _open(store).self_influence(
-            run=run, method=method.value, checkpoint=checkpoint, engine=_engine(engine, ray_address)
-        )
+    """Self-influence of every training row (written to the self_influence table unless --no-write); shows the
+    largest."""
+    table = _open(store).self_influence(
+        run=run,
+        method=method.value,
+        checkpoint=checkpoint,
+        damping=damping,
+        blocks=blocks.value,
+        write=write,
+        engine=_engine(engine, ray_address),
+    )
     _print_table(table.select(["example_id", "self_influence", "checkpoint", "method"]).slice(0, top), limit=top)
 
 
@@ -327,13 +344,17 @@ def _import_function(spec: str):
 
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
-        raise ValueError(f"--train must be module:function, got {spec!r}")
+        raise InvalidArgumentError(f"--train must be module:function, got {spec!r}")
     if "" not in sys.path:
         sys.path.insert(0, "")
-    return getattr(importlib.import_module(module_name), name)
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as error:
+        raise InvalidArgumentError(f"--train {spec!r} cannot be imported: {error}") from error
 
 
 @evaluate_app.command("lds")
+@_one_line_errors
 def evaluate_lds(
     store: StoreArg,
     run: Annotated[str, typer.Option(help="Run whose scores are checked.")],
@@ -348,7 +369,9 @@ def evaluate_lds(
         str | None, typer.Option(help="Comma-separated query example ids (default: every query row of the run).")
     ] = None,
     methods: Annotated[str, typer.Option(help="Comma-separated methods to score.")] = "grad-dot,fisher",
-    damping: Annotated[float | None, typer.Option(help="Relative damping of fisher/kfac.")] = None,
+    damping: Annotated[
+        float | None, typer.Option(help="Relative damping of the damped methods (diagonal, fisher, kfac, ...).")
+    ] = None,
     checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
     subsets: Annotated[int, typer.Option(help="Random training subsets retrained.")] = 100,
     fraction: Annotated[float, typer.Option(help="Share of the training set in each subset.")] = 0.5,
@@ -359,37 +382,36 @@ def evaluate_lds(
     from gradstore.core import sql_literal
     from gradstore.evaluate import lds
 
-    with _user_errors():
-        opened = _open(store)
-        train_fn = _import_function(train)
-        query_ids = _csv_list(queries) or [
-            row[0]
-            for row in opened.sql(
-                f"SELECT DISTINCT example_id FROM gradients WHERE run_id = {sql_literal(run)} AND split = 'query' "
-                "ORDER BY example_id"
-            ).fetchall()
-        ]
-        options = {"checkpoint": checkpoint} if checkpoint else {}
-        damped = {"damping": damping} if damping is not None else {}
-        chosen = {
-            m: {"method": m, **options, **(damped if m in ("fisher", "influence", "kfac", "diagonal") else {})}
-            for m in _csv_list(methods) or []
-        }
-        table, _ = lds(
-            opened,
-            run,
-            train_fn,
-            queries=query_ids,
-            methods=chosen,
-            subsets=subsets,
-            fraction=fraction,
-            seeds=[int(s) for s in _csv_list(seeds) or []],
-            seed=seed,
-        )
+    opened = _open(store)
+    train_fn = _import_function(train)
+    query_ids = _csv_list(queries) or [
+        row[0]
+        for row in opened.sql(
+            f"SELECT DISTINCT example_id FROM gradients WHERE run_id = {sql_literal(run)} AND split = 'query' "
+            "ORDER BY example_id"
+        ).fetchall()
+    ]
+    options = {"checkpoint": checkpoint} if checkpoint else {}
+    damped = {"damping": damping} if damping is not None else {}
+    chosen = {
+        m: {"method": m, **options, **(damped if resolve_method(m).damped else {})} for m in _csv_list(methods) or []
+    }
+    table, _ = lds(
+        opened,
+        run,
+        train_fn,
+        queries=query_ids,
+        methods=chosen,
+        subsets=subsets,
+        fraction=fraction,
+        seeds=[int(s) for s in _csv_list(seeds) or []],
+        seed=seed,
+    )
     _print_table(table.select(["label", "value", "stderr", "noise_ceiling", "queries", "subsets", "seeds"]))
 
 
 @app.command("row-files")
+@_one_line_errors
 def row_files(
     directory: Annotated[
         Path | None, typer.Option(help="Row file directory (default: GRADSTORE_CACHE_DIR's, else the user cache's).")
@@ -418,6 +440,7 @@ def row_files(
 
 
 @app.command()
+@_one_line_errors
 def report(
     store: StoreArg,
     run: Annotated[str | None, typer.Option(help="Only this run (default: every run).")] = None,
@@ -435,12 +458,12 @@ def report(
         import pyarrow.parquet as pq
 
         chosen = pq.read_table(selection)
-    with _user_errors():
-        path = _open(store).report(out, run=run, max_queries=max_queries, top=top, selection=chosen)
+    path = _open(store).report(out, run=run, max_queries=max_queries, top=top, selection=chosen)
     typer.echo(str(path.resolve()))
 
 
 @app.command()
+@_one_line_errors
 def demo(
     store: Annotated[Path, typer.Option(help="Store directory (replaced if it holds a store).")] = Path(
         "gradstore-demo"
@@ -451,10 +474,7 @@ def demo(
     """Run the whole job on a built-in corpus: train a tiny GPT under capture, attribute, report recall."""
     from gradstore.demo import DemoConfig, run_demo
 
-    try:
-        run_demo(store, DemoConfig(epochs=epochs, places=places), log=typer.echo)
-    except GradstoreError as error:
-        _fail(error)
+    run_demo(store, DemoConfig(epochs=epochs, places=places), log=typer.echo)
 
 
 if __name__ == "__main__":

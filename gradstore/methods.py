@@ -1,4 +1,4 @@
-"""Attribution methods: which preconditioner each uses, and on which side it is applied.
+"""The method registry: every attribution method, what it computes, which arguments it uses and what its rows need.
 
 | method       | score of training row g for query q                | preconditioner                          |
 |--------------|----------------------------------------------------|-----------------------------------------|
@@ -15,12 +15,19 @@
 ``trackstar`` (TrackStar, Chang et al. 2024) is meant for rows captured with ``normalizer="adam_factored"``
 (optimizer-aware: Adam second-moment normalisation): both sides are whitened by the Fisher of the stored rows
 and unit-normalised, so the score is a cosine in the whitened space.
+
+:data:`METHODS` is the one table the API, the CLI's choices and the docs' methods table come from: each
+:class:`Method` says which optional arguments it uses (:attr:`Method.uses`), which calls accept it
+(:attr:`Method.operations`) and what its rows must have (:attr:`Method.requires`). :func:`check_arguments`
+turns an argument the chosen method does not use into an ``InvalidArgumentError`` naming both.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from gradstore.errors import InvalidArgumentError
 
@@ -29,46 +36,221 @@ MethodName = Literal["grad-dot", "cosine", "diagonal", "fisher", "kfac", "ekfac"
 BlockStructure = Literal["auto", "layer", "full"]
 """Fisher blocks: one per layer, one full ``dim x dim`` block, or ``auto`` (full up to
 :data:`FULL_FISHER_MAX_DIM` dims, per layer above)."""
+Operation = Literal["attribute", "score_matrix", "self_influence", "select", "build_index", "token_scores"]
+"""The calls that take a ``method``."""
 
 #: ``blocks="auto"`` keeps a Fisher block full up to this many dims; larger vectors get one block per layer.
 FULL_FISHER_MAX_DIM = 2048
 DEFAULT_DAMPING = 0.1
+#: The method every scoring call uses when given none (the best single-checkpoint answer on the demo's facts).
+DEFAULT_METHOD = "fisher"
+
+#: Optional arguments a method may or may not use, with what each is for (the words of the error messages).
+OPTIONAL_ARGUMENTS = {
+    "damping": "the damping of a curvature-preconditioned method",
+    "blocks": "the Fisher block structure",
+    "checkpoints": "the checkpoints TracIn sums over",
+    "checkpoint": "the one checkpoint whose training rows are scored",
+    "kind": "the top-k index over one checkpoint's rows",
+    "rerank": "the exact second stage of a FAISS index",
+    "query_checkpoint": "the checkpoint of stored query rows scored against one checkpoint's training rows",
+    "device": "where the exact top-k search runs",
+}
+_ALL_OPERATIONS = frozenset(get_args(Operation))
+_ONE_CHECKPOINT = frozenset({"checkpoint", "kind", "rerank", "query_checkpoint", "device"})
+#: Optional arguments a call uses whatever its method (``select`` sums over its own ``checkpoints``).
+_OWN_ARGUMENTS = {"select": frozenset({"checkpoints"})}
 
 
 @dataclass(frozen=True)
 class Method:
-    """How a method scores: its preconditioner and whether it is applied to the query only."""
+    """One attribution method: how it scores, which arguments it uses, which calls take it, what it needs."""
 
     name: str
     preconditioner: str
     query_only: bool  # True: score = (P^-1 q) . g ; False: score = (P^-1/2 q) . (P^-1/2 g)
     damped: bool
+    summary: str
     eigen_correction: bool = False
     over_checkpoints: bool = False  # a learning-rate weighted sum over checkpoints (TracIn)
     unit_norm: bool = False  # both sides unit-normalised after preconditioning (a cosine in that space)
+    requires: str = ""  # what the run's rows must have, in words ("" : nothing beyond gradient rows)
+    operations: frozenset[str] = _ALL_OPERATIONS
+
+    @property
+    def uses(self) -> frozenset[str]:
+        """The optional arguments (:data:`OPTIONAL_ARGUMENTS`) this method uses."""
+        used = set()
+        if self.damped:
+            used.add("damping")
+        if self.preconditioner == "fisher":
+            used.add("blocks")
+        used |= {"checkpoints"} if self.over_checkpoints else _ONE_CHECKPOINT
+        return frozenset(used)
+
+    def check_operation(self, operation: str) -> None:
+        """``InvalidArgumentError`` unless ``operation`` takes this method."""
+        if operation not in self.operations:
+            takers = sorted(name for name, m in METHODS.items() if operation in m.operations)
+            raise InvalidArgumentError(f"{operation} does not take method={self.name!r}; use one of {takers}")
 
 
-METHODS = {
-    "grad-dot": Method("grad-dot", "identity", True, False),
-    "cosine": Method("cosine", "cosine", False, False),
-    "diagonal": Method("diagonal", "diagonal", True, True),
-    "fisher": Method("fisher", "fisher", True, True),
-    "kfac": Method("kfac", "kfac", True, True),
-    "ekfac": Method("ekfac", "kfac", True, True, eigen_correction=True),
-    "tracin": Method("tracin", "identity", True, False, over_checkpoints=True),
-    "trackstar": Method("trackstar", "fisher", False, True, unit_norm=True),
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(
+            "grad-dot",
+            "identity",
+            True,
+            False,
+            "q . g: the raw gradient inner product (no curvature)",
+        ),
+        Method(
+            "cosine",
+            "cosine",
+            False,
+            False,
+            "q . g / (|q| |g|): the gradients' cosine",
+            operations=frozenset({"attribute", "score_matrix", "build_index"}),
+        ),
+        Method(
+            "diagonal",
+            "diagonal",
+            True,
+            True,
+            "q^T (D + damping)^-1 g with D the rows' diagonal second moment",
+        ),
+        Method(
+            "fisher",
+            "fisher",
+            True,
+            True,
+            "q^T (F + damping)^-1 g with F the projected empirical Fisher of the rows (per layer or full)",
+        ),
+        Method(
+            "kfac",
+            "kfac",
+            True,
+            True,
+            "q^T (S (x) A + damping)^-1 g with Kronecker factors recorded at capture",
+            requires="curvature statistics: capture the run with curvature=True",
+        ),
+        Method(
+            "ekfac",
+            "kfac",
+            True,
+            True,
+            "kfac with its eigenvalues refitted on the stored rows (eigen-corrected)",
+            eigen_correction=True,
+            requires="curvature statistics: capture the run with curvature=True",
+        ),
+        Method(
+            "tracin",
+            "identity",
+            True,
+            False,
+            "sum over checkpoints of lr_c * q_c . g_c (TracIn-CP)",
+            over_checkpoints=True,
+            requires="query rows at checkpoints with a recorded learning rate (checkpoint passes)",
+            operations=frozenset({"attribute"}),
+        ),
+        Method(
+            "trackstar",
+            "fisher",
+            False,
+            True,
+            "cos(F^-1/2 q, F^-1/2 g): a cosine in the Fisher-whitened space (for Adam-normalised rows)",
+            unit_norm=True,
+            requires="rows captured with normalizer='adam_factored' (and the optimizer) for its intended use",
+            operations=frozenset({"attribute", "score_matrix", "build_index", "select"}),
+        ),
+    )
 }
 ALIASES = {"influence": "fisher", "graddot": "grad-dot", "grad_dot": "grad-dot", "tracin-cp": "tracin"}
 
 
-def resolve_method(name: str) -> Method:
-    """The :class:`Method` called ``name`` (or an alias); ``InvalidArgumentError`` naming the choices otherwise."""
-    key = ALIASES.get(name, name)
+def resolve_method(name: str, operation: str | None = None) -> Method:
+    """The :class:`Method` called ``name`` (or an alias); ``InvalidArgumentError`` naming the choices otherwise
+    (or when ``operation`` does not take it)."""
+    key = ALIASES.get(name, name) if isinstance(name, str) else name
     if key not in METHODS:
         raise InvalidArgumentError(
             f"unknown attribution method {name!r}; choose one of {sorted(METHODS)} (aliases: {sorted(ALIASES)})"
         )
-    return METHODS[key]
+    method = METHODS[key]
+    if operation is not None:
+        method.check_operation(operation)
+    return method
+
+
+def method_names(operation: str | None = None) -> list[str]:
+    """The methods ``operation`` takes (every method: ``None``), in the registry's order."""
+    return [name for name, m in METHODS.items() if operation is None or operation in m.operations]
+
+
+def check_arguments(operation: str, method: Method, given: Mapping[str, Any]) -> None:
+    """Refuse an argument ``method`` does not use: ``given`` maps the optional arguments the caller set (those
+    left at their neutral default are not in it) to their values; also checks ``damping`` and ``rerank``."""
+    method.check_operation(operation)
+    for argument in given:
+        if argument not in method.uses and argument not in _OWN_ARGUMENTS.get(operation, ()):
+            users = [name for name, m in METHODS.items() if argument in m.uses]
+            raise InvalidArgumentError(
+                f"{operation}(method={method.name!r}) does not use {argument}= ({OPTIONAL_ARGUMENTS[argument]}): "
+                f"remove it, or choose a method that uses it ({', '.join(users)})"
+            )
+    if "damping" in given:
+        check_damping(given["damping"])
+    if "rerank" in given:
+        check_rerank(given["rerank"], given.get("kind", "exact"))
+
+
+#: The value of each optional argument that means "not given" (the call's own default).
+NOT_GIVEN: dict[str, Any] = {
+    "damping": None,
+    "blocks": "auto",
+    "checkpoint": None,
+    "checkpoints": None,
+    "kind": "exact",
+    "rerank": 0,
+    "query_checkpoint": None,
+    "device": None,
+}
+
+
+def given_arguments(**arguments: Any) -> dict[str, Any]:
+    """The optional arguments among ``arguments`` that differ from :data:`NOT_GIVEN` (what the caller set)."""
+    return {name: value for name, value in arguments.items() if not _same(value, NOT_GIVEN[name])}
+
+
+def _same(value: Any, default: Any) -> bool:
+    return (
+        value is default
+        if default is None
+        else (value is not None and type(value) is type(default) and value == default)
+    )
+
+
+def check_damping(damping: float) -> float:
+    """``damping`` if it is a finite number > 0 (relative to the mean eigenvalue)."""
+    if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not math.isfinite(damping) or damping <= 0:
+        raise InvalidArgumentError(
+            f"damping must be a finite number > 0 (relative to the mean eigenvalue; default {DEFAULT_DAMPING}), "
+            f"got {damping!r}"
+        )
+    return float(damping)
+
+
+def check_rerank(rerank: int, kind: str) -> int:
+    """``rerank`` if it is a whole number >= 1 and ``kind`` is a FAISS index whose candidates it re-scores."""
+    if isinstance(rerank, bool) or not isinstance(rerank, int) or rerank < 0:
+        raise InvalidArgumentError(f"rerank must be a whole number >= 0 (0: off), got {rerank!r}")
+    if rerank and kind == "exact":
+        raise InvalidArgumentError(
+            "rerank re-scores a FAISS index's candidates exactly; kind='exact' is exact already: "
+            "drop rerank, or pass a FAISS kind such as kind='HNSW32,Flat'"
+        )
+    return rerank
 
 
 def check_blocks(blocks: str) -> str:
@@ -83,3 +265,13 @@ def check_k(k: int) -> int:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise InvalidArgumentError(f"k must be a whole number >= 1, got {k!r}")
     return k
+
+
+def methods_table() -> str:
+    """The registry as a Markdown table (the docs' methods table is checked against it)."""
+    lines = ["| method | score | uses | takes | needs |", "|---|---|---|---|---|"]
+    for m in METHODS.values():
+        uses = ", ".join(sorted(m.uses)) or "-"
+        takes = ", ".join(op for op in get_args(Operation) if op in m.operations)
+        lines.append(f"| `{m.name}` | {m.summary} | {uses} | {takes} | {m.requires or '-'} |")
+    return "\n".join(lines)

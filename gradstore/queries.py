@@ -1,11 +1,17 @@
 """Resolving what the user calls "queries" into query ids and vectors.
 
 Accepted forms:
-- ``None``: every ``split = 'query'`` row of the run at the checkpoint;
+- ``None``: every ``split = 'query'`` row of the run at the query checkpoint (below);
 - a ``str``: a SQL filter on the gradients table (e.g. ``"split = 'query' AND example_id LIKE 'q1%'"``);
 - a list of example ids: the run's query rows with those ids (``KeyError`` naming any missing id);
 - a :class:`QueryBatch` (a model and a batch): captured on the fly with the run's projection, not stored;
 - an array ``[q, dim]``: raw query vectors (ids ``"q0"``, ``"q1"``, ...).
+
+Stored queries (the first three forms) are read at the *query checkpoint*: ``query_checkpoint=`` when given;
+else the checkpoint of the training rows when the run has query rows there; else the one checkpoint the run's
+query rows were captured at (queries captured on the final model, attributed against rows captured during
+training). Query rows at several other checkpoints and none at the training rows' one: pass
+``query_checkpoint=``.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from typing import Any, Union
 import numpy as np
 import torch
 
+from gradstore.arguments import row_checkpoints
 from gradstore.capture import config_for_run
 from gradstore.core import StoreCore, sql_in
 from gradstore.core.database import check_spec
+from gradstore.core.filters import check_filter
 from gradstore.errors import InvalidArgumentError, MissingIdsError, NonFiniteGradientError, SchemaMismatchError
 from ingest import GradientCapture
 
@@ -52,17 +60,53 @@ class Queries:
     vectors: np.ndarray  # float32 [q, dim]
 
 
-def resolve_queries(store: StoreCore, queries: QueryInput, run: str, checkpoint: str) -> Queries:
-    """Turn any accepted query form into :class:`Queries` for ``run`` at ``checkpoint``."""
+def stored_queries(queries: QueryInput) -> bool:
+    """Whether ``queries`` names stored query rows (``None``, a filter or ids) rather than giving vectors."""
+    return not isinstance(queries, (QueryBatch, np.ndarray, torch.Tensor))
+
+
+def query_checkpoint_for(
+    store: StoreCore, run: str, checkpoint: str | None, query_checkpoint: str | None
+) -> str | None:
+    """The checkpoint stored queries of ``run`` are read at when its training rows are at ``checkpoint`` (the
+    rule in the module docstring)."""
+    if query_checkpoint is not None:
+        if not isinstance(query_checkpoint, str) or not query_checkpoint:
+            raise InvalidArgumentError(f"query_checkpoint must be a non-empty string, got {query_checkpoint!r}")
+        return query_checkpoint
+    found = row_checkpoints(store, run, "query")
+    if checkpoint in found or not found:
+        return checkpoint
+    if len(found) == 1:
+        return found[0]
+    raise InvalidArgumentError(
+        f"run {run!r} has query rows at checkpoints {found} and none at the training rows' checkpoint "
+        f"{checkpoint!r}: pass query_checkpoint=... (one of {found})"
+    )
+
+
+def resolve_queries(
+    store: StoreCore, queries: QueryInput, run: str, checkpoint: str | None, query_checkpoint: str | None = None
+) -> Queries:
+    """Turn any accepted query form into :class:`Queries` for ``run``'s training rows at ``checkpoint``; stored
+    queries are read at :func:`query_checkpoint_for`."""
     dim = store.run(run)["dim"]
+    if query_checkpoint is not None and not stored_queries(queries):
+        raise InvalidArgumentError(
+            "query_checkpoint= picks stored query rows; queries given as vectors or a QueryBatch have none: remove it"
+        )
+    if stored_queries(queries):
+        checkpoint = query_checkpoint_for(store, run, checkpoint, query_checkpoint)
     if isinstance(queries, QueryBatch):
         resolved = capture_queries(store, queries, run, checkpoint)
     elif isinstance(queries, (np.ndarray, torch.Tensor)):
         vectors = np.asarray(queries.detach().cpu() if isinstance(queries, torch.Tensor) else queries, np.float32)
         vectors = vectors[None] if vectors.ndim == 1 else vectors
+        if vectors.ndim != 2:
+            raise InvalidArgumentError(f"query vectors must be [queries, dim], got shape {tuple(vectors.shape)}")
         resolved = Queries([f"q{i}" for i in range(len(vectors))], vectors)
     elif queries is None or isinstance(queries, str):
-        where = "split = 'query'" if queries is None else queries
+        where = "split = 'query'" if queries is None else check_filter(queries)
         block = store.read_gradients(run, checkpoint=checkpoint, where=where)
         resolved = Queries(block.metadata.column("example_id").to_pylist(), block.vectors)
     else:
@@ -81,7 +125,13 @@ def resolve_queries(store: StoreCore, queries: QueryInput, run: str, checkpoint:
         order = [position[q] for q in wanted]
         resolved = Queries(wanted, block.vectors[order])
     if not resolved.ids:
-        raise InvalidArgumentError(f"no queries selected in run {run!r} at checkpoint {checkpoint!r}")
+        found = row_checkpoints(store, run, "query")
+        hint = (
+            f"query rows exist at checkpoints {found}: pass query_checkpoint=..."
+            if found
+            else "capture query rows with store.capture(model, run=..., split='query'), or pass vectors"
+        )
+        raise InvalidArgumentError(f"no queries selected in run {run!r} at checkpoint {checkpoint!r}; {hint}")
     if resolved.vectors.shape[1] != dim:
         raise SchemaMismatchError(f"query vectors have {resolved.vectors.shape[1]} dims; run {run!r} has {dim}")
     if not np.isfinite(resolved.vectors).all():

@@ -18,12 +18,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from gradstore.arguments import check_where
 from gradstore.attribution import learning_rates, per_example_shards
 from gradstore.core import StoreCore, one_snapshot
 from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError
 from gradstore.fitting import FitCache, Selection
-from gradstore.methods import BlockStructure, resolve_method
+from gradstore.methods import BlockStructure, check_arguments, given_arguments, resolve_method
 from gradstore.queries import QueryInput, resolve_queries
 from gradstore.scans import example_totals, unit_rows
 
@@ -54,12 +55,10 @@ def select(
     are summed by one task); the result holds one score per example until the budget is cut."""
     if aggregate not in AGGREGATES:
         raise InvalidArgumentError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
-    method = resolve_method(preconditioner)
-    if method.over_checkpoints or method.name == "cosine":
-        raise InvalidArgumentError(
-            f"select takes cosines in a preconditioned space: {method.name!r} is not one "
-            "(use grad-dot, diagonal, fisher, kfac or ekfac)"
-        )
+    budget_count(budget, 1)  # a bad budget fails before any work
+    method = resolve_method(preconditioner, "select")  # cosines in a preconditioned space: not cosine or tracin
+    check_arguments("select", method, given_arguments(damping=damping, blocks=blocks, checkpoints=checkpoints))
+    check_where(store, run, where)
     try:
         rates = learning_rates(store, run, checkpoints)
     except InvalidArgumentError:

@@ -16,14 +16,23 @@ import pyarrow as pa
 import torch
 from torch import nn
 
+from gradstore.arguments import require_rows
 from gradstore.attribution import ScoreMatrix, attribute, score_matrix, self_influence
 from gradstore.capture import RUN_DEFAULT, StoreCapture, config_for_run
 from gradstore.core import StoreCore, WriterConfig, connect
 from gradstore.core.rowfiles import RowFiles
 from gradstore.engine import Engine, EngineName, resolve_engine
+from gradstore.errors import surface
 from gradstore.fitting import FitCache, Selection
 from gradstore.index import AttributionIndex, build_index, load_index
-from gradstore.methods import BlockStructure, MethodName
+from gradstore.methods import (
+    DEFAULT_METHOD,
+    BlockStructure,
+    MethodName,
+    check_arguments,
+    given_arguments,
+    resolve_method,
+)
 from gradstore.queries import QueryBatch, QueryInput
 from gradstore.report import ReportOptions, write_report
 from gradstore.selection import Aggregate, select
@@ -71,6 +80,7 @@ class GradStore(StoreCore):
         rank: int | None = None,
         per_example_loss: Callable[..., torch.Tensor] | None = None,
         grad_scaler: Any = None,
+        on_nonfinite: Literal["skip", "raise"] = "skip",
         max_pending_batches: int = 4,
         writer: WriterConfig | None = None,
         resume: bool = False,
@@ -90,6 +100,10 @@ class GradStore(StoreCore):
         unless told otherwise, and one whose projection differs is refused with ``ProjectionMismatchError``.
         ``resume=True`` (a job restarted from a checkpoint): rows of ``(checkpoint, step, split, example_id)``
         already committed to the run are skipped (:mod:`gradstore.resume`).
+        ``grad_scaler``: the loop's AMP ``GradScaler`` (its scale is divided out of the rows). ``on_nonfinite``: a
+        training batch whose gradients hold NaN/Inf, or whose step the scaler skipped, is not written but listed in
+        the ``skipped_steps`` table with a warning (``"skip"``), or ``NonFiniteGradientError`` stops the loop at
+        the ``backward()`` that produced it (``"raise"``).
         """
         options = {
             "split": split,
@@ -110,6 +124,7 @@ class GradStore(StoreCore):
             "normalizer": normalizer,
             "fused": fused,
             "max_pending_batches": max_pending_batches,
+            "on_nonfinite": on_nonfinite,
         }
         if rank is not None:
             options["rank"] = rank
@@ -134,7 +149,7 @@ class GradStore(StoreCore):
         run: str,
         *,
         checkpoint: str | None = None,
-        method: MethodName = "grad-dot",
+        method: MethodName = DEFAULT_METHOD,
         damping: float | None = None,
         kind: IndexKind = "exact",
         split: str = "train",
@@ -148,7 +163,10 @@ class GradStore(StoreCore):
         index, incrementally when rows were appended since. ``kind``: ``"exact"``, ``"auto"`` or a FAISS
         factory string; ``blocks``: the Fisher block structure (``"layer"``, ``"full"``, ``"auto"``);
         ``engine``: where the fit runs (``"local"``, ``"ray"`` or a :class:`~gradstore.engine.RayEngine`)."""
+        resolved = resolve_method(method, "build_index")
+        check_arguments("build_index", resolved, given_arguments(damping=damping, blocks=blocks))
         selection = Selection(run, checkpoint or self.default_checkpoint(run), split, where)
+        require_rows(self, selection)
         return build_index(
             self,
             self.fits,
@@ -173,8 +191,9 @@ class GradStore(StoreCore):
         *,
         run: str,
         k: int = 10,
-        method: MethodName = "grad-dot",
+        method: MethodName = DEFAULT_METHOD,
         checkpoint: str | None = None,
+        query_checkpoint: str | None = None,
         checkpoints: Sequence[str] | None = None,
         damping: float | None = None,
         blocks: BlockStructure = "auto",
@@ -188,12 +207,15 @@ class GradStore(StoreCore):
     ) -> pa.Table:
         """Top-k proponents (and with ``opponents=True`` the bottom-k opponents) of each query.
 
-        ``queries``: ``None`` (every query row of the run at the checkpoint), a SQL filter, a list of query
-        example ids, a :class:`~gradstore.queries.QueryBatch` or raw vectors ``[q, dim]``. ``method``:
-        ``grad-dot``, ``cosine``, ``diagonal``, ``fisher``/``influence``, ``kfac``, ``ekfac`` or ``tracin``
-        (which sums over ``checkpoints``, default all recorded with a learning rate). ``where`` filters the
-        training rows. ``engine``: where fitting and the exact scan run, ``"local"`` (this process) or
-        ``"ray"`` (or a :class:`~gradstore.engine.RayEngine` with an address); both give the same results.
+        ``queries``: ``None`` (every stored query row of the run), a SQL filter, a list of query example ids, a
+        :class:`~gradstore.queries.QueryBatch` or raw vectors ``[q, dim]``. Training rows are those of
+        ``checkpoint`` (default: the run's latest); stored queries are read at ``query_checkpoint`` (default: the
+        same checkpoint when the run has query rows there, else the one checkpoint its query rows were captured
+        at, e.g. ``"final"``). ``method``: one of :data:`gradstore.methods.METHODS` (default ``fisher``;
+        ``tracin`` sums over ``checkpoints``, default all recorded with a learning rate); an argument the method
+        does not use (``damping`` for grad-dot, ``checkpoints`` for fisher, ...) is an ``InvalidArgumentError``.
+        ``where`` filters the training rows. ``engine``: where fitting and the exact scan run, ``"local"`` (this
+        process) or ``"ray"`` (or a :class:`~gradstore.engine.RayEngine` with an address); both give the same results.
         ``rerank=m`` (FAISS kinds): the index's ``m * k`` candidates are re-scored exactly from the stored rows.
         Returns ``(query_id, example_id, grad_id, score, rank, method, run_id, checkpoint, index_name)``,
         also appended to ``scores`` unless ``write=False``.
@@ -206,6 +228,7 @@ class GradStore(StoreCore):
             k=k,
             method=method,
             checkpoint=checkpoint,
+            query_checkpoint=query_checkpoint,
             checkpoints=checkpoints,
             damping=damping,
             blocks=blocks,
@@ -223,15 +246,16 @@ class GradStore(StoreCore):
         queries: QueryInput = None,
         *,
         run: str,
-        method: MethodName = "fisher",
+        method: MethodName = DEFAULT_METHOD,
         checkpoint: str | None = None,
+        query_checkpoint: str | None = None,
         damping: float | None = None,
         blocks: BlockStructure = "auto",
         split: str = "train",
         where: str | None = None,
     ) -> ScoreMatrix:
         """Dense queries x training rows scores with their ids (``.scores`` numpy, ``.torch()``), for small
-        problems; nothing is written to ``scores``."""
+        problems; nothing is written to ``scores``. Arguments as for :meth:`attribute`."""
         return score_matrix(
             self,
             self.fits,
@@ -239,6 +263,7 @@ class GradStore(StoreCore):
             run=run,
             method=method,
             checkpoint=checkpoint,
+            query_checkpoint=query_checkpoint,
             damping=damping,
             blocks=blocks,
             split=split,
@@ -249,7 +274,7 @@ class GradStore(StoreCore):
         self,
         *,
         run: str,
-        method: MethodName = "fisher",
+        method: MethodName = DEFAULT_METHOD,
         checkpoint: str | None = None,
         damping: float | None = None,
         blocks: BlockStructure = "auto",
@@ -320,7 +345,7 @@ class GradStore(StoreCore):
         *,
         run: str,
         k: int = 10,
-        method: MethodName = "grad-dot",
+        method: MethodName = DEFAULT_METHOD,
         checkpoint: str | None = None,
         damping: float | None = None,
         blocks: BlockStructure = "auto",
@@ -410,3 +435,31 @@ def open_store(
         storage_options=storage_options,
         row_files=row_files,
     )
+
+
+#: The store's API: these calls raise nothing but ``GradstoreError`` for what a user gives them
+#: (:func:`gradstore.errors.surface`); everything else on the class is plumbing.
+API = (
+    "capture",
+    "build_index",
+    "index",
+    "attribute",
+    "score_matrix",
+    "self_influence",
+    "select",
+    "token_scores",
+    "report",
+    "add_examples",
+    "sql",
+    "runs",
+    "run",
+    "checkpoints",
+    "read_gradients",
+    "writer",
+    "compact",
+    "verify",
+    "info",
+)
+for _name in API:
+    setattr(GradStore, _name, surface(getattr(GradStore, _name)))
+open_store = surface(open_store)

@@ -78,6 +78,6 @@ def gradient_filter(
             clauses.append(f"step >= {int(low)}")
         if high is not None:
             clauses.append(f"step <= {int(high)}")
-    if where:
+    if where is not None:
         clauses.append(f"({check_filter(where)})")
     return " AND ".join(clauses) or None

@@ -29,6 +29,7 @@ import gradstore
 from gradstore.demo.bm25 import BM25
 from gradstore.demo.corpus import Corpus, Example, build_corpus
 from gradstore.demo.model import TinyGPT, WordTokenizer
+from gradstore.methods import resolve_method
 from gradstore.queries import QueryBatch
 from ingest.basis import estimate_basis
 from ingest.capture import ProjectionConfig
@@ -247,9 +248,11 @@ def run_demo(
     query_fact = {q.example_id: q.fact_id for q in corpus.queries}
     final = f"epoch-{_checkpoint_epochs(config)[-1]}"
     recalls: dict[str, float] = {}
+    passes = [f"epoch-{e}" for e in _checkpoint_epochs(config)]
     for method in tqdm(config.methods, desc="attributing", unit="method"):
-        passes = [f"epoch-{e}" for e in _checkpoint_epochs(config)]
-        table = store.attribute(run=RUN, k=config.k, method=method, checkpoint=final, checkpoints=passes).to_pandas()
+        # TracIn sums over every checkpoint pass; the other methods score the final checkpoint's rows
+        where = {"checkpoints": passes} if resolve_method(method).over_checkpoints else {"checkpoint": final}
+        table = store.attribute(run=RUN, k=config.k, method=method, **where).to_pandas()
         top = table.sort_values(["query_id", "rank"]).groupby("query_id").example_id.apply(list).to_dict()
         recalls[method] = fact_recall(top, fact_of, query_fact)
 
