@@ -7,8 +7,16 @@ class (``except ingest.ProjectionMismatchError`` keeps working) and chains it as
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import indexers
 import ingest
+
+_Function = TypeVar("_Function", bound=Callable[..., Any])
 
 
 class GradstoreError(Exception):
@@ -40,6 +48,11 @@ class NotAStoreError(GradstoreError, FileNotFoundError):
 
 class StoreCorruptError(GradstoreError):
     """A store table or side file exists but cannot be read (damaged files, foreign schema)."""
+
+
+class StorePermissionError(GradstoreError, PermissionError):
+    """The store (or a file of it) may not be read or written by this process: file modes, a read-only mount, or
+    object-store credentials that are missing or refused. Writes asked of a store opened read-only raise it too."""
 
 
 class SchemaMismatchError(GradstoreError, ValueError):
@@ -104,3 +117,66 @@ def translated(error: BaseException) -> GradstoreError | None:
                 return IndexMismatchError(error.differences)
             return ours(*error.args)
     return None
+
+
+#: Keywords the API no longer takes -> what replaces them (the error names it).
+REMOVED_KEYWORDS = {
+    "eigen_correction": "method='ekfac' (eigen-corrected K-FAC is a method of its own)",
+    "preconditioner_method": "method=...",
+}
+
+
+def surface_error(error: BaseException) -> GradstoreError | None:
+    """The gradstore error a non-gradstore ``error`` escaping a public call is raised as (``from error``):
+    a lower layer's error as its gradstore twin, ``PermissionError`` as :class:`StorePermissionError`, Lance's
+    invalid-input ``ValueError`` as :class:`InvalidArgumentError`; ``None`` for anything else (a fault, not
+    the user's input: it propagates as it is)."""
+    ours = translated(error)
+    if ours is not None:
+        return ours
+    if isinstance(error, PermissionError):
+        return StorePermissionError(
+            f"permission denied: {error} (check the store's file modes or object-store credentials; "
+            "a store this process cannot write answers reads with write=False)"
+        )
+    if isinstance(error, ValueError) and str(error).startswith("Invalid user input"):
+        return InvalidArgumentError(f"the store refused an argument: {str(error).splitlines()[0]}")
+    return None
+
+
+def surface(function: _Function) -> _Function:
+    """Decorate a public entry point: keywords it does not take raise :class:`InvalidArgumentError` naming the
+    ones it does (and a removed keyword's replacement), and errors escaping it go through :func:`surface_error`."""
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise _argument_error(function.__name__, signature, kwargs, error) from error
+        try:
+            return function(*args, **kwargs)
+        except GradstoreError:
+            raise
+        except Exception as error:
+            ours = surface_error(error)
+            if ours is None:
+                raise
+            raise ours from error
+
+    return call  # type: ignore[return-value]
+
+
+def _argument_error(
+    name: str, signature: inspect.Signature, kwargs: dict[str, Any], error: TypeError
+) -> InvalidArgumentError:
+    known = [p for p in signature.parameters if p != "self"]
+    for keyword in kwargs:
+        if keyword in REMOVED_KEYWORDS:
+            return InvalidArgumentError(f"{name}() no longer takes {keyword}=: use {REMOVED_KEYWORDS[keyword]}")
+        if keyword not in signature.parameters:
+            close = difflib.get_close_matches(keyword, known, n=1)
+            hint = f"did you mean {close[0]}=? " if close else ""
+            return InvalidArgumentError(f"{name}() takes no argument {keyword}=: {hint}it takes {', '.join(known)}")
+    return InvalidArgumentError(f"{name}(): {error} (it takes {', '.join(known)})")
