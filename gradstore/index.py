@@ -14,7 +14,13 @@ factory string (``"Flat"``, ``"HNSW32,Flat"``, ``"IVF1024,Flat"``, ...); ``"auto
 holds the rows in the balanced space (:meth:`~gradstore.scoring.ScoringSpace.balanced`: ``P^-1/2`` on rows and
 queries alike, manifest ``first_stage: "balanced"``); indexes built before it hold the prepared rows and are
 searched with prepared queries. On real gradients only an exhaustive compressed scan or an HNSW graph over the
-balanced rows holds the neighbours (``docs/scale.md``): IVF partitions do not.
+balanced rows holds the neighbours (``docs/scale.md``): IVF partitions do not. A FAISS search can find fewer
+than ``k`` rows for a query (the IVF lists probed, or the HNSW graph search, hold fewer): it warns, and
+:func:`valid_entries` keeps only the rows found.
+
+Where searches run (``device=``, :func:`check_device`; :attr:`AttributionIndex.search_path` says where they do):
+exact search on the torch device asked for, by default CUDA when torch sees a GPU; FAISS on every GPU where faiss
+can use them, except HNSW graphs (no GPU version) and with ``device="cpu"``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import logging
 import re
 import tempfile
 import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import astuple
 from datetime import datetime, timezone
@@ -40,7 +47,13 @@ from gradstore.core.cachefiles import cache_file_name, dataset_content
 from gradstore.core.sidefiles import check_component
 from gradstore.core.stored_rows import stored_blocks
 from gradstore.engine import Engine, LocalEngine
-from gradstore.errors import IndexMismatchError, InvalidArgumentError, StoreCorruptError, UnknownIndexError
+from gradstore.errors import (
+    IndexMismatchError,
+    InvalidArgumentError,
+    StoreCorruptError,
+    StorePermissionError,
+    UnknownIndexError,
+)
 from gradstore.fitting import FitCache, FitSpec, Selection, fit_spec
 from gradstore.methods import DEFAULT_DAMPING, BlockStructure, Method, resolve_method
 from gradstore.rerank import RowLocator
@@ -48,16 +61,21 @@ from gradstore.rerank import rerank as exact_rerank
 from gradstore.scans import TopK, faiss_parts, top_k
 from gradstore.scoring import ScoringSpace, as_float32
 from indexers import (
+    MISSING_ID,
     UNIT_BF16_NORM,
     ExactIndex,
     FaissIndex,
+    FewerResultsWarning,
     PreparedRows,
     VectorBlocks,
     choose_index_kind,
+    found_counts,
     gpu_available,
     load_preconditioner,
     manifest_diff,
+    packed,
     prefetched,
+    resolve_device,
 )
 from indexers import IndexMismatchError as LowerIndexMismatchError
 from indexers.saved_rows import rows_from_state
@@ -91,7 +109,11 @@ class AttributionIndex:
         indexed_ids: np.ndarray | None = None,
         cache_bytes: int | None = None,
         first_space: ScoringSpace | None = None,
+        device: str | torch.device | None = None,
     ) -> None:
+        self.device = check_device(manifest["kind"], manifest["dim"], device)
+        """The device searches were asked to run on (:func:`check_device`), ``None`` for the default; where they
+        do run: :attr:`search_path`."""
         self.store = store
         self.manifest = manifest
         self.space = space
@@ -128,12 +150,17 @@ class AttributionIndex:
     @property
     def search_path(self) -> str:
         """Where and how a search of this index runs on this machine, e.g. ``"exact, bfloat16 kernel on cpu"``
-        (the bf16 screen where the CPU multiplies bf16 natively, float32 elsewhere and on CUDA) or
-        ``"faiss HNSW32,SQfp16 on gpu"`` (a copy on the GPUs where faiss has GPU support and a driver answers)."""
+        (the bf16 screen where the CPU multiplies bf16 natively, float32 elsewhere and on CUDA; the torch device
+        the search uses, ``"cuda:1"`` when asked for) or ``"faiss IVF1024,Flat on gpu"`` (a copy on every GPU, where
+        faiss has GPU support and a driver answers, unless ``device="cpu"``; once searched, where the copy searched
+        is). HNSW graphs are searched on the CPU: FAISS has no GPU version of them. Exact searches on an engine
+        other than this process score on its workers' CPUs; FAISS GPU searches of ``k`` above
+        :data:`indexers.faiss_index.GPU_MAX_K` on a CPU copy."""
         if self.faiss_index is not None:
-            return f"faiss {self.manifest['kind']} on {'gpu' if gpu_available() else 'cpu'}"
+            on_gpu = self._gpu_copy.on_gpu if self._gpu_copy is not None else self._faiss_on_gpu()
+            return f"faiss {self.manifest['kind']} on {'gpu' if on_gpu else 'cpu'}"
         exact = self._exact()
-        return f"exact, {exact.kernel} kernel on {exact.device.type}"
+        return f"exact, {exact.kernel} kernel on {exact.device}"
 
     def prepare_queries(self, queries: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Queries in the space the stored rows are searched in."""
@@ -162,7 +189,13 @@ class AttributionIndex:
 
         Exact search reads the rows on ``engine`` (default: this process, from the rows the store's row
         cache holds, see :meth:`_rows`); FAISS search runs here, and with ``rerank=m`` its
-        ``m * k`` best candidates are re-scored exactly from the stored rows (:mod:`gradstore.rerank`)."""
+        ``m * k`` best candidates are re-scored exactly from the stored rows (:mod:`gradstore.rerank`).
+
+        Every side is ``(scores [q, k'], grad_ids [q, k'])``, best first, ``k' = min(k, rows)``. A FAISS search may
+        find fewer than ``k'`` rows for some queries (the IVF lists probed, or the HNSW graph search, hold fewer;
+        reranked candidates deleted since the build): their rows end in entries of ``grad_id`` ``-1``
+        (:data:`~indexers.faiss_index.MISSING_ID`, score ``-inf``), which :func:`valid_entries` leaves out, and one
+        :class:`~indexers.FewerResultsWarning` per call says how many queries and what finds more."""
         prepared = self.space.queries(queries)
         if self.faiss_index is not None:
             if False in sides:
@@ -171,19 +204,55 @@ class AttributionIndex:
                 )
             first = self.first_stage(queries, rows=False)
             if rerank > 0:
-                _, candidates = self._searchable().search(first, rerank * k)
-                return {
-                    True: exact_rerank(
-                        self.store, self.selection.run, self.space, prepared, candidates, k, self._locator
-                    )
-                }
-            return {True: self._searchable().search(first, k)}
+                _, candidates = self._searchable().search(first, rerank * k, warn=False)
+                scores, ids = exact_rerank(
+                    self.store, self.selection.run, self.space, prepared, candidates, k, self._locator
+                )
+                scores, ids = packed(scores, ids, (ids == MISSING_ID) | np.isneginf(scores))
+            else:
+                scores, ids = self._searchable().search(first, k, warn=False)
+            self._warn_if_short(ids, k, rerank)
+            return {True: (scores, ids)}
         engine = engine or LocalEngine()
+        if not isinstance(engine, LocalEngine) and self.device is not None and self.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"device={str(self.device)!r} is where this process searches; engine {type(engine).__name__} "
+                "scores the rows on its workers' CPUs: search with engine='local' or leave device unset"
+            )
         if isinstance(engine, LocalEngine):  # stream the stored rows with read-ahead, or search the cache
             rows = self._rows()
             return {side: self._exact().search(prepared, rows, k, largest=side) for side in sides}
         shards = self.selection.shards(self.store, engine.parallelism)
         return top_k(engine, shards, self.space, prepared, k, sides)
+
+    def _warn_if_short(self, ids: np.ndarray, k: int, rerank: int) -> None:
+        """One :class:`~indexers.FewerResultsWarning` when some queries of a FAISS search got fewer than
+        ``min(k, rows indexed)`` rows: how many, why, and what finds more."""
+        wanted = min(k, self.faiss_index.ntotal)
+        short = int((found_counts(ids) < wanted).sum())
+        if not short:
+            return
+        faiss_index = self._searchable()
+        if faiss_index.nlist is not None:
+            fix = (
+                f"probe more lists (index.faiss_index.nprobe, now {faiss_index.nprobe}; {faiss_index.nlist} probes "
+                "every list) or build with fewer lists (the N of kind='IVFN,...')"
+            )
+        elif faiss_index.graph:
+            fix = (
+                f"rerank more candidates (rerank=m searches the graph for m * k: now {max(rerank, 1)} * {k}) or raise "
+                f"index.faiss_index.ef_search (now {faiss_index.ef_search})"
+            )
+        else:
+            fix = "use another kind"
+        deleted = " or candidates deleted since the index was built" if rerank > 0 else ""
+        warnings.warn(
+            f"index {self.name!r} ({self.manifest['kind']}) found fewer than k={k} rows for {short} of {len(ids)} "
+            f"queries ({faiss_index.shortfall_reason()}{deleted}): those queries get fewer rows. For k rows, "
+            f"search exactly (kind='exact'), {fix}",
+            FewerResultsWarning,
+            stacklevel=3,
+        )
 
     def first_stage(self, vectors: np.ndarray | torch.Tensor, rows: bool) -> np.ndarray:
         """Raw ``vectors`` (stored ``rows``, or queries) as the FAISS index holds and searches them: in the balanced
@@ -292,7 +361,9 @@ class AttributionIndex:
         """The exact kernel for this index's rows: rows searched as stored in the bfloat16 encoding are unit rows
         rounded to bf16, so their norms are known without measuring them."""
         bf16_units = self.method.query_only and self.store.storage_dtype == "bfloat16"
-        return ExactIndex(block_rows=READ_BLOCK_ROWS, max_norm=UNIT_BF16_NORM if bf16_units else None)
+        return ExactIndex(
+            device=self.device, block_rows=READ_BLOCK_ROWS, max_norm=UNIT_BF16_NORM if bf16_units else None
+        )
 
     def cached_rows(self) -> PreparedRows | None:
         """The rows an exact search of this index finds in the store's row cache now (``None``: the next search
@@ -300,21 +371,28 @@ class AttributionIndex:
         return self.store.row_cache.get(self._cache_key())
 
     def _cache_key(self) -> tuple:
-        """``(gradients version, selection, what the rows are)``: the stored rows themselves for methods that
-        search them as stored (shared by every such index), else this index's method, fit and damping."""
+        """``(gradients version, selection, what the rows are, device)``: the stored rows themselves for methods that
+        search them as stored (shared by every such index), else this index's method, fit and damping; rows
+        prepared on one torch device are kept apart from those of another."""
         what = (
             ("stored",)
             if self.method.query_only
             else (self.method.name, self.manifest.get("fit"), self.manifest.get("damping"))
         )
-        return (self.store.gradient_dataset(self.selection.run).version, astuple(self.selection), what)
+        device = str(resolve_device(self.device))  # rows prepared on one device are searched there
+        return (self.store.gradient_dataset(self.selection.run).version, astuple(self.selection), what, device)
 
     def example_ids(self, grad_ids: np.ndarray) -> pa.Array:
         """The ``example_id`` of each of ``grad_ids`` (rows of this index's selection, any shape), looked up in
         the selection's ``(grad_id, example_id)`` table (a :meth:`~gradstore.core.StoreCore.scan`, sorted once per
         table version in the store's row cache); ids outside it are looked up in the store (``KeyError`` for unknown
-        ones)."""
+        ones). Entries a search did not fill (``-1``, :data:`~indexers.faiss_index.MISSING_ID`) get a null."""
         flat = np.asarray(grad_ids, np.int64).reshape(-1)
+        missing = flat == MISSING_ID
+        if missing.any():
+            names = np.full(len(flat), None, dtype=object)
+            names[~missing] = self.example_ids(flat[~missing]).to_numpy(zero_copy_only=False)
+            return pa.array(names, pa.string())
         key = self.selection.cache_key(self.store, "example_ids")
         table = self.store.row_cache.get(key)
         if table is None:
@@ -335,17 +413,31 @@ class AttributionIndex:
         return table if bool(np.all(ids[1:] >= ids[:-1])) else table.sort_by("grad_id").combine_chunks()
 
     def _searchable(self) -> FaissIndex:
-        """The FAISS index to search: a copy on all GPUs when faiss-gpu and a CUDA driver are present."""
+        """The FAISS index to search: a copy on all GPUs when :meth:`_faiss_on_gpu`, else the index itself."""
         if self._gpu_copy is None:
-            self._gpu_copy = self.faiss_index.to_gpu() if gpu_available() else self.faiss_index
+            self._gpu_copy = self.faiss_index.to_gpu() if self._faiss_on_gpu() else self.faiss_index
         return self._gpu_copy
+
+    def _faiss_on_gpu(self) -> bool:
+        """Whether the FAISS index is to be searched on the GPUs: ``device="cuda"``, or no device and faiss can use
+        a GPU here and has a GPU version of the kind (not of HNSW graphs)."""
+        if self.device is not None:
+            return self.device.type == "cuda"
+        return not self.faiss_index.graph and gpu_available()
 
     def save(self) -> None:
         """Write the FAISS index (if any) to a new directory, then the manifest that names it, then delete
-        the FAISS files of earlier saves: a save killed part-way leaves the previous index whole and in use."""
+        the FAISS files of earlier saves: a save killed part-way leaves the previous index whole and in use. On a
+        store this process may not write (or where the storage refuses the files) the index stays in memory only."""
         files = self.store.files
-        with files.writing(INDEXES, self.name):  # processes saving the same index at once take turns
-            self._save_files(files)
+        if not self.store.writable:
+            log.debug("store %s is read-only for this process: index %s kept in memory", self.store.uri, self.name)
+            return
+        try:
+            with files.writing(INDEXES, self.name):  # processes saving the same index at once take turns
+                self._save_files(files)
+        except StorePermissionError as error:
+            log.debug("index %s kept in memory: %s", self.name, error)
 
     def _save_files(self, files: Any) -> None:
         if self.faiss_index is not None:
@@ -395,6 +487,63 @@ def prepared_source(space: ScoringSpace, source: VectorBlocks) -> VectorBlocks:
     return prepared
 
 
+def valid_entries(scores: np.ndarray, grad_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The found entries of one side of a search, ``scores`` and ``grad_ids [q, w]`` (see
+    :meth:`AttributionIndex.search_sides`), as flat arrays in row order, best first per query: ``(query positions
+    int64, ranks int32 (1-based), scores, grad_ids)``. Entries a FAISS search did not fill (``grad_id`` ``-1``, at
+    the end of their rows) are left out, so a query may have fewer than ``w`` entries, ranked ``1..found``."""
+    scores, grad_ids = np.asarray(scores), np.asarray(grad_ids)
+    found = grad_ids != MISSING_ID
+    queries, columns = np.nonzero(found)
+    return queries.astype(np.int64), (columns + 1).astype(np.int32), scores[found], grad_ids[found]
+
+
+def check_device(kind: str, dim: int, device: str | torch.device | None) -> torch.device | None:
+    """The device a search of an index of ``kind`` (``"exact"`` or a FAISS factory string) over rows of ``dim``
+    is asked to run on, checked; ``None`` stays ``None``: the default, exact search on CUDA when torch sees a GPU
+    (else the CPU) and FAISS on every GPU when faiss can use them and has a GPU version of the kind (else the
+    CPU). ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (exact search only) or a :class:`torch.device`. A device
+    this machine lacks, or that the kind cannot run on (HNSW graphs: CPU only), is an
+    :class:`~gradstore.errors.InvalidArgumentError`."""
+    if device is None:
+        return None
+    try:
+        asked = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}"
+        ) from None
+    if asked.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {str(device)!r}")
+    if kind == "exact":
+        try:
+            return resolve_device(asked)
+        except ValueError as error:
+            raise InvalidArgumentError(str(error)) from None
+    if asked.type == "cpu":
+        return asked
+    if asked.index is not None:
+        raise InvalidArgumentError(
+            f"device={str(device)!r}: a FAISS index is searched on every GPU faiss sees; pass device='cuda' "
+            "(CUDA_VISIBLE_DEVICES chooses the GPUs) or search exactly (kind='exact') on that GPU"
+        )
+    try:
+        graph = FaissIndex(kind, dim).graph
+    except ValueError as error:
+        raise InvalidArgumentError(f"index kind {kind!r}: {error}") from error
+    if graph:
+        raise InvalidArgumentError(
+            f"device='cuda': FAISS has no GPU version of {kind!r} (an HNSW graph); search it with device='cpu' "
+            "(or leave device unset), or use an exact or IVF kind on the GPU"
+        )
+    if not gpu_available():
+        raise InvalidArgumentError(
+            "device='cuda': FAISS cannot use a GPU here (faiss without GPU support, no CUDA driver or no GPU); "
+            "pass device='cpu' (or leave device unset), or install 'gradstore[gpu]' on a machine with a GPU"
+        )
+    return asked
+
+
 def default_index_name(selection: Selection, method: Method, damping: float | None, kind: str) -> str:
     """A readable, file-system safe name: the selection and method in words plus a hash of the exact values."""
     parts = [selection.run, selection.checkpoint or "", selection.split, method.name]  # None: unlabelled rows
@@ -424,9 +573,11 @@ def build_index(
     refit: bool = False,
     recall_queries: int = 64,
     engine: Engine | None = None,
+    device: str | torch.device | None = None,
 ) -> AttributionIndex:
     """Fit (or reuse the fit of) the method's preconditioner over the selected rows (on ``engine``) and build
-    the search structure. An index of the same name built the same way gets the rows appended since added."""
+    the search structure. An index of the same name built the same way gets the rows appended since added.
+    ``device``: where its searches run (:func:`check_device`; checked before anything is fitted or built)."""
     resolved = resolve_method(method)
     if resolved.over_checkpoints:
         raise InvalidArgumentError(f"{resolved.name} sums over checkpoints and has no index; use attribute()")
@@ -437,6 +588,7 @@ def build_index(
         raise InvalidArgumentError(f"no training rows match {selection}: capture the run first")
     if kind == "auto":
         kind = choose_index_kind(rows, store.run_dim(selection.run))
+    device = check_device(kind, store.run_dim(selection.run), device)
     name = (
         check_component(name, "index name")
         if name is not None
@@ -444,7 +596,7 @@ def build_index(
     )
     preconditioner = fits.get(spec, damping, refit=refit, engine=engine)
     if not refit:
-        existing = load_index(store, fits, name, missing_ok=True)
+        existing = load_index(store, fits, name, missing_ok=True, device=device)
         if existing is not None and _same_build(existing.manifest, spec, resolved, damping, kind):
             existing.space = ScoringSpace(resolved, preconditioner)
             _add_new_rows(existing)
@@ -468,7 +620,7 @@ def build_index(
         "built_at": datetime.now(timezone.utc).isoformat(),
         **_expected_manifest(store, selection.run),
     }
-    index = AttributionIndex(store, manifest, ScoringSpace(resolved, preconditioner))
+    index = AttributionIndex(store, manifest, ScoringSpace(resolved, preconditioner), device=device)
     if kind != "exact":
         engine = engine or LocalEngine()
         _build_faiss(index, kind, selection.blocks(store), engine)
@@ -533,7 +685,7 @@ def _measure_recall(index: AttributionIndex, engine: Engine, n_queries: int) -> 
 
     _, rows = _sample(index, n_queries, seed=1)
     prepared = index.space.queries(torch.from_numpy(rows))
-    _, approx = index.faiss_index.search(index.first_stage(rows, rows=False), 10)
+    _, approx = index.faiss_index.search(index.first_stage(rows, rows=False), 10, warn=False)  # misses: recall
     shards = index.selection.shards(index.store, engine.parallelism)
     _, exact = top_k(engine, shards, index.space, prepared, 10)[True]
     return recall_at_k(approx, exact)
@@ -555,15 +707,25 @@ def _add_new_rows(index: AttributionIndex) -> None:
     index.save()
 
 
-def load_index(store: StoreCore, fits: FitCache, name: str, *, missing_ok: bool = False) -> AttributionIndex | None:
+def load_index(
+    store: StoreCore,
+    fits: FitCache,
+    name: str,
+    *,
+    missing_ok: bool = False,
+    device: str | torch.device | None = None,
+) -> AttributionIndex | None:
     """Load index ``name``; raises ``IndexMismatchError`` if it does not match the store's run. Not while another
-    process saves it (the manifest and the FAISS files it names are read as one)."""
+    process saves it (the manifest and the FAISS files it names are read as one). ``device``: where its searches
+    run (:func:`check_device`)."""
     check_component(name, "index name")
     with store.files.reading(INDEXES, name):
-        return _load_index(store, fits, name, missing_ok)
+        return _load_index(store, fits, name, missing_ok, device)
 
 
-def _load_index(store: StoreCore, fits: FitCache, name: str, missing_ok: bool) -> AttributionIndex | None:
+def _load_index(
+    store: StoreCore, fits: FitCache, name: str, missing_ok: bool, device: str | torch.device | None = None
+) -> AttributionIndex | None:
     try:
         manifest = json.loads(store.files.read_bytes(INDEXES, name, MANIFEST_FILE))
     except FileNotFoundError:
@@ -578,11 +740,12 @@ def _load_index(store: StoreCore, fits: FitCache, name: str, missing_ok: bool) -
     differences = manifest_diff(expected, {k: manifest.get(k) for k in expected})
     if differences:
         raise IndexMismatchError(differences)
+    device = check_device(manifest["kind"], manifest["dim"], device)  # before the fit is read
     method = resolve_method(manifest["method"])
     selection = Selection(manifest["run_id"], manifest["checkpoint"], manifest["split"], manifest["where"])
     spec = fit_spec(store, selection, method, manifest.get("blocks") or "auto")
     preconditioner = fits.get(spec, manifest.get("damping"))
-    index = AttributionIndex(store, manifest, ScoringSpace(method, preconditioner))
+    index = AttributionIndex(store, manifest, ScoringSpace(method, preconditioner), device=device)
     if manifest["kind"] != "exact":
         try:
             with store.files.local_directory(INDEXES, name, manifest.get(FAISS_FILES, FAISS_PREFIX)) as directory:

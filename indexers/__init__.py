@@ -6,8 +6,17 @@ Works on numpy/torch arrays and re-iterable sources of ``(ids, vectors)`` blocks
 
 from indexers.blocks import VectorBlocks, blocks_from_arrays
 from indexers.errors import IndexMismatchError, NotFittedError
-from indexers.exact import UNIT_BF16_NORM, ExactIndex, PreparedRows, RunningTopK, float32_products
-from indexers.faiss_index import FaissIndex, default_nprobe, gpu_available, require_faiss
+from indexers.exact import UNIT_BF16_NORM, ExactIndex, PreparedRows, RunningTopK, float32_products, resolve_device
+from indexers.faiss_index import (
+    MISSING_ID,
+    FaissIndex,
+    FewerResultsWarning,
+    default_nprobe,
+    found_counts,
+    gpu_available,
+    packed,
+    require_faiss,
+)
 from indexers.manifest import check_manifest, manifest_diff
 from indexers.preconditioner import FitStatistics
 from indexers.preconditioners import (
@@ -30,10 +39,12 @@ __all__ = [
     "UNIT_BF16_NORM",
     "FitStatistics",
     "FaissIndex",
+    "FewerResultsWarning",
     "FisherPreconditioner",
     "IdentityPreconditioner",
     "IndexMismatchError",
     "KroneckerPreconditioner",
+    "MISSING_ID",
     "NotFittedError",
     "Preconditioner",
     "PreparedRows",
@@ -44,13 +55,16 @@ __all__ = [
     "choose_index_kind",
     "default_nprobe",
     "float32_products",
+    "found_counts",
     "gpu_available",
     "load_preconditioner",
     "make_preconditioner",
     "manifest_diff",
+    "packed",
     "prefetched",
     "read_ahead",
     "measure_recall",
     "recall_at_k",
+    "resolve_device",
     "require_faiss",
 ]

@@ -80,6 +80,30 @@ class PreparedRows:
         return sum(len(block[0]) if isinstance(block, tuple) else len(block) for block in self)
 
 
+def resolve_device(device: str | torch.device | None = None, kernel: str = "auto") -> torch.device:
+    """The torch device an exact search runs on: ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a
+    :class:`torch.device`), or for ``None`` CUDA when torch sees a GPU (and ``kernel`` is not the CPU-only
+    ``"bfloat16"``), else the CPU. A CUDA device torch does not see here is a ``ValueError`` saying which ones
+    it sees."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() and kernel != "bfloat16" else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") from error
+    if resolved.type != "cuda":  # the CPU (other torch devices are taken as they are)
+        return resolved
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {str(device)!r}: torch sees no CUDA GPU here; use device='cpu' "
+            "(or leave device unset: CUDA when there is one, else the CPU)"
+        )
+    count = torch.cuda.device_count()
+    if resolved.index is not None and resolved.index >= count:
+        raise ValueError(f"device {str(device)!r}: torch sees {count} CUDA GPU(s) here, cuda:0 to cuda:{count - 1}")
+    return resolved
+
+
 class ExactIndex:
     """Brute-force search over a source of vector blocks, never holding more than one block of scores.
 
@@ -93,6 +117,8 @@ class ExactIndex:
     it saves). ``max_norm``, when given, is an upper bound of every stored row's norm (before its scale) that
     the caller guarantees, e.g. :data:`UNIT_BF16_NORM` for unit rows rounded to bf16: the bfloat16 kernel then
     screens bf16 rows without measuring their norms (a pass over the rows that costs about a bf16 GEMM).
+    ``device`` (:func:`resolve_device`; :attr:`device` says which) is where the search runs: CUDA when torch sees
+    a GPU unless set, and a CUDA device torch does not see is a ``ValueError``.
     """
 
     def __init__(
@@ -107,9 +133,7 @@ class ExactIndex:
         if max_norm is not None and not max_norm >= 0:
             raise ValueError(f"max_norm must be a non-negative bound of the row norms, got {max_norm}")
         self.max_norm = max_norm
-        if device is None:  # CUDA when torch sees a GPU; the bfloat16 kernel is a CPU kernel
-            device = "cuda" if torch.cuda.is_available() and kernel != "bfloat16" else "cpu"
-        self.device = torch.device(device)
+        self.device = resolve_device(device, kernel)
         self.block_rows = block_rows
         self.kernel = resolve_kernel(kernel, self.device)
 

@@ -30,6 +30,34 @@ DEFAULT_EF_SEARCH = 128
 """HNSW candidates kept per query unless set (FAISS ``efSearch``; a search keeps at least ``k``). On real
 captured gradients (``bench/ann_recall.py``, balanced rows, ``HNSW32``) 128 found 0.997 / 0.993 of the top-10 at
 26,624 / 79,872 rows, 64 found 0.976 / 0.963, FAISS's own default 16 found 0.89 / 0.80."""
+MISSING_ID = -1
+"""The id of an entry a search did not fill (FAISS's own mark), always after the found entries of its row."""
+
+
+class FewerResultsWarning(UserWarning):
+    """Some queries of an approximate search got fewer than ``k`` rows: the IVF lists probed or the HNSW graph
+    search held fewer candidates (their missing entries have id :data:`MISSING_ID`)."""
+
+
+def packed(
+    scores: np.ndarray, ids: np.ndarray, missing: np.ndarray, fill: float = -np.inf
+) -> tuple[np.ndarray, np.ndarray]:
+    """``scores`` and ``ids [q, k]`` with the ``missing [q, k]`` entries at the end of their rows (the found ones in
+    their order), their ids :data:`MISSING_ID` and their scores ``fill`` (FAISS leaves garbage there: ``-FLT_MAX``
+    from IVF lists, anything from HNSW graphs)."""
+    if not missing.any():
+        return scores, ids
+    order = np.argsort(missing, axis=1, kind="stable")
+    scores = np.take_along_axis(scores, order, 1).astype(np.float32)
+    ids = np.take_along_axis(ids, order, 1).astype(np.int64)
+    gone = np.take_along_axis(missing, order, 1)
+    scores[gone], ids[gone] = fill, MISSING_ID
+    return scores, ids
+
+
+def found_counts(ids: np.ndarray) -> np.ndarray:
+    """Rows found per query of a search result's ``ids [q, k]`` (entries that are not :data:`MISSING_ID`)."""
+    return (np.asarray(ids) != MISSING_ID).sum(axis=1)
 
 
 def require_faiss() -> Any:
@@ -144,6 +172,12 @@ class FaissIndex:
         return int(self._index.ntotal)
 
     @property
+    def on_gpu(self) -> bool:
+        """Whether the index lives on GPUs (a copy :meth:`to_gpu` moved; searches with ``k`` above
+        :data:`GPU_MAX_K` still run on a CPU copy)."""
+        return self._on_gpu
+
+    @property
     def nprobe(self) -> int | None:
         """IVF lists probed per query (``None`` for non-IVF indexes)."""
         return self._nprobe
@@ -251,11 +285,14 @@ class FaissIndex:
         for ids, vectors, scales in map(unpack_block, source()):
             self.add(ids, _float32(vectors, scales))
 
-    def search(self, queries: ArrayLike, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, queries: ArrayLike, k: int, *, warn: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """``(scores float32 [q, k'], ids int64 [q, k'])`` with ``k' = min(k, ntotal)``, best first.
 
-        Scores are inner products for ``"ip"`` and squared distances for ``"l2"``. IVF searches may find
-        fewer than ``k'`` rows; FAISS marks the missing ones with id ``-1``."""
+        Scores are inner products for ``"ip"`` and squared distances for ``"l2"``. IVF and HNSW searches may find
+        fewer than ``k'`` rows for a query (the lists probed, or the graph search, hold fewer): its missing entries
+        come last in its row, with id :data:`MISSING_ID` (``-1``) and score ``-inf`` (``"ip"``) or ``+inf``
+        (``"l2"``), and unless ``warn=False`` one :class:`FewerResultsWarning` per call says how many queries got
+        fewer and what to raise (:meth:`shortfall_reason`); :func:`found_counts` counts each query's rows."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         queries = _float32(queries).reshape(-1, self.dim)
@@ -270,7 +307,34 @@ class FaissIndex:
         if self.graph:  # the graph keeps at least k candidates
             params = require_faiss().SearchParametersHNSW(efSearch=max(self._ef_search, k))
         scores, ids = index.search(queries, k, params=params)
-        return scores.astype(np.float32, copy=False), ids.astype(np.int64, copy=False)
+        scores, ids = scores.astype(np.float32, copy=False), ids.astype(np.int64, copy=False)
+        scores, ids = packed(scores, ids, ids < 0, -np.inf if self.metric == "ip" else np.inf)
+        short = int((found_counts(ids) < k).sum())
+        if warn and short:
+            warnings.warn(
+                f"FAISS {self.factory} found fewer than k={k} rows for {short} of {len(ids)} queries: "
+                f"{self.shortfall_reason()}; their missing entries have id {MISSING_ID}. For k rows, "
+                f"{self.shortfall_fix()} or search exactly (ExactIndex)",
+                FewerResultsWarning,
+                stacklevel=2,
+            )
+        return scores, ids
+
+    def shortfall_reason(self) -> str:
+        """Why a search of this index can find fewer than ``k`` rows, in words (for warnings)."""
+        if self.nlist is not None:
+            return f"the {self._nprobe} IVF list(s) probed (nprobe, of {self.nlist}) hold fewer rows"
+        if self.graph:
+            return f"the HNSW graph search reached fewer rows (ef_search={self._ef_search}, at least k)"
+        return "FAISS returned fewer rows than it holds"
+
+    def shortfall_fix(self) -> str:
+        """The index setting that finds more rows per query, in words (for warnings)."""
+        if self.nlist is not None:
+            return f"raise nprobe (now {self._nprobe}, at most {self.nlist}: every list) or build with fewer lists"
+        if self.graph:
+            return f"raise ef_search (now {self._ef_search})"
+        return "use another index kind"
 
     def _cpu_index(self) -> Any:
         if not self._on_gpu:
