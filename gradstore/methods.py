@@ -110,7 +110,7 @@ METHODS: dict[str, Method] = {
             "cosine",
             False,
             False,
-            "q . g / (|q| |g|): the gradients' cosine",
+            "q . g / (norm(q) norm(g)): the gradients' cosine",
             operations=frozenset({"attribute", "score_matrix", "build_index"}),
         ),
         Method(
@@ -262,9 +262,14 @@ def check_blocks(blocks: str) -> str:
 
 def check_k(k: int) -> int:
     """``k`` if it is a whole number >= 1."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise InvalidArgumentError(f"k must be a whole number >= 1, got {k!r}")
-    return k
+    return check_count("k", k)
+
+
+def check_count(name: str, value: int) -> int:
+    """``value`` of argument ``name`` if it is a whole number >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{name} must be a whole number >= 1, got {value!r}")
+    return value
 
 
 def methods_table() -> str:

@@ -22,7 +22,7 @@ from gradstore.capture import RUN_DEFAULT, StoreCapture, config_for_run
 from gradstore.core import StoreCore, WriterConfig, connect
 from gradstore.core.rowfiles import RowFiles
 from gradstore.engine import Engine, EngineName, resolve_engine
-from gradstore.errors import surface
+from gradstore.errors import InvalidArgumentError, surface
 from gradstore.fitting import FitCache, Selection
 from gradstore.index import AttributionIndex, build_index, load_index
 from gradstore.methods import (
@@ -30,6 +30,8 @@ from gradstore.methods import (
     BlockStructure,
     MethodName,
     check_arguments,
+    check_count,
+    check_k,
     given_arguments,
     resolve_method,
 )
@@ -398,10 +400,17 @@ class GradStore(StoreCore):
         top: int = 10,
         selection: pa.Table | None = None,
     ) -> Path:
-        """Write a self-contained HTML attribution report (opens offline); see :mod:`gradstore.report`."""
-        return write_report(
-            self, out, options=ReportOptions(run=run, max_queries=max_queries, top=top), selection=selection
-        )
+        """Write a self-contained HTML attribution report (opens offline) to ``out`` (its folder is created);
+        see :mod:`gradstore.report`."""
+        options = ReportOptions(run=run, max_queries=check_count("max_queries", max_queries), top=check_k(top))
+        out = Path(out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            return write_report(self, out, options=options, selection=selection)
+        except (IsADirectoryError, NotADirectoryError, FileExistsError, FileNotFoundError) as error:
+            raise InvalidArgumentError(
+                f"cannot write the report to {str(out)!r}: {error} (give a file path)"
+            ) from error
 
 
 def open_store(

@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from gradstore.errors import StoreCorruptError
+from gradstore.errors import InvalidArgumentError, StoreCorruptError
 
 STORAGE_DTYPES = ("float16", "bfloat16", "float32")
 #: Field metadata key of the ``grad`` column naming its storage dtype (one of :data:`STORAGE_DTYPES`).
@@ -52,9 +52,9 @@ MAX_NORM = float(np.finfo(np.float32).max)
 
 
 def check_storage_dtype(dtype: str) -> str:
-    """Return ``dtype`` if it is a supported storage dtype, else raise ``ValueError``."""
+    """Return ``dtype`` if it is a supported storage dtype, else raise ``InvalidArgumentError``."""
     if dtype not in STORAGE_DTYPES:
-        raise ValueError(f"storage dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
+        raise InvalidArgumentError(f"storage_dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
     return dtype
 
 
