@@ -8,6 +8,7 @@ Beside them, the cases the "stranger's hands" issue reproduced, each with the er
 
 from __future__ import annotations
 
+import contextlib
 import string
 from pathlib import Path
 
@@ -226,10 +227,8 @@ def test_open_raises_only_gradstore_errors(tmp_path_factory, name, create, stora
     root = tmp_path_factory.mktemp("open")
     (root / "a-file").write_text("not a store")
     for path in (root / name, root / "a-file", root / "a-file" / name):
-        try:
+        with contextlib.suppress(gradstore.GradstoreError):
             gradstore.open(path, create=create, storage_dtype=storage_dtype)
-        except gradstore.GradstoreError:
-            pass
 
 
 class _NoLayers(nn.Module):
