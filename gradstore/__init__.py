@@ -26,6 +26,7 @@ from gradstore.errors import (
     SchemaMismatchError,
     SQLError,
     StoreCorruptError,
+    StorePermissionError,
     UnknownIndexError,
     UnknownRunError,
     WriterClosedError,
@@ -33,8 +34,10 @@ from gradstore.errors import (
 from gradstore.queries import QueryBatch
 from gradstore.store import GradStore
 from gradstore.store import open_store as open
+from indexers import FewerResultsWarning
 
 __all__ = [
+    "FewerResultsWarning",
     "GradStore",
     "GradientBlock",
     "GradientWriter",
@@ -57,6 +60,7 @@ __all__ = [
     "ScoreMatrix",
     "StoreCore",
     "StoreCorruptError",
+    "StorePermissionError",
     "UnknownIndexError",
     "UnknownRunError",
     "WriterClosedError",

@@ -26,7 +26,7 @@ from gradstore.core import schema as S
 from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError, MissingIdsError
 from gradstore.fitting import FitCache, Selection
-from gradstore.index import AttributionIndex, build_index
+from gradstore.index import AttributionIndex, build_index, valid_entries
 from gradstore.methods import (
     DEFAULT_METHOD,
     BlockStructure,
@@ -67,6 +67,7 @@ def attribute(
     engine: EngineName | Engine = "local",
     rerank: int = 0,
     query_checkpoint: str | None = None,
+    device: str | torch.device | None = None,
 ) -> pa.Table:
     """Top-k training rows for each query; see :meth:`gradstore.GradStore.attribute`."""
     check_k(k)
@@ -82,6 +83,7 @@ def attribute(
             kind=kind,
             rerank=rerank,
             query_checkpoint=query_checkpoint,
+            device=device,
         ),
     )
     engine = resolve_engine(engine)
@@ -111,6 +113,7 @@ def attribute(
         kind=kind,
         blocks=blocks,
         engine=engine,
+        device=device,
     )
     sides = (True, False) if opponents else (True,)
     found = index.search_sides(resolved_queries.vectors, k, sides, engine, rerank)
@@ -127,17 +130,15 @@ def _result_table(
     grad_ids: np.ndarray,
     largest: bool,
 ) -> pa.Table:
-    n_queries, width = scores.shape
-    flat_ids = grad_ids.reshape(-1)
-    ranks = np.tile(np.arange(1, width + 1, dtype=np.int32), n_queries) * (1 if largest else -1)
+    positions, ranks, flat_scores, flat_ids = valid_entries(scores, grad_ids)  # FAISS padding dropped
     n = len(flat_ids)
     return pa.table(
         {
-            "query_id": pa.array(np.repeat(np.asarray(query_ids, dtype=object), width), pa.string()),
+            "query_id": pa.array(np.asarray(query_ids, dtype=object)[positions], pa.string()),
             "example_id": index.example_ids(flat_ids),
             "grad_id": pa.array(flat_ids, pa.int64()),
-            "score": pa.array(scores.reshape(-1).astype(np.float64)),
-            "rank": pa.array(ranks),
+            "score": pa.array(flat_scores.astype(np.float64)),
+            "rank": pa.array(ranks * (1 if largest else -1)),
             "method": pa.array([index.method.name] * n, pa.string()),
             "run_id": pa.array([index.manifest["run_id"]] * n, pa.string()),
             "checkpoint": pa.array([index.manifest["checkpoint"]] * n, pa.string()),

@@ -52,6 +52,9 @@ RayAddressOption = Annotated[
         "--ray-address", help="Ray cluster address (with --engine ray; default: RAY_ADDRESS, else a local cluster)."
     ),
 ]
+DeviceOption = Annotated[
+    str | None, typer.Option(help="Where the search runs: cpu, cuda, cuda:N (default: CUDA when present).")
+]
 BlocksOption = Annotated[Blocks, typer.Option(help="Fisher blocks: one per layer, one full block, or auto.")]
 
 
@@ -197,6 +200,7 @@ def build_index_command(
     refit: Annotated[bool, typer.Option(help="Fit again instead of reusing the store's fit.")] = False,
     engine: EngineOption = EngineChoice.local,
     ray_address: RayAddressOption = None,
+    device: DeviceOption = None,
 ) -> None:
     """Fit a preconditioner (or reuse the store's fit) and build (or update) a persisted index; an exact index's
     rows are read and prepared now, and left in a row file for later calls (``"row_file"``)."""
@@ -209,6 +213,7 @@ def build_index_command(
         blocks=blocks.value,
         refit=refit,
         engine=_engine(engine, ray_address),
+        device=device,
     )
     summary = index_summary(index)
     if kind == "exact" and engine == EngineChoice.local:  # later calls (new processes) map the rows
@@ -244,6 +249,7 @@ def attribute(
     ] = None,
     checkpoints: Annotated[str | None, typer.Option(help="tracin: comma-separated checkpoints summed over.")] = None,
     write: Annotated[bool, typer.Option(help="Append the results to the store's scores table.")] = True,
+    device: DeviceOption = None,
 ) -> None:
     """Top-k proponents (and opponents) of query examples; results are appended to the scores table unless
     --no-write (a store this process cannot write answers with --no-write)."""
@@ -263,6 +269,7 @@ def attribute(
         opponents=opponents,
         engine=_engine(engine, ray_address),
         rerank=rerank,
+        device=device,
     )
     if out is not None:
         import pyarrow.parquet as pq

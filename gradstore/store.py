@@ -160,13 +160,16 @@ class GradStore(StoreCore):
         blocks: BlockStructure = "auto",
         refit: bool = False,
         engine: EngineName | Engine = "local",
+        device: str | torch.device | None = None,
     ) -> AttributionIndex:
         """Fit ``method``'s preconditioner over the run's rows (or reuse the store's fit) and build/persist an
         index, incrementally when rows were appended since. ``kind``: ``"exact"``, ``"auto"`` or a FAISS
         factory string; ``blocks``: the Fisher block structure (``"layer"``, ``"full"``, ``"auto"``);
-        ``engine``: where the fit runs (``"local"``, ``"ray"`` or a :class:`~gradstore.engine.RayEngine`)."""
+        ``engine``: where the fit runs (``"local"``, ``"ray"`` or a :class:`~gradstore.engine.RayEngine`);
+        ``device``: where the index searches (exact: a torch device, default CUDA when torch sees one, else the
+        CPU; FAISS: ``"cuda"`` moves a GPU-capable index to the GPUs)."""
         resolved = resolve_method(method, "build_index")
-        check_arguments("build_index", resolved, given_arguments(damping=damping, blocks=blocks))
+        check_arguments("build_index", resolved, given_arguments(damping=damping, blocks=blocks, device=device))
         selection = Selection(run, checkpoint or self.default_checkpoint(run), split, where)
         require_rows(self, selection)
         return build_index(
@@ -180,11 +183,13 @@ class GradStore(StoreCore):
             blocks=blocks,
             refit=refit,
             engine=resolve_engine(engine),
+            device=device,
         )
 
-    def index(self, name: str) -> AttributionIndex:
-        """Load a persisted index by name (``IndexMismatchError`` if it does not match the store)."""
-        return load_index(self, self.fits, name)
+    def index(self, name: str, *, device: str | torch.device | None = None) -> AttributionIndex:
+        """Load a persisted index by name (``IndexMismatchError`` if it does not match the store); ``device`` as
+        for :meth:`build_index`."""
+        return load_index(self, self.fits, name, device=device)
 
     # ------------------------------------------------------------------ attribution and selection
     def attribute(
@@ -206,6 +211,7 @@ class GradStore(StoreCore):
         write: bool = True,
         engine: EngineName | Engine = "local",
         rerank: int = 0,
+        device: str | torch.device | None = None,
     ) -> pa.Table:
         """Top-k proponents (and with ``opponents=True`` the bottom-k opponents) of each query.
 
@@ -218,7 +224,9 @@ class GradStore(StoreCore):
         does not use (``damping`` for grad-dot, ``checkpoints`` for fisher, ...) is an ``InvalidArgumentError``.
         ``where`` filters the training rows. ``engine``: where fitting and the exact scan run, ``"local"`` (this
         process) or ``"ray"`` (or a :class:`~gradstore.engine.RayEngine` with an address); both give the same results.
-        ``rerank=m`` (FAISS kinds): the index's ``m * k`` candidates are re-scored exactly from the stored rows.
+        ``rerank=m`` (FAISS kinds): the index's ``m * k`` candidates are re-scored exactly from the stored rows;
+        FAISS indexes whose probed lists hold fewer than ``k`` rows return fewer (with a ``FewerResultsWarning``).
+        ``device``: where the search runs (as for :meth:`build_index`).
         Returns ``(query_id, example_id, grad_id, score, rank, method, run_id, checkpoint, index_name)``,
         also appended to ``scores`` unless ``write=False``.
         """
@@ -241,6 +249,7 @@ class GradStore(StoreCore):
             write=write,
             engine=engine,
             rerank=rerank,
+            device=device,
         )
 
     def score_matrix(

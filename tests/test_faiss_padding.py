@@ -217,9 +217,6 @@ def test_hnsw_index_in_a_store_warns_with_rerank_advice(tmp_path) -> None:
     assert len(caught) == 1 and "rerank" in str(caught[0].message) and "ef_search" in str(caught[0].message)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="until gradstore.attribution._result_table keeps only gradstore.index.valid_entries(...)"
-)
 def test_attribute_over_few_probed_rows_returns_fewer_rows_not_padding(gaussian_store) -> None:
     store, queries = gaussian_store
     with warnings.catch_warnings(record=True) as caught:
