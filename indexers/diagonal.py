@@ -59,9 +59,9 @@ class DiagonalPreconditioner:
         return self
 
     def with_damping(self, damping: float) -> DiagonalPreconditioner:
-        """A copy with another damping; no pass over the data."""
+        """A copy with another damping (sharing the cache of converted weights); no pass over the data."""
         other = copy.copy(self)
-        other.damping, other._cache = check_damping(damping), DeviceCache()
+        other.damping = check_damping(damping)
         return other
 
     def _weights(self, power: float) -> torch.Tensor:
@@ -70,11 +70,14 @@ class DiagonalPreconditioner:
 
     def apply_query(self, q: torch.Tensor) -> torch.Tensor:
         """``q / (v + damping * mean(v))``."""
-        return apply_rows(q, lambda rows: rows * self._cache.get("w", "query", lambda: self._weights(1.0), rows))
+        return apply_rows(q, lambda rows: rows * self._damped_weights(1.0, "query", rows))
 
     def apply_both(self, x: torch.Tensor) -> torch.Tensor:
         """``x / sqrt(v + damping * mean(v))``."""
-        return apply_rows(x, lambda rows: rows * self._cache.get("w", "both", lambda: self._weights(0.5), rows))
+        return apply_rows(x, lambda rows: rows * self._damped_weights(0.5, "both", rows))
+
+    def _damped_weights(self, power: float, variant: str, like: torch.Tensor) -> torch.Tensor:
+        return self._cache.get_damped("w", variant, self.damping, lambda: self._weights(power), like)
 
     def _fitted(self) -> torch.Tensor:
         if self.second_moment is None:

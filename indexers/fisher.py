@@ -30,8 +30,20 @@ class FisherPreconditioner:
     """``P_b = G_b^T G_b / n + damping * mean(eig(G_b^T G_b / n)) * I`` for each block ``b``.
 
     ``blocks`` lists ``(offset, size)`` per layer block of the projected vector and must tile it; ``None``
-    means one full ``dim x dim`` block. The damping is relative to the mean eigenvalue of each block. The
-    eigendecomposition is kept, so :meth:`with_damping` re-damps without another pass over the data.
+    means one full ``dim x dim`` block. The damping is relative to the mean eigenvalue of each block.
+
+    Only the eigendecomposition ``V diag(lambda) V^T`` of each block is kept, and applying works in it:
+    ``P^-p x = V diag((lambda + d)^-p) V^T x`` with ``d`` the absolute damping (``p = 1`` for queries, ``1/2``
+    for both sides). With fewer rows ``n`` than a block's size, the block has rank ``<= n``: only its top ``n``
+    eigenpairs are kept, and the damping alone acts on the rest of the space,
+    ``P^-p x = d^-p x + V diag((lambda + d)^-p - d^-p) V^T x`` (exact; at zero damping the rest is left out, a
+    pseudo-inverse). :meth:`with_damping` re-damps without a pass over the data and shares the converted
+    eigenvectors (:class:`DeviceCache`), so neither a new damping nor a repeat call builds a dense matrix. Only a
+    call applying to more rows than a block holds (stored rows on both sides; the choice depends on the call's
+    shape alone, never on what is cached) multiplies by the dense ``P^-p`` of that block, built once per damping
+    and kept in the shared cache. Saved with float32
+    eigenvectors (eigenvalues float64), which is what applying to float32 vectors uses anyway; a fit keeps them
+    in float64 until it is saved.
     """
 
     name = "fisher"
@@ -41,8 +53,8 @@ class FisherPreconditioner:
         self.blocks = None if blocks is None else [(int(offset), int(size)) for offset, size in blocks]
         self.dim: int | None = None
         self.n_rows = 0
-        self.eigenvalues: list[torch.Tensor] = []
-        self.eigenvectors: list[torch.Tensor] = []
+        self.eigenvalues: list[torch.Tensor] = []  # per block, the kept ones (ascending), float64
+        self.eigenvectors: list[torch.Tensor] = []  # per block, [size, kept]: float64 fitted, float32 loaded
         self._cache = DeviceCache()
 
     passes = 1
@@ -68,7 +80,8 @@ class FisherPreconditioner:
         return FitStatistics(rows, {f"gram_{index}": gram.numpy() for index, gram in enumerate(grams)})
 
     def finish(self, statistics: FitStatistics, stage: int = 0) -> FisherPreconditioner:
-        """Eigendecompose each block of the merged ``G^T G / n``."""
+        """Eigendecompose each block of the merged ``G^T G / n``, keeping its top ``min(n, size)`` eigenpairs
+        (an empirical Fisher of ``n`` rows has rank ``<= n``)."""
         rows = statistics.rows
         if rows == 0:
             raise ValueError("cannot fit a preconditioner on zero rows")
@@ -77,15 +90,17 @@ class FisherPreconditioner:
         self.n_rows, self.eigenvalues, self.eigenvectors = rows, [], []
         for gram in grams:
             values, vectors = torch.linalg.eigh(gram / rows)
-            self.eigenvalues.append(values.clamp_min(0.0))
-            self.eigenvectors.append(vectors)
+            kept = min(rows, gram.shape[0])
+            self.eigenvalues.append(values[-kept:].clamp_min(0.0).contiguous())
+            self.eigenvectors.append(vectors[:, -kept:].contiguous())
         self._cache = DeviceCache()
         return self
 
     def with_damping(self, damping: float) -> FisherPreconditioner:
-        """A copy with another damping, sharing the eigendecomposition (no pass over the data)."""
+        """A copy with another damping, sharing the eigendecomposition and the cache of its converted copies
+        (no pass over the data, nothing rebuilt for a damping used before)."""
         other = copy.copy(self)
-        other.damping, other._cache = check_damping(damping), DeviceCache()
+        other.damping = check_damping(damping)
         return other
 
     def _spans(self) -> list[tuple[int, int]]:
@@ -93,20 +108,49 @@ class FisherPreconditioner:
             raise NotFittedError("fit the Fisher preconditioner before applying or saving it")
         return self.blocks if self.blocks is not None else [(0, self.dim)]
 
+    def _shifts(self, index: int, power: float) -> tuple[torch.Tensor, float]:
+        """``(weights, rest)``: ``(lambda + d)^-power`` of the kept eigenpairs (float64) and ``d^-power``, the
+        weight of the space they leave out (0 when nothing is left out, or at zero damping)."""
+        values, size = self.eigenvalues[index], self._spans()[index][1]
+        shift = absolute_damping(self.damping, values, size)
+        weights = (values + shift).pow(-power)
+        if values.numel() == size or shift <= 0:
+            return weights, 0.0
+        rest = shift**-power
+        return weights - rest, rest
+
     def _matrix(self, index: int, power: float) -> torch.Tensor:
-        """``(Lambda + damping)^-power`` in the original basis, as a dense ``[size, size]`` matrix."""
-        values, vectors = self.eigenvalues[index], self.eigenvectors[index]
-        weights = (values + absolute_damping(self.damping, values)).pow(-power)
-        return (vectors * weights) @ vectors.T
+        """``P_b^-power`` as a dense ``[size, size]`` float64 matrix (for calls on many rows; cached per damping)."""
+        weights, rest = self._shifts(index, power)
+        vectors = self.eigenvectors[index].to(torch.float64)
+        matrix = (vectors * weights) @ vectors.T
+        if rest:
+            matrix.diagonal().add_(rest)
+        return matrix
+
+    def _apply_block(self, index: int, x: torch.Tensor, power: float, variant: str) -> torch.Tensor:
+        """``P_b^-power x`` for one block's columns ``x [m, size]``."""
+        size, rank = x.shape[1], self.eigenvectors[index].shape[1]
+        if x.shape[0] * (2 * rank - size) >= size * rank > 0:  # many rows: the dense matrix costs less in all
+            matrix = self._cache.get_damped(f"m{index}", variant, self.damping, partial(self._matrix, index, power), x)
+            return x @ matrix
+        vectors = self._cache.get(f"v{index}", "", lambda: self.eigenvectors[index], x)
+        weights = self._cache.get_damped(f"w{index}", variant, self.damping, lambda: self._shifts(index, power)[0], x)
+        out = ((x @ vectors) * weights) @ vectors.T
+        rest = self._shifts(index, power)[1]
+        return out.add_(x, alpha=rest) if rest else out
 
     def _apply(self, x: torch.Tensor, power: float, variant: str) -> torch.Tensor:
         spans = self._spans()
 
         def transform(rows: torch.Tensor) -> torch.Tensor:
+            if len(spans) == 1:
+                return self._apply_block(0, rows, power, variant)
             out = torch.empty_like(rows)
             for index, (offset, size) in enumerate(spans):
-                matrix = self._cache.get(f"m{index}", variant, partial(self._matrix, index, power), rows)
-                out[:, offset : offset + size] = rows[:, offset : offset + size] @ matrix
+                out[:, offset : offset + size] = self._apply_block(
+                    index, rows[:, offset : offset + size], power, variant
+                )
             return out
 
         return apply_rows(x, transform)
@@ -120,8 +164,13 @@ class FisherPreconditioner:
         return self._apply(x, 0.5, "both")
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write damping, blocks, row count and the per-block eigendecompositions."""
+        """Write damping, blocks, row count and the per-block eigendecompositions (the kept eigenpairs:
+        eigenvectors float32, eigenvalues float64). This object keeps the float32 eigenvectors too, so it scores
+        exactly as a copy loaded from ``path`` does (and holds half the memory)."""
         spans = self._spans()
+        if any(vectors.dtype != torch.float32 for vectors in self.eigenvectors):
+            self.eigenvectors = [vectors.to(torch.float32) for vectors in self.eigenvectors]
+            self._cache = DeviceCache()  # its copies were made from the float64 eigenvectors
         config = {
             "name": self.name,
             "damping": self.damping,
@@ -137,11 +186,18 @@ class FisherPreconditioner:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> FisherPreconditioner:
-        """Read a saved Fisher preconditioner."""
+        """Read a saved Fisher preconditioner: float32 eigenvectors of the kept eigenpairs, or a fit saved before
+        (float64, every eigenpair), which loads as it is."""
         config, arrays = load_state(path, cls.name)
         loaded = cls(damping=config["damping"], blocks=config["blocks"])
         loaded.dim, loaded.n_rows = config["dim"], config["n_rows"]
-        for index in range(len(loaded._spans())):
-            loaded.eigenvalues.append(torch.from_numpy(np.asarray(arrays[f"eigenvalues_{index}"], np.float64)))
-            loaded.eigenvectors.append(torch.from_numpy(np.asarray(arrays[f"eigenvectors_{index}"], np.float64)))
+        for index, (_, size) in enumerate(loaded._spans()):
+            values = np.asarray(arrays[f"eigenvalues_{index}"], np.float64)
+            vectors = arrays[f"eigenvectors_{index}"]
+            if vectors.dtype not in (np.float32, np.float64) or vectors.shape != (size, len(values)):
+                raise ValueError(
+                    f"block {index}: eigenvectors {vectors.dtype} {vectors.shape} for {len(values)} values"
+                )
+            loaded.eigenvalues.append(torch.from_numpy(values))
+            loaded.eigenvectors.append(torch.from_numpy(vectors))
         return loaded

@@ -165,9 +165,10 @@ class KroneckerPreconditioner:
             yield name, block[:, offset : offset + k_in * k_out].reshape(-1, k_out, k_in)
 
     def with_damping(self, damping: float) -> KroneckerPreconditioner:
-        """A copy with another damping, sharing the eigenbases and eigenvalues (no pass over the data)."""
+        """A copy with another damping, sharing the eigenbases, eigenvalues and the cache of their converted
+        copies (no pass over the data, nothing converted again)."""
         other = copy.copy(self)
-        other.damping, other._cache = check_damping(damping), DeviceCache()
+        other.damping = check_damping(damping)
         return other
 
     def _basis(self, name: str, which: int) -> torch.Tensor:
@@ -187,7 +188,9 @@ class KroneckerPreconditioner:
             for name, offset, k_in, k_out in self.layout:
                 q_a = self._cache.get(f"qa:{name}", "", partial(self._basis, name, 0), rows)
                 q_s = self._cache.get(f"qs:{name}", "", partial(self._basis, name, 1), rows)
-                weights = self._cache.get(f"w:{name}", variant, partial(self._weights, name, power), rows)
+                weights = self._cache.get_damped(
+                    f"w:{name}", variant, self.damping, partial(self._weights, name, power), rows
+                )
                 grads = rows[:, offset : offset + k_in * k_out].reshape(-1, k_out, k_in)
                 rotated = (q_s.T @ grads @ q_a) * weights
                 out[:, offset : offset + k_in * k_out] = (q_s @ rotated @ q_a.T).reshape(-1, k_in * k_out)

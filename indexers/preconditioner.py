@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,7 @@ from indexers.blocks import Rows, VectorBlocks, as_source, as_tensor, unpack_blo
 
 CONFIG_FILE = "preconditioner.json"
 STATE_FILE = "state.npz"
+DAMPED_BYTES = 512 << 20  # damping-dependent tensors a DeviceCache keeps (its newest entry in any case)
 
 
 @runtime_checkable
@@ -154,11 +157,16 @@ def check_damping(damping: float) -> float:
     return damping
 
 
-def absolute_damping(damping: float, eigenvalues: torch.Tensor) -> float:
+def absolute_damping(damping: float, eigenvalues: torch.Tensor, size: int | None = None) -> float:
     """The damping added to the eigenvalues: ``damping * mean(eigenvalues)``.
 
-    If every eigenvalue is zero (e.g. all-zero gradients) the damping is used as an absolute value."""
-    mean = float(eigenvalues.mean()) if eigenvalues.numel() else 0.0
+    ``size``: how many eigenvalues there are in all when only the largest are given (a low-rank fit: the others
+    are zero), so the mean is ``sum / size``. If every eigenvalue is zero (e.g. all-zero gradients) the damping
+    is used as an absolute value."""
+    if size is None or size == eigenvalues.numel():
+        mean = float(eigenvalues.mean()) if eigenvalues.numel() else 0.0
+    else:
+        mean = float(eigenvalues.sum()) / size if size else 0.0
     return damping * mean if mean > 0 else damping
 
 
@@ -200,15 +208,61 @@ def load_state(path: str | os.PathLike, name: str) -> tuple[dict[str, Any], dict
 
 
 class DeviceCache:
-    """Copies of float64 state tensors, converted once per (device, dtype) for applying."""
+    """Copies of state tensors, converted once per (device, dtype) for applying, and tensors that depend on the
+    damping (weights, a dense matrix), kept for the most recently used dampings within ``damped_bytes``.
 
-    def __init__(self) -> None:
+    A preconditioner's re-damped copies (``with_damping``) share its cache, so a repeat call at a damping already
+    used converts and builds nothing. Thread-safe (two threads may both build an entry; one copy is kept). Not
+    pickled: a copy sent to another process starts empty."""
+
+    def __init__(self, damped_bytes: int = DAMPED_BYTES) -> None:
+        self.damped_bytes = damped_bytes
         self._copies: dict[tuple[str, str, torch.device, torch.dtype], torch.Tensor] = {}
+        self._damped: OrderedDict[tuple[str, str, float, torch.device, torch.dtype], torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, key: str, variant: str, make: Callable[[], torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        """The tensor ``make()`` (float64, CPU) as ``like``'s device and compute dtype, built on first use."""
+        """The tensor ``make()`` (CPU) as ``like``'s device and compute dtype, built on first use."""
         dtype = compute_dtype(like)
         cache_key = (key, variant, like.device, dtype)
-        if cache_key not in self._copies:
-            self._copies[cache_key] = make().to(device=like.device, dtype=dtype)
-        return self._copies[cache_key]
+        with self._lock:
+            found = self._copies.get(cache_key)
+        if found is None:
+            found = make().to(device=like.device, dtype=dtype)
+            with self._lock:
+                found = self._copies.setdefault(cache_key, found)
+        return found
+
+    def peek_damped(self, key: str, variant: str, damping: float, like: torch.Tensor) -> torch.Tensor | None:
+        """The entry :meth:`get_damped` would return, if it is held now (``None`` otherwise; nothing is built)."""
+        cache_key = (key, variant, float(damping), like.device, compute_dtype(like))
+        with self._lock:
+            found = self._damped.get(cache_key)
+            if found is not None:
+                self._damped.move_to_end(cache_key)
+        return found
+
+    def get_damped(
+        self, key: str, variant: str, damping: float, make: Callable[[], torch.Tensor], like: torch.Tensor
+    ) -> torch.Tensor:
+        """As :meth:`get` for a tensor of one damping; the least recently used are dropped beyond the budget
+        (the newest entry is kept whatever its size)."""
+        found = self.peek_damped(key, variant, damping, like)
+        if found is not None:
+            return found
+        dtype = compute_dtype(like)
+        cache_key = (key, variant, float(damping), like.device, dtype)
+        made = make().to(device=like.device, dtype=dtype)
+        with self._lock:
+            self._damped[cache_key] = made
+            held = sum(t.numel() * t.element_size() for t in self._damped.values())
+            while held > self.damped_bytes and len(self._damped) > 1:
+                _, dropped = self._damped.popitem(last=False)
+                held -= dropped.numel() * dropped.element_size()
+        return made
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"damped_bytes": self.damped_bytes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["damped_bytes"])

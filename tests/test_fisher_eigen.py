@@ -1,0 +1,208 @@
+"""A fitted Fisher is applied from its kept (low-rank) eigendecomposition, re-damped without a dense inverse,
+saved in float32 at most 5x the bytes of the rows it fits, and scores as a fresh fit and the closed form do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gradstore
+from indexers import FisherPreconditioner, load_preconditioner, make_preconditioner
+from indexers.preconditioner import save_state
+from ingest.projection import LayerSlot, ProjectionSpec
+
+DIM = 96
+LAYERS = [(0, 48), (48, 48)]
+DAMPINGS = [0.003, 0.03, 0.1, 1.0, 10.0]
+
+
+def gradients(n: int, seed: int = 0) -> np.ndarray:
+    """``n`` rows with very different scales per coordinate, as real per-layer gradients have."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, DIM)) @ rng.standard_normal((DIM, DIM)) * np.logspace(-2, 0, DIM) / 10
+
+
+QUERIES = np.random.default_rng(9).standard_normal((5, DIM))
+
+
+def closed_form(g: np.ndarray, damping: float, blocks, power: float) -> np.ndarray:
+    """``P^-power`` of the damped Fisher of rows ``g``, block-diagonal, by a full eigendecomposition in numpy."""
+    out = np.zeros((DIM, DIM))
+    for offset, size in blocks or [(0, DIM)]:
+        part = g[:, offset : offset + size]
+        values, vectors = np.linalg.eigh(part.T @ part / len(g))
+        values = values.clip(min=0)
+        weights = (values + damping * values.mean()) ** -power
+        out[offset : offset + size, offset : offset + size] = (vectors * weights) @ vectors.T
+    return out
+
+
+def apply(preconditioner, x: np.ndarray, both: bool) -> np.ndarray:
+    tensor = torch.from_numpy(x)
+    return (preconditioner.apply_both(tensor) if both else preconditioner.apply_query(tensor)).numpy()
+
+
+@pytest.mark.parametrize("n", [40, 300])  # fewer rows than dims (low rank), more
+@pytest.mark.parametrize("blocks", [None, LAYERS])
+def test_redamped_equals_a_fresh_fit_and_the_closed_form(n, blocks):
+    g = gradients(n)
+    fitted = make_preconditioner("fisher", damping=0.1, blocks=blocks).fit(g)
+    kept = [vectors.shape[1] for vectors in fitted.eigenvectors]
+    assert kept == [min(n, size) for _, size in blocks or [(0, DIM)]]
+    many = np.random.default_rng(3).standard_normal((2 * DIM, DIM))  # more rows than a block: the dense path
+    for damping in DAMPINGS:
+        redamped = fitted.with_damping(damping)
+        fresh = make_preconditioner("fisher", damping=damping, blocks=blocks).fit(g)
+        for both in (False, True):
+            expected = QUERIES @ closed_form(g, damping, blocks, 0.5 if both else 1.0)
+            np.testing.assert_allclose(
+                apply(redamped, QUERIES, both), expected, rtol=1e-7, atol=1e-9 * abs(expected).max()
+            )
+            np.testing.assert_allclose(apply(redamped, QUERIES, both), apply(fresh, QUERIES, both), rtol=1e-10)
+            dense = many @ closed_form(g, damping, blocks, 0.5 if both else 1.0)
+            np.testing.assert_allclose(apply(redamped, many, both), dense, rtol=1e-7, atol=1e-9 * abs(dense).max())
+    assert fitted.damping == 0.1
+
+
+def test_low_rank_fit_scores_as_the_full_rank_fit():
+    """The same rows' Fisher kept as all ``DIM`` eigenpairs (an old-format fit) and as the top ``n``: equal."""
+    g = gradients(40)
+    low = make_preconditioner("fisher").fit(g)
+    values, vectors = np.linalg.eigh(g.T @ g / len(g))
+    full = FisherPreconditioner()
+    full.dim, full.n_rows = DIM, len(g)
+    full.eigenvalues, full.eigenvectors = [torch.from_numpy(values.clip(min=0))], [torch.from_numpy(vectors)]
+    assert low.eigenvectors[0].shape == (DIM, 40)
+    for damping in DAMPINGS:
+        for both in (False, True):
+            np.testing.assert_allclose(
+                apply(low.with_damping(damping), QUERIES, both),
+                apply(full.with_damping(damping), QUERIES, both),
+                rtol=1e-7,
+                atol=1e-10,
+            )
+        float32 = torch.from_numpy(QUERIES.astype(np.float32))
+        np.testing.assert_allclose(
+            low.with_damping(damping).apply_query(float32).numpy(),
+            full.with_damping(damping).apply_query(float32).numpy(),
+            rtol=2e-3,
+            atol=2e-4 * np.abs(full.with_damping(damping).apply_query(float32).numpy()).max(),
+        )
+
+
+def test_queries_never_build_a_dense_matrix_and_rows_build_one_per_damping(monkeypatch):
+    built = []
+    original = FisherPreconditioner._matrix
+
+    def counted(self, index, power):
+        built.append((self.damping, index, power))
+        return original(self, index, power)
+
+    monkeypatch.setattr(FisherPreconditioner, "_matrix", counted)
+    fitted = make_preconditioner("fisher", blocks=LAYERS).fit(gradients(300).astype(np.float32))
+    queries = torch.from_numpy(QUERIES.astype(np.float32))
+    for damping in DAMPINGS:
+        for _ in range(3):
+            fitted.with_damping(damping).apply_query(queries)
+            fitted.with_damping(damping).apply_both(queries)
+    assert built == []
+    rows = torch.from_numpy(gradients(500, seed=1).astype(np.float32))
+    first = fitted.with_damping(0.5).apply_both(rows)
+    assert torch.equal(fitted.with_damping(0.5).apply_both(rows), first)
+    assert sorted(built) == [(0.5, 0, 0.5), (0.5, 1, 0.5)]  # once per block, for both calls
+
+
+def test_save_is_float32_and_loads_to_identical_scores(tmp_path):
+    g = gradients(40)
+    fitted = make_preconditioner("fisher", damping=0.3, blocks=LAYERS).fit(g)
+    before = {both: apply(fitted, QUERIES, both) for both in (False, True)}
+    fitted.save(tmp_path / "p")
+    with np.load(tmp_path / "p" / "state.npz") as state:
+        assert {state[key].dtype for key in state.files if key.startswith("eigenvectors")} == {np.dtype(np.float32)}
+        assert state["eigenvectors_0"].shape == (48, 40)
+    loaded = load_preconditioner(tmp_path / "p")
+    for damping in (0.3, 0.01):
+        for x in (QUERIES, QUERIES.astype(np.float32), gradients(200, seed=2).astype(np.float32)):
+            for both in (False, True):
+                a, b = apply(fitted.with_damping(damping), x, both), apply(loaded.with_damping(damping), x, both)
+                np.testing.assert_array_equal(a, b)
+    for both in (False, True):  # rounding the eigenvectors to float32 moved the float64 results by little
+        np.testing.assert_allclose(
+            apply(loaded, QUERIES, both), before[both], rtol=1e-5, atol=1e-6 * abs(before[both]).max()
+        )
+
+
+def test_a_fit_saved_before_float64_every_eigenpair_still_loads(tmp_path):
+    g = gradients(40)
+    values, vectors = np.linalg.eigh(g.T @ g / len(g))
+    config = {"name": "fisher", "damping": 0.1, "blocks": None, "dim": DIM, "n_rows": 40}
+    save_state(tmp_path / "old", config, {"eigenvalues_0": values.clip(min=0), "eigenvectors_0": vectors})
+    old = load_preconditioner(tmp_path / "old")
+    new = make_preconditioner("fisher").fit(g)
+    for both in (False, True):
+        np.testing.assert_allclose(apply(old, QUERIES, both), apply(new, QUERIES, both), rtol=1e-7, atol=1e-10)
+
+
+# ------------------------------------------------------------------------------------------------ in a store
+def write_store(root: Path, n: int) -> tuple[gradstore.GradStore, np.ndarray]:
+    """A store holding ``n`` train rows of two 48-dim layers (float16 unit rows + norms); the rows as read back."""
+    store = gradstore.open(root)
+    spec = ProjectionSpec(
+        0,
+        "none",
+        tuple(
+            LayerSlot(f"l{i}", "linear", 8, 6, None, None, "exact", offset, size, False)
+            for i, (offset, size) in enumerate(LAYERS)
+        ),
+    )
+    store.create_run("r", dim=DIM, projection=spec.to_dict())
+    store.record_checkpoint("r", "c", step=0)
+    with store.writer("r") as writer:
+        writer.append(gradients(n).astype(np.float32), [f"e{i}" for i in range(n)], checkpoint="c", split="train")
+    block = store.read_gradients("r", checkpoint="c", split="train")
+    order = np.argsort(block.grad_ids)
+    return store, block.vectors[order].astype(np.float64)
+
+
+def scores(store, method: str, damping: float, blocks: str) -> np.ndarray:
+    matrix = store.score_matrix(QUERIES.astype(np.float32), run="r", method=method, damping=damping, blocks=blocks)
+    return matrix.scores[:, np.argsort(matrix.grad_ids)]
+
+
+def expected_scores(g: np.ndarray, method: str, damping: float, blocks: str) -> np.ndarray:
+    spans = LAYERS if blocks == "layer" else None
+    q = QUERIES.astype(np.float32).astype(np.float64)
+    if method == "fisher":
+        return q @ closed_form(g, damping, spans, 1.0) @ g.T
+    root = closed_form(g, damping, spans, 0.5)
+    unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
+    return unit(q @ root) @ unit(g @ root).T
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.mark.parametrize("n", [40, 300])
+def test_store_scores_at_every_damping_and_fit_bytes(tmp_path, n):
+    store, g = write_store(tmp_path / "store", n)
+    for blocks in ("full", "layer"):
+        for method in ("fisher", "trackstar"):
+            for damping in (0.01, 0.1, 1.0):
+                expected = expected_scores(g, method, damping, blocks)
+                got = scores(store, method, damping, blocks)
+                np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-4 * np.abs(expected).max())
+    assert store.fits.fitted == 2  # one fit per block structure, whatever the damping and the method
+    fits = directory_bytes(Path(store.fits.store.files.path("fits")))
+    rows = directory_bytes(tmp_path / "store" / f"{store.gradient_table_name('r')}.lance")
+    assert 0 < fits <= 5 * rows, (fits, rows)
+    assert fits <= 5 * 2 * 2 * n * DIM  # the two fits together: at most 5x float16 rows each
+
+    again = gradstore.open(tmp_path / "store")  # a new handle: the fits are loaded from their side files
+    for blocks in ("full", "layer"):
+        for method in ("fisher", "trackstar"):
+            np.testing.assert_array_equal(scores(again, method, 0.1, blocks), scores(store, method, 0.1, blocks))
+    assert again.fits.fitted == 0
