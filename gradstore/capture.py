@@ -11,16 +11,20 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from typing import Any
 
+import pyarrow as pa
 import torch
 from torch import nn
 
 from gradstore.basis import run_basis, save_basis
 from gradstore.core import GradientWriter, StoreCore, WriterConfig
-from gradstore.errors import InvalidArgumentError, InvalidNameError, translated
+from gradstore.core import schema as S
+from gradstore.errors import GradstoreError, InvalidArgumentError, InvalidNameError, NonFiniteGradientError, translated
 from gradstore.resume import CommittedRows
 from ingest import CaptureConfig, CapturedBatch, GradientCapture, ProjectionSpec
+from ingest.capture import NonFiniteRowsError, SkippedBatch
 
 #: Options that define a run's vectors (or how its loss was formed): later captures of the run reuse them.
 RUN_OPTIONS = (
@@ -77,7 +81,12 @@ def config_for_run(store: StoreCore, run: str, overrides: dict[str, Any]) -> Cap
 class StoreCapture:
     """Context manager returned by :meth:`GradStore.capture`; forwards the controls of
     :class:`ingest.GradientCapture` (``set_ids``, ``set_epoch``, ``set_step``, ``set_checkpoint``,
-    ``set_split``, ``pause``/``resume``/``paused``, ``flush``)."""
+    ``set_split``, ``pause``/``resume``/``paused``, ``flush``).
+
+    Training batches whose gradients hold NaN/Inf, or whose step the ``grad_scaler`` skipped, are not written:
+    each is a row of the store's ``skipped_steps`` table (``on_nonfinite="skip"``, the default) and the first
+    one is warned about (:class:`ingest.capture.SkippedStepWarning`); ``steps_skipped``/``rows_dropped`` count
+    them."""
 
     def __init__(
         self,
@@ -97,7 +106,17 @@ class StoreCapture:
         self.run_id = run
         self.learning_rate = learning_rate
         self.capture = GradientCapture(
-            model, self._write, config, optimizer=optimizer, per_example_loss=per_example_loss, grad_scaler=grad_scaler
+            model,
+            self._write,
+            config,
+            optimizer=optimizer,
+            per_example_loss=per_example_loss,
+            grad_scaler=grad_scaler,
+            on_skip=self._record_skip,
+        )
+        self.capture.skip_note = (
+            f" (run {run!r}: they are listed in the store's skipped_steps table, "
+            "store.sql('select * from skipped_steps'))."
         )
         self.spec: ProjectionSpec = self.capture.spec
         self._model = model
@@ -107,6 +126,8 @@ class StoreCapture:
         self._committed = CommittedRows(store, run) if resume else None
         self.rows_written = 0
         self.rows_skipped = 0  # rows of re-run steps already in the store (resume=True)
+        self.steps_skipped = 0  # training batches not written: non-finite, or their step skipped by the scaler
+        self.rows_dropped = 0  # their rows
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> StoreCapture:
@@ -136,7 +157,7 @@ class StoreCapture:
                 raise
             raise ours from error
         self._record_run()
-        if exc is not None and (ours := translated(exc)) is not None:
+        if exc is not None and (ours := _translated(exc)) is not None:
             raise ours from exc
 
     def _open_writer(self) -> GradientWriter:
@@ -205,6 +226,25 @@ class StoreCapture:
         self._writer.flush()
 
     # ------------------------------------------------------------------ sink
+    def _record_skip(self, batch: SkippedBatch) -> None:
+        """A training batch that is not written: one row of ``skipped_steps`` (committed now; skips are rare)."""
+        row = {
+            "run_id": self.run_id,
+            "checkpoint": batch.checkpoint,
+            "step": batch.step,
+            "epoch": batch.epoch,
+            "split": batch.split,
+            "rank": batch.rank,
+            "reason": batch.reason,
+            "example_ids": [str(i) for i in batch.example_ids],
+            "n_rows": len(batch.example_ids),
+            "n_nonfinite": batch.nonfinite_rows,
+            "created_at": datetime.now(timezone.utc),
+        }
+        self.store.append_table(S.SKIPPED_STEPS, pa.Table.from_pylist([row], schema=S.SKIPPED_STEPS_SCHEMA))
+        self.steps_skipped += 1
+        self.rows_dropped += len(batch.example_ids)
+
     def _write(self, batch: CapturedBatch) -> None:
         lr = self.learning_rate if self.learning_rate is not None else batch.learning_rate
         if self._committed is not None:
@@ -229,3 +269,10 @@ class StoreCapture:
         self.rows_written += len(batch.example_ids)
         if batch.split == "train":  # query rows describe no checkpoint of training
             self._seen[batch.checkpoint] = {"step": batch.step, "epoch": batch.epoch, "learning_rate": lr}
+
+
+def _translated(error: BaseException) -> GradstoreError | None:
+    """The gradstore error for a lower layer's ``error`` (capture's non-finite rows included), or ``None``."""
+    if isinstance(error, NonFiniteRowsError):
+        return NonFiniteGradientError(*error.args)
+    return translated(error)

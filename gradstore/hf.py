@@ -81,7 +81,10 @@ class GradstoreCallback(TrainerCallback):
     ``loss_reduction="token_mean"`` (the Trainer passes ``num_items_in_batch``, so gradient accumulation is
     undone) and, with ``average_tokens_across_devices`` on several ranks, ``loss_scale=world_size`` (the
     Trainer multiplies the loss by it). ``per_example_loss`` fills the ``loss`` column
-    (e.g. :func:`ingest.losses.causal_lm_loss`).
+    (e.g. :func:`ingest.losses.causal_lm_loss`). With ``fp16=True`` the Trainer's ``GradScaler`` (Accelerate's
+    ``accelerator.scaler``, which its prepared optimizer carries) is found and passed as ``grad_scaler``: rows
+    are unscaled and the batches of steps the scaler skips are listed in ``skipped_steps`` instead of written
+    (pass ``grad_scaler=...`` to choose another).
     """
 
     def __init__(
@@ -130,6 +133,8 @@ class GradstoreCallback(TrainerCallback):
             options["loss_scale"] = float(torch.distributed.get_world_size())
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
         common = {"optimizer": inner, "per_example_loss": self.per_example_loss, "writer": self.writer}
+        if "grad_scaler" not in options:
+            common["grad_scaler"] = trainer_grad_scaler(optimizer)
         if is_distributed():
             cap = distributed_capture(self.store, model, self.run, commit_every=self.commit_every, **common, **options)
         else:
@@ -186,6 +191,16 @@ class GradstoreCallback(TrainerCallback):
         cap, self.capture = self.capture, None
         if cap is not None:
             cap.__exit__(None, None, None)
+
+
+def trainer_grad_scaler(optimizer: Any) -> Any | None:
+    """The ``GradScaler`` of a Trainer's fp16 training: Accelerate's ``accelerator.scaler``, which the optimizer
+    it prepared (what the Trainer hands to callbacks) holds as ``.scaler``; ``None`` without one (fp32, bf16, or
+    a DeepSpeed engine that scales the loss itself)."""
+    scaler = getattr(optimizer, "scaler", None)
+    if scaler is None or not callable(getattr(scaler, "scale", None)) or not hasattr(scaler, "get_scale"):
+        return None
+    return scaler
 
 
 def _skip_fused_lm_head(model: torch.nn.Module, options: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,9 @@ See ``docs/capture.md`` for the hooks, the row layout, the cost rule, scaling an
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from types import TracebackType
@@ -36,9 +39,30 @@ from ingest.projection import LAYER_KINDS, LayerSizes, ProjectionBasis, Projecti
 from ingest.scaling import REDUCTIONS, example_scales, example_token_counts
 
 PROJECTIONS = (None, "factorized", "dense")
+#: What capture does with a training batch whose rows hold NaN/Inf (see :class:`CaptureConfig`).
+NONFINITE_MODES = ("skip", "raise")
+#: Reasons a training batch is not delivered (:attr:`SkippedBatch.reason`).
+SKIP_GRAD_SCALER = "grad_scaler_overflow"
+SKIP_NONFINITE = "nonfinite_gradient"
+# Deferred batches (with a GradScaler) waiting for the scaler's decision beyond this many are delivered
+# undecided (the capture never saw an optimizer step: memory stays bounded).
+MAX_HELD_BATCHES = 256
 # A dense projection matrix larger than this many entries is refused (use "factorized").
 MAX_DENSE_ENTRIES = 1 << 27
 ID_KWARG = "example_id"
+
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteRowsError(ValueError):
+    """A captured batch's rows hold NaN/Inf (``on_nonfinite="raise"``), raised from the ``backward()`` that
+    produced them."""
+
+
+class SkippedStepWarning(UserWarning):
+    """Capture skipped a training batch whose gradients were non-finite or whose step the GradScaler skipped
+    (warned once per capture)."""
 
 
 def _default_rank() -> int:
@@ -113,6 +137,10 @@ class CaptureConfig:
     the optimizer holds state are not captured. ``fused``: project inside the Linear/Conv1D layers' own GEMMs
     (:mod:`ingest.fused`; the same rows, training unchanged, the activations read once instead of twice, the
     weights copied twice per step: it pays where batches hold more tokens than a layer is wide).
+    ``on_nonfinite``: a training batch (split ``"train"``) with a NaN/Inf row, or one of a step a ``GradScaler``
+    skipped, is ``"skip"``-ped (not delivered; reported to ``on_skip`` and warned once) or, with ``"raise"``,
+    :class:`NonFiniteRowsError` is raised from the ``backward()`` that produced a non-finite row (one device
+    sync per backward). Rows of other splits are delivered as they are.
     """
 
     projection: ProjectionConfig = field(default_factory=ProjectionConfig)
@@ -124,6 +152,7 @@ class CaptureConfig:
     max_pending_batches: int = 4
     normalizer: str | None = None
     fused: bool = False
+    on_nonfinite: str = "skip"
 
     @classmethod
     def from_options(cls, **options: Any) -> CaptureConfig:
@@ -155,6 +184,8 @@ class CaptureConfig:
             raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {self.normalizer!r}")
         if self.normalizer is not None and self.curvature:
             raise ValueError("curvature statistics of normalised rows are not supported: capture them raw")
+        if self.on_nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {self.on_nonfinite!r}")
 
 
 @dataclass
@@ -172,6 +203,20 @@ class CapturedBatch:
     learning_rate: float | None
     loss: torch.Tensor | None  # float32 [B]
     num_tokens: torch.Tensor  # int32 [B]
+
+
+@dataclass
+class SkippedBatch:
+    """One training micro-batch whose rows were not delivered, as handed to ``on_skip``."""
+
+    example_ids: list[str]
+    step: int
+    epoch: int
+    checkpoint: str
+    split: str
+    rank: int
+    reason: str  # SKIP_GRAD_SCALER or SKIP_NONFINITE
+    nonfinite_rows: int  # rows holding NaN/Inf (0: a scaler skipped the step over other gradients)
 
 
 def build_spec(layers: Sequence[LayerInfo], config: ProjectionConfig) -> ProjectionSpec:
@@ -225,7 +270,10 @@ class GradientCapture:
     ``optimizer``: counts steps (step post-hook) and gives the learning rate; when omitted, the
     first optimizer that steps over this model's parameters is used. ``per_example_loss(outputs,
     args, kwargs) -> [B]`` fills ``CapturedBatch.loss``. ``grad_scaler``: an AMP ``GradScaler`` whose
-    scale is divided out of the rows.
+    scale is divided out of the rows; training batches are held on the sink thread until the scaler's
+    decision on their step is known (the step's optimizer step ran: delivered; the scale dropped without
+    one: skipped), or until :meth:`flush`/exit. ``on_skip(SkippedBatch)`` is told of every training batch
+    not delivered (see ``CaptureConfig.on_nonfinite``); ``skip_note`` ends the one warning about them.
     """
 
     hook_class: type[LayerHook] = LayerHook  # what each captured module gets (per-token capture uses its own)
@@ -238,6 +286,7 @@ class GradientCapture:
         optimizer: torch.optim.Optimizer | None = None,
         per_example_loss: Callable[[Any, tuple, dict[str, Any]], torch.Tensor] | None = None,
         grad_scaler: Any | None = None,
+        on_skip: Callable[[SkippedBatch], None] | None = None,
     ) -> None:
         self.config = config or CaptureConfig()
         self.config.validate()
@@ -277,6 +326,15 @@ class GradientCapture:
         self._curvature: dict[str, CurvatureStats] = {}
         self._handles: list[Any] = []
         self._delivery: Delivery | None = None
+        self.on_skip = on_skip
+        self.skip_note = ""
+        self.skipped_batches = 0  # training batches not delivered (non-finite, or their step skipped)
+        self.skipped_rows = 0
+        # with an enabled GradScaler, training batches wait (on the sink thread) for the scaler's decision
+        self._defer = grad_scaler is not None and bool(getattr(grad_scaler, "is_enabled", lambda: True)())
+        self._held: list[tuple[dict[str, Any], int]] = []  # sink thread only: (item, non-finite rows)
+        self._skip_notice: str | None = None  # set by the sink thread, warned once by the training thread
+        self._warned = False
 
     # context -----------------------------------------------------------------------------------
 
@@ -299,11 +357,17 @@ class GradientCapture:
             handle.remove()
         self._handles = []
         self.batch = None
-        delivery, self._delivery = self._delivery, None
-        if delivery is not None:
-            delivery.close()
-            if exc_type is None:
-                delivery.raise_error()
+        delivery = self._delivery
+        try:
+            if delivery is not None and exc_type is None:
+                self._submit_decision()  # held batches of the last step: decided by the scale now
+        finally:
+            self._delivery = None
+            if delivery is not None:
+                delivery.close()
+        if delivery is not None and exc_type is None:
+            delivery.raise_error()
+        self._warn_skips()
 
     # controls ----------------------------------------------------------------------------------
 
@@ -345,9 +409,12 @@ class GradientCapture:
             self.resume()
 
     def flush(self) -> None:
-        """Wait until every finished batch reached the sink."""
+        """Wait until every finished batch reached the sink (with a ``grad_scaler``, batches still waiting for
+        the scaler's decision are decided by its scale now: call it between steps)."""
         if self._delivery is not None:
+            self._submit_decision()
             self._delivery.flush()
+        self._warn_skips()
 
     def curvature(self, checkpoint: str | None = None) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
         """Per layer ``(A [k_in, k_in], S [k_out, k_out], tokens)`` of a checkpoint (default: current)."""
@@ -384,6 +451,8 @@ class GradientCapture:
         kwarg_ids = kwargs.pop(ID_KWARG, None)
         if self.is_paused or not torch.is_grad_enabled() or in_backward():
             return args, kwargs
+        if self._skip_notice is not None and not self._warned:
+            self._warn_skips()
         if self._moments_stale:
             self._refresh_normalizer()
         if not self._normalized:
@@ -447,6 +516,8 @@ class GradientCapture:
             self.step += 1
             # refreshed by the next captured forward, so paused steps do not pay for it
             self._moments_stale = self.config.normalizer is not None
+            if self._defer and self._delivery is not None:  # the step ran (or a fused optimizer skipped it)
+                self._submit_marker("step", optimizer)
 
     def _refresh_normalizer(self) -> None:
         """Fold the optimizer's current second moments into the layers (``normalizer`` set)."""
@@ -468,26 +539,119 @@ class GradientCapture:
             return None
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def _scale_tensor(self) -> torch.Tensor | float:
+        """The grad scaler's current scale: its own tensor (on the device, no sync) or a float."""
+        scale = getattr(self.grad_scaler, "_scale", None)
+        return scale if isinstance(scale, torch.Tensor) else float(self.grad_scaler.get_scale())
+
+    def _scale_copy(self, optimizer: torch.optim.Optimizer | None = None) -> tuple[torch.Tensor, Any]:
+        """A host copy of the scaler's scale now (the scaler updates its tensor in place), with ``optimizer``
+        the scaler's found-inf count of its step after it, and the event that marks the copy done (``None`` off
+        CUDA); the copy is not awaited."""
+        scale = self._scale_tensor()
+        scale = scale.detach().reshape(()).float() if isinstance(scale, torch.Tensor) else torch.tensor(scale)
+        values = [scale]
+        if optimizer is not None:
+            states = getattr(self.grad_scaler, "_per_optimizer_states", None)
+            state = states.get(id(optimizer)) if isinstance(states, dict) else None
+            found = [
+                t.reshape(()).float().to(scale.device) for t in (state or {}).get("found_inf_per_device", {}).values()
+            ]
+            values.append(torch.stack(found).sum() if found else torch.zeros((), device=scale.device))
+        return Delivery.to_host(torch.stack(values))
+
+    def _submit_marker(self, kind: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Queue a decision point for the held batches: ``"step"`` (``optimizer.step()`` ran: a fused optimizer
+        runs it also when the scaler found inf, which the marker carries) or ``"decide"`` (flush/exit), with the
+        scale at that moment."""
+        values, event = self._scale_copy(optimizer)
+        self._delivery.submit({"kind": kind, "scale": values}, event)
+
+    def _submit_decision(self) -> None:
+        if self._defer and self._delivery is not None:
+            self._submit_marker("decide")
+
+    def _warn_skips(self) -> None:
+        """Warn (once per capture, on the training thread) that training batches were skipped."""
+        notice = self._skip_notice
+        if notice is not None and not self._warned:
+            self._warned = True
+            warnings.warn(notice + self.skip_note, SkippedStepWarning, stacklevel=3)
+
     def _finish(self, batch: ActiveBatch) -> None:
         if self.batch is batch:
             self.batch = None
         if self._delivery is None or batch.rows is None:
             return
-        rows = batch.rows * batch.scales.to(batch.rows.device).unsqueeze(1)
-        if self.grad_scaler is not None:
-            scale = getattr(self.grad_scaler, "_scale", None)
-            rows = rows / (scale.to(rows.device) if isinstance(scale, torch.Tensor) else self.grad_scaler.get_scale())
+        factor = batch.scales.to(batch.rows.device)
+        if self.grad_scaler is not None:  # divided first: a large loss scale times B must not overflow
+            scale = self._scale_tensor()
+            factor = factor / (scale.to(factor.device) if isinstance(scale, torch.Tensor) else scale)
+        rows = batch.rows * factor.unsqueeze(1)
         meta = dict(batch.meta, learning_rate=self._learning_rate())
+        if self.config.on_nonfinite == "raise" and not bool(torch.isfinite(rows).all()):
+            bad = torch.nonzero(~torch.isfinite(rows).all(dim=1)).flatten().tolist()
+            ids = meta["ids"]
+            which = f"example ids {[ids[i] for i in bad[:5]]}" if ids is not None else f"batch positions {bad[:5]}"
+            raise NonFiniteRowsError(
+                f"capture: {len(bad)} gradient row(s) of the batch at step {meta['step']} hold NaN/Inf ({which}); "
+                "the loss or the gradients of this step are not finite. Capture with on_nonfinite='skip' to skip "
+                "such steps (they are recorded) instead of stopping."
+            )
+        deferred = self._defer and meta["split"] == "train"
+        meta["scale"] = self._scale_copy()[0][0] if deferred else None  # before the rows: their event covers it
         if meta["loss"] is not None:
             meta["loss"], _ = Delivery.to_host(meta["loss"])  # copied before the rows: their event covers it
         host, event = Delivery.to_host(rows)
-        self._delivery.submit({"grads": host, **meta}, event)
+        self._delivery.submit({"kind": "rows", "grads": host, **meta}, event)
 
     def _deliver(self, item: dict[str, Any]) -> None:
+        """Sink thread: deliver or skip a batch, holding a GradScaler loop's training batches until their
+        step's fate is known (a later scale below theirs: the scaler skipped their step)."""
+        if item["kind"] != "rows":  # a step ran (its batches are good) / flush or exit: decide by the scale
+            values = item["scale"].tolist()
+            if len(values) > 1 and values[1] > 0:  # a fused optimizer's step, skipped by the scaler
+                self._release(-math.inf, final=True)
+            else:
+                self._release(values[0], final=True)
+            return
+        nonfinite = int(nonfinite_rows(item["grads"]).sum())
+        if item["scale"] is None:
+            self._emit(item, nonfinite, SKIP_NONFINITE if nonfinite and item["split"] == "train" else None)
+            return
+        self._release(float(item["scale"]), final=False)
+        self._held.append((item, nonfinite))
+        if len(self._held) > MAX_HELD_BATCHES:
+            held, nonfinite = self._held.pop(0)
+            log.warning(
+                "capture: no optimizer step seen for %d batches; delivering without the scaler's decision",
+                MAX_HELD_BATCHES,
+            )
+            self._emit(held, nonfinite, SKIP_NONFINITE if nonfinite else None)
+
+    def _release(self, scale: float, final: bool) -> None:
+        """Skip the held batches recorded at a scale above ``scale`` (the scaler backed off: their step was
+        skipped); with ``final`` also deliver the others (their step ran, or it is decided now)."""
+        keep = []
+        for item, nonfinite in self._held:
+            recorded = float(item["scale"])
+            if recorded > scale or math.isnan(scale):
+                self._emit(item, nonfinite, SKIP_GRAD_SCALER)
+            elif final or recorded < scale:  # a larger scale now: the scaler grew after their step ran
+                self._emit(item, nonfinite, SKIP_NONFINITE if nonfinite else None)
+            else:
+                keep.append((item, nonfinite))
+        self._held = keep
+
+    def _emit(self, item: dict[str, Any], nonfinite: int, reason: str | None) -> None:
+        """Hand one batch to the sink, or (``reason``) report it skipped."""
         ids, hashes = item["ids"], None
         if ids is None:
             hashes = content_hashes(*item["hash_source"])
             ids = hashes
+        if reason is not None:
+            self._skip(item, ids, nonfinite, reason)
+            return
         self.sink(
             CapturedBatch(
                 grads=item["grads"],
@@ -503,3 +667,43 @@ class GradientCapture:
                 num_tokens=item["num_tokens"].cpu().to(torch.int32),
             )
         )
+
+    def _skip(self, item: dict[str, Any], ids: list[str], nonfinite: int, reason: str) -> None:
+        self.skipped_batches += 1
+        self.skipped_rows += len(ids)
+        if self._skip_notice is None:
+            why = (
+                "the GradScaler found inf/NaN gradients and skipped the optimizer step"
+                if reason == SKIP_GRAD_SCALER
+                else f"{nonfinite} of its rows hold NaN/Inf (a non-finite loss or gradients)"
+            )
+            self._skip_notice = (
+                f"gradient capture skipped the {len(ids)} row(s) of a training batch at step {item['step']}: {why}. "
+                "Rows of such steps are not captured; this warning is shown once per capture"
+            )
+        if self.on_skip is not None:
+            self.on_skip(
+                SkippedBatch(
+                    example_ids=list(ids),
+                    step=item["step"],
+                    epoch=item["epoch"],
+                    checkpoint=item["checkpoint"],
+                    split=item["split"],
+                    rank=self.config.labels.rank,
+                    reason=reason,
+                    nonfinite_rows=nonfinite,
+                )
+            )
+
+
+def nonfinite_rows(grads: torch.Tensor) -> torch.Tensor:
+    """``[n]`` bool: the rows of ``grads`` (``[n, dim]``) holding NaN/Inf, or whose float32 norm overflows."""
+    if grads.numel() == 0:
+        return torch.zeros(grads.shape[0], dtype=torch.bool)
+    peaks = torch.maximum(grads.amax(dim=1), -grads.amin(dim=1)).double()
+    bad = ~torch.isfinite(peaks)
+    limit = torch.finfo(torch.float32).max
+    suspect = ~bad & (peaks * math.sqrt(grads.shape[1]) > limit)
+    if bool(suspect.any()):
+        bad |= suspect & (torch.linalg.vector_norm(grads.double(), dim=1) > limit)
+    return bad

@@ -251,6 +251,9 @@ class LayerHook:
             return  # a second backward through an already captured graph
         with torch.no_grad():
             dy = tokens_view(dy.detach(), batch.size)
+            if saved.is_floating_point() and saved.dtype != dy.dtype:  # autocast: e.g. float32 input, fp16 dy
+                dtype = torch.promote_types(saved.dtype, dy.dtype)
+                saved, dy = saved.to(dtype), dy.to(dtype)
             self._add_block(batch, self._block(route, saved, dy))
             stats = self.owner.curvature_stats()
             if stats is not None:

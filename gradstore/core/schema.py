@@ -20,6 +20,7 @@ GRADIENTS = "gradients"
 EXAMPLES = "examples"
 SCORES = "scores"
 SELF_INFLUENCE = "self_influence"
+SKIPPED_STEPS = "skipped_steps"
 
 #: The checkpoint label of rows appended without one: capture's default, so rows written by hand and
 #: captured rows are selected alike.
@@ -114,6 +115,28 @@ SELF_INFLUENCE_SCHEMA = _tagged(
         pa.field("created_at", _TIMESTAMP),
     ]
 )
+
+#: One row per captured training batch that was not written: its gradients held NaN/Inf (``nonfinite_gradient``)
+#: or the GradScaler skipped its step (``grad_scaler_overflow``). Created by the first such batch; SQL shows an
+#: empty view until then.
+SKIPPED_STEPS_SCHEMA = _tagged(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("checkpoint", pa.string()),
+        pa.field("step", pa.int64()),
+        pa.field("epoch", pa.int32()),
+        pa.field("split", pa.string()),
+        pa.field("rank", pa.int32()),
+        pa.field("reason", pa.string()),
+        pa.field("example_ids", pa.list_(pa.string())),
+        pa.field("n_rows", pa.int32()),
+        pa.field("n_nonfinite", pa.int32()),  # rows holding NaN/Inf (0: the scaler's overflow was elsewhere)
+        pa.field("created_at", _TIMESTAMP),
+    ]
+)
+
+#: Tables created on first use that SQL always shows (empty until then).
+LAZY_SCHEMAS = {SKIPPED_STEPS: SKIPPED_STEPS_SCHEMA}
 
 FIXED_SCHEMAS = {
     RUNS: RUNS_SCHEMA,

@@ -19,6 +19,7 @@ import lance
 import pyarrow as pa
 import pyarrow.dataset as pads
 
+from gradstore.core.schema import LAZY_SCHEMAS
 from gradstore.errors import SQLError
 
 _READ_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
@@ -59,11 +60,15 @@ def connect(
     unions: Mapping[str, Sequence[str]] | None = None,
 ) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with one view per store table, one view per entry of ``unions`` (name -> the
-    tables whose rows it lists, ``UNION ALL BY NAME``) and the given macro definitions."""
+    tables whose rows it lists, ``UNION ALL BY NAME``) and the given macro definitions. A table created on first
+    use (``skipped_steps``) that the store does not hold yet is an empty view."""
     con = duckdb.connect()
     for name, dataset in tables.items():
         view = VectorlessLanceView(dataset.uri, version=dataset.version, storage_options=storage_options)
         con.register(name, view)
+    for name, schema in LAZY_SCHEMAS.items():
+        if name not in tables:
+            con.register(name, schema.empty_table())
     for name, parts in (unions or {}).items():
         union = " UNION ALL BY NAME ".join(f"SELECT * FROM {_identifier(part)}" for part in parts)
         con.execute(f"CREATE VIEW {_identifier(name)} AS {union}")
