@@ -172,7 +172,7 @@ def paired_arms(
     if device.type == "cpu" and not store.row_files.entries():
         raise SystemExit("the first search wrote no row file")
     without_files = gradstore.open(store.uri, row_files=False)
-    prepared = store.build_index("bench").cached_rows()
+    prepared = store.build_index("bench", method="grad-dot").cached_rows()
     if prepared is None:
         raise SystemExit("the store's row cache holds no prepared rows (budget too small)")
     if device.type == "cpu" and fast_bfloat16_matmul() and prepared.kernel != "bfloat16":
@@ -195,7 +195,7 @@ def paired_arms(
 
     def first() -> object:
         without_files.row_cache.clear()
-        return without_files.attribute(q, run="bench", k=K, write=False)
+        return without_files.attribute(q, run="bench", k=K, write=False, method="grad-dot")
 
     arms: dict[str, Callable[[], object]] = {
         TORCH: lambda: torch.topk(xt @ qt.T, K, dim=0),

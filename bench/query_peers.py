@@ -93,7 +93,7 @@ def one_size(rows: int, args: argparse.Namespace, root: Path) -> tuple[dict[str,
     attribute = partial(store.attribute, q, run="bench", k=K, write=False)
     attribute()  # reads the rows into the row cache and writes the row file
     store.row_files.wait()
-    prepared = store.build_index("bench").cached_rows()
+    prepared = store.build_index("bench", method="grad-dot").cached_rows()
     if prepared is None:
         raise SystemExit("the store's row cache holds no prepared rows (budget too small)")
     kernel = ExactIndex(kernel=prepared.kernel)

@@ -112,7 +112,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         log(f"building a store of {args.examples} examples and {args.queries} queries")
         store = build_store(Path(tmp, "store"), args.examples, args.queries, args.side, args.seed)
-        store.attribute(run=RUN, k=10, opponents=True)
+        store.attribute(run=RUN, k=10, opponents=True, method="grad-dot")
         store.self_influence(run=RUN, method="grad-dot")
         selection = store.select(run=RUN, budget=0.05)
         log(

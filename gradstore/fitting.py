@@ -25,10 +25,10 @@ from typing import Literal
 
 import numpy as np
 
-from gradstore.core import StoreCore, gradient_filter
+from gradstore.core import StoreCore, gradient_filter, storage
 from gradstore.engine import Engine, LocalEngine
-from gradstore.errors import InvalidArgumentError, MissingCurvatureError, StoreCorruptError
-from gradstore.methods import DEFAULT_DAMPING, FULL_FISHER_MAX_DIM, BlockStructure, Method, check_blocks
+from gradstore.errors import InvalidArgumentError, MissingCurvatureError, StoreCorruptError, StorePermissionError
+from gradstore.methods import DEFAULT_DAMPING, BlockStructure, Method, check_blocks
 from gradstore.scoring import ScoringSpace
 from gradstore.shards import Shard, fragment_shards
 from indexers import FitStatistics, Preconditioner, VectorBlocks, load_preconditioner, make_preconditioner
@@ -115,18 +115,21 @@ class FitSpec:
 
 
 def fit_spec(store: StoreCore, selection: Selection, method: Method, blocks: BlockStructure = "auto") -> FitSpec:
-    """The :class:`FitSpec` of ``method`` over ``selection`` (``blocks="auto"`` resolved by the run's dim)."""
+    """The :class:`FitSpec` of ``method`` over ``selection`` (``blocks="auto"``: :func:`auto_blocks`)."""
     check_blocks(blocks)
     structure = None
     if method.preconditioner == "fisher":
-        structure = (
-            blocks
-            if blocks != "auto"
-            else ("full" if store.run(selection.run)["dim"] <= FULL_FISHER_MAX_DIM else "layer")
-        )
+        structure = blocks if blocks != "auto" else auto_blocks(store, selection.run)
     elif blocks != "auto":
         raise InvalidArgumentError(f"blocks={blocks!r} applies to the fisher method, not {method.name!r}")
     return FitSpec(selection, method.preconditioner, structure, method.eigen_correction)
+
+
+def auto_blocks(store: StoreCore, run: str) -> Literal["layer", "full"]:
+    """``blocks="auto"``: one Fisher block per layer for a run captured with a projection spec (per-layer blocks
+    scored a higher held-out LDS than one full block at every size measured, bench/fidelity.py), one full block
+    for a run written without layers."""
+    return "layer" if store.run_projection(run) is not None else "full"
 
 
 class FitCache:
@@ -185,7 +188,12 @@ class FitCache:
         try:
             with self.store.files.local_directory(FITS, key, "preconditioner") as directory:
                 return load_preconditioner(directory)
+        except StorePermissionError:
+            raise
         except (OSError, ValueError, KeyError) as error:
+            refused = storage.permission_error(error, self.store.uri, f"read fitted preconditioner {key}")
+            if refused is not None:
+                raise refused from error
             raise StoreCorruptError(
                 f"fitted preconditioner {key} of store {self.store.uri} is damaged: {error}"
             ) from error
@@ -232,8 +240,18 @@ class FitCache:
 
     def _save(self, spec: FitSpec, state: tuple[int, int], fitted: Preconditioner) -> None:
         """Replace the stored fit of ``spec`` (its files, then the manifest that puts them in use), holding the
-        key's writers' lock: processes fitting the same rows at once save one after the other."""
+        key's writers' lock: processes fitting the same rows at once save one after the other. On a store this
+        process may not write (or where the storage refuses the fit's files) the fit stays in memory only."""
         key = spec.key()
+        if not self.store.writable:
+            log.debug("store %s is read-only for this process: fit %s kept in memory", self.store.uri, key)
+            return
+        try:
+            self._write(spec, key, state, fitted)
+        except StorePermissionError as error:
+            log.debug("fit %s kept in memory: %s", key, error)
+
+    def _write(self, spec: FitSpec, key: str, state: tuple[int, int], fitted: Preconditioner) -> None:
         manifest = {
             **asdict(spec),
             "rows": state[0],

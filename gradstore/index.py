@@ -544,9 +544,14 @@ def check_device(kind: str, dim: int, device: str | torch.device | None) -> torc
     return asked
 
 
-def default_index_name(selection: Selection, method: Method, damping: float | None, kind: str) -> str:
-    """A readable, file-system safe name: the selection and method in words plus a hash of the exact values."""
+def default_index_name(
+    selection: Selection, method: Method, damping: float | None, kind: str, blocks: str | None = None
+) -> str:
+    """A readable, file-system safe name: the selection, method, Fisher block structure (``blocks``, when the
+    method has one) and damping in words plus a hash of the exact values."""
     parts = [selection.run, selection.checkpoint or "", selection.split, method.name]  # None: unlabelled rows
+    if blocks is not None:
+        parts.append(blocks)
     if method.damped:
         parts.append(f"d{damping:g}")
     parts.append(kind)
@@ -592,7 +597,7 @@ def build_index(
     name = (
         check_component(name, "index name")
         if name is not None
-        else default_index_name(selection, resolved, damping, kind)
+        else default_index_name(selection, resolved, damping, kind, spec.blocks)
     )
     preconditioner = fits.get(spec, damping, refit=refit, engine=engine)
     if not refit:

@@ -34,13 +34,11 @@ from gradstore.errors import InvalidArgumentError
 MethodName = Literal["grad-dot", "cosine", "diagonal", "fisher", "kfac", "ekfac", "tracin", "trackstar", "influence"]
 """Names :func:`resolve_method` accepts (``influence`` is ``fisher``)."""
 BlockStructure = Literal["auto", "layer", "full"]
-"""Fisher blocks: one per layer, one full ``dim x dim`` block, or ``auto`` (full up to
-:data:`FULL_FISHER_MAX_DIM` dims, per layer above)."""
+"""Fisher blocks: one per layer, one full ``dim x dim`` block, or ``auto`` (per layer for runs captured with a
+projection spec, full for runs written without layers: :func:`gradstore.fitting.auto_blocks`)."""
 Operation = Literal["attribute", "score_matrix", "self_influence", "select", "build_index", "token_scores"]
 """The calls that take a ``method``."""
 
-#: ``blocks="auto"`` keeps a Fisher block full up to this many dims; larger vectors get one block per layer.
-FULL_FISHER_MAX_DIM = 2048
 DEFAULT_DAMPING = 0.1
 #: The method every scoring call uses when given none (the best single-checkpoint answer on the demo's facts).
 DEFAULT_METHOD = "fisher"

@@ -24,5 +24,5 @@ if __name__ == "__main__":
         gradstore.index.stored_blocks = refuse
     store = gradstore.open(store_path, row_files=RowFiles(cache, min_bytes=0))
     queries = np.random.default_rng(99).standard_normal((4, 40)).astype(np.float32)
-    table = store.attribute(queries, run="r", k=6, write=False)
+    table = store.attribute(queries, run="r", k=6, write=False, method="grad-dot")
     print(json.dumps(table.column("grad_id").to_pylist()))

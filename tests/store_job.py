@@ -141,8 +141,14 @@ def index(root: str, progress: Progress, rng: np.random.Generator, storage_dtype
     writer.flush()
     operations: list[tuple[str, Callable[[], object]]] = [
         ("build-exact", lambda: store.build_index("a", checkpoint=CHECKPOINT, method="diagonal", name="diagonal")),
-        ("build-flat", lambda: store.build_index("a", checkpoint=CHECKPOINT, kind="Flat", name="flat")),
-        ("attribute-flat", lambda: store.attribute(queries(), run="a", checkpoint=CHECKPOINT, k=3, kind="Flat")),
+        (
+            "build-flat",
+            lambda: store.build_index("a", checkpoint=CHECKPOINT, kind="Flat", name="flat", method="grad-dot"),
+        ),
+        (
+            "attribute-flat",
+            lambda: store.attribute(queries(), run="a", checkpoint=CHECKPOINT, k=3, kind="Flat", method="grad-dot"),
+        ),
         ("attribute-exact", lambda: store.attribute(queries(), run="a", checkpoint=CHECKPOINT, k=3, method="diagonal")),
     ]
 

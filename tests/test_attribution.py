@@ -112,7 +112,7 @@ def test_fisher_influence_equals_numpy_closed_form(captured, damping):
     g_ids, g, _ = _rows(store, "c1", "train")
     q_ids, q, _ = _rows(store, "c1", "query")
     inverse = _fisher_inverse(g, damping)
-    table = store.attribute(run="run", k=10, method="influence", damping=damping, write=False)
+    table = store.attribute(run="run", k=10, method="influence", damping=damping, blocks="full", write=False)
     _check(table, q_ids, q, g_ids, lambda v: g @ (inverse @ v), 10, rtol=1e-3)
 
 
@@ -124,7 +124,7 @@ def test_trackstar_is_a_cosine_in_the_fisher_whitened_space(captured):
     root = vectors @ np.diag(np.sqrt(values)) @ vectors.T  # F^-1/2 (damped)
     white = g @ root
     white /= np.linalg.norm(white, axis=1, keepdims=True)
-    table = store.attribute(run="run", k=8, method="trackstar", opponents=True, write=False)
+    table = store.attribute(run="run", k=8, method="trackstar", blocks="full", opponents=True, write=False)
     for largest in (True, False):
         _check(table, q_ids, q, g_ids, lambda v: white @ (root @ v / np.linalg.norm(root @ v)), 8, largest, rtol=1e-3)
     assert np.abs(table.column("score").to_numpy()).max() <= 1 + 1e-5
@@ -136,7 +136,9 @@ def test_self_influence_equals_numpy(captured):
     store, _, _ = captured
     g_ids, g, _ = _rows(store, "c1", "train")
     inverse = _fisher_inverse(g, 0.1)
-    table = store.self_influence(run="run", method="fisher", write=False).to_pandas().set_index("example_id")
+    table = (
+        store.self_influence(run="run", method="fisher", blocks="full", write=False).to_pandas().set_index("example_id")
+    )
     expected = np.einsum("ij,jk,ik->i", g, inverse, g)
     np.testing.assert_allclose(table.loc[g_ids, "self_influence"].to_numpy(), expected, rtol=1e-3)
     grad_dot = store.self_influence(run="run", method="grad-dot", write=False).to_pandas().set_index("example_id")
@@ -231,12 +233,12 @@ def test_faiss_flat_index_equals_exact_and_is_incremental(captured):
     flat = store.attribute(run="run", k=5, method="grad-dot", checkpoint="c0", kind="Flat", write=False)
     assert exact.column("example_id").to_pylist() == flat.column("example_id").to_pylist()
     np.testing.assert_allclose(exact.column("score").to_numpy(), flat.column("score").to_numpy(), rtol=1e-5)
-    index = store.build_index("run", checkpoint="c0", kind="Flat")
+    index = store.build_index("run", checkpoint="c0", kind="Flat", method="grad-dot")
     assert index.manifest["recall_at_10"] == 1.0 and index.faiss_index.ntotal == N_TRAIN
     try:
         with store.writer("run") as writer:
             writer.append(np.ones((2, store.dim)), ["extra0", "extra1"], checkpoint="c0", split="train")
-        grown = store.build_index("run", checkpoint="c0", kind="Flat")
+        grown = store.build_index("run", checkpoint="c0", kind="Flat", method="grad-dot")
         assert grown.faiss_index.ntotal == N_TRAIN + 2 and grown.manifest["rows"] == N_TRAIN + 2
         reloaded = store.index(grown.name)
         assert reloaded.faiss_index.ntotal == N_TRAIN + 2
@@ -254,7 +256,7 @@ def test_an_index_says_where_and_how_it_searches(captured, monkeypatch):
     assert exact.search_path == f"exact, {expected} kernel on {device}"
     monkeypatch.setattr("indexers.screening.fast_bfloat16_matmul", lambda: False)
     assert exact.search_path == f"exact, float32 kernel on {device}"
-    flat = store.build_index("run", checkpoint="c0", kind="Flat")
+    flat = store.build_index("run", checkpoint="c0", kind="Flat", method="grad-dot")
     assert flat.search_path == f"faiss Flat on {'gpu' if gpu_available() else 'cpu'}"
     assert index_summary(flat)["search"] == flat.search_path
 
@@ -282,13 +284,13 @@ def test_bad_attribution_requests(captured):
     with pytest.raises(ValueError, match="unknown attribution method"):
         store.attribute(run="run", method="magic")
     with pytest.raises(KeyError, match="nope"):
-        store.attribute(["nope"], run="run")
+        store.attribute(["nope"], run="run", method="grad-dot")
     with pytest.raises(gradstore.SchemaMismatchError, match="dims"):
-        store.attribute(np.ones((2, 3)), run="run")
+        store.attribute(np.ones((2, 3)), run="run", method="grad-dot")
     with pytest.raises(gradstore.UnknownRunError):
-        store.attribute(run="missing")
+        store.attribute(run="missing", method="grad-dot")
     with pytest.raises(ValueError, match="k must be"):
-        store.attribute(run="run", k=0)
+        store.attribute(run="run", k=0, method="grad-dot")
 
 
 def test_new_damping_reuses_the_fit_and_equals_a_refit(captured, monkeypatch):

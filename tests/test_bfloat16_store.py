@@ -83,7 +83,7 @@ def test_exact_search_on_a_bfloat16_store_matches_float32(tmp_path) -> None:
     vectors[::7] += 30 * vectors[1::7].mean(axis=0)  # many near ties among the largest rows
     _write(store, "r", vectors)
     queries = _rows(12, DIM, seed=5)
-    index = store.build_index("r", checkpoint="c")
+    index = store.build_index("r", checkpoint="c", method="grad-dot")
     first = index.search(queries, 10)
     assert index.cached_rows() is not None
     again = index.search(queries, 10)
@@ -119,7 +119,7 @@ def test_attribute_verify_sql_and_a_second_dim_on_a_bfloat16_store(tmp_path) -> 
     assert reopened.storage_dtype == "bfloat16"
     for name in reopened.gradient_tables.by_dim().values():  # one encoding per store, each table tagged
         assert storage_dtype_of(reopened.table(name).schema.field(S.VECTOR_COLUMN)) == "bfloat16"
-    table = reopened.attribute(vectors[:3], run="r", k=1, write=False)
+    table = reopened.attribute(vectors[:3], run="r", k=1, write=False, method="grad-dot")
     assert table.column("example_id").to_pylist() == ["r0", "r1", "r2"]
     report = reopened.verify()
     assert report.problems == [] and report.tables["gradients"] == 300
@@ -154,7 +154,7 @@ def test_a_store_made_before_the_tag_reads_as_float16(tmp_path, monkeypatch) -> 
     got = old.read_gradients("r", columns=())
     assert len(got) == 205
     np.testing.assert_allclose(got.vectors[:200], vectors, rtol=2e-3, atol=2e-3 * np.abs(vectors).max())
-    top = old.attribute(vectors[:2], run="r", k=2, write=False).column("example_id").to_pylist()
+    top = old.attribute(vectors[:2], run="r", k=2, write=False, method="grad-dot").column("example_id").to_pylist()
     assert sorted(top[:2]) == ["more0", "r0"] and sorted(top[2:]) == ["more1", "r1"]  # equal rows tie
     assert old.verify().problems == []
     with pytest.raises(gradstore.errors.SchemaMismatchError):
@@ -218,8 +218,13 @@ def test_read_ahead_of_stored_rows_same_results_errors_raised_no_thread_left(tmp
     before = threading.active_count()
     monkeypatch.setattr(index_module, "stored_blocks", failing)
     with pytest.raises(OSError, match="unreadable"):
-        store.attribute(queries, run="r", k=5, write=False)
-    assert store.build_index("r").cached_rows() is None and threading.active_count() == before
+        store.attribute(queries, run="r", k=5, write=False, method="grad-dot")
+    assert store.build_index("r", method="grad-dot").cached_rows() is None and threading.active_count() == before
     monkeypatch.undo()
-    found = store.attribute(queries, run="r", k=5, write=False).column("grad_id").to_numpy().reshape(4, 5)
+    found = (
+        store.attribute(queries, run="r", k=5, write=False, method="grad-dot")
+        .column("grad_id")
+        .to_numpy()
+        .reshape(4, 5)
+    )
     np.testing.assert_array_equal(found, inline[1])

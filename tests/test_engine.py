@@ -107,8 +107,10 @@ def _same(local: pa.Table, remote: pa.Table, rtol: float = 1e-5) -> None:
 
 def test_exact_top_k_and_opponents_with_ties_equal_brute_force(integers, ray_engine):
     store = integers
-    local = store.attribute(run="ints", k=7, checkpoint="c1", opponents=True, write=False)
-    remote = store.attribute(run="ints", k=7, checkpoint="c1", opponents=True, write=False, engine=ray_engine)
+    local = store.attribute(run="ints", k=7, checkpoint="c1", opponents=True, write=False, method="grad-dot")
+    remote = store.attribute(
+        run="ints", k=7, checkpoint="c1", opponents=True, write=False, engine=ray_engine, method="grad-dot"
+    )
     _same(local, remote, rtol=0)
     block = store.read_gradients("ints", checkpoint="c1", split="train")
     queries = store.read_gradients("ints", checkpoint="c1", split="query")
@@ -172,8 +174,8 @@ def test_rows_searched_as_stored_on_ray_equal_in_process(tmp_path, ray_engine, d
                 rows[start : start + 150], [f"e{i}" for i in range(start, start + 150)], checkpoint="c", split="train"
             )
     queries = rng.standard_normal((6, 300)).astype(np.float32)
-    local = store.attribute(queries, run="r", k=9, opponents=True, write=False)
-    remote = store.attribute(queries, run="r", k=9, opponents=True, write=False, engine=ray_engine)
+    local = store.attribute(queries, run="r", k=9, opponents=True, write=False, method="grad-dot")
+    remote = store.attribute(queries, run="r", k=9, opponents=True, write=False, engine=ray_engine, method="grad-dot")
     _same(local, remote)
     decoded = store.read_gradients("r", checkpoint="c", columns=()).vectors.astype(np.float64)
     best = np.argsort(-(queries.astype(np.float64) @ decoded.T), axis=1)[:, :9]

@@ -165,7 +165,7 @@ def gaussian_store(tmp_path_factory, gaussian):
 
 def test_index_search_marks_missing_rows_and_valid_entries_drops_them(gaussian_store) -> None:
     store, queries = gaussian_store
-    index = store.build_index("run", kind="IVF32,Flat")
+    index = store.build_index("run", kind="IVF32,Flat", method="grad-dot")
     index.faiss_index.nprobe = 1
     (scores, found), caught = _search(index, queries, 500)
     assert len(caught) == 1
@@ -185,18 +185,18 @@ def test_index_search_marks_missing_rows_and_valid_entries_drops_them(gaussian_s
 
 def test_index_probing_every_list_equals_exact_search(gaussian_store) -> None:
     store, queries = gaussian_store
-    index = store.build_index("run", kind="IVF32,Flat")
+    index = store.build_index("run", kind="IVF32,Flat", method="grad-dot")
     index.faiss_index.nprobe = 32
     (scores, found), caught = _search(index, queries, 500)
     assert not caught
-    want_scores, want = store.build_index("run").search(queries, 500)
+    want_scores, want = store.build_index("run", method="grad-dot").search(queries, 500)
     np.testing.assert_array_equal(found, want)
     np.testing.assert_allclose(scores, want_scores, rtol=1e-4, atol=1e-4)
 
 
 def test_rerank_of_few_candidates_packs_and_warns_once(gaussian_store) -> None:
     store, queries = gaussian_store
-    index = store.build_index("run", kind="IVF32,Flat")
+    index = store.build_index("run", kind="IVF32,Flat", method="grad-dot")
     index.faiss_index.nprobe = 1
     (scores, found), caught = _search(index, queries, 500, rerank=2)
     assert len(caught) == 1 and "fewer than k=500" in str(caught[0].message)
@@ -209,7 +209,7 @@ def test_rerank_of_few_candidates_packs_and_warns_once(gaussian_store) -> None:
 def test_hnsw_index_in_a_store_warns_with_rerank_advice(tmp_path) -> None:
     vectors = _duplicated(np.random.default_rng(2))
     store = _store(tmp_path / "store", vectors)
-    index = store.build_index("run", kind="HNSW2,Flat")
+    index = store.build_index("run", kind="HNSW2,Flat", method="grad-dot")
     index.faiss_index.ef_search = 1
     (scores, found), caught = _search(index, vectors[::75], len(vectors))
     assert (found_counts(found) < len(vectors)).any()
@@ -221,7 +221,7 @@ def test_attribute_over_few_probed_rows_returns_fewer_rows_not_padding(gaussian_
     store, queries = gaussian_store
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        table = store.attribute(queries, run="run", kind="IVF32,Flat", k=500, write=False)
+        table = store.attribute(queries, run="run", kind="IVF32,Flat", k=500, write=False, method="grad-dot")
     assert len(_fewer_warnings(caught)) == 1
     grad_ids = table.column("grad_id").to_numpy()
     assert (grad_ids != MISSING_ID).all() and table.column("example_id").null_count == 0

@@ -78,7 +78,7 @@ def _check_indexes(store: gradstore.GradStore, storage_dtype: str) -> None:
     """The FAISS and the diagonal-Fisher index of run ``a`` rebuild (or update) over exactly the stored rows."""
     block = store.read_gradients("a")
     queries = vectors_for("a", ["probe-0", "probe-1"])
-    flat = store.build_index("a", checkpoint=CHECKPOINT, kind="Flat", name="flat")
+    flat = store.build_index("a", checkpoint=CHECKPOINT, kind="Flat", name="flat", method="grad-dot")
     assert flat.manifest["rows"] == len(block) and sorted(flat.indexed_ids) == sorted(block.grad_ids)
     _, found = flat.search(queries, 3)
     expected = block.grad_ids[np.argsort(-(queries @ block.vectors.T), axis=1)[:, :3]]
@@ -86,7 +86,7 @@ def _check_indexes(store: gradstore.GradStore, storage_dtype: str) -> None:
     diagonal = store.build_index("a", checkpoint=CHECKPOINT, method="diagonal", name="diagonal")
     assert diagonal.manifest["rows"] == len(block)
     assert store.index("diagonal").search(queries, 3)[1].shape == (2, 3)
-    top = store.attribute(queries, run="a", checkpoint=CHECKPOINT, k=3, kind="Flat")
+    top = store.attribute(queries, run="a", checkpoint=CHECKPOINT, k=3, kind="Flat", method="grad-dot")
     assert top.num_rows == 6
 
 

@@ -186,10 +186,10 @@ def test_store_attribute_searches_on_the_device(tmp_path) -> None:
     store, queries = store_with_rows(tmp_path / "store", 500, 32, seed=0)
     blocks = list(store.iter_gradients("r"))
     grad_ids, stored = np.concatenate([b.grad_ids for b in blocks]), np.concatenate([b.vectors for b in blocks])
-    result = store.attribute(queries, run="r", k=5, write=False)
+    result = store.attribute(queries, run="r", k=5, write=False, method="grad-dot")
     _, expected_ids = brute_force(queries, stored, grad_ids, 5)
     np.testing.assert_array_equal(result.column("grad_id").to_numpy().reshape(4, 5), expected_ids)
-    prepared = store.build_index("r").cached_rows()
+    prepared = store.build_index("r", method="grad-dot").cached_rows()
     block = next(iter(prepared))
     rows = block[1] if isinstance(block, tuple) else block.exact
     assert rows.device.type == DEVICE.type
@@ -201,10 +201,10 @@ def test_rows_larger_than_the_gpu_allows_are_streamed_to_it(tmp_path, monkeypatc
     if DEVICE.type != "cuda":
         pytest.skip("the device's free memory only limits the row cache on CUDA")
     store, queries = store_with_rows(tmp_path / "store", 300, 16, seed=1)
-    cached = store.attribute(queries, run="r", k=4, write=False)
-    assert store.build_index("r").cached_rows() is not None
+    cached = store.attribute(queries, run="r", k=4, write=False, method="grad-dot")
+    assert store.build_index("r", method="grad-dot").cached_rows() is not None
     store.row_cache.clear()
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1024, 80 << 30))
-    streamed = store.attribute(queries, run="r", k=4, write=False)
-    assert store.build_index("r").cached_rows() is None
+    streamed = store.attribute(queries, run="r", k=4, write=False, method="grad-dot")
+    assert store.build_index("r", method="grad-dot").cached_rows() is None
     assert streamed.column("grad_id").to_pylist() == cached.column("grad_id").to_pylist()

@@ -88,7 +88,7 @@ def _store_with_index(path) -> gradstore.GradStore:
         writer.append(
             np.random.default_rng(0).normal(size=(30, 4)), [f"e{i}" for i in range(30)], checkpoint="c", split="train"
         )
-    store.build_index("r", checkpoint="c", kind="Flat", name="flat")
+    store.build_index("r", checkpoint="c", kind="Flat", name="flat", method="grad-dot")
     with store.writer("r") as writer:  # rows the next build adds to the saved index in place
         writer.append(
             np.random.default_rng(1).normal(size=(10, 4)), [f"f{i}" for i in range(10)], checkpoint="c", split="train"
@@ -99,7 +99,7 @@ def _store_with_index(path) -> gradstore.GradStore:
 def _check_index(path) -> None:
     store = gradstore.open(path)
     assert store.verify().ok, store.verify().problems
-    index = store.build_index("r", checkpoint="c", kind="Flat", name="flat")
+    index = store.build_index("r", checkpoint="c", kind="Flat", name="flat", method="grad-dot")
     block = store.read_gradients("r")
     assert sorted(index.indexed_ids) == sorted(block.grad_ids) and index.manifest["rows"] == 40
     queries = np.random.default_rng(2).normal(size=(3, 4)).astype(np.float32)
@@ -113,7 +113,9 @@ def test_an_index_update_killed_at_any_step_leaves_an_index_that_works_or_rebuil
     store = _store_with_index(store_path)
     steps = _die_at(monkeypatch, store.files, step)
     try:
-        store.build_index("r", checkpoint="c", kind="Flat", name="flat")  # adds the 10 new rows and saves
+        store.build_index(
+            "r", checkpoint="c", kind="Flat", name="flat", method="grad-dot"
+        )  # adds the 10 new rows and saves
     except Killed:
         pass
     else:  # the last step number lets the update finish: every step before was interrupted once

@@ -114,7 +114,7 @@ def test_the_store_reports_its_dims_and_reads_one_dim_at_a_time(stores):
     empty = multi.read_gradients("b64", where="example_id = 'none'")
     assert empty.vectors.shape == (0, 64)
     with pytest.raises(gradstore.SchemaMismatchError, match="64"):
-        multi.attribute(np.ones((1, 16), np.float32), run="b64", write=False)
+        multi.attribute(np.ones((1, 16), np.float32), run="b64", write=False, method="grad-dot")
     with pytest.raises(gradstore.InvalidNameError, match="gradient table"):
         multi.append_table("gradients_32", S.RUNS_SCHEMA.empty_table())
 
@@ -135,7 +135,7 @@ def test_macros_join_scores_of_runs_of_several_dims(tmp_path):
     for run in ("b64", "hand"):
         _write(store, run)
         store.add_examples([{"example_id": e, "source": run} for e in _rows(run)[1]])
-        store.attribute(f"example_id = '{run}-q0'", run=run, k=3)
+        store.attribute(f"example_id = '{run}-q0'", run=run, k=3, method="grad-dot")
     for run in ("b64", "hand"):
         rows = store.sql(f"select source from top_proponents('{run}-q0', 3)").fetchall()
         assert rows == [(run,)] * 3
@@ -147,13 +147,13 @@ def test_verify_and_compact_cover_every_gradient_table(tmp_path):
     store = gradstore.open(tmp_path / "store")
     for run in RUNS:
         _write(store, run)
-    before = store.attribute("split = 'query'", run="b64", k=5, write=False)
+    before = store.attribute("split = 'query'", run="b64", k=5, write=False, method="grad-dot")
     report = store.verify()
     assert report.ok, report.problems
     assert report.tables["gradients_64"] == report.tables["gradients_8"] == N_TRAIN + N_QUERY
     counts = store.compact()
     assert counts["gradients"] == counts["gradients_64"] == counts["gradients_8"] == 1
-    _same(store.attribute("split = 'query'", run="b64", k=5, write=False), before)
+    _same(store.attribute("split = 'query'", run="b64", k=5, write=False, method="grad-dot"), before)
     assert store.verify().ok
 
 
@@ -176,7 +176,11 @@ def test_a_run_written_by_hand_is_attributed_as_it_is(tmp_path):
         result = store.attribute(run="hand", queries="split = 'query'", method=method, k=3, write=False)
         assert result.num_rows == N_QUERY * 3
     vectors, ids, _ = _rows("hand")
-    top = store.attribute(vectors[N_TRAIN:], run="hand", k=1, write=False).column("example_id").to_pylist()
+    top = (
+        store.attribute(vectors[N_TRAIN:], run="hand", k=1, write=False, method="grad-dot")
+        .column("example_id")
+        .to_pylist()
+    )
     assert top == [ids[int(np.argmax(vectors[:N_TRAIN] @ q))] for q in vectors[N_TRAIN:]]
     for method in ("kfac", "ekfac"):
         with pytest.raises(gradstore.SchemaMismatchError, match=f"no projection spec.*method '{method[-4:]}'"):

@@ -103,7 +103,7 @@ def test_credentials_and_endpoint_come_from_the_aws_environment(s3_bucket, monke
     with store.writer("r") as writer:
         writer.append(np.eye(3), ["a", "b", "c"], checkpoint="train", split="train")
         writer.append(np.ones((1, 3)), ["q"], checkpoint="train", split="query")
-    assert store.attribute(run="r", k=1, kind="Flat").column("example_id").to_pylist() == ["a"]
+    assert store.attribute(run="r", k=1, kind="Flat", method="grad-dot").column("example_id").to_pylist() == ["a"]
     assert any(k.startswith("env-store/_gradstore/indexes/") for k in _objects(options, bucket))
 
 

@@ -47,7 +47,7 @@ def _queries() -> np.ndarray:
 
 
 def _attribute(store: gradstore.GradStore, run: str = "r") -> tuple[np.ndarray, np.ndarray]:
-    table = store.attribute(_queries(), run=run, k=K, write=False)
+    table = store.attribute(_queries(), run=run, k=K, write=False, method="grad-dot")
     shape = (len(_queries()), K)
     return table.column("grad_id").to_numpy().reshape(shape), table.column("score").to_numpy().reshape(shape)
 

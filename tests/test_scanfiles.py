@@ -43,7 +43,9 @@ def _queries() -> np.ndarray:
 
 
 def _attribute(store: gradstore.GradStore) -> pa.Table:
-    return store.attribute(_queries(), run="r", k=K, write=False).select(["query_id", "example_id", "grad_id", "score"])
+    return store.attribute(_queries(), run="r", k=K, write=False, method="grad-dot").select(
+        ["query_id", "example_id", "grad_id", "score"]
+    )
 
 
 def _reference(store: gradstore.GradStore) -> list[str]:

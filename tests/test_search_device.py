@@ -81,7 +81,7 @@ def test_exact_search_on_the_cpu_when_asked(store_and_queries, fake_gpu) -> None
 
 def test_exact_default_reports_cuda_where_torch_sees_it(store_and_queries, fake_gpu) -> None:
     store, _ = store_and_queries
-    index = store.build_index("run")
+    index = store.build_index("run", method="grad-dot")
     assert index.device is None and index.search_path == "exact, float32 kernel on cuda"
 
 
@@ -101,7 +101,7 @@ def test_devices_other_than_cpu_and_cuda_are_refused(store_and_queries, device) 
 
 def test_explicit_cuda_with_another_engine_is_refused(store_and_queries, fake_gpu) -> None:
     store, queries = store_and_queries
-    index = load_index(store, store.fits, store.build_index("run").name, device="cuda")
+    index = load_index(store, store.fits, store.build_index("run", method="grad-dot").name, device="cuda")
     assert index.device == torch.device("cuda")
 
     class Elsewhere:
@@ -120,7 +120,7 @@ def test_explicit_cuda_with_another_engine_is_refused(store_and_queries, fake_gp
 def test_hnsw_is_searched_on_the_cpu_even_where_a_gpu_is_seen(store_and_queries, fake_gpu) -> None:
     pytest.importorskip("faiss")
     store, queries = store_and_queries
-    index = store.build_index("run", kind="HNSW8,Flat")
+    index = store.build_index("run", kind="HNSW8,Flat", method="grad-dot")
     assert index.search_path == "faiss HNSW8,Flat on cpu"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # not moved: no "no GPU version" warning either
@@ -133,14 +133,14 @@ def test_hnsw_is_searched_on_the_cpu_even_where_a_gpu_is_seen(store_and_queries,
 def test_hnsw_says_cpu_without_a_gpu(store_and_queries) -> None:
     pytest.importorskip("faiss")
     store, _ = store_and_queries
-    assert store.build_index("run", kind="HNSW8,Flat").search_path == "faiss HNSW8,Flat on cpu"
+    assert store.build_index("run", kind="HNSW8,Flat", method="grad-dot").search_path == "faiss HNSW8,Flat on cpu"
 
 
 @pytest.mark.skipif(gpu_available(), reason="checks the fallback where faiss cannot use a GPU")
 def test_faiss_reports_where_the_index_actually_is(store_and_queries, fake_gpu) -> None:
     pytest.importorskip("faiss")
     store, queries = store_and_queries
-    index = store.build_index("run", kind="Flat")
+    index = store.build_index("run", kind="Flat", method="grad-dot")
     assert index.search_path == "faiss Flat on gpu"  # not searched yet: where it would go
     with pytest.warns(UserWarning, match="no CUDA GPU usable by FAISS"):
         index.search(queries, 5)  # faiss itself has no GPU here: the copy stays on the CPU

@@ -69,7 +69,7 @@ def test_a_planted_embedding_function_is_never_run_by_a_fresh_open(planted):
     _plant_embedding_function(root, "scores", marker)
     store = gradstore.open(root)
     with pytest.raises(gradstore.StoreCorruptError, match="embedding_functions"):
-        store.attribute(run="r", k=2)
+        store.attribute(run="r", k=2, method="grad-dot")
     assert not marker.exists()
     # what does not touch the planted table still works
     assert store.read_gradients("r").vectors.shape == (8, 4)
@@ -79,10 +79,10 @@ def test_a_planted_embedding_function_is_never_run_by_an_open_store(planted):
     """Metadata planted after the table was opened: writes go through Lance, which interprets none."""
     root, marker = planted
     store = _small_store(root)
-    store.attribute(run="r", k=2)
+    store.attribute(run="r", k=2, method="grad-dot")
     _plant_embedding_function(root, "scores", marker)
     before = store.count("scores")
-    result = store.attribute(run="r", k=2)
+    result = store.attribute(run="r", k=2, method="grad-dot")
     assert store.count("scores") == before + result.num_rows
     store.add_examples([{"example_id": "e0", "text": "a"}])
     _plant_embedding_function(root, "examples", marker)
@@ -101,7 +101,7 @@ def test_index_names_cannot_escape_the_store(tmp_path):
     outside = _files_outside(tmp_path, root)
     for name in ("../..", "..", "../x", "a/b", "/abs", ".hidden", ""):
         with pytest.raises(gradstore.InvalidNameError):
-            store.build_index("r", name=name)
+            store.build_index("r", name=name, method="grad-dot")
         with pytest.raises(gradstore.InvalidNameError):
             store.index(name)
     assert root.is_dir() and store.count("gradients") == 8
@@ -111,7 +111,7 @@ def test_index_names_cannot_escape_the_store(tmp_path):
 def test_a_planted_index_manifest_cannot_write_outside_the_store(tmp_path):
     root = tmp_path / "stores" / "store"
     store = _small_store(root)
-    index = store.build_index("r", kind="Flat")
+    index = store.build_index("r", kind="Flat", method="grad-dot")
     key = ("indexes", index.name, "manifest.json")
     manifest = json.loads(store.files.read_bytes(*key))
     manifest["name"] = "../../../escaped"
@@ -120,9 +120,9 @@ def test_a_planted_index_manifest_cannot_write_outside_the_store(tmp_path):
     with pytest.raises(gradstore.IndexMismatchError):
         store.index(index.name)
     with pytest.raises(gradstore.IndexMismatchError):
-        store.attribute(run="r", k=2, kind="Flat")
+        store.attribute(run="r", k=2, kind="Flat", method="grad-dot")
     assert _files_outside(tmp_path, root) == outside
-    assert store.attribute(run="r", k=2).num_rows == 4  # exact search builds no side file
+    assert store.attribute(run="r", k=2, method="grad-dot").num_rows == 4  # exact search builds no side file
 
 
 def test_a_planted_lock_directory_link_cannot_create_files_outside_the_store(tmp_path):
@@ -136,7 +136,7 @@ def test_a_planted_lock_directory_link_cannot_create_files_outside_the_store(tmp
     (root / "_gradstore" / "locks").symlink_to(elsewhere, target_is_directory=True)
     again = gradstore.open(root)
     assert again.attribute(run="r", k=2, method="fisher", write=False).num_rows == 4
-    assert again.attribute(run="r", k=2, kind="Flat", write=False).num_rows == 4
+    assert again.attribute(run="r", k=2, kind="Flat", write=False, method="grad-dot").num_rows == 4
     assert list(elsewhere.iterdir()) == []
 
 
@@ -186,7 +186,7 @@ def test_examples_are_upserted_by_id(tmp_path):
     )
     rows = store.sql("select example_id, source from examples order by 1").fetchall()
     assert rows == [("e0", "a"), ("e1", "B"), ("e2", "C")]
-    store.attribute(run="r", k=6)
+    store.attribute(run="r", k=6, method="grad-dot")
     joined = store.sql(
         "select count(*) from scores s join examples e using (example_id) where s.query_id = 'q0'"
     ).fetchall()

@@ -96,25 +96,25 @@ def test_row_cache_serves_repeated_calls_and_drops_rows_of_an_older_version(tmp_
     every method that searches the rows as stored shares one entry; a too small budget streams instead."""
     store = _store(tmp_path / "s", "float16")
     queries = np.random.default_rng(2).standard_normal((3, DIM)).astype(np.float32)
-    first = store.attribute(queries, run="r", checkpoint="c", k=4, write=False)
-    index = store.build_index("r", checkpoint="c")
+    first = store.attribute(queries, run="r", checkpoint="c", k=4, write=False, method="grad-dot")
+    index = store.build_index("r", checkpoint="c", method="grad-dot")
     cached = index.cached_rows()
     assert cached is not None
     fisher = store.build_index("r", checkpoint="c", method="fisher")
     store.attribute(queries, run="r", checkpoint="c", k=4, method="fisher", write=False)
     assert fisher._cache_key() == index._cache_key() and index.cached_rows() is cached
-    again = store.attribute(queries, run="r", checkpoint="c", k=4, write=False)
+    again = store.attribute(queries, run="r", checkpoint="c", k=4, write=False, method="grad-dot")
     assert again.column("grad_id").to_pylist() == first.column("grad_id").to_pylist()
     assert again.column("example_id").to_pylist() == first.column("example_id").to_pylist()
     old_key = index._cache_key()
     with store.writer("r") as writer:  # a row that beats every stored one for every query
         writer.append(100 * queries.sum(axis=0, keepdims=True), ["new"], checkpoint="c", split="train")
-    grown = store.attribute(queries, run="r", checkpoint="c", k=4, write=False)
+    grown = store.attribute(queries, run="r", checkpoint="c", k=4, write=False, method="grad-dot")
     assert grown.column("example_id").to_pylist()[::4] == ["new"] * 3
     assert store.row_cache.get(old_key) is None and index.cached_rows() is not None
     store.row_cache.clear()
     store.row_cache.budget_bytes = 1
-    streamed = store.attribute(queries, run="r", checkpoint="c", k=4, write=False)
+    streamed = store.attribute(queries, run="r", checkpoint="c", k=4, write=False, method="grad-dot")
     assert index.cached_rows() is None
     assert streamed.column("grad_id").to_pylist() == grown.column("grad_id").to_pylist()
     assert streamed.column("example_id").to_pylist() == grown.column("example_id").to_pylist()

@@ -352,20 +352,22 @@ def test_arguments_a_method_does_not_use_are_refused(filled, arguments, message)
 
 def test_an_empty_query_filter_selects_nothing_instead_of_every_row(filled):
     with pytest.raises(gradstore.InvalidFilterError, match="empty filter"):
-        filled.attribute("", run=RUN, write=False)
+        filled.attribute("", run=RUN, write=False, method="grad-dot")
 
 
 def test_queries_captured_on_the_final_model_are_attributed_against_training_rows(filled):
     """The README's flow: rows captured during training (checkpoint c0), queries at "final"."""
-    default = filled.attribute(run=RUN, k=4, write=False)
-    explicit = filled.attribute(run=RUN, k=4, write=False, checkpoint="c0", query_checkpoint="final")
+    default = filled.attribute(run=RUN, k=4, write=False, method="grad-dot")
+    explicit = filled.attribute(run=RUN, k=4, write=False, checkpoint="c0", query_checkpoint="final", method="grad-dot")
     assert default.equals(explicit)
     assert sorted(set(default.column("query_id").to_pylist())) == [f"q{i}" for i in range(N_QUERY)]
     assert set(default.column("checkpoint").to_pylist()) == {"c0"}
     with pytest.raises(gradstore.InvalidArgumentError, match="query_checkpoint"):
-        filled.attribute(np.ones((1, filled.run(RUN)["dim"]), np.float32), run=RUN, query_checkpoint="final")
+        filled.attribute(
+            np.ones((1, filled.run(RUN)["dim"]), np.float32), run=RUN, query_checkpoint="final", method="grad-dot"
+        )
     with pytest.raises(gradstore.InvalidArgumentError, match="query rows exist at checkpoints \\['final'\\]"):
-        filled.attribute(run=RUN, write=False, query_checkpoint="c0")
+        filled.attribute(run=RUN, write=False, query_checkpoint="c0", method="grad-dot")
 
 
 def test_query_rows_at_several_checkpoints_need_query_checkpoint(tmp_path: Path):
@@ -377,8 +379,8 @@ def test_query_rows_at_several_checkpoints_need_query_checkpoint(tmp_path: Path)
         cap.set_ids(["p0", "p1"])
         nn.functional.cross_entropy(model(xq), yq).backward()
     with pytest.raises(gradstore.InvalidArgumentError, match="pass query_checkpoint"):
-        store.attribute(run=RUN, write=False)
-    table = store.attribute(run=RUN, k=2, write=False, query_checkpoint="later")
+        store.attribute(run=RUN, write=False, method="grad-dot")
+    table = store.attribute(run=RUN, k=2, write=False, query_checkpoint="later", method="grad-dot")
     assert sorted(set(table.column("query_id").to_pylist())) == ["p0", "p1"]
 
 

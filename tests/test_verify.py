@@ -26,7 +26,7 @@ def _store(path: Path) -> gradstore.GradStore:
             )
     with store.writer("r") as writer:
         writer.append(rng.normal(size=(2, 4)), ["q0", "q1"], checkpoint="train", split="query")
-    store.build_index("r", kind="Flat", name="flat")
+    store.build_index("r", kind="Flat", name="flat", method="grad-dot")
     return store
 
 
