@@ -12,6 +12,7 @@ import contextvars
 import functools
 import json
 import logging
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -43,12 +44,14 @@ from gradstore.core.vectors import DEFAULT_STORAGE_DTYPE, check_storage_dtype, d
 from gradstore.core.verify import VerifyReport, verify_store
 from gradstore.core.writer import GradientWriter, WriterConfig
 from gradstore.errors import (
+    GradstoreError,
     InvalidArgumentError,
     InvalidNameError,
     NotAStoreError,
     ProjectionMismatchError,
     SchemaMismatchError,
     StoreCorruptError,
+    StorePermissionError,
     UnknownRunError,
 )
 from ingest import ProjectionMismatchError as LowerProjectionMismatchError
@@ -78,6 +81,22 @@ def one_snapshot(function: _Call) -> _Call:
             return function(store, *args, **kwargs)
 
     return in_snapshot  # type: ignore[return-value]
+
+
+def writes(what: str) -> Callable[[_Call], _Call]:
+    """Decorate a :class:`StoreCore` method that writes the store (``what`` it does, for messages) to run inside
+    ``store.writing(what)``: refused up front on a store this process may not write, ``StorePermissionError`` for a
+    write the storage refuses."""
+
+    def decorate(function: _Call) -> _Call:
+        @functools.wraps(function)
+        def writing(store: StoreCore, *args: Any, **kwargs: Any) -> Any:
+            with store.writing(what):
+                return function(store, *args, **kwargs)
+
+        return writing  # type: ignore[return-value]
+
+    return decorate
 
 
 #: What Lance raises when a table's files cannot be read (translated to ``StoreCorruptError``).
@@ -143,6 +162,39 @@ class StoreCore:
         self.row_files = row_files or RowFiles(None)  # the same, on local disk between processes
         scans = None if self.row_files.directory is None else self.row_files.directory / SCANS_DIRECTORY
         self.scan_files = ScanFiles(scans)  # small reads (runs, checkpoints, a selection's ids), the same
+        self._writable: bool | None = None  # see writable
+        self._stand_ins: tempfile.TemporaryDirectory | None = None  # see _ensure_fixed_tables
+
+    @property
+    def writable(self) -> bool:
+        """Whether this process may write the store, found once without writing: for a local store, by the modes
+        (and mount) of its directories; an object store is taken as writable, and a write it refuses raises
+        ``StorePermissionError``. On a store it may not write, reads work as usual; fits and indexes are kept in
+        memory instead of in side files, and writes asked for raise ``StorePermissionError``."""
+        if self._writable is None:
+            self._writable = storage.is_remote(self.uri) or storage.local_writable(self.uri)
+        return self._writable
+
+    def require_writable(self, what: str) -> None:
+        """Raise ``StorePermissionError`` if this process may not write the store (``what``: the write asked for)."""
+        if not self.writable:
+            raise StorePermissionError(f"cannot {what}: {storage.READ_ONLY} (store {self.uri})")
+
+    @contextmanager
+    def writing(self, what: str) -> Iterator[None]:
+        """A write of the store (``what`` it does): refused at once on a store this process may not write, and one
+        the storage refuses (file modes, a read-only mount, object-store credentials) raises ``StorePermissionError``
+        naming what to do."""
+        self.require_writable(what)
+        try:
+            yield
+        except GradstoreError:
+            raise
+        except Exception as error:
+            refused = storage.permission_error(error, self.uri, what)
+            if refused is None:
+                raise
+            raise refused from error
 
     @property
     def location(self) -> str:
@@ -155,7 +207,8 @@ class StoreCore:
         return name in self._tables or (name in self.db.list_tables().tables and self._committed(name))
 
     def _list_tables(self) -> list[str]:
-        return list(self.db.list_tables().tables)
+        names = list(self.db.list_tables().tables)
+        return names + [name for name in S.FIXED_SCHEMAS if name in self._tables and name not in names]
 
     def table_names(self) -> list[str]:
         """The store's tables with every gradient table (one per dim) named ``gradients``, as SQL's union
@@ -181,6 +234,9 @@ class StoreCore:
                 table = self.db.open_table(name)
                 schema = table.schema
             except Exception as error:
+                refused = storage.permission_error(error, self.uri, f"open table {name!r}")
+                if refused is not None:
+                    raise refused from error
                 raise StoreCorruptError(f"table {name!r} of store {self.uri} cannot be opened: {error}") from error
             commits.check_inert(schema, f"table {name!r} of store {self.uri}")
             self._tables[name] = table
@@ -253,7 +309,10 @@ class StoreCore:
         except _READ_ERRORS as error:
             raise self._unreadable(name, error) from error
 
-    def _unreadable(self, name: str, error: BaseException) -> StoreCorruptError:
+    def _unreadable(self, name: str, error: BaseException) -> GradstoreError:
+        refused = storage.permission_error(error, self.uri, f"read table {name!r}")
+        if refused is not None:
+            return refused
         return StoreCorruptError(
             f"table {name!r} of store {self.uri} cannot be read: {error} (`gradstore verify` reports what is damaged)"
         )
@@ -272,15 +331,30 @@ class StoreCore:
                 storage_options=self.storage_options,
                 max_retries=0,
             )
-        except OSError:
+        except OSError as error:
             if not self.has_table(name):  # not a lost race: the table is still missing
+                refused = storage.permission_error(error, self.uri, f"create table {name!r}")
+                if refused is not None:
+                    raise refused from error
                 raise
         return self.table(name)
 
     def _ensure_fixed_tables(self) -> None:
-        for name, schema in S.FIXED_SCHEMAS.items():
-            if not self.has_table(name):
+        """Create the fixed tables the store lacks; on a store this process may not write (a store made by an
+        earlier version, opened read-only), each one missing is read as empty: an empty table in a scratch database
+        of this process, never in the store."""
+        missing = {name: schema for name, schema in S.FIXED_SCHEMAS.items() if not self.has_table(name)}
+        if not missing:
+            return
+        if self.writable:
+            for name, schema in missing.items():
                 self._create_table(name, schema)
+            return
+        log.debug("store %s is read-only for this process: tables %s read as empty", self.uri, sorted(missing))
+        self._stand_ins = tempfile.TemporaryDirectory(prefix="gradstore-empty-tables-")
+        scratch = lancedb.connect(self._stand_ins.name)
+        for name, schema in missing.items():
+            self._tables[name] = scratch.create_table(name, schema=schema)
 
     # ------------------------------------------------------------------ runs and their gradient tables
     @property
@@ -330,6 +404,7 @@ class StoreCore:
             return storage_dtype_of(self.dataset(S.GRADIENTS).schema.field(S.VECTOR_COLUMN))
         return self._storage_dtype
 
+    @writes("create a run")
     def create_run(
         self,
         run_id: str,
@@ -450,6 +525,7 @@ class StoreCore:
         self.create_run(run_id, dim=spec.dim, projection=projection, model_fingerprint=model_fingerprint, config=config)
 
     # ------------------------------------------------------------------ checkpoints
+    @writes("record a checkpoint")
     def record_checkpoint(
         self,
         run_id: str,
@@ -515,6 +591,7 @@ class StoreCore:
 
             return set(self.row_cache.memo((dataset.version, name, "checkpoint labels", run_id), read, RUN_ROW_BYTES))
 
+    @writes("save curvature statistics")
     def save_curvature(self, run_id: str, checkpoint: str, stats: LayerCurvature) -> None:
         """Save per-layer Kronecker curvature statistics of a run's checkpoint (a side file)."""
         self.run(run_id)
@@ -525,6 +602,7 @@ class StoreCore:
         return load_curvature(self.files, run_id, checkpoint)
 
     # ------------------------------------------------------------------ writing and reading gradients
+    @writes("write gradients")
     def writer(self, run_id: str, config: WriterConfig | None = None, **thresholds: Any) -> GradientWriter:
         """A streaming writer for ``run_id`` (see :class:`gradstore.core.writer.GradientWriter`) into the run's
         own gradient table. Keyword arguments override :class:`~gradstore.core.writer.WriterConfig` fields.
@@ -662,6 +740,7 @@ class StoreCore:
         return found
 
     # ------------------------------------------------------------------ examples and results
+    @writes("add examples")
     def add_examples(self, data: Any, id_column: str = "example_id") -> int:
         """Add or update training/query examples (any tabular input, see
         :func:`gradstore.core.tabular.to_arrow_table`).
@@ -694,6 +773,7 @@ class StoreCore:
         commits.upsert(self.table(S.EXAMPLES), table, ["example_id"], "add_examples")
         return table.num_rows
 
+    @writes("append results (this call's results were computed but are not saved)")
     def append_results(self, name: str, table: pa.Table) -> str:
         """Append a result table (``scores``, ``self_influence``) stamped with the current time and, for
         ``scores``, a new call id (returned); a store made before a column existed gets it (nulls) first."""
@@ -719,6 +799,7 @@ class StoreCore:
             )
             self.table(name).checkout_latest()
 
+    @writes("append rows to a table")
     def append_table(self, name: str, rows: pa.Table) -> None:
         """Append ``rows`` to table ``name``, creating it with their schema on first use (for tables of the
         layers above, such as ``evaluations``)."""
@@ -754,6 +835,7 @@ class StoreCore:
         return store_sql.run_query(self._sql_connection, query)
 
     # ------------------------------------------------------------------ maintenance
+    @writes("compact the tables")
     def compact(self, cleanup_older_than: timedelta | None = None) -> dict[str, int]:
         """Compact every table's fragments; optionally delete versions older than ``cleanup_older_than``.
 
@@ -846,11 +928,16 @@ def connect(
         check_storage_dtype(storage_dtype)
     if "://" not in uri:
         path = Path(uri)
-        if path.exists() and not path.is_dir():
-            raise NotAStoreError(f"{uri} is a file, not a gradstore store (a directory)")
-        is_new = not path.exists() or not any(path.iterdir())
-        if not is_new and not (path / f"{S.RUNS}.lance").exists():
-            raise NotAStoreError(f"{uri} exists but is not a gradstore store (no '{S.RUNS}' table)")
+        try:
+            if path.exists() and not path.is_dir():
+                raise NotAStoreError(f"{uri} is a file, not a gradstore store (a directory)")
+            is_new = not path.exists() or not any(path.iterdir())
+            if not is_new and not (path / f"{S.RUNS}.lance").exists():
+                raise NotAStoreError(f"{uri} exists but is not a gradstore store (no '{S.RUNS}' table)")
+        except GradstoreError:
+            raise
+        except OSError as error:
+            raise _open_error(error, uri) from error
         if is_new and not create:
             raise NotAStoreError(f"no gradstore store at {uri} (pass create=True to make one)")
     try:
@@ -858,8 +945,10 @@ def connect(
         files = row_files if isinstance(row_files, RowFiles) else RowFiles(directory_of(row_files))
         store = store_class(uri, db, storage_dtype or DEFAULT_STORAGE_DTYPE, options, files)
         exists = store.has_table(S.RUNS)
+    except GradstoreError:
+        raise
     except Exception as error:
-        raise StoreCorruptError(f"cannot open store {uri}: {error}") from error
+        raise _open_error(error, uri) from error
     if exists:
         runs_schema = store.table(S.RUNS).schema
         if (runs_schema.metadata or {}).get(S.FORMAT_KEY) != S.FORMAT_VERSION:
@@ -868,5 +957,28 @@ def connect(
             raise SchemaMismatchError(f"store {uri} stores {store.storage_dtype} vectors, not {storage_dtype}")
     elif not create:
         raise NotAStoreError(f"no gradstore store at {uri}")
-    store._ensure_fixed_tables()
+    elif not store.writable:
+        raise StorePermissionError(
+            f"cannot create a store at {uri}: this process may not write there; {storage.PERMISSION_ADVICE}"
+        )
+    try:
+        store._ensure_fixed_tables()
+    except GradstoreError:
+        raise
+    except Exception as error:
+        refused = storage.permission_error(error, uri, "create the fixed tables")
+        if refused is None:
+            raise
+        raise refused from error
     return store
+
+
+def _open_error(error: BaseException, uri: str) -> GradstoreError:
+    """What a failure to open the store at ``uri`` is: storage refusing access (``StorePermissionError``), no store
+    there (``NotAStoreError``), else unreadable data (``StoreCorruptError``)."""
+    refused = storage.permission_error(error, uri, "open")
+    if refused is not None:
+        return refused
+    if storage.is_missing_error(error):
+        return NotAStoreError(f"no gradstore store at {uri}: {error}")
+    return StoreCorruptError(f"cannot open store {uri}: {error}")

@@ -63,6 +63,7 @@ class SideFiles:
     """Files under ``<store uri>/_gradstore`` on the store's own filesystem."""
 
     def __init__(self, store_uri: str, storage_options: dict[str, str] | None = None) -> None:
+        self.uri = store_uri
         filesystem, base = storage.filesystem(store_uri, storage_options)
         self.filesystem = filesystem
         self.store_path = base.rstrip("/")  # the store's own directory (its tables live there too)
@@ -75,8 +76,24 @@ class SideFiles:
 
     def write_bytes(self, data: bytes, *parts: str) -> None:
         """Write a whole file (atomically: a reader sees the old or the new content, never a mix), then its
-        SHA-256 beside it (``<name>.sha256``), which :meth:`read_bytes` and :meth:`damaged` check."""
+        SHA-256 beside it (``<name>.sha256``), which :meth:`read_bytes` and :meth:`damaged` check. Storage refusing
+        the write (file modes, a read-only mount, object-store credentials) raises ``StorePermissionError``."""
         target = self.path(*parts)
+        with self._refused("write side file " + target):
+            self._write_bytes(data, target)
+
+    @contextmanager
+    def _refused(self, doing: str) -> Iterator[None]:
+        """Storage refusing access inside the block raises ``StorePermissionError`` (``doing``: what was done)."""
+        try:
+            yield
+        except OSError as error:  # a StorePermissionError raised inside passes as it is
+            refused = storage.permission_error(error, self.uri, doing)
+            if refused is None:
+                raise
+            raise refused from error
+
+    def _write_bytes(self, data: bytes, target: str) -> None:
         self.filesystem.create_dir(target.rsplit("/", 1)[0], recursive=True)
         digest = hashlib.sha256(data).hexdigest()
         try:
@@ -121,6 +138,9 @@ class SideFiles:
         except OSError as error:
             if self.filesystem.get_file_info(target).type == pafs.FileType.NotFound:
                 raise FileNotFoundError(target) from None
+            refused = storage.permission_error(error, self.uri, f"read side file {target}")
+            if refused is not None:
+                raise refused from error
             raise StoreCorruptError(f"side file {target} cannot be read: {error}") from error
 
     def damaged(self) -> tuple[list[str], int]:
@@ -202,6 +222,10 @@ class SideFiles:
         """Delete a key and everything under it (nothing happens if it does not exist): a directory's
         ``manifest.json`` first, then every checksum, then the rest (see the module docstring)."""
         target = self.path(*parts)
+        with self._refused("remove side file " + target):
+            self._remove(target)
+
+    def _remove(self, target: str) -> None:
         info = self.filesystem.get_file_info(target)
         if info.type == pafs.FileType.Directory:
             selector = pafs.FileSelector(target, recursive=True)

@@ -10,13 +10,15 @@ the same endpoint with the same credentials.
 
 from __future__ import annotations
 
+import errno
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from gradstore.errors import InvalidArgumentError
+from gradstore.errors import InvalidArgumentError, StorePermissionError
 
 #: Lance storage-option names and the environment variables they default to.
 AWS_ENVIRONMENT = {
@@ -89,3 +91,83 @@ def filesystem(uri: str, options: Mapping[str, str] | None) -> tuple[pafs.FileSy
         scheme=s3_scheme,
     )
     return s3, path.rstrip("/")
+
+
+# ---------------------------------------------------------------------------------------------- access
+#: ``errno`` values of a refused access: no permission (``EACCES``, ``EPERM``) or a read-only file system.
+PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+#: What Lance (``object_store``) and pyarrow's S3 filesystem say when storage refuses a request or finds no usable
+#: credentials (``AccessDenied``, ``AWS Error ACCESS_DENIED``, ``403 Forbidden``, ``InvalidAccessKeyId``, ...).
+_PERMISSION_MESSAGE = re.compile(
+    r"access[ _]?denied|forbidden|\b40[13]\b|unauthori[sz]ed|permission denied|read-only file system|"
+    r"operation not permitted|invalidaccesskeyid|signaturedoesnotmatch|expiredtoken|invalidtoken|credential",
+    re.IGNORECASE,
+)
+#: What they say of a path or bucket that is not there.
+_MISSING_MESSAGE = re.compile(r"nosuchbucket|no such file or directory|\b404\b", re.IGNORECASE)
+#: What to do about a refused access (the end of every ``StorePermissionError`` raised for one).
+PERMISSION_ADVICE = (
+    "check that this process may read the store's files (and write them, to write), or for an object store pass "
+    "its credentials (gradstore.open(uri, storage_options=...) or the AWS_* environment variables); a store this "
+    "process may only read is opened as usual and used with write=False"
+)
+#: The message of a write asked of a store this process may not write.
+READ_ONLY = "the store is read-only for this process: pass write=False or open a writable copy"
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and the errors it was raised from (``__cause__``, else ``__context__``)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def is_permission_error(error: BaseException) -> bool:
+    """Whether ``error`` (or one it was raised from) is storage refusing access: a ``PermissionError``, an
+    ``OSError`` with ``EACCES``/``EPERM``/``EROFS``, or an object store's 401/403 or credentials failure."""
+    for cause in _chain(error):
+        if isinstance(cause, PermissionError):
+            return True
+        if isinstance(cause, OSError) and cause.errno in PERMISSION_ERRNOS:
+            return True
+        if _PERMISSION_MESSAGE.search(str(cause)):
+            return True
+    return False
+
+
+def is_missing_error(error: BaseException) -> bool:
+    """Whether ``error`` (or one it was raised from) says a path or bucket does not exist."""
+    for cause in _chain(error):
+        if isinstance(cause, FileNotFoundError) or (isinstance(cause, OSError) and cause.errno == errno.ENOENT):
+            return True
+        if _MISSING_MESSAGE.search(str(cause)):
+            return True
+    return False
+
+
+def permission_error(error: BaseException, uri: str, doing: str) -> StorePermissionError | None:
+    """The ``StorePermissionError`` to raise (``from error``) when ``doing`` something to the store at ``uri`` failed
+    with ``error``, if storage refused access; ``None`` for any other failure."""
+    if isinstance(error, StorePermissionError) or not is_permission_error(error):
+        return None
+    return StorePermissionError(f"cannot {doing} (store {uri}): access refused ({error}); {PERMISSION_ADVICE}")
+
+
+def local_writable(uri: str) -> bool:
+    """Whether this process may write the local store at ``uri``: create files in its directory, its side files'
+    directory and each table's directories (what Lance writes into); ``os.access`` also sees a read-only mount.
+    Nothing is written to find out. A store directory not made yet is writable if its nearest existing parent is."""
+    local = uri[len("file://") :] if uri.startswith("file://") else uri
+    root = Path(local).resolve()
+    if not root.exists():
+        parent = next((p for p in root.parents if p.exists()), None)
+        return parent is not None and os.access(parent, os.W_OK | os.X_OK)
+    directories = [root]
+    for child in root.iterdir():
+        if child.is_dir() and (child.suffix == ".lance" or child.name == "_gradstore"):
+            directories.append(child)
+            directories.extend(grandchild for grandchild in child.iterdir() if grandchild.is_dir())
+    return all(os.access(directory, os.W_OK | os.X_OK) for directory in directories)
