@@ -71,6 +71,8 @@ def attribute(
 ) -> pa.Table:
     """Top-k training rows for each query; see :meth:`gradstore.GradStore.attribute`."""
     check_k(k)
+    if write:
+        store.require_writable("attribute with write=True")
     resolved = resolve_method(method, "attribute")
     check_arguments(
         "attribute",
@@ -367,6 +369,8 @@ def self_influence(
     engine: EngineName | Engine = "local",
 ) -> pa.Table:
     """``g^T P^-1 g`` for every selected training row; see :meth:`gradstore.GradStore.self_influence`."""
+    if write:
+        store.require_writable("self_influence with write=True")
     resolved = resolve_method(method, "self_influence")  # cosine-like methods: 1 for every row, not informative
     check_arguments("self_influence", resolved, given_arguments(damping=damping, blocks=blocks))
     engine = resolve_engine(engine)

@@ -9,6 +9,7 @@ checkpoint passes and query rows must share one projection).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -21,6 +22,7 @@ from torch import nn
 from gradstore.basis import run_basis, save_basis
 from gradstore.core import GradientWriter, StoreCore, WriterConfig
 from gradstore.core import schema as S
+from gradstore.core.database import check_run_name
 from gradstore.errors import GradstoreError, InvalidArgumentError, InvalidNameError, NonFiniteGradientError, translated
 from gradstore.resume import CommittedRows
 from ingest import CaptureConfig, CapturedBatch, GradientCapture, ProjectionSpec
@@ -78,6 +80,17 @@ def config_for_run(store: StoreCore, run: str, overrides: dict[str, Any]) -> Cap
     return config
 
 
+def check_learning_rate(learning_rate: float | None) -> float | None:
+    """``learning_rate`` if it is ``None`` or a finite number >= 0."""
+    if learning_rate is None:
+        return None
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate >= 0:
+        raise InvalidArgumentError(f"learning_rate must be a finite number >= 0, got {learning_rate!r}")
+    if not math.isfinite(learning_rate):
+        raise InvalidArgumentError(f"learning_rate must be a finite number >= 0, got {learning_rate!r}")
+    return float(learning_rate)
+
+
 class StoreCapture:
     """Context manager returned by :meth:`GradStore.capture`; forwards the controls of
     :class:`ingest.GradientCapture` (``set_ids``, ``set_epoch``, ``set_step``, ``set_checkpoint``,
@@ -103,8 +116,8 @@ class StoreCapture:
         resume: bool = False,
     ) -> None:
         self.store = store
-        self.run_id = run
-        self.learning_rate = learning_rate
+        self.run_id = check_run_name(run)
+        self.learning_rate = check_learning_rate(learning_rate)
         self.capture = GradientCapture(
             model,
             self._write,
@@ -131,6 +144,15 @@ class StoreCapture:
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> StoreCapture:
+        try:
+            return self._enter()
+        except Exception as error:
+            ours = translated(error)
+            if ours is None:
+                raise
+            raise ours from error
+
+    def _enter(self) -> StoreCapture:
         basis = self.capture.config.projection.basis
         if basis is not None:
             save_basis(self.store, self.spec, basis)
@@ -198,7 +220,7 @@ class StoreCapture:
             raise InvalidNameError(f"a checkpoint name must be a non-empty string, got {name!r}")
         self.capture.set_checkpoint(name)
         if learning_rate is not None:
-            self.learning_rate = learning_rate
+            self.learning_rate = check_learning_rate(learning_rate)
 
     def set_split(self, split: str) -> None:
         """Split (``"train"``/``"query"``) recorded on the following rows."""

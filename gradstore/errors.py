@@ -95,6 +95,11 @@ class RecomputationError(GradstoreError, ingest.RecomputationError):
     """A captured module was recomputed inside a backward (reentrant gradient checkpointing)."""
 
 
+class CaptureUsageError(InvalidArgumentError, ingest.CaptureUsageError):
+    """A capture used in a way it cannot work: no supported layer in the model, ids that do not match the
+    batch, a loss reduction the inputs cannot support (the message says what to change)."""
+
+
 class IndexMismatchError(GradstoreError, indexers.IndexMismatchError):
     """A saved index was built from other data than the store holds now (another projection or dim)."""
 
@@ -103,6 +108,7 @@ class IndexMismatchError(GradstoreError, indexers.IndexMismatchError):
 _TRANSLATED: dict[type[Exception], type[GradstoreError]] = {
     ingest.ProjectionMismatchError: ProjectionMismatchError,
     ingest.RecomputationError: RecomputationError,
+    ingest.CaptureUsageError: CaptureUsageError,
     indexers.IndexMismatchError: IndexMismatchError,
 }
 

@@ -31,7 +31,7 @@ from gradstore.core.database import check_spec
 from gradstore.errors import InvalidArgumentError, MissingIdsError
 from gradstore.fitting import FitCache, Selection
 from gradstore.index import build_index
-from gradstore.methods import BlockStructure, check_k, resolve_method
+from gradstore.methods import BlockStructure, check_arguments, check_k, given_arguments, resolve_method
 from gradstore.queries import QueryBatch
 from ingest import CaptureConfig
 from ingest.tokens import TokenGradientCapture, TokenRows
@@ -86,12 +86,10 @@ def token_scores(
     """Per-token scores of each query against its top-k training examples; see
     :meth:`gradstore.GradStore.token_scores`."""
     check_k(k)
-    resolved = resolve_method(method)
-    if not resolved.query_only or resolved.over_checkpoints:
-        raise InvalidArgumentError(
-            f"per-token scores decompose methods linear in the training gradient "
-            f"(grad-dot, diagonal, fisher, kfac, ekfac), not {resolved.name!r}"
-        )
+    if write:
+        store.require_writable("token_scores with write=True")
+    resolved = resolve_method(method, "token_scores")  # methods linear in the training gradient only
+    check_arguments("token_scores", resolved, given_arguments(damping=damping, blocks=blocks, checkpoint=checkpoint))
     if not isinstance(queries, QueryBatch):
         raise InvalidArgumentError(
             "token_scores takes the queries as a QueryBatch (model and batch): their tokens are needed"

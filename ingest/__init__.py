@@ -11,11 +11,13 @@ from ingest.capture import CaptureConfig, CapturedBatch, CaptureLabels, Gradient
 from ingest.curvature import CurvatureStats
 from ingest.hooks import RecomputationError
 from ingest.layers import LayerInfo, select_layers
+from ingest.misuse import CaptureUsageError
 from ingest.projection import LayerSlot, ProjectionMismatchError, ProjectionSpec, projection_matrix
 
 __all__ = [
     "CaptureConfig",
     "CaptureLabels",
+    "CaptureUsageError",
     "CapturedBatch",
     "CurvatureStats",
     "GradientCapture",

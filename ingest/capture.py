@@ -33,6 +33,7 @@ from ingest.delivery import Delivery
 from ingest.hooks import ActiveBatch, LayerHook, in_backward
 from ingest.ids import content_hashes, find_inputs, find_mask, normalize_ids
 from ingest.layers import LayerInfo, select_layers
+from ingest.misuse import CaptureUsageError
 from ingest.normalizers import NORMALIZERS, adam_factored_scales
 from ingest.per_example import ROUTES
 from ingest.projection import LAYER_KINDS, LayerSizes, ProjectionBasis, ProjectionSpec, make_slot, slot_sizes
@@ -96,14 +97,14 @@ class ProjectionConfig:
     def validate(self) -> None:
         """Raise ValueError on an unknown option."""
         if self.kind not in PROJECTIONS:
-            raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.kind!r}")
+            raise CaptureUsageError(f"projection must be one of {PROJECTIONS}, got {self.kind!r}")
         unknown = set(self.layer_types) - set(LAYER_KINDS)
         if unknown:
-            raise ValueError(f"unknown layer types {sorted(unknown)}; supported: {LAYER_KINDS}")
+            raise CaptureUsageError(f"unknown layer types {sorted(unknown)}; supported: {LAYER_KINDS}")
         if self.k_in < 1 or self.k_out < 1:
-            raise ValueError("k_in and k_out must be positive")
+            raise CaptureUsageError("k_in and k_out must be positive")
         if self.basis is not None and self.kind != "factorized":
-            raise ValueError("a projection basis needs projection='factorized'")
+            raise CaptureUsageError("a projection basis needs projection='factorized'")
 
 
 @dataclass(frozen=True)
@@ -177,15 +178,24 @@ class CaptureConfig:
         """Raise ValueError on an unknown option."""
         self.projection.validate()
         if self.loss_reduction not in REDUCTIONS:
-            raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {self.loss_reduction!r}")
+            raise CaptureUsageError(f"loss_reduction must be one of {REDUCTIONS}, got {self.loss_reduction!r}")
         if self.route not in ("auto", *ROUTES):
-            raise ValueError(f"route must be 'auto' or one of {ROUTES}, got {self.route!r}")
+            raise CaptureUsageError(f"route must be 'auto' or one of {ROUTES}, got {self.route!r}")
         if self.normalizer not in NORMALIZERS:
-            raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {self.normalizer!r}")
+            raise CaptureUsageError(f"normalizer must be one of {NORMALIZERS}, got {self.normalizer!r}")
         if self.normalizer is not None and self.curvature:
-            raise ValueError("curvature statistics of normalised rows are not supported: capture them raw")
+            raise CaptureUsageError("curvature statistics of normalised rows are not supported: capture them raw")
         if self.on_nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {self.on_nonfinite!r}")
+            raise CaptureUsageError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {self.on_nonfinite!r}")
+        for name in ("split", "checkpoint"):
+            check_label(name, getattr(self.labels, name))
+
+
+def check_label(name: str, value: Any) -> str:
+    """``value`` if it is a non-empty string (a split or checkpoint label)."""
+    if not isinstance(value, str) or not value:
+        raise CaptureUsageError(f"{name} must be a non-empty string, got {value!r}")
+    return value
 
 
 @dataclass
@@ -231,7 +241,7 @@ def build_spec(layers: Sequence[LayerInfo], config: ProjectionConfig) -> Project
         )
         slot = make_slot(info.name, info.kind, info.d_in, info.d_out, info.has_bias, mode, k_in, k_out, offset)
         if mode == "dense" and slot.size * slot.d_out * slot.d_in_eff > MAX_DENSE_ENTRIES:
-            raise ValueError(
+            raise CaptureUsageError(
                 f"dense projection of layer {info.name!r} needs a {slot.size} x {slot.d_out * slot.d_in_eff} "
                 "matrix; use projection='factorized' or exclude the layer"
             )
@@ -245,7 +255,7 @@ def build_spec(layers: Sequence[LayerInfo], config: ProjectionConfig) -> Project
 def _basis_sizes(basis: ProjectionBasis, info: LayerInfo) -> tuple[int, int]:
     """``(k_in, k_out)`` of ``info``'s layer in ``basis``, checking the matrices fit the layer."""
     if info.name not in basis.matrices:
-        raise ValueError(
+        raise CaptureUsageError(
             f"the projection basis has no matrices for layer {info.name!r}; estimate it with the "
             "same layer selection as the capture"
         )
@@ -257,7 +267,7 @@ def _basis_sizes(basis: ProjectionBasis, info: LayerInfo) -> tuple[int, int]:
         or p_in.shape[0] > d_in_eff
         or p_out.shape[0] > info.d_out
     ):
-        raise ValueError(
+        raise CaptureUsageError(
             f"projection basis of layer {info.name!r} has shapes {p_in.shape} / {p_out.shape}, "
             f"the layer needs [k_in <= {d_in_eff}, {d_in_eff}] / [k_out <= {info.d_out}, {info.d_out}]"
         )
@@ -296,9 +306,17 @@ class GradientCapture:
         self.optimizer = optimizer
         self.per_example_loss = per_example_loss
         self.grad_scaler = grad_scaler
+        if self.config.normalizer is not None and optimizer is None:
+            raise CaptureUsageError(
+                f"normalizer={self.config.normalizer!r} normalises rows by the optimizer's second moments: pass "
+                "optimizer=... (the training loop's Adam), or capture raw rows (normalizer=None)"
+            )
         layers = select_layers(model, tuple(projection.layer_types), projection.include, projection.exclude)
         if not layers:
-            raise ValueError("capture: no supported layer (Linear, Conv1D, Embedding) matches the layer selection")
+            raise CaptureUsageError(
+                "capture: no supported layer (Linear, Conv1D, Embedding) matches the layer selection: the model has "
+                "none, or layer_types=/include=/exclude= leave none"
+            )
         self.spec = build_spec(layers, projection)
         self.layer_hooks = [
             self.hook_class(
@@ -385,11 +403,11 @@ class GradientCapture:
 
     def set_checkpoint(self, name: str) -> None:
         """Checkpoint name for the following rows (and curvature statistics)."""
-        self.checkpoint = name
+        self.checkpoint = check_label("checkpoint", name)
 
     def set_split(self, split: str) -> None:
         """Split (``"train"``/``"query"``) recorded on the following rows."""
-        self.split = split
+        self.split = check_label("split", split)
 
     def pause(self) -> None:
         """Stop capturing (hooks stay registered; ``example_id`` is still removed from kwargs)."""
@@ -459,11 +477,11 @@ class GradientCapture:
             return args, kwargs
         set_ids, self._next_ids = self._next_ids, None
         if kwarg_ids is not None and set_ids is not None:
-            raise ValueError(f"capture: ids were given both as `{ID_KWARG}` and through set_ids(); give one")
+            raise CaptureUsageError(f"capture: ids were given both as `{ID_KWARG}` and through set_ids(); give one")
         inputs = find_inputs(args, kwargs)
         given = kwarg_ids if kwarg_ids is not None else set_ids
         if inputs is None and given is None:
-            raise ValueError(
+            raise CaptureUsageError(
                 f"capture: cannot identify the examples: pass `{ID_KWARG}=...` to the model, call "
                 "set_ids(), or give the model a tensor input to hash"
             )
@@ -504,7 +522,7 @@ class GradientCapture:
         with torch.no_grad():
             loss = self.per_example_loss(output, args, kwargs).detach().float().reshape(-1)
         if loss.shape[0] != batch.size:
-            raise ValueError(f"per_example_loss returned {loss.shape[0]} values for {batch.size} examples")
+            raise CaptureUsageError(f"per_example_loss returned {loss.shape[0]} values for {batch.size} examples")
         batch.meta["loss"] = loss
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ingest.misuse import CaptureUsageError
+
 _STOP = object()
 
 
@@ -23,7 +25,7 @@ class Delivery:
 
     def __init__(self, deliver: Callable[[dict[str, Any]], None], max_pending: int) -> None:
         if max_pending < 1:
-            raise ValueError("max_pending_batches must be at least 1")
+            raise CaptureUsageError("max_pending_batches must be at least 1")
         self._deliver = deliver
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None

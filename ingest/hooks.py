@@ -25,6 +25,7 @@ from torch import nn
 
 from ingest.curvature import CurvatureStats
 from ingest.fused import FUSED_MARK, FusedGemm, fusable
+from ingest.misuse import CaptureUsageError
 from ingest.per_example import (
     choose_route,
     contract_tokens,
@@ -207,7 +208,7 @@ class LayerHook:
         if getattr(output, FUSED_MARK, False):
             return None  # the fused GEMMs hand this output's projections to add_projected
         if x.shape[0] != batch.size:
-            raise ValueError(
+            raise CaptureUsageError(
                 f"capture: layer {self.slot.name!r} got a batch of {x.shape[0]} for a forward of "
                 f"{batch.size} examples; capture needs batch-first inputs"
             )

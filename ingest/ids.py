@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ingest.misuse import CaptureUsageError
+
 HASH_PREFIX = "h:"
 
 
@@ -16,10 +18,10 @@ def normalize_ids(ids: Sequence[Any] | torch.Tensor, batch_size: int | None = No
     if isinstance(ids, torch.Tensor):
         ids = ids.reshape(-1).tolist()
     elif isinstance(ids, (str, bytes)):
-        raise ValueError("example ids must be a sequence with one id per example, not a single string")
+        raise CaptureUsageError("example ids must be a sequence with one id per example, not a single string")
     out = [str(i) for i in ids]
     if batch_size is not None and len(out) != batch_size:
-        raise ValueError(f"got {len(out)} example ids for a batch of {batch_size} examples")
+        raise CaptureUsageError(f"got {len(out)} example ids for a batch of {batch_size} examples")
     return out
 
 

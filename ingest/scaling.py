@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ingest.misuse import CaptureUsageError
+
 REDUCTIONS = ("mean", "token_mean", "sum")
 IGNORE_INDEX = -100
 
@@ -48,11 +50,11 @@ def example_scales(
     elif reduction == "token_mean":
         labels = kwargs.get("labels")
         if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
-            raise ValueError("loss_reduction='token_mean' needs a [B, T] `labels` tensor among the model kwargs")
+            raise CaptureUsageError("loss_reduction='token_mean' needs a [B, T] `labels` tensor among the model kwargs")
         counts = label_token_counts(labels).to(device=device, dtype=torch.float32)
         total = kwargs.get("num_items_in_batch")
         total = counts.sum() if total is None else torch.as_tensor(total, device=device, dtype=torch.float32)
         scales = torch.where(counts > 0, total / counts.clamp(min=1), torch.zeros_like(counts))
     else:
-        raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        raise CaptureUsageError(f"loss_reduction must be one of {REDUCTIONS}, got {reduction!r}")
     return scales / loss_scale

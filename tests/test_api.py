@@ -162,13 +162,14 @@ def test_run_remembers_its_loss_reduction(store):
     assert isinstance(caught.value, ingest.ProjectionMismatchError)
 
 
-def test_writer_errors_surface_as_themselves_from_capture(store):
+def test_non_finite_rows_raise_from_capture_when_asked_to(store):
     model = _model()
     _capture(store, model)
     with torch.no_grad():
         model[0].weight[0, 0] = float("nan")
     x, y = _data(3, 4)
-    with pytest.raises(gradstore.NonFiniteGradientError), store.capture(model, "run", checkpoint="c9") as cap:
+    capture = store.capture(model, "run", checkpoint="c9", on_nonfinite="raise")
+    with pytest.raises(gradstore.NonFiniteGradientError), capture as cap:
         cap.set_ids(["n0", "n1", "n2", "n3"])
         _loss(model, x, y).backward()
     assert store.count("gradients", "checkpoint = 'c9'") == 0

@@ -157,7 +157,7 @@ def test_open_errors(tmp_path):
         gradstore.open(tmp_path / "other")
     with pytest.raises(gradstore.NotAStoreError):
         gradstore.open(tmp_path / "missing", create=False)
-    with pytest.raises(ValueError, match="storage dtype"):
+    with pytest.raises(ValueError, match="storage_dtype"):
         gradstore.open(tmp_path / "s", storage_dtype="int8")
 
 
