@@ -174,7 +174,7 @@ def compare(
     built: dict[str, tuple[AttributionIndex, float]] = {}
     for factory in dict.fromkeys(kind.factory for kind in kinds):
         name = f"bench-two-stage-{factory.replace(',', '-')}"
-        store.files.remove(INDEXES, name)  # built afresh (the fisher fit is reused when the store has it)
+        store.core.files.remove(INDEXES, name)  # built afresh (the fisher fit is reused when the store has it)
         start = time.perf_counter()
         ann = store.build_index(run, checkpoint=checkpoint, method="fisher", kind=factory, name=name, engine=engine)
         built[factory] = ann, time.perf_counter() - start

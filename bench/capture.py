@@ -241,7 +241,7 @@ def measure(
             t_plain=times["plain"],
             t_cap=times["captured"],
             t_floor=times["floor"],
-            rows=store.table(S.GRADIENTS).count_rows(),
+            rows=store.core.table(S.GRADIENTS).count_rows(),
             expected_rows=len(batches) * BATCH,
             rows_written=cap.rows_written,
             store_bytes=dir_bytes(root / "store"),

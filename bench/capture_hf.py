@@ -184,7 +184,7 @@ def measure(pairs: int, warmup: int, normalizer: str | None) -> tuple[PairedStep
         store = gradstore.open(os.path.join(tmp, "store"))
         callback, timer = paired_gradstore(store, warmup, normalizer)
         workload_trainer(tmp, steps, callback, timer, with_example_ids(collate)).train()
-        return timer, store.count(), store.dim, len(store.run_spec("bench").layers)
+        return timer, store.count(), store.dim, len(store.core.run_spec("bench").layers)
 
 
 def report(

@@ -65,7 +65,7 @@ def _stream(
         for i in range(0, len(ids), append_rows):
             writer.append(vectors[i : i + append_rows], ids[i : i + append_rows], step=i, split="train")
     seconds = time.perf_counter() - start
-    return seconds, writer.commits, len(store.table(S.GRADIENTS).to_lance().get_fragments())
+    return seconds, writer.commits, len(store.core.table(S.GRADIENTS).to_lance().get_fragments())
 
 
 def _bulk(root: Path, vectors: np.ndarray, ids: list[str], dtype: str) -> tuple[float, float]:

@@ -168,8 +168,8 @@ def paired_arms(
     log(f"{len(x)} rows: first store.attribute (reads the rows into the store's row cache)")
     attribute = partial(store.attribute, q, run="bench", k=K, write=False)
     attribute()
-    store.row_files.wait()
-    if device.type == "cpu" and not store.row_files.entries():
+    store.core.row_files.wait()
+    if device.type == "cpu" and not store.core.row_files.entries():
         raise SystemExit("the first search wrote no row file")
     without_files = gradstore.open(store.uri, row_files=False)
     prepared = store.build_index("bench", method="grad-dot").cached_rows()
@@ -190,7 +190,7 @@ def paired_arms(
     stored = [(block.ids, joined(block.exact), block.scales) for block in prepared.blocks] if screened else None
 
     def cold() -> object:
-        store.row_cache.clear()
+        store.core.row_cache.clear()
         return attribute()
 
     def first() -> object:

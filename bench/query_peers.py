@@ -92,7 +92,7 @@ def one_size(rows: int, args: argparse.Namespace, root: Path) -> tuple[dict[str,
 
     attribute = partial(store.attribute, q, run="bench", k=K, write=False)
     attribute()  # reads the rows into the row cache and writes the row file
-    store.row_files.wait()
+    store.core.row_files.wait()
     prepared = store.build_index("bench", method="grad-dot").cached_rows()
     if prepared is None:
         raise SystemExit("the store's row cache holds no prepared rows (budget too small)")
@@ -101,7 +101,7 @@ def one_size(rows: int, args: argparse.Namespace, root: Path) -> tuple[dict[str,
     attributor = Attributor(root / f"bergson{rows}")
 
     def first_call() -> object:
-        store.row_cache.clear()
+        store.core.row_cache.clear()
         return attribute()
 
     def bergson_first() -> object:

@@ -90,7 +90,7 @@ def open_store(rows: int) -> gradstore.GradStore:
         return gradstore.open(path, create=False)
     log(f"generating {rows:,} x {DIM} rows into {path} (cached for later runs)")
     store = gradstore.open(path)
-    store.ensure_run(RUN, spec())
+    store.core.ensure_run(RUN, spec())
     with store.writer(RUN, commit_rows=WRITE_ROWS) as writer:
         for start in range(0, rows, WRITE_ROWS):
             n = min(WRITE_ROWS, rows - start)
@@ -130,7 +130,7 @@ def _nothing(shard: None, payload: None) -> None:
 
 def row_prefix(store: gradstore.GradStore, fragments: tuple[int, ...], fraction: float) -> tuple[tuple[int, ...], int]:
     """The shortest prefix of ``fragments`` that holds at least ``fraction`` of their rows, and its row count."""
-    dataset = store.table("gradients").to_lance()
+    dataset = store.core.table("gradients").to_lance()
     counts = [dataset.get_fragment(i).count_rows() for i in fragments]
     wanted, held = fraction * sum(counts), 0
     for end, count in enumerate(counts, start=1):
@@ -181,7 +181,7 @@ def main() -> None:
     torch.set_num_threads(2)
     store, queries = open_store(args.rows), structure()[3]
     log(
-        f"store {store.uri}: {store.count():,} rows, {len(store.table('gradients').to_lance().get_fragments())} "
+        f"store {store.uri}: {store.count():,} rows, {len(store.core.table('gradients').to_lance().get_fragments())} "
         "fragments"
     )
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

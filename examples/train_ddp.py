@@ -52,7 +52,7 @@ def train(rank: int, world: int, store_path: str) -> None:
             .df()
             .to_string(index=False)
         )
-        print("versions of the gradients table:", len(store.table("gradients").to_lance().versions()))
+        print("versions of the gradients table:", len(store.core.table("gradients").to_lance().versions()))
 
 
 def spawned(rank: int, world: int, port: int, store_path: str) -> None:

@@ -9,10 +9,11 @@ they project exactly like the first one, and a capture with other matrices is re
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import numpy as np
 
-from gradstore.core import StoreCore
+from gradstore.core import StoreCore, as_core
 from gradstore.errors import InvalidArgumentError, StoreCorruptError
 from ingest.basis import basis_from_curvature
 from ingest.projection import LayerSizes, ProjectionBasis, ProjectionSpec
@@ -50,15 +51,17 @@ def load_basis(store: StoreCore, spec: ProjectionSpec) -> ProjectionBasis | None
     return basis
 
 
-def run_basis(store: StoreCore, run: str) -> ProjectionBasis | None:
-    """The projection basis run ``run`` was captured with (``None``: seeded random matrices or exact rows)."""
+def run_basis(store: StoreCore | Any, run: str) -> ProjectionBasis | None:
+    """The projection basis run ``run`` was captured with (``None``: seeded random matrices or exact rows);
+    ``store``: a store or its core."""
+    store = as_core(store)
     if store.run_projection(run) is None:
         return None
     return load_basis(store, store.run_spec(run))
 
 
 def basis_from_run(
-    store: StoreCore,
+    store: StoreCore | Any,
     run: str,
     checkpoint: str,
     k_in: int = 16,
@@ -67,7 +70,9 @@ def basis_from_run(
     split: str = "fixed",
 ) -> ProjectionBasis:
     """The curvature-aware basis from a run's ``curvature=True`` statistics at ``checkpoint``
-    (:func:`ingest.basis.basis_from_curvature` with that run's spec and basis; ``split`` as there)."""
+    (:func:`ingest.basis.basis_from_curvature` with that run's spec and basis; ``split`` as there); ``store``: a
+    store or its core."""
+    store = as_core(store)
     return basis_from_curvature(
         store.load_curvature(run, checkpoint),
         store.run_spec(run),

@@ -316,10 +316,10 @@ def distributed_capture(
     (default: torch's).
     """
     return DistributedCapture(
-        store,
+        store.core,
         model,
         run,
-        config_for_run(store, run, options),
+        config_for_run(store.core, run, options),
         commit_every=commit_every,
         timeout=timeout,
         optimizer=optimizer,

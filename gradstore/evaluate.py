@@ -172,7 +172,7 @@ def scores_by_example(
 ) -> np.ndarray:
     """Every training example's score for every query, ``[queries, len(train_ids)]``, from
     ``store.attribute(..., write=False)`` (scores of several rows of one example are summed)."""
-    k = store.gradient_table(run).count_rows(f"run_id = {sql_literal(run)} AND split = 'train'")
+    k = store.core.gradient_table(run).count_rows(f"run_id = {sql_literal(run)} AND split = 'train'")
     table = store.attribute(queries, run=run, k=k, write=False, **options)
     query_ids = table.column("query_id").to_pylist()
     order = {q: i for i, q in enumerate(dict.fromkeys(query_ids))}
@@ -255,5 +255,5 @@ def lds(
         )
     table = pa.Table.from_pylist(rows, schema=EVALUATIONS_SCHEMA)
     if write:
-        store.append_table(EVALUATIONS, table)
+        store.core.append_table(EVALUATIONS, table)
     return table, truth

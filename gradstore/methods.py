@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from gradstore.errors import InvalidArgumentError
@@ -277,4 +277,62 @@ def methods_table() -> str:
         uses = ", ".join(sorted(m.uses)) or "-"
         takes = ", ".join(op for op in get_args(Operation) if op in m.operations)
         lines.append(f"| `{m.name}` | {m.summary} | {uses} | {takes} | {m.requires or '-'} |")
+    return "\n".join(lines)
+
+
+def _option(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ScoreOptions:
+    """How a scoring call scores: the one declaration of the options ``attribute``, ``score_matrix``,
+    ``self_influence``, ``select``, ``build_index`` and ``token_scores`` share (their keywords build one; the
+    CLI's help and the docs' options table come from the field docs, :func:`options_table`).
+    :meth:`check` refuses an option the chosen method does not use."""
+
+    method: str = _option(DEFAULT_METHOD, "attribution method, one of the registry's (default fisher)")
+    checkpoint: str | None = _option(None, "checkpoint of the training rows (default: the run's latest)")
+    query_checkpoint: str | None = _option(
+        None, "checkpoint of stored query rows (default: the training rows', else the one holding query rows)"
+    )
+    checkpoints: tuple[str, ...] | None = _option(
+        None, "checkpoints summed over (tracin; select: default every one with a learning rate)"
+    )
+    damping: float | None = _option(None, f"damping relative to the mean eigenvalue (default {DEFAULT_DAMPING})")
+    blocks: BlockStructure = _option("auto", "Fisher blocks: layer, full or auto (per layer when the run has layers)")
+    kind: str = _option("exact", "index: exact, auto, or a FAISS factory string such as HNSW32,Flat")
+    rerank: int = _option(0, "FAISS kinds: re-score rerank x k candidates exactly (0: off)")
+    device: str | None = _option(None, "where the search runs: cpu, cuda, cuda:N (default: CUDA when present)")
+    split: str = _option("train", "split of the training rows")
+    where: str | None = _option(None, "SQL filter on the training rows' metadata")
+
+    @classmethod
+    def pick(cls, arguments: dict[str, Any]) -> ScoreOptions:
+        """The options among a call's ``arguments`` (its keywords; others ignored)."""
+        chosen = {f.name: arguments[f.name] for f in fields(cls) if f.name in arguments}
+        if chosen.get("checkpoints") is not None:
+            if isinstance(chosen["checkpoints"], str):
+                raise InvalidArgumentError(
+                    f"checkpoints takes a list of checkpoint names, got the string {chosen['checkpoints']!r}"
+                )
+            chosen["checkpoints"] = tuple(chosen["checkpoints"])
+        return cls(**chosen)
+
+    def check(self, operation: str) -> Method:
+        """The resolved method, after refusing a method ``operation`` does not take or an option it does not use."""
+        method = resolve_method(self.method, operation)
+        check_arguments(operation, method, given_arguments(**{name: getattr(self, name) for name in NOT_GIVEN}))
+        return method
+
+
+#: Each option's one-line doc (the CLI's help text).
+OPTION_HELP = {f.name: f.metadata["help"] for f in fields(ScoreOptions)}
+
+
+def options_table() -> str:
+    """The options as a Markdown table (the docs' options table is checked against it)."""
+    lines = ["| option | default | what |", "|---|---|---|"]
+    for f in fields(ScoreOptions):
+        lines.append(f"| `{f.name}` | `{f.default!r}` | {f.metadata['help']} |")
     return "\n".join(lines)

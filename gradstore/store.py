@@ -1,12 +1,17 @@
-"""The ``GradStore`` facade: the store's core plus capture, indexes, attribution and selection.
+"""The ``GradStore`` facade: the store's API, composed over its core.
 
 :class:`~gradstore.core.StoreCore` holds the data (tables, runs, checkpoints, gradients, examples, side
-files, SQL); this class wires in the layers above it and owns the store's
-:class:`~gradstore.fitting.FitCache`, so every method shares one fit per rows and method.
+files, SQL); a ``GradStore`` *holds* one (``store.core``, for power users and tests) and exposes the calls a
+user means (:data:`API`): capture, indexes, attribution, selection, reports, and the few data calls of the
+core that belong to the API. It owns the store's :class:`~gradstore.fitting.FitCache`, so every call shares one
+fit per rows and method. Every name of the API goes through :func:`gradstore.errors.surface`: nothing but a
+``GradstoreError`` comes out of it for what a user gives it. The core's other names still answer on the facade
+for one release, with a ``DeprecationWarning`` naming ``store.core``.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -46,15 +51,77 @@ LossReduction = Literal["mean", "sum", "token_mean"]
 IndexKind = str  # "exact", "auto" or a FAISS factory string such as "Flat" or "IVF1024,Flat"
 
 
-class GradStore(StoreCore):
-    """A gradient store. Create or open one with :func:`gradstore.open`."""
+class _FromCore:
+    """A name of the API answered by the store's core: the core's own signature and docstring, through the
+    error surface (wrapped once per store)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """See :class:`~gradstore.core.StoreCore` (made by :func:`open_store`)."""
-        super().__init__(*args, **kwargs)
-        self.fits = FitCache(self)
+    def __init__(self) -> None:
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, store: GradStore | None, owner: type) -> Any:
+        if store is None:
+            return getattr(StoreCore, self.name)
+        bound = surface(getattr(store.core, self.name))
+        store.__dict__[self.name] = bound  # later lookups find it on the instance
+        return bound
+
+
+def _core_property(name: str, doc: str | None = None) -> property:
+    """A read-only property of the API answered by the store's core."""
+    return property(lambda store: getattr(store.core, name), doc=doc or getattr(StoreCore, name).__doc__)
+
+
+class GradStore:
+    """A gradient store. Create or open one with :func:`gradstore.open`; ``store.core`` is the
+    :class:`~gradstore.core.StoreCore` it holds (tables, readers, side files: plumbing, not API)."""
+
+    def __init__(self, core: StoreCore) -> None:
+        """A facade over ``core`` (made by :func:`open_store`)."""
+        self.core = core
+        self.fits = FitCache(core)
+
+    def __repr__(self) -> str:
+        return f"GradStore({self.core.location!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        """The core's other names, for one release, with a ``DeprecationWarning``."""
+        if name.startswith("_") or name in ("core", "fits"):
+            raise AttributeError(name)
+        value = getattr(self.core, name)  # AttributeError: neither the API nor the core has it
+        warnings.warn(
+            f"store.{name} is the store's plumbing, not its API: use store.core.{name} "
+            "(it leaves the facade in the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return value
+
+    # ------------------------------------------------------------------ data: the core's calls that are API
+    uri = _core_property("uri", "The store's location as given to :func:`gradstore.open` (a path or a URI).")
+    dim = _core_property("dim")
+    dims = _core_property("dims")
+    storage_dtype = _core_property("storage_dtype")
+    writable = _core_property("writable")
+    add_examples = _FromCore()
+    sql = _FromCore()
+    runs = _FromCore()
+    run = _FromCore()
+    checkpoints = _FromCore()
+    create_run = _FromCore()
+    record_checkpoint = _FromCore()
+    writer = _FromCore()
+    read_gradients = _FromCore()
+    iter_gradients = _FromCore()
+    count = _FromCore()
+    compact = _FromCore()
+    verify = _FromCore()
+    info = _FromCore()
 
     # ------------------------------------------------------------------ capture
+    @surface
     def capture(
         self,
         model: nn.Module,
@@ -133,10 +200,10 @@ class GradStore(StoreCore):
         if isinstance(layer_types, (list, tuple)):
             options["layer_types"] = tuple(layer_types)
         return StoreCapture(
-            self,
+            self.core,
             model,
             run,
-            config_for_run(self, run, options),
+            config_for_run(self.core, run, options),
             optimizer=optimizer,
             per_example_loss=per_example_loss,
             grad_scaler=grad_scaler,
@@ -146,6 +213,7 @@ class GradStore(StoreCore):
         )
 
     # ------------------------------------------------------------------ indexes
+    @surface
     def build_index(
         self,
         run: str,
@@ -170,10 +238,10 @@ class GradStore(StoreCore):
         CPU; FAISS: ``"cuda"`` moves a GPU-capable index to the GPUs)."""
         resolved = resolve_method(method, "build_index")
         check_arguments("build_index", resolved, given_arguments(damping=damping, blocks=blocks, device=device))
-        selection = Selection(run, checkpoint or self.default_checkpoint(run), split, where)
-        require_rows(self, selection)
+        selection = Selection(run, checkpoint or self.core.default_checkpoint(run), split, where)
+        require_rows(self.core, selection)
         return build_index(
-            self,
+            self.core,
             self.fits,
             selection,
             method,
@@ -186,12 +254,14 @@ class GradStore(StoreCore):
             device=device,
         )
 
+    @surface
     def index(self, name: str, *, device: str | torch.device | None = None) -> AttributionIndex:
         """Load a persisted index by name (``IndexMismatchError`` if it does not match the store); ``device`` as
         for :meth:`build_index`."""
-        return load_index(self, self.fits, name, device=device)
+        return load_index(self.core, self.fits, name, device=device)
 
     # ------------------------------------------------------------------ attribution and selection
+    @surface
     def attribute(
         self,
         queries: QueryInput = None,
@@ -231,7 +301,7 @@ class GradStore(StoreCore):
         also appended to ``scores`` unless ``write=False``.
         """
         return attribute(
-            self,
+            self.core,
             self.fits,
             queries,
             run=run,
@@ -252,6 +322,7 @@ class GradStore(StoreCore):
             device=device,
         )
 
+    @surface
     def score_matrix(
         self,
         queries: QueryInput = None,
@@ -268,7 +339,7 @@ class GradStore(StoreCore):
         """Dense queries x training rows scores with their ids (``.scores`` numpy, ``.torch()``), for small
         problems; nothing is written to ``scores``. Arguments as for :meth:`attribute`."""
         return score_matrix(
-            self,
+            self.core,
             self.fits,
             queries,
             run=run,
@@ -281,6 +352,7 @@ class GradStore(StoreCore):
             where=where,
         )
 
+    @surface
     def self_influence(
         self,
         *,
@@ -299,7 +371,7 @@ class GradStore(StoreCore):
         Returns ``(example_id, grad_id, run_id, checkpoint, method, self_influence)``, largest first, also
         appended to the ``self_influence`` table unless ``write=False``. ``engine`` as for :meth:`attribute`."""
         return self_influence(
-            self,
+            self.core,
             self.fits,
             run=run,
             method=method,
@@ -312,6 +384,7 @@ class GradStore(StoreCore):
             engine=engine,
         )
 
+    @surface
     def select(
         self,
         target: QueryInput = None,
@@ -334,7 +407,7 @@ class GradStore(StoreCore):
         rows, ``P`` the ``preconditioner`` method's fit. ``budget``: a fraction in (0, 1] or a count.
         ``engine`` as for :meth:`attribute`. Returns ``(example_id, score, rank)``, best first."""
         return select(
-            self,
+            self.core,
             self.fits,
             target,
             run=run,
@@ -349,6 +422,7 @@ class GradStore(StoreCore):
             engine=engine,
         )
 
+    @surface
     def token_scores(
         self,
         queries: QueryBatch,
@@ -381,7 +455,7 @@ class GradStore(StoreCore):
         checkpoint, created_at)`` with ``side`` ``"train"`` (the example's tokens) or ``"query"`` (the query's),
         also appended to ``token_scores`` unless ``write=False``."""
         return token_scores(
-            self,
+            self.core,
             self.fits,
             queries,
             examples,
@@ -400,6 +474,7 @@ class GradStore(StoreCore):
         )
 
     # ------------------------------------------------------------------ report
+    @surface
     def report(
         self,
         out: str | Path = "report.html",
@@ -415,13 +490,18 @@ class GradStore(StoreCore):
         out = Path(out)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            return write_report(self, out, options=options, selection=selection)
+            return write_report(self.core, out, options=options, selection=selection)
         except (IsADirectoryError, NotADirectoryError, FileExistsError, FileNotFoundError) as error:
             raise InvalidArgumentError(
                 f"cannot write the report to {str(out)!r}: {error} (give a file path)"
             ) from error
 
 
+#: The store's API: every public name of :class:`GradStore` (each documented in docs/api.md).
+API = tuple(sorted(name for name in vars(GradStore) if not name.startswith("_")))
+
+
+@surface
 def open_store(
     uri: str | Path,
     *,
@@ -444,9 +524,9 @@ def open_store(
     (:mod:`gradstore.core.rowfiles`; ``True``: the user's cache directory, a path: there, ``False``: nowhere, or a
     :class:`~gradstore.core.rowfiles.RowFiles` with its own budget).
     """
-    return connect(
+    core = connect(
         uri,
-        GradStore,
+        StoreCore,
         create=create,
         storage_dtype=storage_dtype,
         read_consistency=read_consistency,
@@ -454,30 +534,4 @@ def open_store(
         row_files=row_files,
     )
 
-
-#: The store's API: these calls raise nothing but ``GradstoreError`` for what a user gives them
-#: (:func:`gradstore.errors.surface`); everything else on the class is plumbing.
-API = (
-    "capture",
-    "build_index",
-    "index",
-    "attribute",
-    "score_matrix",
-    "self_influence",
-    "select",
-    "token_scores",
-    "report",
-    "add_examples",
-    "sql",
-    "runs",
-    "run",
-    "checkpoints",
-    "read_gradients",
-    "writer",
-    "compact",
-    "verify",
-    "info",
-)
-for _name in API:
-    setattr(GradStore, _name, surface(getattr(GradStore, _name)))
-open_store = surface(open_store)
+    return GradStore(core)

@@ -95,8 +95,8 @@ def test_one_fit_serves_attribute_self_influence_select_and_index(filled):
 def test_ekfac_is_eigen_corrected_kfac(filled):
     store, _ = filled
     ids, g, _ = _rows(store, "train")
-    layout = [(s.name, s.offset, s.k_in, s.k_out) for s in store.run_spec("run").layers]
-    factors = {name: (a, s) for name, (a, s, _) in store.load_curvature("run", "c0").items()}
+    layout = [(s.name, s.offset, s.k_in, s.k_out) for s in store.core.run_spec("run").layers]
+    factors = {name: (a, s) for name, (a, s, _) in store.core.load_curvature("run", "c0").items()}
     q_ids, q, _ = _rows(store, "query")
     for method, corrected in (("kfac", False), ("ekfac", True)):
         expected = make_preconditioner(
@@ -122,7 +122,7 @@ def test_fisher_block_structure_is_a_choice(filled, blocks):
     store, _ = filled
     _, g, _ = _rows(store, "train")
     q_ids, q, _ = _rows(store, "query")
-    spans = [(0, g.shape[1])] if blocks == "full" else [(s.offset, s.size) for s in store.run_spec("run").layers]
+    spans = [(0, g.shape[1])] if blocks == "full" else [(s.offset, s.size) for s in store.core.run_spec("run").layers]
     inverse = np.zeros((g.shape[1], g.shape[1]))
     for offset, size in spans:
         part = g[:, offset : offset + size]
@@ -147,7 +147,7 @@ def test_score_matrix_grad_dot_equals_numpy_and_writes_nothing(filled):
 
 def test_curvature_counts_training_rows_only(filled):
     store, _ = filled
-    counts = {count for _, _, count in store.load_curvature("run", "c0").values()}
+    counts = {count for _, _, count in store.core.load_curvature("run", "c0").values()}
     assert counts == {N_TRAIN}  # the query rows captured in the same pass are not counted
 
 
@@ -232,5 +232,5 @@ def test_a_scores_table_from_before_call_ids_gets_the_column(store):
     model = _model()
     _capture(reopened, model)
     table = reopened.attribute(run="run", k=2, method="grad-dot")
-    assert "call_id" in reopened.table(S.SCORES).schema.names
+    assert "call_id" in reopened.core.table(S.SCORES).schema.names
     assert reopened.sql("SELECT count(DISTINCT call_id), count(*) FROM scores").fetchall() == [(1, table.num_rows)]

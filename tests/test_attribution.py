@@ -208,8 +208,8 @@ def test_results_are_written_to_scores_and_macros_match_pandas(captured):
     table = store.attribute(run="run", k=4, method="grad-dot")
     assert store.count("scores") == before + table.num_rows
     got = store.sql("select * from top_proponents('q1', 4) where method = 'grad-dot'").df()
-    examples = store.table("examples").to_pandas()
-    scores = store.table("scores").to_pandas()
+    examples = store.core.table("examples").to_pandas()
+    scores = store.core.table("scores").to_pandas()
     expected = (
         scores[(scores.query_id == "q1") & scores["rank"].between(1, 4) & (scores.method == "grad-dot")]
         .merge(examples, on="example_id")
@@ -243,7 +243,7 @@ def test_faiss_flat_index_equals_exact_and_is_incremental(captured):
         reloaded = store.index(grown.name)
         assert reloaded.faiss_index.ntotal == N_TRAIN + 2
     finally:  # the module's other tests share this store
-        store.table("gradients").delete("example_id LIKE 'extra%'")
+        store.core.table("gradients").delete("example_id LIKE 'extra%'")
 
 
 def test_an_index_says_where_and_how_it_searches(captured, monkeypatch):

@@ -212,7 +212,7 @@ def test_basis_round_trips_through_the_store_and_fixes_later_captures(store_path
     for name, pair in basis.matrices.items():
         for a, b in zip(pair, loaded.matrices[name]):
             np.testing.assert_array_equal(a, b)
-    assert reopened.run_spec("r") == first.spec
+    assert reopened.core.run_spec("r") == first.spec
     # a query capture that names no basis uses the run's: same spec, same rows as the in-memory basis
     qx, qy = data(10, seed=7)
     query = store_capture(reopened, model, qx, qy, split="query")
@@ -240,7 +240,7 @@ def test_mismatched_basis_is_refused(store_path):
     # specs without a basis keep their fingerprint (no "basis" key), and the basis field round-trips
     plain = GradientCapture(model, lambda b: None, CaptureConfig.from_options(k_in=4, k_out=2)).spec
     assert "basis" not in plain.to_dict()
-    with_basis = store.run_spec("r")
+    with_basis = store.core.run_spec("r")
     assert ProjectionSpec.from_dict(with_basis.to_dict()) == with_basis
     assert with_basis.fingerprint() != ProjectionSpec(with_basis.seed, with_basis.kind, with_basis.layers).fingerprint()
     # a corrupted basis file is detected by its digest

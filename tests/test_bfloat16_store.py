@@ -118,7 +118,7 @@ def test_attribute_verify_sql_and_a_second_dim_on_a_bfloat16_store(tmp_path) -> 
     reopened = gradstore.open(tmp_path / "s")
     assert reopened.storage_dtype == "bfloat16"
     for name in reopened.gradient_tables.by_dim().values():  # one encoding per store, each table tagged
-        assert storage_dtype_of(reopened.table(name).schema.field(S.VECTOR_COLUMN)) == "bfloat16"
+        assert storage_dtype_of(reopened.core.table(name).schema.field(S.VECTOR_COLUMN)) == "bfloat16"
     table = reopened.attribute(vectors[:3], run="r", k=1, write=False, method="grad-dot")
     assert table.column("example_id").to_pylist() == ["r0", "r1", "r2"]
     report = reopened.verify()
@@ -147,7 +147,7 @@ def test_a_store_made_before_the_tag_reads_as_float16(tmp_path, monkeypatch) -> 
     _write(store, "r", vectors, checkpoint="train")
     monkeypatch.undo()
     old = gradstore.open(tmp_path / "s")
-    assert old.table(S.GRADIENTS).schema.field(S.VECTOR_COLUMN).metadata is None
+    assert old.core.table(S.GRADIENTS).schema.field(S.VECTOR_COLUMN).metadata is None
     assert old.storage_dtype == "float16"
     with old.writer("r") as writer:
         writer.append(vectors[:5], [f"more{i}" for i in range(5)], checkpoint="train", split="train")

@@ -154,7 +154,7 @@ def test_ddp_and_fsdp2_ranks_write_exactly_the_single_process_rows(job):
         assert ranks == [(0, STEPS * GLOBAL_BATCH // 2), (1, STEPS * GLOBAL_BATCH // 2)]
         # both ranks' rows went in through one commit per flush point: after steps 2 and 4 (none at exit)
         assert stats[run] == {"commits": 2, "rows": STEPS * GLOBAL_BATCH}
-    versions = store.table("gradients").to_lance().versions()
+    versions = store.core.table("gradients").to_lance().versions()
     assert len(versions) == 1 + 2 + 2 + 1  # creation, two collective commits per run, one before the kill
 
 
@@ -165,7 +165,9 @@ def test_a_killed_rank_leaves_exactly_the_committed_rows(job):
     assert sorted(got) == sorted((f"ex{i}", s) for s in (0, 1) for i in range(s * 8 % 16, s * 8 % 16 + 8))
     # step 2's rows were written as data files by both ranks, but never committed
     data_files = list((store_path / "gradients.lance" / "data").glob("*.lance"))
-    referenced = {f.path for frag in store.table("gradients").to_lance().get_fragments() for f in frag.metadata.files}
+    referenced = {
+        f.path for frag in store.core.table("gradients").to_lance().get_fragments() for f in frag.metadata.files
+    }
     assert len(data_files) > len(referenced)
 
 
@@ -193,6 +195,6 @@ def test_ranks_capture_into_a_store_on_object_storage(s3_bucket, tmp_path, monke
     assert set(got) == set(reference) and len(got) == STEPS * GLOBAL_BATCH
     for key, vector in reference.items():
         assert np.linalg.norm(got[key] - vector) <= 1e-5 * np.linalg.norm(vector), key
-    assert len(store.table("gradients").to_lance().versions()) == 1 + 2  # creation, one commit per flush point
-    assert store.load_curvature("s3", "c0")  # the ranks' pooled statistics, saved to the bucket
+    assert len(store.core.table("gradients").to_lance().versions()) == 1 + 2  # creation, one commit per flush point
+    assert store.core.load_curvature("s3", "c0")  # the ranks' pooled statistics, saved to the bucket
     assert os.listdir(tmp_path) == ["reference"]

@@ -50,7 +50,7 @@ def integers(tmp_path_factory):
                 split="query",
             )
             store.record_checkpoint("ints", checkpoint, step=step, learning_rate=rate)
-    assert len(store.table("gradients").to_lance().get_fragments()) > 6
+    assert len(store.core.table("gradients").to_lance().get_fragments()) > 6
     return store
 
 

@@ -98,7 +98,7 @@ def _check_store(path: Path, acknowledged: Acknowledged, storage_dtype: str, ind
     runs = store.runs().column("run_id").to_pylist()
     assert set(acknowledged.rows[name]) <= set(runs)
     stored = {run: check_rows(store, run, acknowledged.rows[name][run], storage_dtype) for run in runs}
-    if store.has_table("examples"):
+    if store.core.has_table("examples"):
         assert not store.sql("select example_id from examples group by example_id having count(*) > 1").fetchall()
         ids = {row[0] for row in store.sql("select example_id from examples").fetchall()}
         assert acknowledged.examples[name] <= ids

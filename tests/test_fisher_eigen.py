@@ -197,7 +197,7 @@ def test_store_scores_at_every_damping_and_fit_bytes(tmp_path, n):
                 np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-4 * np.abs(expected).max())
     assert store.fits.fitted == 2  # one fit per block structure, whatever the damping and the method
     fits = directory_bytes(Path(store.fits.store.files.path("fits")))
-    rows = directory_bytes(tmp_path / "store" / f"{store.gradient_table_name('r')}.lance")
+    rows = directory_bytes(tmp_path / "store" / f"{store.core.gradient_table_name('r')}.lance")
     assert 0 < fits <= 5 * rows, (fits, rows)
     assert fits <= 5 * 2 * 2 * n * DIM  # the two fits together: at most 5x float16 rows each
 

@@ -184,7 +184,7 @@ def test_trl_sft_trainer(tmp_path):
         callbacks=[GradstoreCallback(store, "sft", **OPTIONS)],
     )
     trainer.train()
-    assert "lm_head" not in [slot.name for slot in store.run_spec("sft").layers]
+    assert "lm_head" not in [slot.name for slot in store.core.run_spec("sft").layers]
     got = rows(store, "sft")
     assert len(got) == 16
     assert sorted(i for i, _ in got) == sorted(f"t{i}" for i in range(8) for _ in range(2))  # once per epoch

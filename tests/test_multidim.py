@@ -171,7 +171,7 @@ def test_verify_reports_rows_in_the_table_of_another_dim(tmp_path):
 def test_a_run_written_by_hand_is_attributed_as_it_is(tmp_path):
     store = gradstore.open(tmp_path / "store")
     _write(store, "hand")
-    assert store.default_checkpoint("hand") == S.DEFAULT_CHECKPOINT
+    assert store.core.default_checkpoint("hand") == S.DEFAULT_CHECKPOINT
     for method in ("grad-dot", "fisher", "diagonal", "cosine"):
         result = store.attribute(run="hand", queries="split = 'query'", method=method, k=3, write=False)
         assert result.num_rows == N_QUERY * 3
@@ -195,11 +195,11 @@ def test_the_default_checkpoint_of_unrecorded_rows_is_their_label(tmp_path):
     store.create_run("one", dim=8)
     with store.writer("one") as writer:
         writer.append(vectors, ids, split=splits, checkpoint="step-100")
-    assert store.default_checkpoint("one") == "step-100"
+    assert store.core.default_checkpoint("one") == "step-100"
     store.create_run("unlabelled", dim=8)  # rows written before the writer labelled them
     with store.writer("unlabelled") as writer:
         writer.append(vectors, ids, split=splits, checkpoint=None)
-    assert store.default_checkpoint("unlabelled") is None
+    assert store.core.default_checkpoint("unlabelled") is None
     result = store.attribute(run="unlabelled", method="fisher", k=2, write=False)
     _same(result, store.attribute(run="one", method="fisher", k=2, write=False))
     store.create_run("mixed", dim=8)
@@ -207,9 +207,9 @@ def test_the_default_checkpoint_of_unrecorded_rows_is_their_label(tmp_path):
         writer.append(vectors[:2], ids[:2], checkpoint="x")
         writer.append(vectors[2:4], ids[2:4], checkpoint="y")
     with pytest.raises(gradstore.InvalidArgumentError, match="pass checkpoint="):
-        store.default_checkpoint("mixed")
+        store.core.default_checkpoint("mixed")
     store.create_run("empty", dim=8)
-    assert store.default_checkpoint("empty") == S.DEFAULT_CHECKPOINT
+    assert store.core.default_checkpoint("empty") == S.DEFAULT_CHECKPOINT
 
 
 def test_a_single_dim_store_keeps_one_gradients_table(tmp_path):
@@ -265,7 +265,7 @@ def test_two_processes_creating_runs_of_different_dims_both_get_their_table(tmp_
     assert [worker.exitcode for worker in workers] == [0, 0]
     store = gradstore.open(path, create=False)
     assert store.dims == [16, 64]
-    assert sorted(store.gradient_table_name(run) for run in ("r16", "r64")) in (
+    assert sorted(store.core.gradient_table_name(run) for run in ("r16", "r64")) in (
         ["gradients", "gradients_64"],
         ["gradients", "gradients_16"],
     )

@@ -134,5 +134,5 @@ def test_the_run_config_says_which_form_the_rows_hold(tmp_path):
             model(torch.randn(3, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
-    assert store.run_config("less")["capture"]["normalizer"] == "adam_factored"
+    assert store.core.run_config("less")["capture"]["normalizer"] == "adam_factored"
     assert store.count() == 3  # the second batch only

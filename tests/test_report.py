@@ -41,7 +41,7 @@ def small_store(tmp_path_factory):
         size=SIDE * SIDE,
         has_bias=True,
     )
-    store.ensure_run(RUN, ProjectionSpec(seed=0, kind="none", layers=(layer,)))
+    store.core.ensure_run(RUN, ProjectionSpec(seed=0, kind="none", layers=(layer,)))
     store.record_checkpoint(RUN, "final", step=1, learning_rate=0.1)
     train = [f"t-{i:03d}" for i in range(N_TRAIN)]
     queries = [f"q-{i}" for i in range(N_QUERIES)]
@@ -125,7 +125,7 @@ def token_store(tmp_path):
     """One score row, per-token scores on both sides (other column names), and an evaluations table."""
     store = gradstore.open(tmp_path / "store")
     store.add_examples(pd.DataFrame({"example_id": ["q", "a"], "text": ["what is x", "x is y"]}))
-    store.append_results(
+    store.core.append_results(
         "scores",
         pa.table(
             {

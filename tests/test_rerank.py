@@ -20,7 +20,7 @@ def _clustered_store(path) -> tuple[gradstore.GradStore, np.ndarray]:
     """1,200 float32 rows around 12 cluster centres, and 16 query rows near them."""
     store = gradstore.open(path, storage_dtype="float32")
     layers = tuple(LayerSlot(f"l{i}", "linear", 8, 8, 4, 4, "factorized", 16 * i, 16, False) for i in range(2))
-    store.ensure_run("run", ProjectionSpec(seed=0, kind="factorized", layers=layers))
+    store.core.ensure_run("run", ProjectionSpec(seed=0, kind="factorized", layers=layers))
     rng = np.random.default_rng(0)
     centres = rng.standard_normal((12, DIM)) * 3
     rows = (centres[rng.integers(0, 12, 1200)] + rng.standard_normal((1200, DIM))).astype(np.float32)
@@ -93,11 +93,11 @@ def test_row_locator_reads_the_asked_rows_after_appends_deletions_and_compaction
     check(first[::3])
     append(40, "b")  # a new writer: a second id prefix, more fragments
     check(np.array(sorted(_stored(store)))[1::4])
-    store.table("gradients").delete("example_id IN ('a3', 'a4', 'a10', 'b7')")  # offsets after them shift
+    store.core.table("gradients").delete("example_id IN ('a3', 'a4', 'a10', 'b7')")  # offsets after them shift
     check(first[::2])  # some of them deleted: reported as not found
-    assert len(store.table("gradients").to_lance().get_fragments()) > 1
+    assert len(store.core.table("gradients").to_lance().get_fragments()) > 1
     store.compact()  # rows move to new fragments
-    assert len(store.table("gradients").to_lance().get_fragments()) == 1
+    assert len(store.core.table("gradients").to_lance().get_fragments()) == 1
     every = np.array(sorted(_stored(store)))
     check(every[::-1][::5][::-1].copy())
     found, got = locator.read(store, "run", np.empty(0, np.int64))
@@ -109,7 +109,7 @@ def test_rerank_drops_candidates_deleted_since_the_build(tmp_path):
     approximate = store.build_index("run", method="fisher", kind="IVF4,SQ8")
     _, before = approximate.search(queries, 10, rerank=1200)
     gone = sorted({int(g) for g in before[:, 0]})
-    store.table("gradients").delete(f"grad_id IN ({', '.join(map(str, gone))})")
+    store.core.table("gradients").delete(f"grad_id IN ({', '.join(map(str, gone))})")
     scores, got = approximate.search(queries, 10, rerank=1200)  # every remaining row is a candidate
     rows = _stored(store)
     assert not set(gone) & set(rows)

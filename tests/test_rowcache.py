@@ -46,12 +46,12 @@ def test_run_metadata_is_read_once_per_table_version(store, monkeypatch) -> None
 
     with store.writer("a") as writer:
         writer.append(np.ones((2, 4), np.float32), ["e0", "e1"], checkpoint="x")
-    assert store.default_checkpoint("a") == "x"
-    assert store.default_checkpoint("a") == "x"  # from the cache: the labels set was not consumed
+    assert store.core.default_checkpoint("a") == "x"
+    assert store.core.default_checkpoint("a") == "x"  # from the cache: the labels set was not consumed
     with store.writer("a") as writer:
         writer.append(np.ones((1, 4), np.float32), ["e2"], checkpoint="y")
     with pytest.raises(InvalidArgumentError, match="several checkpoint labels"):
-        store.default_checkpoint("a")  # the new gradients version carries both labels
+        store.core.default_checkpoint("a")  # the new gradients version carries both labels
 
 
 def test_prepared_rows_take_at_most_half_a_gpus_free_memory(monkeypatch) -> None:

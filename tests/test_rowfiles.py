@@ -34,7 +34,7 @@ def _open(path, cache, **kwargs) -> gradstore.GradStore:
 
 
 def _write(store: gradstore.GradStore, rows: int, seed: int, run: str = "r") -> None:
-    if not store.has_run(run):
+    if not store.core.has_run(run):
         spec = ProjectionSpec(0, "none", (LayerSlot("w", "linear", 8, 5, None, None, "exact", 0, DIM, False),))
         store.create_run(run, dim=DIM, projection=spec.to_dict())
     vectors = np.random.default_rng(seed).standard_normal((rows, DIM)).astype(np.float32)

@@ -33,7 +33,7 @@ def test_the_first_committed_spec_is_the_run_and_the_other_creation_fails(monkey
     _rival_commits_first(monkeypatch, store, dim=8, projection=SPEC_A)
     with pytest.raises(SchemaMismatchError, match="same time"):
         store.create_run("r", dim=8, projection=SPEC_B)
-    assert store.run_projection("r") == SPEC_A
+    assert store.core.run_projection("r") == SPEC_A
     assert store.runs().column("run_id").to_pylist() == ["r"]  # the losing row was withdrawn
 
 
@@ -42,7 +42,7 @@ def test_a_rival_of_another_dim_wins_too(monkeypatch, tmp_path):
     _rival_commits_first(monkeypatch, store, dim=16, projection=SPEC_A)
     with pytest.raises(SchemaMismatchError):
         store.create_run("r", dim=8, projection=SPEC_A)
-    assert store.run_dim("r") == 16
+    assert store.core.run_dim("r") == 16
     assert store.runs().num_rows == 1
 
 
@@ -82,5 +82,5 @@ def test_two_processes_creating_one_run_leave_exactly_one_spec(tmp_path):
     assert len(created) == 1  # whatever the interleaving: one creation succeeds, the other is refused
     store = gradstore.open(uri)
     assert store.runs().num_rows == 1
-    assert store.run_projection("r")["kind"] == created[0]
-    assert store.table(S.RUNS).count_rows() == 1
+    assert store.core.run_projection("r")["kind"] == created[0]
+    assert store.core.table(S.RUNS).count_rows() == 1

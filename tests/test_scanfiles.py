@@ -29,7 +29,7 @@ def _open(path, cache) -> gradstore.GradStore:
 
 
 def _write(store: gradstore.GradStore, rows: int, seed: int, run: str = "r") -> None:
-    if not store.has_run(run):
+    if not store.core.has_run(run):
         spec = ProjectionSpec(0, "none", (LayerSlot("w", "linear", 3, 4, None, None, "exact", 0, DIM, False),))
         store.create_run(run, dim=DIM, projection=spec.to_dict())
         store.record_checkpoint(run, "c", step=1)
@@ -154,26 +154,26 @@ def test_a_snapshot_sees_each_table_at_its_first_read(tmp_path) -> None:
     store = _open(tmp_path / "s", tmp_path / "cache")
     _write(store, 30, seed=0)
     other = _open(tmp_path / "s", tmp_path / "cache")  # another writer of the same store
-    with store.snapshot():
-        version = store.gradient_dataset("r").version
+    with store.core.snapshot():
+        version = store.core.gradient_dataset("r").version
         assert store.count() == 30
         _write(other, 10, seed=1)
-        assert store.gradient_dataset("r").version == version
+        assert store.core.gradient_dataset("r").version == version
         assert len(store.read_gradients("r").grad_ids) == 30  # reads inside the block: the version first seen
-        with store.snapshot():  # nested: the same view
-            assert store.gradient_dataset("r").version == version
-    assert store.gradient_dataset("r").version > version
+        with store.core.snapshot():  # nested: the same view
+            assert store.core.gradient_dataset("r").version == version
+    assert store.core.gradient_dataset("r").version > version
     assert len(store.read_gradients("r").grad_ids) == 40
 
 
 def test_a_snapshot_is_shared_with_threads_run_in_its_context(tmp_path) -> None:
     store = _open(tmp_path / "s", tmp_path / "cache")
     _write(store, 20, seed=0)
-    with store.snapshot(), ThreadPoolExecutor(1) as pool:
-        pinned = store.dataset(S.GRADIENTS)
+    with store.core.snapshot(), ThreadPoolExecutor(1) as pool:
+        pinned = store.core.dataset(S.GRADIENTS)
         _write(_open(tmp_path / "s", tmp_path / "cache"), 5, seed=1)
-        seen = pool.submit(contextvars.copy_context().run, store.dataset, S.GRADIENTS).result()
-        outside = pool.submit(store.dataset, S.GRADIENTS).result()  # a thread outside the block's context
+        seen = pool.submit(contextvars.copy_context().run, store.core.dataset, S.GRADIENTS).result()
+        outside = pool.submit(store.core.dataset, S.GRADIENTS).result()  # a thread outside the block's context
     assert seen is pinned
     assert outside.version > pinned.version
 
@@ -198,7 +198,7 @@ def test_scan_files_beyond_the_file_budget_go_least_recently_used_first(tmp_path
     store.scan_files.budget_files = 3
     wheres = [f"run_id = 'r' AND dim > {bound}" for bound in range(5)]  # five distinct scans of the runs table
     for age, where in enumerate(wheres):
-        assert store.scan(S.RUNS, ["run_id"], where).column(0).to_pylist() == ["r"]
+        assert store.core.scan(S.RUNS, ["run_id"], where).column(0).to_pylist() == ["r"]
         os.utime(_scan_path(store, where), (1000 + age, 1000 + age))  # used in this order, whatever the clock says
     assert store.scan_files.usage()[0] == 3
     again = _open(tmp_path / "s", cache)  # a new process: only the three latest scans come from files
@@ -210,8 +210,16 @@ def test_scan_files_beyond_the_file_budget_go_least_recently_used_first(tmp_path
 def _scan_path(store: gradstore.GradStore, where: str):
     from gradstore.core.cachefiles import cache_file_name, dataset_content
 
-    identity = {"store": store.location, "table": S.RUNS, "columns": ["run_id"], "where": where, "row_address": False}
-    return store.scan_files.directory / f"{cache_file_name(identity, dataset_content(store.dataset(S.RUNS)))}{SUFFIX}"
+    identity = {
+        "store": store.core.location,
+        "table": S.RUNS,
+        "columns": ["run_id"],
+        "where": where,
+        "row_address": False,
+    }
+    return (
+        store.scan_files.directory / f"{cache_file_name(identity, dataset_content(store.core.dataset(S.RUNS)))}{SUFFIX}"
+    )
 
 
 def _runs_schema() -> pa.Schema:

@@ -37,7 +37,7 @@ def test_join_and_aggregate_equal_pandas(filled):
         from gradients g join examples e using (example_id)
         group by 1, 2 order by 1, 2""").df()
     grads = filled.read_gradients(columns=("example_id", "split", "loss", "step")).metadata.to_pandas()
-    examples = filled.table("examples").to_pandas()
+    examples = filled.core.table("examples").to_pandas()
     expected = (
         grads.merge(examples, on="example_id")
         .groupby(["source", "split"], as_index=False)
@@ -103,7 +103,7 @@ def test_filters_on_large_string_example_columns(store):
         }
     )
     store.add_examples(examples)
-    assert pa.types.is_large_string(store.table("examples").schema.field("source").type)
+    assert pa.types.is_large_string(store.core.table("examples").schema.field("source").type)
     got = store.sql("select example_id from examples where source = 'x' and n > 1 order by 1").fetchall()
     assert got == [("c",)]
     joined = store.sql(

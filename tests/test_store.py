@@ -211,7 +211,7 @@ def test_run_with_same_projection_can_be_reopened(store):
     assert store.create_run("r", dim=4, projection={"seed": 1}, exist_ok=True)["run_id"] == "r"
     with pytest.raises(gradstore.SchemaMismatchError, match="projection"):
         store.create_run("r", dim=4, projection={"seed": 2}, exist_ok=True)
-    assert store.run_projection("r") == {"seed": 1}
+    assert store.core.run_projection("r") == {"seed": 1}
 
 
 def test_checkpoints_are_upserted(store):

@@ -165,7 +165,7 @@ def test_a_run_name_with_dots_keeps_its_curvature_inside_the_store(tmp_path):
         cap.set_ids([f"e{i}" for i in range(5)])
         nn.functional.cross_entropy(model(torch.randn(5, 3)), torch.randint(0, 2, (5,))).backward()
     assert _files_outside(tmp_path, root) == outside
-    assert set(store.load_curvature(run, "train")) == {"0", "2"}
+    assert set(store.core.load_curvature(run, "train")) == {"0", "2"}
     assert store.count("gradients", f"run_id = {gradstore.core.sql_literal(run)}") == 5
     assert not any(".." in part for p in root.rglob("*") for part in p.relative_to(root).parts)
     assert os.listdir(tmp_path) == ["stores"]

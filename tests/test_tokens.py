@@ -67,7 +67,7 @@ def _examples(train):
 def _brute_force_token_rows(store, model, sequence: list[int]) -> torch.Tensor:
     """``[T, dim]``: token t's projected share of the example's row, from torch.func gradients with respect to
     zero per-position weight offsets (position t's offset only acts on position t)."""
-    slots = store.run_spec(RUN).layers
+    slots = store.core.run_spec(RUN).layers
     modules = {slot.name: model.get_submodule(slot.name) for slot in slots}
     batch = _batch([sequence])
     length = LENGTH

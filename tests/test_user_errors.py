@@ -64,7 +64,7 @@ def filled(tmp_path_factory) -> gradstore.GradStore:
 
 
 def _versions(store: gradstore.GradStore) -> dict[str, int]:
-    return {name: store.dataset(name).version for name in store.table_names()}
+    return {name: store.core.dataset(name).version for name in store.core.table_names()}
 
 
 def _check(store: gradstore.GradStore, call) -> None:
@@ -309,7 +309,7 @@ cli_options = st.sampled_from(
 def test_cli_prints_one_line_never_a_traceback(filled, tmp_path_factory, command, options, where):
     root = tmp_path_factory.mktemp("cli")
     (root / "a-file").write_text("not a store")
-    location = filled.location if where == "store" else str(root / where)
+    location = filled.core.location if where == "store" else str(root / where)
     arguments = [command, location, *[part for pair in options for part in pair]]
     if command in ("attribute", "self-influence"):
         arguments.append("--no-write")
@@ -386,7 +386,7 @@ def test_query_rows_at_several_checkpoints_need_query_checkpoint(tmp_path: Path)
 
 def test_the_cli_reports_a_refused_argument_in_one_line(filled):
     result = CliRunner().invoke(
-        app, ["attribute", filled.location, "--run", RUN, "--method", "grad-dot", "--damping", "0.5", "--no-write"]
+        app, ["attribute", filled.core.location, "--run", RUN, "--method", "grad-dot", "--damping", "0.5", "--no-write"]
     )
     assert result.exit_code == 1
     assert result.output.strip().startswith("error: attribute(method='grad-dot') does not use damping=")

@@ -48,7 +48,7 @@ def test_compaction_keeps_fragments_bounded(store):
         for i in range(100):
             writer.append(np.full((10, 8), i, np.float32), [f"{i}-{j}" for j in range(10)])
     assert writer.compactions >= 1
-    assert len(store.table("gradients").to_lance().get_fragments()) <= 6
+    assert len(store.core.table("gradients").to_lance().get_fragments()) <= 6
     assert store.count() == 1000
     assert len(set(store.read_gradients().grad_ids.tolist())) == 1000
     assert store.compact()["gradients"] == 1
@@ -61,10 +61,10 @@ def test_gradients_are_cut_into_files_of_bounded_size(store, monkeypatch, path):
     buffer of its size); metadata tables keep Lance's default."""
     store.create_run("r", dim=256)  # float16: 512 bytes a row
     monkeypatch.setattr(commits, "FILE_VECTOR_BYTES", 512 * 300)
-    assert commits.file_rows(store.table("gradients").schema) == 300
+    assert commits.file_rows(store.core.table("gradients").schema) == 300
     rows = np.random.default_rng(0).standard_normal((1000, 256)).astype(np.float32)
     config = WriterConfig(commit_rows=1000, max_fragments=0)
-    stager = FragmentStager(store.gradient_table("r"))
+    stager = FragmentStager(store.core.gradient_table("r"))
     if path == "commit":
         target = store.writer("r", config)
     else:
@@ -77,10 +77,10 @@ def test_gradients_are_cut_into_files_of_bounded_size(store, monkeypatch, path):
         assert [fragment.physical_rows for fragment in staged] == [300, 300, 300, 100]
         dataset = stager.to_lance()
         lance.LanceDataset.commit(dataset, lance.LanceOperation.Append(staged), read_version=dataset.version)
-        store.table("gradients").checkout_latest()
-    sizes = [fragment.count_rows() for fragment in store.table("gradients").to_lance().get_fragments()]
+        store.core.table("gradients").checkout_latest()
+    sizes = [fragment.count_rows() for fragment in store.core.table("gradients").to_lance().get_fragments()]
     assert sizes == [300, 300, 300, 100]
-    assert len(store.table("runs").to_lance().get_fragments()) == 1
+    assert len(store.core.table("runs").to_lance().get_fragments()) == 1
     block = store.read_gradients(columns=["example_id"])
     assert block.metadata.column("example_id").to_pylist() == [f"e{i}" for i in range(1000)]
     np.testing.assert_allclose(block.vectors, rows, rtol=1e-3, atol=1e-3)
@@ -91,17 +91,17 @@ def test_compaction_writes_fragments_of_bounded_size(store, monkeypatch):
     shards are groups of whole fragments: a huge one would be one task's work alone)."""
     store.create_run("r", dim=256)  # float16: 512 bytes a row
     monkeypatch.setattr(commits, "FILE_VECTOR_BYTES", 512 * 4096)
-    assert commits.file_rows(store.table("gradients").schema) == 4096
-    assert commits.file_rows(store.table("runs").schema) is None  # metadata tables: Lance's default
+    assert commits.file_rows(store.core.table("gradients").schema) == 4096
+    assert commits.file_rows(store.core.table("runs").schema) is None  # metadata tables: Lance's default
     rng = np.random.default_rng(0)
     rows = rng.standard_normal((20_000, 256)).astype(np.float32)
     with store.writer("r", WriterConfig(commit_rows=1000, max_fragments=0)) as writer:
         for start in range(0, len(rows), 1000):
             writer.append(rows[start : start + 1000], [f"e{i}" for i in range(start, start + 1000)])
-    dataset = store.table("gradients").to_lance()
+    dataset = store.core.table("gradients").to_lance()
     assert len(dataset.get_fragments()) == 20 and commits.small_fragments(dataset) == 20
     store.compact()
-    dataset = store.table("gradients").to_lance()
+    dataset = store.core.table("gradients").to_lance()
     sizes = [fragment.count_rows() for fragment in dataset.get_fragments()]
     assert sum(sizes) == 20_000 and max(sizes) < 2 * 4096 and len(sizes) >= 3  # about the target, not all rows
     assert commits.small_fragments(dataset) <= 1  # only the remainder is under half the target

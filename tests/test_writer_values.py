@@ -79,4 +79,4 @@ def test_capture_refuses_a_non_string_checkpoint_or_split_and_keeps_its_rows(sto
         cap.set_ids(["c"])
         model(torch.randn(1, 3)).sum().backward()
     assert sorted(store.read_gradients("r").metadata.column("example_id").to_pylist()) == ["a", "b", "c"]
-    assert store.default_checkpoint("r") == "train"
+    assert store.core.default_checkpoint("r") == "train"

@@ -4,7 +4,7 @@ Imports nothing of ``gradstore`` above this package (but :mod:`gradstore.errors`
 (fitting and scoring, capture, the ``GradStore`` facade, CLI and integrations) build on it.
 """
 
-from gradstore.core.database import GradientBlock, StoreCore, connect, one_snapshot
+from gradstore.core.database import GradientBlock, StoreCore, as_core, connect, one_snapshot
 from gradstore.core.filters import check_filter, gradient_filter, sql_in, sql_literal
 from gradstore.core.sidefiles import SideFiles
 from gradstore.core.writer import GradientWriter, WriterConfig
@@ -15,6 +15,7 @@ __all__ = [
     "SideFiles",
     "StoreCore",
     "WriterConfig",
+    "as_core",
     "check_filter",
     "connect",
     "gradient_filter",

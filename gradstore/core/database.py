@@ -132,6 +132,11 @@ class GradientBlock:
         return torch.from_numpy(self.vectors).to(device) if device else torch.from_numpy(self.vectors)
 
 
+def as_core(store: Any) -> StoreCore:
+    """The :class:`StoreCore` of ``store``: a facade's ``core``, or ``store`` itself."""
+    return getattr(store, "core", store)
+
+
 def check_run_name(run_id: str) -> str:
     """A run id must be a non-empty string (it is never used as a path: side files hash it)."""
     if not isinstance(run_id, str) or not run_id.strip():

@@ -240,7 +240,7 @@ def run_demo(
     log(f"held-out phrasings answered correctly: {answer_accuracy(model, tokenizer, corpus):.2f}")
     counts = store.sql("select checkpoint, split, count(*) as n from gradients group by 1, 2 order by 1, 2").df()
     log(
-        f"store: {store.count()} gradient rows of {store.run_dim(RUN)} dims ({store.storage_dtype})\n"
+        f"store: {store.count()} gradient rows of {store.core.run_dim(RUN)} dims ({store.storage_dtype})\n"
         + counts.to_string(index=False)
     )
 
@@ -321,7 +321,7 @@ def run_demo(
     return {
         "recall": recalls,
         "rows": store.count(),
-        "dim": store.run_dim(RUN),
+        "dim": store.core.run_dim(RUN),
         "store": str(store_dir),
         "best_method": best,
         "report": str(report),
