@@ -27,15 +27,7 @@ from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError, MissingIdsError
 from gradstore.fitting import FitCache, Selection
 from gradstore.index import AttributionIndex, build_index, valid_entries
-from gradstore.methods import (
-    DEFAULT_METHOD,
-    BlockStructure,
-    Method,
-    check_arguments,
-    check_k,
-    given_arguments,
-    resolve_method,
-)
+from gradstore.methods import Method, ScoreOptions, check_k, resolve_method
 from gradstore.queries import Queries, QueryInput, resolve_queries
 from gradstore.scoring import ScoringSpace
 from gradstore.shards import Shard, example_shards
@@ -50,44 +42,20 @@ EXAMPLES_PER_TASK = 65536
 def attribute(
     store: StoreCore,
     fits: FitCache,
-    queries: QueryInput = None,
+    queries: QueryInput,
+    options: ScoreOptions,
     *,
     run: str,
     k: int = 10,
-    method: str = DEFAULT_METHOD,
-    checkpoint: str | None = None,
-    checkpoints: Sequence[str] | None = None,
-    damping: float | None = None,
-    blocks: BlockStructure = "auto",
-    kind: str = "exact",
     opponents: bool = False,
-    split: str = "train",
-    where: str | None = None,
     write: bool = True,
     engine: EngineName | Engine = "local",
-    rerank: int = 0,
-    query_checkpoint: str | None = None,
-    device: str | torch.device | None = None,
 ) -> pa.Table:
     """Top-k training rows for each query; see :meth:`gradstore.GradStore.attribute`."""
     check_k(k)
     if write:
         store.require_writable("attribute with write=True")
-    resolved = resolve_method(method, "attribute")
-    check_arguments(
-        "attribute",
-        resolved,
-        given_arguments(
-            damping=damping,
-            blocks=blocks,
-            checkpoint=checkpoint,
-            checkpoints=checkpoints,
-            kind=kind,
-            rerank=rerank,
-            query_checkpoint=query_checkpoint,
-            device=device,
-        ),
-    )
+    resolved = options.check("attribute")
     engine = resolve_engine(engine)
     if resolved.over_checkpoints:
         return tracin(
@@ -95,30 +63,30 @@ def attribute(
             queries,
             run=run,
             k=k,
-            checkpoints=checkpoints,
+            checkpoints=options.checkpoints,
             opponents=opponents,
-            split=split,
-            where=where,
+            split=options.split,
+            where=options.where,
             write=write,
             engine=engine,
         )
-    checkpoint = checkpoint or store.default_checkpoint(run)
-    selection = Selection(run, checkpoint, split, where)
+    checkpoint = options.checkpoint or store.default_checkpoint(run)
+    selection = Selection(run, checkpoint, options.split, options.where)
     require_rows(store, selection)
-    resolved_queries = resolve_queries(store, queries, run, checkpoint, query_checkpoint)  # another dim fails fast
+    resolved_queries = resolve_queries(store, queries, run, checkpoint, options.query_checkpoint)  # dims: fail fast
     index = build_index(
         store,
         fits,
         selection,
         resolved.name,
-        damping=damping,
-        kind=kind,
-        blocks=blocks,
+        damping=options.damping,
+        kind=options.kind,
+        blocks=options.blocks,
         engine=engine,
-        device=device,
+        device=options.device,
     )
     sides = (True, False) if opponents else (True,)
-    found = index.search_sides(resolved_queries.vectors, k, sides, engine, rerank)
+    found = index.search_sides(resolved_queries.vectors, k, sides, engine, options.rerank)
     table = pa.concat_tables([_result_table(index, resolved_queries.ids, *found[side], side) for side in sides])
     if write:
         store.append_results(S.SCORES, table)
@@ -166,31 +134,15 @@ class ScoreMatrix:
 
 @one_snapshot
 def score_matrix(
-    store: StoreCore,
-    fits: FitCache,
-    queries: QueryInput = None,
-    *,
-    run: str,
-    method: str = "fisher",
-    checkpoint: str | None = None,
-    damping: float | None = None,
-    blocks: BlockStructure = "auto",
-    split: str = "train",
-    where: str | None = None,
-    query_checkpoint: str | None = None,
+    store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, *, run: str
 ) -> ScoreMatrix:
     """Queries x training rows scores (for small problems: it is dense); nothing is written to ``scores``."""
-    resolved = resolve_method(method, "score_matrix")
-    check_arguments(
-        "score_matrix",
-        resolved,
-        given_arguments(damping=damping, blocks=blocks, query_checkpoint=query_checkpoint),
-    )
-    checkpoint = checkpoint or store.default_checkpoint(run)
-    selection = Selection(run, checkpoint, split, where)
+    resolved = options.check("score_matrix")
+    checkpoint = options.checkpoint or store.default_checkpoint(run)
+    selection = Selection(run, checkpoint, options.split, options.where)
     require_rows(store, selection)
-    resolved_queries = resolve_queries(store, queries, run, checkpoint, query_checkpoint)
-    space = fits.space(selection, resolved, blocks, damping)
+    resolved_queries = resolve_queries(store, queries, run, checkpoint, options.query_checkpoint)
+    space = fits.space(selection, resolved, options.blocks, options.damping)
     prepared = space.queries(resolved_queries.vectors)
     parts, example_ids, grad_ids = [], [], []
     for block in _selected(store, selection):
@@ -357,27 +309,21 @@ def _example_table(
 def self_influence(
     store: StoreCore,
     fits: FitCache,
+    options: ScoreOptions,
     *,
     run: str,
-    method: str = DEFAULT_METHOD,
-    checkpoint: str | None = None,
-    damping: float | None = None,
-    blocks: BlockStructure = "auto",
-    split: str = "train",
-    where: str | None = None,
     write: bool = True,
     engine: EngineName | Engine = "local",
 ) -> pa.Table:
     """``g^T P^-1 g`` for every selected training row; see :meth:`gradstore.GradStore.self_influence`."""
     if write:
         store.require_writable("self_influence with write=True")
-    resolved = resolve_method(method, "self_influence")  # cosine-like methods: 1 for every row, not informative
-    check_arguments("self_influence", resolved, given_arguments(damping=damping, blocks=blocks))
+    resolved = options.check("self_influence")  # cosine-like methods: 1 for every row, not informative
     engine = resolve_engine(engine)
-    checkpoint = checkpoint or store.default_checkpoint(run)
-    selection = Selection(run, checkpoint, split, where)
+    checkpoint = options.checkpoint or store.default_checkpoint(run)
+    selection = Selection(run, checkpoint, options.split, options.where)
     require_rows(store, selection)
-    space = fits.space(selection, resolved, blocks, damping, engine)
+    space = fits.space(selection, resolved, options.blocks, options.damping, engine)
     values = scans.self_influence(engine, selection.shards(store, engine.parallelism, ("example_id",)), space)
     n = values.num_rows
     table = pa.table(

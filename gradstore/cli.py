@@ -16,7 +16,7 @@ import typer
 from gradstore.engine import resolve_engine
 from gradstore.errors import GradstoreError, InvalidArgumentError
 from gradstore.index import index_summary
-from gradstore.methods import DEFAULT_METHOD, method_names, resolve_method
+from gradstore.methods import DEFAULT_METHOD, OPTION_HELP, method_names, resolve_method
 
 app = typer.Typer(
     help="gradstore: a gradient-store database for training data attribution.",
@@ -42,7 +42,10 @@ class EngineChoice(str, Enum):
     ray = "ray"
 
 
-MethodOption = Annotated[Method, typer.Option(help="Attribution method (fisher: projected Fisher influence).")]
+MethodOption = Annotated[Method, typer.Option(help=OPTION_HELP["method"])]
+CheckpointOption = Annotated[str | None, typer.Option(help=OPTION_HELP["checkpoint"])]
+DampingOption = Annotated[float | None, typer.Option(help=OPTION_HELP["damping"])]
+KindOption = Annotated[str, typer.Option(help=OPTION_HELP["kind"])]
 EngineOption = Annotated[
     EngineChoice, typer.Option("--engine", help="Where fitting and scans run: this process, or a Ray cluster.")
 ]
@@ -52,10 +55,8 @@ RayAddressOption = Annotated[
         "--ray-address", help="Ray cluster address (with --engine ray; default: RAY_ADDRESS, else a local cluster)."
     ),
 ]
-DeviceOption = Annotated[
-    str | None, typer.Option(help="Where the search runs: cpu, cuda, cuda:N (default: CUDA when present).")
-]
-BlocksOption = Annotated[Blocks, typer.Option(help="Fisher blocks: one per layer, one full block, or auto.")]
+DeviceOption = Annotated[str | None, typer.Option(help=OPTION_HELP["device"])]
+BlocksOption = Annotated[Blocks, typer.Option(help=OPTION_HELP["blocks"])]
 
 
 class OutputFormat(str, Enum):
@@ -192,10 +193,10 @@ def _csv_list(value: str | None) -> list[str] | None:
 def build_index_command(
     store: StoreArg,
     run: Annotated[str, typer.Option(help="Run whose training rows are indexed.")],
-    checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
+    checkpoint: CheckpointOption = None,
     method: MethodOption = Method[DEFAULT_METHOD],
-    damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
-    kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
+    damping: DampingOption = None,
+    kind: KindOption = "exact",
     blocks: BlocksOption = Blocks.auto,
     refit: Annotated[bool, typer.Option(help="Fit again instead of reusing the store's fit.")] = False,
     engine: EngineOption = EngineChoice.local,
@@ -233,21 +234,17 @@ def attribute(
     where: Annotated[str | None, typer.Option(help="SQL filter selecting query rows instead.")] = None,
     k: Annotated[int, typer.Option("-k", "--k", help="Results per query.")] = 10,
     method: MethodOption = Method[DEFAULT_METHOD],
-    checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
-    damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
-    kind: Annotated[str, typer.Option(help="exact, auto, or a FAISS factory string.")] = "exact",
+    checkpoint: CheckpointOption = None,
+    damping: DampingOption = None,
+    kind: KindOption = "exact",
     blocks: BlocksOption = Blocks.auto,
     opponents: Annotated[bool, typer.Option(help="Also list the k strongest opponents.")] = False,
     out: Annotated[Path | None, typer.Option(help="Also write the results to this parquet file.")] = None,
     engine: EngineOption = EngineChoice.local,
     ray_address: RayAddressOption = None,
-    rerank: Annotated[
-        int, typer.Option(help="FAISS kinds: re-score the index's rerank x k candidates exactly (0: off).")
-    ] = 0,
-    query_checkpoint: Annotated[
-        str | None, typer.Option(help="Checkpoint of the stored query rows (default: see docs/api.md).")
-    ] = None,
-    checkpoints: Annotated[str | None, typer.Option(help="tracin: comma-separated checkpoints summed over.")] = None,
+    rerank: Annotated[int, typer.Option(help=OPTION_HELP["rerank"])] = 0,
+    query_checkpoint: Annotated[str | None, typer.Option(help=OPTION_HELP["query_checkpoint"])] = None,
+    checkpoints: Annotated[str | None, typer.Option(help=f"{OPTION_HELP['checkpoints']}, comma-separated")] = None,
     write: Annotated[bool, typer.Option(help="Append the results to the store's scores table.")] = True,
     device: DeviceOption = None,
 ) -> None:
@@ -319,9 +316,9 @@ def self_influence_command(
     store: StoreArg,
     run: Annotated[str, typer.Option(help="Run whose training rows are scored.")],
     method: MethodOption = Method[DEFAULT_METHOD],
-    checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
+    checkpoint: CheckpointOption = None,
     top: Annotated[int, typer.Option(help="Rows shown.")] = 20,
-    damping: Annotated[float | None, typer.Option(help="Relative damping (default 0.1).")] = None,
+    damping: DampingOption = None,
     blocks: BlocksOption = Blocks.auto,
     write: Annotated[bool, typer.Option(help="Append the values to the store's self_influence table.")] = True,
     engine: EngineOption = EngineChoice.local,
@@ -376,10 +373,8 @@ def evaluate_lds(
         str | None, typer.Option(help="Comma-separated query example ids (default: every query row of the run).")
     ] = None,
     methods: Annotated[str, typer.Option(help="Comma-separated methods to score.")] = "grad-dot,fisher",
-    damping: Annotated[
-        float | None, typer.Option(help="Relative damping of the damped methods (diagonal, fisher, kfac, ...).")
-    ] = None,
-    checkpoint: Annotated[str | None, typer.Option(help="Checkpoint (default: the run's latest).")] = None,
+    damping: DampingOption = None,
+    checkpoint: CheckpointOption = None,
     subsets: Annotated[int, typer.Option(help="Random training subsets retrained.")] = 100,
     fraction: Annotated[float, typer.Option(help="Share of the training set in each subset.")] = 0.5,
     seeds: Annotated[str, typer.Option(help="Comma-separated training seeds (2+ give a noise ceiling).")] = "0",

@@ -9,7 +9,6 @@ checkpoint's learning rate. The top ``budget`` examples (a fraction of the examp
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -24,7 +23,7 @@ from gradstore.core import StoreCore, one_snapshot
 from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError
 from gradstore.fitting import FitCache, Selection
-from gradstore.methods import BlockStructure, check_arguments, given_arguments, resolve_method
+from gradstore.methods import ScoreOptions
 from gradstore.queries import QueryInput, resolve_queries
 from gradstore.scans import example_totals, unit_rows
 
@@ -36,28 +35,24 @@ AGGREGATES = get_args(Aggregate)
 def select(
     store: StoreCore,
     fits: FitCache,
-    target: QueryInput = None,
+    target: QueryInput,
+    options: ScoreOptions,
     *,
     run: str,
     budget: float = 0.05,
-    preconditioner: str = "grad-dot",
     aggregate: Aggregate = "max",
-    checkpoints: Sequence[str] | None = None,
-    damping: float | None = None,
-    blocks: BlockStructure = "auto",
-    split: str = "train",
-    where: str | None = None,
     engine: EngineName | Engine = "local",
 ) -> pa.Table:
     """Select training examples for ``target`` queries; see :meth:`gradstore.GradStore.select`.
 
     Runs on ``engine`` over shards of disjoint ``example_id`` ranges (an example's rows at every checkpoint
-    are summed by one task); the result holds one score per example until the budget is cut."""
+    are summed by one task); the result holds one score per example until the budget is cut. ``options.method``
+    is the space of the cosines (the facade's ``preconditioner``)."""
     if aggregate not in AGGREGATES:
         raise InvalidArgumentError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
     budget_count(budget, 1)  # a bad budget fails before any work
-    method = resolve_method(preconditioner, "select")  # cosines in a preconditioned space: not cosine or tracin
-    check_arguments("select", method, given_arguments(damping=damping, blocks=blocks, checkpoints=checkpoints))
+    method = options.check("select")  # cosines in a preconditioned space: not cosine or tracin
+    checkpoints, split, where = options.checkpoints, options.split, options.where
     check_where(store, run, where)
     try:
         rates = learning_rates(store, run, checkpoints)
@@ -69,7 +64,7 @@ def select(
     jobs = []
     for checkpoint, rate in rates.items():
         selection = Selection(run, checkpoint, split, where)
-        space = fits.space(selection, method, blocks, damping, engine)
+        space = fits.space(selection, method, options.blocks, options.damping, engine)
         resolved = resolve_queries(store, target, run, checkpoint)
         jobs.append((selection.filter, rate, space, unit_rows(space.whitened(torch.from_numpy(resolved.vectors)))))
     shards = per_example_shards(store, engine, [Selection(run, c, split, where) for c in rates])

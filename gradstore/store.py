@@ -30,16 +30,7 @@ from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError, surface
 from gradstore.fitting import FitCache, Selection
 from gradstore.index import AttributionIndex, build_index, load_index
-from gradstore.methods import (
-    DEFAULT_METHOD,
-    BlockStructure,
-    MethodName,
-    check_arguments,
-    check_count,
-    check_k,
-    given_arguments,
-    resolve_method,
-)
+from gradstore.methods import DEFAULT_METHOD, BlockStructure, MethodName, ScoreOptions, check_count, check_k
 from gradstore.queries import QueryBatch, QueryInput
 from gradstore.report import ReportOptions, write_report
 from gradstore.selection import Aggregate, select
@@ -236,8 +227,7 @@ class GradStore:
         ``engine``: where the fit runs (``"local"``, ``"ray"`` or a :class:`~gradstore.engine.RayEngine`);
         ``device``: where the index searches (exact: a torch device, default CUDA when torch sees one, else the
         CPU; FAISS: ``"cuda"`` moves a GPU-capable index to the GPUs)."""
-        resolved = resolve_method(method, "build_index")
-        check_arguments("build_index", resolved, given_arguments(damping=damping, blocks=blocks, device=device))
+        ScoreOptions.pick(locals()).check("build_index")
         selection = Selection(run, checkpoint or self.core.default_checkpoint(run), split, where)
         require_rows(self.core, selection)
         return build_index(
@@ -304,22 +294,12 @@ class GradStore:
             self.core,
             self.fits,
             queries,
+            ScoreOptions.pick(locals()),
             run=run,
             k=k,
-            method=method,
-            checkpoint=checkpoint,
-            query_checkpoint=query_checkpoint,
-            checkpoints=checkpoints,
-            damping=damping,
-            blocks=blocks,
-            kind=kind,
             opponents=opponents,
-            split=split,
-            where=where,
             write=write,
             engine=engine,
-            rerank=rerank,
-            device=device,
         )
 
     @surface
@@ -338,19 +318,7 @@ class GradStore:
     ) -> ScoreMatrix:
         """Dense queries x training rows scores with their ids (``.scores`` numpy, ``.torch()``), for small
         problems; nothing is written to ``scores``. Arguments as for :meth:`attribute`."""
-        return score_matrix(
-            self.core,
-            self.fits,
-            queries,
-            run=run,
-            method=method,
-            checkpoint=checkpoint,
-            query_checkpoint=query_checkpoint,
-            damping=damping,
-            blocks=blocks,
-            split=split,
-            where=where,
-        )
+        return score_matrix(self.core, self.fits, queries, ScoreOptions.pick(locals()), run=run)
 
     @surface
     def self_influence(
@@ -370,19 +338,7 @@ class GradStore:
 
         Returns ``(example_id, grad_id, run_id, checkpoint, method, self_influence)``, largest first, also
         appended to the ``self_influence`` table unless ``write=False``. ``engine`` as for :meth:`attribute`."""
-        return self_influence(
-            self.core,
-            self.fits,
-            run=run,
-            method=method,
-            checkpoint=checkpoint,
-            damping=damping,
-            blocks=blocks,
-            split=split,
-            where=where,
-            write=write,
-            engine=engine,
-        )
+        return self_influence(self.core, self.fits, ScoreOptions.pick(locals()), run=run, write=write, engine=engine)
 
     @surface
     def select(
@@ -406,21 +362,8 @@ class GradStore:
         learning rates (else its latest checkpoint), ``agg`` the ``max`` (LESS) or ``mean`` over the target
         rows, ``P`` the ``preconditioner`` method's fit. ``budget``: a fraction in (0, 1] or a count.
         ``engine`` as for :meth:`attribute`. Returns ``(example_id, score, rank)``, best first."""
-        return select(
-            self.core,
-            self.fits,
-            target,
-            run=run,
-            budget=budget,
-            preconditioner=preconditioner,
-            aggregate=aggregate,
-            checkpoints=checkpoints,
-            damping=damping,
-            blocks=blocks,
-            split=split,
-            where=where,
-            engine=engine,
-        )
+        options = ScoreOptions.pick({**locals(), "method": preconditioner})
+        return select(self.core, self.fits, target, options, run=run, budget=budget, aggregate=aggregate, engine=engine)
 
     @surface
     def token_scores(
@@ -459,17 +402,12 @@ class GradStore:
             self.fits,
             queries,
             examples,
+            ScoreOptions.pick(locals()),
             run=run,
             k=k,
-            method=method,
-            checkpoint=checkpoint,
-            damping=damping,
-            blocks=blocks,
             loss_fn=loss_fn,
             token_text=token_text,
             batch_size=batch_size,
-            split=split,
-            where=where,
             write=write,
         )
 

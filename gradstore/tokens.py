@@ -31,7 +31,7 @@ from gradstore.core.database import check_spec
 from gradstore.errors import InvalidArgumentError, MissingIdsError
 from gradstore.fitting import FitCache, Selection
 from gradstore.index import build_index
-from gradstore.methods import BlockStructure, check_arguments, check_k, given_arguments, resolve_method
+from gradstore.methods import ScoreOptions, check_k
 from gradstore.queries import QueryBatch
 from ingest import CaptureConfig
 from ingest.tokens import TokenGradientCapture, TokenRows
@@ -69,18 +69,13 @@ def token_scores(
     fits: FitCache,
     queries: QueryBatch,
     examples: ExampleBatches,
+    options: ScoreOptions,
     *,
     run: str,
     k: int = 10,
-    method: str = "grad-dot",
-    checkpoint: str | None = None,
-    damping: float | None = None,
-    blocks: BlockStructure = "auto",
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     token_text: TokenText | None = None,
     batch_size: int = 8,
-    split: str = "train",
-    where: str | None = None,
     write: bool = True,
 ) -> pa.Table:
     """Per-token scores of each query against its top-k training examples; see
@@ -88,16 +83,14 @@ def token_scores(
     check_k(k)
     if write:
         store.require_writable("token_scores with write=True")
-    resolved = resolve_method(method, "token_scores")  # methods linear in the training gradient only
-    check_arguments("token_scores", resolved, given_arguments(damping=damping, blocks=blocks, checkpoint=checkpoint))
+    resolved = options.check("token_scores")  # methods linear in the training gradient only
     if not isinstance(queries, QueryBatch):
         raise InvalidArgumentError(
             "token_scores takes the queries as a QueryBatch (model and batch): their tokens are needed"
         )
-    checkpoint = checkpoint or store.default_checkpoint(run)
-    index = build_index(
-        store, fits, Selection(run, checkpoint, split, where), resolved.name, damping=damping, blocks=blocks
-    )
+    checkpoint = options.checkpoint or store.default_checkpoint(run)
+    selection = Selection(run, checkpoint, options.split, options.where)
+    index = build_index(store, fits, selection, resolved.name, damping=options.damping, blocks=options.blocks)
     model = queries.model
     query_config = config_for_run(store, run, {"split": "query", "checkpoint": checkpoint, **queries.options})
     query_tokens = _token_rows(

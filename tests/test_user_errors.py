@@ -392,13 +392,14 @@ def test_the_cli_reports_a_refused_argument_in_one_line(filled):
     assert result.output.strip().startswith("error: attribute(method='grad-dot') does not use damping=")
 
 
-def test_the_docs_methods_table_is_the_registry():
-    from gradstore.methods import methods_table
+@pytest.mark.parametrize("name", ["methods", "options"])
+def test_the_docs_tables_are_the_registry(name):
+    from gradstore import methods
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
-    start = text.index("<!-- methods-table")
-    table = text[text.index("\n", start) + 1 : text.index("<!-- /methods-table -->")].strip()
-    assert table == methods_table()
+    start = text.index(f"<!-- {name}-table")
+    table = text[text.index("\n", start) + 1 : text.index(f"<!-- /{name}-table -->")].strip()
+    assert table == getattr(methods, f"{name}_table")()
 
 
 def test_the_cli_method_choices_are_the_registry():
