@@ -46,7 +46,7 @@ from gradstore.demo.corpus import build_corpus
 from gradstore.demo.run import RUN, DemoConfig, train_under_capture
 from gradstore.engine import LocalEngine
 from gradstore.index import INDEXES, AttributionIndex
-from gradstore.scans import top_k
+from gradstore.scan_tasks import top_k
 from indexers import FaissIndex, recall_at_k
 from indexers.faiss_index import DEFAULT_EF_SEARCH
 

@@ -22,6 +22,7 @@ import argparse
 import multiprocessing as mp
 import resource
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -35,7 +36,9 @@ import pyarrow as pa
 import gradstore
 from gradstore.core import schema as S
 from gradstore.core.vectors import encode
-from gradstore.local_s3 import moto_server, new_bucket
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' local S3 server (moto)
+from local_s3 import moto_server, new_bucket
 
 
 def _warm_up(root: Path, dim: int, dtype: str) -> None:

@@ -18,8 +18,8 @@ median of each arm and of each paired ratio is reported:
   example ids, result table; ``write=False``), against the in-memory search: target ``<= 1.2``;
 - ``store.attribute from disk, first call, row file``: the same with the row cache emptied first, as a new
   process finds it once an earlier one searched the rows: the rows prepared are memory-mapped from the row file
-  that search wrote (:mod:`gradstore.core.rowfiles`), the metadata it reads (run, checkpoints, the selection's ids
-  and example ids) from scan files (:mod:`gradstore.core.scanfiles`);
+  that search wrote (:mod:`gradstore.core.row_cache`), the metadata it reads (run, checkpoints, the selection's ids
+  and example ids) from scan files (:mod:`gradstore.core.row_cache`);
 - ``store.attribute from disk, first call, Lance read``: the first search ever (row cache emptied, no row or scan
   files: a store opened with ``row_files=False``): Lance read with read-ahead, bf16 preparation of float16 rows,
   search; in the first ``--cold-steps`` steps only.

@@ -45,7 +45,7 @@ from ann_recall import ivf_kind, real_gradients, two_stage
 
 import gradstore
 from gradstore.engine import Engine, LocalEngine, RayEngine
-from gradstore.scans import top_k
+from gradstore.scan_tasks import top_k
 from gradstore.shards import Shard, block_rows_for, fragment_shards
 from ingest import LayerSlot, ProjectionSpec
 
@@ -125,7 +125,7 @@ def paired(local_shards, ray_shards, ray_engine, space, prepared, rounds: int) -
 
 
 def _nothing(shard: None, payload: None) -> None:
-    import gradstore.scans  # noqa: F401
+    import gradstore.scan_tasks  # noqa: F401
 
 
 def row_prefix(store: gradstore.GradStore, fragments: tuple[int, ...], fraction: float) -> tuple[tuple[int, ...], int]:

@@ -1,7 +1,7 @@
 """Attribution: top-k proponents/opponents of queries, TracIn over checkpoints, dense score matrices and
 self-influence, all scored through :class:`~gradstore.scoring.ScoringSpace` with fits from the store's
 :class:`~gradstore.fitting.FitCache`. Top-k, TracIn and self-influence run as scans on an engine
-(:mod:`gradstore.scans`: in this process by default, or on Ray), never holding a queries x rows matrix.
+(:mod:`gradstore.scan_tasks`: in this process by default, or on Ray), never holding a queries x rows matrix.
 
 Every top-k result is a pyarrow Table and is also appended to the store's ``scores`` (or ``self_influence``)
 table, so it can be joined with ``examples`` in SQL. Proponents get ranks 1..k (most supportive first);
@@ -19,7 +19,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from gradstore import scans
+from gradstore import scan_tasks
 from gradstore.arguments import check_where, require_rows
 from gradstore.core import StoreCore, one_snapshot, sql_literal
 from gradstore.core import schema as S
@@ -252,7 +252,7 @@ def tracin(
         weighted.append((Selection(run, checkpoint, split, where).filter, prepared))
     sides = (True, False) if opponents else (True,)
     shards = per_example_shards(store, engine, [Selection(run, c, split, where) for c in rates])
-    found = scans.tracin_top_k(engine, shards, space, weighted, k, sides)
+    found = scan_tasks.tracin_top_k(engine, shards, space, weighted, k, sides)
     table = _example_table(
         found, query_ids, sides, method=resolve_method("tracin"), run=run, checkpoint=",".join(rates)
     )
@@ -271,7 +271,7 @@ def per_example_shards(store: StoreCore, engine: Engine, selections: Sequence[Se
 
 
 def _example_table(
-    found: scans.ExampleTopK,
+    found: scan_tasks.ExampleTopK,
     query_ids: list[str],
     sides: tuple[bool, ...],
     *,
@@ -324,7 +324,7 @@ def self_influence(
     selection = Selection(run, checkpoint, options.split, options.where)
     require_rows(store, selection)
     space = fits.space(selection, resolved, options.blocks, options.damping, engine)
-    values = scans.self_influence(engine, selection.shards(store, engine.parallelism, ("example_id",)), space)
+    values = scan_tasks.self_influence(engine, selection.shards(store, engine.parallelism, ("example_id",)), space)
     n = values.num_rows
     table = pa.table(
         {

@@ -423,10 +423,9 @@ def row_files(
     """List (or remove) the row files exact search leaves for later processes: prepared rows that a new process
     maps instead of reading them from its store, and beside them the scan files of small metadata reads (derived
     copies: removing them costs one read)."""
-    from gradstore.core.rowfiles import RowFiles, default_directory
-    from gradstore.core.scanfiles import SCANS_DIRECTORY, ScanFiles
+    from gradstore.core.row_cache import SCANS_DIRECTORY, RowFiles, ScanFiles, default_row_files_directory
 
-    files = RowFiles(directory or default_directory())
+    files = RowFiles(directory or default_row_files_directory())
     assert files.directory is not None
     scans = ScanFiles(files.directory / SCANS_DIRECTORY)
     if clear:

@@ -8,7 +8,7 @@ damping costs no pass over the data and no second copy of the fit. Loading an in
 not match the store (another projection, another dimension) raises ``IndexMismatchError``.
 
 Kinds: ``"exact"`` (blocked matmul + running top-k over the stored rows, which the first search reads once
-into the store's in-memory :class:`~gradstore.core.rowcache.RowCache` when they fit its budget), or any FAISS
+into the store's in-memory :class:`~gradstore.core.row_cache.RowCache` when they fit its budget), or any FAISS
 factory string (``"Flat"``, ``"HNSW32,Flat"``, ``"IVF1024,Flat"``, ...); ``"auto"`` picks by
 :func:`indexers.choose_index_kind` and reports the recall of an ANN index against exact search. A FAISS index
 holds the rows in the balanced space (:meth:`~gradstore.scoring.ScoringSpace.balanced`: ``P^-1/2`` on rows and
@@ -43,7 +43,7 @@ import pyarrow as pa
 import torch
 
 from gradstore.core import StoreCore
-from gradstore.core.cachefiles import cache_file_name, dataset_content
+from gradstore.core.row_cache import cache_file_name, dataset_content
 from gradstore.core.sidefiles import check_component
 from gradstore.core.stored_rows import stored_blocks
 from gradstore.engine import Engine, LocalEngine
@@ -58,7 +58,7 @@ from gradstore.fitting import FitCache, FitSpec, Selection, fit_spec
 from gradstore.methods import DEFAULT_DAMPING, BlockStructure, Method, resolve_method
 from gradstore.rerank import RowLocator
 from gradstore.rerank import rerank as exact_rerank
-from gradstore.scans import TopK, faiss_parts, top_k
+from gradstore.scan_tasks import TopK, faiss_parts, top_k
 from gradstore.scoring import ScoringSpace, as_float32
 from indexers import (
     MISSING_ID,
@@ -263,10 +263,10 @@ class AttributionIndex:
         return (self.space.rows(raw) if rows else self.space.queries(raw)).to(torch.float32).numpy()
 
     def _rows(self) -> VectorBlocks | PreparedRows:
-        """The rows to search: from the store's :class:`~gradstore.core.rowcache.RowCache` (rows prepared by an
+        """The rows to search: from the store's :class:`~gradstore.core.row_cache.RowCache` (rows prepared by an
         earlier search of the same rows at the same table version, by any index over them when the method
         searches the rows as stored), else from a row file an earlier process wrote (rows searched as stored,
-        on the CPU: :mod:`gradstore.core.rowfiles`), else read with read-ahead and prepared block by block as the
+        on the CPU: :mod:`gradstore.core.row_cache`), else read with read-ahead and prepared block by block as the
         search reaches them (the search of one block overlaps the read of the next) and kept there (and written
         to a row file) once all are prepared, or streamed when they exceed the cache's budget (``cache_bytes``
         of this index, when set, caps it)."""

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from gradstore.arguments import row_checkpoints
-from gradstore.capture import config_for_run
+from gradstore.capture_session import config_for_run
 from gradstore.core import StoreCore, sql_in
 from gradstore.core.database import check_spec
 from gradstore.core.filters import check_filter

@@ -25,7 +25,7 @@ from gradstore.errors import InvalidArgumentError
 from gradstore.fitting import FitCache, Selection
 from gradstore.methods import ScoreOptions
 from gradstore.queries import QueryInput, resolve_queries
-from gradstore.scans import example_totals, unit_rows
+from gradstore.scan_tasks import example_totals, unit_rows
 
 Aggregate = Literal["max", "mean"]
 AGGREGATES = get_args(Aggregate)

@@ -25,8 +25,8 @@ import pyarrow as pa
 
 from gradstore.core import GradientBlock, StoreCore, sql_literal
 from gradstore.core import schema as S
-from gradstore.core.scanning import vector_scanner
 from gradstore.core.stored_rows import stored_block, stored_columns
+from gradstore.core.vector_scanner import vector_scanner
 from indexers import VectorBlocks
 
 DEFAULT_BLOCK_ROWS = 65536

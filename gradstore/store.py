@@ -23,9 +23,9 @@ from torch import nn
 
 from gradstore.arguments import require_rows
 from gradstore.attribution import ScoreMatrix, attribute, score_matrix, self_influence
-from gradstore.capture import RUN_DEFAULT, StoreCapture, config_for_run
+from gradstore.capture_session import RUN_DEFAULT, StoreCapture, config_for_run
 from gradstore.core import StoreCore, WriterConfig, connect
-from gradstore.core.rowfiles import RowFiles
+from gradstore.core.row_cache import RowFiles
 from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError, surface
 from gradstore.fitting import FitCache, Selection
@@ -34,7 +34,7 @@ from gradstore.methods import DEFAULT_METHOD, BlockStructure, MethodName, ScoreO
 from gradstore.queries import QueryBatch, QueryInput
 from gradstore.report import ReportOptions, write_report
 from gradstore.selection import Aggregate, select
-from gradstore.tokens import ExampleBatches, TokenText, token_scores
+from gradstore.token_scores import ExampleBatches, TokenText, token_scores
 from ingest.projection import LayerSizes, ProjectionBasis
 
 Projection = Literal["factorized", "dense"] | None
@@ -459,8 +459,8 @@ def open_store(
     ``aws_region``, ``allow_http``, ...); when not given for an ``s3://`` store they are read from the
     standard AWS environment variables. Tables and side files use the same options.
     ``row_files``: where exact search keeps the rows it prepared for the next process
-    (:mod:`gradstore.core.rowfiles`; ``True``: the user's cache directory, a path: there, ``False``: nowhere, or a
-    :class:`~gradstore.core.rowfiles.RowFiles` with its own budget).
+    (:mod:`gradstore.core.row_cache`; ``True``: the user's cache directory, a path: there, ``False``: nowhere, or a
+    :class:`~gradstore.core.row_cache.RowFiles` with its own budget).
     """
     core = connect(
         uri,

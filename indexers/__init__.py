@@ -5,7 +5,6 @@ Works on numpy/torch arrays and re-iterable sources of ``(ids, vectors)`` blocks
 """
 
 from indexers.blocks import VectorBlocks, blocks_from_arrays
-from indexers.errors import IndexMismatchError, NotFittedError
 from indexers.exact import UNIT_BF16_NORM, ExactIndex, PreparedRows, RunningTopK, float32_products, resolve_device
 from indexers.faiss_index import (
     MISSING_ID,
@@ -19,7 +18,7 @@ from indexers.faiss_index import (
 )
 from indexers.manifest import check_manifest, manifest_diff
 from indexers.preconditioner import FitStatistics
-from indexers.preconditioners import (
+from indexers.preconditioner_registry import (
     CosinePreconditioner,
     DiagonalPreconditioner,
     FisherPreconditioner,
@@ -31,6 +30,7 @@ from indexers.preconditioners import (
 )
 from indexers.prefetch import prefetched, read_ahead
 from indexers.recall import choose_index_kind, measure_recall, recall_at_k
+from indexers.search_errors import IndexMismatchError, NotFittedError
 
 __all__ = [
     "CosinePreconditioner",

@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from indexers.blocks import Rows
-from indexers.errors import NotFittedError
 from indexers.preconditioner import (
     DeviceCache,
     FitStatistics,
@@ -21,6 +20,7 @@ from indexers.preconditioner import (
     load_state,
     save_state,
 )
+from indexers.search_errors import NotFittedError
 
 
 class DiagonalPreconditioner:

@@ -377,7 +377,7 @@ class FaissIndex:
     ) -> FaissIndex:
         """Read an index written by :meth:`save`, memory-mapped by default.
 
-        Raises :class:`~indexers.errors.IndexMismatchError` naming the differing keys when
+        Raises :class:`~indexers.search_errors.IndexMismatchError` naming the differing keys when
         ``expected_manifest`` differs from the saved manifest (before reading the index file)."""
         faiss = require_faiss()
         directory = Path(directory)

@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from indexers.blocks import Rows
-from indexers.errors import NotFittedError
 from indexers.preconditioner import (
     DeviceCache,
     FitStatistics,
@@ -24,6 +23,7 @@ from indexers.preconditioner import (
     load_state,
     save_state,
 )
+from indexers.search_errors import NotFittedError
 
 
 class FisherPreconditioner:

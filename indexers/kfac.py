@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from indexers.blocks import ArrayLike, Rows
-from indexers.errors import NotFittedError
 from indexers.preconditioner import (
     DeviceCache,
     FitStatistics,
@@ -34,6 +33,7 @@ from indexers.preconditioner import (
     load_state,
     save_state,
 )
+from indexers.search_errors import NotFittedError
 
 KroneckerLayout = Sequence[tuple[str, int, int, int]]
 """``(layer_name, offset, k_in, k_out)`` per layer; the layers must tile the vector."""

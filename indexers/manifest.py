@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from indexers.errors import IndexMismatchError
+from indexers.search_errors import IndexMismatchError
 
 
 def normalize_manifest(manifest: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Prepared rows as plain tensors and back: what a row file holds (:mod:`gradstore.core.rowfiles`).
+"""Prepared rows as plain tensors and back: what a row file holds (:mod:`gradstore.core.row_cache`).
 
 :class:`~indexers.exact.PreparedRows` are ``ScreenedBlock`` s (bfloat16 kernel) or ``(ids, rows, scales)``
 blocks (float32 kernel: the rows as stored, float16, bfloat16 or float32). :func:`rows_state` turns them into a

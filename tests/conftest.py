@@ -9,7 +9,7 @@ import tempfile
 import pytest
 
 os.environ.setdefault("LANCE_LOG", "error")
-# row files (gradstore.core.rowfiles) the tests write go to a directory of this session, not the user's cache
+# row files (gradstore.core.row_cache) the tests write go to a directory of this session, not the user's cache
 os.environ["GRADSTORE_CACHE_DIR"] = tempfile.mkdtemp(prefix="gradstore-test-cache-")
 
 
@@ -44,7 +44,7 @@ def store(store_path):
 def s3_endpoint():
     """A local S3-compatible server (moto in server mode, a subprocess on a free localhost port)."""
     pytest.importorskip("moto.server")
-    from gradstore.local_s3 import moto_server
+    from local_s3 import moto_server
 
     with moto_server() as endpoint:
         yield endpoint
@@ -56,7 +56,7 @@ def s3_bucket(s3_endpoint, request):
     import re
     import uuid
 
-    from gradstore.local_s3 import new_bucket
+    from local_s3 import new_bucket
 
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
     return name, new_bucket(s3_endpoint, name)

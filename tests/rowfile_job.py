@@ -11,7 +11,7 @@ import numpy as np
 
 import gradstore
 import gradstore.index
-from gradstore.core.rowfiles import RowFiles
+from gradstore.core.row_cache import RowFiles
 
 
 def refuse(*args, **kwargs):

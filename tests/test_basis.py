@@ -14,7 +14,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import gradstore
-from gradstore.basis import basis_from_run, basis_key, run_basis
+from gradstore.run_basis import basis_from_run, basis_key, run_basis
 from ingest.basis import basis_from_curvature, energy_split, estimate_basis, side_rows
 from ingest.capture import CaptureConfig, GradientCapture, ProjectionConfig
 from ingest.projection import ProjectionBasis, ProjectionMismatchError, ProjectionSpec, projection_matrix

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import gradstore
-from gradstore.basis import run_basis
 from gradstore.demo import DemoConfig, run_demo
 from gradstore.demo.bm25 import BM25
 from gradstore.demo.corpus import build_corpus
+from gradstore.run_basis import run_basis
 
 
 def test_corpus_is_deterministic_and_holds_out_one_phrasing_per_fact():

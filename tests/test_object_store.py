@@ -7,10 +7,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from local_s3 import s3_client
 from torch import nn
 
 import gradstore
-from gradstore.local_s3 import s3_client
 
 pytest.importorskip("boto3")
 
@@ -116,7 +116,7 @@ def test_a_new_process_maps_the_row_file_of_a_store_on_object_storage(s3_bucket,
     """Row files live on local disk whatever the store: a second handle (as a new process) searches the rows an
     earlier search of the S3 store prepared without reading them from the bucket, and finds the same."""
     import gradstore.index
-    from gradstore.core.rowfiles import RowFiles
+    from gradstore.core.row_cache import RowFiles
 
     bucket, options = s3_bucket
     uri = f"s3://{bucket}/store"

@@ -17,7 +17,7 @@ import torch
 
 import gradstore
 import gradstore.index
-from gradstore.core.rowfiles import SUFFIX, RowFiles
+from gradstore.core.row_cache import ROW_FILE_SUFFIX, RowFiles
 from indexers import ExactIndex
 from indexers.saved_rows import SavedRowsError, rows_from_state, rows_state
 from indexers.screening import ScreenedBlock
@@ -60,7 +60,7 @@ def _reference(store: gradstore.GradStore, run: str = "r") -> np.ndarray:
 
 
 def _files(cache) -> list:
-    return sorted(cache.glob(f"*{SUFFIX}")) if cache.exists() else []
+    return sorted(cache.glob(f"*{ROW_FILE_SUFFIX}")) if cache.exists() else []
 
 
 def _searched_once(tmp_path, cache, rows: int = 200) -> tuple[gradstore.GradStore, tuple, Path]:
@@ -303,7 +303,7 @@ def test_row_files_are_listed_and_cleared_from_the_command_line(tmp_path) -> Non
     store.row_files.wait()
     (path,) = _files(cache)
     (entry,) = store.row_files.entries()
-    assert entry["name"] + SUFFIX == path.name and entry["bytes"] == path.stat().st_size
+    assert entry["name"] + ROW_FILE_SUFFIX == path.name and entry["bytes"] == path.stat().st_size
     runner = CliRunner()
     listed = runner.invoke(app, ["row-files", "--directory", str(cache)])
     assert listed.exit_code == 0 and "1 row files" in listed.output and entry["name"] in listed.output
@@ -337,9 +337,9 @@ def test_processes_share_row_files(tmp_path) -> None:
 
 
 def test_a_file_that_cannot_be_written_costs_nothing_but_the_file(tmp_path, disk_full, caplog) -> None:
-    import gradstore.core.rowfiles as rowfiles
+    import gradstore.core.row_cache as row_cache
 
-    disk_full(rowfiles.torch, "save")
+    disk_full(row_cache.torch, "save")
     cache = tmp_path / "cache"
     store = _open(tmp_path / "s", cache)
     _write(store, 200, seed=0)

@@ -17,7 +17,7 @@ import pytest
 
 import gradstore
 from gradstore.core import schema as S
-from gradstore.core.scanfiles import SCANS_DIRECTORY, SUFFIX
+from gradstore.core.row_cache import SCAN_FILE_SUFFIX, SCANS_DIRECTORY
 from ingest.projection import LayerSlot, ProjectionSpec
 
 DIM = 12
@@ -58,7 +58,7 @@ def _reference(store: gradstore.GradStore) -> list[str]:
 
 def _scan_files(cache) -> list:
     directory = cache / SCANS_DIRECTORY
-    return sorted(directory.glob(f"*{SUFFIX}")) if directory.exists() else []
+    return sorted(directory.glob(f"*{SCAN_FILE_SUFFIX}")) if directory.exists() else []
 
 
 @pytest.fixture
@@ -179,9 +179,9 @@ def test_a_snapshot_is_shared_with_threads_run_in_its_context(tmp_path) -> None:
 
 
 def test_a_scan_file_that_cannot_be_written_costs_nothing_but_the_file(tmp_path, disk_full, caplog) -> None:
-    import gradstore.core.scanfiles as scanfiles
+    import gradstore.core.row_cache as row_cache
 
-    disk_full(scanfiles.ipc, "new_file")
+    disk_full(row_cache.ipc, "new_file")
     cache = tmp_path / "cache"
     store = _open(tmp_path / "s", cache)
     _write(store, 30, seed=0)
@@ -208,7 +208,7 @@ def test_scan_files_beyond_the_file_budget_go_least_recently_used_first(tmp_path
 
 
 def _scan_path(store: gradstore.GradStore, where: str):
-    from gradstore.core.cachefiles import cache_file_name, dataset_content
+    from gradstore.core.row_cache import cache_file_name, dataset_content
 
     identity = {
         "store": store.core.location,
@@ -218,7 +218,8 @@ def _scan_path(store: gradstore.GradStore, where: str):
         "row_address": False,
     }
     return (
-        store.scan_files.directory / f"{cache_file_name(identity, dataset_content(store.core.dataset(S.RUNS)))}{SUFFIX}"
+        store.scan_files.directory
+        / f"{cache_file_name(identity, dataset_content(store.core.dataset(S.RUNS)))}{SCAN_FILE_SUFFIX}"
     )
 
 

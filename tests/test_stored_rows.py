@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import gradstore
-from gradstore.core.scanning import late_materialization
 from gradstore.core.stored_rows import stored_blocks
+from gradstore.core.vector_scanner import late_materialization
 from ingest.projection import LayerSlot, ProjectionSpec
 
 DIM = 48

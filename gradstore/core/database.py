@@ -30,16 +30,14 @@ import pyarrow.fs as pafs
 from gradstore.core import commits, storage
 from gradstore.core import schema as S
 from gradstore.core import sql as store_sql
-from gradstore.core.curvature import LayerCurvature, load_curvature, save_curvature
+from gradstore.core.curvature_files import LayerCurvature, load_curvature, save_curvature
 from gradstore.core.filters import StepRange, gradient_filter, sql_literal
 from gradstore.core.gradient_tables import GradientTables, is_gradient_table, table_dim
 from gradstore.core.macros import macros_for
-from gradstore.core.rowcache import RowCache
-from gradstore.core.rowfiles import RowFiles, directory_of
-from gradstore.core.scanfiles import SCANS_DIRECTORY, ScanFiles
-from gradstore.core.scanning import late_materialization, vector_scanner
+from gradstore.core.row_cache import SCANS_DIRECTORY, RowCache, RowFiles, ScanFiles, row_files_directory
 from gradstore.core.sidefiles import SideFiles
 from gradstore.core.tabular import to_arrow_table
+from gradstore.core.vector_scanner import late_materialization, vector_scanner
 from gradstore.core.vectors import DEFAULT_STORAGE_DTYPE, check_storage_dtype, decode, storage_dtype_of
 from gradstore.core.verify import VerifyReport, verify_store
 from gradstore.core.writer import GradientWriter, WriterConfig
@@ -279,7 +277,7 @@ class StoreCore:
     ) -> pa.Table:
         """Table ``name``'s ``columns`` (all: ``None``) of the rows matching ``where`` (with ``_rowaddr`` when
         ``row_address``), as :meth:`dataset` gives the table. For small metadata reads: kept per table version in
-        the row cache and, for the next process, in a scan file (:mod:`gradstore.core.scanfiles`)."""
+        the row cache and, for the next process, in a scan file (:mod:`gradstore.core.row_cache`)."""
         dataset = self.dataset(name)
         columns = None if columns is None else list(columns)
         identity = {
@@ -642,7 +640,7 @@ class StoreCore:
         store holds one dim, and runs of several dims raise ``InvalidArgumentError`` (a block never mixes dims).
         ``selected_rows``, when the caller knows how many rows match, lets a scan that keeps most of the table
         read every row's vector instead of taking the matching ones
-        (:func:`~gradstore.core.scanning.late_materialization`).
+        (:func:`~gradstore.core.vector_scanner.late_materialization`).
         """
         name = self._table_of_runs(run)
         if name is None:
@@ -947,7 +945,7 @@ def connect(
             raise NotAStoreError(f"no gradstore store at {uri} (pass create=True to make one)")
     try:
         db = lancedb.connect(uri, read_consistency_interval=read_consistency, storage_options=options)
-        files = row_files if isinstance(row_files, RowFiles) else RowFiles(directory_of(row_files))
+        files = row_files if isinstance(row_files, RowFiles) else RowFiles(row_files_directory(row_files))
         store = store_class(uri, db, storage_dtype or DEFAULT_STORAGE_DTYPE, options, files)
         exists = store.has_table(S.RUNS)
     except GradstoreError:

@@ -3,7 +3,9 @@
 The unit-row layouts (float16 or bfloat16 unit rows + a float32 norm) are handed over as ``(grad_ids, unit
 rows, norms)`` blocks, the :data:`indexers.VectorBlocks` form with scales, so the exact kernel converts each
 tile itself (to bf16 or float32) instead of the reader writing a float32 copy first, and bfloat16 rows reach
-its bf16 GEMM as read (a torch bfloat16 view of Lance's buffer); float32 rows come as ``(grad_ids, rows)``.
+its bf16 GEMM as read (a torch bfloat16 view of Lance's buffer); float32 rows come as ``(grad_ids, rows)``. What
+exact search prepares from these blocks is kept for later calls by :mod:`gradstore.core.row_cache`; the scanner
+options are :mod:`gradstore.core.vector_scanner`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pyarrow as pa
 
 from gradstore.core import schema as S
 from gradstore.core.filters import gradient_filter
-from gradstore.core.scanning import late_materialization, vector_scanner
+from gradstore.core.vector_scanner import late_materialization, vector_scanner
 from gradstore.core.vectors import UNIT_DTYPES, stored_values
 
 if TYPE_CHECKING:
@@ -37,7 +39,7 @@ def stored_blocks(
     """A re-iterable source of the selected rows' stored values (rows are read-only views of Lance's buffers).
     ``selected_rows`` (how many rows the filter keeps, when the caller knows) decides whether the vectors of
     the matching rows are taken after the filter or every row's is read
-    (:func:`~gradstore.core.scanning.late_materialization`); unknown: taken after the filter. ``dataset``: the
+    (:func:`~gradstore.core.vector_scanner.late_materialization`); unknown: taken after the filter. ``dataset``: the
     run's Lance dataset at the version to read (default: the table's latest, looked up at each iteration)."""
 
     def source() -> Iterator[tuple]:

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from gradstore.core import commits
 from gradstore.core import schema as S
-from gradstore.core.rowmeta import checked_metadata, metadata_column, take
+from gradstore.core.append_metadata import checked_metadata, metadata_column, take
 from gradstore.core.vectors import MAX_NORM, encode, row_peaks, too_large_rows
 from gradstore.errors import NonFiniteGradientError, SchemaMismatchError, WriterClosedError
 

@@ -1,4 +1,4 @@
-"""Building preconditioners by name and loading saved ones.
+"""Building preconditioners by name and loading saved ones (the protocol they share: :mod:`indexers.preconditioner`).
 
 Names: ``identity``, ``cosine``, ``diagonal``, ``fisher``, ``kfac``. For ``diagonal``, ``fisher`` and
 ``kfac`` the damping is relative: ``damping * mean eigenvalue`` (per block or layer) is added to the

@@ -25,7 +25,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from gradstore.capture import config_for_run
+from gradstore.capture_session import config_for_run
 from gradstore.core import StoreCore
 from gradstore.core.database import check_spec
 from gradstore.errors import InvalidArgumentError, MissingIdsError

@@ -19,12 +19,12 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from gradstore.basis import run_basis, save_basis
 from gradstore.core import GradientWriter, StoreCore, WriterConfig
 from gradstore.core import schema as S
 from gradstore.core.database import check_run_name
 from gradstore.errors import GradstoreError, InvalidArgumentError, InvalidNameError, NonFiniteGradientError, translated
 from gradstore.resume import CommittedRows
+from gradstore.run_basis import run_basis, save_basis
 from ingest import CaptureConfig, CapturedBatch, GradientCapture, ProjectionSpec
 from ingest.capture import NonFiniteRowsError, SkippedBatch
 

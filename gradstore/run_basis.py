@@ -3,7 +3,8 @@
 A run captured with a fixed :class:`ingest.projection.ProjectionBasis` records the basis digest in its
 projection spec; the matrices themselves live in the side file ``bases/<spec fingerprint>.npz`` (local disk
 or object storage alike). Later captures of the run (queries, other checkpoints) load them from there, so
-they project exactly like the first one, and a capture with other matrices is refused by the spec check.
+they project exactly like the first one, and a capture with other matrices is refused by the spec check. The
+basis itself is computed by :mod:`ingest.basis` (this module is its store side).
 """
 
 from __future__ import annotations

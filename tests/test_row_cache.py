@@ -7,7 +7,7 @@ import lance
 import numpy as np
 import pytest
 
-from gradstore.core.rowcache import RowCache
+from gradstore.core.row_cache import RowCache
 from gradstore.errors import InvalidArgumentError
 
 

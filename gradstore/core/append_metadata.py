@@ -2,7 +2,8 @@
 
 A value that does not fit its column (``step="abc"``, ``split=123``, ``loss="x"``, a fractional step,
 a loss beyond float32's range) is refused in ``append`` itself with ``SchemaMismatchError``, so it
-never reaches the background commit, where it would fail a whole buffer of good rows.
+never reaches the background commit, where it would fail a whole buffer of good rows. Used by
+:class:`~gradstore.core.writer.GradientWriter`; nothing to do with the row cache (:mod:`gradstore.core.row_cache`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ storage options that reach it::
     with moto_server() as endpoint:
         store = gradstore.open("s3://bucket/store", storage_options=new_bucket(endpoint, "bucket"))
 
-Nothing here is used by the store itself; the tests and ``bench/ingest_throughput.py`` share it.
+Test tooling, not part of the package: the tests (``tests/conftest.py``'s ``s3_endpoint``/``s3_bucket`` fixtures,
+``tests/test_object_store.py``) import it as ``local_s3`` (pytest puts ``tests/`` on ``sys.path``), and
+``bench/ingest_throughput.py`` puts ``tests/`` on ``sys.path`` to share it.
 """
 
 from __future__ import annotations

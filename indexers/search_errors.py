@@ -1,4 +1,5 @@
-"""Errors raised by the search layer."""
+"""Errors raised by the search layer (``gradstore.errors`` re-raises them as its own ``IndexMismatchError``
+and ``NotFittedError``, each also an instance of the class here)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Kronecker curvature statistics of a run's checkpoint as one ``.npz`` side file."""
+"""Kronecker curvature statistics of a run's checkpoint as one ``.npz`` side file: the store's side of
+:mod:`ingest.curvature`, which accumulates them during a capture with ``curvature=True``."""
 
 from __future__ import annotations
 
