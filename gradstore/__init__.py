@@ -36,6 +36,16 @@ from gradstore.store import GradStore
 from gradstore.store import open_store as open
 from indexers import FewerResultsWarning
 
+
+def connect(uri: str, token: str | None = None, **kwargs):
+    """A client of a ``gradstore serve`` server at ``uri`` (``grpc://host:port``) with bearer ``token``: the read
+    side of the store API (``attribute``, ``sql``, ``self_influence``, ``select``, ``runs``, ``info``) over Arrow
+    Flight (see docs/serve.md)."""
+    import importlib  # at call time: the server's package sits above every layer the package root serves
+
+    return importlib.import_module("gradstore.serve.client").connect(uri, token, **kwargs)
+
+
 __all__ = [
     "FewerResultsWarning",
     "GradStore",
@@ -65,6 +75,7 @@ __all__ = [
     "UnknownRunError",
     "WriterClosedError",
     "WriterConfig",
+    "connect",
     "open",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,225 @@
+"""The HTTP side of ``gradstore serve``: JSON endpoints for the same calls as Flight (OpenAPI schema at
+``/openapi.json``, docs at ``/docs``) and the report page, live, for people.
+
+FastAPI on uvicorn: the request bodies are typed models, so the OpenAPI schema, the validation (422 for a body
+that does not fit) and the docs page come from one declaration; uvicorn is the ASGI server both ship for.
+
+Authentication: ``Authorization: Bearer <token>``, or for a browser the ``gradstore_token`` cookie set by
+``POST /login`` (HttpOnly, SameSite=Strict; the token never appears in a URL)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+from fastapi import Depends, FastAPI, Form, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from gradstore.errors import GradstoreError
+from gradstore.report import ReportOptions, gather, render
+from gradstore.serve.auth import AuthError, Tokens
+from gradstore.serve.service import RequestTooLargeError, Service, error_body, status
+
+COOKIE = "gradstore_token"
+Ids = list[str] | str | None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AttributeRequest(_Body):
+    run: str
+    queries: Ids = Field(None, description="query ids, a SQL filter on the stored query rows, or null for all")
+    vectors: list[list[float]] | None = Field(None, description="raw query vectors [queries, dim] instead")
+    k: int = 10
+    method: str = "fisher"
+    checkpoint: str | None = None
+    query_checkpoint: str | None = None
+    checkpoints: list[str] | None = None
+    damping: float | None = None
+    blocks: str = "auto"
+    kind: str = "exact"
+    opponents: bool = False
+    split: str = "train"
+    where: str | None = None
+    rerank: int = 0
+    write: bool = False
+
+
+class SelfInfluenceRequest(_Body):
+    run: str
+    method: str = "fisher"
+    checkpoint: str | None = None
+    damping: float | None = None
+    blocks: str = "auto"
+    split: str = "train"
+    where: str | None = None
+    write: bool = False
+
+
+class SelectRequest(_Body):
+    run: str
+    target: Ids = None
+    vectors: list[list[float]] | None = None
+    budget: float = 0.05
+    preconditioner: str = "grad-dot"
+    aggregate: Literal["max", "mean"] = "max"
+    checkpoints: list[str] | None = None
+    damping: float | None = None
+    blocks: str = "auto"
+    split: str = "train"
+    where: str | None = None
+
+
+class SQLRequest(_Body):
+    query: str
+
+
+class Result(BaseModel):
+    version: int | None = Field(description="the gradients table version this answer read")
+    rows: list[dict[str, Any]]
+
+
+class ErrorBody(BaseModel):
+    error: str
+    message: str
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
+    if isinstance(value, (list, tuple)):
+        return [_json_value(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): _json_value(item) for key, item in value.items()}
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _rows(table: pa.Table) -> list[dict[str, Any]]:
+    return [_json_value(row) for row in table.to_pylist()]
+
+
+def create_app(service: Service, tokens: Tokens) -> FastAPI:
+    """The ASGI app serving ``service`` to holders of ``tokens``."""
+    app = FastAPI(
+        title="gradstore",
+        summary="Training data attribution lookups over one gradient store.",
+        version="1",
+        responses={code: {"model": ErrorBody} for code in (400, 401, 403, 404, 413)},
+    )
+
+    def scope_of(request: Request) -> str:
+        header = request.headers.get("authorization")
+        if header is None and COOKIE in request.cookies:
+            header = f"Bearer {request.cookies[COOKIE]}"
+        return tokens.check(header).scope
+
+    @app.exception_handler(GradstoreError)
+    async def refused(request: Request, error: GradstoreError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if status(error) == 401 else None
+        return JSONResponse(error_body(error), status_code=status(error), headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        return JSONResponse(
+            {"error": "InvalidArgumentError", "message": f"{where}: {first.get('msg', 'invalid request')}"},
+            status_code=422,
+        )
+
+    @app.middleware("http")
+    async def size_limit(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > service.limits.max_request_bytes):
+            error = RequestTooLargeError(f"the request is larger than {service.limits.max_request_bytes} bytes")
+            return JSONResponse(error_body(error), status_code=413)
+        return await call_next(request)
+
+    def answer(name: str, body: BaseModel | None, scope: str) -> dict[str, Any]:
+        args = body.model_dump(exclude_unset=True) if body is not None else {}
+        vectors = args.pop("vectors", None)
+        result = service.call(name, args, None if vectors is None else np.asarray(vectors, np.float32), scope)
+        if result.value is not None:
+            return {"version": result.version, "value": _json_value(result.value)}
+        return {"version": result.version, "rows": _rows(result.table)}
+
+    @app.post("/api/attribute", response_model=Result)
+    def attribute(body: AttributeRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
+        """Top-k proponents (and opponents) of stored queries or raw vectors, as ``store.attribute``."""
+        return answer("attribute", body, scope)
+
+    @app.post("/api/self_influence", response_model=Result)
+    def self_influence(body: SelfInfluenceRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
+        """``g^T P^-1 g`` of the training rows, as ``store.self_influence``."""
+        return answer("self_influence", body, scope)
+
+    @app.post("/api/select", response_model=Result)
+    def select(body: SelectRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
+        """LESS-style selection, as ``store.select``."""
+        return answer("select", body, scope)
+
+    @app.post("/api/sql", response_model=Result)
+    def sql(body: SQLRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
+        """One read-only DuckDB statement, as ``store.sql``."""
+        return answer("sql", body, scope)
+
+    @app.get("/api/runs", response_model=Result)
+    def runs(scope: str = Depends(scope_of)) -> dict[str, Any]:
+        """The store's runs."""
+        return answer("runs", None, scope)
+
+    @app.get("/api/info")
+    def info(scope: str = Depends(scope_of)) -> dict[str, Any]:
+        """Tables, runs, dims and versions, as ``store.info``."""
+        return answer("info", None, scope)
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def home(request: Request) -> Response:
+        try:
+            scope_of(request)
+        except AuthError:
+            return HTMLResponse(LOGIN_PAGE)
+        return RedirectResponse("/report", status_code=303)
+
+    @app.post("/login", include_in_schema=False)
+    def login(token: str = Form(..., max_length=4096)) -> Response:
+        tokens.check(f"Bearer {token}")
+        response = RedirectResponse("/report", status_code=303)
+        response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+        return response
+
+    @app.get("/report", response_class=HTMLResponse, include_in_schema=False)
+    def report(request: Request, run: str | None = None, top: int = 10) -> Response:
+        """The report page of the store as it is now (rendered per request from the current tables)."""
+        try:
+            scope_of(request)
+        except AuthError:
+            return RedirectResponse("/", status_code=303)
+        if not 1 <= top <= service.limits.max_k:
+            raise RequestTooLargeError(f"top must be in 1..{service.limits.max_k}")
+        with service._lock, service.store.core.snapshot():
+            page = render(gather(service.store.core, ReportOptions(run=run, top=top)))
+        return HTMLResponse(page)
+
+    return app
+
+
+LOGIN_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>gradstore</title></head>
+<body style="font-family: sans-serif; max-width: 30em; margin: 4em auto">
+<h1>gradstore</h1>
+<form method="post" action="/login">
+<label>Access token <input id="token" name="token" type="password" autocomplete="off" required></label>
+<button id="sign-in" type="submit">Open the report</button>
+</form></body></html>
+"""
