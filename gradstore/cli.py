@@ -478,5 +478,46 @@ def demo(
     run_demo(store, DemoConfig(epochs=epochs, places=places), log=typer.echo)
 
 
+@app.command()
+@_one_line_errors
+def serve(
+    store: StoreArg,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    flight_port: Annotated[int, typer.Option(help="Arrow Flight port for gradstore.connect (0: a free one).")] = 8815,
+    http_port: Annotated[int, typer.Option(help="HTTP port: JSON API, OpenAPI at /docs, the live report.")] = 8080,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(help="Bearer tokens, one a line: TOKEN or TOKEN:write (also read from GRADSTORE_TOKENS)."),
+    ] = None,
+    allow_writes: Annotated[
+        bool, typer.Option("--allow-writes", help="Let write-scoped tokens ask write=True (append scores).")
+    ] = False,
+    refresh: Annotated[float, typer.Option(help="Seconds within which other writers' rows become visible.")] = 1.0,
+    batch_window_ms: Annotated[float, typer.Option(help="How long a lookup waits for others to batch with.")] = 5.0,
+    tls_cert: Annotated[Path | None, typer.Option(help="PEM certificate: TLS for both transports.")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="PEM key of --tls-cert.")] = None,
+) -> None:
+    """Serve the store to many clients: Arrow Flight (gradstore.connect) and HTTP (JSON API, the live report)."""
+    from gradstore.serve import Tokens
+    from gradstore.serve import serve as start
+
+    server = start(
+        str(store),
+        tokens=Tokens.load(token_file),
+        host=host,
+        flight_port=flight_port,
+        http_port=http_port,
+        allow_writes=allow_writes,
+        refresh_s=refresh,
+        batch_window_s=batch_window_ms / 1000,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+    )
+    typer.echo(f"flight {server.flight_uri}")
+    typer.echo(f"http {server.http_url}", err=False)
+    sys.stdout.flush()
+    server.wait()
+
+
 if __name__ == "__main__":
     app()

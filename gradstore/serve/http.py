@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 from typing import Any, Literal
+from urllib.parse import parse_qs
 
 import numpy as np
 import pyarrow as pa
-from fastapi import Depends, FastAPI, Form, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -140,6 +141,10 @@ def create_app(service: Service, tokens: Tokens) -> FastAPI:
     @app.middleware("http")
     async def size_limit(request: Request, call_next):
         length = request.headers.get("content-length")
+        if length is None and request.method in ("POST", "PUT", "PATCH"):
+            return JSONResponse(
+                {"error": "InvalidArgumentError", "message": "a request body needs a Content-Length"}, status_code=411
+            )
         if length is not None and (not length.isdigit() or int(length) > service.limits.max_request_bytes):
             error = RequestTooLargeError(f"the request is larger than {service.limits.max_request_bytes} bytes")
             return JSONResponse(error_body(error), status_code=413)
@@ -192,7 +197,11 @@ def create_app(service: Service, tokens: Tokens) -> FastAPI:
         return RedirectResponse("/report", status_code=303)
 
     @app.post("/login", include_in_schema=False)
-    def login(token: str = Form(..., max_length=4096)) -> Response:
+    async def login(request: Request) -> Response:
+        body = await request.body()  # a urlencoded form of one field (no multipart parser needed)
+        if len(body) > 8192:
+            raise RequestTooLargeError("the login form is too large")
+        token = (parse_qs(body.decode("utf-8", "replace")).get("token") or [""])[0]
         tokens.check(f"Bearer {token}")
         response = RedirectResponse("/report", status_code=303)
         response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
