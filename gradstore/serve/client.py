@@ -5,6 +5,7 @@ signatures and results (``write`` defaults to ``False``: a server is read-only u
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,10 +49,19 @@ def _raise(error: flight.FlightError) -> None:
 class RemoteStore:
     """A served store (see :func:`connect`)."""
 
-    def __init__(self, uri: str, token: str | None = None, *, timeout_s: float = 300.0, tls_root_certs=None) -> None:
-        kwargs = {"tls_root_certs": tls_root_certs} if tls_root_certs is not None else {}
+    def __init__(
+        self,
+        uri: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 300.0,
+        tls_root_certs=None,
+        reconnect_delays_s: Sequence[float] = (0.2, 0.5, 1, 2, 4, 8),
+    ) -> None:
+        self._client_kwargs = {"tls_root_certs": tls_root_certs} if tls_root_certs is not None else {}
         self.uri = uri
-        self._client = flight.FlightClient(uri, **kwargs)
+        self._client = flight.FlightClient(uri, **self._client_kwargs)
+        self.reconnect_delays_s = tuple(reconnect_delays_s)
         headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._options = flight.FlightCallOptions(headers=headers, timeout=timeout_s)
         self.last_version: int | None = None
@@ -69,26 +79,39 @@ class RemoteStore:
         self.close()
 
     def _call(self, name: str, args: dict[str, Any], vectors: Any = None) -> pa.Table:
-        command = json.dumps({"call": name, "args": args}).encode()
-        try:
-            writer, reader = self._client.do_exchange(flight.FlightDescriptor.for_command(command), self._options)
-            with writer:
-                if vectors is not None:
-                    array = np.ascontiguousarray(np.asarray(vectors, dtype=np.float32))
-                    if array.ndim != 2:
-                        raise InvalidArgumentError(f"query vectors must be [queries, dim], got {array.shape}")
-                    column = pa.FixedSizeListArray.from_arrays(pa.array(array.reshape(-1)), array.shape[1])
-                    table = pa.table({"vector": column})
-                    writer.begin(table.schema)
-                    writer.write_table(table)
-                writer.done_writing()
-                result = reader.read_all()
-        except flight.FlightError as error:
-            _raise(error)
+        """One exchange; a read retried on a fresh connection while the server is unreachable (restarting)."""
+        delays = [] if args.get("write") else list(self.reconnect_delays_s)
+        while True:
+            try:
+                result = self._exchange(name, args, vectors)
+                break
+            except flight.FlightUnavailableError as error:
+                if not delays:
+                    _raise(error)
+                time.sleep(delays.pop(0))
+                self._client.close()
+                self._client = flight.FlightClient(self.uri, **self._client_kwargs)
+            except flight.FlightError as error:
+                _raise(error)
         metadata = dict(result.schema.metadata or {})
         self.last_version = json.loads(metadata.pop(b"gradstore.version", b"null"))
         self._last_value = json.loads(metadata.pop(b"gradstore.value", b"null"))
         return result.replace_schema_metadata(metadata or None)
+
+    def _exchange(self, name: str, args: dict[str, Any], vectors: Any) -> pa.Table:
+        command = json.dumps({"call": name, "args": args}).encode()
+        writer, reader = self._client.do_exchange(flight.FlightDescriptor.for_command(command), self._options)
+        with writer:
+            if vectors is not None:
+                array = np.ascontiguousarray(np.asarray(vectors, dtype=np.float32))
+                if array.ndim != 2:
+                    raise InvalidArgumentError(f"query vectors must be [queries, dim], got {array.shape}")
+                column = pa.FixedSizeListArray.from_arrays(pa.array(array.reshape(-1)), array.shape[1])
+                table = pa.table({"vector": column})
+                writer.begin(table.schema)
+                writer.write_table(table)
+            writer.done_writing()
+            return reader.read_all()
 
     @staticmethod
     def _queries(queries: Any) -> tuple[Any, Any]:
