@@ -12,6 +12,7 @@ from gradstore.attribution import ScoreMatrix
 from gradstore.core import GradientBlock, GradientWriter, StoreCore, WriterConfig
 from gradstore.engine import LocalEngine, RayEngine
 from gradstore.errors import (
+    CaptureUsageError,
     GradstoreError,
     IndexMismatchError,
     InvalidArgumentError,
@@ -47,6 +48,7 @@ def connect(uri: str, token: str | None = None, **kwargs):
 
 
 __all__ = [
+    "CaptureUsageError",
     "FewerResultsWarning",
     "GradStore",
     "GradientBlock",
