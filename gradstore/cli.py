@@ -493,7 +493,14 @@ def serve(
         bool, typer.Option("--allow-writes", help="Let write-scoped tokens ask write=True (append scores).")
     ] = False,
     refresh: Annotated[float, typer.Option(help="Seconds within which other writers' rows become visible.")] = 1.0,
-    batch_window_ms: Annotated[float, typer.Option(help="How long a lookup waits for others to batch with.")] = 5.0,
+    batch_window_ms: Annotated[
+        float, typer.Option(help="Extra wait of a lookup for others to batch with (batches form anyway while busy).")
+    ] = 0.0,
+    warm: Annotated[
+        str | None,
+        typer.Option(help="Methods (comma-separated) to look up once per run before serving: fits and rows in memory."),
+    ] = None,
+    warm_kinds: Annotated[str, typer.Option(help="Index kinds the --warm lookups use (comma-separated).")] = "exact",
     tls_cert: Annotated[Path | None, typer.Option(help="PEM certificate: TLS for both transports.")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="PEM key of --tls-cert.")] = None,
 ) -> None:
@@ -512,6 +519,8 @@ def serve(
         batch_window_s=batch_window_ms / 1000,
         tls_cert=tls_cert,
         tls_key=tls_key,
+        warm=_csv_list(warm),
+        warm_kinds=tuple(_csv_list(warm_kinds) or ("exact",)),
     )
     typer.echo(f"flight {server.flight_uri}")
     typer.echo(f"http {server.http_url}", err=False)

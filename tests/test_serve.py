@@ -205,3 +205,24 @@ def test_rows_appended_by_another_writer_are_seen_with_their_version(server, cli
     assert after.column("example_id").to_pylist() == ["t-new"]
     assert client.sql(count).df()["n"][0] == rows + 1
     assert client.last_version == writer_store.core.dataset("gradients").version
+
+
+def test_a_malformed_vector_stream_is_a_typed_error(server, client):
+    import json
+
+    import pyarrow.flight as flight
+
+    raw = flight.FlightClient(server.flight_uri)
+    options = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {READ}".encode())])
+    for table in (pa.table({"vector": [["a", "b"]]}), pa.table({"vector": [[1.0], [1.0, 2.0]]}), pa.table({"x": [1]})):
+        command = json.dumps({"call": "attribute", "args": {"run": RUN, "method": "grad-dot"}}).encode()
+        writer, reader = raw.do_exchange(flight.FlightDescriptor.for_command(command), options)
+        with pytest.raises(flight.FlightServerError) as refused:
+            writer.begin(table.schema)
+            writer.write_table(table)
+            writer.done_writing()
+            reader.read_all()
+        assert json.loads(refused.value.extra_info)["error"] == "InvalidArgumentError"
+        assert json.loads(refused.value.extra_info)["status"] == 400
+    raw.close()
+    assert client.runs().num_rows == 1

@@ -1,5 +1,6 @@
-"""Micro-batching: concurrent single-query lookups with the same options that arrive within a short window are
-scored as one call (one GEMM over the prepared rows); each caller gets its own query's rows."""
+"""Micro-batching: concurrent single-query lookups with the same options are scored as one call (one GEMM over
+the prepared rows); each caller gets its own query's rows. Batches form while the previous one runs (a lone
+lookup on an idle server waits for nothing); ``window_s`` adds a fixed wait for company."""
 
 from __future__ import annotations
 
@@ -21,18 +22,20 @@ class _Group:
 
 class MicroBatcher:
     """``submit(key, vector)`` blocks until the vector's result is ready. The first caller of a key waits up to
-    ``window_s`` (or until ``max_batch`` vectors joined), then runs ``run_batch(key, vectors [n, dim])``, which
-    returns one result per row. When a batch fails, each of its vectors is run alone, so an error reaches only
-    the request that caused it. ``batches`` and ``batched`` count calls and vectors (for tests and benches)."""
+    ``window_s`` (or until ``max_batch`` vectors joined) and for the batch running before it, then runs
+    ``run_batch(key, vectors [n, dim])``, which returns one result per row. When a batch fails, each of its
+    vectors is run alone, so an error reaches only the request that caused it. ``batches`` and ``batched`` count
+    calls and vectors (for tests and benches)."""
 
     def __init__(
-        self, run_batch: Callable[[Hashable, np.ndarray], list[Any]], window_s: float = 0.005, max_batch: int = 64
+        self, run_batch: Callable[[Hashable, np.ndarray], list[Any]], window_s: float = 0.0, max_batch: int = 64
     ) -> None:
         self.run_batch = run_batch
         self.window_s = window_s
         self.max_batch = max_batch
         self._lock = threading.Lock()
         self._open: dict[Hashable, _Group] = {}
+        self._slot = threading.Lock()  # one batch scores at a time; the next one fills meanwhile
         self.batches = 0
         self.batched = 0
 
@@ -48,11 +51,13 @@ class MicroBatcher:
                 del self._open[key]
                 group.full.set()
         if leader:
-            group.full.wait(self.window_s)
-            with self._lock:
-                if self._open.get(key) is group:
-                    del self._open[key]
-            self._run(key, group)
+            if self.window_s > 0:
+                group.full.wait(self.window_s)
+            with self._slot:
+                with self._lock:
+                    if self._open.get(key) is group:
+                        del self._open[key]
+                self._run(key, group)
         else:
             group.done.wait()
         result = group.results[index] if group.results is not None else None

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.flight as flight
 
 from gradstore.errors import GradstoreError, InvalidArgumentError
@@ -112,7 +113,13 @@ def _read_vectors(reader, max_bytes: int) -> np.ndarray | None:
         and not pa.types.is_fixed_size_list(table.schema.field(0).type)
     ):
         raise InvalidArgumentError("query vectors must be one list column of numbers")
-    rows = table.column(0).to_pylist()
-    if any(row is None for row in rows) or len({len(row) for row in rows}) != 1:
+    column = table.column(0).combine_chunks()
+    if column.null_count:
+        raise InvalidArgumentError("query vectors must not be null")
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    if len(lengths) == 0 or (lengths != lengths[0]).any():
         raise InvalidArgumentError("query vectors must all have the same length")
-    return np.asarray(rows, dtype=np.float32)
+    values = column.flatten()
+    if not (pa.types.is_floating(values.type) or pa.types.is_integer(values.type)):
+        raise InvalidArgumentError("query vectors must be numbers")
+    return values.to_numpy(zero_copy_only=False).astype(np.float32).reshape(len(column), int(lengths[0]))

@@ -77,17 +77,22 @@ def serve(
     allow_writes: bool = False,
     refresh_s: float = 1.0,
     limits: Limits | None = None,
-    batch_window_s: float = 0.005,
+    batch_window_s: float = 0.0,
     tls_cert: str | Path | None = None,
     tls_key: str | Path | None = None,
+    warm: list[str] | None = None,
+    warm_kinds: tuple[str, ...] = ("exact",),
     start: bool = True,
 ) -> Server:
     """Serve ``store`` (opened read-only for requests; ``allow_writes``: write-scoped tokens may ask ``write=True``).
     ``flight_port``/``http_port``: ``0`` picks a free port, ``None`` leaves that transport off. ``tls_cert`` and
-    ``tls_key`` (PEM files) turn on TLS for both. Returns the started :class:`Server`."""
+    ``tls_key`` (PEM files) turn on TLS for both. ``warm``: methods looked up once per run (and per index kind of
+    ``warm_kinds``) before the first request (:meth:`Service.warm`). Returns the started :class:`Server`."""
     service = Service(
         store, allow_writes=allow_writes, refresh_s=refresh_s, limits=limits, batch_window_s=batch_window_s
     )
+    if warm:
+        service.warm(list(warm), tuple(warm_kinds))
     tls = None
     if tls_cert is not None or tls_key is not None:
         if tls_cert is None or tls_key is None:

@@ -117,7 +117,7 @@ class Service:
         allow_writes: bool = False,
         refresh_s: float = 1.0,
         limits: Limits | None = None,
-        batch_window_s: float = 0.005,
+        batch_window_s: float = 0.0,
         max_batch: int = 64,
     ) -> None:
         self.store = gradstore.open(uri, create=False, read_consistency=timedelta(seconds=refresh_s))
@@ -126,6 +126,23 @@ class Service:
         self.name = PurePath(str(uri)).name or str(uri)
         self._lock = threading.RLock()  # one store call at a time; concurrency comes from micro-batching
         self.batcher = MicroBatcher(self._attribute_batch, batch_window_s, max_batch)
+
+    def warm(self, methods: list[str], kinds: tuple[str, ...] = ("exact",)) -> list[str]:
+        """Before serving: one lookup per run, method and index kind, so that fits, indexes and prepared rows (read
+        from the row files when present) are in memory before the first request. Returns what could not be warmed
+        (a method the run cannot use), each as ``"run/method/kind: error"``."""
+        skipped = []
+        with self._lock:
+            for run, dim in self.store.info()["run_dims"].items():
+                for method in methods:
+                    for kind in kinds:
+                        try:
+                            self.store.attribute(
+                                np.ones((1, dim), np.float32), run=run, k=1, method=method, kind=kind, write=False
+                            )
+                        except GradstoreError as error:
+                            skipped.append(f"{run}/{method}/{kind}: {error}")
+        return skipped
 
     # ------------------------------------------------------------------ the one entry point
     def call(self, name: str, args: dict[str, Any], vectors: np.ndarray | None = None, scope: str = "read") -> Answer:
