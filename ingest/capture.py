@@ -353,6 +353,7 @@ class GradientCapture:
         self._held: list[tuple[dict[str, Any], int]] = []  # sink thread only: (item, non-finite rows)
         self._skip_notice: str | None = None  # set by the sink thread, warned once by the training thread
         self._warned = False
+        self._row_listeners: list[Callable[[ActiveBatch, torch.Tensor], None]] = []
 
     # context -----------------------------------------------------------------------------------
 
@@ -425,6 +426,14 @@ class GradientCapture:
             yield
         finally:
             self.resume()
+
+    def add_row_listener(self, listener: Callable[[ActiveBatch, torch.Tensor], None]) -> Callable[[], None]:
+        """Call ``listener(batch, rows)`` on the training thread at the end of every captured backward, before the
+        rows go to the sink: ``rows`` are the batch's ``[B, dim]`` float32 per-example rows on the model's device
+        (scaled like the delivered ones; do not modify them). Used by online data selection
+        (:mod:`ingest.online_selection`). Returns a function that removes the listener."""
+        self._row_listeners.append(listener)
+        return lambda: self._row_listeners.remove(listener) if listener in self._row_listeners else None
 
     def flush(self) -> None:
         """Wait until every finished batch reached the sink (with a ``grad_scaler``, batches still waiting for
@@ -606,6 +615,8 @@ class GradientCapture:
             scale = self._scale_tensor()
             factor = factor / (scale.to(factor.device) if isinstance(scale, torch.Tensor) else scale)
         rows = batch.rows * factor.unsqueeze(1)
+        for listener in self._row_listeners:
+            listener(batch, rows)
         meta = dict(batch.meta, learning_rate=self._learning_rate())
         if self.config.on_nonfinite == "raise" and not bool(torch.isfinite(rows).all()):
             bad = torch.nonzero(~torch.isfinite(rows).all(dim=1)).flatten().tolist()

@@ -1,0 +1,231 @@
+"""Online data selection in the step (ingest.online_selection, gradstore.online): exactness against a step on the
+kept examples only (float64, plain loop), the policies, refusals, and the store's decision table."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ingest import CaptureConfig, GradientCapture, ProjectionConfig
+from ingest.online_selection import (
+    DropBelowThreshold,
+    ExactRemovalError,
+    KeepTopFraction,
+    LossBased,
+    OnlineSelector,
+    RandomSelection,
+)
+
+
+class TokenModel(nn.Module):
+    """Embedding + two Linear layers over tokens, one shared Linear used twice (a module with two uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6, padding_idx=0)
+        self.hidden = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.hidden(self.emb(tokens)))
+        h = torch.tanh(self.hidden(h))  # second use of the same weights
+        return self.head(h).mean(dim=1)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def example_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def per_example_loss(y: torch.Tensor):
+    def loss(outputs, args, kwargs):
+        return F.cross_entropy(outputs, y[: outputs.shape[0]], reduction="none")
+
+    return loss
+
+
+def data(seed: int, n: int, tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 11, (n, 4), generator=g) if tokens else torch.randn(n, 5, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, 3, (n,), generator=g)
+
+
+def selected_steps(model, batches, policy, *, target=None, opt_cls=torch.optim.SGD, renormalize=True, scale=1.0, **kw):
+    """Train ``model`` on ``batches`` (a list of steps, each a list of micro-batches) with online selection."""
+    opt = opt_cls(model.parameters(), lr=0.1)
+    decisions = []
+    capture = GradientCapture(
+        model,
+        lambda batch: None,
+        CaptureConfig(projection=ProjectionConfig(k_in=4, k_out=4), loss_scale=scale),
+        optimizer=opt,
+        **kw,
+    )
+    with capture, OnlineSelector(capture, policy, target, renormalize=renormalize, on_decision=decisions.append):
+        for step in batches:
+            for x, y in step:
+                (F.cross_entropy(model(x), y) * scale).backward()
+            opt.step()
+            opt.zero_grad()
+    return decisions
+
+
+def reference_steps(model, batches, decisions, *, opt_cls=torch.optim.SGD, renormalize=True):
+    """The same steps on the kept examples only (mean over the kept ones, or sum / B without renormalisation)."""
+    opt = opt_cls(model.parameters(), lr=0.1)
+    for step, decision in zip(batches, decisions):
+        x = torch.cat([x for x, _ in step])
+        y = torch.cat([y for _, y in step])
+        w = decision.weights.to(torch.float64)
+        losses = example_losses(model, x, y)
+        loss = (w * losses).sum() / (w.sum() if renormalize else len(w))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def assert_same(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adam])
+def test_selected_steps_equal_steps_on_the_kept_examples(opt_cls):
+    torch.manual_seed(0)
+    model = mlp().double()
+    twin = copy.deepcopy(model)
+    batches = [[data(s, 8)] for s in range(3)]
+    target = torch.randn(28, dtype=torch.float64)
+    decisions = selected_steps(model, batches, KeepTopFraction(0.5), target=target, opt_cls=opt_cls)
+    assert [int(d.kept.sum()) for d in decisions] == [4, 4, 4]
+    reference_steps(twin, batches, decisions, opt_cls=opt_cls)
+    assert_same(model, twin)
+
+
+def test_scores_are_row_dot_target_and_top_fraction_keeps_the_best():
+    torch.manual_seed(1)
+    model = mlp().double()
+    rows = []
+    target = torch.randn(28, dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cap = GradientCapture(
+        model, rows.append, CaptureConfig(projection=ProjectionConfig(k_in=4, k_out=4)), optimizer=opt
+    )
+    x, y = data(3, 10)
+    with cap, OnlineSelector(cap, KeepTopFraction(0.3), target) as sel:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        cap.flush()
+    decision = sel.last_decision
+    expected = rows[0].grads.double() @ target
+    torch.testing.assert_close(decision.scores, expected, rtol=1e-6, atol=1e-9)
+    assert set(torch.nonzero(decision.kept).flatten().tolist()) == set(torch.topk(expected, 3).indices.tolist())
+
+
+def test_gradient_accumulation_is_decided_over_the_whole_step():
+    torch.manual_seed(2)
+    model = mlp().double()
+    twin = copy.deepcopy(model)
+    batches = [[data(10 + 2 * s, 6), data(11 + 2 * s, 6)] for s in range(2)]
+    decisions = selected_steps(model, batches, RandomSelection(0.5), scale=0.5)
+    assert [len(d.example_ids) for d in decisions] == [12, 12]
+    assert [int(d.kept.sum()) for d in decisions] == [6, 6]
+    reference_steps(twin, batches, decisions)
+    assert_same(model, twin)
+
+
+def test_without_renormalisation_dropped_examples_contribute_nothing():
+    torch.manual_seed(3)
+    model = mlp().double()
+    twin = copy.deepcopy(model)
+    batches = [[data(20 + s, 8)] for s in range(2)]
+    decisions = selected_steps(
+        model, batches, DropBelowThreshold(0.0), target=torch.randn(28, dtype=torch.float64), renormalize=False
+    )
+    assert all(d.renormalization == 1.0 for d in decisions)
+    reference_steps(twin, batches, decisions, renormalize=False)
+    assert_same(model, twin)
+
+
+def test_embeddings_and_a_shared_layer_are_removed_exactly():
+    torch.manual_seed(4)
+    model = TokenModel().double()
+    twin = copy.deepcopy(model)
+    batches = [[data(30 + s, 8, tokens=True)] for s in range(2)]
+    dim = None
+    with GradientCapture(model, lambda b: None, CaptureConfig(projection=ProjectionConfig(k_in=4, k_out=4))) as cap:
+        dim = cap.spec.dim
+    decisions = selected_steps(model, batches, KeepTopFraction(0.25), target=torch.randn(dim, dtype=torch.float64))
+    reference_steps(twin, batches, decisions)
+    assert_same(model, twin)
+
+
+class Reweight:
+    """A user policy returning float weights."""
+
+    needs_scores = False
+    needs_loss = False
+
+    def decide(self, n, scores, losses, generator):
+        return torch.linspace(0.0, 2.0, n, dtype=torch.float64)
+
+
+def test_a_policy_may_reweight_examples():
+    torch.manual_seed(5)
+    model = mlp().double()
+    twin = copy.deepcopy(model)
+    batches = [[data(40, 9)]]
+    decisions = selected_steps(model, batches, Reweight())
+    reference_steps(twin, batches, decisions)
+    assert_same(model, twin)
+
+
+def test_loss_based_keeps_the_lowest_losses():
+    torch.manual_seed(6)
+    model = mlp().double()
+    twin = copy.deepcopy(model)
+    x, y = data(50, 10)
+    decisions = selected_steps(model, [[(x, y)]], LossBased(0.6), per_example_loss=per_example_loss(y))
+    losses = example_losses(twin, x, y).detach()
+    kept = decisions[0].kept
+    assert int(kept.sum()) == 6
+    assert losses[kept].max() <= losses[~kept].min()
+    reference_steps(twin, [[(x, y)]], decisions)
+    assert_same(model, twin)
+
+
+def test_random_selection_is_seeded():
+    model = mlp().double()
+    batches = [[data(60, 10)]]
+    first = selected_steps(copy.deepcopy(model), batches, RandomSelection(0.5))
+    second = selected_steps(copy.deepcopy(model), batches, RandomSelection(0.5))
+    assert torch.equal(first[0].weights, second[0].weights)
+
+
+def test_unsupported_layers_are_refused():
+    model = nn.Sequential(nn.Linear(5, 4), nn.LayerNorm(4), nn.Linear(4, 3))
+    cap = GradientCapture(model, lambda b: None)
+    with pytest.raises(ExactRemovalError, match=r"1 \(LayerNorm\).*requires_grad_\(False\)"):
+        OnlineSelector(cap, RandomSelection(0.5))
+    model[1].requires_grad_(False)  # frozen: nothing to remove
+    OnlineSelector(cap, RandomSelection(0.5))
+
+
+def test_misuse_is_refused_with_what_to_do():
+    model = mlp()
+    cap = GradientCapture(model, lambda b: None)
+    with pytest.raises(ValueError, match="pass target="):
+        OnlineSelector(cap, KeepTopFraction(0.5))
+    with pytest.raises(ValueError, match="per_example_loss"):
+        OnlineSelector(cap, LossBased(0.5))
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        KeepTopFraction(1.5)
+    with pytest.raises(ValueError, match=r"\[dim\]"):
+        OnlineSelector(cap, KeepTopFraction(0.5), torch.zeros(3))
