@@ -229,3 +229,84 @@ def test_misuse_is_refused_with_what_to_do():
         KeepTopFraction(1.5)
     with pytest.raises(ValueError, match=r"\[dim\]"):
         OnlineSelector(cap, KeepTopFraction(0.5), torch.zeros(3))
+
+
+# ---------------------------------------------------------------- the store side (gradstore.online)
+
+
+def test_store_selection_scores_against_query_rows_and_records_every_decision(tmp_path):
+    import gradstore
+    from gradstore.online import KeepTopFraction as StoreKeepTop
+    from gradstore.online import query_target, select_online
+
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    assert store.sql("select count(*) from online_selection").fetchall() == [(0,)]
+    torch.manual_seed(7)
+    model = mlp().double()
+    twin = copy.deepcopy(model)
+    qx, qy = data(70, 5)
+    with store.capture(model, "run", split="query", k_in=4, k_out=4) as cap:
+        cap.set_ids([f"q{i}" for i in range(5)])
+        F.cross_entropy(model(qx), qy).backward()
+    model.zero_grad()
+    target = query_target(store, "run")
+    assert target.shape == (28,) and target.dtype == torch.float64
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [[data(71 + s, 8)] for s in range(3)]
+    with store.capture(model, "run", optimizer=opt) as cap, select_online(cap, StoreKeepTop(0.5), target) as sel:
+        for s, step in enumerate(batches):
+            for x, y in step:
+                cap.set_ids([f"s{s}e{i}" for i in range(8)])
+                F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert (sel.examples_seen, sel.examples_kept) == (24, 12)
+    table = store.sql(
+        "select step, example_id, kept, weight, score, policy from online_selection order by step, example_id"
+    )
+    rows = table.fetchall()
+    assert len(rows) == 24
+    assert store.sql("select step, sum(kept::int) from online_selection group by step order by step").fetchall() == [
+        (0, 4),
+        (1, 4),
+        (2, 4),
+    ]
+    assert rows[0][5] == 'KeepTopFraction({"fraction": 0.5})'
+    # the recorded decisions reproduce the parameters: a step on the kept examples only
+    kept = {(r[0], r[1]) for r in rows if r[2]}
+    decisions = []
+    for s in range(3):
+        ids = [f"s{s}e{i}" for i in range(8)]
+        decisions.append(type("D", (), {"weights": torch.tensor([float((s, i) in kept) for i in ids])})())
+    reference_steps(twin, batches, decisions)
+    assert_same(model, twin)
+    # scores are row . target of the stored training rows
+    stored = store.core.read_gradients("run", split="train", columns=("example_id", "step"))
+    by_id = dict(
+        zip(stored.metadata.column("example_id").to_pylist(), stored.vectors.astype("float64") @ target.numpy())
+    )
+    for _, example_id, _, _, score, _ in rows:
+        assert score == pytest.approx(by_id[example_id], rel=1e-5, abs=1e-9)
+
+
+def test_store_selection_errors_are_gradstore_errors(tmp_path):
+    import gradstore
+    from gradstore.errors import GradstoreError, InvalidArgumentError
+    from gradstore.online import ExactRemovalError as StoreExactRemovalError
+    from gradstore.online import query_target, select_online
+
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    model = nn.Sequential(nn.Linear(5, 4), nn.LayerNorm(4), nn.Linear(4, 3))
+    with store.capture(model, "run") as cap:
+        with pytest.raises(StoreExactRemovalError, match="LayerNorm") as info:
+            select_online(cap, RandomSelection(0.5))
+        assert isinstance(info.value, GradstoreError)
+        with pytest.raises(InvalidArgumentError, match="target="):
+            select_online(cap, KeepTopFraction(0.5))
+        with pytest.raises(InvalidArgumentError, match="commit_every"):
+            select_online(cap, RandomSelection(0.5), commit_every=0)
+        model(torch.randn(2, 5)).sum().backward()
+    with pytest.raises(InvalidArgumentError, match="split='query'"):
+        query_target(store, "run")
+    with pytest.raises(GradstoreError, match="no run"):
+        query_target(store, "nope")

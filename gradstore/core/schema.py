@@ -135,8 +135,28 @@ SKIPPED_STEPS_SCHEMA = _tagged(
     ]
 )
 
+ONLINE_SELECTION = "online_selection"
+
+#: One row per example and optimizer step of online data selection (:mod:`gradstore.online`): kept or dropped,
+#: the weight applied, its score against the target and its loss (null when not computed).
+ONLINE_SELECTION_SCHEMA = _tagged(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("step", pa.int64()),
+        pa.field("rank", pa.int32()),
+        pa.field("example_id", pa.string()),
+        pa.field("kept", pa.bool_()),
+        pa.field("weight", pa.float64()),  # 1 kept, 0 dropped, else the weight applied
+        pa.field("score", pa.float64()),
+        pa.field("loss", pa.float32()),
+        pa.field("renormalization", pa.float64()),  # the factor the step's gradient was multiplied by
+        pa.field("policy", pa.string()),
+        pa.field("created_at", _TIMESTAMP),
+    ]
+)
+
 #: Tables created on first use that SQL always shows (empty until then).
-LAZY_SCHEMAS = {SKIPPED_STEPS: SKIPPED_STEPS_SCHEMA}
+LAZY_SCHEMAS = {SKIPPED_STEPS: SKIPPED_STEPS_SCHEMA, ONLINE_SELECTION: ONLINE_SELECTION_SCHEMA}
 
 FIXED_SCHEMAS = {
     RUNS: RUNS_SCHEMA,
