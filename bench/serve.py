@@ -8,7 +8,9 @@ process on localhost, clients in this process over Arrow Flight.
   p99: target <= 2;
 - ``serve_hnsw_p50_ms``: warm p50 of one ``HNSW32,Flat`` lookup through the server: target <= 20 ms;
 - ``serve_first_vs_warm``: the first request to a freshly started ``--warm`` server (row file present) over a
-  warm one: target <= 1.2 (the first request to a server started without ``--warm`` is logged beside it).
+  warm one: target <= 1.2 (the first request to a server started without ``--warm`` is logged beside it);
+- ``serve_soak_failed_requests``: ``--soak-clients`` (16) clients mixing attribute, sql and report requests for
+  ``--soak-seconds`` (60) while this process appends rows: target 0.
 
 Default 20,000 x 4,096 rows (under 10 minutes on 2 cores); ``--rows 100000`` is the issue's size.
 """
@@ -63,7 +65,7 @@ class ServerProcess:
             command += ["--warm", warm, "--warm-kinds", f"exact,{HNSW}"]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, env=env, text=True)
         self.flight_uri = self.process.stdout.readline().split()[1]
-        self.process.stdout.readline()
+        self.http_url = self.process.stdout.readline().split()[1]
 
     def stop(self) -> None:
         self.process.terminate()
@@ -110,6 +112,60 @@ def throughput(uri: str, queries: np.ndarray, clients: int, seconds: float, opti
     return sum(done) / (time.perf_counter() - start)
 
 
+def soak(server: ServerProcess, store: gradstore.GradStore, queries: np.ndarray, clients: int, seconds: float,
+         options: dict) -> tuple[int, int, int]:  # fmt: skip
+    """``clients`` clients mixing attribute (Flight), sql (Flight) and report (HTTP) requests for ``seconds`` while
+    this process appends rows to the store: (requests, failures, versions seen)."""
+    import httpx
+
+    stop = threading.Event()
+    counts = [0] * clients
+    failures: list[BaseException] = []
+    versions: set = set()
+
+    def client(c: int) -> None:
+        try:
+            with gradstore.connect(server.flight_uri, token=TOKEN) as remote, httpx.Client(
+                base_url=server.http_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300
+            ) as http:  # fmt: skip
+                turn = c
+                while not stop.is_set():
+                    turn += 1
+                    if turn % 5 == 0:
+                        remote.sql("SELECT split, count(*) FROM gradients GROUP BY split").df()
+                    elif turn % 11 == 0:
+                        response = http.get("/report", params={"top": 5})
+                        if response.status_code != 200:
+                            raise RuntimeError(f"report: {response.status_code}")
+                    else:
+                        remote.attribute(queries[turn % len(queries)][None], **options)
+                    versions.add(remote.last_version)
+                    counts[c] += 1
+        except BaseException as error:
+            failures.append(error)
+
+    def writer() -> None:
+        generator = np.random.default_rng(9)
+        batch = 0
+        while not stop.is_set():
+            rows = generator.standard_normal((256, queries.shape[1]), dtype=np.float32)
+            with store.writer(RUN) as w:
+                w.append(rows, [f"new-{batch}-{i}" for i in range(256)], checkpoint="train", split="train")
+            batch += 1
+            stop.wait(2.0)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)] + [threading.Thread(target=writer)]
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    for error in failures[:3]:
+        log(f"failure: {error!r}")
+    return sum(counts), len(failures), len(versions)
+
+
 def result(name: str, value: float, op: str, target: float) -> None:
     ok = value >= target if op == ">=" else value <= target
     print(f"RESULT {name}={value:.3f} target{op}{target} {'PASS' if ok else 'MISS'}", flush=True)
@@ -124,6 +180,8 @@ def main() -> None:
     parser.add_argument("--lookups", type=int, default=100)
     parser.add_argument("--window-ms", type=float, default=0.0)
     parser.add_argument("--method", default="grad-dot")
+    parser.add_argument("--soak-clients", type=int, default=16)
+    parser.add_argument("--soak-seconds", type=float, default=60.0)
     args = parser.parse_args()
     options = {"run": RUN, "k": 10, "method": args.method}
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
@@ -175,6 +233,10 @@ def main() -> None:
             log(f"{args.clients} clients for {args.seconds} s")
             served_qps = throughput(server.flight_uri, queries, args.clients, args.seconds, options)
             log(f"served: {served_qps:.1f} queries/s vs the in-process loop's {loop_qps:.1f}")
+            log(f"soak: {args.soak_clients} clients mixing attribute/sql/report for {args.soak_seconds} s, a writer "
+                "appending")  # fmt: skip
+            requests, failed, seen = soak(server, store, queries, args.soak_clients, args.soak_seconds, options)
+            log(f"soak: {requests} requests, {failed} failed, {seen} gradients versions seen")
         finally:
             server.stop()
     print(f"rows={args.rows} dim={args.dim} clients={args.clients} cpus={os.cpu_count()} method={args.method}")
@@ -182,6 +244,7 @@ def main() -> None:
     result("serve_exact_p99_vs_inprocess", percentile(served, 99) / percentile(in_process, 99), "<=", 2)
     result("serve_hnsw_p50_ms", percentile(hnsw, 50) * 1e3, "<=", 20)
     result("serve_first_vs_warm", first / statistics.median(served), "<=", 1.2)
+    result("serve_soak_failed_requests", failed, "<=", 0)
 
 
 if __name__ == "__main__":

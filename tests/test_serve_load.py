@@ -193,3 +193,20 @@ def test_a_killed_server_restarts_and_clients_reconnect(store_path):
     finally:
         remote.close()
         server.stop()
+
+
+def test_the_serve_command_refuses_in_one_line(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from gradstore.cli import app
+
+    monkeypatch.delenv("GRADSTORE_TOKENS", raising=False)
+    result = CliRunner().invoke(app, ["serve", str(tmp_path / "none")])
+    assert result.exit_code == 1 and result.output.startswith("error: no tokens"), result.output
+    monkeypatch.setenv("GRADSTORE_TOKENS", "short")
+    result = CliRunner().invoke(app, ["serve", str(tmp_path / "none")])
+    assert result.exit_code == 1 and "at least 16 characters" in result.output
+    monkeypatch.setenv("GRADSTORE_TOKENS", READ)
+    result = CliRunner().invoke(app, ["serve", str(tmp_path / "none"), "--http-port", "0", "--flight-port", "0"])
+    assert result.exit_code == 1 and result.output.startswith("error:") and READ not in result.output
+    assert len(result.output.strip().splitlines()) == 1
