@@ -21,7 +21,6 @@ from __future__ import annotations
 import inspect
 import math
 import re
-import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from gradstore.distributed import distributed_capture, is_distributed
+from gradstore.errors import CaptureUsageError
 from ingest.capture import ProjectionConfig
 from ingest.layers import select_layers
 
@@ -121,14 +121,7 @@ class GradstoreCallback(TrainerCallback):
         if self.capture is not None:
             self.close()
         options = {"loss_reduction": "token_mean", **self.options, **_skip_fused_lm_head(model, self.options)}
-        if _accepts_fused_lm_head(model.forward) and (args.gradient_accumulation_steps > 1 or is_distributed()):
-            warnings.warn(
-                "TRL's fused-LM-head loss divides by the Trainer's token count over all micro-batches and "
-                "ranks without passing it to the model; capture can only count each micro-batch, so rows "
-                "are scaled per micro-batch. Use gradient_accumulation_steps=1 on one process for exact "
-                "per-example gradients (see docs/integrations.md).",
-                stacklevel=2,
-            )
+        _refuse_inexact_fused_lm_head(model, args)
         if "loss_scale" not in options and is_distributed() and getattr(args, "average_tokens_across_devices", False):
             options["loss_scale"] = float(torch.distributed.get_world_size())
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
@@ -203,6 +196,32 @@ def trainer_grad_scaler(optimizer: Any) -> Any | None:
     return scaler
 
 
+def _refuse_inexact_fused_lm_head(model: torch.nn.Module, args: TrainingArguments) -> None:
+    """TRL's fused LM head divides the summed token loss by the Trainer's ``num_items_in_batch`` without passing it
+    to the model, so capture recounts the label tokens of each micro-batch. That is the Trainer's count only with
+    one micro-batch per step and, on several ranks, without ``average_tokens_across_devices`` (which sums the count
+    over ranks and multiplies the loss by the world size). Otherwise rows would be silently mis-scaled: refuse."""
+    if not _accepts_fused_lm_head(model.forward):
+        return
+    accumulation = args.gradient_accumulation_steps > 1
+    across_ranks = is_distributed() and getattr(args, "average_tokens_across_devices", False)
+    if accumulation or across_ranks:
+        reasons = " and ".join(
+            part
+            for part, on in (
+                (f"gradient_accumulation_steps={args.gradient_accumulation_steps}", accumulation),
+                ("average_tokens_across_devices=True on several ranks", across_ranks),
+            )
+            if on
+        )
+        raise CaptureUsageError(
+            f"GradstoreCallback: TRL's fused LM head divides the loss by a token count over all micro-batches "
+            f"(and ranks) that it never passes to the model, so per-example rows cannot be scaled exactly with "
+            f"{reasons}. In SFTConfig set gradient_accumulation_steps=1 (raise per_device_train_batch_size instead) "
+            f"and, on several ranks, average_tokens_across_devices=False (see docs/integrations.md)."
+        )
+
+
 def _skip_fused_lm_head(model: torch.nn.Module, options: dict[str, Any]) -> dict[str, Any]:
     """TRL's SFTTrainer patches ``model.forward`` with a fused LM head that multiplies by ``lm_head.weight``
     inside its own autograd function, so the ``lm_head`` module never runs and its hooks see nothing: its
@@ -220,9 +239,10 @@ def _skip_fused_lm_head(model: torch.nn.Module, options: dict[str, Any]) -> dict
             tuple(options.get("layer_types", ProjectionConfig.layer_types)),
             options.get("include"),
             options.get("exclude"),
+            bool(options.get("include_frozen", False)),
         )
         if any(info.name == name for info in layers):
-            raise ValueError(
+            raise CaptureUsageError(
                 f"{name!r} is computed by TRL's fused LM head, which bypasses the module: its gradient "
                 f"cannot be captured. Exclude it (exclude='^{re.escape(name)}$')."
             )

@@ -1,0 +1,282 @@
+"""The HF Trainer and TRL's SFTTrainer under ``torchrun --nproc_per_node 2`` (gloo, CPU, a tiny GPT-2 built in
+code), both ranks writing to one store through GradstoreCallback.
+
+What is compared:
+
+* Trainer (SGD, 2 ranks x batch 2 x accumulation 2 = 8 examples a step): every (example, step) row is present
+  exactly once, half from each rank, and equals the row of a single-process run with the same global batch
+  (batch 4 x accumulation 2) at the same step, for *every* step: DDP keeps the weights identical on the ranks
+  and, with ``average_tokens_across_devices``, the update equals the single-process one, so the weights at each
+  step are the single-process weights (up to float rounding).
+* SFTTrainer (fused LM head, 2 ranks x batch 2, ``average_tokens_across_devices=False``): every row present exactly
+  once; the rows of step 0 (initial weights) equal a plain capture of the same examples. Later steps are not
+  compared: with mixed lengths, DDP's mean of per-rank token means is not a single-process run's token mean.
+* The fused LM head with gradient accumulation, or on several ranks with ``average_tokens_across_devices``, is
+  refused with a message that says what to change (the token count TRL divides by never reaches the model).
+
+The test file is also the worker: ``torchrun ... tests/test_trainer_ranks.py OUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("LANCE_LOG", "error")
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import tiny_gpt2  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+import gradstore  # noqa: E402
+from gradstore.hf import GradstoreCallback, with_example_ids  # noqa: E402
+
+WORLD, N, SEQ, LR = 2, 16, 12, 0.05
+N_SFT = 8
+OPTIONS = {"projection": "factorized", "k_in": 8, "k_out": 8}
+HANG_GUARD_S = 300
+
+
+# ---------------------------------------------------------------------------------------------- shared set-up
+def token_dataset() -> datasets.Dataset:
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (N, SEQ), generator=gen).tolist()
+    return datasets.Dataset.from_dict(
+        {"input_ids": tokens, "labels": tokens, "example_id": [f"ex{i}" for i in range(N)]}
+    )
+
+
+def collate(features: list[dict]) -> dict[str, torch.Tensor]:
+    return {k: torch.tensor([f[k] for f in features]) for k in ("input_ids", "labels")}
+
+
+def train_trainer(out: Path, store, run: str, batch: int, **arguments) -> None:
+    args = TrainingArguments(
+        output_dir=str(out / run),
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=2,
+        num_train_epochs=2,
+        learning_rate=LR,
+        optim="sgd",  # Adam's first steps amplify rounding in near-zero gradients
+        lr_scheduler_type="linear",
+        save_strategy="steps",
+        save_steps=2,
+        report_to=[],
+        remove_unused_columns=False,
+        use_cpu=True,
+        seed=0,
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **arguments,
+    )
+    model = tiny_gpt2()
+    Trainer(
+        model=model,
+        args=args,
+        train_dataset=token_dataset(),
+        data_collator=with_example_ids(collate),
+        callbacks=[GradstoreCallback(store, run, commit_every=2, **OPTIONS)],
+    ).train()
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(61)}}
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def sft_dataset() -> datasets.Dataset:
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.randint(4, 12, (N_SFT,), generator=gen).tolist()  # padded batches of mixed lengths
+    texts = [" ".join(f"w{int(t)}" for t in torch.randint(0, 61, (n,), generator=gen)) for n in lengths]
+    return datasets.Dataset.from_dict({"text": texts, "example_id": [f"t{i}" for i in range(N_SFT)]})
+
+
+def sft_trainer(out: Path, store, run: str, **arguments):
+    import trl
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    settings = {
+        "per_device_train_batch_size": 2,
+        "num_train_epochs": 2,
+        "average_tokens_across_devices": False,
+        **arguments,
+    }
+    args = trl.SFTConfig(
+        output_dir=str(out / run),
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        remove_unused_columns=False,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        max_length=32,
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        bf16=False,  # TRL turns bf16 autocast on by default
+        **settings,
+    )
+    model = tiny_gpt2()
+    model.loss_type = "ForCausalLM"  # the Trainer counts shifted label tokens, as the loss does
+    return trl.SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=sft_dataset(),
+        processing_class=tiny_tokenizer(),
+        data_collator=with_example_ids(DataCollatorForLanguageModeling(pad_token_id=0)),
+        callbacks=[GradstoreCallback(store, run, **OPTIONS)],
+    )
+
+
+# ------------------------------------------------------------------------------------------------- the worker
+def worker(out: Path) -> None:
+    """One rank of the torchrun job: the Trainer run, then the SFTTrainer run, into one store."""
+    torch.set_num_threads(1)
+    store = gradstore.open(out / "store", storage_dtype="float32")
+    train_trainer(out, store, "trainer", batch=2, ddp_backend="gloo")
+    rank = torch.distributed.get_rank()
+    trainer = sft_trainer(out, store, "sft", ddp_backend="gloo")
+    trainer.train()
+    if rank == 0:
+        prepared = {row["example_id"]: row["input_ids"] for row in trainer.train_dataset}
+        (out / "sft_prepared.json").write_text(json.dumps(prepared))
+    torch.distributed.barrier()
+    refused = "no error"
+    try:  # the default average_tokens_across_devices=True on 2 ranks: refused on every rank, before any collective
+        sft_trainer(out, store, "sft-refused", average_tokens_across_devices=True).train()
+    except gradstore.GradstoreError as error:
+        refused = str(error)
+    if rank == 0:
+        (out / "refused.txt").write_text(refused)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+# -------------------------------------------------------------------------------------------------- the tests
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One torchrun job with 2 gloo ranks (process start-up and imports dominate on a small CPU)."""
+    pytest.importorskip("trl")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    out = tmp_path_factory.mktemp("trainer_ranks")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={WORLD}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        __file__,
+        str(out),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"the torchrun job hung (killed after {HANG_GUARD_S} s): {error.stderr}")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    return out, gradstore.open(out / "store")
+
+
+def rows(store, run: str) -> dict[tuple[str, int], np.ndarray]:
+    block = store.read_gradients(run, columns=("example_id", "step"))
+    meta = block.metadata.to_pydict()
+    keys = list(zip(meta["example_id"], meta["step"]))
+    assert len(set(keys)) == len(keys), "duplicated rows"
+    return dict(zip(keys, block.vectors))
+
+
+def close(a: np.ndarray, b: np.ndarray, rtol: float = 1e-5) -> bool:
+    return float(np.linalg.norm(a - b)) <= rtol * float(np.linalg.norm(b))
+
+
+def test_trainer_ranks_write_every_row_once_equal_to_a_single_process_run(job, tmp_path):
+    out, store = job
+    got = rows(store, "trainer")
+    steps = 2 * N // 8  # 2 epochs, 8 examples an optimizer step
+    assert len(got) == 2 * N and {s for _, s in got} == set(range(steps))
+    for epoch in range(2):  # every example exactly once per epoch
+        seen = sorted(i for i, s in got if s // (N // 8) == epoch)
+        assert seen == sorted(f"ex{i}" for i in range(N))
+    per_rank = store.sql(
+        "SELECT rank, count(*) FROM gradients WHERE run_id = 'trainer' GROUP BY rank ORDER BY rank"
+    ).fetchall()
+    assert per_rank == [(0, N), (1, N)]
+    assert sorted(store.checkpoints("trainer").to_pydict()["checkpoint"]) == ["checkpoint-2", "checkpoint-4", "train"]
+
+    single = gradstore.open(tmp_path / "single", storage_dtype="float32")
+    train_trainer(tmp_path, single, "single", batch=WORLD * 2)  # the same global batch on one process
+    reference = rows(single, "single")
+    assert set(got) == set(reference)  # the same examples at the same steps
+    for key, vector in reference.items():  # at every step: the weights are the single-process weights
+        assert close(got[key], vector, 1e-4), key
+
+
+def test_sft_trainer_ranks_write_every_row_once_and_step0_rows_equal_a_plain_capture(job, tmp_path):
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    out, store = job
+    got = rows(store, "sft")
+    assert sorted(i for i, _ in got) == sorted(f"t{i}" for i in range(N_SFT) for _ in range(2))  # once per epoch
+    assert {s for _, s in got} == {0, 1, 2, 3}
+    per_rank = store.sql("SELECT rank, count(*) FROM gradients WHERE run_id = 'sft' GROUP BY rank").fetchall()
+    assert sorted(per_rank) == [(0, N_SFT), (1, N_SFT)]
+    assert "lm_head" not in [slot.name for slot in store.core.run_spec("sft").layers]
+
+    prepared = json.loads((out / "sft_prepared.json").read_text())
+    step0 = sorted(i for i, s in got if s == 0)
+    collator = DataCollatorForLanguageModeling(pad_token_id=0)
+    batch = dict(collator([{"input_ids": prepared[i]} for i in step0]))
+    reference_store = gradstore.open(tmp_path / "reference", storage_dtype="float32")
+    model = tiny_gpt2()  # the initial weights
+    with reference_store.capture(model, "ref", loss_reduction="token_mean", exclude="^lm_head$", **OPTIONS) as cap:
+        cap.set_ids(step0)
+        model(**batch).loss.backward()
+    block = reference_store.read_gradients("ref")
+    reference = dict(zip(block.metadata.column("example_id").to_pylist(), block.vectors))
+    for example_id in step0:
+        assert close(got[(example_id, 0)], reference[example_id]), example_id
+
+
+def test_fused_lm_head_on_ranks_averaging_tokens_is_refused_with_what_to_change(job):
+    out, store = job
+    message = (out / "refused.txt").read_text()
+    assert "average_tokens_across_devices=False" in message, message
+    assert "sft-refused" not in store.runs().to_pydict().get("run_id", [])
+
+
+def test_fused_lm_head_with_gradient_accumulation_is_refused_with_what_to_change(tmp_path):
+    pytest.importorskip("trl")
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    with pytest.raises(gradstore.GradstoreError, match="gradient_accumulation_steps=1"):
+        sft_trainer(tmp_path, store, "sft-accumulated", gradient_accumulation_steps=2).train()
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))
