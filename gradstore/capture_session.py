@@ -37,6 +37,7 @@ RUN_OPTIONS = (
     "layer_types",
     "include",
     "exclude",
+    "include_frozen",
     "route",
     "layer_sizes",
     "loss_reduction",

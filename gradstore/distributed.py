@@ -24,7 +24,10 @@ Usage (in each rank, after ``init_process_group``)::
 
 A ``DistributedDataParallel`` wrapper is unwrapped (hooks go on ``ddp_model.module``) so layer names and
 projection matrices equal a single-process run's. FSDP2 (``fully_shard``) modules keep their names and
-are captured as they are: hooks see full (unsharded) activations and output gradients.
+are captured as they are: hooks see full (unsharded) activations and output gradients. FSDP1
+(``FullyShardedDataParallel``, with or without ``use_orig_params``) inserts ``_fsdp_wrapped_module.`` into module
+names; capture leaves it out (:func:`ingest.layers.clean_name`), so names and projections equal a
+single-process run's, and hooks on the inner modules see full weights' activations and output gradients.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from gradstore.capture_session import StoreCapture, config_for_run
 from gradstore.core import commits
 from gradstore.core.writer import GradientWriter, WriterConfig
+from gradstore.errors import surface
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore
@@ -294,6 +298,7 @@ def pool_curvature(
     return {layer: (a / max(n, 1), s / max(n, 1), n) for layer, (a, s, n) in pooled.items()}
 
 
+@surface
 def distributed_capture(
     store: GradStore,
     model: nn.Module,

@@ -239,6 +239,7 @@ def _skip_fused_lm_head(model: torch.nn.Module, options: dict[str, Any]) -> dict
             tuple(options.get("layer_types", ProjectionConfig.layer_types)),
             options.get("include"),
             options.get("exclude"),
+            bool(options.get("include_frozen", False)),
         )
         if any(info.name == name for info in layers):
             raise CaptureUsageError(

@@ -130,6 +130,7 @@ class GradStore:
         layer_types: Sequence[str] = RUN_DEFAULT,
         include: str | None = RUN_DEFAULT,
         exclude: str | None = RUN_DEFAULT,
+        include_frozen: bool = RUN_DEFAULT,
         route: Literal["auto", "project", "materialize"] = RUN_DEFAULT,
         layer_sizes: LayerSizes | None = RUN_DEFAULT,
         basis: ProjectionBasis | None = RUN_DEFAULT,
@@ -152,7 +153,9 @@ class GradStore:
         training rows for ``kfac``), ``normalizer``, ``fused`` (project inside the Linear/Conv1D layers' own GEMMs:
         the same rows, cheaper where batches hold more tokens than a layer is wide; :mod:`ingest.fused`), ``rank``.
         Per run: ``projection`` (``"factorized"`` ``k_out x k_in`` per layer, ``"dense"``, or ``None`` for exact
-        gradients), ``k_in``/``k_out``, ``seed``, ``layer_types``/``include``/``exclude`` (which layers), ``route``,
+        gradients), ``k_in``/``k_out``, ``seed``, ``layer_types``/``include``/``exclude`` (which layers),
+        ``include_frozen`` (also capture layers whose weight is frozen, e.g. a LoRA model's base layers; default:
+        trainable layers only), ``route``,
         ``layer_sizes`` (per-layer ``(k_in, k_out)`` by layer-name regex), ``basis`` (fixed projection matrices such
         as the curvature-aware ones of :func:`ingest.basis.estimate_basis`, kept in the store for the run's later
         captures), and ``loss_reduction``/``loss_scale`` (how the loop's loss was formed): a new run takes them as
@@ -176,6 +179,7 @@ class GradStore:
             "layer_types": layer_types,
             "include": include,
             "exclude": exclude,
+            "include_frozen": include_frozen,
             "route": route,
             "layer_sizes": layer_sizes,
             "basis": basis,

@@ -299,7 +299,7 @@ def estimate_basis(
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     config = config or ProjectionConfig()
-    layers = select_layers(model, tuple(config.layer_types), config.include, config.exclude)
+    layers = select_layers(model, tuple(config.layer_types), config.include, config.exclude, config.include_frozen)
     if not layers:
         raise ValueError("estimate_basis: no supported layer matches the layer selection")
     covariances = _moments(model, layers, batches, loss_fn, _CovarianceHooks(layers, factors))

@@ -32,7 +32,7 @@ from ingest.curvature import CurvatureStats
 from ingest.delivery import Delivery
 from ingest.hooks import ActiveBatch, LayerHook, in_backward
 from ingest.ids import content_hashes, find_inputs, find_mask, normalize_ids
-from ingest.layers import LayerInfo, select_layers
+from ingest.layers import LayerInfo, fsdp1_wrapped, select_layers
 from ingest.misuse import CaptureUsageError
 from ingest.normalizers import NORMALIZERS, adam_factored_scales
 from ingest.per_example import ROUTES
@@ -78,7 +78,9 @@ class ProjectionConfig:
 
     ``kind``: ``None`` exact gradients, ``"factorized"`` (``k_out x k_in`` per layer), ``"dense"`` (one JL
     matrix per layer, ``k_in * k_out`` dims, for small layers). ``layer_types``/``include``/``exclude``:
-    which layers (regexes on module names). ``layer_sizes``: per-layer ``(k_in, k_out)`` by layer-name regex
+    which layers (regexes on module names); layers whose weight is frozen (``requires_grad=False``, e.g. the
+    base layers of a LoRA model) are left out unless ``include_frozen``. ``layer_sizes``: per-layer
+    ``(k_in, k_out)`` by layer-name regex
     (first match, ``re.search``), else ``k_in``/``k_out``; sizes never exceed the layer's width. ``basis``:
     fixed factorized matrices (e.g. the K-FAC eigenbasis of :func:`ingest.basis.estimate_basis`) instead of
     seeded random ones; they fix each layer's sizes, and their digest is part of the projection spec.
@@ -93,6 +95,7 @@ class ProjectionConfig:
     exclude: str | None = None
     layer_sizes: LayerSizes | None = None
     basis: ProjectionBasis | None = None
+    include_frozen: bool = False
 
     def validate(self) -> None:
         """Raise ValueError on an unknown option."""
@@ -105,6 +108,8 @@ class ProjectionConfig:
             raise CaptureUsageError("k_in and k_out must be positive")
         if self.basis is not None and self.kind != "factorized":
             raise CaptureUsageError("a projection basis needs projection='factorized'")
+        if not isinstance(self.include_frozen, bool):
+            raise CaptureUsageError(f"include_frozen must be True or False, got {self.include_frozen!r}")
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,20 @@ class CaptureLabels:
 #: The flat option names of :meth:`CaptureConfig.from_options`, by the part of the config they set.
 PROJECTION_OPTIONS = {
     "projection": "kind",
-    **{name: name for name in ("k_in", "k_out", "seed", "layer_types", "include", "exclude", "layer_sizes", "basis")},
+    **{
+        name: name
+        for name in (
+            "k_in",
+            "k_out",
+            "seed",
+            "layer_types",
+            "include",
+            "exclude",
+            "layer_sizes",
+            "basis",
+            "include_frozen",
+        )
+    },
 }
 LABEL_OPTIONS = ("split", "checkpoint", "rank")
 
@@ -311,7 +329,15 @@ class GradientCapture:
                 f"normalizer={self.config.normalizer!r} normalises rows by the optimizer's second moments: pass "
                 "optimizer=... (the training loop's Adam), or capture raw rows (normalizer=None)"
             )
-        layers = select_layers(model, tuple(projection.layer_types), projection.include, projection.exclude)
+        if fsdp1_wrapped(model) and (self.config.normalizer is not None or self.config.fused):
+            raise CaptureUsageError(
+                "capture: normalizer= and fused=True read each layer's weight (and the optimizer's state per "
+                "weight), which FSDP1 (FullyShardedDataParallel) keeps flattened and sharded: capture with "
+                "normalizer=None and fused=False, or wrap the model with FSDP2 (fully_shard)"
+            )
+        layers = select_layers(
+            model, tuple(projection.layer_types), projection.include, projection.exclude, projection.include_frozen
+        )
         if not layers:
             raise CaptureUsageError(
                 "capture: no supported layer (Linear, Conv1D, Embedding) matches the layer selection: the model has "
