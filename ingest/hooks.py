@@ -191,8 +191,15 @@ class LayerHook:
         batch = self.owner.batch
         if self.owner.is_paused or batch is None or not torch.is_grad_enabled():
             return None
-        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+        if not isinstance(output, torch.Tensor):
             return None
+        frozen_leaf = False
+        if not output.requires_grad:
+            if self.module.weight.requires_grad or not output.is_floating_point():
+                return None
+            # a frozen layer kept on purpose (include_frozen) whose input needs no gradient either (e.g. the
+            # first base layer of a LoRA model): make its output a leaf so the hook still gets dL/d(output)
+            output, frozen_leaf = output.detach().requires_grad_(True), True
         x = args[0].detach()
         # A batch-1 input in a B-example forward is broadcast later (e.g. position embeddings): expand
         # the output (a view) so autograd hands us per-example gradients. Expand's backward is the
@@ -201,7 +208,7 @@ class LayerHook:
         if broadcast:
             x = x.expand(batch.size, *x.shape[1:])
             output = output.expand(batch.size, *output.shape[1:])
-        replaced = output if broadcast else None
+        replaced = output if broadcast or frozen_leaf else None
         if in_backward():
             output.register_hook(self._refuse_recomputation)
             return replaced
