@@ -30,7 +30,8 @@ def main(store_path: str) -> None:
     tokens = torch.randint(0, 64, (32, 16)).tolist()
     data = datasets.Dataset.from_dict({"input_ids": tokens, "example_id": [f"doc-{i}" for i in range(32)]})
     store = gradstore.open(store_path)
-    store.add_examples(data.remove_columns("input_ids"), id_column="example_id")
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun one rank adds them: concurrent upserts can duplicate ids
+        store.add_examples(data.remove_columns("input_ids"), id_column="example_id")
     args = TrainingArguments(
         output_dir=os.path.join(store_path, "..", "trainer-out"),
         per_device_train_batch_size=8,

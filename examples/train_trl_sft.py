@@ -4,7 +4,10 @@
 
 TRL's fused LM head bypasses the ``lm_head`` module, so the callback leaves that layer out of the rows.
 TRL divides its loss by a token count that it does not pass to the model: set ``model.loss_type`` so the
-Trainer counts shifted label tokens, and keep ``gradient_accumulation_steps=1`` (see docs/integrations.md).
+Trainer counts shifted label tokens, keep ``gradient_accumulation_steps=1`` and, for ``torchrun``, set
+``average_tokens_across_devices=False`` (the callback refuses the others; see docs/integrations.md):
+
+    torchrun --nproc_per_node 2 examples/train_trl_sft.py STORE
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def main(store_path: str) -> None:
     texts = [" ".join(f"w{int(t)}" for t in torch.randint(0, 61, (int(n),))) for n in torch.randint(4, 20, (24,))]
     data = datasets.Dataset.from_dict({"text": texts, "example_id": [f"sft-{i}" for i in range(24)]})
     store = gradstore.open(store_path)
-    store.add_examples(data, id_column="example_id")
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun one rank adds them: concurrent upserts can duplicate ids
+        store.add_examples(data, id_column="example_id")
     args = SFTConfig(
         output_dir=os.path.join(store_path, "..", "sft-out"),
         per_device_train_batch_size=8,
@@ -52,6 +56,7 @@ def main(store_path: str) -> None:
         use_cpu=True,
         bf16=False,
         remove_unused_columns=False,
+        average_tokens_across_devices=False,  # exact rows under torchrun too (see docs/integrations.md)
         logging_strategy="no",
     )
     trainer = SFTTrainer(
