@@ -93,3 +93,14 @@ def test_sql_questions(tmp_path):
     assert store.sql("SELECT count(*) FROM scores").fetchall()[0][0] == 30 * 5 * 2
     flagged = store.sql("SELECT avg(mislabeled::INT) FROM most_self_influential(8)").fetchall()[0][0]
     assert flagged >= 0.5  # 5% of the labels were flipped
+
+
+def test_train_lora_captures_adapters_and_attributes(tmp_path):
+    out = run_example("train_lora", tmp_path / "store")
+    assert "all LoRA adapters: True" in out
+    found, total = number_after(r"top-1 proponent is the repeated training document: (\d+) of (\d+)", out)
+    assert found == total == 3
+    import gradstore
+
+    store = gradstore.open(tmp_path / "store", create=False)
+    assert store.sql("SELECT count(*) FROM gradients WHERE split = 'train'").fetchall()[0][0] == 32 * 2 + 32
