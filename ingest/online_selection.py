@@ -25,6 +25,7 @@ contribute nothing and the gradient stays ``1/B``-scaled.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,15 +149,24 @@ class RandomSelection:
 
 @dataclass
 class StepDecision:
-    """What the selector decided at one optimizer step (this rank's examples, in batch order)."""
+    """What the selector decided at one optimizer step (this rank's examples, in batch order; ``example_ids``
+    are the capture's ids, or content hashes computed when first read)."""
 
     step: int
-    example_ids: list[str]
+    id_sources: list[Any]  # per captured backward: its ids, or the (inputs, mask) its hashes come from
     weights: torch.Tensor  # [n] float64: 1 kept, 0 dropped, else the weight applied
     scores: torch.Tensor | None  # [n] float64
     losses: torch.Tensor | None  # [n] float32
     renormalization: float  # the factor the step's gradient was multiplied by after the removal
     rank: int
+
+    @functools.cached_property
+    def example_ids(self) -> list[str]:
+        """The examples' ids, in batch order."""
+        ids: list[str] = []
+        for source in self.id_sources:
+            ids.extend(source if isinstance(source, list) else content_hashes(*source))
+        return ids
 
     @property
     def kept(self) -> torch.Tensor:
@@ -263,6 +273,7 @@ class OnlineSelector:
         self._pending: dict[int, _Pending] = {}
         self._handles: list[Any] = []
         self.last_decision: StepDecision | None = None
+        self._target_cache: torch.Tensor | None = None
         self.steps_decided = 0
         self.examples_seen = 0
         self.examples_kept = 0
@@ -373,7 +384,7 @@ class OnlineSelector:
                     "online selection: a captured forward's output got no gradient before the optimizer step "
                     "(backward not run on it, or a second forward without backward)"
                 )
-        rows = torch.cat([p.rows for p in pending])
+        rows = pending[0].rows if len(pending) == 1 else torch.cat([p.rows for p in pending])
         scales = torch.cat([p.scales.to(rows.device, torch.float64) for p in pending])
         losses = None
         if all(p.meta.get("loss") is not None for p in pending):
@@ -404,13 +415,10 @@ class OnlineSelector:
                 for p in module.parameters(recurse=False):
                     if p.grad is not None:
                         p.grad.mul_(factor)
-        ids: list[str] = []
-        for p in pending:
-            given = p.meta.get("ids")
-            ids.extend(given if given is not None else content_hashes(*p.meta["hash_source"]))
+        sources = [p.meta["ids"] if p.meta.get("ids") is not None else p.meta["hash_source"] for p in pending]
         decision = StepDecision(
             step=int(pending[0].meta.get("step", self.capture.step)),
-            example_ids=ids,
+            id_sources=sources,
             weights=local.cpu(),
             scores=None if scores is None else scores.cpu(),
             losses=None if losses is None else losses.cpu(),
@@ -419,7 +427,7 @@ class OnlineSelector:
         )
         self.last_decision = decision
         self.steps_decided += 1
-        self.examples_seen += len(ids)
+        self.examples_seen += int(local.shape[0])
         self.examples_kept += int(decision.kept.sum())
         if self.on_decision is not None:
             self.on_decision(decision)
@@ -428,13 +436,16 @@ class OnlineSelector:
     def _scores(self, rows: torch.Tensor, losses: torch.Tensor | None) -> torch.Tensor | None:
         if self.target is None:
             return None
-        if isinstance(self.target, torch.Tensor):
-            target = self.target.to(rows.device, torch.float64)
-            r = rows.double()
+        if isinstance(self.target, torch.Tensor):  # float32 GEMV (the rows are float32), scores as float64
+            if self._target_cache is None or self._target_cache.device != rows.device:
+                target = self.target.to(rows.device, torch.float64)
+                if self.similarity == "cosine":
+                    target = target / target.norm().clamp(min=1e-30)
+                self._target_cache = target.to(rows.dtype)
+            scores = rows @ self._target_cache
             if self.similarity == "cosine":
-                r = r / r.norm(dim=1, keepdim=True).clamp(min=1e-30)
-                target = target / target.norm().clamp(min=1e-30)
-            return r @ target
+                scores = scores / rows.norm(dim=1).clamp(min=1e-30)
+            return scores.double()
         scores = torch.as_tensor(self.target(rows, losses)).to(torch.float64).reshape(-1)
         if scores.shape[0] != rows.shape[0]:
             raise CaptureUsageError(f"the target function returned {scores.shape[0]} scores for {rows.shape[0]} rows")
