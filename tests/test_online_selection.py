@@ -125,7 +125,7 @@ def test_scores_are_row_dot_target_and_top_fraction_keeps_the_best():
         cap.flush()
     decision = sel.last_decision
     expected = rows[0].grads.double() @ target
-    torch.testing.assert_close(decision.scores, expected, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(decision.scores, expected, rtol=1e-5, atol=1e-6)
     assert set(torch.nonzero(decision.kept).flatten().tolist()) == set(torch.topk(expected, 3).indices.tolist())
 
 
