@@ -3,9 +3,9 @@
     python examples/train_trl_sft.py [STORE]
 
 TRL's fused LM head bypasses the ``lm_head`` module, so the callback leaves that layer out of the rows.
-TRL divides its loss by a token count that it does not pass to the model: set ``model.loss_type`` so the
-Trainer counts shifted label tokens, keep ``gradient_accumulation_steps=1`` and, for ``torchrun``, set
-``average_tokens_across_devices=False`` (the callback refuses the others; see docs/integrations.md):
+TRL divides its loss by a token count that it does not pass to the model (the callback takes it from the
+Trainer): set ``model.loss_type`` so the Trainer counts shifted label tokens, as the loss does (see
+docs/integrations.md). Gradient accumulation and several ranks give exact rows too:
 
     torchrun --nproc_per_node 2 examples/train_trl_sft.py STORE
 """
@@ -56,7 +56,6 @@ def main(store_path: str) -> None:
         use_cpu=True,
         bf16=False,
         remove_unused_columns=False,
-        average_tokens_across_devices=False,  # exact rows under torchrun too (see docs/integrations.md)
         logging_strategy="no",
     )
     trainer = SFTTrainer(

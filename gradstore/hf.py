@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +105,7 @@ class GradstoreCallback(TrainerCallback):
         self.writer = writer
         self.options = options
         self.capture: StoreCapture | None = None
+        self._undo: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ events
     def on_train_begin(
@@ -121,7 +123,7 @@ class GradstoreCallback(TrainerCallback):
         if self.capture is not None:
             self.close()
         options = {"loss_reduction": "token_mean", **self.options, **_skip_fused_lm_head(model, self.options)}
-        _refuse_inexact_fused_lm_head(model, args)
+        trainer = _trainer_for_fused_lm_head(model, args)
         if "loss_scale" not in options and is_distributed() and getattr(args, "average_tokens_across_devices", False):
             options["loss_scale"] = float(torch.distributed.get_world_size())
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
@@ -133,6 +135,8 @@ class GradstoreCallback(TrainerCallback):
         else:
             cap = self.store.capture(model, self.run, **common, **options)
         self.capture = cap.__enter__()
+        if trainer is not None:
+            self._undo = _pass_token_count_to_capture(trainer, model)
         self.capture.set_step(state.global_step)
         self.capture.set_epoch(_epoch_index(state))
 
@@ -182,6 +186,9 @@ class GradstoreCallback(TrainerCallback):
         """Stop capturing (commits every row). Called at the end of training; call it yourself if
         ``trainer.train()`` raised, to remove the hooks."""
         cap, self.capture = self.capture, None
+        undo, self._undo = self._undo, []
+        for step in undo:
+            step()
         if cap is not None:
             cap.__exit__(None, None, None)
 
@@ -196,16 +203,21 @@ def trainer_grad_scaler(optimizer: Any) -> Any | None:
     return scaler
 
 
-def _refuse_inexact_fused_lm_head(model: torch.nn.Module, args: TrainingArguments) -> None:
+def _trainer_for_fused_lm_head(model: torch.nn.Module, args: TrainingArguments) -> Any | None:
     """TRL's fused LM head divides the summed token loss by the Trainer's ``num_items_in_batch`` without passing it
-    to the model, so capture recounts the label tokens of each micro-batch. That is the Trainer's count only with
-    one micro-batch per step and, on several ranks, without ``average_tokens_across_devices`` (which sums the count
-    over ranks and multiplies the loss by the world size). Otherwise rows would be silently mis-scaled: refuse."""
+    to the model, so capture would recount the label tokens of each micro-batch. That is the Trainer's count only
+    with one micro-batch per step and, on several ranks, without ``average_tokens_across_devices`` (which sums the
+    count over ranks and multiplies the loss by the world size). Otherwise the count must reach capture: return
+    the ``Trainer`` calling this callback (found on the call stack), whose ``compute_loss`` receives it, or
+    refuse when there is none."""
     if not _accepts_fused_lm_head(model.forward):
-        return
+        return None
     accumulation = args.gradient_accumulation_steps > 1
     across_ranks = is_distributed() and getattr(args, "average_tokens_across_devices", False)
-    if accumulation or across_ranks:
+    if not (accumulation or across_ranks):
+        return None
+    trainer = _calling_trainer()
+    if trainer is None:
         reasons = " and ".join(
             part
             for part, on in (
@@ -216,10 +228,73 @@ def _refuse_inexact_fused_lm_head(model: torch.nn.Module, args: TrainingArgument
         )
         raise CaptureUsageError(
             f"GradstoreCallback: TRL's fused LM head divides the loss by a token count over all micro-batches "
-            f"(and ranks) that it never passes to the model, so per-example rows cannot be scaled exactly with "
-            f"{reasons}. In SFTConfig set gradient_accumulation_steps=1 (raise per_device_train_batch_size instead) "
+            f"(and ranks) that it never passes to the model, and no Trainer calling this callback was found to "
+            f"take it from, so per-example rows cannot be scaled exactly with {reasons}. Run the callback from "
+            f"trainer.train(), or set gradient_accumulation_steps=1 (raise per_device_train_batch_size instead) "
             f"and, on several ranks, average_tokens_across_devices=False (see docs/integrations.md)."
         )
+    return trainer
+
+
+def _calling_trainer() -> Any | None:
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _pass_token_count_to_capture(trainer: Any, model: torch.nn.Module) -> list[Callable[[], None]]:
+    """Hand the Trainer's ``num_items_in_batch`` to capture's scaling for TRL's fused-LM-head forwards: the
+    trainer's ``compute_loss`` is wrapped to remember it, a forward pre-hook that runs before capture's adds it to
+    the forward's kwargs, and one that runs after capture's removes it again (the model never sees it).
+    Returns the steps that undo this."""
+    count: dict[str, Any] = {"n": None, "added": False}
+    original = trainer.compute_loss
+
+    def compute_loss(model: Any, inputs: Any, *args: Any, num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        if num_items_in_batch is None and trainer.args.gradient_accumulation_steps > 1:
+            raise CaptureUsageError(
+                "GradstoreCallback: the Trainer counted no label tokens (num_items_in_batch=None) under gradient "
+                "accumulation with TRL's fused LM head, so rows cannot be scaled exactly: give the batches a "
+                "`labels` entry, or set gradient_accumulation_steps=1."
+            )
+        count["n"] = num_items_in_batch
+        try:
+            return original(model, inputs, *args, num_items_in_batch=num_items_in_batch, **kwargs)
+        finally:
+            count["n"] = None
+
+    def add(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        count["added"] = False
+        if count["n"] is None or not kwargs.get("fused_lm_head") or "num_items_in_batch" in kwargs:
+            return None
+        count["added"] = True
+        return args, {**kwargs, "num_items_in_batch": count["n"]}
+
+    def remove(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if not count["added"]:
+            return None
+        count["added"] = False
+        return args, {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+
+    trainer.compute_loss = compute_loss
+    handles = [
+        model.register_forward_pre_hook(add, with_kwargs=True, prepend=True),
+        model.register_forward_pre_hook(remove, with_kwargs=True),
+    ]
+
+    def restore() -> None:
+        for handle in handles:
+            handle.remove()
+        if trainer.__dict__.get("compute_loss") is compute_loss:
+            del trainer.compute_loss
+
+    return [restore]
 
 
 def _skip_fused_lm_head(model: torch.nn.Module, options: dict[str, Any]) -> dict[str, Any]:

@@ -8,11 +8,16 @@ What is compared:
   (batch 4 x accumulation 2) at the same step, for *every* step: DDP keeps the weights identical on the ranks
   and, with ``average_tokens_across_devices``, the update equals the single-process one, so the weights at each
   step are the single-process weights (up to float rounding).
-* SFTTrainer (fused LM head, 2 ranks x batch 2, ``average_tokens_across_devices=False``): every row present exactly
-  once; the rows of step 0 (initial weights) equal a plain capture of the same examples. Later steps are not
-  compared: with mixed lengths, DDP's mean of per-rank token means is not a single-process run's token mean.
-* The fused LM head with gradient accumulation, or on several ranks with ``average_tokens_across_devices``, is
-  refused with a message that says what to change (the token count TRL divides by never reaches the model).
+* SFTTrainer (TRL's fused LM head, SGD, 2 ranks x batch 2, the default ``average_tokens_across_devices=True``):
+  every row present exactly once, half from each rank; the rows of step 0 (initial weights) equal a plain capture
+  of the same examples, and the rows of every step equal a single-process run with batch 4 (the token count that
+  TRL divides by never reaches the model: the callback takes it from the Trainer's ``compute_loss``).
+* SFTTrainer with ``average_tokens_across_devices=False`` on 2 ranks: every row once, step-0 rows equal the
+  single-process run's (later steps are not compared: with mixed lengths, DDP's mean of per-rank token means is
+  not the single-process token mean, so the weights differ).
+* SFTTrainer with gradient accumulation 2 on one process (batch 2): rows of every step equal the batch-4 run's.
+* Outside a Trainer (no ``compute_loss`` to take the count from) the fused LM head with accumulation is refused
+  with a message that says what to change.
 
 The test file is also the worker: ``torchrun ... tests/test_trainer_ranks.py OUT``.
 """
@@ -116,12 +121,12 @@ def sft_trainer(out: Path, store, run: str, **arguments):
     settings = {
         "per_device_train_batch_size": 2,
         "num_train_epochs": 2,
-        "average_tokens_across_devices": False,
         **arguments,
     }
     args = trl.SFTConfig(
         output_dir=str(out / run),
         learning_rate=LR,
+        optim="sgd",
         lr_scheduler_type="constant",
         remove_unused_columns=False,
         report_to=[],
@@ -159,14 +164,7 @@ def worker(out: Path) -> None:
         prepared = {row["example_id"]: row["input_ids"] for row in trainer.train_dataset}
         (out / "sft_prepared.json").write_text(json.dumps(prepared))
     torch.distributed.barrier()
-    refused = "no error"
-    try:  # the default average_tokens_across_devices=True on 2 ranks: refused on every rank, before any collective
-        sft_trainer(out, store, "sft-refused", average_tokens_across_devices=True).train()
-    except gradstore.GradstoreError as error:
-        refused = str(error)
-    if rank == 0:
-        (out / "refused.txt").write_text(refused)
-    torch.distributed.barrier()
+    sft_trainer(out, store, "sft-local", ddp_backend="gloo", average_tokens_across_devices=False).train()
     torch.distributed.destroy_process_group()
 
 
@@ -238,7 +236,17 @@ def test_trainer_ranks_write_every_row_once_equal_to_a_single_process_run(job, t
         assert close(got[key], vector, 1e-4), key
 
 
-def test_sft_trainer_ranks_write_every_row_once_and_step0_rows_equal_a_plain_capture(job, tmp_path):
+@pytest.fixture(scope="module")
+def sft_single(tmp_path_factory):
+    """A single-process SFTTrainer run with batch 4: the global batch of 2 ranks x 2, or of 2 micro-batches x 2."""
+    pytest.importorskip("trl")
+    tmp_path = tmp_path_factory.mktemp("sft_single")
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    sft_trainer(tmp_path, store, "single", per_device_train_batch_size=4).train()
+    return rows(store, "single")
+
+
+def test_sft_trainer_ranks_write_every_row_once_equal_to_a_single_process_run(job, sft_single, tmp_path):
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     out, store = job
@@ -249,12 +257,13 @@ def test_sft_trainer_ranks_write_every_row_once_and_step0_rows_equal_a_plain_cap
     assert sorted(per_rank) == [(0, N_SFT), (1, N_SFT)]
     assert "lm_head" not in [slot.name for slot in store.core.run_spec("sft").layers]
 
+    # step 0: a plain capture of the same tokenized, padded examples with the initial weights
     prepared = json.loads((out / "sft_prepared.json").read_text())
     step0 = sorted(i for i, s in got if s == 0)
     collator = DataCollatorForLanguageModeling(pad_token_id=0)
     batch = dict(collator([{"input_ids": prepared[i]} for i in step0]))
     reference_store = gradstore.open(tmp_path / "reference", storage_dtype="float32")
-    model = tiny_gpt2()  # the initial weights
+    model = tiny_gpt2()
     with reference_store.capture(model, "ref", loss_reduction="token_mean", exclude="^lm_head$", **OPTIONS) as cap:
         cap.set_ids(step0)
         model(**batch).loss.backward()
@@ -263,19 +272,48 @@ def test_sft_trainer_ranks_write_every_row_once_and_step0_rows_equal_a_plain_cap
     for example_id in step0:
         assert close(got[(example_id, 0)], reference[example_id]), example_id
 
-
-def test_fused_lm_head_on_ranks_averaging_tokens_is_refused_with_what_to_change(job):
-    out, store = job
-    message = (out / "refused.txt").read_text()
-    assert "average_tokens_across_devices=False" in message, message
-    assert "sft-refused" not in store.runs().to_pydict().get("run_id", [])
+    # every step: the single-process run with the same global batch
+    assert set(got) == set(sft_single)
+    for key, vector in sft_single.items():
+        assert close(got[key], vector, 1e-4), key
 
 
-def test_fused_lm_head_with_gradient_accumulation_is_refused_with_what_to_change(tmp_path):
-    pytest.importorskip("trl")
+def test_sft_trainer_ranks_without_token_averaging(job, sft_single):
+    _, store = job
+    got = rows(store, "sft-local")
+    assert sorted(i for i, _ in got) == sorted(f"t{i}" for i in range(N_SFT) for _ in range(2))
+    assert set(got) == set(sft_single)
+    for key, vector in sft_single.items():
+        if key[1] == 0:  # the initial weights; later steps train on a mean of per-rank token means
+            assert close(got[key], vector), key
+
+
+def test_sft_trainer_gradient_accumulation_rows_equal_one_large_batch(sft_single, tmp_path):
     store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    trainer = sft_trainer(tmp_path, store, "accumulated", gradient_accumulation_steps=2)
+    trainer.train()
+    assert "compute_loss" not in trainer.__dict__  # the callback's wrapper is gone after training
+    got = rows(store, "accumulated")
+    assert set(got) == set(sft_single)
+    for key, vector in sft_single.items():
+        assert close(got[key], vector, 1e-4), key
+
+
+def test_fused_lm_head_with_accumulation_outside_a_trainer_is_refused_with_what_to_change(tmp_path):
+    from transformers import TrainerControl, TrainerState
+
+    model = tiny_gpt2()
+    original = model.forward
+
+    def fused_forward(*args, fused_lm_head: bool = False, **kwargs):  # the signature TRL patches in
+        return original(*args, **kwargs)
+
+    model.forward = fused_forward
+    args = TrainingArguments(str(tmp_path / "out"), gradient_accumulation_steps=2, use_cpu=True, report_to=[])
+    callback = GradstoreCallback(gradstore.open(tmp_path / "store"), "refused", **OPTIONS)
     with pytest.raises(gradstore.GradstoreError, match="gradient_accumulation_steps=1"):
-        sft_trainer(tmp_path, store, "sft-accumulated", gradient_accumulation_steps=2).train()
+        callback.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
+    assert callback.capture is None
 
 
 if __name__ == "__main__":
