@@ -195,7 +195,10 @@ def test_on_the_fly_queries_equal_stored_query_rows(captured, tmp_path):
     from gradstore.queries import resolve_queries
 
     live = resolve_queries(
-        store, QueryBatch(model, {"x": xq, "y": yq}, ids=[f"q{i}" for i in range(N_QUERY)], loss_fn=_loss), "run", "now"
+        store.core,
+        QueryBatch(model, {"x": xq, "y": yq}, ids=[f"q{i}" for i in range(N_QUERY)], loss_fn=_loss),
+        "run",
+        "now",
     )
     assert live.ids == [f"q{i}" for i in range(N_QUERY)]
     np.testing.assert_allclose(live.vectors, stored, rtol=1e-5, atol=1e-7)
@@ -265,16 +268,16 @@ def test_index_from_another_projection_is_refused(captured):
     store, _, _ = captured
     index = store.build_index("run", checkpoint="c0", method="grad-dot")
     key = ("indexes", index.name, "manifest.json")
-    text = store.files.read_bytes(*key).decode()
+    text = store.core.files.read_bytes(*key).decode()
     try:  # written through the side-file API, so with a matching checksum: a well-formed foreign manifest
-        store.files.write_bytes(text.replace(index.manifest["projection_fingerprint"], "0" * 32).encode(), *key)
+        store.core.files.write_bytes(text.replace(index.manifest["projection_fingerprint"], "0" * 32).encode(), *key)
         with pytest.raises(IndexMismatchError, match="projection_fingerprint"):
             store.index(index.name)
-        store.files.write_bytes(b"{not json", *key)
+        store.core.files.write_bytes(b"{not json", *key)
         with pytest.raises(IndexMismatchError):
             store.index(index.name)
     finally:
-        store.files.write_bytes(text.encode(), *key)
+        store.core.files.write_bytes(text.encode(), *key)
     with pytest.raises(FileNotFoundError):
         store.index("no-such-index")
 

@@ -205,7 +205,7 @@ def test_basis_round_trips_through_the_store_and_fixes_later_captures(store_path
     store = gradstore.open(store_path, storage_dtype="float32")
     first = store_capture(store, model, x, y, basis=basis)
     assert first.spec.basis == basis.digest()
-    assert store.files.exists(*basis_key(first.spec))
+    assert store.core.files.exists(*basis_key(first.spec))
     reopened = gradstore.open(store_path)
     loaded = run_basis(reopened, "r")
     assert loaded is not None and loaded.digest() == basis.digest()
@@ -244,12 +244,12 @@ def test_mismatched_basis_is_refused(store_path):
     assert ProjectionSpec.from_dict(with_basis.to_dict()) == with_basis
     assert with_basis.fingerprint() != ProjectionSpec(with_basis.seed, with_basis.kind, with_basis.layers).fingerprint()
     # a corrupted basis file is detected by its digest
-    with np.load(io.BytesIO(store.files.read_bytes(*basis_key(with_basis)))) as stored:
+    with np.load(io.BytesIO(store.core.files.read_bytes(*basis_key(with_basis)))) as stored:
         arrays = dict(stored)
     arrays["0|in"] = arrays["0|in"] * 2
     tampered = io.BytesIO()
     np.savez(tampered, **arrays)
-    store.files.write_bytes(tampered.getvalue(), *basis_key(with_basis))  # a valid file with other matrices
+    store.core.files.write_bytes(tampered.getvalue(), *basis_key(with_basis))  # a valid file with other matrices
     with pytest.raises(gradstore.StoreCorruptError, match="digest"):
         run_basis(store, "r")
 

@@ -87,8 +87,8 @@ def test_exact_search_on_a_bfloat16_store_matches_float32(tmp_path) -> None:
     first = index.search(queries, 10)
     assert index.cached_rows() is not None
     again = index.search(queries, 10)
-    store.row_cache.clear()
-    store.row_cache.budget_bytes = 1
+    store.core.row_cache.clear()
+    store.core.row_cache.budget_bytes = 1
     streamed = index.search(queries, 10)
     assert index.cached_rows() is None
     for other in (again, streamed):
@@ -117,7 +117,7 @@ def test_attribute_verify_sql_and_a_second_dim_on_a_bfloat16_store(tmp_path) -> 
     _write(store, "small", _rows(20, 8, seed=7), checkpoint="train")
     reopened = gradstore.open(tmp_path / "s")
     assert reopened.storage_dtype == "bfloat16"
-    for name in reopened.gradient_tables.by_dim().values():  # one encoding per store, each table tagged
+    for name in reopened.core.gradient_tables.by_dim().values():  # one encoding per store, each table tagged
         assert storage_dtype_of(reopened.core.table(name).schema.field(S.VECTOR_COLUMN)) == "bfloat16"
     table = reopened.attribute(vectors[:3], run="r", k=1, write=False, method="grad-dot")
     assert table.column("example_id").to_pylist() == ["r0", "r1", "r2"]
@@ -197,7 +197,7 @@ def test_read_ahead_of_stored_rows_same_results_errors_raised_no_thread_left(tmp
     vectors = _rows(700, 64, seed=9)
     _write(store, "r", vectors, checkpoint="train")
     queries = _rows(4, 64, seed=10)
-    source = stored_blocks(store, "r", "train", "train", block_rows=128)
+    source = stored_blocks(store.core, "r", "train", "train", block_rows=128)
     kernel = ExactIndex(block_rows=256, max_norm=UNIT_BF16_NORM)
     inline = kernel.search(queries, source, 5)
     ahead = kernel.search(queries, prefetched(source, depth=2), 5)

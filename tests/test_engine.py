@@ -189,7 +189,7 @@ def test_a_fit_on_ray_equals_the_in_process_fit(captured, ray_engine):
     from gradstore.fitting import Selection, fit_spec
     from gradstore.methods import resolve_method
 
-    spec = fit_spec(captured, Selection("run", "b"), resolve_method("ekfac"))
+    spec = fit_spec(captured.core, Selection("run", "b"), resolve_method("ekfac"))
     local = captured.fits.get(spec, 0.1, refit=True)
     remote = captured.fits.get(spec, 0.1, refit=True, engine=ray_engine)
     probe = torch.randn(3, captured.dim, dtype=torch.float64)
@@ -222,7 +222,7 @@ def test_build_index_and_cli_on_ray(captured, ray_engine, tmp_path):
         remote = captured.build_index(
             "run", method="fisher", kind=kind, name=f"ray-{label}", refit=True, engine=ray_engine
         )
-        assert len(remote.selection.shards(captured, ray_engine.parallelism)) > 1  # rows added by several tasks
+        assert len(remote.selection.shards(captured.core, ray_engine.parallelism)) > 1  # rows added by several tasks
         # (HNSW graphs cannot be merged: their rows are added here, in dataset order too)
         assert remote.indexed_ids.tolist() == local.indexed_ids.tolist()  # shards merged in dataset order
         for got, want in zip(remote.search(queries, 4), local.search(queries, 4)):
@@ -239,9 +239,9 @@ def test_shards_partition_the_rows(integers):
     where = "split = 'train'"
     every = sorted(store.read_gradients("ints", split="train").grad_ids.tolist())
     for parts in (1, 3, 50):
-        by_fragment = [b.grad_ids for s in fragment_shards(store, "ints", where, parts) for b in s.blocks()]
+        by_fragment = [b.grad_ids for s in fragment_shards(store.core, "ints", where, parts) for b in s.blocks()]
         assert sorted(np.concatenate(by_fragment).tolist()) == every
-        shards = example_shards(store, "ints", where, where, parts)
+        shards = example_shards(store.core, "ints", where, where, parts)
         assert 1 <= len(shards) <= parts
         seen: list[set[str]] = []
         for shard in shards:

@@ -203,7 +203,7 @@ def test_rows_larger_than_the_gpu_allows_are_streamed_to_it(tmp_path, monkeypatc
     store, queries = store_with_rows(tmp_path / "store", 300, 16, seed=1)
     cached = store.attribute(queries, run="r", k=4, write=False, method="grad-dot")
     assert store.build_index("r", method="grad-dot").cached_rows() is not None
-    store.row_cache.clear()
+    store.core.row_cache.clear()
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1024, 80 << 30))
     streamed = store.attribute(queries, run="r", k=4, write=False, method="grad-dot")
     assert store.build_index("r", method="grad-dot").cached_rows() is None

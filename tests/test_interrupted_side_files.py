@@ -105,13 +105,13 @@ def _check_index(path) -> None:
     queries = np.random.default_rng(2).normal(size=(3, 4)).astype(np.float32)
     expected = block.grad_ids[np.argsort(-(queries @ block.vectors.T), axis=1)[:, :2]]
     np.testing.assert_array_equal(index.search(queries, 2)[1], expected)
-    assert len([c for c in store.files.children("indexes", "flat") if c.startswith("faiss")]) == 1
+    assert len([c for c in store.core.files.children("indexes", "flat") if c.startswith("faiss")]) == 1
 
 
 @pytest.mark.parametrize("step", range(UPDATE_STEPS + 1))
 def test_an_index_update_killed_at_any_step_leaves_an_index_that_works_or_rebuilds(store_path, monkeypatch, step):
     store = _store_with_index(store_path)
-    steps = _die_at(monkeypatch, store.files, step)
+    steps = _die_at(monkeypatch, store.core.files, step)
     try:
         store.build_index(
             "r", checkpoint="c", kind="Flat", name="flat", method="grad-dot"
@@ -127,9 +127,9 @@ def test_an_index_update_killed_at_any_step_leaves_an_index_that_works_or_rebuil
 @pytest.mark.parametrize("step", range(REMOVAL_STEPS + 1))
 def test_an_index_removal_killed_at_any_step_leaves_nothing_damaged(store_path, monkeypatch, step):
     store = _store_with_index(store_path)
-    steps = _die_at(monkeypatch, store.files, step)
+    steps = _die_at(monkeypatch, store.core.files, step)
     try:
-        store.files.remove("indexes", "flat")
+        store.core.files.remove("indexes", "flat")
     except Killed:
         pass
     else:

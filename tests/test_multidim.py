@@ -92,10 +92,12 @@ def test_self_influence_select_and_score_matrix_use_the_runs_rows(stores, run):
 def test_the_store_reports_its_dims_and_reads_one_dim_at_a_time(stores):
     multi, _ = stores
     assert multi.dims == [8, 16, 64]
-    assert {run: multi.run_dim(run) for run in RUNS} == {run: dim for run, (dim, _) in RUNS.items()}
+    assert {run: multi.core.run_dim(run) for run in RUNS} == {run: dim for run, (dim, _) in RUNS.items()}
     with pytest.raises(gradstore.InvalidArgumentError, match="run_dim"):
         _ = multi.dim
-    assert multi.gradient_table_name("a16") == multi.gradient_table_name("c16") == S.GRADIENTS  # the first dim
+    assert (
+        multi.core.gradient_table_name("a16") == multi.core.gradient_table_name("c16") == S.GRADIENTS
+    )  # the first dim
     assert multi.gradient_table_name("b64") == "gradients_64"
     info = multi.info()
     assert info["dim"] is None and info["dims"] == [8, 16, 64]
@@ -217,8 +219,8 @@ def test_a_single_dim_store_keeps_one_gradients_table(tmp_path):
     _write(store, "a16")
     _write(store, "c16")
     assert store.dim == 16 and store.dims == [16]
-    assert [t for t in store.db.list_tables().tables if t.startswith("gradients")] == ["gradients"]
-    assert gradstore.open(tmp_path / "store", create=False).gradient_table_name("c16") == "gradients"
+    assert [t for t in store.core.db.list_tables().tables if t.startswith("gradients")] == ["gradients"]
+    assert gradstore.open(tmp_path / "store", create=False).core.gradient_table_name("c16") == "gradients"
 
 
 def test_a_creator_that_loses_the_race_for_gradients_takes_a_table_of_its_own(tmp_path):
@@ -226,7 +228,7 @@ def test_a_creator_that_loses_the_race_for_gradients_takes_a_table_of_its_own(tm
     creates one of another dim before this one's ``create`` commits."""
     late = gradstore.open(tmp_path / "store")
     first = gradstore.open(tmp_path / "store")
-    tables = late.gradient_tables
+    tables = late.core.gradient_tables
     decide = tables.primary_dim
 
     def decided_before_the_other_won() -> int | None:
@@ -279,7 +281,7 @@ def test_shards_cover_the_runs_own_table_only(stores):
     multi, _ = stores
     for run in ("a16", "b64"):
         where = f"run_id = '{run}' AND split = 'train'"
-        for shards in (fragment_shards(multi, run, where, 3), example_shards(multi, run, where, where, 3)):
+        for shards in (fragment_shards(multi.core, run, where, 3), example_shards(multi.core, run, where, where, 3)):
             blocks = [block for shard in shards for block in shard.blocks()]
             ids = sorted(e for block in blocks for e in block.metadata.column("example_id").to_pylist())
             assert ids == sorted(_rows(run)[1][:N_TRAIN])
@@ -312,7 +314,7 @@ def test_runs_of_several_dims_on_object_storage(s3_bucket, tmp_path):
     for store in (remote, local):
         for run in ("b64", "hand"):
             _write(store, run)
-    assert remote.dims == [8, 64] and remote.gradient_table_name("hand") == "gradients_8"
+    assert remote.dims == [8, 64] and remote.core.gradient_table_name("hand") == "gradients_8"
     for run in ("b64", "hand"):
         for kind in ("exact", "Flat"):
             options_ = dict(run=run, k=3, method="fisher", kind=kind, write=False)

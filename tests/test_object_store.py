@@ -123,8 +123,8 @@ def test_a_new_process_maps_the_row_file_of_a_store_on_object_storage(s3_bucket,
     first = gradstore.open(uri, storage_options=options, row_files=RowFiles(tmp_path / "cache", min_bytes=0))
     _capture(first)
     expected = first.attribute(run="run", k=5, method="fisher", write=False)
-    first.row_files.wait()
-    assert len(first.row_files.entries()) == 1
+    first.core.row_files.wait()
+    assert len(first.core.row_files.entries()) == 1
     assert not any("rows.pt" in key for key in _objects(options, bucket))  # nothing derived lands in the bucket
 
     def refuse(*args, **kwargs):

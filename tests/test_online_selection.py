@@ -310,3 +310,61 @@ def test_store_selection_errors_are_gradstore_errors(tmp_path):
         query_target(store, "run")
     with pytest.raises(GradstoreError, match="no run"):
         query_target(store, "nope")
+
+
+# ---------------------------------------------------------------- the Hugging Face Trainer (gradstore.hf_online)
+
+
+def test_trainer_callback_step_equals_a_step_on_the_kept_examples(tmp_path):
+    pytest.importorskip("transformers")
+    datasets = pytest.importorskip("datasets")
+    from tiny_models import tiny_gpt2
+    from transformers import Trainer, TrainingArguments
+
+    import gradstore
+    from gradstore.errors import InvalidArgumentError
+    from gradstore.hf import with_example_ids
+    from gradstore.hf_online import OnlineSelectionCallback
+
+    n, seq = 8, 12
+    tokens = torch.randint(0, 64, (n, seq), generator=torch.Generator().manual_seed(0)).tolist()
+    dataset = datasets.Dataset.from_dict(
+        {"input_ids": tokens, "labels": tokens, "example_id": [f"e{i}" for i in range(n)]}
+    )
+
+    def collate(features):
+        return {k: torch.tensor([f[k] for f in features]) for k in ("input_ids", "labels")}
+
+    def model_with_frozen_norms():
+        model = tiny_gpt2()
+        for name, p in model.named_parameters():
+            if ".ln_" in name or name.startswith("transformer.ln_f"):
+                p.requires_grad_(False)
+        return model
+
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    common = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": n, "max_steps": 1,
+              "learning_rate": 0.5, "optim": "sgd", "lr_scheduler_type": "constant", "report_to": [],
+              "remove_unused_columns": False, "use_cpu": True, "save_strategy": "no", "logging_strategy": "no",
+              "disable_tqdm": True}  # fmt: skip
+    callback = OnlineSelectionCallback(store, "run", RandomSelection(0.5), k_in=4, k_out=4)
+    with pytest.raises(InvalidArgumentError, match="max_grad_norm=0"):
+        Trainer(model=model_with_frozen_norms(), args=TrainingArguments(**common), train_dataset=dataset,
+                data_collator=with_example_ids(collate), callbacks=[callback]).train()  # fmt: skip
+    model = model_with_frozen_norms()
+    reference = copy.deepcopy(model)
+    trainer = Trainer(model=model, args=TrainingArguments(**common, max_grad_norm=0), train_dataset=dataset,
+                      data_collator=with_example_ids(collate), callbacks=[callback])  # fmt: skip
+    trainer.train()
+    assert callback.selection is None and callback.capture is None
+    rows = store.sql("select example_id, kept from online_selection").fetchall()
+    assert len(rows) == n and sum(k for _, k in rows) == n // 2
+    kept = sorted(int(e[1:]) for e, k in rows if k)
+    batch = torch.tensor(tokens)[kept]
+    reference(input_ids=batch, labels=batch).loss.backward()  # the mean over the kept examples' tokens
+    with torch.no_grad():
+        for p in reference.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)

@@ -75,7 +75,7 @@ def _embedded_data(page: str) -> dict:
 
 
 def test_report_data_matches_the_scores_table(small_store):
-    data = gather(small_store, ReportOptions(run=RUN, top=3))
+    data = gather(small_store.core, ReportOptions(run=RUN, top=3))
     assert data.queries_total == N_QUERIES and [q["id"] for q in data.queries] == [f"q-{i}" for i in range(5)]
     expected = small_store.sql(
         "SELECT query_id, method, example_id, score, rank FROM scores "
@@ -103,14 +103,14 @@ def test_report_data_matches_the_scores_table(small_store):
 
 
 def test_report_limits_queries_and_counts_the_rest(small_store):
-    data = gather(small_store, ReportOptions(max_queries=2))
+    data = gather(small_store.core, ReportOptions(max_queries=2))
     assert [q["id"] for q in data.queries] == ["q-0", "q-1"] and data.queries_total == N_QUERIES
     assert any("3 of 5 queries are not shown" in note for note in data.notes)
 
 
 def test_selection_breakdown_counts_candidates_and_selected(small_store):
     selection = small_store.select(run=RUN, budget=12)
-    chosen = gather(small_store, ReportOptions(run=RUN), selection).selection
+    chosen = gather(small_store.core, ReportOptions(run=RUN), selection).selection
     assert chosen["selected"] == 12 and chosen["candidates"] == N_TRAIN and chosen["fraction"] == pytest.approx(0.2)
     (source,) = [b for b in chosen["breakdown"] if b["column"] == "source"]
     picked = set(selection.column("example_id").to_pylist())
@@ -141,7 +141,7 @@ def token_store(tmp_path):
             },
         ),
     )
-    store.db.create_table(
+    store.core.db.create_table(
         "token_scores",
         pa.table(
             {
@@ -154,12 +154,12 @@ def token_store(tmp_path):
             }
         ),
     )
-    store.db.create_table("evaluations", pa.table({"method": ["grad-dot"], "lds": [0.41]}))
+    store.core.db.create_table("evaluations", pa.table({"method": ["grad-dot"], "lds": [0.41]}))
     return store
 
 
 def test_token_scores_and_evaluations_are_shown_when_present(token_store):
-    data = gather(token_store)
+    data = gather(token_store.core)
     tokens = data.queries[0]["tokens"]  # the query's tokens summed over the examples they were scored against
     assert tokens == {
         "a": [[0, "x", 1.5], [1, "is", 0.5]],
@@ -169,7 +169,7 @@ def test_token_scores_and_evaluations_are_shown_when_present(token_store):
 
 
 def test_an_empty_store_gives_an_empty_report(store, tmp_path):
-    data = gather(store)
+    data = gather(store.core)
     assert (data.queries, data.queries_total, data.histograms, data.self_influence) == ([], 0, [], [])
     assert data.overview["runs"] == [] and data.overview["row_counts"]["scores"] == 0
     assert '"queries":[]' in store.report(tmp_path / "empty.html").read_text(encoding="utf-8")

@@ -84,7 +84,7 @@ def test_row_locator_reads_the_asked_rows_after_appends_deletions_and_compaction
 
     def check(asked: np.ndarray) -> None:
         rows = _stored(store)
-        found, got = locator.read(store, "run", asked)
+        found, got = locator.read(store.core, "run", asked)
         assert found.tolist() == [g in rows for g in asked.tolist()]
         np.testing.assert_array_equal(got, np.stack([rows[g] for g in asked[found].tolist()]))
 
@@ -100,7 +100,7 @@ def test_row_locator_reads_the_asked_rows_after_appends_deletions_and_compaction
     assert len(store.core.table("gradients").to_lance().get_fragments()) == 1
     every = np.array(sorted(_stored(store)))
     check(every[::-1][::5][::-1].copy())
-    found, got = locator.read(store, "run", np.empty(0, np.int64))
+    found, got = locator.read(store.core, "run", np.empty(0, np.int64))
     assert found.shape == (0,) and got.shape == (0, 4)
 
 

@@ -29,7 +29,7 @@ K = 6
 
 def _open(path, cache, **kwargs) -> gradstore.GradStore:
     store = gradstore.open(path, row_files=cache, **kwargs)
-    store.row_files.min_bytes = 0  # the test's rows are small
+    store.core.row_files.min_bytes = 0  # the test's rows are small
     return store
 
 
@@ -68,7 +68,7 @@ def _searched_once(tmp_path, cache, rows: int = 200) -> tuple[gradstore.GradStor
     store = _open(tmp_path / "s", cache)
     _write(store, rows, seed=0)
     found = _attribute(store)
-    store.row_files.wait()
+    store.core.row_files.wait()
     (path,) = _files(cache)
     return store, found, path
 
@@ -90,7 +90,7 @@ def test_a_new_process_searches_the_row_file_and_finds_the_same_rows(tmp_path, d
     _write(first, 300, seed=0)
     found = _attribute(first)
     np.testing.assert_array_equal(found[0], _reference(first))
-    first.row_files.wait()
+    first.core.row_files.wait()
     assert len(_files(cache)) == 1
     no_lance_reads()
     again = _open(tmp_path / "s", cache)  # a new process: empty row cache
@@ -105,7 +105,7 @@ def test_appended_rows_make_a_new_file_and_remove_the_old(tmp_path) -> None:
     _write(store, 150, seed=1)
     again = _open(tmp_path / "s", cache)
     np.testing.assert_array_equal(_attribute(again)[0], _reference(again))
-    again.row_files.wait()
+    again.core.row_files.wait()
     (new,) = _files(cache)
     assert new != old and new.name.split("-")[0] == old.name.split("-")[0]  # same rows' file, other version
 
@@ -126,7 +126,7 @@ def test_a_damaged_file_is_removed_and_the_rows_read_from_the_store(tmp_path, ca
     again = _open(tmp_path / "s", cache)
     np.testing.assert_array_equal(_attribute(again)[0], expected[0])
     assert "unusable" in caplog.text
-    again.row_files.wait()
+    again.core.row_files.wait()
     (rewritten,) = _files(cache)  # written again by the search that read the store
     assert rewritten == path and torch.load(path, mmap=True, weights_only=True)["format"] == 1
 
@@ -139,10 +139,10 @@ def test_a_file_of_other_rows_under_the_name_is_refused(tmp_path) -> None:
     _write(store, 200, seed=0, run="a")
     _write(store, 120, seed=1, run="b")
     _attribute(store, "a")
-    store.row_files.wait()
+    store.core.row_files.wait()
     (of_a,) = _files(cache)
     _attribute(store, "b")
-    store.row_files.wait()
+    store.core.row_files.wait()
     (of_b,) = [path for path in _files(cache) if path != of_a]
     shutil.copyfile(of_a, of_b)
     again = _open(tmp_path / "s", cache)
@@ -178,8 +178,8 @@ def test_no_files_when_turned_off_or_too_small(tmp_path) -> None:
     off = gradstore.open(tmp_path / "off", row_files=False)
     _write(off, 100, seed=0)
     _attribute(off)
-    off.row_files.wait()
-    assert off.row_files.directory is None
+    off.core.row_files.wait()
+    assert off.core.row_files.directory is None
     small = gradstore.open(tmp_path / "small", row_files=tmp_path / "cache")  # default minimum: 32 MiB
     _write(small, 100, seed=0)
     _attribute(small)
@@ -193,20 +193,20 @@ def test_files_beyond_the_budget_go_least_recently_used_first(tmp_path) -> None:
     for run in ("a", "b", "c"):
         _write(store, 100, seed=0, run=run)
     _attribute(store, "a")
-    store.row_files.wait()
+    store.core.row_files.wait()
     (of_a,) = _files(cache)
-    store.row_files.budget_bytes = 2 * of_a.stat().st_size + 1024  # two files
+    store.core.row_files.budget_bytes = 2 * of_a.stat().st_size + 1024  # two files
     _attribute(store, "b")
-    store.row_files.wait()
+    store.core.row_files.wait()
     (of_b,) = [path for path in _files(cache) if path != of_a]
     for path in (of_a, of_b):
         os.utime(path, (1000, 1000))  # both long unused (no test depends on the clock's resolution)
     again = _open(tmp_path / "s", cache)
-    again.row_files.budget_bytes = store.row_files.budget_bytes
+    again.core.row_files.budget_bytes = store.core.row_files.budget_bytes
     _attribute(again, "a")  # maps a's file: now more recently used than b's
-    again.row_files.wait()
+    again.core.row_files.wait()
     _attribute(again, "c")
-    again.row_files.wait()
+    again.core.row_files.wait()
     remaining = _files(cache)
     assert len(remaining) == 2 and of_a in remaining and of_b not in remaining
 
@@ -280,7 +280,7 @@ def test_once_written_the_row_cache_holds_the_mapped_file(tmp_path) -> None:
     _write(store, 300, seed=0)
     index = store.build_index("r", checkpoint="c", method="grad-dot")
     first = _attribute(store)
-    store.row_files.wait()
+    store.core.row_files.wait()
     (path,) = _files(cache)
     block = index.cached_rows().blocks[0]
     searched = block.screen if isinstance(block, ScreenedBlock) else block[1]  # the bf16 screen, or the rows as stored
@@ -297,21 +297,21 @@ def test_row_files_are_listed_and_cleared_from_the_command_line(tmp_path) -> Non
 
     cache = tmp_path / "cache"
     store = gradstore.open(tmp_path / "s", row_files=RowFiles(cache, budget_bytes=1 << 30, min_bytes=0))
-    assert store.row_files.budget_bytes == 1 << 30
+    assert store.core.row_files.budget_bytes == 1 << 30
     _write(store, 200, seed=0)
     _attribute(store)
-    store.row_files.wait()
+    store.core.row_files.wait()
     (path,) = _files(cache)
-    (entry,) = store.row_files.entries()
+    (entry,) = store.core.row_files.entries()
     assert entry["name"] + ROW_FILE_SUFFIX == path.name and entry["bytes"] == path.stat().st_size
     runner = CliRunner()
     listed = runner.invoke(app, ["row-files", "--directory", str(cache)])
     assert listed.exit_code == 0 and "1 row files" in listed.output and entry["name"] in listed.output
-    scans = store.scan_files.usage()[0]
+    scans = store.core.scan_files.usage()[0]
     assert scans >= 4 and f"{scans} scan files" in listed.output  # runs, checkpoints, ids, example ids
     cleared = runner.invoke(app, ["row-files", "--directory", str(cache), "--clear"])
     assert cleared.exit_code == 0 and f"removed 1 row files and {scans} scan files" in cleared.output
-    assert _files(cache) == [] and store.row_files.entries() == [] and store.scan_files.usage() == (0, 0)
+    assert _files(cache) == [] and store.core.row_files.entries() == [] and store.core.scan_files.usage() == (0, 0)
     np.testing.assert_array_equal(_attribute(gradstore.open(tmp_path / "s", row_files=False))[0], _reference(store))
 
 
@@ -344,7 +344,7 @@ def test_a_file_that_cannot_be_written_costs_nothing_but_the_file(tmp_path, disk
     store = _open(tmp_path / "s", cache)
     _write(store, 200, seed=0)
     np.testing.assert_array_equal(_attribute(store)[0], _reference(store))
-    store.row_files.wait()
+    store.core.row_files.wait()
     assert "not written" in caplog.text
     assert [path for path in cache.iterdir() if path.is_file()] == []  # no row file, no temporary left
     np.testing.assert_array_equal(_attribute(store)[0], _reference(store))

@@ -94,7 +94,7 @@ def test_without_a_cache_directory_nothing_is_kept(tmp_path) -> None:
     store = _open(tmp_path / "s", False)
     _write(store, 50, seed=0)
     assert _attribute(store).column("example_id").to_pylist() == _reference(store)
-    assert store.scan_files.directory is None and not (tmp_path / "cache").exists()
+    assert store.core.scan_files.directory is None and not (tmp_path / "cache").exists()
 
 
 def test_appended_rows_and_new_checkpoints_are_seen_by_the_next_process(tmp_path) -> None:
@@ -194,16 +194,18 @@ def test_scan_files_beyond_the_file_budget_go_least_recently_used_first(tmp_path
     cache = tmp_path / "cache"
     store = _open(tmp_path / "s", cache)
     _write(store, 10, seed=0)
-    store.scan_files.clear()
-    store.scan_files.budget_files = 3
+    store.core.scan_files.clear()
+    store.core.scan_files.budget_files = 3
     wheres = [f"run_id = 'r' AND dim > {bound}" for bound in range(5)]  # five distinct scans of the runs table
     for age, where in enumerate(wheres):
         assert store.core.scan(S.RUNS, ["run_id"], where).column(0).to_pylist() == ["r"]
         os.utime(_scan_path(store, where), (1000 + age, 1000 + age))  # used in this order, whatever the clock says
-    assert store.scan_files.usage()[0] == 3
+    assert store.core.scan_files.usage()[0] == 3
     again = _open(tmp_path / "s", cache)  # a new process: only the three latest scans come from files
-    again.scan_files.budget_files = 3
-    kept = {where for where in wheres if again.scan_files._load(_scan_path(again, where), _runs_schema()) is not None}
+    again.core.scan_files.budget_files = 3
+    kept = {
+        where for where in wheres if again.core.scan_files._load(_scan_path(again, where), _runs_schema()) is not None
+    }
     assert kept == set(wheres[2:])
 
 
@@ -218,7 +220,7 @@ def _scan_path(store: gradstore.GradStore, where: str):
         "row_address": False,
     }
     return (
-        store.scan_files.directory
+        store.core.scan_files.directory
         / f"{cache_file_name(identity, dataset_content(store.core.dataset(S.RUNS)))}{SCAN_FILE_SUFFIX}"
     )
 

@@ -72,7 +72,7 @@ def test_resolve_device_defaults_and_refusals(no_cuda, monkeypatch) -> None:
 # ------------------------------------------------------------------------------------------- exact
 def test_exact_search_on_the_cpu_when_asked(store_and_queries, fake_gpu) -> None:
     store, queries = store_and_queries
-    index = build_index(store, store.fits, SELECTION, device="cpu")
+    index = build_index(store.core, store.fits, SELECTION, device="cpu")
     assert index.search_path.endswith("kernel on cpu")
     assert index._exact().device == torch.device("cpu")
     scores, ids = index.search(queries, 5)  # runs here, on the CPU, although "CUDA" is seen
@@ -89,19 +89,19 @@ def test_exact_cuda_without_cuda_is_refused(store_and_queries, no_cuda) -> None:
     store, _ = store_and_queries
     for device in ("cuda", "cuda:0", torch.device("cuda")):
         with pytest.raises(InvalidArgumentError, match="no CUDA GPU"):
-            build_index(store, store.fits, SELECTION, device=device)
+            build_index(store.core, store.fits, SELECTION, device=device)
 
 
 @pytest.mark.parametrize("device", ["mps", "meta", "nonsense", 3.5])
 def test_devices_other_than_cpu_and_cuda_are_refused(store_and_queries, device) -> None:
     store, _ = store_and_queries
     with pytest.raises(InvalidArgumentError, match="device must be"):
-        build_index(store, store.fits, SELECTION, device=device)
+        build_index(store.core, store.fits, SELECTION, device=device)
 
 
 def test_explicit_cuda_with_another_engine_is_refused(store_and_queries, fake_gpu) -> None:
     store, queries = store_and_queries
-    index = load_index(store, store.fits, store.build_index("run", method="grad-dot").name, device="cuda")
+    index = load_index(store.core, store.fits, store.build_index("run", method="grad-dot").name, device="cuda")
     assert index.device == torch.device("cuda")
 
     class Elsewhere:
@@ -127,7 +127,7 @@ def test_hnsw_is_searched_on_the_cpu_even_where_a_gpu_is_seen(store_and_queries,
         index.search(queries, 5)
     assert index.search_path == "faiss HNSW8,Flat on cpu"
     with pytest.raises(InvalidArgumentError, match="no GPU version"):
-        build_index(store, store.fits, SELECTION, kind="HNSW8,Flat", device="cuda")
+        build_index(store.core, store.fits, SELECTION, kind="HNSW8,Flat", device="cuda")
 
 
 def test_hnsw_says_cpu_without_a_gpu(store_and_queries) -> None:
@@ -150,7 +150,7 @@ def test_faiss_reports_where_the_index_actually_is(store_and_queries, fake_gpu) 
 def test_faiss_device_cpu_stays_on_the_cpu(store_and_queries, fake_gpu) -> None:
     pytest.importorskip("faiss")
     store, queries = store_and_queries
-    index = build_index(store, store.fits, SELECTION, kind="Flat", device="cpu")
+    index = build_index(store.core, store.fits, SELECTION, kind="Flat", device="cpu")
     assert index.search_path == "faiss Flat on cpu"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -163,9 +163,9 @@ def test_faiss_cuda_refusals(store_and_queries, monkeypatch) -> None:
     store, _ = store_and_queries
     monkeypatch.setattr("gradstore.index.gpu_available", lambda: False)
     with pytest.raises(InvalidArgumentError, match="FAISS cannot use a GPU here"):
-        build_index(store, store.fits, SELECTION, kind="IVF4,Flat", device="cuda")
+        build_index(store.core, store.fits, SELECTION, kind="IVF4,Flat", device="cuda")
     with pytest.raises(InvalidArgumentError, match="every GPU faiss sees"):
-        build_index(store, store.fits, SELECTION, kind="Flat", device="cuda:0")
+        build_index(store.core, store.fits, SELECTION, kind="Flat", device="cuda:0")
 
 
 # ------------------------------------------------------------------------------------------- on a GPU
@@ -189,6 +189,6 @@ def test_exact_search_on_cuda_and_cpu_agree(store_and_queries) -> None:
 @pytest.mark.skipif(not gpu_available(), reason="needs faiss-gpu and a CUDA GPU")
 def test_faiss_on_gpu_says_gpu_after_its_search(store_and_queries) -> None:
     store, queries = store_and_queries
-    index = build_index(store, store.fits, SELECTION, kind="IVF4,Flat", device="cuda")
+    index = build_index(store.core, store.fits, SELECTION, kind="IVF4,Flat", device="cuda")
     index.search(queries, 5)
     assert index._gpu_copy.on_gpu and index.search_path == "faiss IVF4,Flat on gpu"

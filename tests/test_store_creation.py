@@ -41,7 +41,7 @@ def _partial(complete: Path, target: Path, tables: dict[str, str]) -> Path:
 
 def _works(path: Path) -> None:
     store = gradstore.open(path)
-    assert set(S.FIXED_SCHEMAS) <= set(store.db.list_tables().tables)
+    assert set(S.FIXED_SCHEMAS) <= set(store.core.db.list_tables().tables)
     store.create_run("r", dim=3)
     with store.writer("r") as writer:
         writer.append(np.eye(3), ["a", "b", "c"], checkpoint="c", split="train")
@@ -137,5 +137,5 @@ def test_two_processes_creating_one_table_commit_exactly_one_first_version(tmp_p
             process.join(120)
         outcomes = [results.get(timeout=10) for _ in processes]
         assert all(kind == "ok" for kind, _ in outcomes), outcomes
-        dataset = gradstore.open(path).table(S.GRADIENTS).to_lance()
+        dataset = gradstore.open(path).core.table(S.GRADIENTS).to_lance()
         assert dataset.version == 1, f"trial {trial}: the first version was overwritten"

@@ -113,9 +113,9 @@ def test_a_planted_index_manifest_cannot_write_outside_the_store(tmp_path):
     store = _small_store(root)
     index = store.build_index("r", kind="Flat", method="grad-dot")
     key = ("indexes", index.name, "manifest.json")
-    manifest = json.loads(store.files.read_bytes(*key))
+    manifest = json.loads(store.core.files.read_bytes(*key))
     manifest["name"] = "../../../escaped"
-    store.files.write_bytes(json.dumps(manifest).encode(), *key)  # planted with a matching checksum
+    store.core.files.write_bytes(json.dumps(manifest).encode(), *key)  # planted with a matching checksum
     outside = _files_outside(tmp_path, root)
     with pytest.raises(gradstore.IndexMismatchError):
         store.index(index.name)

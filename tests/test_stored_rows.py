@@ -36,7 +36,7 @@ def _store(path, dtype: str, rows: int = 300):
 def test_stored_blocks_hold_the_decoded_rows(tmp_path, dtype: str) -> None:
     store = _store(tmp_path / "s", dtype)
     decoded = store.read_gradients("r", checkpoint="c", split="train", columns=())
-    blocks = list(stored_blocks(store, "r", "c", "train", block_rows=100)())
+    blocks = list(stored_blocks(store.core, "r", "c", "train", block_rows=100)())
     assert [len(block[0]) for block in blocks] == [100, 100, 100]
     assert all(len(block) == (2 if dtype == "float32" else 3) for block in blocks)
     rows = np.concatenate(
@@ -44,7 +44,7 @@ def test_stored_blocks_hold_the_decoded_rows(tmp_path, dtype: str) -> None:
     )
     np.testing.assert_array_equal(np.concatenate([b[0] for b in blocks]), decoded.grad_ids)
     np.testing.assert_allclose(rows, decoded.vectors, rtol=1e-6)
-    assert list(stored_blocks(store, "r", "c", "train", where="example_id = 'none'")()) == []
+    assert list(stored_blocks(store.core, "r", "c", "train", where="example_id = 'none'")()) == []
 
 
 def test_scans_take_or_read_every_vector_by_the_share_selected(tmp_path) -> None:
@@ -56,7 +56,7 @@ def test_scans_take_or_read_every_vector_by_the_share_selected(tmp_path) -> None
     where = "example_id < 'e2'"  # e0, e1, e10..e19, e100..e199: 112 of 300 rows
     chosen = {}
     for selected in (None, 112, 300):
-        blocks = list(stored_blocks(store, "r", "c", "train", where, block_rows=1000, selected_rows=selected)())
+        blocks = list(stored_blocks(store.core, "r", "c", "train", where, block_rows=1000, selected_rows=selected)())
         chosen[selected] = (np.concatenate([b[0] for b in blocks]), np.concatenate([b[1] for b in blocks]))
     assert len(chosen[None][0]) == 112
     for selected in (112, 300):
@@ -111,9 +111,9 @@ def test_row_cache_serves_repeated_calls_and_drops_rows_of_an_older_version(tmp_
         writer.append(100 * queries.sum(axis=0, keepdims=True), ["new"], checkpoint="c", split="train")
     grown = store.attribute(queries, run="r", checkpoint="c", k=4, write=False, method="grad-dot")
     assert grown.column("example_id").to_pylist()[::4] == ["new"] * 3
-    assert store.row_cache.get(old_key) is None and index.cached_rows() is not None
-    store.row_cache.clear()
-    store.row_cache.budget_bytes = 1
+    assert store.core.row_cache.get(old_key) is None and index.cached_rows() is not None
+    store.core.row_cache.clear()
+    store.core.row_cache.budget_bytes = 1
     streamed = store.attribute(queries, run="r", checkpoint="c", k=4, write=False, method="grad-dot")
     assert index.cached_rows() is None
     assert streamed.column("grad_id").to_pylist() == grown.column("grad_id").to_pylist()

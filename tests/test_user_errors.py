@@ -182,7 +182,7 @@ def test_build_index_raises_only_gradstore_errors(filled, arguments):
             "select * from nowhere",
             "select 1; select 2",
             "copy runs to '/tmp/x.csv'",
-            "attach '/tmp/other.db'",
+            "attach '/tmp/other.core.db'",
             "select * from read_csv('/etc/passwd')",
             "",
         ]
