@@ -269,7 +269,8 @@ class OnlineSelector:
         self.model = capture.model
         self.collective = _is_ddp(self.model) if collective is None else bool(collective)
         self.modules = self._removable_modules(self.model)
-        self._param_ids = {id(p) for m, _ in self.modules for p in m.parameters(recurse=False)}
+        self._params = list({id(p): p for m, _ in self.modules for p in m.parameters(recurse=False)}.values())
+        self._param_ids = {id(p) for p in self._params}  # a tied weight (embedding and LM head) counted once
         self._pending: dict[int, _Pending] = {}
         self._handles: list[Any] = []
         self.last_decision: StepDecision | None = None
@@ -323,17 +324,22 @@ class OnlineSelector:
         self._pending = {}
 
     # ------------------------------------------------------------------ hooks
-    def _make_forward_hook(self, kind: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+    def _make_forward_hook(self, kind: str) -> Callable[..., torch.Tensor | None]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> torch.Tensor | None:
             batch = self.capture.batch
             if batch is None or self.capture.is_paused or not torch.is_grad_enabled() or in_backward():
                 return
             if not isinstance(output, torch.Tensor) or not output.requires_grad or not args:
                 return
             x = args[0].detach()
+            replaced = None
             if x.shape[0] != batch.size:
-                if x.shape[0] == 1 and output.shape[0] == batch.size:
-                    x = x.expand(batch.size, *x.shape[1:])  # the capture expanded the output of a broadcast input
+                if x.shape[0] == 1 and output.shape[0] in (1, batch.size):
+                    # a batch-1 input broadcast later (position embeddings): per-example output gradients need the
+                    # output expanded (a view; expand's backward sums exactly as the broadcast would)
+                    x = x.expand(batch.size, *x.shape[1:])
+                    if output.shape[0] == 1:
+                        output = replaced = output.expand(batch.size, *output.shape[1:])
                 else:
                     raise CaptureUsageError(
                         f"online selection: a {type(module).__name__} got a batch of {x.shape[0]} in a forward of "
@@ -347,6 +353,7 @@ class OnlineSelector:
                 use[3] = dy.detach() if use[3] is None else use[3] + dy.detach()
 
             output.register_hook(grad_hook)
+            return replaced
 
         return hook
 
@@ -411,10 +418,9 @@ class OnlineSelector:
             factor = total / kept if kept > 0 else 1.0
         self._remove(pending, local, group)
         if factor != 1.0:
-            for module, _ in self.modules:
-                for p in module.parameters(recurse=False):
-                    if p.grad is not None:
-                        p.grad.mul_(factor)
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
         sources = [p.meta["ids"] if p.meta.get("ids") is not None else p.meta["hash_source"] for p in pending]
         decision = StepDecision(
             step=int(pending[0].meta.get("step", self.capture.step)),
@@ -482,10 +488,9 @@ class OnlineSelector:
                 if module.bias is not None and module.bias.requires_grad:
                     self._accumulate(corrections, module.bias, d.sum(0).to(module.bias.dtype))
         if self.collective:
-            for module, _ in self.modules:  # every rank all-reduces the same parameters in the same order
-                for param in module.parameters(recurse=False):
-                    if param.requires_grad:
-                        corrections.setdefault(id(param), (param, torch.zeros_like(param)))
+            for param in self._params:  # every rank all-reduces the same parameters in the same order
+                if param.requires_grad:
+                    corrections.setdefault(id(param), (param, torch.zeros_like(param)))
         for key in sorted(corrections, key=lambda k: self._order(corrections[k][0])):
             param, term = corrections[key]
             term = group.average(term)

@@ -361,7 +361,9 @@ def test_trainer_callback_step_equals_a_step_on_the_kept_examples(tmp_path):
     assert len(rows) == n and sum(k for _, k in rows) == n // 2
     kept = sorted(int(e[1:]) for e, k in rows if k)
     batch = torch.tensor(tokens)[kept]
-    reference(input_ids=batch, labels=batch).loss.backward()  # the mean over the kept examples' tokens
+    # the Trainer's loss of a batch of the kept examples: their shifted label tokens' loss summed, divided by the
+    # Trainer's num_items_in_batch (every label of the batch, seq per example)
+    reference(input_ids=batch, labels=batch, num_items_in_batch=torch.tensor(len(kept) * seq)).loss.backward()
     with torch.no_grad():
         for p in reference.parameters():
             if p.grad is not None:
