@@ -85,7 +85,9 @@ class GradstoreCallback(TrainerCallback):
     (e.g. :func:`ingest.losses.causal_lm_loss`). With ``fp16=True`` the Trainer's ``GradScaler`` (Accelerate's
     ``accelerator.scaler``, which its prepared optimizer carries) is found and passed as ``grad_scaler``: rows
     are unscaled and the batches of steps the scaler skips are listed in ``skipped_steps`` instead of written
-    (pass ``grad_scaler=...`` to choose another).
+    (pass ``grad_scaler=...`` to choose another). TRL's fused LM head divides by the Trainer's token count without
+    passing it to the model: with gradient accumulation or ``average_tokens_across_devices`` on several ranks the
+    callback takes it from the calling Trainer's ``compute_loss`` (rows stay exact).
     """
 
     def __init__(
@@ -257,7 +259,8 @@ def _pass_token_count_to_capture(trainer: Any, model: torch.nn.Module) -> list[C
     original = trainer.compute_loss
 
     def compute_loss(model: Any, inputs: Any, *args: Any, num_items_in_batch: Any = None, **kwargs: Any) -> Any:
-        if num_items_in_batch is None and trainer.args.gradient_accumulation_steps > 1:
+        training = torch.is_grad_enabled() and trainer.model.training  # evaluation never captures
+        if num_items_in_batch is None and trainer.args.gradient_accumulation_steps > 1 and training:
             raise CaptureUsageError(
                 "GradstoreCallback: the Trainer counted no label tokens (num_items_in_batch=None) under gradient "
                 "accumulation with TRL's fused LM head, so rows cannot be scaled exactly: give the batches a "

@@ -8,7 +8,8 @@ What is compared:
   (batch 4 x accumulation 2) at the same step, for *every* step: DDP keeps the weights identical on the ranks
   and, with ``average_tokens_across_devices``, the update equals the single-process one, so the weights at each
   step are the single-process weights (up to float rounding).
-* SFTTrainer (TRL's fused LM head, SGD, 2 ranks x batch 2, the default ``average_tokens_across_devices=True``):
+* SFTTrainer (TRL's fused LM head, SGD, 2 ranks x batch 1 x accumulation 2, the default
+  ``average_tokens_across_devices=True``):
   every row present exactly once, half from each rank; the rows of step 0 (initial weights) equal a plain capture
   of the same examples, and the rows of every step equal a single-process run with batch 4 (the token count that
   TRL divides by never reaches the model: the callback takes it from the Trainer's ``compute_loss``).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -158,7 +160,10 @@ def worker(out: Path) -> None:
     store = gradstore.open(out / "store", storage_dtype="float32")
     train_trainer(out, store, "trainer", batch=2, ddp_backend="gloo")
     rank = torch.distributed.get_rank()
-    trainer = sft_trainer(out, store, "sft", ddp_backend="gloo")
+    # 2 ranks x 1 example x 2 micro-batches: the token count spans micro-batches and ranks
+    trainer = sft_trainer(
+        out, store, "sft", ddp_backend="gloo", per_device_train_batch_size=1, gradient_accumulation_steps=2
+    )
     trainer.train()
     if rank == 0:
         prepared = {row["example_id"]: row["input_ids"] for row in trainer.train_dataset}
@@ -194,11 +199,17 @@ def job(tmp_path_factory):
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    # a session of its own: the hang guard ends torchrun and its ranks together
+    job = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"the torchrun job hung (killed after {HANG_GUARD_S} s): {error.stderr}")
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+        stdout, stderr = job.communicate(timeout=HANG_GUARD_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        stdout, stderr = job.communicate()
+        pytest.fail(f"the torchrun job hung (killed after {HANG_GUARD_S} s): {stderr[-8000:]}")
+    assert job.returncode == 0, stdout[-4000:] + stderr[-8000:]
     return out, gradstore.open(out / "store")
 
 
