@@ -370,3 +370,76 @@ def test_trainer_callback_step_equals_a_step_on_the_kept_examples(tmp_path):
                 p -= 0.5 * p.grad
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------- DDP: a collective decision (2 gloo ranks, CPU)
+
+DDP_STEPS, DDP_LOCAL = 2, 6
+
+
+def _ddp_data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    x, y = data(100 + step, 2 * DDP_LOCAL)
+    lo, hi = rank * DDP_LOCAL, (rank + 1) * DDP_LOCAL
+    return x[lo:hi], y[lo:hi], [f"s{step}e{i}" for i in range(lo, hi)]
+
+
+def _ddp_worker(rank: int, port: int, out: str) -> None:
+    import json
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(mlp().double())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        cap = GradientCapture(model, lambda b: None, CaptureConfig(projection=ProjectionConfig(k_in=4, k_out=4)), opt)
+        target = torch.randn(28, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        kept: list[str] = []
+        with cap, OnlineSelector(cap, KeepTopFraction(0.4), target) as sel:
+            assert sel.collective
+            for step in range(DDP_STEPS):
+                x, y, ids = _ddp_data(step, rank)
+                cap.set_ids(ids)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                kept += [i for i, k in zip(sel.last_decision.example_ids, sel.last_decision.kept.tolist()) if k]
+        params = [p.detach().tolist() for p in model.module.parameters()]
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump({"kept": kept, "params": params}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_ranks_decide_together_and_step_as_on_the_kept_examples(tmp_path):
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ddp"
+    mp.spawn(_ddp_worker, args=(port, str(out)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"ddp.{r}").read_text()) for r in range(2)]
+    kept = set(results[0]["kept"]) | set(results[1]["kept"])
+    assert len(kept) == DDP_STEPS * round(0.4 * 2 * DDP_LOCAL)  # the global top 40% of each step
+    torch.manual_seed(0)
+    reference = mlp().double()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(DDP_STEPS):
+        parts = [_ddp_data(step, r) for r in range(2)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        mask = torch.tensor([i in kept for p in parts for i in p[2]])
+        F.cross_entropy(reference(x[mask]), y[mask]).backward()  # one process, the kept examples of both ranks
+        opt.step()
+        opt.zero_grad()
+    for result in results:
+        for p, q in zip(reference.parameters(), result["params"]):
+            torch.testing.assert_close(p.detach(), torch.tensor(q, dtype=torch.float64), rtol=1e-12, atol=1e-12)
