@@ -443,3 +443,36 @@ def test_ddp_ranks_decide_together_and_step_as_on_the_kept_examples(tmp_path):
     for result in results:
         for p, q in zip(reference.parameters(), result["params"]):
             torch.testing.assert_close(p.detach(), torch.tensor(q, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+
+
+def test_a_refreshed_target_follows_training_without_touching_the_step():
+    from ingest.online_selection import RefreshedTarget
+
+    torch.manual_seed(8)
+    model = mlp().double()
+    twin, initial = copy.deepcopy(model), copy.deepcopy(model)
+    batches = [[data(110 + s, 8)] for s in range(3)]
+    val = [data(120, 6)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cap = GradientCapture(model, lambda b: None, CaptureConfig(projection=ProjectionConfig(k_in=4, k_out=4)), opt)
+    target = RefreshedTarget(cap, val, lambda m, b: F.cross_entropy(m(b[0]), b[1]), every=2)
+    decisions, targets = [], []
+    with cap, OnlineSelector(cap, KeepTopFraction(0.5), target, on_decision=decisions.append):
+        for step in batches:
+            for x, y in step:
+                F.cross_entropy(model(x), y).backward()
+            opt.step()
+            targets.append(target.vector.clone())
+            opt.zero_grad()
+    assert target.refreshes == 2  # at the first and the third decision
+    assert torch.equal(targets[0], targets[1]) and not torch.equal(targets[1], targets[2])
+    reference_steps(twin, batches, decisions)
+    assert_same(model, twin)  # the refresh pass left .grad alone
+    # the first target is the mean captured row of the validation batch under the initial parameters
+    rows = []
+    config = CaptureConfig(projection=ProjectionConfig(k_in=4, k_out=4))
+    with GradientCapture(initial, lambda b: rows.append(b.grads), config):
+        F.cross_entropy(initial(val[0][0]), val[0][1]).backward()
+    torch.testing.assert_close(targets[0], rows[0].mean(0))
+    with pytest.raises(ValueError, match="every"):
+        RefreshedTarget(cap, val, lambda m, b: None, every=0)
