@@ -280,6 +280,15 @@ def test_store_selection_scores_against_query_rows_and_records_every_decision(tm
         decisions.append(type("D", (), {"weights": torch.tensor([float((s, i) in kept) for i in ids])})())
     reference_steps(twin, batches, decisions)
     assert_same(model, twin)
+    # the report shows what was kept, per run
+    from gradstore.report.data import gather
+    from gradstore.report.html import render
+
+    shown = gather(store.core).online_selection
+    row = dict(zip(shown["columns"], shown["rows"][0]))
+    assert (row["run_id"], row["steps"], row["examples"], row["kept"]) == ("run", 3, 24, 12)
+    assert row["score_kept"] > row["score_dropped"]
+    assert "online_selection" in render(gather(store.core))
     # scores are row . target of the stored training rows
     stored = store.core.read_gradients("run", split="train", columns=("example_id", "step"))
     by_id = dict(

@@ -69,6 +69,7 @@ class ReportData:
     selection: dict[str, Any] | None
     evaluations: dict[str, Any] | None
     notes: list[str] = field(default_factory=list)
+    online_selection: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         """The data as JSON (non-finite numbers become ``null``)."""
@@ -116,6 +117,7 @@ def gather(store: StoreCore, options: ReportOptions | None = None, selection: pa
         selection=chosen,
         evaluations=reader.evaluations(),
         notes=notes,
+        online_selection=reader.online_selection(),
     )
 
 
@@ -361,6 +363,24 @@ class _Reader:
         if not self._has_rows("evaluations"):
             return None
         frame = self._frame("SELECT * FROM evaluations LIMIT 500")
+        return {
+            "columns": [str(c) for c in frame.columns],
+            "rows": [[_cell(v) for v in row] for row in frame.itertuples(index=False)],
+        }
+
+    def online_selection(self) -> dict[str, Any] | None:
+        """Per run, what online data selection (:mod:`gradstore.online`) kept: steps, examples, the kept share
+        and the mean score of the kept and of the dropped examples."""
+        if not self._has_rows("online_selection"):
+            return None
+        frame = self._frame(
+            "SELECT run_id, min(policy) AS policy, count(DISTINCT step) AS steps, count(*) AS examples, "
+            "sum(kept::INT) AS kept, avg(kept::INT) AS kept_share, avg(score) FILTER (WHERE kept) AS score_kept, "
+            "avg(score) FILTER (WHERE NOT kept) AS score_dropped "
+            f"FROM online_selection WHERE {self.run_clause} GROUP BY run_id ORDER BY run_id"
+        )
+        if frame.empty:
+            return None
         return {
             "columns": [str(c) for c in frame.columns],
             "rows": [[_cell(v) for v in row] for row in frame.itertuples(index=False)],

@@ -209,6 +209,12 @@
     });
   }
 
+  // ---------------------------------------------------------------- online selection
+  if (data.online_selection) {
+    root.appendChild(section("online-selection", "Online selection (kept in the training step)",
+      [table(data.online_selection.columns, data.online_selection.rows)]));
+  }
+
   // ---------------------------------------------------------------- evaluations
   if (data.evaluations) {
     root.appendChild(section("evaluations", "Evaluations", [table(data.evaluations.columns, data.evaluations.rows)]));
