@@ -533,8 +533,11 @@ class OnlineSelector:
             changed = torch.nonzero(w != 1).flatten()
             if changed.numel() == 0 and not self.collective:
                 continue
+            dropping = not self.collective and bool((w[changed] == 0).all())
             for module, kind, x, dy in p.uses:
                 idx = changed.to(x.device)
+                if dropping and kind != "embedding" and self._subtract_in_place(module, kind, x, dy, idx):
+                    continue
                 coef = (w[changed] - 1).to(dy.device, dy.dtype)
                 d = (dy.index_select(0, idx.to(dy.device)) * coef.view(-1, *([1] * (dy.dim() - 1)))).reshape(
                     -1, dy.shape[-1]
@@ -563,6 +566,26 @@ class OnlineSelector:
                 param.grad = term.clone()
             else:
                 param.grad.add_(term)
+
+    @staticmethod
+    def _subtract_in_place(module: nn.Module, kind: str, x: torch.Tensor, dy: torch.Tensor, idx: torch.Tensor) -> bool:
+        """Pure drop on one process: subtract the dropped examples' terms straight from ``.grad`` (one ``addmm_``
+        per weight); ``False`` when the gradients are missing or of another dtype (the general path then runs)."""
+        weight, bias = module.weight, module.bias
+        bias_grad = bias is not None and bias.requires_grad
+        if weight.grad is None or (bias_grad and bias.grad is None):
+            return False
+        if not (x.dtype == dy.dtype == weight.grad.dtype) or (bias_grad and bias.grad.dtype != dy.dtype):
+            return False
+        d = dy.index_select(0, idx).reshape(-1, dy.shape[-1])
+        xs = x.index_select(0, idx).reshape(-1, x.shape[-1])
+        if kind == "linear":
+            weight.grad.addmm_(d.T, xs, alpha=-1.0)
+        else:  # conv1d: weight [d_in, d_out]
+            weight.grad.addmm_(xs.T, d, alpha=-1.0)
+        if bias_grad:
+            bias.grad.sub_(d.sum(0))
+        return True
 
     def _order(self, param: torch.Tensor) -> int:
         if not hasattr(self, "_param_order"):
