@@ -276,9 +276,9 @@ class OnlineSelector:
     ``renormalize``: see the module doc. ``optimizer``: whose step pre-hook applies the decision (default: the
     capture's; else any optimizer stepping this model's parameters). Call :meth:`apply` yourself before gradient
     clipping (the pre-hook then finds nothing left to do). ``on_decision(StepDecision)`` is told of every decision.
-    ``collective``: under ``torch.distributed`` with a DDP-averaged gradient, decide over every rank's examples
-    together and remove the dropped terms from the all-reduced gradient (default: ``True`` when the capture's model
-    is a ``DistributedDataParallel`` and more than one rank runs).
+    ``collective``: decide over every rank's examples together and remove the dropped terms from DDP's all-reduced
+    (averaged) gradient (default: ``True`` whenever ``torch.distributed`` runs more than one rank; pass ``False``
+    for ranks that train independently). FSDP (sharded gradients) is refused.
     """
 
     def __init__(
@@ -333,6 +333,7 @@ class OnlineSelector:
         self.generator = torch.Generator().manual_seed(int(seed))
         self.model = capture.model
         self.collective = _is_ddp(self.model) if collective is None else bool(collective)
+        _refuse_sharded(self.model)
         self.modules = self._removable_modules(self.model)
         self._params = list({id(p): p for m, _ in self.modules for p in m.parameters(recurse=False)}.values())
         self._param_ids = {id(p) for p in self._params}  # a tied weight (embedding and LM head) counted once
@@ -602,10 +603,23 @@ class OnlineSelector:
 
 
 def _is_ddp(model: nn.Module) -> bool:
+    """Whether several ranks run (their gradients then are DDP's average: decide and remove collectively)."""
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return False
-    return isinstance(model, nn.parallel.DistributedDataParallel)
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _refuse_sharded(model: nn.Module) -> None:
+    """FSDP shards parameters and gradients: the saved factors' terms do not fit the local gradient shard."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    for module in model.modules():
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+            raise ExactRemovalError(
+                "online selection removes examples' terms from full gradients; FSDP shards them: train with "
+                "DistributedDataParallel (or one process), or select offline"
+            )
 
 
 class _Group:

@@ -392,6 +392,40 @@ def _ddp_data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, list[st
     return x[lo:hi], y[lo:hi], [f"s{step}e{i}" for i in range(lo, hi)]
 
 
+def _ddp_store_worker(rank: int, port: int, store_path: str) -> None:
+    """The same through the store: distributed_capture (the capture holds the unwrapped module) + select_online."""
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gradstore
+    from gradstore.distributed import distributed_capture
+    from gradstore.online import select_online
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LANCE_LOG="error")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(mlp().double())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        store = gradstore.open(store_path, storage_dtype="float32")
+        target = torch.randn(28, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        capture = distributed_capture(store, model, "ddp", optimizer=opt, k_in=4, k_out=4)
+        with capture as cap, select_online(cap, KeepTopFraction(0.4), target) as sel:
+            assert sel.selector.collective
+            for step in range(DDP_STEPS):
+                x, y, ids = _ddp_data(step, rank)
+                cap.set_ids(ids)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        torch.save(model.module.state_dict(), f"{store_path}.params.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
 def _ddp_worker(rank: int, port: int, out: str) -> None:
     import json
     import os
@@ -485,3 +519,36 @@ def test_a_refreshed_target_follows_training_without_touching_the_step():
     torch.testing.assert_close(targets[0], rows[0].mean(0))
     with pytest.raises(ValueError, match="every"):
         RefreshedTarget(cap, val, lambda m, b: None, every=0)
+
+
+def test_ddp_through_the_store_records_one_global_decision(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    import gradstore
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store_path = tmp_path / "store"
+    mp.spawn(_ddp_store_worker, args=(port, str(store_path)), nprocs=2, join=True)
+    store = gradstore.open(store_path)
+    rows = store.sql("select step, rank, example_id, kept from online_selection").fetchall()
+    assert len(rows) == DDP_STEPS * 2 * DDP_LOCAL and {r[1] for r in rows} == {0, 1}
+    kept = {r[2] for r in rows if r[3]}
+    assert len(kept) == DDP_STEPS * round(0.4 * 2 * DDP_LOCAL)
+    torch.manual_seed(0)
+    reference = mlp().double()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(DDP_STEPS):
+        parts = [_ddp_data(step, r) for r in range(2)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        mask = torch.tensor([i in kept for p in parts for i in p[2]])
+        F.cross_entropy(reference(x[mask]), y[mask]).backward()
+        opt.step()
+        opt.zero_grad()
+    for rank in range(2):
+        state = torch.load(f"{store_path}.params.{rank}")
+        for name, p in reference.state_dict().items():
+            torch.testing.assert_close(state[name], p, rtol=1e-12, atol=1e-12)
