@@ -4,6 +4,7 @@ kept examples only (float64, plain loop), the policies, refusals, and the store'
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -422,55 +423,56 @@ def _ddp_store_worker(rank: int, port: int, store_path: str) -> None:
                 opt.step()
                 opt.zero_grad()
         torch.save(model.module.state_dict(), f"{store_path}.params.{rank}")
+        _ddp_plain(rank, f"{store_path}.plain")
     finally:
         dist.destroy_process_group()
 
 
-def _ddp_worker(rank: int, port: int, out: str) -> None:
+def _ddp_plain(rank: int, out: str) -> None:
+    """A plain GradientCapture of the DDP module itself (no store)."""
     import json
-    import os
 
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        model = DistributedDataParallel(mlp().double())
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        cap = GradientCapture(model, lambda b: None, CaptureConfig(projection=ProjectionConfig(k_in=4, k_out=4)), opt)
-        target = torch.randn(28, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-        kept: list[str] = []
-        with cap, OnlineSelector(cap, KeepTopFraction(0.4), target) as sel:
-            assert sel.collective
-            for step in range(DDP_STEPS):
-                x, y, ids = _ddp_data(step, rank)
-                cap.set_ids(ids)
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-                kept += [i for i, k in zip(sel.last_decision.example_ids, sel.last_decision.kept.tolist()) if k]
-        params = [p.detach().tolist() for p in model.module.parameters()]
-        with open(f"{out}.{rank}", "w") as f:
-            json.dump({"kept": kept, "params": params}, f)
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(mlp().double())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cap = GradientCapture(model, lambda b: None, CaptureConfig(projection=ProjectionConfig(k_in=4, k_out=4)), opt)
+    target = torch.randn(28, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    kept: list[str] = []
+    with cap, OnlineSelector(cap, KeepTopFraction(0.4), target) as sel:
+        assert sel.collective
+        for step in range(DDP_STEPS):
+            x, y, ids = _ddp_data(step, rank)
+            cap.set_ids(ids)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            kept += [i for i, k in zip(sel.last_decision.example_ids, sel.last_decision.kept.tolist()) if k]
+    params = [p.detach().tolist() for p in model.module.parameters()]
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"kept": kept, "params": params}, f)
 
 
-def test_ddp_ranks_decide_together_and_step_as_on_the_kept_examples(tmp_path):
-    import json
+@pytest.fixture(scope="module")
+def ddp_job(tmp_path_factory):
+    """One 2-rank job for both DDP tests (process start-up dominates on a small CPU)."""
     import socket
 
     import torch.multiprocessing as mp
 
+    tmp_path = tmp_path_factory.mktemp("online_ddp")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = tmp_path / "ddp"
-    mp.spawn(_ddp_worker, args=(port, str(out)), nprocs=2, join=True)
-    results = [json.loads((tmp_path / f"ddp.{r}").read_text()) for r in range(2)]
+    mp.spawn(_ddp_store_worker, args=(port, str(tmp_path / "store")), nprocs=2, join=True)
+    return tmp_path / "store"
+
+
+def test_ddp_ranks_decide_together_and_step_as_on_the_kept_examples(ddp_job):
+    import json
+
+    results = [json.loads(Path(f"{ddp_job}.plain.{r}").read_text()) for r in range(2)]
     kept = set(results[0]["kept"]) | set(results[1]["kept"])
     assert len(kept) == DDP_STEPS * round(0.4 * 2 * DDP_LOCAL)  # the global top 40% of each step
     torch.manual_seed(0)
@@ -521,18 +523,10 @@ def test_a_refreshed_target_follows_training_without_touching_the_step():
         RefreshedTarget(cap, val, lambda m, b: None, every=0)
 
 
-def test_ddp_through_the_store_records_one_global_decision(tmp_path):
-    import socket
-
-    import torch.multiprocessing as mp
-
+def test_ddp_through_the_store_records_one_global_decision(ddp_job):
     import gradstore
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store_path = tmp_path / "store"
-    mp.spawn(_ddp_store_worker, args=(port, str(store_path)), nprocs=2, join=True)
+    store_path = ddp_job
     store = gradstore.open(store_path)
     rows = store.sql("select step, rank, example_id, kept from online_selection").fetchall()
     assert len(rows) == DDP_STEPS * 2 * DDP_LOCAL and {r[1] for r in rows} == {0, 1}
