@@ -40,11 +40,13 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import torch
 
 from gradstore.core import StoreCore
+from gradstore.core.index_cache import LoadedIndex
 from gradstore.core.row_cache import cache_file_name, dataset_content
-from gradstore.core.sidefiles import check_component
+from gradstore.core.sidefiles import CHECKSUM_SUFFIX, check_component
 from gradstore.core.stored_rows import stored_blocks
 from gradstore.engine import Engine, LocalEngine
 from gradstore.errors import (
@@ -448,12 +450,14 @@ class AttributionIndex:
                 if self.manifest.get(FIRST_STAGE) == BALANCED:  # beside the FAISS files: the space of their rows
                     self.first_space.preconditioner.save(Path(scratch))
                 files.put_directory(Path(scratch), INDEXES, self.name, self.manifest[FAISS_FILES])
-        files.write_bytes(
-            json.dumps(self.manifest, indent=2, sort_keys=True, default=str).encode(), INDEXES, self.name, MANIFEST_FILE
-        )
+        manifest_bytes = json.dumps(self.manifest, indent=2, sort_keys=True, default=str).encode()
+        files.write_bytes(manifest_bytes, INDEXES, self.name, MANIFEST_FILE)
         for child in files.children(INDEXES, self.name):
             if child.startswith(FAISS_PREFIX) and child != self.manifest.get(FAISS_FILES):
                 files.remove(INDEXES, self.name, child)
+        identity = _identity(self.store, self.name, manifest_bytes) if self.faiss_index is not None else None
+        if identity is not None:  # the next load of these files in this process uses them as they are here
+            self.store.index_cache.put(self.name, _loaded_entry(self, identity))
 
 
 def device_admits(nbytes: int, device: torch.device) -> bool:
@@ -705,6 +709,8 @@ def _add_new_rows(index: AttributionIndex) -> None:
         for ids, vectors in index.selection.blocks(index.store)():
             fresh = ~np.isin(ids, index.indexed_ids)
             if fresh.any():
+                if index.store.index_cache.holds(index.faiss_index):  # shared with other loads: change a copy
+                    index.faiss_index = _copied(index.faiss_index)
                 index.faiss_index.add(ids[fresh], index.first_stage(vectors[fresh], rows=True))
                 index._gpu_copy = None
                 index.indexed_ids = np.concatenate([index.indexed_ids, ids[fresh]])
@@ -732,7 +738,8 @@ def _load_index(
     store: StoreCore, fits: FitCache, name: str, missing_ok: bool, device: str | torch.device | None = None
 ) -> AttributionIndex | None:
     try:
-        manifest = json.loads(store.files.read_bytes(INDEXES, name, MANIFEST_FILE))
+        manifest_bytes = store.files.read_bytes(INDEXES, name, MANIFEST_FILE)
+        manifest = json.loads(manifest_bytes)
     except FileNotFoundError:
         if missing_ok:
             return None
@@ -752,6 +759,14 @@ def _load_index(
     preconditioner = fits.get(spec, manifest.get("damping"))
     index = AttributionIndex(store, manifest, ScoringSpace(method, preconditioner), device=device)
     if manifest["kind"] != "exact":
+        identity = _identity(store, name, manifest_bytes)
+        cached = None if identity is None else store.index_cache.get(name, identity)
+        if cached is not None:  # the same files as loaded before: not read (nor hashed) again
+            cached.faiss_index.nprobe, cached.faiss_index.ef_search = cached.nprobe, cached.ef_search
+            index.faiss_index, index.indexed_ids = cached.faiss_index, cached.indexed_ids
+            if cached.first_preconditioner is not None:
+                index.first_space = ScoringSpace(method, cached.first_preconditioner)
+            return index
         try:
             with store.files.local_directory(INDEXES, name, manifest.get(FAISS_FILES, FAISS_PREFIX)) as directory:
                 index.faiss_index = FaissIndex.load(directory, expected_manifest=manifest, mmap=False)
@@ -762,7 +777,40 @@ def _load_index(
             raise IndexMismatchError(error.differences) from error
         except (OSError, ValueError, RuntimeError) as error:
             raise StoreCorruptError(f"FAISS index {name!r} of store {store.uri} cannot be read: {error}") from error
+        if identity is not None:
+            store.index_cache.put(name, _loaded_entry(index, identity))
     return index
+
+
+def _identity(store: StoreCore, name: str, manifest_bytes: bytes) -> tuple | None:
+    """What identifies index ``name``'s files on disk, read cheaply (the small files only): the bytes of its
+    manifest and the checksums kept beside its FAISS files (:mod:`gradstore.core.index_cache`); ``None`` when they
+    cannot be read (the index is then neither cached nor taken from the cache)."""
+    try:
+        manifest = json.loads(manifest_bytes)
+        directory = store.files.path(INDEXES, name, manifest.get(FAISS_FILES, FAISS_PREFIX))
+        selector = pafs.FileSelector(directory, recursive=True, allow_not_found=True)
+        checksums = []
+        for info in store.files.filesystem.get_file_info(selector):
+            if info.type == pafs.FileType.File and info.path.endswith(CHECKSUM_SUFFIX):
+                with store.files.filesystem.open_input_stream(info.path) as stream:
+                    checksums.append((info.path[len(directory) :], stream.read().decode(errors="replace")))
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError, TypeError):
+        return None
+    return manifest_bytes, tuple(sorted(checksums))
+
+
+def _loaded_entry(index: AttributionIndex, identity: tuple) -> LoadedIndex:
+    first = index.first_space.preconditioner if index.manifest.get(FIRST_STAGE) == BALANCED else None
+    faiss_index = index.faiss_index
+    return LoadedIndex(identity, faiss_index, index.indexed_ids, first, faiss_index.nprobe, faiss_index.ef_search)
+
+
+def _copied(faiss_index: FaissIndex) -> FaissIndex:
+    """A copy of ``faiss_index`` that can be changed without changing it."""
+    copy = FaissIndex.__new__(FaissIndex)
+    copy.__setstate__(faiss_index.__getstate__())
+    return copy
 
 
 def index_summary(index: AttributionIndex) -> dict[str, Any]:

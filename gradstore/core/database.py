@@ -33,6 +33,7 @@ from gradstore.core import sql as store_sql
 from gradstore.core.curvature_files import LayerCurvature, load_curvature, save_curvature
 from gradstore.core.filters import StepRange, gradient_filter, sql_literal
 from gradstore.core.gradient_tables import GradientTables, is_gradient_table, table_dim
+from gradstore.core.index_cache import IndexCache
 from gradstore.core.macros import macros_for
 from gradstore.core.row_cache import SCANS_DIRECTORY, RowCache, RowFiles, ScanFiles, row_files_directory
 from gradstore.core.sidefiles import SideFiles
@@ -162,6 +163,7 @@ class StoreCore:
         self.files = SideFiles(uri, storage_options)
         self.gradient_tables = GradientTables(self.has_table, self.table, self._create_table, self._list_tables)
         self.row_cache = RowCache()  # rows prepared for search, by gradients version and selection
+        self.index_cache = IndexCache()  # loaded FAISS indexes, by name and manifest (gradstore.core.index_cache)
         self.row_files = row_files or RowFiles(None)  # the same, on local disk between processes
         scans = None if self.row_files.directory is None else self.row_files.directory / SCANS_DIRECTORY
         self.scan_files = ScanFiles(scans)  # small reads (runs, checkpoints, a selection's ids), the same
