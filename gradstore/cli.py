@@ -503,6 +503,13 @@ def serve(
     warm_kinds: Annotated[str, typer.Option(help="Index kinds the --warm lookups use (comma-separated).")] = "exact",
     tls_cert: Annotated[Path | None, typer.Option(help="PEM certificate: TLS for both transports.")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="PEM key of --tls-cert.")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="module:factory (importable from here) returning (model, tokenizer, loss_fn): "
+            "the page's text box and POST /api/attribute_text."
+        ),
+    ] = None,
 ) -> None:
     """Serve the store to many clients: Arrow Flight (gradstore.connect) and HTTP (JSON API, the live report)."""
     from gradstore.serve import Tokens
@@ -521,6 +528,7 @@ def serve(
         tls_key=tls_key,
         warm=_csv_list(warm),
         warm_kinds=tuple(_csv_list(warm_kinds) or ("exact",)),
+        model=model,
     )
     typer.echo(f"flight {server.flight_uri}")
     typer.echo(f"http {server.http_url}", err=False)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gradstore
-from gradstore.demo import DemoConfig, run_demo
+from gradstore.demo import DemoConfig, run_demo, serve_factory
 from gradstore.demo.bm25 import BM25
 from gradstore.demo.corpus import build_corpus
+from gradstore.demo.run import _checkpoint_epochs
+from gradstore.queries import QueryBatch
 from gradstore.run_basis import run_basis
 
 
@@ -56,3 +58,15 @@ def test_demo_end_to_end_reduced(tmp_path):
     tokens = store.sql("select side, count(distinct example_id) as n from token_scores group by 1 order by 1").df()
     assert tokens.n.tolist() == [5, 5]  # the query's top-5 fisher proponents, both sides
     assert any("top tokens" in line for line in lines)
+    # the saved final weights rebuild the model for gradstore serve --model gradstore.demo:serve_factory
+    model, tokenizer, loss_fn = serve_factory(tmp_path / "demo")
+    query = build_corpus(6, 8, 0).queries[0]
+    words = query.text.split()
+    batch = tokenizer(" ".join(words[: words.index(query.answer)]), query.answer)
+    assert int((batch["labels"] != -100).sum()) == 1
+    final = f"epoch-{_checkpoint_epochs(config)[-1]}"
+    top = store.attribute(
+        QueryBatch(model, batch, ids=["typed"]), run="demo", k=10, method="grad-dot", checkpoint=final
+    )
+    fact_of = {e.example_id: e.fact_id for e in build_corpus(6, 8, 0).train}
+    assert sum(fact_of[i] == query.fact_id for i in top.column("example_id").to_pylist()) >= 3

@@ -29,6 +29,7 @@ import gradstore
 from gradstore.demo.bm25 import BM25
 from gradstore.demo.corpus import Corpus, Example, build_corpus
 from gradstore.demo.model import TinyGPT, WordTokenizer
+from gradstore.demo.serve import save_model
 from gradstore.methods import resolve_method
 from gradstore.queries import QueryBatch
 from ingest.basis import estimate_basis
@@ -237,6 +238,7 @@ def run_demo(
     )
 
     model, tokenizer, optimizer = train_under_capture(store, corpus, config, log)
+    save_model(store_dir, model, tokenizer, config.width, config.layers)  # for gradstore serve --model
     log(f"held-out phrasings answered correctly: {answer_accuracy(model, tokenizer, corpus):.2f}")
     counts = store.sql("select checkpoint, split, count(*) as n from gradients group by 1, 2 order by 1, 2").df()
     log(

@@ -9,6 +9,8 @@ Authentication: ``Authorization: Bearer <token>``, or for a browser the ``gradst
 
 from __future__ import annotations
 
+import html
+import json
 import math
 from typing import Any, Literal
 from urllib.parse import parse_qs
@@ -75,6 +77,15 @@ class SelectRequest(_Body):
     blocks: str = "auto"
     split: str = "train"
     where: str | None = None
+
+
+class TextRequest(_Body):
+    prompt: str = Field(description="the prompt (context) of the text query")
+    completion: str = Field("", description="the completion whose loss the query gradient is of")
+    run: str
+    k: int = 10
+    method: str = "fisher"
+    checkpoint: str | None = Field(None, description="the training rows' checkpoint (a run with several needs it)")
 
 
 class SQLRequest(_Body):
@@ -173,6 +184,15 @@ def create_app(service: Service, tokens: Tokens) -> FastAPI:
         """LESS-style selection, as ``store.select``."""
         return answer("select", body, scope)
 
+    @app.post("/api/attribute_text", response_model=Result)
+    def attribute_text(body: TextRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
+        """Proponents of a typed prompt and completion: the query gradient is computed on the server's
+        ``--model`` with the run's projection (404 when the server was started without ``--model``)."""
+        result = service.attribute_text(
+            body.prompt, body.completion, run=body.run, k=body.k, method=body.method, checkpoint=body.checkpoint
+        )
+        return {"version": result.version, "rows": _rows(result.table)}
+
     @app.post("/api/sql", response_model=Result)
     def sql(body: SQLRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
         """One read-only DuckDB statement, as ``store.sql``."""
@@ -218,9 +238,71 @@ def create_app(service: Service, tokens: Tokens) -> FastAPI:
             raise RequestTooLargeError(f"top must be in 1..{service.limits.max_k}")
         with service._lock, service.store.core.snapshot():
             page = render(gather(service.store.core, ReportOptions(run=run, top=top)))
+        if service.model is not None:
+            runs = service.store.info()["runs"]
+            page = _with_text_box(page, run if run in runs else (runs[0] if runs else ""))
         return HTMLResponse(page)
 
     return app
+
+
+def _with_text_box(page: str, run: str) -> str:
+    """The report page with the text-query box (servers started with ``--model``) before its body ends."""
+    box = TEXT_BOX.replace("__RUN__", html.escape(json.dumps(run), quote=True))
+    # the report's policy lets the page reach nothing; the box may call this server's own API, nothing else
+    page = page.replace("default-src 'none';", "default-src 'none'; connect-src 'self';", 1)
+    at = page.rfind("</body>")
+    return page[:at] + box + page[at:] if at >= 0 else page + box
+
+
+TEXT_BOX = """
+<section id="text-query" data-run="__RUN__"
+ style="position:fixed;right:1em;bottom:1em;width:26em;background:#fff;border:1px solid #ccc;padding:.6em;
+ font-family:sans-serif;font-size:13px;z-index:1000;max-height:60vh;overflow:auto">
+<b>Ask the model's training data</b>
+<form id="text-form">
+<textarea id="text-prompt" rows="3" style="width:100%" placeholder="prompt"></textarea>
+<input id="text-completion" style="width:100%" placeholder="completion">
+<label>checkpoint <input id="text-checkpoint" style="width:8em" placeholder="(the run's)"></label>
+<label>method <select id="text-method"><option>fisher</option><option>grad-dot</option><option>ekfac</option>
+</select></label> <label>k <input id="text-k" type="number" value="10" min="1" max="100" style="width:4em"></label>
+<button id="text-submit" type="submit">Find proponents</button>
+</form>
+<div id="text-status"></div><ol id="text-proponents"></ol>
+</section>
+<script>
+(function () {
+  var box = document.getElementById("text-query");
+  var run = JSON.parse(box.dataset.run);
+  document.getElementById("text-form").addEventListener("submit", function (event) {
+    event.preventDefault();
+    var status = document.getElementById("text-status");
+    var list = document.getElementById("text-proponents");
+    list.textContent = "";
+    status.textContent = "computing the query gradient...";
+    fetch("/api/attribute_text", {
+      method: "POST", credentials: "same-origin", headers: {"Content-Type": "application/json"},
+      body: JSON.stringify({prompt: document.getElementById("text-prompt").value,
+        completion: document.getElementById("text-completion").value, run: run,
+        checkpoint: document.getElementById("text-checkpoint").value || null,
+        method: document.getElementById("text-method").value,
+        k: parseInt(document.getElementById("text-k").value, 10) || 10})
+    }).then(function (response) {
+      return response.json().then(function (body) { return {ok: response.ok, body: body}; });
+    }).then(function (answer) {
+      if (!answer.ok) { status.textContent = answer.body.error + ": " + answer.body.message; return; }
+      status.textContent = "run " + run + ", gradients version " + answer.body.version;
+      answer.body.rows.forEach(function (row) {
+        var item = document.createElement("li");
+        item.className = "text-proponent";
+        item.textContent = row.example_id + "  " + Number(row.score).toPrecision(4);
+        list.appendChild(item);
+      });
+    }).catch(function (error) { status.textContent = String(error); });
+  });
+})();
+</script>
+"""
 
 
 LOGIN_PAGE = """<!doctype html>

@@ -83,13 +83,26 @@ def serve(
     warm: list[str] | None = None,
     warm_kinds: tuple[str, ...] = ("exact",),
     start: bool = True,
+    model: str | None = None,
 ) -> Server:
     """Serve ``store`` (opened read-only for requests; ``allow_writes``: write-scoped tokens may ask ``write=True``).
     ``flight_port``/``http_port``: ``0`` picks a free port, ``None`` leaves that transport off. ``tls_cert`` and
     ``tls_key`` (PEM files) turn on TLS for both. ``warm``: methods looked up once per run (and per index kind of
-    ``warm_kinds``) before the first request (:meth:`Service.warm`). Returns the started :class:`Server`."""
+    ``warm_kinds``) before the first request (:meth:`Service.warm`). ``model``: ``"module:factory"``
+    (:mod:`gradstore.serve.model`), loaded once here, turns on text queries (``POST /api/attribute_text``).
+    Returns the started :class:`Server`."""
+    text_model = None
+    if model is not None:
+        from gradstore.serve.model import load_model
+
+        text_model = load_model(model)
     service = Service(
-        store, allow_writes=allow_writes, refresh_s=refresh_s, limits=limits, batch_window_s=batch_window_s
+        store,
+        allow_writes=allow_writes,
+        refresh_s=refresh_s,
+        limits=limits,
+        batch_window_s=batch_window_s,
+        model=text_model,
     )
     if warm:
         service.warm(list(warm), tuple(warm_kinds))

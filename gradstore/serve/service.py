@@ -67,6 +67,10 @@ class RequestTooLargeError(InvalidArgumentError):
     """A request or its result over the server's limits (413)."""
 
 
+class NoModelError(InvalidArgumentError):
+    """A text query to a server started without ``--model`` (404)."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask for."""
@@ -75,6 +79,7 @@ class Limits:
     max_vectors: int = 1024  # query vectors per request
     max_ids: int = 10_000  # query ids per request
     max_text: int = 20_000  # characters of a SQL statement or filter
+    max_prompt: int = 4_000  # characters of a text query's prompt plus its completion (--model)
     max_result_rows: int = 200_000
     max_request_bytes: int = 64 * 2**20
 
@@ -85,7 +90,7 @@ def status(error: BaseException) -> int:
         return error.status
     if isinstance(error, RequestTooLargeError):
         return 413
-    if isinstance(error, (UnknownRunError, MissingIdsError, UnknownIndexError, NotAStoreError)):
+    if isinstance(error, (NoModelError, UnknownRunError, MissingIdsError, UnknownIndexError, NotAStoreError)):
         return 404
     if isinstance(error, StorePermissionError):
         return 403
@@ -119,6 +124,7 @@ class Service:
         limits: Limits | None = None,
         batch_window_s: float = 0.0,
         max_batch: int = 64,
+        model: Any = None,
     ) -> None:
         self.store = gradstore.open(uri, create=False, read_consistency=timedelta(seconds=refresh_s))
         self.allow_writes = allow_writes
@@ -126,6 +132,42 @@ class Service:
         self.name = PurePath(str(uri)).name or str(uri)
         self._lock = threading.RLock()  # one store call at a time; concurrency comes from micro-batching
         self.batcher = MicroBatcher(self._attribute_batch, batch_window_s, max_batch)
+        self.model = model  # a gradstore.serve.model.TextModel from --model, or None: text queries refused
+
+    def attribute_text(
+        self, prompt: Any, completion: Any, *, run: Any, k: Any = 10, method: Any = "fisher", checkpoint: Any = None
+    ) -> Answer:
+        """Proponents of a typed ``prompt`` and ``completion``: the query gradient is captured on the server's
+        ``--model`` with the run's own projection (``store.attribute(QueryBatch(...))``), never written."""
+        if self.model is None:
+            raise NoModelError(
+                "this server has no model for text queries: start the server with --model module:factory"
+            )
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise InvalidArgumentError("prompt and completion must be strings")
+        if len(prompt) + len(completion) > self.limits.max_prompt:
+            raise RequestTooLargeError(f"prompt and completion are longer than {self.limits.max_prompt} characters")
+        if not prompt and not completion:
+            raise InvalidArgumentError("give a prompt or a completion")
+        args = {key: self._value(key, value) for key, value in {"run": run, "k": k, "method": method}.items()}
+        if checkpoint is not None:
+            if not isinstance(checkpoint, str):
+                raise InvalidArgumentError("checkpoint must be a string")
+            args["checkpoint"] = self._value("checkpoint", checkpoint)
+        if not isinstance(args["run"], str) or not isinstance(args["method"], str):
+            raise InvalidArgumentError("run and method must be strings")
+        if not isinstance(args["k"], int) or isinstance(args["k"], bool) or args["k"] < 1:
+            raise InvalidArgumentError("k must be a positive integer")
+        if args["k"] > self.limits.max_k:
+            raise RequestTooLargeError(f"k={args['k']} is over this server's limit of {self.limits.max_k}")
+        from gradstore.queries import QueryBatch
+
+        batch = self.model.batch(prompt, completion)
+        query = QueryBatch(self.model.model, batch, ids=["text"], loss_fn=self.model.loss_fn)
+        with self.model.lock, self._lock, self.store.core.snapshot():
+            version = self._version(args["run"])
+            table = self.store.attribute(query, **args, write=False)
+        return Answer(self._capped(table), version)
 
     def warm(self, methods: list[str], kinds: tuple[str, ...] = ("exact",)) -> list[str]:
         """Before serving: one lookup per run, method and index kind, so that fits, indexes and prepared rows (read
