@@ -49,7 +49,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from gradstore.capture_session import StoreCapture, config_for_run
 from gradstore.core import commits
 from gradstore.core.writer import GradientWriter, WriterConfig
-from gradstore.errors import surface
+from gradstore.errors import InvalidArgumentError, surface
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore
@@ -189,7 +189,7 @@ class DistributedCapture(StoreCapture):
                 "use store.capture(...) in a single process"
             )
         if commit_every < 1:
-            raise ValueError(f"commit_every must be >= 1, got {commit_every}")
+            raise InvalidArgumentError(f"commit_every must be >= 1, got {commit_every}")
         super().__init__(store, unwrap(model), run, config, **kwargs)
         self.commit_every = commit_every
         self._timeout = timeout

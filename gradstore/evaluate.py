@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from gradstore.core import sql_literal
+from gradstore.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore
@@ -147,9 +148,9 @@ def retrain(
     """Draw ``subsets`` random subsets of ``fraction`` of ``train_ids`` (seeded by ``seed``) and retrain each
     once per seed of ``seeds`` through ``train_fn``."""
     if not 0 < fraction < 1:
-        raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+        raise InvalidArgumentError(f"fraction must be in (0, 1), got {fraction}")
     if subsets < 2 or not seeds:
-        raise ValueError("an LDS needs at least 2 subsets and one seed")
+        raise InvalidArgumentError("an LDS needs at least 2 subsets and one seed")
     ids = list(train_ids)
     size = max(1, round(fraction * len(ids)))
     rng = np.random.default_rng(seed)
@@ -162,7 +163,7 @@ def retrain(
     for s in seeds:
         result = np.asarray(train_fn(subset_ids, list(queries), int(s)), dtype=np.float64)
         if result.shape != (subsets, len(queries)):
-            raise ValueError(f"train_fn returned shape {result.shape}, expected ({subsets}, {len(queries)})")
+            raise InvalidArgumentError(f"train_fn returned shape {result.shape}, expected ({subsets}, {len(queries)})")
         losses.append(result)
     return Retraining(ids, list(queries), masks, np.stack(losses), tuple(int(s) for s in seeds), fraction, seed)
 
@@ -218,7 +219,7 @@ def lds(
     """
     if truth is None:
         if train_fn is None:
-            raise ValueError("lds needs a train_fn (or a previous retraining as truth=)")
+            raise InvalidArgumentError("lds needs a train_fn (or a previous retraining as truth=)")
         truth = retrain(
             train_fn,
             training_ids(store, run),

@@ -121,7 +121,7 @@ class GradstoreCallback(TrainerCallback):
     ) -> None:
         """Start capturing the trainer's model."""
         if model is None:
-            raise ValueError("GradstoreCallback: the trainer passed no model to on_train_begin")
+            raise CaptureUsageError("GradstoreCallback: the trainer passed no model to on_train_begin")
         if self.capture is not None:
             self.close()
         options = {"loss_reduction": "token_mean", **self.options, **_skip_fused_lm_head(model, self.options)}

@@ -142,7 +142,7 @@ def test_add_examples_errors(store):
         store.add_examples([{"example_id": 2, "other": "b"}])
     with pytest.raises(gradstore.SchemaMismatchError, match="no id column"):
         store.add_examples([{"text": "c"}], id_column="uid")
-    with pytest.raises(TypeError):
+    with pytest.raises(gradstore.InvalidArgumentError, match="cannot read examples"):
         store.add_examples(42)
     assert store.sql("select example_id from examples").fetchall() == [("1",)]
 

@@ -9,6 +9,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from gradstore.errors import InvalidArgumentError
+
 
 def to_arrow_table(data: Any) -> pa.Table:
     """Convert a pyarrow Table/RecordBatch, pandas or polars DataFrame, HF ``datasets.Dataset``,
@@ -20,11 +22,11 @@ def to_arrow_table(data: Any) -> pa.Table:
     if isinstance(data, (str, os.PathLike)):
         path = Path(data)
         if not path.exists():
-            raise FileNotFoundError(f"no such parquet file or directory: {path}")
+            raise InvalidArgumentError(f"no such parquet file or directory: {path}")
         return pq.read_table(path)
     if isinstance(data, list):
         if data and not all(isinstance(row, dict) for row in data):
-            raise TypeError("a list of examples must hold dicts (one per example)")
+            raise InvalidArgumentError("a list of examples must hold dicts (one per example)")
         return pa.Table.from_pylist(data)
     module = type(data).__module__.split(".")[0]
     if module == "pandas":
@@ -33,7 +35,7 @@ def to_arrow_table(data: Any) -> pa.Table:
         return data.to_arrow()
     if module == "datasets" and hasattr(data, "data"):
         return data.data.table if hasattr(data.data, "table") else pa.table(data.to_dict())
-    raise TypeError(
+    raise InvalidArgumentError(
         f"cannot read examples from {type(data).__name__}: pass a pyarrow Table, pandas/polars "
         "DataFrame, datasets.Dataset, parquet path or list of dicts"
     )

@@ -33,7 +33,7 @@ from gradstore.core import commits
 from gradstore.core import schema as S
 from gradstore.core.append_metadata import checked_metadata, metadata_column, take
 from gradstore.core.vectors import MAX_NORM, encode, row_peaks, too_large_rows
-from gradstore.errors import NonFiniteGradientError, SchemaMismatchError, WriterClosedError
+from gradstore.errors import InvalidArgumentError, NonFiniteGradientError, SchemaMismatchError, WriterClosedError
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,9 @@ class WriterConfig:
 
     def __post_init__(self) -> None:
         if self.nonfinite not in ("raise", "drop"):
-            raise ValueError(f"nonfinite must be 'raise' or 'drop', got {self.nonfinite!r}")
+            raise InvalidArgumentError(f"nonfinite must be 'raise' or 'drop', got {self.nonfinite!r}")
         if self.commit_rows < 1 or self.max_pending_commits < 1:
-            raise ValueError("commit_rows and max_pending_commits must be >= 1")
+            raise InvalidArgumentError("commit_rows and max_pending_commits must be >= 1")
 
 
 def new_id_block(existing_prefix_taken) -> int:
