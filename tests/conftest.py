@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -60,3 +61,27 @@ def s3_bucket(s3_endpoint, request):
 
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
     return name, new_bucket(s3_endpoint, name)
+
+
+#: Chromium's flags in tests: no sandbox (root), and none of its background connections (the network is closed).
+BROWSER_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's Chromium under Playwright (skipped when either is missing; .ci/run installs both)."""
+    playwright_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+    executable = shutil.which("chromium")
+    if executable is None:
+        pytest.skip("no chromium on PATH (apt-get install -y chromium)")
+    with playwright_api.sync_playwright() as driver:
+        launched = driver.chromium.launch(executable_path=executable, headless=True, args=BROWSER_ARGS)
+        yield launched
+        launched.close()

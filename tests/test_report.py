@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import numpy as np
 import pandas as pd
@@ -200,27 +199,7 @@ def test_cli_report_writes_and_prints_the_path(small_store, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- in a browser
-BROWSER_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--no-first-run",
-    "--disable-sync",
-]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    """Debian's Chromium under Playwright (skipped when either is missing; .ci/run installs both)."""
-    playwright_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.skip("no chromium on PATH (apt-get install -y chromium)")
-    with playwright_api.sync_playwright() as driver:
-        launched = driver.chromium.launch(executable_path=executable, headless=True, args=BROWSER_ARGS)
-        yield launched
-        launched.close()
+# (the `browser` fixture: tests/conftest.py)
 
 
 class PageLog:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 
 import httpx
 import numpy as np
@@ -165,20 +164,6 @@ def test_fuzzed_bodies_never_get_a_5xx(http, path, body):
 
 
 # ---------------------------------------------------------------------------------------------- in a browser
-@pytest.fixture(scope="module")
-def browser():
-    playwright_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.skip("no chromium on PATH (apt-get install -y chromium)")
-    with playwright_api.sync_playwright() as driver:
-        launched = driver.chromium.launch(
-            executable_path=executable, headless=True, args=["--no-sandbox", "--disable-gpu", "--no-first-run"]
-        )
-        yield launched
-        launched.close()
-
-
 def test_the_live_report_in_the_browser(browser, server, local):
     page = browser.new_page()
     errors: list[str] = []

@@ -5,7 +5,6 @@ locally; typed 4xx without --model and for over-long text; the page's text box i
 from __future__ import annotations
 
 import importlib
-import shutil
 import sys
 import textwrap
 
@@ -123,20 +122,6 @@ def test_without_model_the_endpoint_says_so(local):
         assert answer.status_code == 404 and "--model" in answer.json()["message"]
         page = httpx.get(running.http_url + "/report", cookies={"gradstore_token": READ}, timeout=60).text
         assert 'id="text-query"' not in page
-
-
-@pytest.fixture(scope="module")
-def browser():
-    playwright_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.skip("no chromium on PATH (apt-get install -y chromium)")
-    with playwright_api.sync_playwright() as driver:
-        launched = driver.chromium.launch(
-            executable_path=executable, headless=True, args=["--no-sandbox", "--disable-gpu", "--no-first-run"]
-        )
-        yield launched
-        launched.close()
 
 
 def test_the_text_box_in_the_browser(browser, server, local, factory_module):
