@@ -11,6 +11,13 @@ Optionally the last ``tail`` rows of each side are seeded random directions orth
 eigenvectors. Sources of ``A`` and ``S``: a short pre-pass (:func:`estimate_basis`) or a previous capture's
 ``curvature=True`` statistics (:func:`basis_from_curvature`). Embedding inputs are one-hot, so their ``A``
 is diagonal (token counts) and is kept as a vector.
+
+The eigenbasis keeps the directions most of the pre-pass's gradient energy lies in. Where an example's
+identity lives in rare directions it discards exactly those: a one-hot side (an embedding's tokens, the
+unembedding's vocabulary) keeps its ``k`` most frequent tokens and drops the rest, and a layer fed sequences
+weighs every position's token, so the directions shared by all sentences win. :func:`estimate_basis`'s
+``layers`` option therefore keeps the seeded random projection (the capture's own matrices) on such sides and
+layers; see :data:`EIGEN_LAYERS`.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from torch import nn
 from ingest.capture import ProjectionConfig
 from ingest.ids import find_inputs, find_mask
 from ingest.layers import LayerInfo, select_layers
+from ingest.misuse import CaptureUsageError
 from ingest.per_example import tokens_view
 from ingest.projection import LayerSizes, ProjectionBasis, ProjectionSpec, projection_matrix, slot_sizes
 
@@ -91,6 +99,47 @@ def side_rows(cov: np.ndarray, k: int, tail: int, seed: int, layer: str, side: s
 
 SPLITS = ("fixed", "energy")
 
+#: ``estimate_basis(layers=...)``: where the eigenbasis replaces the random projection. ``"all"``: every
+#: captured layer. ``"non-token"``: all but the token-indexed sides, i.e. an embedding's input side (one-hot
+#: tokens) and the output side of a linear layer as wide as an embedding's vocabulary (the unembedding), which
+#: keep the seeded random rows. ``"single-position"`` (default): moreover only layers that saw one position per
+#: example in the pre-pass (no sequence dimension: an example's gradient is one outer product, so the energy
+#: criterion weighs examples, not tokens); layers fed sequences keep the random projection on both sides.
+EIGEN_LAYERS = ("single-position", "non-token", "all")
+
+#: Per layer, whether its (input, output) side keeps the seeded random projection instead of the eigenbasis.
+RandomSides = Mapping[str, tuple[bool, bool]]
+
+
+def random_sides(
+    layers: list[LayerInfo], positions: Mapping[str, int], vocabularies: set[int], eigen_layers: str
+) -> dict[str, tuple[bool, bool]]:
+    """Which sides of ``layers`` keep the random projection under ``estimate_basis(layers=eigen_layers)``.
+
+    ``positions``: the most positions per example each layer saw in the pre-pass; ``vocabularies``: the
+    ``num_embeddings`` of the model's embeddings (a linear layer with that many outputs is an unembedding)."""
+    if eigen_layers not in EIGEN_LAYERS:
+        raise CaptureUsageError(
+            f"estimate_basis: layers must be one of {EIGEN_LAYERS} (where the eigenbasis replaces the random "
+            f"projection), got {eigen_layers!r}"
+        )
+    sides = {}
+    for info in layers:
+        token_in = info.kind == "embedding"
+        token_out = info.kind != "embedding" and info.d_out in vocabularies
+        if eigen_layers == "all":
+            sides[info.name] = (False, False)
+        elif eigen_layers == "single-position" and positions.get(info.name, 1) > 1:
+            sides[info.name] = (True, True)
+        else:
+            sides[info.name] = (token_in, token_out)
+    return sides
+
+
+def random_rows(seed: int, layer: str, side: str, k: int, d: int) -> np.ndarray:
+    """The capture's own seeded random projection rows ``[k, d]`` of one side (float32, entries N(0, 1/k))."""
+    return projection_matrix(seed, layer, side, k, d).numpy()
+
 
 def basis_from_covariances(
     covariances: Covariances,
@@ -100,23 +149,31 @@ def basis_from_covariances(
     tail: int = 0,
     seed: int = 0,
     split: str = "fixed",
+    random: RandomSides | None = None,
 ) -> ProjectionBasis:
     """The eigenbasis of per-layer ``(A, S)`` (``A`` may be a vector: a diagonal), sizes as in a capture
     (:func:`ingest.projection.slot_sizes`, capped at the layer's width).
 
     ``split="energy"`` re-divides each layer's ``k_in * k_out`` dims between the two sides by
-    :func:`energy_split` (same bytes per layer and in total); ``"fixed"`` keeps the requested sizes."""
+    :func:`energy_split` (same bytes per layer and in total); ``"fixed"`` keeps the requested sizes.
+    ``random``: per layer, the sides that keep the seeded random projection (:func:`random_rows`, equal to a
+    capture's without a basis); a layer with a random side keeps the requested sizes."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     matrices = {}
     for name, (a_cov, s_cov) in covariances.items():
+        random_in, random_out = (random or {}).get(name, (False, False))
         layer_k_in, layer_k_out = slot_sizes(name, k_in, k_out, layer_sizes)
         layer_k_in, layer_k_out = min(layer_k_in, a_cov.shape[0]), min(layer_k_out, s_cov.shape[0])
-        if split == "energy":
+        if split == "energy" and not (random_in or random_out):
             layer_k_in, layer_k_out = energy_split(eigenbasis(a_cov)[0], eigenbasis(s_cov)[0], layer_k_in, layer_k_out)
         matrices[name] = (
-            side_rows(a_cov, layer_k_in, tail, seed, name, "in"),
-            side_rows(s_cov, layer_k_out, tail, seed, name, "out"),
+            random_rows(seed, name, "in", layer_k_in, a_cov.shape[0])
+            if random_in
+            else side_rows(a_cov, layer_k_in, tail, seed, name, "in"),
+            random_rows(seed, name, "out", layer_k_out, s_cov.shape[0])
+            if random_out
+            else side_rows(s_cov, layer_k_out, tail, seed, name, "out"),
         )
     return ProjectionBasis(matrices)
 
@@ -177,6 +234,7 @@ class _CovarianceHooks:
         self.factors = factors
         self.a: dict[str, torch.Tensor] = {}
         self.s: dict[str, torch.Tensor] = {}
+        self.positions: dict[str, int] = {}  # the most positions per example each layer saw
         self.mask: torch.Tensor | None = None
 
     def attach(self, model: nn.Module) -> list[Any]:
@@ -202,6 +260,7 @@ class _CovarianceHooks:
             batch = x.shape[0]
             with torch.no_grad():
                 tokens = x.numel() // batch if info.kind == "embedding" else x.numel() // (batch * info.d_in)
+                self.positions[info.name] = max(self.positions.get(info.name, 0), tokens)
                 weights = self._weights(batch, tokens, x.device)
                 if info.kind == "embedding":
                     a = x.reshape(-1)
@@ -273,6 +332,7 @@ def estimate_basis(
     tail: int = 0,
     factors: str = "kfac",
     split: str = "fixed",
+    layers: str = "single-position",
 ) -> ProjectionBasis:
     """A short pre-pass estimating each captured layer's K-FAC eigenbasis.
 
@@ -293,18 +353,36 @@ def estimate_basis(
     ``split="energy"`` lets each layer trade input-side for output-side dims at the same ``k_in * k_out``
     (:func:`energy_split`): e.g. the output gradients of a layer under a ``C``-way classifier head span about
     ``C - 1`` directions, so dims beyond those are better spent on the input side.
+
+    ``layers`` (:data:`EIGEN_LAYERS`) says where the eigenbasis replaces the seeded random projection:
+    ``"single-position"`` (default) on the layers that see one position per example, except token-indexed
+    sides; ``"non-token"`` on every layer except token-indexed sides (embedding inputs, the unembedding's
+    vocabulary outputs); ``"all"`` everywhere. The other sides keep exactly the random rows a capture with
+    the same ``seed`` uses. Measured (docs/concepts.md): on a classifier MLP the eigenbasis gains held-out LDS
+    on every layer; on a small language model's fact tracing it loses recall on every layer, most on the
+    token-indexed sides. ``tail=k//2`` gives the mixed basis (top half eigenvectors, random complement).
     """
     if factors not in FACTORS:
         raise ValueError(f"factors must be one of {FACTORS}, got {factors!r}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    random_sides([], {}, set(), layers)  # validates ``layers`` before the pre-pass
     config = config or ProjectionConfig()
-    layers = select_layers(model, tuple(config.layer_types), config.include, config.exclude, config.include_frozen)
-    if not layers:
+    infos = select_layers(model, tuple(config.layer_types), config.include, config.exclude, config.include_frozen)
+    if not infos:
         raise ValueError("estimate_basis: no supported layer matches the layer selection")
-    covariances = _moments(model, layers, batches, loss_fn, _CovarianceHooks(layers, factors))
+    hooks = _CovarianceHooks(infos, factors)
+    covariances = _moments(model, infos, batches, loss_fn, hooks)
+    vocabularies = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
     return basis_from_covariances(
-        covariances, config.k_in, config.k_out, config.layer_sizes, tail, config.seed, split=split
+        covariances,
+        config.k_in,
+        config.k_out,
+        config.layer_sizes,
+        tail,
+        config.seed,
+        split=split,
+        random=random_sides(infos, hooks.positions, vocabularies, layers),
     )
 
 

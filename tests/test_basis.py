@@ -17,6 +17,7 @@ import gradstore
 from gradstore.run_basis import basis_from_run, basis_key, run_basis
 from ingest.basis import basis_from_curvature, energy_split, estimate_basis, side_rows
 from ingest.capture import CaptureConfig, GradientCapture, ProjectionConfig
+from ingest.misuse import CaptureUsageError
 from ingest.projection import ProjectionBasis, ProjectionMismatchError, ProjectionSpec, projection_matrix
 
 
@@ -378,6 +379,7 @@ def test_embedding_gradient_factors_equal_per_sample_gradients(factors):
         loss,
         ProjectionConfig(k_in=3, k_out=2, include="^0$"),
         factors=factors,
+        layers="all",
     )
     params = {k: v.detach() for k, v in model.named_parameters()}
 
@@ -404,3 +406,92 @@ def test_basis_from_a_runs_curvature_statistics(store_path):
     for name in ("0", "2"):
         for p, q in zip(from_run.matrices[name], prepass.matrices[name]):
             np.testing.assert_allclose(p.T @ p, q.T @ q, atol=1e-4)
+
+
+def tiny_lm() -> nn.Sequential:
+    """Embedding (vocabulary 9) -> hidden linear -> unembedding (9 outputs), fed sequences."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(9, 6), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 9))
+
+
+def lm_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 9, (8, 5), generator=g)
+    return [(ids[:4, :-1], ids[:4, 1:]), (ids[4:, :-1], ids[4:, 1:])]
+
+
+def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]).reshape(-1, 9), batch[1].reshape(-1), reduction="sum")
+
+
+def assert_orthonormal(p: np.ndarray) -> None:
+    p = p.astype(np.float64)
+    np.testing.assert_allclose(p @ p.T, np.eye(len(p)), atol=1e-5)
+
+
+def test_layers_option_keeps_the_capture_random_projection_where_asked():
+    """``layers=``: which sides keep the seeded random rows (exactly the capture's), the rest the eigenbasis."""
+    model, config = tiny_lm(), ProjectionConfig(k_in=3, k_out=4, seed=7)
+    bases = {
+        layers: estimate_basis(model, lm_batches(), lm_loss, config, factors="gradient", layers=layers)
+        for layers in ("all", "non-token", "single-position")
+    }
+
+    def random(name: str, side: str, k: int, d: int) -> np.ndarray:
+        return projection_matrix(7, name, side, k, d).numpy()
+
+    shapes = {"0": (9, 6), "1": (7, 5), "3": (6, 9)}  # (d_in (+1 bias), d_out) per layer
+    for name in shapes:
+        for p in bases["all"].matrices[name]:
+            assert_orthonormal(p)  # eigenvectors (the random rows are not orthonormal)
+    expected_random = {  # (input side, output side) random under each option
+        "non-token": {"0": (True, False), "1": (False, False), "3": (False, True)},  # embedding ids, vocabulary
+        "single-position": {"0": (True, True), "1": (True, True), "3": (True, True)},  # all fed sequences
+    }
+    for layers, sides in expected_random.items():
+        for name, flags in sides.items():
+            for side, p, eigen, is_random, d in zip(
+                ("in", "out"), bases[layers].matrices[name], bases["all"].matrices[name], flags, shapes[name]
+            ):
+                if is_random:
+                    np.testing.assert_array_equal(p, random(name, side, len(p), d))
+                else:
+                    np.testing.assert_array_equal(p, eigen)
+    # an all-random basis gives the rows of a capture without a basis (same seed)
+    rows = {}
+    for key, options in (("basis", {"basis": bases["single-position"]}), ("seeded", {})):
+        captured: list = []
+        cfg = CaptureConfig.from_options(k_in=3, k_out=4, seed=7, loss_reduction="sum", **options)
+        with GradientCapture(model, captured.append, cfg):
+            for batch in lm_batches():
+                lm_loss(model, batch).backward()
+                model.zero_grad()
+        rows[key] = torch.cat([b.grads for b in captured])
+    torch.testing.assert_close(rows["basis"], rows["seeded"], rtol=1e-4, atol=1e-6)
+
+
+def test_single_position_layers_keep_the_eigenbasis():
+    """A classifier MLP sees one position per example: the default equals ``layers="all"`` exactly."""
+    model = mlp()
+    x, y = data()
+    config = ProjectionConfig(k_in=4, k_out=2)
+    default = estimate_basis(model, batches(x, y), sum_loss, config)
+    every = estimate_basis(model, batches(x, y), sum_loss, config, layers="all")
+    assert default.digest() == every.digest()
+    with pytest.raises(CaptureUsageError, match="layers must be one of"):
+        estimate_basis(model, batches(x, y), sum_loss, config, layers="rare")
+
+
+def test_mixed_basis_holds_the_top_eigenvectors_and_a_random_complement():
+    """``tail=k//2``: the first half of each side's rows are its top eigenvectors, the rest orthogonal to them."""
+    model = mlp()
+    x, y = data()
+    basis = estimate_basis(model, batches(x, y), sum_loss, ProjectionConfig(k_in=4, k_out=2), tail=2)
+    full = estimate_basis(model, batches(x, y), sum_loss, ProjectionConfig(k_in=4, k_out=2))
+    for name in ("0", "2"):
+        for p, top in zip(basis.matrices[name], full.matrices[name]):
+            p, top = p.astype(np.float64), top.astype(np.float64)
+            assert_orthonormal(p)
+            kept = len(p) - min(2, len(p))
+            np.testing.assert_allclose(np.abs(p[:kept]), np.abs(top[:kept]), atol=1e-6)  # signs are free
+            np.testing.assert_allclose(p[kept:] @ top[:kept].T, 0.0, atol=1e-6)
