@@ -1,48 +1,64 @@
-"""Attribution quality: linear datamodeling score (LDS) on scikit-learn's bundled digits, through gradstore.
+"""Attribution quality on scikit-learn's bundled digits, through gradstore: LDS (and QLD) of every method, with
+every choice made on validation data and every figure reported on test data.
 
 Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
 
 * Data: ``sklearn.datasets.load_digits`` (1,797 images, 64 pixels), pixels standardised with the training
-  mean/std. One seeded permutation gives 1,000 training examples, 200 test queries and 200 validation
-  queries (disjoint). Validation queries are used only to choose the damping of the influence methods.
+  mean/std. One seeded permutation gives 1,000 training examples, 200 test queries and 200 validation queries
+  (disjoint).
 * Models: multinomial logistic regression (``Linear(64, 10)``) and an MLP ``64-32-10`` (ReLU), both as
   ``nn.Sequential`` modules so gradstore's hooks see ordinary ``nn.Linear`` layers. Objective: mean
   cross-entropy over the training set plus ``wd/2 * ||theta||^2``. Training: full-batch Adam with a cosine
   learning-rate schedule, fixed number of steps, fixed initialisation (zeros for logistic regression, one
-  seeded init for the MLP) — the same procedure for the full model and for every retrained subset.
-* Ground truth and LDS through ``gradstore.evaluate``: 100 random subsets of exactly 50% of the training set
-  (seeded), each retrained from the same init with the same procedure; the bench's ``train_fn`` trains all
-  subsets together as one stack of independent models (Adam is per-coordinate and the stacked loss is a sum
-  of per-model losses, so this equals independent runs). Outcome: each subset model's cross-entropy on every
-  test (and validation) query. The LDS rows are written to the store's ``evaluations`` table.
-* Attribution, through gradstore's real path only: the full model's per-example training gradients and the
-  query gradients are captured with ``store.capture`` in checkpoint passes (``loss_reduction="sum"``,
-  float32 storage) at five points of training (``c1``..``c4`` and ``final``, each recorded with the mean
-  learning rate of the steps since the previous checkpoint), then ``store.attribute(..., k=n_train,
-  write=False)`` returns every training example's score for every query. Methods: ``grad-dot`` (final
-  checkpoint), ``tracin`` (learning-rate-weighted sum over the five checkpoints) and ``fisher`` (projected
-  empirical-Fisher influence at the final checkpoint, damping relative to the mean eigenvalue, chosen on the
-  validation queries from a grid). Variants at equal dims (sizes capped at the layer width): exact gradients
-  (``projection=None``, the ceiling), random LoGra factorized projections, dense JL projections, and
-  curvature-aware factorized projections whose fixed basis comes from ``ingest.basis.estimate_basis`` on the
-  final model's training inputs (true-Fisher second moments; ``factors`` ``kfac``: K-FAC eigenbasis,
-  ``gradient``: partial traces of the per-example gradients' second moment, ``unit``: the same with every
-  example's gradient normalised), each with the requested per-layer sizes and with ``split="energy"``
-  (``curvature-<factors>-energy``: each layer's ``k_in * k_out`` re-divided between the sides to keep the
-  most Kronecker energy, same dims per layer; the note column shows the sizes). Logistic regression 32x10 =
-  320 dims; MLP 16x16 per layer (the 10-way output layer gets 16x10) = 416 dims.
-  One extra logistic-regression row, "exact-Hessian IF", preconditions the query rows with the true Hessian
-  of the training objective (computed here with torch; gradstore does not compute Hessians) and scores them
-  through gradstore's ``grad-dot`` path as raw query vectors — a sanity check of the protocol against the
-  issue's reference, not a gradstore method.
+  seeded init for the MLP), the same procedure for the full model and for every retrained subset.
+* Ground truth, two independent retrainings through ``gradstore.evaluate.retrain``: 100 random subsets of 50%
+  of the training set for the **validation** queries (subset seed ``seed + 1``) and another 100 for the
+  **test** queries (subset seed ``seed + 2``), each subset retrained from the same init with the same
+  procedure (the bench's ``train_fn`` trains all subsets together as one stack of independent models: Adam is
+  per-coordinate and the stacked loss is a sum of per-model losses, so this equals independent runs). Outcome:
+  each subset model's cross-entropy on its own queries. Validation LDS uses only the validation retraining, test
+  LDS only the test retraining: no choice ever sees a test subset or a test query.
+* The attributed model is trained **under capture**: the full model is the ``nn.Sequential`` module trained
+  by ``torch.optim.Adam`` inside ``store.capture(module, RUN, optimizer=..., checkpoint="train")`` with the
+  same full-batch Adam and cosine schedule, capturing every ``every``-th step (the other steps run paused),
+  each captured step recording its learning rate (the in-loop rows of ``tracin-steps`` and ``dvemb``, which
+  weight a recorded step by the optimizer steps until the next one). Its final weights are checked to equal
+  (1e-5) the stacked training's copy trained on the full set. Checkpoint passes at five points of that run
+  (``c1``..``c4``, ``final``, each recorded with its step and the mean learning rate of the steps since the
+  previous one) capture per-example training rows and the query rows (``loss_reduction="mean"``, float32
+  storage).
+* Curvature rows: after the empirical-Fisher rows are scored, the same checkpoint passes add rows of split
+  ``"true-fisher"``: every example once per class ``c``, its loss on label ``c`` weighted by
+  ``sqrt(10 p_c)`` with ``p`` the model's predicted distribution (no gradient through the weight). Their mean
+  outer product is exactly the true Fisher (GGN) of the training inputs, the limit of many labels sampled with
+  ``gradstore.sample_labels``, at the cost of ten samples. ``fisher`` and ``source`` then fit on them: each of
+  the two is reported with the empirical Fisher and with the true Fisher.
+* Methods (``store.score_matrix``/``store.attribute``, every training example's score for every query):
+  ``grad-dot`` and ``fisher`` at the final checkpoint, ``tracin`` over the five checkpoint passes,
+  ``tracin-steps`` and ``dvemb`` over the in-loop rows, ``source`` over the five segments. A damped method's
+  damping (relative to the mean eigenvalue) is chosen from a grid on the validation LDS.
+* Variants at equal dims (sizes capped at the layer width): exact gradients (``projection=None``, the ceiling,
+  never a candidate) and three projection families with **two candidates each**, fixed before any run:
+  random LoGra factorized projections with projection seeds 0 and 1, random dense JL projections with seeds
+  0 and 1, and curvature-aware factorized projections on the final model's K-FAC eigenbasis
+  (``ingest.basis.estimate_basis``, ``factors="kfac"``) with the requested per-layer sizes (``fixed``) and with
+  ``split="energy"`` (each layer's ``k_in * k_out`` re-divided between its sides to keep the most Kronecker
+  energy, same dims per layer). Logistic regression 32x10 = 320 dims; MLP 16x16 per layer (the 10-way output
+  layer gets 16x10) = 416 dims. One extra logistic-regression row, "exact-Hessian IF", preconditions the test
+  query rows with the true Hessian of the training objective (torch) and scores them through ``grad-dot``: a
+  sanity check of the protocol, not a gradstore method and not a candidate.
 * LDS: for query q the prediction for subset S is ``sum_{i in S} score(q, i)`` (a positive score means the
-  example lowers q's loss); LDS_q = Spearman(prediction, -loss_S(q)) over the 100 subsets; reported LDS is
-  the mean over the 200 test queries, with its standard error over queries.
+  example lowers q's loss); LDS_q = Spearman(prediction, -loss_S(q)) over the subsets; the LDS is the mean over
+  queries, with its standard error over queries.
+* QLD (``gradstore.evaluate.qld_of_scores``), for each method's validation-chosen row: retrain without each of
+  ``--qld-queries`` test queries' top 10% proponents, minus the mean loss after removing random sets of the same
+  size (higher is better, 0 is chance).
 
-Prints the whole table, then ends with ``RESULT lds_curvature_projected_fisher=<logreg>/<mlp>
-target>=0.66/0.58 PASS|MISS`` where each figure is the test LDS of the curvature-aware Fisher-influence
-variant with the best validation LDS — the variant is chosen on validation queries like the damping, never on
-test (the same choice among the random projections is printed just above, for comparison).
+Ends with three RESULT lines, each figure the test LDS of the candidate with the best validation LDS:
+``lds_trajectory_mlp_416`` (the MLP at 416 dims, among the trajectory-aware methods on every projected variant),
+``lds_logreg_320`` (logistic regression at 320 dims, among every method on every projected variant) and
+``lds_curvature_projected_fisher`` (logistic regression / MLP, ``fisher`` on the curvature-aware family; the same
+choice on the two random families is printed above it).
 
 Run: ``python bench/fidelity.py`` (``--threads 1`` when the two cores are shared with other jobs).
 """
@@ -54,8 +70,9 @@ import math
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,25 +81,18 @@ from torch import nn
 
 import gradstore
 from gradstore import evaluate
+from gradstore.methods import METHODS
 from ingest.basis import estimate_basis
 from ingest.capture import ProjectionConfig
 from ingest.projection import ProjectionBasis
 
 RUN = "digits"
-TARGETS = {"logreg": 0.66, "mlp": 0.58}  # curvature-aware projected Fisher (issue 13)
-REFERENCE = {  # issue 5, independent scripts on this kind of machine
-    ("logreg", "exact-Hessian IF"): "0.84",
-    ("logreg", "fisher exact"): "0.66 (empirical-Fisher IF)",
-    ("logreg", "fisher factorized"): "0.58 (LoGra 32x10)",
-    ("logreg", "grad-dot exact"): "0.24",
-    ("mlp", "grad-dot exact"): "0.23",
-    ("mlp", "tracin exact"): "0.24-0.28",
-    ("mlp", "fisher factorized"): "0.47-0.55 (k=256)",
-}
-VALIDATION: dict[tuple[str, str], float] = {}  # (model, "fisher <variant>") -> validation LDS at the chosen damping
-CURVATURE = ("kfac", "gradient", "unit")  # estimate_basis factors of the curvature-aware variants
-SPLITS = ("fixed", "energy")  # estimate_basis splits: as requested, or re-divided per layer at equal dims
+IN_LOOP = "train"  # checkpoint label of the rows captured during training
+TARGETS = {"trajectory": 0.65, "logreg": 0.78, "curvature": {"logreg": 0.66, "mlp": 0.58}}
 DAMPING_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
+CLASSES = 10
+TRUE_FISHER_SPLIT = "true-fisher"  # the split of the rows fisher and source fit their curvature on
+WEIGHT_TOLERANCE = 1e-5  # captured training vs the stacked training's full-set copy
 
 
 def log(message: str) -> None:
@@ -101,6 +111,12 @@ class Data:
     x_val: torch.Tensor
     y_val: torch.Tensor
 
+    def to(self, dtype: torch.dtype) -> Data:
+        """The same data with inputs of ``dtype``."""
+        return Data(
+            self.x_train.to(dtype), self.y_train, self.x_test.to(dtype), self.y_test, self.x_val.to(dtype), self.y_val
+        )
+
 
 def load_data(n_train: int, n_test: int, n_val: int, seed: int) -> Data:
     """Seeded disjoint split of ``load_digits``; pixels standardised with training statistics."""
@@ -118,33 +134,51 @@ def load_data(n_train: int, n_test: int, n_val: int, seed: int) -> Data:
     return Data(x[train], y[train], x[test], y[test], x[val], y[val])
 
 
+def train_ids(n: int) -> list[str]:
+    """Ids of the training examples (their index as text)."""
+    return [str(i) for i in range(n)]
+
+
+def test_ids(n: int) -> list[str]:
+    """Ids of the test queries."""
+    return [f"q{i}" for i in range(n)]
+
+
+def val_ids(n: int) -> list[str]:
+    """Ids of the validation queries."""
+    return [f"v{i}" for i in range(n)]
+
+
 # ---------------------------------------------------------------------------------------------- models
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture and training procedure of one model family."""
+    """Architecture, training procedure and capture sizes of one model family."""
 
     name: str
     hidden: int | None  # None: logistic regression
     weight_decay: float
     lr: float
     steps: int
+    k_in: int
+    k_out: int
+    every: int  # capture every ``every``-th training step
+    dtype: torch.dtype  # of the weights and inputs, in every training and capture
 
 
 def make_module(config: ModelConfig) -> nn.Sequential:
-    """The ``nn.Module`` gradstore captures (architecture only; weights are loaded from a parameter list)."""
+    """The ``nn.Module`` gradstore captures."""
     if config.hidden is None:
-        return nn.Sequential(nn.Linear(64, 10))
-    return nn.Sequential(nn.Linear(64, config.hidden), nn.ReLU(), nn.Linear(config.hidden, 10))
+        return nn.Sequential(nn.Linear(64, CLASSES)).to(config.dtype)
+    return nn.Sequential(nn.Linear(64, config.hidden), nn.ReLU(), nn.Linear(config.hidden, CLASSES)).to(config.dtype)
 
 
 def init_params(config: ModelConfig, copies: int, seed: int) -> list[torch.Tensor]:
     """Stacked ``[copies, ...]`` initial parameters (weight, bias per layer), identical across copies."""
     if config.hidden is None:
-        base = [torch.zeros(10, 64), torch.zeros(10)]
+        base = [torch.zeros(CLASSES, 64, dtype=config.dtype), torch.zeros(CLASSES, dtype=config.dtype)]
     else:
         torch.manual_seed(seed)
-        module = make_module(config)
-        base = [p.detach().clone() for p in module.parameters()]
+        base = [p.detach().clone() for p in make_module(config).parameters()]
     return [p.unsqueeze(0).repeat(copies, *([1] * p.dim())).contiguous() for p in base]
 
 
@@ -163,51 +197,43 @@ def lr_at(config: ModelConfig, step: int) -> float:
     return 0.5 * config.lr * (1 + math.cos(math.pi * step / config.steps))
 
 
-def train_stack(
-    config: ModelConfig, x: torch.Tensor, y: torch.Tensor, seed: int, snapshot_steps: tuple[int, ...] = ()
-) -> tuple[list[torch.Tensor], dict[int, list[torch.Tensor]]]:
-    """Train ``copies`` independent models, copy ``c`` on ``x[c], y[c]`` (``[copies, n, 64]``, ``[copies, n]``).
+def decay(config: ModelConfig, params: list[torch.Tensor] | Any) -> torch.Tensor:
+    """``wd/2 ||theta||^2`` of the model (or of every model of a stack: the sum)."""
+    return 0.5 * config.weight_decay * sum((p * p).sum() for p in params)
 
-    Objective per copy: mean cross-entropy + ``wd/2 ||theta||^2``; full-batch Adam, cosine schedule.
-    Returns the final stacked parameters and snapshots taken after the listed numbers of steps.
-    """
+
+def train_stack(config: ModelConfig, x: torch.Tensor, y: torch.Tensor, seed: int) -> list[torch.Tensor]:
+    """Train ``copies`` independent models, copy ``c`` on ``x[c], y[c]`` (``[copies, n, 64]``, ``[copies, n]``):
+    mean cross-entropy + ``wd/2 ||theta||^2`` each, full-batch Adam, cosine schedule. Final stacked parameters."""
     params = [p.requires_grad_() for p in init_params(config, x.shape[0], seed)]
+    x = x.to(config.dtype)
     optimizer = torch.optim.Adam(params, lr=config.lr)
-    snapshots: dict[int, list[torch.Tensor]] = {}
     for step in range(config.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(config, step)
         logits = stacked_logits(params, x)
-        loss = F.cross_entropy(logits.reshape(-1, 10), y.reshape(-1), reduction="sum") / x.shape[1]
-        loss = loss + 0.5 * config.weight_decay * sum((p * p).sum() for p in params)
+        loss = F.cross_entropy(logits.reshape(-1, CLASSES), y.reshape(-1), reduction="sum") / x.shape[1]
         optimizer.zero_grad()
-        loss.backward()
+        (loss + decay(config, params)).backward()
         optimizer.step()
-        if step + 1 in snapshot_steps:
-            snapshots[step + 1] = [p.detach().clone() for p in params]
-    return [p.detach() for p in params], snapshots
+    return [p.detach() for p in params]
 
 
 def query_losses(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy ``[copies, queries]`` of every model of a stack on every query."""
     with torch.no_grad():
-        logits = stacked_logits(params, x.unsqueeze(0).expand(params[0].shape[0], -1, -1))
+        logits = stacked_logits(params, x.to(params[0].dtype).unsqueeze(0).expand(params[0].shape[0], -1, -1))
         return F.cross_entropy(logits.transpose(1, 2), y.unsqueeze(0).expand(logits.shape[0], -1), reduction="none")
 
 
-def load_into(module: nn.Sequential, params: list[torch.Tensor], copy: int = 0) -> None:
-    """Copy one model of a stack into ``module``."""
+def load_into(module: nn.Sequential, params: list[torch.Tensor]) -> None:
+    """Copy a model's parameters (a list in ``module.parameters()`` order) into ``module``."""
     with torch.no_grad():
         for target, source in zip(module.parameters(), params):
-            target.copy_(source[copy])
+            target.copy_(source)
 
 
 # ---------------------------------------------------------------------------------------------- ground truth
-def train_ids(n: int) -> list[str]:
-    """Ids of the training examples (their index as text)."""
-    return [str(i) for i in range(n)]
-
-
 def make_train_fn(config: ModelConfig, data: Data) -> evaluate.TrainFn:
     """The retraining function ``gradstore.evaluate`` calls: every subset trained as one stack of independent
     models (same init and procedure as the full model), losses on the requested test/validation query ids."""
@@ -218,7 +244,7 @@ def make_train_fn(config: ModelConfig, data: Data) -> evaluate.TrainFn:
 
     def train_fn(subsets: list[list[str]], query_ids: list[str], seed: int) -> np.ndarray:
         chosen = torch.tensor([[int(i) for i in subset] for subset in subsets])
-        params, _ = train_stack(config, data.x_train[chosen], data.y_train[chosen], seed)
+        params = train_stack(config, data.x_train[chosen], data.y_train[chosen], seed)
         losses = {
             "test": query_losses(params, data.x_test, data.y_test).numpy(),
             "val": query_losses(params, data.x_val, data.y_val).numpy(),
@@ -228,10 +254,66 @@ def make_train_fn(config: ModelConfig, data: Data) -> evaluate.TrainFn:
     return train_fn
 
 
-# ---------------------------------------------------------------------------------------------- gradstore path
+@dataclass
+class Truth:
+    """The two retrainings: validation queries on their own subsets, test queries on theirs."""
+
+    val: evaluate.Retraining
+    test: evaluate.Retraining
+
+
+def retrain_both(config: ModelConfig, data: Data, subsets: int, seed: int) -> Truth:
+    """Two :func:`gradstore.evaluate.retrain` draws with different subset seeds (checked to share no subset)."""
+    train_fn, ids = make_train_fn(config, data), train_ids(len(data.x_train))
+    draws = {
+        name: evaluate.retrain(train_fn, ids, queries=queries, subsets=subsets, seeds=(seed,), seed=seed + offset)
+        for name, queries, offset in (
+            ("val", val_ids(len(data.x_val)), 1),
+            ("test", test_ids(len(data.x_test)), 2),
+        )
+    }
+    shared = {m.tobytes() for m in draws["val"].masks} & {m.tobytes() for m in draws["test"].masks}
+    if shared:
+        raise AssertionError(f"the validation and test retrainings share {len(shared)} subsets")
+    return Truth(**draws)
+
+
+# ---------------------------------------------------------------------------------------------- capture
+@dataclass(frozen=True)
+class Variant:
+    """One projection of the rows; ``family`` "exact" is the ceiling, the others are candidate families."""
+
+    name: str
+    family: str
+    projection: str | None
+    seed: int = 0
+    split: str = "fixed"  # curvature-aware: estimate_basis split
+
+    def capture_options(self, config: ModelConfig, basis: ProjectionBasis | None) -> dict[str, Any]:
+        """The run's projection options for ``store.capture``."""
+        if self.projection is None:
+            return {"projection": None}  # exact slots take the layer's shape
+        options = {"projection": self.projection, "k_in": config.k_in, "k_out": config.k_out, "seed": self.seed}
+        if basis is not None:
+            options["basis"] = basis
+        return options
+
+
+FAMILIES = ("random factorized", "random dense", "curvature-aware")
+VARIANTS = (
+    Variant("exact", "exact", None),
+    Variant("factorized-s0", "random factorized", "factorized", 0),
+    Variant("factorized-s1", "random factorized", "factorized", 1),
+    Variant("dense-s0", "random dense", "dense", 0),
+    Variant("dense-s1", "random dense", "dense", 1),
+    Variant("curvature-kfac", "curvature-aware", "factorized"),
+    Variant("curvature-kfac-energy", "curvature-aware", "factorized", split="energy"),
+)
+
+
 def checkpoint_plan(config: ModelConfig, count: int = 5) -> dict[str, tuple[int, float]]:
     """``name -> (step, lr)``: ``count`` evenly spaced checkpoints, the last named ``final``; each lr is the
-    mean learning rate of the optimizer steps since the previous checkpoint (TracIn-CP's weight)."""
+    mean learning rate of the optimizer steps since the previous checkpoint (TracIn-CP's and SOURCE's)."""
     plan: dict[str, tuple[int, float]] = {}
     previous = 0
     for index in range(1, count + 1):
@@ -242,27 +324,10 @@ def checkpoint_plan(config: ModelConfig, count: int = 5) -> dict[str, tuple[int,
     return plan
 
 
-def test_ids(n: int) -> list[str]:
-    """Ids of the test queries (also the ids gradstore gives raw query vectors)."""
-    return [f"q{i}" for i in range(n)]
-
-
-def val_ids(n: int) -> list[str]:
-    """Ids of the validation queries."""
-    return [f"v{i}" for i in range(n)]
-
-
 def fisher_basis(
-    config: ModelConfig,
-    inputs: torch.Tensor,
-    params: list[torch.Tensor],
-    k_in: int,
-    k_out: int,
-    factors: str,
-    split: str,
-    batch: int = 250,
+    config: ModelConfig, inputs: torch.Tensor, params: list[torch.Tensor], split: str, batch: int = 250
 ) -> ProjectionBasis:
-    """The curvature-aware basis of the trained model on ``inputs`` (``ingest.estimate_basis``).
+    """The curvature-aware (K-FAC eigenbasis) basis of the trained model on ``inputs``.
 
     The pre-pass backpropagates the loss of every label weighted by the square root of its predicted
     probability (one backward per label; no labels needed), so the second moments are the true Fisher's."""
@@ -275,157 +340,117 @@ def fisher_basis(
         return (weights * -torch.log_softmax(logits, 1)).sum(0)  # [classes]: one loss per label
 
     batches = [inputs[i : i + batch] for i in range(0, len(inputs), batch)]
-    return estimate_basis(
-        module, batches, loss_fn, ProjectionConfig(k_in=k_in, k_out=k_out), factors=factors, split=split
-    )
+    sizes = ProjectionConfig(k_in=config.k_in, k_out=config.k_out)
+    return estimate_basis(module, batches, loss_fn, sizes, factors="kfac", split=split)
 
 
-def capture(
+def train_under_capture(
+    store: gradstore.GradStore,
+    config: ModelConfig,
+    data: Data,
+    seed: int,
+    plan: dict[str, tuple[int, float]],
+    options: dict[str, Any],
+) -> dict[str, list[torch.Tensor]]:
+    """Train the full model as an ``nn.Sequential`` under ``store.capture`` (every ``config.every``-th step
+    captured, the others paused); returns its parameters at the planned checkpoints."""
+    module = make_module(config)
+    load_into(module, [p[0] for p in init_params(config, 1, seed)])
+    optimizer = torch.optim.Adam(module.parameters(), lr=config.lr)
+    ids = train_ids(len(data.x_train))
+    at_step = {step: name for name, (step, _) in plan.items()}
+    snapshots = {}
+    with store.capture(module, RUN, optimizer=optimizer, checkpoint=IN_LOOP, loss_reduction="mean", **options) as cap:
+        for step in range(config.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(config, step)
+            if step % config.every:
+                cap.pause()
+            else:
+                cap.set_ids(ids)
+            loss = F.cross_entropy(module(data.x_train), data.y_train) + decay(config, module.parameters())
+            optimizer.zero_grad()
+            loss.backward()
+            cap.resume()
+            optimizer.step()
+            if step + 1 in at_step:
+                snapshots[at_step[step + 1]] = [p.detach().clone() for p in module.parameters()]
+    return snapshots
+
+
+def checkpoint_passes(
     store: gradstore.GradStore,
     config: ModelConfig,
     data: Data,
     snapshots: dict[str, list[torch.Tensor]],
     plan: dict[str, tuple[int, float]],
-    projection: str | None,
-    k_in: int,
-    k_out: int,
-    basis: ProjectionBasis | None = None,
+    options: dict[str, Any],
+    true_fisher: bool,
     batch: int = 250,
 ) -> None:
-    """Checkpoint passes: training rows and query rows of the full model at every planned checkpoint."""
+    """At every planned checkpoint: training and query rows, or (``true_fisher``) the true-Fisher rows."""
     module = make_module(config)
-    sizes = {} if projection is None else {"k_in": k_in, "k_out": k_out}  # exact slots take the layer's shape
-    if basis is not None:
-        sizes["basis"] = basis
-    groups = [
-        ("train", [str(i) for i in range(len(data.x_train))], data.x_train, data.y_train),
-        ("query", test_ids(len(data.x_test)), data.x_test, data.y_test),
-        ("query", val_ids(len(data.x_val)), data.x_val, data.y_val),
-    ]
+    if true_fisher:
+        groups = [(TRUE_FISHER_SPLIT, train_ids(len(data.x_train)), data.x_train, None)]
+    else:
+        groups = [
+            ("train", train_ids(len(data.x_train)), data.x_train, data.y_train),
+            ("query", test_ids(len(data.x_test)), data.x_test, data.y_test),
+            ("query", val_ids(len(data.x_val)), data.x_val, data.y_val),
+        ]
     for name, (step, rate) in plan.items():
         load_into(module, snapshots[name])
-        with store.capture(
-            module, RUN, checkpoint=name, learning_rate=rate, projection=projection, loss_reduction="sum", **sizes
-        ) as cap:
+        with store.capture(module, RUN, checkpoint=name, learning_rate=rate, loss_reduction="mean", **options) as cap:
             cap.set_step(step)
             for split, ids, x, y in groups:
                 cap.set_split(split)
                 for start in range(0, len(ids), batch):
-                    cap.set_ids(ids[start : start + batch])
-                    loss = F.cross_entropy(module(x[start : start + batch]), y[start : start + batch], reduction="sum")
+                    rows, chunk = x[start : start + batch], ids[start : start + batch]
+                    if y is None:
+                        cap.set_ids([f"{i}:{c}" for i in chunk for c in range(CLASSES)])
+                        loss = true_fisher_loss(module, rows)
+                    else:
+                        cap.set_ids(chunk)
+                        loss = F.cross_entropy(module(rows), y[start : start + batch])
                     loss.backward()
                     module.zero_grad()
 
 
-def choose_damping(store: gradstore.GradStore, data: Data, truth: evaluate.Retraining) -> tuple[float, dict]:
-    """The grid damping with the best validation-query LDS (ties: the larger damping)."""
-    methods = {str(d): {"method": "fisher", "damping": d, "checkpoint": "final"} for d in DAMPING_GRID}
-    table, _ = evaluate.lds(store, RUN, queries=val_ids(len(data.x_val)), truth=truth, methods=methods, write=False)
-    results = dict(zip(DAMPING_GRID, table.column("value").to_pylist()))
-    best = max(results, key=lambda d: (round(results[d], 4), d))
-    return best, results
+def true_fisher_loss(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Mean loss over one row per (example, class ``c``): ``sqrt(C p_c) * CE(logits, c)`` with ``p`` the model's
+    predicted distribution (detached). The rows' mean outer product is the true Fisher of the inputs ``x``."""
+    logits = module(x.repeat_interleave(CLASSES, 0))
+    labels = torch.arange(CLASSES).repeat(len(x))
+    weights = (CLASSES * torch.softmax(logits.detach(), 1).gather(1, labels[:, None])[:, 0]).sqrt()
+    return (weights * F.cross_entropy(logits, labels, reduction="none")).mean()
 
 
-def hessian_queries(
-    config: ModelConfig, params: list[torch.Tensor], data: Data, store: gradstore.GradStore
-) -> np.ndarray:
-    """Test query rows preconditioned by the exact Hessian of the logistic-regression objective.
-
-    The parameter vector is laid out as gradstore's exact slot: ``[out, in + 1]`` row-major, bias last."""
-    theta0 = torch.cat([params[0][0], params[1][0].unsqueeze(1)], 1).to(torch.float64)
-    x = torch.cat([data.x_train, torch.ones(len(data.x_train), 1)], 1).to(torch.float64)
-
-    def objective(theta: torch.Tensor) -> torch.Tensor:
-        matrix = theta.reshape(10, 65)
-        loss = F.cross_entropy(x @ matrix.T, data.y_train)
-        return loss + 0.5 * config.weight_decay * (matrix * matrix).sum()
-
-    hessian = torch.autograd.functional.hessian(objective, theta0.reshape(-1))
-    block = store.read_gradients(RUN, checkpoint="final", split="query", where="example_id LIKE 'q%'")
-    position = {q: i for i, q in enumerate(block.metadata.column("example_id").to_pylist())}
-    rows = torch.from_numpy(block.vectors[[position[q] for q in test_ids(len(data.x_test))]]).to(torch.float64)
-    return torch.linalg.solve(hessian, rows.T).T.numpy().astype(np.float32)
-
-
-# ---------------------------------------------------------------------------------------------- main
-def evaluate_model(
+def build_store(
+    workdir: Path,
     config: ModelConfig,
     data: Data,
-    variants: dict[str, tuple[str | None, int, int]],
-    subsets: int,
+    variant: Variant,
     seed: int,
-    workdir: Path,
-) -> list[tuple[str, str, float, float, str]]:
-    """All rows of the table for one model family: ``(model, method, LDS, standard error, note)``."""
-    plan = checkpoint_plan(config)
-    start = time.perf_counter()
-    full, snaps = train_stack(
-        config, data.x_train.unsqueeze(0), data.y_train.unsqueeze(0), seed, tuple(step for step, _ in plan.values())
-    )
-    snapshots = {name: snaps[step] for name, (step, _) in plan.items()}
-    train_acc = (stacked_logits(full, data.x_train.unsqueeze(0))[0].argmax(1) == data.y_train).float().mean()
-    test_acc = (stacked_logits(full, data.x_test.unsqueeze(0))[0].argmax(1) == data.y_test).float().mean()
-    log(f"{config.name}: full model train acc {train_acc:.3f}, test acc {test_acc:.3f}")
-    tests, vals = test_ids(len(data.x_test)), val_ids(len(data.x_val))
-    truth = evaluate.retrain(
-        make_train_fn(config, data),
-        train_ids(len(data.x_train)),
-        queries=tests + vals,
-        subsets=subsets,
-        seeds=(seed,),
-        seed=seed + 1,
-    )
-    log(
-        f"{config.name}: retrained {subsets} subsets in {time.perf_counter() - start:.1f}s; "
-        f"mean test loss {-truth.outcome(tests).mean():.3f}"
-    )
-    rows = []
-    for variant, (projection, k_in, k_out) in variants.items():
-        first = len(rows)
-        store = gradstore.open(workdir / f"{config.name}-{variant}", storage_dtype="float32")
-        basis = None
-        if variant.startswith("curvature-"):
-            factors, _, split = variant.removeprefix("curvature-").partition("-")
-            basis = fisher_basis(config, data.x_train, snapshots["final"], k_in, k_out, factors, split or "fixed")
-        capture(store, config, data, snapshots, plan, projection, k_in, k_out, basis)
-        dim = f"{store.dim}" if basis is None else f"{store.dim} ({sizes_text(basis)})"
-        damping, grid = choose_damping(store, data, truth)
-        log(
-            f"{config.name} {variant}: validation LDS by damping "
-            + ", ".join(f"{d:g}:{v:.3f}" for d, v in grid.items())
+    plan: dict[str, tuple[int, float]],
+    reference: list[torch.Tensor],
+) -> tuple[gradstore.GradStore, dict[str, list[torch.Tensor]], dict[str, Any], str]:
+    """A store of one variant: training under capture (checked against ``reference``) and the checkpoint
+    passes' training and query rows. Returns it, the checkpoint weights, the capture options and a dims note."""
+    store = gradstore.open(workdir / f"{config.name}-{variant.name}", storage_dtype="float32")
+    basis = None
+    if variant.family == "curvature-aware":
+        basis = fisher_basis(config, data.x_train, reference, variant.split)
+    options = variant.capture_options(config, basis)
+    snapshots = train_under_capture(store, config, data, seed, plan, options)
+    difference = max(float((a - b).abs().max()) for a, b in zip(snapshots["final"], reference))
+    if difference > WEIGHT_TOLERANCE:
+        raise AssertionError(
+            f"{config.name} {variant.name}: the model trained under capture differs from the stacked training's "
+            f"full-set copy by {difference:.2e} (> {WEIGHT_TOLERANCE})"
         )
-        VALIDATION[(config.name, f"fisher {variant}")] = grid[damping]
-        methods = {
-            f"grad-dot {variant}": {"method": "grad-dot", "checkpoint": "final"},
-            f"tracin {variant}": {"method": "tracin"},
-            f"fisher {variant}": {"method": "fisher", "damping": damping, "checkpoint": "final"},
-        }
-        notes = [
-            f"dim {dim}",
-            f"dim {dim}, {len(plan)} checkpoints",
-            f"dim {dim}, damping {damping:g} (val LDS {grid[damping]:.3f})",
-        ]
-        table, _ = evaluate.lds(store, RUN, queries=tests, truth=truth, methods=methods)
-        for row, note in zip(table.to_pylist(), notes):
-            rows.append((config.name, row["label"], row["value"], row["stderr"], note))
-        if config.hidden is None and projection is None:
-            preconditioned = hessian_queries(config, full, data, store)
-            scores = evaluate.scores_by_example(
-                store, RUN, preconditioned, truth.train_ids, method="grad-dot", checkpoint="final"
-            )
-            result = evaluate.lds_of_scores(scores, truth, tests)
-            rows.append(
-                (
-                    config.name,
-                    "exact-Hessian IF",
-                    result.value,
-                    result.stderr,
-                    "sanity: Hessian from torch, scored by gradstore grad-dot",
-                )
-            )
-        for row in rows[first:]:
-            log(f"  {row[0]} {row[1]}: {row[2]:.3f}")
-    return rows
+    checkpoint_passes(store, config, data, snapshots, plan, options, true_fisher=False)
+    note = f"dim {store.dim}" + ("" if basis is None else f" ({sizes_text(basis)})")
+    return store, snapshots, options, note
 
 
 def sizes_text(basis: ProjectionBasis) -> str:
@@ -433,82 +458,309 @@ def sizes_text(basis: ProjectionBasis) -> str:
     return " ".join(f"{name}:{'x'.join(map(str, basis.sizes(name)))}" for name in basis.matrices)
 
 
-def curvature_variants(k_in: int, k_out: int) -> dict[str, tuple[str, int, int]]:
-    """The curvature-aware variants, ``curvature-<factors>`` (requested split) and ``curvature-<factors>-energy``."""
-    return {
-        f"curvature-{factors}" + ("" if split == "fixed" else f"-{split}"): ("factorized", k_in, k_out)
-        for split in SPLITS
-        for factors in CURVATURE
-    }
+# ---------------------------------------------------------------------------------------------- scoring
+@dataclass(frozen=True)
+class MethodSpec:
+    """One scored method: its label, its ``store`` options, which Fisher it fits, whether it uses history."""
+
+    label: str
+    options: dict[str, Any]
+    curvature: str = ""  # "empirical": scored before the true-Fisher rows exist; "true": after
+    trajectory: bool = False  # a candidate for lds_trajectory_mlp_416
+
+    @property
+    def damped(self) -> bool:
+        return METHODS[self.options["method"]].damped
+
+
+def method_specs(plan: dict[str, tuple[int, float]]) -> list[MethodSpec]:
+    """Every method of the table (the trajectory-aware ones are the trajectory target's candidates)."""
+    passes, final = list(plan), {"checkpoint": "final"}
+    steps = {"checkpoint": IN_LOOP, "query_checkpoint": "final"}
+    return [
+        MethodSpec("grad-dot", {"method": "grad-dot", **final}),
+        MethodSpec("fisher (empirical)", {"method": "fisher", **final}, "empirical"),
+        MethodSpec("tracin", {"method": "tracin", "checkpoints": passes}, trajectory=True),
+        MethodSpec("tracin-steps", {"method": "tracin-steps", **steps}, trajectory=True),
+        MethodSpec("dvemb", {"method": "dvemb", **steps}, trajectory=True),
+        MethodSpec("source (empirical)", {"method": "source", "checkpoints": passes}, "empirical", True),
+        MethodSpec("fisher (true)", {"method": "fisher", **final}, "true", True),
+        MethodSpec("source (true)", {"method": "source", "checkpoints": passes}, "true", True),
+    ]
+
+
+def score_rows(store: gradstore.GradStore, options: dict[str, Any], queries: list[str], ids: list[str]) -> np.ndarray:
+    """Every training example's score for every query ``[queries, len(ids)]``: ``store.score_matrix`` where the
+    method takes it (columns of one example summed), else ``store.attribute`` through ``evaluate``."""
+    if "score_matrix" not in METHODS[options["method"]].operations:
+        return evaluate.scores_by_example(store, RUN, queries, ids, **options)
+    matrix = store.score_matrix(queries, run=RUN, **options)
+    position = {q: i for i, q in enumerate(matrix.query_ids)}
+    column = {e: i for i, e in enumerate(ids)}
+    out = np.zeros((len(queries), len(ids)))
+    np.add.at(out.T, np.array([column[e] for e in matrix.example_ids]), matrix.scores.T.astype(np.float64))
+    return out[[position[q] for q in queries]]
+
+
+@dataclass
+class Row:
+    """One (variant, method) of a model: validation LDS (at the chosen damping) and test LDS."""
+
+    model: str
+    variant: Variant
+    method: MethodSpec
+    val: float
+    test: evaluate.LDSResult
+    scores: np.ndarray  # [test queries, n_train] for the QLD
+    note: str
+    qld: evaluate.QLDResult | None = field(default=None)
+
+
+def evaluate_method(
+    store: gradstore.GradStore, spec: MethodSpec, truth: Truth, data: Data, model: str, variant: Variant, note: str
+) -> Row:
+    """Validation LDS (choosing the damping on it for a damped method), then the test LDS at that choice."""
+    ids, vals, tests = train_ids(len(data.x_train)), val_ids(len(data.x_val)), test_ids(len(data.x_test))
+    options = dict(spec.options)
+    if spec.damped:
+        grid = {
+            d: evaluate.lds_of_scores(score_rows(store, {**options, "damping": d}, vals, ids), truth.val, vals).value
+            for d in DAMPING_GRID
+        }
+        damping = max(grid, key=lambda d: (round(grid[d], 4), d))  # ties: the larger damping
+        options["damping"] = damping
+        val = grid[damping]
+        note = f"{note}, damping {damping:g}"
+    else:
+        val = evaluate.lds_of_scores(score_rows(store, options, vals, ids), truth.val, vals).value
+    scores = score_rows(store, options, tests, ids)
+    test = evaluate.lds_of_scores(scores, truth.test, tests, spec.label)
+    return Row(model, variant, spec, val, test, scores.astype(np.float32), note)
+
+
+def hessian_row(
+    config: ModelConfig, params: list[torch.Tensor], data: Data, store: gradstore.GradStore, truth: Truth
+) -> evaluate.LDSResult:
+    """Test LDS of the test query rows preconditioned by the exact Hessian of the logistic-regression objective
+    (laid out as gradstore's exact slot: ``[out, in + 1]`` row-major, bias last), scored by ``grad-dot``."""
+    theta0 = torch.cat([params[0], params[1].unsqueeze(1)], 1).to(torch.float64)
+    x = torch.cat([data.x_train, torch.ones(len(data.x_train), 1)], 1).to(torch.float64)
+
+    def objective(theta: torch.Tensor) -> torch.Tensor:
+        matrix = theta.reshape(CLASSES, 65)
+        return F.cross_entropy(x @ matrix.T, data.y_train) + 0.5 * config.weight_decay * (matrix * matrix).sum()
+
+    hessian = torch.autograd.functional.hessian(objective, theta0.reshape(-1))
+    block = store.read_gradients(RUN, checkpoint="final", split="query", where="example_id LIKE 'q%'")
+    position = {q: i for i, q in enumerate(block.metadata.column("example_id").to_pylist())}
+    tests = test_ids(len(data.x_test))
+    rows = torch.from_numpy(block.vectors[[position[q] for q in tests]]).to(torch.float64)
+    preconditioned = torch.linalg.solve(hessian, rows.T).T.numpy().astype(np.float32)
+    scores = evaluate.scores_by_example(
+        store, RUN, preconditioned, train_ids(len(data.x_train)), method="grad-dot", checkpoint="final"
+    )
+    return evaluate.lds_of_scores(scores, truth.test, tests, "exact-Hessian IF")
+
+
+# ---------------------------------------------------------------------------------------------- one model
+def evaluate_model(
+    config: ModelConfig,
+    data: Data,
+    variants: list[Variant],
+    methods: list[str] | None,
+    subsets: int,
+    seed: int,
+    workdir: Path,
+) -> tuple[list[Row], list[tuple[str, evaluate.LDSResult]], Truth]:
+    """Every (variant, method) row of one model family, the sanity rows, and the retrainings."""
+    plan = checkpoint_plan(config)
+    start = time.perf_counter()
+    data = data.to(config.dtype)
+    reference = [p[0] for p in train_stack(config, data.x_train[None], data.y_train[None], seed)]
+    logits = make_module(config)
+    load_into(logits, reference)
+    with torch.no_grad():
+        accuracy = [
+            (logits(x).argmax(1) == y).float().mean()
+            for x, y in ((data.x_train, data.y_train), (data.x_test, data.y_test))
+        ]
+    log(f"{config.name}: full model train acc {accuracy[0]:.3f}, test acc {accuracy[1]:.3f}")
+    truth = retrain_both(config, data, subsets, seed)
+    log(f"{config.name}: retrained 2 x {subsets} subsets in {time.perf_counter() - start:.1f}s")
+    specs = [
+        s for s in method_specs(plan) if (methods is None or s.label in methods) and s.options["method"] in METHODS
+    ]
+    rows: list[Row] = []
+    sanity: list[tuple[str, evaluate.LDSResult]] = []
+    for variant in variants:
+        began = time.perf_counter()
+        store, snapshots, options, note = build_store(workdir, config, data, variant, seed, plan, reference)
+        for true_fisher in (False, True):  # the empirical-Fisher methods before the true-Fisher rows exist
+            if true_fisher:
+                checkpoint_passes(store, config, data, snapshots, plan, options, true_fisher=True)
+            for spec in (s for s in specs if (s.curvature == "true") == true_fisher):
+                rows.append(evaluate_method(store, spec, truth, data, config.name, variant, note))
+        if config.hidden is None and variant.projection is None:
+            sanity.append((variant.name, hessian_row(config, reference, data, store, truth)))
+        log(
+            f"{config.name} {variant.name} ({time.perf_counter() - began:.0f}s): "
+            + ", ".join(f"{r.method.label} {r.val:.3f}/{r.test.value:.3f}" for r in rows if r.variant == variant)
+        )
+    return rows, sanity, truth
+
+
+# ---------------------------------------------------------------------------------------------- choices
+def chosen(rows: list[Row], keep: Any) -> Row | None:
+    """The row with the best validation LDS among ``rows`` that ``keep`` accepts (None: no candidate)."""
+    candidates = [r for r in rows if keep(r)]
+    return max(candidates, key=lambda r: r.val) if candidates else None
+
+
+def per_method(rows: list[Row]) -> dict[tuple[str, str], Row]:
+    """``(model, method label) ->`` its row on the projected variant with the best validation LDS."""
+    best = {}
+    for row in rows:
+        key = (row.model, row.method.label)
+        if row.variant.family != "exact" and (key not in best or row.val > best[key].val):
+            best[key] = row
+    return best
+
+
+def add_qld(rows: list[Row], config: ModelConfig, data: Data, count: int, seed: int) -> None:
+    """QLD of each given row on the first ``count`` test queries (one shared random control)."""
+    if count <= 0 or not rows:
+        return
+    queries = test_ids(len(data.x_test))[:count]
+    results = evaluate.qld_of_scores(
+        {row.method.label: row.scores[:count] for row in rows},
+        make_train_fn(config, data),
+        train_ids(len(data.x_train)),
+        queries=queries,
+        seeds=(seed,),
+        seed=seed + 3,
+    )
+    for row in rows:
+        row.qld = results[row.method.label]
+
+
+def print_tables(rows: list[Row], sanity: dict[str, list[tuple[str, evaluate.LDSResult]]]) -> None:
+    """Every row, then each method's validation-chosen projected variant with its QLD."""
+    print(f"{'model':<7} {'variant':<22} {'method':<19} {'val LDS':>7} {'test LDS':>8} {'s.e.':>6}  note")
+    for r in rows:
+        print(
+            f"{r.model:<7} {r.variant.name:<22} {r.method.label:<19} {r.val:>7.3f} {r.test.value:>8.3f} "
+            f"{r.test.stderr:>6.3f}  {r.note}"
+        )
+    for model, results in sanity.items():
+        for variant, result in results:
+            print(
+                f"{model:<7} {variant:<22} {result.label:<19} {'-':>7} {result.value:>8.3f} {result.stderr:>6.3f}  "
+                "sanity: Hessian from torch, scored by gradstore grad-dot (not a candidate)"
+            )
+    print("\nEach method on the projected variant with its best validation LDS (test figures; QLD: higher is better):")
+    print(
+        f"{'model':<7} {'method':<19} {'variant':<22} {'val LDS':>7} {'test LDS':>8} {'s.e.':>6} {'QLD':>7} {'s.e.':>6}"
+    )
+    for (model, label), r in per_method(rows).items():
+        qld = "      -      -" if r.qld is None else f"{r.qld.value:>7.3f} {r.qld.stderr:>6.3f}"
+        test = f"{r.test.value:>8.3f} {r.test.stderr:>6.3f}"
+        print(f"{model:<7} {label:<19} {r.variant.name:<22} {r.val:>7.3f} {test} {qld}")
+
+
+def verdict(value: float, target: float) -> str:
+    return "PASS" if value >= target else "MISS"
+
+
+def print_results(rows: list[Row]) -> None:
+    """The projection families at equal candidate counts, then the RESULT lines (all chosen on validation)."""
+    print(
+        "\nProjection families, two candidates each (fixed before any run): random factorized seeds 0/1, random "
+        "dense seeds 0/1, curvature-aware K-FAC eigenbasis fixed/energy split; fisher (empirical or true), "
+        "damping and variant chosen on validation:"
+    )
+    curvature = {}
+    for model in dict.fromkeys(r.model for r in rows):
+        for family in FAMILIES:
+            fisher = [r for r in rows if r.model == model and r.variant.family == family]
+            row = chosen(fisher, lambda r: r.method.options["method"] == "fisher")
+            if row is not None:
+                print(
+                    f"  {model}: {family}: {row.method.label} {row.variant.name} = {row.test.value:.3f} "
+                    f"(val {row.val:.3f})"
+                )
+                if family == "curvature-aware":
+                    curvature[model] = row.test.value
+    trajectory = chosen(rows, lambda r: r.model == "mlp" and r.variant.family != "exact" and r.method.trajectory)
+    logreg = chosen(rows, lambda r: r.model == "logreg" and r.variant.family != "exact")
+    if trajectory is not None:
+        candidates = sorted({r.method.label for r in rows if r.method.trajectory})
+        print(f"trajectory-aware candidates: {', '.join(candidates)} on the six projected variants")
+        print(f"  chosen: {trajectory.method.label} {trajectory.variant.name} (val {trajectory.val:.3f})")
+        target = TARGETS["trajectory"]
+        value = trajectory.test.value
+        print(f"RESULT lds_trajectory_mlp_416={value:.3f} target>={target:.2f} {verdict(value, target)}")
+    if logreg is not None:
+        print(
+            f"logistic regression, every method on the six projected variants: chosen {logreg.method.label} "
+            f"{logreg.variant.name} (val {logreg.val:.3f})"
+        )
+        target, value = TARGETS["logreg"], logreg.test.value
+        print(f"RESULT lds_logreg_320={value:.3f} target>={target:.2f} {verdict(value, target)}")
+    targets = TARGETS["curvature"]
+    values = [curvature.get(m, float("nan")) for m in targets]
+    ok = all(curvature.get(m, -1.0) >= t for m, t in targets.items())
+    print(
+        f"RESULT lds_curvature_projected_fisher={values[0]:.3f}/{values[1]:.3f} "
+        f"target>={targets['logreg']:.2f}/{targets['mlp']:.2f} {'PASS' if ok else 'MISS'}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- main
+CONFIGS = {
+    "logreg": ModelConfig(
+        "logreg", None, weight_decay=1e-3, lr=0.05, steps=500, k_in=32, k_out=10, every=10, dtype=torch.float32
+    ),
+    "mlp": ModelConfig(
+        "mlp", 32, weight_decay=1e-3, lr=0.01, steps=1000, k_in=16, k_out=16, every=20, dtype=torch.float64
+    ),
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--subsets", type=int, default=100)
+    parser.add_argument("--subsets", type=int, default=100, help="retrained subsets per retraining (two retrainings)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--models", default="logreg,mlp")
     parser.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
+    parser.add_argument("--methods", default=None, help="comma-separated subset of the method labels (default: all)")
+    parser.add_argument("--qld-queries", type=int, default=50, help="test queries of the QLD (0: no QLD)")
     parser.add_argument(
         "--threads", type=int, default=2, help="torch threads (1 is faster when the cores are shared with other jobs)"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     data = load_data(1000, 200, 200, args.seed)
-    configs = {
-        "logreg": (
-            ModelConfig("logreg", None, weight_decay=1e-3, lr=0.05, steps=500),
-            {
-                "exact": (None, 0, 0),
-                "factorized": ("factorized", 32, 10),
-                "dense": ("dense", 32, 10),
-                **curvature_variants(32, 10),
-            },
-        ),
-        "mlp": (
-            ModelConfig("mlp", 32, weight_decay=1e-3, lr=0.01, steps=1000),
-            {
-                "exact": (None, 0, 0),
-                "factorized": ("factorized", 16, 16),
-                "dense": ("dense", 16, 16),
-                **curvature_variants(16, 16),
-            },
-        ),
-    }
-    rows = []
+    variants = [v for v in VARIANTS if not args.variants or v.name in args.variants.split(",")]
+    methods = None if args.methods is None else args.methods.split(",")
+    rows: list[Row] = []
+    sanity = {}
     with tempfile.TemporaryDirectory(prefix="gradstore-fidelity-") as workdir:
         for name in args.models.split(","):
-            config, variants = configs[name]
-            if args.variants:
-                variants = {v: spec for v, spec in variants.items() if v in args.variants.split(",")}
-            rows += evaluate_model(config, data, variants, args.subsets, args.seed, Path(workdir))
-    print(f"{'model':<7} {'method':<34} {'LDS':>6} {'s.e.':>6}  {'reference':<28} note")
-    for model, method, value, stderr, note in rows:
-        print(f"{model:<7} {method:<34} {value:>6.3f} {stderr:>6.3f}  {REFERENCE.get((model, method), '-'):<28} {note}")
-    print(f"runtime {time.perf_counter() - began:.0f}s, {args.subsets} subsets, {args.threads} thread(s)")
-    # Each model's figure: among a family of variants, the one whose damping-tuned Fisher influence has the
-    # best *validation* LDS (chosen like the damping, never on test). Random projections first (for reference),
-    # then the curvature-aware ones, which the RESULT reports.
-    figures = {}
-    for family, prefix in (
-        ("random projection (factorized or dense)", ("fisher factorized", "fisher dense")),
-        ("curvature-aware projection", ("fisher curvature-",)),
-    ):
-        for model in ("logreg", "mlp"):
-            candidates = [
-                (VALIDATION[(m, method)], value, method)
-                for m, method, value, _, _ in rows
-                if m == model and method.startswith(prefix)
-            ]
-            if candidates:
-                _, figures[model], chosen = max(candidates)
-                print(f"{model}: {family}: {chosen} = {figures[model]:.3f} (best validation LDS of the family)")
-    values = [figures.get(m, float("nan")) for m in ("logreg", "mlp")]
-    ok = all(figures.get(m, -1) >= t for m, t in TARGETS.items())
+            config = CONFIGS[name]
+            model_rows, sanity[name], _ = evaluate_model(
+                config, data, variants, methods, args.subsets, args.seed, Path(workdir)
+            )
+            started = time.perf_counter()
+            add_qld(list(per_method(model_rows).values()), config, data, args.qld_queries, args.seed)
+            log(f"{name}: QLD in {time.perf_counter() - started:.0f}s")
+            rows += model_rows
+    print_tables(rows, sanity)
     print(
-        f"RESULT lds_curvature_projected_fisher={values[0]:.3f}/{values[1]:.3f} "
-        f"target>={TARGETS['logreg']:.2f}/{TARGETS['mlp']:.2f} {'PASS' if ok else 'MISS'}"
+        f"runtime {time.perf_counter() - began:.0f}s wall, {time.process_time() - cpu:.0f} CPU-s, "
+        f"2 x {args.subsets} subsets, {args.threads} thread(s)"
     )
+    print_results(rows)
 
 
 if __name__ == "__main__":
