@@ -36,6 +36,7 @@ from gradstore.queries import QueryBatch
 from gradstore.store import GradStore
 from gradstore.store import open_store as open
 from indexers import FewerResultsWarning
+from ingest.losses import sample_labels
 
 
 def connect(uri: str, token: str | None = None, **kwargs):
@@ -78,6 +79,7 @@ __all__ = [
     "WriterClosedError",
     "WriterConfig",
     "connect",
+    "sample_labels",
     "open",
 ]
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from gradstore import scan_tasks
+from gradstore import dvemb, scan_tasks, trajectory
 from gradstore.arguments import check_where, require_rows
 from gradstore.core import StoreCore, one_snapshot, sql_literal
 from gradstore.core import schema as S
@@ -57,6 +57,10 @@ def attribute(
         store.require_writable("attribute with write=True")
     resolved = options.check("attribute")
     engine = resolve_engine(engine)
+    if resolved.trajectory in ("steps", "segments"):
+        return _history_top_k(
+            store, fits, queries, options, run=run, k=k, opponents=opponents, engine=engine, write=write
+        )
     if resolved.over_checkpoints:
         return tracin(
             store,
@@ -70,27 +74,43 @@ def attribute(
             write=write,
             engine=engine,
         )
-    checkpoint = options.checkpoint or store.default_checkpoint(run)
-    selection = Selection(run, checkpoint, options.split, options.where)
-    require_rows(store, selection)
-    resolved_queries = resolve_queries(store, queries, run, checkpoint, options.query_checkpoint)  # dims: fail fast
+    resolved_queries, selection, searched = _searched(store, queries, options, resolved, run)
     index = build_index(
         store,
         fits,
         selection,
-        resolved.name,
+        searched.name,
         damping=options.damping,
         kind=options.kind,
-        blocks=options.blocks,
+        blocks=options.blocks if searched is resolved else "auto",
         engine=engine,
         device=options.device,
     )
     sides = (True, False) if opponents else (True,)
     found = index.search_sides(resolved_queries.vectors, k, sides, engine, options.rerank)
-    table = pa.concat_tables([_result_table(index, resolved_queries.ids, *found[side], side) for side in sides])
+    table = pa.concat_tables(
+        [_result_table(index, resolved_queries.ids, *found[side], side, resolved, run) for side in sides]
+    )
     if write:
         store.append_results(S.SCORES, table)
     return table
+
+
+def _searched(
+    store: StoreCore, queries: QueryInput, options: ScoreOptions, method: Method, run: str
+) -> tuple[Queries, Selection, Method]:
+    """The resolved queries, the rows searched and the method they are searched with: one checkpoint's training
+    rows by ``method``, or for ``dvemb`` the derived run's embeddings by grad-dot with final-model queries
+    (:mod:`gradstore.dvemb`, built or extended first)."""
+    if method.trajectory == "embeddings":
+        checkpoint = trajectory.final_query_checkpoint(store, run, options.query_checkpoint)
+        resolved_queries = resolve_queries(store, queries, run, checkpoint, checkpoint)
+        return resolved_queries, dvemb.ensure(store, run, options), resolve_method("grad-dot")
+    checkpoint = options.checkpoint or store.default_checkpoint(run)
+    selection = Selection(run, checkpoint, options.split, options.where)
+    require_rows(store, selection)
+    resolved_queries = resolve_queries(store, queries, run, checkpoint, options.query_checkpoint)  # dims: fail fast
+    return resolved_queries, selection, method
 
 
 def _result_table(
@@ -99,6 +119,8 @@ def _result_table(
     scores: np.ndarray,
     grad_ids: np.ndarray,
     largest: bool,
+    method: Method,
+    run: str,
 ) -> pa.Table:
     positions, ranks, flat_scores, flat_ids = valid_entries(scores, grad_ids)  # FAISS padding dropped
     n = len(flat_ids)
@@ -109,8 +131,8 @@ def _result_table(
             "grad_id": pa.array(flat_ids, pa.int64()),
             "score": pa.array(flat_scores.astype(np.float64)),
             "rank": pa.array(ranks * (1 if largest else -1)),
-            "method": pa.array([index.method.name] * n, pa.string()),
-            "run_id": pa.array([index.manifest["run_id"]] * n, pa.string()),
+            "method": pa.array([method.name] * n, pa.string()),
+            "run_id": pa.array([run] * n, pa.string()),
             "checkpoint": pa.array([index.manifest["checkpoint"]] * n, pa.string()),
             "index_name": pa.array([index.name] * n, pa.string()),
         }
@@ -138,11 +160,10 @@ def score_matrix(
 ) -> ScoreMatrix:
     """Queries x training rows scores (for small problems: it is dense); nothing is written to ``scores``."""
     resolved = options.check("score_matrix")
-    checkpoint = options.checkpoint or store.default_checkpoint(run)
-    selection = Selection(run, checkpoint, options.split, options.where)
-    require_rows(store, selection)
-    resolved_queries = resolve_queries(store, queries, run, checkpoint, options.query_checkpoint)
-    space = fits.space(selection, resolved, options.blocks, options.damping)
+    if resolved.trajectory in ("steps", "segments"):
+        return _history_matrix(store, fits, queries, options, run=run)
+    resolved_queries, selection, searched = _searched(store, queries, options, resolved, run)
+    space = fits.space(selection, searched, options.blocks if searched is resolved else "auto", options.damping)
     prepared = space.queries(resolved_queries.vectors)
     parts, example_ids, grad_ids = [], [], []
     for block in _selected(store, selection):
@@ -162,6 +183,54 @@ def _selected(store: StoreCore, selection: Selection):
         split=selection.split,
         where=selection.where,
         columns=("example_id",),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- history
+def _history_top_k(
+    store: StoreCore,
+    fits: FitCache,
+    queries: QueryInput,
+    options: ScoreOptions,
+    *,
+    run: str,
+    k: int,
+    opponents: bool,
+    engine: Engine,
+    write: bool,
+) -> pa.Table:
+    """Top-k examples of a trajectory method summed over rows (``tracin-steps``, ``source``)."""
+    check_where(store, run, options.where)
+    summed = trajectory.history(store, fits, queries, options, run)
+    sides = (True, False) if opponents else (True,)
+    shards = per_example_shards(store, engine, [summed.selection], summed.columns)
+    space = ScoringSpace(resolve_method("grad-dot"), IdentityPreconditioner())
+    found = scan_tasks.tracin_top_k(engine, shards, space, summed.entries, k, sides)
+    method = resolve_method(options.method)
+    table = _example_table(
+        found, summed.query_ids, sides, method=method, run=run, checkpoint=",".join(summed.checkpoints)
+    )
+    if write:
+        store.append_results(S.SCORES, table)
+    return table
+
+
+def _history_matrix(
+    store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, *, run: str
+) -> ScoreMatrix:
+    """The dense per-example scores of a trajectory method (columns: examples; ``grad_ids`` -1: sums of rows)."""
+    check_where(store, run, options.where)
+    summed = trajectory.history(store, fits, queries, options, run)
+    engine = resolve_engine("local")
+    shards = per_example_shards(store, engine, [summed.selection], summed.columns)
+    space = ScoringSpace(resolve_method("grad-dot"), IdentityPreconditioner())
+    scores, example_ids = scan_tasks.example_score_matrix(engine, shards, space, summed.entries)
+    order = np.argsort(np.asarray(example_ids, dtype=str), kind="stable")
+    return ScoreMatrix(
+        scores[:, order].astype(np.float32),
+        summed.query_ids,
+        [example_ids[i] for i in order],
+        np.full(len(order), -1, np.int64),
     )
 
 
@@ -249,7 +318,7 @@ def tracin(
     for checkpoint, resolved in progress:
         query_ids = resolved.ids
         prepared = space.queries(resolved.vectors).to(torch.float64) * rates[checkpoint]
-        weighted.append((Selection(run, checkpoint, split, where).filter, prepared))
+        weighted.append((Selection(run, checkpoint, split, where).filter, prepared, None))
     sides = (True, False) if opponents else (True,)
     shards = per_example_shards(store, engine, [Selection(run, c, split, where) for c in rates])
     found = scan_tasks.tracin_top_k(engine, shards, space, weighted, k, sides)
@@ -261,13 +330,15 @@ def tracin(
     return table
 
 
-def per_example_shards(store: StoreCore, engine: Engine, selections: Sequence[Selection]) -> list[Shard]:
+def per_example_shards(
+    store: StoreCore, engine: Engine, selections: Sequence[Selection], columns: tuple[str, ...] = ("example_id",)
+) -> list[Shard]:
     """Shards of disjoint ``example_id`` ranges over every row of the store (tasks narrow them to each of
     ``selections``): ``engine.parallelism`` of them, more when the first selection has more than
     :data:`EXAMPLES_PER_TASK` rows per shard."""
     first = selections[0]
     parts = max(engine.parallelism, math.ceil(first.count(store) / EXAMPLES_PER_TASK))
-    return example_shards(store, first.run, None, first.filter, parts)
+    return example_shards(store, first.run, None, first.filter, parts, columns=columns)
 
 
 def _example_table(

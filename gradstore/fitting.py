@@ -28,7 +28,7 @@ import numpy as np
 from gradstore.core import StoreCore, gradient_filter, storage
 from gradstore.engine import Engine, LocalEngine
 from gradstore.errors import InvalidArgumentError, MissingCurvatureError, StoreCorruptError, StorePermissionError
-from gradstore.methods import DEFAULT_DAMPING, BlockStructure, Method, check_blocks
+from gradstore.methods import DEFAULT_DAMPING, TRUE_FISHER_SPLIT, BlockStructure, Method, check_blocks
 from gradstore.scoring import ScoringSpace
 from gradstore.shards import Shard, fragment_shards
 from indexers import FitStatistics, Preconditioner, VectorBlocks, load_preconditioner, make_preconditioner
@@ -115,14 +115,28 @@ class FitSpec:
 
 
 def fit_spec(store: StoreCore, selection: Selection, method: Method, blocks: BlockStructure = "auto") -> FitSpec:
-    """The :class:`FitSpec` of ``method`` over ``selection`` (``blocks="auto"``: :func:`auto_blocks`)."""
+    """The :class:`FitSpec` of ``method`` over ``selection`` (``blocks="auto"``: :func:`auto_blocks`): over the
+    selection's true-Fisher rows instead (:func:`curvature_selection`) for methods that fit on them."""
     check_blocks(blocks)
+    if method.true_fisher:
+        selection = curvature_selection(store, selection)
     structure = None
     if method.preconditioner == "fisher":
         structure = blocks if blocks != "auto" else auto_blocks(store, selection.run)
     elif blocks != "auto":
         raise InvalidArgumentError(f"blocks={blocks!r} applies to the fisher method, not {method.name!r}")
     return FitSpec(selection, method.preconditioner, structure, method.eigen_correction)
+
+
+def curvature_selection(store: StoreCore, selection: Selection) -> Selection:
+    """The rows a curvature is fitted on for the training rows ``selection``: the checkpoint's rows of split
+    ``"true-fisher"`` (labels sampled from the model: the true Fisher, a GGN) when it has any (all of them:
+    ``where`` selects training rows, not the model's curvature), else ``selection`` itself (the empirical
+    Fisher of the training rows)."""
+    curvature = Selection(selection.run, selection.checkpoint, TRUE_FISHER_SPLIT)
+    if selection.split != TRUE_FISHER_SPLIT and curvature.count(store) > 0:
+        return curvature
+    return selection
 
 
 def auto_blocks(store: StoreCore, run: str) -> Literal["layer", "full"]:

@@ -10,11 +10,21 @@
 | ``ekfac``    | as ``kfac`` with eigenvalues refitted on the rows  | eigen-corrected Kronecker factors       |
 | ``tracin``   | ``sum_c lr_c * q_c . g_c`` over checkpoints        | identity per checkpoint                 |
 | ``trackstar``| ``cos(F^-1/2 q, F^-1/2 g)``                        | projected empirical Fisher, unit norm   |
+| ``tracin-steps`` | ``sum_t lr_t s_t / B_t * q . g_t`` over recorded training steps | identity per step     |
+| ``source``   | ``sum_l q^T (prod_{l'>l} E_l') (I - E_l) F_l^-1 g_l``, ``E_l = exp(-lr_l K_l F_l)`` | Fisher/segment |
+| ``dvemb``    | ``q . e_z``, ``e_z = sum_t lr_t / B_t prod_{s>t} (I - lr_s H_s) g_t``  | batch curvature per step |
 
 ``influence`` is an alias of ``fisher``. Damping is relative to the mean eigenvalue (default 0.1).
 ``trackstar`` (TrackStar, Chang et al. 2024) is meant for rows captured with ``normalizer="adam_factored"``
 (optimizer-aware: Adam second-moment normalisation): both sides are whitened by the Fisher of the stored rows
 and unit-normalised, so the score is a cosine in the whitened space.
+
+The trajectory methods (:mod:`gradstore.trajectory`, :mod:`gradstore.dvemb`) use the store's training history:
+``tracin-steps`` and ``dvemb`` the rows captured *during training* (one checkpoint label, many steps: ``s_t``
+optimizer steps stand for each recorded one, ``B_t`` rows per step), ``source`` the checkpoint passes (segments
+of ``K_l`` steps at mean learning rate ``lr_l``). Curvature comes from rows of split ``"true-fisher"`` (labels
+sampled from the model, :data:`TRUE_FISHER_SPLIT`) where a checkpoint (or step) has them, else from the
+training rows (the empirical Fisher); ``fisher``, ``kfac`` and ``ekfac`` fit on true-Fisher rows the same way.
 
 :data:`METHODS` is the one table the API, the CLI's choices and the docs' methods table come from: each
 :class:`Method` says which optional arguments it uses (:attr:`Method.uses`), which calls accept it
@@ -31,7 +41,20 @@ from typing import Any, Literal, get_args
 
 from gradstore.errors import InvalidArgumentError
 
-MethodName = Literal["grad-dot", "cosine", "diagonal", "fisher", "kfac", "ekfac", "tracin", "trackstar", "influence"]
+MethodName = Literal[
+    "grad-dot",
+    "cosine",
+    "diagonal",
+    "fisher",
+    "kfac",
+    "ekfac",
+    "tracin",
+    "trackstar",
+    "tracin-steps",
+    "source",
+    "dvemb",
+    "influence",
+]
 """Names :func:`resolve_method` accepts (``influence`` is ``fisher``)."""
 BlockStructure = Literal["auto", "layer", "full"]
 """Fisher blocks: one per layer, one full ``dim x dim`` block, or ``auto`` (per layer for runs captured with a
@@ -40,6 +63,9 @@ Operation = Literal["attribute", "score_matrix", "self_influence", "select", "bu
 """The calls that take a ``method``."""
 
 DEFAULT_DAMPING = 0.1
+#: The split of curvature rows: gradients of losses on labels sampled from the model's own predictive
+#: distribution (true Fisher / GGN). Never scored or used as training rows; fits use them where present.
+TRUE_FISHER_SPLIT = "true-fisher"
 #: The method every scoring call uses when given none (the best single-checkpoint answer on the demo's facts).
 DEFAULT_METHOD = "fisher"
 
@@ -47,8 +73,8 @@ DEFAULT_METHOD = "fisher"
 OPTIONAL_ARGUMENTS = {
     "damping": "the damping of a curvature-preconditioned method",
     "blocks": "the Fisher block structure",
-    "checkpoints": "the checkpoints TracIn sums over",
-    "checkpoint": "the one checkpoint whose training rows are scored",
+    "checkpoints": "the checkpoints TracIn sums over (source: the checkpoints ending its segments)",
+    "checkpoint": "the one checkpoint whose training rows are scored (tracin-steps, dvemb: the in-loop rows' label)",
     "kind": "the top-k index over one checkpoint's rows",
     "rerank": "the exact second stage of a FAISS index",
     "query_checkpoint": "the checkpoint of stored query rows scored against one checkpoint's training rows",
@@ -74,6 +100,8 @@ class Method:
     unit_norm: bool = False  # both sides unit-normalised after preconditioning (a cosine in that space)
     requires: str = ""  # what the run's rows must have, in words ("" : nothing beyond gradient rows)
     operations: frozenset[str] = _ALL_OPERATIONS
+    trajectory: Literal["", "steps", "segments", "embeddings"] = ""  # what of the training history it uses
+    true_fisher: bool = False  # fits its curvature on true-Fisher rows where a checkpoint has them
 
     @property
     def uses(self) -> frozenset[str]:
@@ -81,9 +109,14 @@ class Method:
         used = set()
         if self.damped:
             used.add("damping")
-        if self.preconditioner == "fisher":
+        if self.preconditioner == "fisher" or self.trajectory == "embeddings":
             used.add("blocks")
-        used |= {"checkpoints"} if self.over_checkpoints else _ONE_CHECKPOINT
+        if self.trajectory == "steps":
+            used |= {"checkpoint", "query_checkpoint"}
+        elif self.trajectory == "segments":
+            used |= {"checkpoints", "query_checkpoint"}
+        else:
+            used |= {"checkpoints"} if self.over_checkpoints else _ONE_CHECKPOINT
         return frozenset(used)
 
     def check_operation(self, operation: str) -> None:
@@ -123,7 +156,9 @@ METHODS: dict[str, Method] = {
             "fisher",
             True,
             True,
-            "q^T (F + damping)^-1 g with F the projected empirical Fisher of the rows (per layer or full)",
+            "q^T (F + damping)^-1 g with F the projected Fisher of the rows (per layer or full; true Fisher where "
+            "the checkpoint has true-fisher rows)",
+            true_fisher=True,
         ),
         Method(
             "kfac",
@@ -132,6 +167,7 @@ METHODS: dict[str, Method] = {
             True,
             "q^T (S (x) A + damping)^-1 g with Kronecker factors recorded at capture",
             requires="curvature statistics: capture the run with curvature=True",
+            true_fisher=True,
         ),
         Method(
             "ekfac",
@@ -141,6 +177,7 @@ METHODS: dict[str, Method] = {
             "kfac with its eigenvalues refitted on the stored rows (eigen-corrected)",
             eigen_correction=True,
             requires="curvature statistics: capture the run with curvature=True",
+            true_fisher=True,
         ),
         Method(
             "tracin",
@@ -161,6 +198,40 @@ METHODS: dict[str, Method] = {
             unit_norm=True,
             requires="rows captured with normalizer='adam_factored' (and the optimizer) for its intended use",
             operations=frozenset({"attribute", "score_matrix", "build_index", "select"}),
+        ),
+        Method(
+            "tracin-steps",
+            "identity",
+            True,
+            False,
+            "sum over recorded training steps of lr_t * s_t / B_t * q . g_t (s_t steps per recorded one, "
+            "B_t rows per step), final-model queries",
+            requires="training rows captured during training (one checkpoint label, many steps, a learning rate)",
+            operations=frozenset({"attribute", "score_matrix"}),
+            trajectory="steps",
+        ),
+        Method(
+            "source",
+            "fisher",
+            True,
+            False,
+            "SOURCE: segments between checkpoint passes, each with its own Fisher F_l: "
+            "sum_l q^T (prod_{l'>l} exp(-lr K F)) (I - exp(-lr_l K_l F_l)) F_l^-1 g_l / N_l",
+            requires="checkpoint passes: training rows at checkpoints with a recorded step and learning rate",
+            operations=frozenset({"attribute", "score_matrix"}),
+            trajectory="segments",
+            true_fisher=True,
+        ),
+        Method(
+            "dvemb",
+            "identity",
+            True,
+            False,
+            "data value embeddings: q . e_z with e_z = sum_t lr_t / B_t prod_{s>t} (I - lr_s H_s) g_t, "
+            "kept as the derived run <run>.dvemb",
+            requires="training rows captured during training (one checkpoint label, many steps, a learning rate)",
+            operations=frozenset({"attribute", "score_matrix", "build_index"}),
+            trajectory="embeddings",
         ),
     )
 }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -184,9 +185,20 @@ def rank_examples(scores: np.ndarray, example_ids: np.ndarray, k: int, largest: 
     return np.take_along_axis(scores, order, 1), example_ids[order]
 
 
+class RowWeights(Protocol):
+    """A weight per row looked up from the rows' ``step`` column (:class:`gradstore.trajectory.StepWeights`)."""
+
+    def of(self, steps: np.ndarray) -> np.ndarray: ...
+
+
+#: One term of a per-example sum: (row filter, prepared query vectors [q, dim] float64, per-step row weights or
+#: ``None`` for weight 1).
+SumEntry = tuple[str, torch.Tensor, "RowWeights | None"]
+
+
 @dataclass
 class _TracInJob:
-    checkpoints: list[tuple[str, torch.Tensor]]  # (row filter, lr-weighted query vectors [q, dim] float64)
+    checkpoints: list[SumEntry]
     space: ScoringSpace
     k: int
     sides: tuple[bool, ...]
@@ -196,12 +208,13 @@ def tracin_top_k(
     engine: Engine,
     shards: Sequence[Shard],
     space: ScoringSpace,
-    checkpoints: list[tuple[str, torch.Tensor]],
+    checkpoints: list[SumEntry],
     k: int,
     sides: Sequence[bool] = (True,),
 ) -> ExampleTopK:
-    """Top-k/bottom-k examples of ``sum_c queries_c . rows_c(example)`` over shards of disjoint example ranges;
-    ``checkpoints`` pairs each checkpoint's row filter with its (learning-rate weighted) queries."""
+    """Top-k/bottom-k examples of ``sum_c w(row) * queries_c . rows_c(example)`` over shards of disjoint example
+    ranges; ``checkpoints`` pairs each row filter (a checkpoint's, or a trajectory's) with its prepared queries
+    and, for rows weighted by their step, the weights (shards must then read the ``step`` column)."""
     n_queries = len(checkpoints[0][1])
     job = _TracInJob(checkpoints, space, k, tuple(sides))
     partials = engine.map(_tracin_task, shards, job)
@@ -222,13 +235,37 @@ def _rank_candidates(scores: np.ndarray, ids: np.ndarray, k: int, largest: bool)
 
 
 def _tracin_task(shard: Shard, job: _TracInJob) -> ExampleTopK:
-    sums = ExampleScores(len(job.checkpoints[0][1]))
-    for where, queries in job.checkpoints:
-        for block in shard.narrowed(where).blocks():
-            rows = job.space.rows(torch.from_numpy(block.vectors).to(torch.float64))
-            sums.add(block.metadata.column("example_id").to_pylist(), queries @ rows.T)
+    sums = _example_sums(shard, job.checkpoints, job.space)
     ids = np.asarray(sums.example_ids, dtype=object)
     return {side: rank_examples(sums.matrix.numpy(), ids, job.k, side) for side in job.sides}
+
+
+def _example_sums(shard: Shard, entries: Sequence[SumEntry], space: ScoringSpace) -> ExampleScores:
+    sums = ExampleScores(len(entries[0][1]))
+    for where, queries, weights in entries:
+        for block in shard.narrowed(where).blocks():
+            rows = space.rows(torch.from_numpy(block.vectors).to(torch.float64))
+            scores = queries @ rows.T
+            if weights is not None:
+                scores *= torch.from_numpy(weights.of(block.metadata.column("step").to_numpy(zero_copy_only=False)))
+            sums.add(block.metadata.column("example_id").to_pylist(), scores)
+    return sums
+
+
+def example_score_matrix(
+    engine: Engine, shards: Sequence[Shard], space: ScoringSpace, entries: list[SumEntry]
+) -> tuple[np.ndarray, list[str]]:
+    """The dense ``[queries, examples]`` per-example sums of ``entries`` (for small problems) and the example ids
+    of its columns, over shards of disjoint example ranges."""
+    partials = engine.map(_example_matrix_task, shards, (entries, space))
+    ids = [example for _, part in partials for example in part]
+    matrices = [matrix for matrix, _ in partials]
+    return (np.concatenate(matrices, axis=1) if matrices else np.empty((len(entries[0][1]), 0))), ids
+
+
+def _example_matrix_task(shard: Shard, job: tuple[list[SumEntry], ScoringSpace]) -> tuple[np.ndarray, list[str]]:
+    sums = _example_sums(shard, *job)
+    return sums.matrix.numpy(), sums.example_ids
 
 
 @dataclass

@@ -21,6 +21,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
+from gradstore import dvemb
 from gradstore.arguments import require_rows
 from gradstore.attribution import ScoreMatrix, attribute, score_matrix, self_influence
 from gradstore.capture_session import RUN_DEFAULT, StoreCapture, config_for_run
@@ -231,8 +232,11 @@ class GradStore:
         ``engine``: where the fit runs (``"local"``, ``"ray"`` or a :class:`~gradstore.engine.RayEngine`);
         ``device``: where the index searches (exact: a torch device, default CUDA when torch sees one, else the
         CPU; FAISS: ``"cuda"`` moves a GPU-capable index to the GPUs)."""
-        ScoreOptions.pick(locals()).check("build_index")
-        selection = Selection(run, checkpoint or self.core.default_checkpoint(run), split, where)
+        options = ScoreOptions.pick(locals())
+        if options.check("build_index").trajectory == "embeddings":  # an index over the derived run's embeddings
+            selection, method, blocks = dvemb.ensure(self.core, run, options), "grad-dot", "auto"
+        else:
+            selection = Selection(run, checkpoint or self.core.default_checkpoint(run), split, where)
         require_rows(self.core, selection)
         return build_index(
             self.core,
@@ -314,6 +318,7 @@ class GradStore:
         run: str,
         method: MethodName = DEFAULT_METHOD,
         checkpoint: str | None = None,
+        checkpoints: Sequence[str] | None = None,
         query_checkpoint: str | None = None,
         damping: float | None = None,
         blocks: BlockStructure = "auto",
@@ -321,7 +326,8 @@ class GradStore:
         where: str | None = None,
     ) -> ScoreMatrix:
         """Dense queries x training rows scores with their ids (``.scores`` numpy, ``.torch()``), for small
-        problems; nothing is written to ``scores``. Arguments as for :meth:`attribute`."""
+        problems; nothing is written to ``scores``. Arguments as for :meth:`attribute`. Methods that sum over an
+        example's rows (``tracin-steps``, ``source``) give one column per example (``grad_ids`` -1)."""
         return score_matrix(self.core, self.fits, queries, ScoreOptions.pick(locals()), run=run)
 
     @surface

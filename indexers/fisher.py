@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import numpy as np
@@ -162,6 +162,23 @@ class FisherPreconditioner:
     def apply_both(self, x: torch.Tensor) -> torch.Tensor:
         """``P^-1/2 x`` block by block (the symmetric square root)."""
         return self._apply(x, 0.5, "both")
+
+    def apply_function(self, x: torch.Tensor, function: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``f(F_b) x`` block by block for a spectral function ``f`` of the *undamped* fitted ``F_b = G^T G / n``
+        (float64): ``V f(lambda) V^T x + f(0) (x - V V^T x)``, the second term over the space a low-rank fit
+        leaves out (eigenvalue 0). ``function`` maps a float64 tensor of eigenvalues to their values; SOURCE's
+        segment terms (``exp(-c F)``, ``(I - exp(-c F)) F^-1``) are such functions."""
+        spans = self._spans()
+        x = x.to(torch.float64)
+        out = torch.empty_like(x)
+        at_zero = float(function(torch.zeros(1, dtype=torch.float64))[0])
+        for index, (offset, size) in enumerate(spans):
+            vectors = self.eigenvectors[index].to(torch.float64)
+            part = x[:, offset : offset + size]
+            coordinates = part @ vectors
+            out[:, offset : offset + size] = (coordinates * (function(self.eigenvalues[index]) - at_zero)) @ vectors.T
+            out[:, offset : offset + size] += at_zero * part
+        return out
 
     def save(self, path: str | os.PathLike) -> None:
         """Write damping, blocks, row count and the per-block eigendecompositions (the kept eigenpairs:

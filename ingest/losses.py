@@ -25,3 +25,14 @@ def causal_lm_loss(outputs: Any, args: tuple, kwargs: dict[str, Any]) -> torch.T
     ).view(targets.shape)
     counts = (targets != IGNORE_INDEX).sum(dim=1)
     return token_loss.sum(dim=1) / counts.clamp(min=1)
+
+
+def sample_labels(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Labels drawn from the model's own predictive distribution ``softmax(logits)`` over the last dimension
+    (one per position, no gradient): the loss on them backpropagates true-Fisher (GGN) rows, the curvature rows
+    of split ``"true-fisher"``. Positions whose logits are not finite get label 0."""
+    probabilities = torch.softmax(logits.detach().float(), dim=-1)
+    flat = probabilities.reshape(-1, probabilities.shape[-1])
+    finite = torch.isfinite(flat).all(dim=1)
+    flat = torch.where(finite[:, None], flat, torch.ones_like(flat))
+    return torch.multinomial(flat, 1, generator=generator).reshape(probabilities.shape[:-1])

@@ -262,6 +262,20 @@ class StoreCore:
         finally:
             _SNAPSHOT.reset(token)
 
+    @contextmanager
+    def past_snapshot(self) -> Iterator[None]:
+        """A step that writes and then reads inside a :meth:`snapshot` call (a derived run built on first use): its
+        reads see the latest versions, and the enclosing block takes its view again afterwards, so its later reads
+        see what the step wrote."""
+        pins = _SNAPSHOT.get()
+        token = _SNAPSHOT.set(None)
+        try:
+            yield
+        finally:
+            _SNAPSHOT.reset(token)
+            if pins is not None:
+                pins.clear()
+
     def dataset(self, name: str) -> lance.LanceDataset:
         """Table ``name``'s Lance dataset: at its latest version, or inside a :meth:`snapshot` block at the version
         the block saw first."""

@@ -1,0 +1,271 @@
+"""Data value embeddings (DVEmb, Wang et al. 2024) from rows captured during training, kept as a derived run.
+
+An example ``z`` whose loss is up-weighted at recorded step ``t`` moves the weights by ``-lr_t s_t / B_t g_{z,t}``
+(``B_t`` rows in the step's batch, ``s_t`` optimizer steps the recorded one stands for); every later step ``s``
+carries that change through ``I - lr_s H_s`` (``H_s`` the step's batch curvature). So the example's effect on the
+final weights is its *embedding*
+
+    ``e_z = sum_t lr_t s_t / B_t * prod_{s > t} (I - lr_s H_s)^{s_s} g_{z,t}``
+
+and the first-order effect on a query's final loss is ``-q . e_z`` with ``q`` the query's final-model gradient:
+``dvemb`` scores ``q . e_z``. Exact for a model whose loss is quadratic in the weights, stored rows unprojected and
+``H_s`` its exact batch Hessian (true-Fisher rows of the step, below). In the projected space every factor is a
+small matrix per layer block.
+
+``H_s = C^T C / n`` over the step's rows of split ``"true-fisher"`` (labels sampled from the model: a GGN) when
+it has any, else over its training rows (the batch's empirical Fisher). The recursion runs backwards over the
+recorded steps, ``M <- M (I - lr_s H_s)^{s_s}`` per block, reading the rows in chunks of steps (memory: the
+embeddings ``[examples, dim]`` and one ``d_b x d_b`` matrix per block, never all rows).
+
+The embeddings are stored as the run ``<run>.dvemb`` (same projection spec and dim: its rows are searched like
+any run's, by every index kind, the SQL macros and the report), one row per example under checkpoint ``dvemb``.
+The state it was built from (rows and largest ``grad_id`` of the source rows, last step) is a side file; rows
+appended since are folded in incrementally when all their steps come after the last one
+(``e_z <- P e_z + new terms`` with ``P`` the product over the new steps), else the run is rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from gradstore.core import StoreCore, gradient_filter
+from gradstore.fitting import Selection, auto_blocks
+from gradstore.methods import TRUE_FISHER_SPLIT, ScoreOptions, check_blocks
+from gradstore.trajectory import RecordedStep, in_loop_checkpoint, recorded_steps
+
+log = logging.getLogger(__name__)
+
+LABEL = "dvemb"
+"""The checkpoint label of the derived run's rows."""
+SIDE_FILES = "derived"
+STATE_FILE = "dvemb.json"
+#: Rows read per chunk of steps during the recursion (about; a step is never split).
+CHUNK_ROWS = 65536
+
+
+def derived_run(run: str) -> str:
+    """The name of the run holding ``run``'s data value embeddings."""
+    return f"{run}.dvemb"
+
+
+@dataclass(frozen=True)
+class EmbeddingState:
+    """What the derived run was built from: the in-loop rows (label, block structure, their ``(rows, largest
+    grad_id)`` with the true-Fisher rows'), the last step folded in, and the derived rows it wrote."""
+
+    label: str
+    blocks: str
+    source: tuple[int, int, int, int]
+    last_step: int
+    derived: tuple[int, int]
+
+
+def ensure(store: StoreCore, run: str, options: ScoreOptions) -> Selection:
+    """The derived run's rows for ``run`` (``options``: the in-loop ``checkpoint`` label, ``blocks``, ``where``),
+    built or extended first when the in-loop rows changed since (past the caller's snapshot: its later reads see
+    the derived rows)."""
+    with store.past_snapshot():
+        return _ensure(store, run, options)
+
+
+def _ensure(store: StoreCore, run: str, options: ScoreOptions) -> Selection:
+    label = in_loop_checkpoint(store, run, options.checkpoint)
+    structure = check_blocks(options.blocks)
+    structure = auto_blocks(store, run) if structure == "auto" else structure
+    derived = derived_run(run)
+    selection = Selection(derived, LABEL, "train", options.where)
+    source = _source_state(store, run, label)
+    stored = _read_state(store, run)
+    built = store.has_run(derived) and Selection(derived, LABEL).state(store)
+    if stored is not None and (stored.label, stored.blocks, stored.source, stored.derived) == (
+        label,
+        structure,
+        source,
+        built,
+    ):
+        return selection
+    store.require_writable(f"dvemb: build the derived run {derived!r} of data value embeddings")
+    steps = recorded_steps(store, run, label)
+    spans = _spans(store, run, structure)
+    incremental = (
+        stored is not None
+        and (stored.label, stored.blocks) == (label, structure)
+        and stored.derived == built
+        and _only_after(store, run, label, stored)
+    )
+    if incremental:
+        new = [s for s in steps if s.step > stored.last_step]
+        ids, embeddings, carried = recursion(store, run, label, new, spans)
+        old = store.read_gradients(derived, checkpoint=LABEL, split="train")
+        embeddings_by_id = dict(zip(ids, embeddings))
+        previous = _propagate(old.vectors.astype(np.float64), carried, spans)
+        for example_id, vector in zip(old.metadata.column("example_id").to_pylist(), previous):
+            embeddings_by_id[example_id] = embeddings_by_id.get(example_id, 0.0) + vector
+        ids = sorted(embeddings_by_id)
+        embeddings = np.stack([embeddings_by_id[i] for i in ids]) if ids else np.empty((0, store.run_dim(run)))
+        log.info("dvemb: folded %d new step(s) of run %r into %d embeddings", len(new), run, len(ids))
+    else:
+        ids, embeddings, _ = recursion(store, run, label, steps, spans)
+    written = _write(store, run, ids, embeddings, steps[-1].step)
+    _write_state(store, run, EmbeddingState(label, structure, source, steps[-1].step, written))
+    return selection
+
+
+# ---------------------------------------------------------------------------------------------- the recursion
+def recursion(
+    store: StoreCore, run: str, label: str, steps: Sequence[RecordedStep], spans: Sequence[tuple[int, int]]
+) -> tuple[list[str], np.ndarray, list[torch.Tensor]]:
+    """The embeddings of the examples of ``steps`` (ids sorted, float64 ``[n, dim]``) over these steps alone, and
+    the per-block products ``prod (I - lr H)^s`` over them (what earlier embeddings are carried through)."""
+    carried = [torch.eye(size, dtype=torch.float64) for _, size in spans]
+    position: dict[str, int] = {}
+    dim = store.run_dim(run)
+    sums = torch.zeros(0, dim, dtype=torch.float64)
+    by_step = {s.step: s for s in steps}
+    for chunk in _chunks(store, run, label, steps):
+        for step in sorted(chunk, reverse=True):
+            rows, example_ids, curvature = chunk[step]
+            record = by_step[step]
+            moved = torch.empty_like(rows)
+            for block, (offset, size) in enumerate(spans):
+                moved[:, offset : offset + size] = rows[:, offset : offset + size] @ carried[block].T
+            columns = []
+            for example_id in example_ids:
+                columns.append(position.setdefault(example_id, len(position)))
+            if len(position) > sums.shape[0]:
+                grown = torch.zeros(max(len(position), 2 * sums.shape[0]), dim, dtype=torch.float64)
+                grown[: sums.shape[0]] = sums
+                sums = grown
+            sums.index_add_(0, torch.tensor(columns, dtype=torch.long), moved, alpha=record.weight)
+            for block, (offset, size) in enumerate(spans):
+                carried[block] = _carry(carried[block], curvature[:, offset : offset + size], record)
+    ids = sorted(position)
+    order = torch.tensor([position[i] for i in ids], dtype=torch.long)
+    return ids, sums[order].numpy() if ids else np.empty((0, dim)), carried
+
+
+def _carry(product: torch.Tensor, curvature_rows: torch.Tensor, step: RecordedStep) -> torch.Tensor:
+    """``product (I - lr H)^span`` with ``H = C^T C / n`` of the step's curvature rows ``C``."""
+    n = max(1, curvature_rows.shape[0])
+    if step.span == 1:
+        return product - (step.learning_rate / n) * (product @ curvature_rows.T) @ curvature_rows
+    size = curvature_rows.shape[1]
+    factor = torch.eye(size, dtype=torch.float64) - (step.learning_rate / n) * curvature_rows.T @ curvature_rows
+    return product @ torch.linalg.matrix_power(factor, step.span)
+
+
+def _chunks(
+    store: StoreCore, run: str, label: str, steps: Sequence[RecordedStep]
+) -> Iterator[dict[int, tuple[torch.Tensor, list[str], torch.Tensor]]]:
+    """The rows of ``steps`` in chunks of consecutive steps, last chunk first: ``step -> (training rows float64,
+    their example ids, curvature rows)`` (true-Fisher rows of the step where it has any)."""
+    groups: list[list[RecordedStep]] = [[]]
+    for step in steps:
+        if groups[-1] and sum(s.rows for s in groups[-1]) + step.rows > CHUNK_ROWS:
+            groups.append([])
+        groups[-1].append(step)
+    for group in reversed([g for g in groups if g]):
+        block = store.read_gradients(
+            run,
+            checkpoint=label,
+            split=["train", TRUE_FISHER_SPLIT],
+            steps=(group[0].step, group[-1].step),
+            columns=("example_id", "step", "split"),
+        )
+        vectors = torch.from_numpy(block.vectors.astype(np.float64))
+        step_column = block.metadata.column("step").to_numpy(zero_copy_only=False)
+        split_column = np.asarray(block.metadata.column("split").to_pylist(), dtype=object)
+        ids = np.asarray(block.metadata.column("example_id").to_pylist(), dtype=object)
+        chunk = {}
+        for record in group:
+            train = np.flatnonzero((step_column == record.step) & (split_column == "train"))
+            fisher = np.flatnonzero((step_column == record.step) & (split_column == TRUE_FISHER_SPLIT))
+            rows = vectors[torch.from_numpy(train)]
+            chunk[record.step] = (rows, ids[train].tolist(), vectors[torch.from_numpy(fisher)] if len(fisher) else rows)
+        yield chunk
+
+
+def _propagate(embeddings: np.ndarray, carried: Sequence[torch.Tensor], spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """``P e`` per block for stored embeddings ``e`` (rows)."""
+    out = torch.from_numpy(embeddings.copy())
+    for block, (offset, size) in enumerate(spans):
+        out[:, offset : offset + size] = out[:, offset : offset + size] @ carried[block].T
+    return out.numpy()
+
+
+# ---------------------------------------------------------------------------------------------- storage
+def _spans(store: StoreCore, run: str, structure: str) -> list[tuple[int, int]]:
+    if structure == "layer":
+        return [(s.offset, s.size) for s in store.run_spec(run, "dvemb with blocks='layer'").layers]
+    return [(0, store.run_dim(run))]
+
+
+def _source_state(store: StoreCore, run: str, label: str) -> tuple[int, int, int, int]:
+    return (*Selection(run, label).state(store), *Selection(run, label, TRUE_FISHER_SPLIT).state(store))
+
+
+def _only_after(store: StoreCore, run: str, label: str, stored: EmbeddingState) -> bool:
+    """Whether the in-loop rows the stored state covered are unchanged and every other row belongs to a step
+    after its last one (rows appended by training that went on)."""
+    name = store.gradient_table_name(run)
+    splits = ["train", TRUE_FISHER_SPLIT]
+    covered = store.scan(name, ["step"], gradient_filter(run, label, splits, (None, stored.last_step))).num_rows
+    later = store.scan(name, ["step"], gradient_filter(run, label, splits, (stored.last_step + 1, None))).num_rows
+    return covered == stored.source[0] + stored.source[2] and later > 0
+
+
+def _write(store: StoreCore, run: str, ids: list[str], embeddings: np.ndarray, last_step: int) -> tuple[int, int]:
+    """Replace the derived run's rows with ``embeddings``; its new ``(rows, largest grad_id)``."""
+    derived = derived_run(run)
+    source = store.run(run)
+    projection = json.loads(source["projection"]) if source["projection"] else None
+    store.create_run(
+        derived,
+        dim=store.run_dim(run),
+        projection=projection,
+        model_fingerprint=source["model_fingerprint"],
+        config={"derived_from": run, "method": "dvemb"},
+        exist_ok=True,
+    )
+    table = store.gradient_table(derived)
+    table.delete(gradient_filter(derived))
+    with store.writer(derived) as writer:
+        for start in range(0, len(ids), CHUNK_ROWS):
+            writer.append(
+                embeddings[start : start + CHUNK_ROWS].astype(np.float32),
+                ids[start : start + CHUNK_ROWS],
+                checkpoint=LABEL,
+                split="train",
+                step=last_step,
+            )
+    store.record_checkpoint(derived, LABEL, step=last_step)
+    return Selection(derived, LABEL).state(store)
+
+
+def _key(run: str) -> str:
+    return hashlib.sha256(run.encode()).hexdigest()[:32]
+
+
+def _read_state(store: StoreCore, run: str) -> EmbeddingState | None:
+    try:
+        data = json.loads(store.files.read_bytes(SIDE_FILES, _key(run), STATE_FILE))
+        return EmbeddingState(
+            data["label"], data["blocks"], tuple(data["source"]), int(data["last_step"]), tuple(data["derived"])
+        )
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        log.warning("dvemb state of run %r is damaged; rebuilding its embeddings", run)
+        return None
+
+
+def _write_state(store: StoreCore, run: str, state: EmbeddingState) -> None:
+    with store.files.writing(SIDE_FILES, _key(run)):
+        store.files.write_bytes(json.dumps(asdict(state)).encode(), SIDE_FILES, _key(run), STATE_FILE)

@@ -1,0 +1,327 @@
+"""Trajectory-aware attribution from the store's own training history.
+
+A store that captured *during* training holds every recorded step's per-example gradients at the weights of that
+step, with the step's learning rate, and checkpoint passes along the way. Two methods score from that history:
+
+* ``tracin-steps``: TracIn over the recorded training steps,
+  ``score(q, z) = sum_t lr_t * s_t / B_t * q_c(t) . g_{z,t}``, where ``B_t`` is the number of rows of step ``t``
+  (the batch: the loss is a mean over it), ``s_t`` the optimizer steps until the next recorded step (1 when
+  every step was captured; rows captured every ``s``-th step stand for ``s`` steps) and ``q_c(t)`` the query
+  gradient at the first checkpoint holding query rows at or after step ``t`` (the last one for later steps).
+  Optimizer-aware when the rows were captured with ``normalizer="adam_factored"``: the rows are then the Adam
+  update directions.
+* ``source``: SOURCE (Bae et al. 2024) over the checkpoint passes. Training is cut into segments ending at the
+  checkpoints ``l`` (``K_l`` steps since the previous one, mean learning rate ``lr_l`` recorded on the
+  checkpoint); within a segment the curvature ``F_l`` (the projected Fisher of the checkpoint's rows, per layer
+  block; its true-Fisher rows where it has them) and the gradients are taken constant, which makes the effect
+  of up-weighting ``z`` on the final weights closed form:
+  ``score(q, z) = sum_l 1/N_l q^T (prod_{l' > l} exp(-lr_l' K_l' F_l')) (I - exp(-lr_l K_l F_l)) F_l^-1 g_{z,l}``
+  with ``N_l`` the checkpoint's training rows (an example's expected share of a step's mean loss).
+  Queries are final-model gradients. No damping is needed: ``(1 - exp(-c x)) / x`` is finite at ``x = 0``.
+
+Both are sums over several rows of an example, computed as per-example scans on an engine (in this process or
+on Ray, :func:`gradstore.scan_tasks.tracin_top_k`): the query side is prepared once per checkpoint (SOURCE's
+segment terms are spectral functions of the fitted Fisher, :meth:`indexers.FisherPreconditioner.apply_function`),
+each stored row is read once. ``dvemb`` (:mod:`gradstore.dvemb`) uses the same recorded steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from gradstore.arguments import row_checkpoints
+from gradstore.core import StoreCore, gradient_filter
+from gradstore.errors import InvalidArgumentError
+from gradstore.fitting import FitCache, Selection, fit_spec
+from gradstore.methods import METHODS, ScoreOptions, resolve_method
+from gradstore.queries import Queries, QueryInput, resolve_queries, stored_queries
+
+#: One entry of a per-example sum: (row filter, prepared queries [q, dim] float64, per-step weights or None).
+WeightedRows = tuple[str, torch.Tensor, "StepWeights | None"]
+
+
+@dataclass(frozen=True)
+class StepWeights:
+    """A weight per recorded step (sorted ``steps``), looked up for the rows of a block by their ``step``."""
+
+    steps: np.ndarray  # int64, ascending
+    weights: np.ndarray  # float64
+
+    def of(self, steps: np.ndarray) -> np.ndarray:
+        """The weight of each row's step (0 for a step not listed)."""
+        where = np.clip(np.searchsorted(self.steps, steps), 0, len(self.steps) - 1)
+        return np.where(self.steps[where] == steps, self.weights[where], 0.0)
+
+
+@dataclass(frozen=True)
+class RecordedStep:
+    """One optimizer step whose training rows were captured during training."""
+
+    step: int
+    rows: int  # B_t
+    learning_rate: float
+    span: int  # optimizer steps it stands for (until the next recorded step)
+
+    @property
+    def weight(self) -> float:
+        """``lr_t * s_t / B_t``: the first-order effect of one of its rows' loss weight on the weights."""
+        return self.learning_rate * self.span / self.rows
+
+
+# ---------------------------------------------------------------------------------------------- history
+def in_loop_checkpoint(store: StoreCore, run: str, checkpoint: str | None = None) -> str:
+    """The checkpoint label of ``run``'s training rows captured during training (``checkpoint`` when given): the
+    label whose training rows span the most distinct steps, at least two."""
+    table = _train_rows(store, run, None)
+    counts = table.group_by("checkpoint").aggregate([("step", "count_distinct")]).to_pylist()
+    steps = {row["checkpoint"]: row["step_count_distinct"] for row in counts}
+    if checkpoint is not None:
+        if steps.get(checkpoint, 0) < 2:
+            raise InvalidArgumentError(
+                f"checkpoint {checkpoint!r} of run {run!r} holds training rows of {steps.get(checkpoint, 0)} step(s); "
+                "a trajectory method needs rows captured during training (two or more steps): "
+                f"labels with their step counts: {steps}"
+            )
+        return checkpoint
+    ranked = sorted(((n, str(c)) for c, n in steps.items() if c is not None and n >= 2), reverse=True)
+    if not ranked:
+        raise InvalidArgumentError(
+            f"run {run!r} holds no training rows captured during training (two or more steps under one checkpoint "
+            f"label; found {steps}): capture inside the training loop, e.g. `with store.capture(model, {run!r}, "
+            "optimizer=optimizer):` around it, so each step's rows carry their step and learning rate"
+        )
+    return ranked[0][1]
+
+
+def recorded_steps(store: StoreCore, run: str, label: str) -> list[RecordedStep]:
+    """The steps of the in-loop rows under ``label``, in step order, with their row counts, learning rates and
+    spans (the last step spans as many steps as the one before it)."""
+    table = _train_rows(store, run, label)
+    grouped = table.group_by("step").aggregate([("step", "count"), ("learning_rate", "mean")]).sort_by("step")
+    steps = grouped.column("step").to_pylist()
+    rates = grouped.column("learning_rate_mean").to_pylist()
+    if any(step is None for step in steps):
+        raise InvalidArgumentError(
+            f"training rows of run {run!r} at {label!r} have no step: capture with the optimizer"
+        )
+    missing = [step for step, rate in zip(steps, rates) if rate is None]
+    if missing:
+        raise InvalidArgumentError(
+            f"training rows of run {run!r} at {label!r} recorded no learning rate at steps {missing[:5]}: capture with "
+            "optimizer=... (its learning rate is recorded on every row)"
+        )
+    spans = [b - a for a, b in zip(steps, steps[1:])]
+    spans.append(spans[-1] if spans else 1)
+    counts = grouped.column("step_count").to_pylist()
+    return [RecordedStep(int(s), int(n), float(r), int(g)) for s, n, r, g in zip(steps, counts, rates, spans)]
+
+
+def _train_rows(store: StoreCore, run: str, label: str | None) -> pa.Table:
+    store.run(run)
+    name = store.gradient_table_name(run)
+    if not store.has_table(name):
+        return pa.table({"checkpoint": pa.array([], pa.string()), "step": pa.array([], pa.int64())})
+    return store.scan(name, ["checkpoint", "step", "learning_rate"], gradient_filter(run, label, "train"))
+
+
+def checkpoint_steps(store: StoreCore, run: str) -> dict[str, tuple[int | None, float | None]]:
+    """``checkpoint -> (step, learning rate)`` as recorded in the ``checkpoints`` table."""
+    table = store.checkpoints(run)
+    return {
+        c: (s, r)
+        for c, s, r in zip(
+            table.column("checkpoint").to_pylist(),
+            table.column("step").to_pylist(),
+            table.column("learning_rate").to_pylist(),
+        )
+    }
+
+
+def final_query_checkpoint(store: StoreCore, run: str, query_checkpoint: str | None) -> str | None:
+    """The checkpoint final-model queries are read at: ``query_checkpoint``, else the checkpoint holding query
+    rows with the largest recorded step (``None`` when the run has no query rows: queries must be vectors)."""
+    if query_checkpoint is not None:
+        return query_checkpoint
+    found = [c for c in row_checkpoints(store, run, "query") if c is not None]
+    if not found:
+        return None
+    steps = checkpoint_steps(store, run)
+    if len(found) > 1 and any(steps.get(c, (None,))[0] is None for c in found):
+        raise InvalidArgumentError(
+            f"run {run!r} holds query rows at {found}, not all with a recorded step: pass query_checkpoint= "
+            "(the final model's)"
+        )
+    return max(found, key=lambda c: (steps.get(c, (None,))[0] or 0, c))
+
+
+# ---------------------------------------------------------------------------------------------- tracin-steps
+@dataclass
+class History:
+    """A per-example sum over stored history: the query ids, its terms, the rows it reads (their first
+    selection sizes the scan's shards), the metadata columns its scan needs and the checkpoints it used."""
+
+    query_ids: list[str]
+    entries: list[WeightedRows]
+    selection: Selection
+    columns: tuple[str, ...]
+    checkpoints: list[str]
+
+
+def history(store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, run: str) -> History:
+    """The per-example sum of a ``tracin-steps`` or ``source`` call (``options`` checked by the caller)."""
+    method = resolve_method(options.method)
+    if method.trajectory == "steps":
+        label = in_loop_checkpoint(store, run, options.checkpoint)
+        selection = Selection(run, label, options.split, options.where)
+        ids, entries = tracin_steps_entries(store, queries, selection, options.query_checkpoint)
+        return History(ids, entries, selection, ("example_id", "step"), [label])
+    segments = source_segments(store, run, options.checkpoints, options.split)
+    ids, entries = source_entries(store, fits, queries, segments, options, run)
+    first = Selection(run, segments[0].checkpoint, options.split, options.where)
+    return History(ids, entries, first, ("example_id",), [s.checkpoint for s in segments])
+
+
+def tracin_steps_entries(
+    store: StoreCore, queries: QueryInput, selection: Selection, query_checkpoint: str | None
+) -> tuple[list[str], list[WeightedRows]]:
+    """The per-example sum of ``tracin-steps`` over the in-loop rows ``selection``: query ids and one entry per
+    checkpoint whose queries score the steps up to it (every step when the queries are vectors)."""
+    run = selection.run
+    steps = recorded_steps(store, run, selection.checkpoint)
+    where = selection.filter
+    stored = row_checkpoints(store, run, "query")
+    if query_checkpoint is not None or not stored or not stored_queries(queries):
+        resolved = resolve_queries(store, queries, run, final_query_checkpoint(store, run, query_checkpoint))
+        return resolved.ids, [(where, _float64(resolved), _weights(steps))]
+    bounds = _query_checkpoints(store, run, stored)
+    entries, ids, low = [], None, None
+    for position, (name, step) in enumerate(bounds):
+        last = position == len(bounds) - 1
+        chosen = [s for s in steps if (low is None or s.step > low) and (last or s.step <= step)]
+        low = step
+        if not chosen:
+            continue
+        resolved = resolve_queries(store, queries, run, name)
+        resolved = _same_order(resolved, ids)
+        ids = resolved.ids
+        entries.append((where, _float64(resolved), _weights(chosen)))
+    return ids or [], entries
+
+
+def _query_checkpoints(store: StoreCore, run: str, stored: list[str | None]) -> list[tuple[str, int]]:
+    """Checkpoints holding query rows with a recorded step, by step (the last one scores every later step)."""
+    steps = checkpoint_steps(store, run)
+    with_steps = sorted((steps[c][0], c) for c in stored if c is not None and steps.get(c, (None,))[0] is not None)
+    if not with_steps:
+        raise InvalidArgumentError(
+            f"run {run!r} holds query rows at {stored} with no recorded step: "
+            "pass query_checkpoint= (the final model's)"
+        )
+    return [(c, s) for s, c in with_steps]
+
+
+def _same_order(resolved: Queries, ids: list[str] | None) -> Queries:
+    if ids is None or resolved.ids == ids:
+        return resolved
+    position = {q: i for i, q in enumerate(resolved.ids)}
+    missing = [q for q in ids if q not in position]
+    if missing:
+        raise InvalidArgumentError(f"queries {missing[:5]} have no rows at every query checkpoint")
+    return Queries(ids, resolved.vectors[[position[q] for q in ids]])
+
+
+def _weights(steps: Sequence[RecordedStep]) -> StepWeights:
+    return StepWeights(np.array([s.step for s in steps], np.int64), np.array([s.weight for s in steps], np.float64))
+
+
+def _float64(resolved: Queries) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(resolved.vectors, np.float64))
+
+
+# ---------------------------------------------------------------------------------------------- source
+@dataclass(frozen=True)
+class Segment:
+    """SOURCE's segment ending at ``checkpoint``: ``steps`` optimizer steps at mean learning rate ``learning_rate``."""
+
+    checkpoint: str
+    end: int
+    steps: int
+    learning_rate: float
+
+
+def source_segments(store: StoreCore, run: str, checkpoints: Sequence[str] | None, split: str) -> list[Segment]:
+    """The segments of ``run``: ``checkpoints`` (default: every checkpoint with a recorded step and learning rate
+    and training rows of one step, not in-loop rows) in step order, each from the previous one's step."""
+    recorded = checkpoint_steps(store, run)
+    with_rows = set(row_checkpoints(store, run, split))
+    if checkpoints is None:
+        label_steps = _train_rows(store, run, None).group_by("checkpoint").aggregate([("step", "count_distinct")])
+        in_loop = {
+            c for c, n in zip(label_steps.column(0).to_pylist(), label_steps.column(1).to_pylist()) if (n or 0) > 1
+        }
+        chosen = [
+            c
+            for c, (step, rate) in recorded.items()
+            if step is not None and rate is not None and c in with_rows and c not in in_loop
+        ]
+        if not chosen:
+            raise InvalidArgumentError(
+                f"run {run!r} has no checkpoint pass with a recorded step and learning rate: capture checkpoint "
+                "passes (store.capture(model, run, checkpoint=..., learning_rate=...) with cap.set_step(step)) or "
+                "give checkpoints="
+            )
+    else:
+        chosen = list(checkpoints)
+        bad = [c for c in chosen if recorded.get(c, (None, None))[0] is None or recorded[c][1] is None]
+        if bad:
+            raise InvalidArgumentError(f"checkpoints {bad} of run {run!r} have no recorded step and learning rate")
+        missing = [c for c in chosen if c not in with_rows]
+        if missing:
+            raise InvalidArgumentError(f"checkpoints {missing} of run {run!r} hold no {split!r} rows")
+    ordered = sorted(chosen, key=lambda c: (recorded[c][0], c))
+    segments, previous = [], 0
+    for name in ordered:
+        end = int(recorded[name][0])
+        segments.append(Segment(name, end, max(0, end - previous), float(recorded[name][1])))
+        previous = end
+    return segments
+
+
+def source_entries(
+    store: StoreCore,
+    fits: FitCache,
+    queries: QueryInput,
+    segments: Sequence[Segment],
+    options: ScoreOptions,
+    run: str,
+) -> tuple[list[str], list[WeightedRows]]:
+    """SOURCE's per-example sum: query ids and, per segment, the prepared queries
+    ``(I - E_l) F_l^-1 E_{l+1} ... E_L q`` scoring its checkpoint's training rows."""
+    resolved = resolve_queries(store, queries, run, final_query_checkpoint(store, run, options.query_checkpoint))
+    carried = _float64(resolved)
+    entries: list[WeightedRows] = []
+    for segment in reversed(segments):
+        selection = Selection(run, segment.checkpoint, options.split, options.where)
+        curvature = fits.get(fit_spec(store, selection, METHODS["source"], options.blocks))
+        horizon = segment.learning_rate * segment.steps
+        examples = Selection(run, segment.checkpoint, options.split).count(store)  # N_l: one step's share is 1/N_l
+        prepared = curvature.apply_function(carried, _segment_term(horizon)) / examples
+        entries.append((selection.filter, prepared, None))
+        carried = curvature.apply_function(carried, lambda values, c=horizon: torch.exp(-c * values))
+    return resolved.ids, entries[::-1]
+
+
+def _segment_term(horizon: float):
+    """``x -> (1 - exp(-c x)) / x`` (``c`` at ``x = 0``), elementwise on float64 eigenvalues."""
+
+    def term(values: torch.Tensor) -> torch.Tensor:
+        scaled = horizon * values
+        safe = torch.where(scaled > 1e-12, values, torch.ones_like(values))
+        return torch.where(scaled > 1e-12, -torch.expm1(-scaled) / safe, torch.full_like(values, horizon))
+
+    return term
