@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from gradstore import dvemb, scan_tasks, trajectory
 from gradstore.arguments import check_where, require_rows
-from gradstore.core import StoreCore, one_snapshot, sql_literal
+from gradstore.core import StoreCore, one_snapshot, sql_in, sql_literal
 from gradstore.core import schema as S
 from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError, MissingIdsError
@@ -36,6 +36,8 @@ from indexers import IdentityPreconditioner
 #: Examples a TracIn or selection task sums at most (about; ranges come from a sample of the ids): bounds
 #: a task's dense ``[queries, examples]`` float64 sum (64 queries: 32 MB).
 EXAMPLES_PER_TASK = 65536
+#: Examples whose trajectory self-influence one dense ``[chunk, chunk]`` score matrix computes (32 MB float64).
+SELF_INFLUENCE_CHUNK = 2048
 
 
 @one_snapshot
@@ -104,7 +106,7 @@ def _searched(
     (:mod:`gradstore.dvemb`, built or extended first)."""
     if method.trajectory == "embeddings":
         checkpoint = trajectory.final_query_checkpoint(store, run, options.query_checkpoint)
-        resolved_queries = resolve_queries(store, queries, run, checkpoint, checkpoint)
+        resolved_queries = resolve_queries(store, queries, run, checkpoint)
         return resolved_queries, dvemb.ensure(store, run, options), resolve_method("grad-dot")
     checkpoint = options.checkpoint or store.default_checkpoint(run)
     selection = Selection(run, checkpoint, options.split, options.where)
@@ -187,6 +189,16 @@ def _selected(store: StoreCore, selection: Selection):
 
 
 # ---------------------------------------------------------------------------------------------- history
+def history_for(
+    store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, run: str
+) -> trajectory.History:
+    """A trajectory method's scores as a per-example sum over stored history (``tracin-steps``, ``source``:
+    :mod:`gradstore.trajectory`; ``dvemb``: its derived run, :mod:`gradstore.dvemb`)."""
+    if resolve_method(options.method).trajectory == "embeddings":
+        return dvemb.history(store, queries, options, run)
+    return trajectory.history(store, fits, queries, options, run)
+
+
 def _history_top_k(
     store: StoreCore,
     fits: FitCache,
@@ -201,7 +213,7 @@ def _history_top_k(
 ) -> pa.Table:
     """Top-k examples of a trajectory method summed over rows (``tracin-steps``, ``source``)."""
     check_where(store, run, options.where)
-    summed = trajectory.history(store, fits, queries, options, run)
+    summed = history_for(store, fits, queries, options, run)
     sides = (True, False) if opponents else (True,)
     shards = per_example_shards(store, engine, [summed.selection], summed.columns)
     space = ScoringSpace(resolve_method("grad-dot"), IdentityPreconditioner())
@@ -220,7 +232,7 @@ def _history_matrix(
 ) -> ScoreMatrix:
     """The dense per-example scores of a trajectory method (columns: examples; ``grad_ids`` -1: sums of rows)."""
     check_where(store, run, options.where)
-    summed = trajectory.history(store, fits, queries, options, run)
+    summed = history_for(store, fits, queries, options, run)
     engine = resolve_engine("local")
     shards = per_example_shards(store, engine, [summed.selection], summed.columns)
     space = ScoringSpace(resolve_method("grad-dot"), IdentityPreconditioner())
@@ -391,6 +403,11 @@ def self_influence(
         store.require_writable("self_influence with write=True")
     resolved = options.check("self_influence")  # cosine-like methods: 1 for every row, not informative
     engine = resolve_engine(engine)
+    if resolved.trajectory:
+        table = _history_self_influence(store, fits, options, run=run, engine=engine)
+        if write:
+            store.append_results(S.SELF_INFLUENCE, table)
+        return table
     checkpoint = options.checkpoint or store.default_checkpoint(run)
     selection = Selection(run, checkpoint, options.split, options.where)
     require_rows(store, selection)
@@ -411,3 +428,43 @@ def self_influence(
     if write:
         store.append_results(S.SELF_INFLUENCE, table)
     return table
+
+
+def _history_self_influence(
+    store: StoreCore, fits: FitCache, options: ScoreOptions, *, run: str, engine: Engine
+) -> pa.Table:
+    """A trajectory method's self-influence: the first-order effect of up-weighting each example on its own final
+    loss, ``score(g_z(final), z)`` with ``g_z(final)`` its row at the last checkpoint pass; computed for chunks of
+    :data:`SELF_INFLUENCE_CHUNK` examples at a time (the diagonal of each chunk's dense score matrix)."""
+    check_where(store, run, options.where)
+    final = trajectory.final_training_checkpoint(store, run, options.split)
+    space = ScoringSpace(resolve_method("grad-dot"), IdentityPreconditioner())
+    example_ids: list[str] = []
+    values: list[float] = []
+    blocks = store.iter_gradients(
+        run, checkpoint=final, split=options.split, where=options.where, block_rows=SELF_INFLUENCE_CHUNK
+    )
+    checkpoints: list[str] = []
+    for block in blocks:
+        ids = block.metadata.column("example_id").to_pylist()
+        chunk = sql_in("example_id", ids)
+        narrowed = replace(options, where=chunk if options.where is None else f"({options.where}) AND {chunk}")
+        summed = history_for(store, fits, block.vectors, narrowed, run)
+        shards = per_example_shards(store, engine, [summed.selection], summed.columns)
+        scores, scored_ids = scan_tasks.example_score_matrix(engine, shards, space, summed.entries)
+        column = {example: i for i, example in enumerate(scored_ids)}
+        example_ids += ids
+        values += [float(scores[row, column[e]]) if e in column else 0.0 for row, e in enumerate(ids)]
+        checkpoints = summed.checkpoints
+    n = len(example_ids)
+    table = pa.table(
+        {
+            "example_id": pa.array(example_ids, pa.string()),
+            "grad_id": pa.nulls(n, pa.int64()),
+            "run_id": pa.array([run] * n, pa.string()),
+            "checkpoint": pa.array([",".join(checkpoints)] * n, pa.string()),
+            "method": pa.array([resolve_method(options.method).name] * n, pa.string()),
+            "self_influence": pa.array(values, pa.float64()),
+        }
+    )
+    return table.sort_by([("self_influence", "descending")])

@@ -38,7 +38,8 @@ import torch
 from gradstore.core import StoreCore, gradient_filter
 from gradstore.fitting import Selection, auto_blocks
 from gradstore.methods import TRUE_FISHER_SPLIT, ScoreOptions, check_blocks
-from gradstore.trajectory import RecordedStep, in_loop_checkpoint, recorded_steps
+from gradstore.queries import QueryInput, resolve_queries
+from gradstore.trajectory import History, RecordedStep, final_query_checkpoint, in_loop_checkpoint, recorded_steps
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,14 @@ def _ensure(store: StoreCore, run: str, options: ScoreOptions) -> Selection:
     written = _write(store, run, ids, embeddings, steps[-1].step)
     _write_state(store, run, EmbeddingState(label, structure, source, steps[-1].step, written))
     return selection
+
+
+def history(store: StoreCore, queries: QueryInput, options: ScoreOptions, run: str) -> History:
+    """``dvemb`` as a per-example sum: final-model queries against the derived run's embeddings."""
+    resolved = resolve_queries(store, queries, run, final_query_checkpoint(store, run, options.query_checkpoint))
+    selection = ensure(store, run, options)
+    vectors = torch.from_numpy(np.asarray(resolved.vectors, np.float64))
+    return History(resolved.ids, [(selection.filter, vectors, None)], selection, ("example_id",), [LABEL])
 
 
 # ---------------------------------------------------------------------------------------------- the recursion

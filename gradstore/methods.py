@@ -207,7 +207,7 @@ METHODS: dict[str, Method] = {
             "sum over recorded training steps of lr_t * s_t / B_t * q . g_t (s_t steps per recorded one, "
             "B_t rows per step), final-model queries",
             requires="training rows captured during training (one checkpoint label, many steps, a learning rate)",
-            operations=frozenset({"attribute", "score_matrix"}),
+            operations=frozenset({"attribute", "score_matrix", "self_influence", "select"}),
             trajectory="steps",
         ),
         Method(
@@ -218,7 +218,7 @@ METHODS: dict[str, Method] = {
             "SOURCE: segments between checkpoint passes, each with its own Fisher F_l: "
             "sum_l q^T (prod_{l'>l} exp(-lr K F)) (I - exp(-lr_l K_l F_l)) F_l^-1 g_l / N_l",
             requires="checkpoint passes: training rows at checkpoints with a recorded step and learning rate",
-            operations=frozenset({"attribute", "score_matrix"}),
+            operations=frozenset({"attribute", "score_matrix", "self_influence", "select"}),
             trajectory="segments",
             true_fisher=True,
         ),
@@ -230,7 +230,7 @@ METHODS: dict[str, Method] = {
             "data value embeddings: q . e_z with e_z = sum_t lr_t / B_t prod_{s>t} (I - lr_s H_s) g_t, "
             "kept as the derived run <run>.dvemb",
             requires="training rows captured during training (one checkpoint label, many steps, a learning rate)",
-            operations=frozenset({"attribute", "score_matrix", "build_index"}),
+            operations=frozenset({"attribute", "score_matrix", "self_influence", "select", "build_index"}),
             trajectory="embeddings",
         ),
     )

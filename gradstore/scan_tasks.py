@@ -268,6 +268,26 @@ def _example_matrix_task(shard: Shard, job: tuple[list[SumEntry], ScoringSpace])
     return sums.matrix.numpy(), sums.example_ids
 
 
+def example_aggregates(
+    engine: Engine, shards: Sequence[Shard], space: ScoringSpace, entries: list[SumEntry], aggregate: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per example, the ``max`` or ``mean`` over the queries of its per-example sum: ``(example_ids, values)``
+    over shards of disjoint example ranges (a task holds its range's ``[queries, examples]`` sums only)."""
+    partials = engine.map(_aggregate_task, shards, (entries, space, aggregate))
+    ids = np.concatenate([p[0] for p in partials]) if partials else np.empty(0, object)
+    values = np.concatenate([p[1] for p in partials]) if partials else np.empty(0)
+    return ids, values
+
+
+def _aggregate_task(shard: Shard, job: tuple[list[SumEntry], ScoringSpace, str]) -> tuple[np.ndarray, np.ndarray]:
+    entries, space, aggregate = job
+    sums = _example_sums(shard, entries, space)
+    if not sums.example_ids:
+        return np.empty(0, object), np.empty(0)
+    values = sums.matrix.max(dim=0).values if aggregate == "max" else sums.matrix.mean(dim=0)
+    return np.asarray(sums.example_ids, dtype=object), values.numpy()
+
+
 @dataclass
 class _SelectJob:
     checkpoints: list[tuple[str, float, ScoringSpace, torch.Tensor]]  # (filter, rate, space, unit whitened queries)

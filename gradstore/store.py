@@ -347,7 +347,9 @@ class GradStore:
         """``g^T P^-1 g`` of every selected training row (large values: outliers, likely mislabels).
 
         Returns ``(example_id, grad_id, run_id, checkpoint, method, self_influence)``, largest first, also
-        appended to the ``self_influence`` table unless ``write=False``. ``engine`` as for :meth:`attribute`."""
+        appended to the ``self_influence`` table unless ``write=False``. ``engine`` as for :meth:`attribute`.
+        Trajectory methods (``tracin-steps``, ``source``, ``dvemb``): the effect of up-weighting each example on
+        its own final loss (its row at the last checkpoint pass scored against its history), one row per example."""
         return self_influence(self.core, self.fits, ScoreOptions.pick(locals()), run=run, write=write, engine=engine)
 
     @surface
@@ -370,7 +372,9 @@ class GradStore:
 
         ``score(x) = sum_c lr_c * agg_q cos(P_c^-1/2 g_c(x), P_c^-1/2 q_c)`` over the run's checkpoints with
         learning rates (else its latest checkpoint), ``agg`` the ``max`` (LESS) or ``mean`` over the target
-        rows, ``P`` the ``preconditioner`` method's fit. ``budget``: a fraction in (0, 1] or a count.
+        rows, ``P`` the ``preconditioner`` method's fit; a trajectory method (``tracin-steps``, ``source``,
+        ``dvemb``) scores each example by the ``agg`` over the target of its influence scores instead.
+        ``budget``: a fraction in (0, 1] or a count.
         ``engine`` as for :meth:`attribute`. Returns ``(example_id, score, rank)``, best first."""
         options = ScoreOptions.pick({**locals(), "method": preconditioner})
         return select(self.core, self.fits, target, options, run=run, budget=budget, aggregate=aggregate, engine=engine)

@@ -159,6 +159,30 @@ def final_query_checkpoint(store: StoreCore, run: str, query_checkpoint: str | N
     return max(found, key=lambda c: (steps.get(c, (None,))[0] or 0, c))
 
 
+def final_training_checkpoint(store: StoreCore, run: str, split: str) -> str:
+    """The checkpoint pass holding ``split`` rows with the largest recorded step (the final model's gradients of
+    the training examples: what trajectory self-influence scores)."""
+    recorded = checkpoint_steps(store, run)
+    passes = [
+        c for c in row_checkpoints(store, run, split) if c is not None and recorded.get(c, (None,))[0] is not None
+    ]
+    in_loop = _in_loop_labels(store, run)
+    passes = [c for c in passes if c not in in_loop]
+    if not passes:
+        raise InvalidArgumentError(
+            f"run {run!r} has no checkpoint pass of {split!r} rows with a recorded step: trajectory self-influence "
+            "scores each example's final-model gradient; capture a checkpoint pass of the training set at the end "
+            "of training (store.capture(model, run, checkpoint='final') with cap.set_step(step))"
+        )
+    return max(passes, key=lambda c: (recorded[c][0], c))
+
+
+def _in_loop_labels(store: StoreCore, run: str) -> set[str]:
+    """Checkpoint labels whose training rows span two or more steps (rows captured during training)."""
+    counts = _train_rows(store, run, None).group_by("checkpoint").aggregate([("step", "count_distinct")])
+    return {c for c, n in zip(counts.column(0).to_pylist(), counts.column(1).to_pylist()) if (n or 0) > 1}
+
+
 # ---------------------------------------------------------------------------------------------- tracin-steps
 @dataclass
 class History:
@@ -260,10 +284,7 @@ def source_segments(store: StoreCore, run: str, checkpoints: Sequence[str] | Non
     recorded = checkpoint_steps(store, run)
     with_rows = set(row_checkpoints(store, run, split))
     if checkpoints is None:
-        label_steps = _train_rows(store, run, None).group_by("checkpoint").aggregate([("step", "count_distinct")])
-        in_loop = {
-            c for c, n in zip(label_steps.column(0).to_pylist(), label_steps.column(1).to_pylist()) if (n or 0) > 1
-        }
+        in_loop = _in_loop_labels(store, run)
         chosen = [
             c
             for c, (step, rate) in recorded.items()

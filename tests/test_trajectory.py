@@ -320,7 +320,13 @@ def test_trajectory_methods_say_what_they_need(tmp_path):
     with pytest.raises(InvalidArgumentError, match="no recorded step"):
         store.attribute(["qa"], run=RUN, method="source", checkpoints=["nope"], write=False)
     with pytest.raises(InvalidArgumentError, match="does not take"):
-        store.self_influence(run=RUN, method="source", write=False)
+        store.token_scores(None, [], run=RUN, method="source")
+    in_loop_only = gradstore.open(tmp_path / "in-loop", storage_dtype="float32")
+    train_captured(in_loop_only, range(3), model_at(INIT))
+    with pytest.raises(InvalidArgumentError, match="final-model gradient"):
+        in_loop_only.self_influence(run=RUN, method="tracin-steps", write=False)
+    with pytest.raises(InvalidArgumentError, match="no checkpoint pass"):
+        in_loop_only.attribute(np.ones((1, D + 1), np.float32), run=RUN, method="source", write=False)
 
 
 def test_trajectory_methods_on_ray_equal_in_process(tmp_path):
@@ -349,3 +355,40 @@ def test_trajectory_methods_on_ray_equal_in_process(tmp_path):
             np.testing.assert_allclose(remote.column("score").to_numpy(), local.column("score").to_numpy(), rtol=1e-6)
     finally:
         ray.shutdown()
+
+
+def test_trajectory_self_influence_and_selection_equal_their_score_matrices(tmp_path):
+    """Self-influence scores each example's final-model gradient against its own history (the diagonal of the
+    score matrix of those gradients); selection ranks examples by the max/mean of their scores over the target."""
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    model = model_at(INIT)
+    train_captured(store, range(T), model)
+    x, y, qx, qy, _, _ = problem()
+    for name, step in (("mid", 4), ("final", T)):
+        with store.capture(model, RUN, checkpoint=name, learning_rate=0.1, projection=None) as cap:
+            cap.set_step(step)
+            cap.set_ids([str(i) for i in range(N)])
+            (0.5 * ((model(x).squeeze(-1) - y) ** 2).mean()).backward()
+            cap.set_split("query")
+            cap.set_ids(["qa", "qb"])
+            (0.5 * ((model(qx).squeeze(-1) - qy) ** 2).mean()).backward()
+            model.zero_grad()
+    final = store.core.read_gradients(RUN, checkpoint="final", split="train")
+    own = final.metadata.column("example_id").to_pylist()
+    for method in ("tracin-steps", "source", "dvemb"):
+        dense = store.score_matrix(final.vectors, run=RUN, method=method)
+        column = {e: i for i, e in enumerate(dense.example_ids)}
+        expected = {e: dense.scores[row, column[e]] if e in column else 0.0 for row, e in enumerate(own)}
+        table = store.self_influence(run=RUN, method=method, write=False)
+        got = dict(zip(table.column("example_id").to_pylist(), table.column("self_influence").to_pylist()))
+        assert set(got) == set(own), method
+        np.testing.assert_allclose([got[e] for e in own], [expected[e] for e in own], rtol=1e-4, atol=1e-7)
+        targets = store.score_matrix(["qa", "qb"], run=RUN, method=method)
+        for aggregate, reduce in (("max", np.max), ("mean", np.mean)):
+            chosen = store.select(["qa", "qb"], run=RUN, preconditioner=method, budget=3, aggregate=aggregate)
+            values = reduce(targets.scores, axis=0)
+            order = sorted(range(len(values)), key=lambda i: (-values[i], targets.example_ids[i]))[:3]
+            assert chosen.column("example_id").to_pylist() == [targets.example_ids[i] for i in order], method
+            np.testing.assert_allclose(chosen.column("score").to_numpy(), values[order], rtol=1e-4, atol=1e-7)
+    with pytest.raises(InvalidArgumentError, match="does not use checkpoints"):
+        store.select(["qa"], run=RUN, preconditioner="dvemb", checkpoints=["final"])
