@@ -357,47 +357,76 @@ def _import_function(spec: str):
         raise InvalidArgumentError(f"--train {spec!r} cannot be imported: {error}") from error
 
 
+TrainOption = Annotated[
+    str,
+    typer.Option(
+        help="Your retraining function as module:function, called as f(subsets, queries, seed) and returning "
+        "losses [subsets, queries]."
+    ),
+]
+EvaluatedQueriesOption = Annotated[
+    str | None, typer.Option(help="Comma-separated query example ids (default: every query row of the run).")
+]
+EvaluatedMethodsOption = Annotated[
+    str,
+    typer.Option(help="Comma-separated methods to score (--damping and --checkpoint go to the methods that use them)."),
+]
+SeedsOption = Annotated[str, typer.Option(help="Comma-separated training seeds (each retraining once per seed).")]
+DrawSeedOption = Annotated[int, typer.Option(help="Seed of the random draws (subsets, or the random control).")]
+
+
+def _evaluation_inputs(
+    store: Path, run: str, train: str, queries: str | None, methods: str, damping: float | None, checkpoint: str | None
+) -> tuple[Any, Any, list[str], dict[str, dict[str, Any]]]:
+    """What ``evaluate lds`` and ``evaluate qld`` share: the store, the imported training function, the query
+    ids and each method's ``attribute`` options (``checkpoint``/``damping`` only for methods that use them)."""
+    from gradstore.evaluate import query_ids
+
+    opened = _open(store)
+    train_fn = _import_function(train)
+    chosen: dict[str, dict[str, Any]] = {}
+    for name in _csv_list(methods) or []:
+        uses = resolve_method(name).uses
+        options: dict[str, Any] = {"method": name}
+        if checkpoint and "checkpoint" in uses:
+            options["checkpoint"] = checkpoint
+        if damping is not None and "damping" in uses:
+            options["damping"] = damping
+        chosen[name] = options
+    if not chosen:
+        raise InvalidArgumentError(f"--methods names no method; pass some of {method_names()}")
+    ids = _csv_list(queries) or query_ids(opened, run)
+    if not ids:
+        raise InvalidArgumentError(f"run {run!r} has no query rows: pass --queries, or capture rows with split='query'")
+    return opened, train_fn, ids, chosen
+
+
+def _int_list(option: str, value: str) -> list[int]:
+    try:
+        return [int(v) for v in _csv_list(value) or []]
+    except ValueError:
+        raise InvalidArgumentError(f"{option} must be comma-separated integers, got {value!r}") from None
+
+
 @evaluate_app.command("lds")
 @_one_line_errors
 def evaluate_lds(
     store: StoreArg,
     run: Annotated[str, typer.Option(help="Run whose scores are checked.")],
-    train: Annotated[
-        str,
-        typer.Option(
-            help="Your retraining function as module:function, called as f(subsets, queries, seed) and returning "
-            "losses [subsets, queries]."
-        ),
-    ],
-    queries: Annotated[
-        str | None, typer.Option(help="Comma-separated query example ids (default: every query row of the run).")
-    ] = None,
-    methods: Annotated[str, typer.Option(help="Comma-separated methods to score.")] = "grad-dot,fisher",
+    train: TrainOption,
+    queries: EvaluatedQueriesOption = None,
+    methods: EvaluatedMethodsOption = "grad-dot,fisher",
     damping: DampingOption = None,
     checkpoint: CheckpointOption = None,
     subsets: Annotated[int, typer.Option(help="Random training subsets retrained.")] = 100,
     fraction: Annotated[float, typer.Option(help="Share of the training set in each subset.")] = 0.5,
     seeds: Annotated[str, typer.Option(help="Comma-separated training seeds (2+ give a noise ceiling).")] = "0",
-    seed: Annotated[int, typer.Option(help="Seed of the subset draw.")] = 0,
+    seed: DrawSeedOption = 0,
 ) -> None:
     """Linear datamodeling score of each method; rows are appended to the evaluations table."""
-    from gradstore.core import sql_literal
     from gradstore.evaluate import lds
 
-    opened = _open(store)
-    train_fn = _import_function(train)
-    query_ids = _csv_list(queries) or [
-        row[0]
-        for row in opened.sql(
-            f"SELECT DISTINCT example_id FROM gradients WHERE run_id = {sql_literal(run)} AND split = 'query' "
-            "ORDER BY example_id"
-        ).fetchall()
-    ]
-    options = {"checkpoint": checkpoint} if checkpoint else {}
-    damped = {"damping": damping} if damping is not None else {}
-    chosen = {
-        m: {"method": m, **options, **(damped if resolve_method(m).damped else {})} for m in _csv_list(methods) or []
-    }
+    opened, train_fn, query_ids, chosen = _evaluation_inputs(store, run, train, queries, methods, damping, checkpoint)
     table, _ = lds(
         opened,
         run,
@@ -406,10 +435,46 @@ def evaluate_lds(
         methods=chosen,
         subsets=subsets,
         fraction=fraction,
-        seeds=[int(s) for s in _csv_list(seeds) or []],
+        seeds=_int_list("--seeds", seeds),
         seed=seed,
     )
     _print_table(table.select(["label", "value", "stderr", "noise_ceiling", "queries", "subsets", "seeds"]))
+
+
+@evaluate_app.command("qld")
+@_one_line_errors
+def evaluate_qld(
+    store: StoreArg,
+    run: Annotated[str, typer.Option(help="Run whose scores are checked.")],
+    train: TrainOption,
+    queries: EvaluatedQueriesOption = None,
+    methods: EvaluatedMethodsOption = "grad-dot,fisher",
+    damping: DampingOption = None,
+    checkpoint: CheckpointOption = None,
+    fraction: Annotated[float, typer.Option(help="Share of the training set removed per query.")] = 0.1,
+    seeds: SeedsOption = "0",
+    seed: DrawSeedOption = 0,
+    draws: Annotated[int, typer.Option(help="Random removals per query in the control.")] = 3,
+    batch: Annotated[int | None, typer.Option(help="At most this many subsets per train call (default: all).")] = None,
+) -> None:
+    """Query loss difference of each method: each query's loss without its top proponents minus its loss
+    without random sets of the same size (higher is better); rows are appended to the evaluations table."""
+    from gradstore.evaluate import qld
+
+    opened, train_fn, query_ids, chosen = _evaluation_inputs(store, run, train, queries, methods, damping, checkpoint)
+    table = qld(
+        opened,
+        run,
+        train_fn,
+        queries=query_ids,
+        methods=chosen,
+        fraction=fraction,
+        seeds=_int_list("--seeds", seeds),
+        seed=seed,
+        draws=draws,
+        batch=batch,
+    )
+    _print_table(table.select(["label", "value", "stderr", "queries", "subsets", "fraction", "seeds"]))
 
 
 @app.command("row-files")

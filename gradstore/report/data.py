@@ -360,13 +360,35 @@ class _Reader:
 
     # ------------------------------------------------------------------ evaluations and texts
     def evaluations(self) -> dict[str, Any] | None:
+        """The ``evaluations`` table. Rows written by :mod:`gradstore.evaluate` (with ``metric``, ``label``,
+        ``value``) come newest first with the metric in the first column, and a ``summary`` puts each label's
+        latest value of every metric side by side (LDS beside QLD, each with its standard error); a table of other
+        columns is shown as it is."""
         if not self._has_rows("evaluations"):
             return None
-        frame = self._frame("SELECT * FROM evaluations LIMIT 500")
-        return {
+        names = self.store.table("evaluations").schema.names
+        if not {"metric", "label", "value"} <= set(names):
+            frame = self._frame("SELECT * FROM evaluations LIMIT 500")
+            return {
+                "columns": [str(c) for c in frame.columns],
+                "rows": [[_cell(v) for v in row] for row in frame.itertuples(index=False)],
+            }
+        where = self.run_clause if "run_id" in names else "TRUE"
+        first = ["metric", "run_id", "label", "method", "value", "stderr", "noise_ceiling", "queries", "subsets"]
+        shown = [c for c in first if c in names] + [c for c in names if c not in first and c != "evaluation_id"]
+        newest = "created_at DESC, " if "created_at" in names else ""
+        frame = self._frame(
+            f"SELECT {', '.join(_quoted(c) for c in shown)} FROM evaluations WHERE {where} "
+            f"ORDER BY {newest}metric, label LIMIT 500"
+        )
+        if frame.empty:
+            return None
+        result: dict[str, Any] = {
             "columns": [str(c) for c in frame.columns],
             "rows": [[_cell(v) for v in row] for row in frame.itertuples(index=False)],
         }
+        result["summary"] = _evaluation_summary(frame)
+        return result
 
     def online_selection(self) -> dict[str, Any] | None:
         """Per run, what online data selection (:mod:`gradstore.online`) kept: steps, examples, the kept share
@@ -417,6 +439,39 @@ def _records(frame) -> list[dict[str, Any]]:
     if frame is None:
         return []
     return [{k: _cell(v) for k, v in row.items()} for row in frame.to_dict(orient="records")]
+
+
+def _quoted(column: str) -> str:
+    return '"' + column.replace('"', '""') + '"'
+
+
+def _evaluation_summary(frame) -> dict[str, Any]:
+    """Each (run, label)'s latest value of every metric side by side (rows newest first in ``frame``):
+    ``run, label, method, LDS, LDS stderr, QLD, QLD stderr, ...`` (metrics in name order; ``noise ceiling`` after
+    a metric that has one)."""
+    keys = ["run_id", "label"] if "run_id" in frame.columns else ["label"]
+    metrics = sorted({str(m) for m in frame["metric"].dropna()})
+    latest = frame.dropna(subset=["metric"]).drop_duplicates(subset=[*keys, "metric"], keep="first")
+    ceilings = {
+        m
+        for m in metrics
+        if "noise_ceiling" in frame.columns and latest.loc[latest.metric == m, "noise_ceiling"].notna().any()
+    }
+    columns = ["run" if k == "run_id" else k for k in keys] + (["method"] if "method" in frame.columns else [])
+    for m in metrics:
+        columns += [m.upper(), f"{m.upper()} stderr"] + ([f"{m.upper()} noise ceiling"] if m in ceilings else [])
+    rows = []
+    for key, group in latest.groupby(keys, sort=True, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        row = [_cell(k) for k in key] + ([_cell(group["method"].iloc[0])] if "method" in frame.columns else [])
+        by_metric = {str(r["metric"]): r for _, r in group.iterrows()}
+        for m in metrics:
+            found = by_metric.get(m)
+            row += [None, None] if found is None else [_cell(found["value"]), _cell(found.get("stderr"))]
+            if m in ceilings:
+                row.append(None if found is None else _cell(found["noise_ceiling"]))
+        rows.append(row)
+    return {"columns": columns, "rows": rows}
 
 
 def _cell(value: Any) -> Any:

@@ -217,6 +217,12 @@
 
   // ---------------------------------------------------------------- evaluations
   if (data.evaluations) {
-    root.appendChild(section("evaluations", "Evaluations", [table(data.evaluations.columns, data.evaluations.rows)]));
+    const e = data.evaluations;
+    const parts = e.summary
+      ? [el("h3", {text: "Latest per method (higher is better: LDS a rank correlation, QLD a query-loss increase)"}),
+         table(e.summary.columns, e.summary.rows, "evaluation-summary"),
+         el("h3", {text: "All evaluations"}), table(e.columns, e.rows, "evaluation-rows")]
+      : [table(e.columns, e.rows)];
+    root.appendChild(section("evaluations", "Evaluations", parts));
   }
 })();
