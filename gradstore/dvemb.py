@@ -33,6 +33,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from gradstore.core import StoreCore, gradient_filter
@@ -106,7 +108,7 @@ def _ensure(store: StoreCore, run: str, options: ScoreOptions) -> Selection:
         ids, embeddings, carried = recursion(store, run, label, new, spans)
         old = store.read_gradients(derived, checkpoint=LABEL, split="train")
         embeddings_by_id = dict(zip(ids, embeddings))
-        previous = _propagate(old.vectors.astype(np.float64), carried, spans)
+        previous = carried.apply(torch.from_numpy(old.vectors.astype(np.float64))).numpy()
         for example_id, vector in zip(old.metadata.column("example_id").to_pylist(), previous):
             embeddings_by_id[example_id] = embeddings_by_id.get(example_id, 0.0) + vector
         ids = sorted(embeddings_by_id)
@@ -130,10 +132,10 @@ def history(store: StoreCore, queries: QueryInput, options: ScoreOptions, run: s
 # ---------------------------------------------------------------------------------------------- the recursion
 def recursion(
     store: StoreCore, run: str, label: str, steps: Sequence[RecordedStep], spans: Sequence[tuple[int, int]]
-) -> tuple[list[str], np.ndarray, list[torch.Tensor]]:
+) -> tuple[list[str], np.ndarray, BlockDiagonal]:
     """The embeddings of the examples of ``steps`` (ids sorted, float64 ``[n, dim]``) over these steps alone, and
     the per-block products ``prod (I - lr H)^s`` over them (what earlier embeddings are carried through)."""
-    carried = [torch.eye(size, dtype=torch.float64) for _, size in spans]
+    carried = BlockDiagonal.identity(spans)
     position: dict[str, int] = {}
     dim = store.run_dim(run)
     sums = torch.zeros(0, dim, dtype=torch.float64)
@@ -142,32 +144,67 @@ def recursion(
         for step in sorted(chunk, reverse=True):
             rows, example_ids, curvature = chunk[step]
             record = by_step[step]
-            moved = torch.empty_like(rows)
-            for block, (offset, size) in enumerate(spans):
-                moved[:, offset : offset + size] = rows[:, offset : offset + size] @ carried[block].T
-            columns = []
-            for example_id in example_ids:
-                columns.append(position.setdefault(example_id, len(position)))
+            columns = [position.setdefault(example_id, len(position)) for example_id in example_ids]
             if len(position) > sums.shape[0]:
                 grown = torch.zeros(max(len(position), 2 * sums.shape[0]), dim, dtype=torch.float64)
                 grown[: sums.shape[0]] = sums
                 sums = grown
-            sums.index_add_(0, torch.tensor(columns, dtype=torch.long), moved, alpha=record.weight)
-            for block, (offset, size) in enumerate(spans):
-                carried[block] = _carry(carried[block], curvature[:, offset : offset + size], record)
+            sums.index_add_(0, torch.tensor(columns, dtype=torch.long), carried.apply(rows), alpha=record.weight)
+            carried.carry(curvature, record)
     ids = sorted(position)
     order = torch.tensor([position[i] for i in ids], dtype=torch.long)
     return ids, sums[order].numpy() if ids else np.empty((0, dim)), carried
 
 
-def _carry(product: torch.Tensor, curvature_rows: torch.Tensor, step: RecordedStep) -> torch.Tensor:
-    """``product (I - lr H)^span`` with ``H = C^T C / n`` of the step's curvature rows ``C``."""
-    n = max(1, curvature_rows.shape[0])
-    if step.span == 1:
-        return product - (step.learning_rate / n) * (product @ curvature_rows.T) @ curvature_rows
-    size = curvature_rows.shape[1]
-    factor = torch.eye(size, dtype=torch.float64) - (step.learning_rate / n) * curvature_rows.T @ curvature_rows
-    return product @ torch.linalg.matrix_power(factor, step.span)
+class BlockDiagonal:
+    """One ``d_b x d_b`` float64 matrix per layer block of the projected vector (one batched tensor when the
+    blocks are of one size, the usual case: a capture's per-layer sizes)."""
+
+    def __init__(self, spans: Sequence[tuple[int, int]], matrices: list[torch.Tensor]) -> None:
+        self.spans = list(spans)
+        sizes = {size for _, size in self.spans}
+        contiguous = all(offset == i * self.spans[0][1] for i, (offset, _) in enumerate(self.spans))
+        self.batched = torch.stack(matrices) if len(sizes) == 1 and contiguous else None
+        self.matrices = matrices
+
+    @classmethod
+    def identity(cls, spans: Sequence[tuple[int, int]]) -> BlockDiagonal:
+        """The identity (no steps yet)."""
+        return cls(spans, [torch.eye(size, dtype=torch.float64) for _, size in spans])
+
+    def _split(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows [n, dim]`` as ``[blocks, n, size]`` (batched layout only)."""
+        return rows.reshape(rows.shape[0], len(self.spans), self.spans[0][1]).transpose(0, 1)
+
+    def apply(self, rows: torch.Tensor) -> torch.Tensor:
+        """``M_b g_b`` for every row ``g`` (float64 ``[n, dim]``)."""
+        if self.batched is not None:
+            moved = torch.bmm(self._split(rows), self.batched.transpose(1, 2))
+            return moved.transpose(0, 1).reshape(rows.shape)
+        out = torch.empty_like(rows)
+        for matrix, (offset, size) in zip(self.matrices, self.spans):
+            out[:, offset : offset + size] = rows[:, offset : offset + size] @ matrix.T
+        return out
+
+    def carry(self, curvature_rows: torch.Tensor, step: RecordedStep) -> None:
+        """``M_b <- M_b (I - lr H_b)^span`` with ``H_b = C_b^T C_b / n`` of the step's curvature rows ``C``."""
+        rate = step.learning_rate / max(1, curvature_rows.shape[0])
+        if self.batched is not None:
+            self.batched = _carried(self.batched, self._split(curvature_rows), rate, step.span)
+            return
+        self.matrices = [
+            _carried(matrix[None], curvature_rows[None, :, offset : offset + size], rate, step.span)[0]
+            for matrix, (offset, size) in zip(self.matrices, self.spans)
+        ]
+
+
+def _carried(products: torch.Tensor, curvature: torch.Tensor, rate: float, span: int) -> torch.Tensor:
+    """``P (I - rate C^T C)^span`` for batched ``P [b, s, s]`` and ``C [b, n, s]``."""
+    if span == 1:
+        return torch.baddbmm(products, torch.bmm(products, curvature.transpose(1, 2)), curvature, alpha=-rate)
+    size = curvature.shape[2]
+    factor = torch.eye(size, dtype=torch.float64) - rate * torch.bmm(curvature.transpose(1, 2), curvature)
+    return torch.bmm(products, torch.linalg.matrix_power(factor, span))
 
 
 def _chunks(
@@ -188,25 +225,19 @@ def _chunks(
             steps=(group[0].step, group[-1].step),
             columns=("example_id", "step", "split"),
         )
-        vectors = torch.from_numpy(block.vectors.astype(np.float64))
-        step_column = block.metadata.column("step").to_numpy(zero_copy_only=False)
-        split_column = np.asarray(block.metadata.column("split").to_pylist(), dtype=object)
-        ids = np.asarray(block.metadata.column("example_id").to_pylist(), dtype=object)
+        fisher = pc.equal(block.metadata.column("split"), TRUE_FISHER_SPLIT).to_numpy(zero_copy_only=False)
+        order = np.lexsort((fisher, block.metadata.column("step").to_numpy(zero_copy_only=False)))
+        step_column = block.metadata.column("step").to_numpy(zero_copy_only=False)[order]
+        fisher = fisher[order]
+        vectors = torch.from_numpy(block.vectors[order].astype(np.float64))
+        ids = block.metadata.column("example_id").take(pa.array(order)).to_pylist()
         chunk = {}
         for record in group:
-            train = np.flatnonzero((step_column == record.step) & (split_column == "train"))
-            fisher = np.flatnonzero((step_column == record.step) & (split_column == TRUE_FISHER_SPLIT))
-            rows = vectors[torch.from_numpy(train)]
-            chunk[record.step] = (rows, ids[train].tolist(), vectors[torch.from_numpy(fisher)] if len(fisher) else rows)
+            start, end = np.searchsorted(step_column, [record.step, record.step + 1])
+            middle = start + int(np.count_nonzero(~fisher[start:end]))  # training rows first, then true-Fisher rows
+            rows = vectors[start:middle]
+            chunk[record.step] = (rows, ids[start:middle], vectors[middle:end] if end > middle else rows)
         yield chunk
-
-
-def _propagate(embeddings: np.ndarray, carried: Sequence[torch.Tensor], spans: Sequence[tuple[int, int]]) -> np.ndarray:
-    """``P e`` per block for stored embeddings ``e`` (rows)."""
-    out = torch.from_numpy(embeddings.copy())
-    for block, (offset, size) in enumerate(spans):
-        out[:, offset : offset + size] = out[:, offset : offset + size] @ carried[block].T
-    return out.numpy()
 
 
 # ---------------------------------------------------------------------------------------------- storage
