@@ -4,10 +4,12 @@
 2. Train :class:`TinyGPT` with an ordinary PyTorch loop inside ``store.capture`` (every backward streams
    per-example projected gradients into the store).
 3. Capture checkpoint passes over the training set and the held-out questions at a few checkpoints.
-4. Attribute every question with several methods (also on curvature-aware rows and, as TrackStar, on
-   Adam-normalised rows of the trained model), print the top proponents of a few through SQL and the top
-   tokens of their proponents (``token_scores``), and report fact-tracing recall@10 against a random and a
-   BM25 baseline computed in the same run.
+4. Attribute every question with several methods (single-checkpoint, over checkpoint passes, over the
+   in-loop training steps; also on curvature-aware rows and, as TrackStar, on Adam-normalised rows of the
+   trained model), print the top proponents of a few through SQL and the top tokens of their proponents
+   (``token_scores``), and report fact-tracing recall@10 against a random and a BM25 baseline computed in the
+   same run (:mod:`gradstore.demo.table`: every row names its method, checkpoints and dims; dampings and the
+   best method are chosen on a validation half of the questions and reported on the other half).
 5. Compute self-influence and a 10% LESS selection, and write ``report.html`` (:mod:`gradstore.report`) into
    the store directory.
 """
@@ -30,15 +32,27 @@ from gradstore.demo.bm25 import BM25
 from gradstore.demo.corpus import Corpus, Example, build_corpus
 from gradstore.demo.model import TinyGPT, WordTokenizer
 from gradstore.demo.serve import save_model
-from gradstore.methods import resolve_method
+from gradstore.demo.table import (
+    BM25_LABEL,
+    SPLITS,
+    FactTracing,
+    Row,
+    best_row,
+    query_halves,
+    render,
+    result_line,
+)
+from gradstore.methods import Method, resolve_method
 from gradstore.queries import QueryBatch
-from ingest.basis import estimate_basis
+from ingest.basis import estimate_basis, random_rows
 from ingest.capture import ProjectionConfig
 from ingest.projection import ProjectionBasis
 
 RUN = "demo"
 CURVATURE_RUN = "demo-curvature"
 TRACKSTAR_RUN = "demo-trackstar"
+TRAIN_CHECKPOINT = "train"  # the label of the rows captured in the training loop
+DAMPINGS = (0.1, 0.01, 0.001)  # a damped method's grid; the damping is chosen on the validation half
 
 
 @dataclass
@@ -54,7 +68,7 @@ class DemoConfig:
     width: int = 64
     layers: int = 2
     k: int = 10
-    methods: tuple[str, ...] = ("grad-dot", "cosine", "fisher", "tracin")
+    methods: tuple[str, ...] = ("grad-dot", "cosine", "fisher", "tracin", "tracin-steps", "dvemb", "source")
     shown_queries: int = 3
     seed: int = 0
 
@@ -117,7 +131,7 @@ def train_under_capture(
     checkpoint_epochs = _checkpoint_epochs(config)
     progress = tqdm(range(1, config.epochs + 1), desc="training (captured)", unit="epoch")
     for epoch in progress:
-        with store.capture(model, RUN, optimizer=optimizer, checkpoint="train") as cap:
+        with store.capture(model, RUN, optimizer=optimizer, checkpoint=TRAIN_CHECKPOINT) as cap:
             cap.set_epoch(epoch)
             cap.set_step((epoch - 1) * len(_batches(corpus.train, config.batch_size)))
             for batch in _batches(corpus.train, config.batch_size, rng):
@@ -142,10 +156,10 @@ def curvature_pass(
     corpus: Corpus,
     config: DemoConfig,
     checkpoint: str,
-) -> None:
+) -> ProjectionBasis:
     """A checkpoint pass of the trained model into run ``demo-curvature`` with a curvature-aware projection:
-    the per-layer basis of the training gradients (``estimate_basis``, ``factors="unit"``), same dims as the
-    random projection of run ``demo``."""
+    the per-layer basis of the training gradients (``estimate_basis``, ``factors="unit"``, its default
+    ``layers``), same dims as the random projection of run ``demo``. Returns the basis."""
     model.eval()
     batches = [tokenizer.batch([e.text for e in batch]) for batch in _batches(corpus.train, config.batch_size)]
     basis = estimate_basis(model, batches, lambda m, b: m(**b).loss, ProjectionConfig(), factors="unit")
@@ -162,6 +176,7 @@ def curvature_pass(
         run=CURVATURE_RUN,
         basis=basis,
     )
+    return basis
 
 
 def answer_accuracy(model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus) -> float:
@@ -204,10 +219,126 @@ def token_attribution(
     model.train()
 
 
-def fact_recall(top: dict[str, list[str]], fact_of: dict[str, str | None], query_fact: dict[str, str]) -> float:
-    """Mean over queries of the share of their top list that states the queried fact."""
-    shares = [np.mean([fact_of[e] == query_fact[q] for e in ids]) for q, ids in top.items() if ids]
-    return float(np.mean(shares))
+def eigen_layers(basis: ProjectionBasis, seed: int) -> int:
+    """How many layers of ``basis`` hold eigenvectors on some side (the others keep the seeded random rows)."""
+    return sum(
+        any(not np.array_equal(p, random_rows(seed, name, side, *p.shape)) for side, p in zip(("in", "out"), pair))
+        for name, pair in basis.matrices.items()
+    )
+
+
+def _where(method: Method, final: str, passes: list[str]) -> dict[str, Any]:
+    """The checkpoint arguments of ``method``: every checkpoint pass (TracIn, SOURCE's segments), the in-loop
+    rows (step TracIn, data value embeddings) or the final checkpoint (the single-checkpoint methods)."""
+    if method.over_checkpoints or method.trajectory == "segments":
+        return {"checkpoints": passes}
+    if method.trajectory in ("steps", "embeddings"):
+        return {"checkpoint": TRAIN_CHECKPOINT}
+    return {"checkpoint": final}
+
+
+def _top(table: Any) -> dict[str, list[str]]:
+    """Question id -> ranked example ids of an attribution table."""
+    frame = table.to_pandas().sort_values(["query_id", "rank"])
+    return frame.groupby("query_id").example_id.apply(list).to_dict()
+
+
+def attribution_row(
+    store: gradstore.GradStore,
+    run: str,
+    method_name: str,
+    where: dict[str, Any],
+    rows_note: str,
+    judge: FactTracing,
+    k: int,
+    write: bool,
+) -> Row:
+    """Attribute every question with ``method_name`` on ``run`` and judge the top-``k`` lists. A damped method
+    runs every damping of :data:`DAMPINGS` and keeps the one with the best validation recall (first on ties);
+    ``write``: that choice's scores go to the ``scores`` table. The label names the method, the checkpoints,
+    the dims and ``rows_note`` (what the rows are)."""
+    method = resolve_method(method_name)
+    grid: tuple[float | None, ...] = DAMPINGS if method.damped else (None,)
+    results = {}
+    for damping in grid:
+        options = {} if damping is None else {"damping": damping}
+        results[damping] = judge.recalls(
+            _top(store.attribute(run=run, k=k, method=method_name, write=False, **where, **options))
+        )
+    chosen = max(grid, key=lambda d: results[d]["validation"])
+    if write:
+        store.attribute(run=run, k=k, method=method_name, **where, **({} if chosen is None else {"damping": chosen}))
+    if "checkpoints" in where:
+        checkpoints = " + ".join(where["checkpoints"])
+    elif where["checkpoint"] == TRAIN_CHECKPOINT:
+        steps = store.sql(
+            f"select count(distinct step) from gradients where run_id = '{run}' and checkpoint = '{TRAIN_CHECKPOINT}'"
+        ).fetchall()[0][0]
+        checkpoints = f"{steps} training steps (in-loop rows)"
+    else:
+        checkpoints = where["checkpoint"]
+    label = f"{method_name} @ {checkpoints}, {store.core.run_dim(run):,} dims ({rows_note})"
+    if chosen is not None:
+        label += f", damping {chosen:g} (val)"
+    return Row(label, method_name, results[chosen], written=write)
+
+
+def recall_table(
+    store: gradstore.GradStore,
+    model: TinyGPT,
+    tokenizer: WordTokenizer,
+    optimizer: torch.optim.Optimizer,
+    corpus: Corpus,
+    config: DemoConfig,
+    halves: dict[str, set[str]],
+) -> list[Row]:
+    """The fact-tracing table: ``config.methods`` on run ``demo`` (scores written), fisher on a
+    curvature-aware pass, TrackStar on an Adam-normalised pass (written), then BM25 and chance; recalls on
+    the question ``halves`` (:func:`gradstore.demo.table.query_halves`)."""
+    judge = FactTracing(
+        {e.example_id: e.fact_id for e in corpus.train}, {q.example_id: q.fact_id for q in corpus.queries}, halves
+    )
+    final = f"epoch-{_checkpoint_epochs(config)[-1]}"
+    passes = [f"epoch-{e}" for e in _checkpoint_epochs(config)]
+    projection = ProjectionConfig()
+    random_note = f"random LoGra {projection.k_in}x{projection.k_out}"
+    rows: list[Row] = []
+    for name in tqdm(config.methods, desc="attributing", unit="method"):
+        where = _where(resolve_method(name), final, passes)
+        rows.append(attribution_row(store, RUN, name, where, random_note, judge, config.k, write=True))
+
+    basis = curvature_pass(store, model, tokenizer, corpus, config, final)
+    curvature_note = (
+        f"curvature-aware basis, eigenvectors on {eigen_layers(basis, projection.seed)} of {len(basis.matrices)} "
+        "layers, random LoGra elsewhere"
+    )
+    where = {"checkpoint": final}
+    rows.append(attribution_row(store, CURVATURE_RUN, "fisher", where, curvature_note, judge, config.k, write=False))
+
+    _capture_pass(
+        store,
+        model,
+        tokenizer,
+        corpus,
+        final,
+        0,
+        config.learning_rate,
+        config.batch_size,
+        run=TRACKSTAR_RUN,
+        optimizer=optimizer,
+    )  # optimizer-aware rows of the trained model
+    note = f"{random_note}, Adam-normalised rows"
+    rows.append(attribution_row(store, TRACKSTAR_RUN, "trackstar", where, note, judge, config.k, write=True))
+
+    bm25 = BM25([e.text for e in corpus.train])
+    train_ids = np.array([e.example_id for e in corpus.train])
+    lexical = {
+        q.example_id: train_ids[np.argsort(-bm25.scores(q.text), kind="stable")[: config.k]].tolist()
+        for q in corpus.queries
+    }
+    statements = sum(fact == corpus.queries[0].fact_id for fact in judge.fact_of.values())
+    chance = dict.fromkeys(SPLITS, statements / len(corpus.train))
+    return [*rows, Row(BM25_LABEL, None, judge.recalls(lexical)), Row("random (chance)", None, chance)]
 
 
 def run_demo(
@@ -246,60 +377,18 @@ def run_demo(
         + counts.to_string(index=False)
     )
 
-    fact_of = {e.example_id: e.fact_id for e in corpus.train}
-    query_fact = {q.example_id: q.fact_id for q in corpus.queries}
     final = f"epoch-{_checkpoint_epochs(config)[-1]}"
-    recalls: dict[str, float] = {}
-    passes = [f"epoch-{e}" for e in _checkpoint_epochs(config)]
-    for method in tqdm(config.methods, desc="attributing", unit="method"):
-        # TracIn sums over every checkpoint pass; the other methods score the final checkpoint's rows
-        where = {"checkpoints": passes} if resolve_method(method).over_checkpoints else {"checkpoint": final}
-        table = store.attribute(run=RUN, k=config.k, method=method, **where).to_pandas()
-        top = table.sort_values(["query_id", "rank"]).groupby("query_id").example_id.apply(list).to_dict()
-        recalls[method] = fact_recall(top, fact_of, query_fact)
-
-    curvature_pass(store, model, tokenizer, corpus, config, final)
-    table = store.attribute(run=CURVATURE_RUN, k=config.k, method="fisher", checkpoint=final, write=False).to_pandas()
-    top = table.sort_values(["query_id", "rank"]).groupby("query_id").example_id.apply(list).to_dict()
-    recalls["fisher (curvature)"] = fact_recall(top, fact_of, query_fact)
-
-    _capture_pass(
-        store,
-        model,
-        tokenizer,
-        corpus,
-        final,
-        0,
-        config.learning_rate,
-        config.batch_size,
-        run=TRACKSTAR_RUN,
-        optimizer=optimizer,
-    )  # optimizer-aware rows of the trained model
-    table = store.attribute(
-        run=TRACKSTAR_RUN, k=config.k, method="trackstar", checkpoint=final, write=False
-    ).to_pandas()
-    top = table.sort_values(["query_id", "rank"]).groupby("query_id").example_id.apply(list).to_dict()
-    recalls["trackstar (adam)"] = fact_recall(top, fact_of, query_fact)
-
-    bm25 = BM25([e.text for e in corpus.train])
-    train_ids = np.array([e.example_id for e in corpus.train])
-    lexical = {
-        q.example_id: train_ids[np.argsort(-bm25.scores(q.text), kind="stable")[: config.k]].tolist()
-        for q in corpus.queries
-    }
-    recalls["bm25 (lexical)"] = fact_recall(lexical, fact_of, query_fact)
-    statements = sum(fact_of[e] == query_fact[corpus.queries[0].example_id] for e in fact_of)
-    recalls["random"] = statements / len(corpus.train)
-
+    halves = query_halves({q.example_id: q.fact_id.split(".")[0] for q in corpus.queries})  # by place
+    rows = recall_table(store, model, tokenizer, optimizer, corpus, config, halves)
     shown = [q.example_id for q in corpus.queries[: config.shown_queries]]
-    best = max(config.methods, key=lambda m: recalls[m])
+    best = best_row(rows, written=True)  # the scores table holds one row set per method
     for query_id in shown:
         question = next(f"{q.text}   (scored on '{q.answer}')" for q in corpus.queries if q.example_id == query_id)
-        rows = store.sql(
+        proponents = store.sql(
             f"select rank, round(score, 4) as score, text from top_proponents('{query_id}', 5) "
-            f"where method = '{best}' order by rank"
+            f"where method = '{best.method}' order by rank"
         ).df()
-        log(f"\n{question}\n  top proponents ({best}):\n" + rows.to_string(index=False))
+        log(f"\n{question}\n  top proponents ({best.label}):\n" + proponents.to_string(index=False))
 
     if shown:
         token_attribution(store, model, tokenizer, corpus, shown, 5, final)
@@ -312,19 +401,20 @@ def run_demo(
             "them):\n" + tokens.to_string(index=False)
         )
 
-    log(f"\nfact-tracing recall@{config.k} (share of a query's top-{config.k} that state its fact):")
-    for name, value in recalls.items():
-        log(f"  {name:20s} {value:.3f}")
+    log("\n" + "\n".join(render(rows, config.k, halves)))
+    ratio, result = result_line(rows)
+    log(result)
 
     store.self_influence(run=RUN, method="fisher", checkpoint=final)
     selection = store.select(run=RUN, budget=0.1)
     report = store.report(store_dir / "report.html", run=RUN, selection=selection).resolve()
     log(f"\nreport (open in a browser; self-influence outliers and a 10% data selection included):\n{report}")
     return {
-        "recall": recalls,
+        "table": rows,
+        "best_vs_bm25": ratio,
         "rows": store.count(),
         "dim": store.core.run_dim(RUN),
         "store": str(store_dir),
-        "best_method": best,
+        "best_method": best_row(rows).method,
         "report": str(report),
     }
