@@ -38,6 +38,7 @@ import pyarrow.compute as pc
 import torch
 
 from gradstore.core import StoreCore, gradient_filter
+from gradstore.errors import InvalidArgumentError
 from gradstore.fitting import Selection, auto_blocks
 from gradstore.methods import TRUE_FISHER_SPLIT, ScoreOptions, check_blocks
 from gradstore.queries import QueryInput, resolve_queries
@@ -83,30 +84,49 @@ def _ensure(store: StoreCore, run: str, options: ScoreOptions) -> Selection:
     structure = check_blocks(options.blocks)
     structure = auto_blocks(store, run) if structure == "auto" else structure
     derived = derived_run(run)
+    _check_derived(store, run, derived)
     selection = Selection(derived, LABEL, "train", options.where)
-    source = _source_state(store, run, label)
-    stored = _read_state(store, run)
-    built = store.has_run(derived) and Selection(derived, LABEL).state(store)
-    if stored is not None and (stored.label, stored.blocks, stored.source, stored.derived) == (
-        label,
-        structure,
-        source,
-        built,
-    ):
+    if _fresh(store, run, label, structure) is not None:
         return selection
     store.require_writable(f"dvemb: build the derived run {derived!r} of data value embeddings")
+    with store.files.writing(SIDE_FILES, _key(run)):  # one builder at a time; another may have built it meanwhile
+        stored = _fresh(store, run, label, structure)
+        if stored is None:
+            _build(store, run, label, structure)
+    return selection
+
+
+def _fresh(store: StoreCore, run: str, label: str, structure: str) -> EmbeddingState | None:
+    """The stored state when the derived run is up to date with the in-loop rows, else ``None``."""
+    stored = _read_state(store, run)
+    if stored is None:
+        return None
+    built = _built(store, run)
+    current = (label, structure, _source_state(store, run, label), built)
+    return stored if (stored.label, stored.blocks, stored.source, stored.derived) == current else None
+
+
+def _built(store: StoreCore, run: str) -> tuple[int, int] | None:
+    derived = derived_run(run)
+    return Selection(derived, LABEL).state(store) if store.has_run(derived) else None
+
+
+def _build(store: StoreCore, run: str, label: str, structure: str) -> None:
+    """Fold the new steps into the stored embeddings when only later steps were appended, else recompute all."""
+    stored = _read_state(store, run)
     steps = recorded_steps(store, run, label)
     spans = _spans(store, run, structure)
+    source = _source_state(store, run, label)
     incremental = (
         stored is not None
         and (stored.label, stored.blocks) == (label, structure)
-        and stored.derived == built
+        and stored.derived == _built(store, run)
         and _only_after(store, run, label, stored)
     )
     if incremental:
         new = [s for s in steps if s.step > stored.last_step]
         ids, embeddings, carried = recursion(store, run, label, new, spans)
-        old = store.read_gradients(derived, checkpoint=LABEL, split="train")
+        old = store.read_gradients(derived_run(run), checkpoint=LABEL, split="train")
         embeddings_by_id = dict(zip(ids, embeddings))
         previous = carried.apply(torch.from_numpy(old.vectors.astype(np.float64))).numpy()
         for example_id, vector in zip(old.metadata.column("example_id").to_pylist(), previous):
@@ -118,7 +138,15 @@ def _ensure(store: StoreCore, run: str, options: ScoreOptions) -> Selection:
         ids, embeddings, _ = recursion(store, run, label, steps, spans)
     written = _write(store, run, ids, embeddings, steps[-1].step)
     _write_state(store, run, EmbeddingState(label, structure, source, steps[-1].step, written))
-    return selection
+
+
+def _check_derived(store: StoreCore, run: str, derived: str) -> None:
+    """``InvalidArgumentError`` when a run named like the derived one exists but was not derived from ``run``."""
+    if store.has_run(derived) and store.run_config(derived).get("derived_from") != run:
+        raise InvalidArgumentError(
+            f"run {derived!r} exists and holds rows not derived from {run!r}: dvemb keeps {run!r}'s embeddings "
+            f"under that name; rename or delete that run first"
+        )
 
 
 def history(store: StoreCore, queries: QueryInput, options: ScoreOptions, run: str) -> History:
@@ -307,5 +335,5 @@ def _read_state(store: StoreCore, run: str) -> EmbeddingState | None:
 
 
 def _write_state(store: StoreCore, run: str, state: EmbeddingState) -> None:
-    with store.files.writing(SIDE_FILES, _key(run)):
-        store.files.write_bytes(json.dumps(asdict(state)).encode(), SIDE_FILES, _key(run), STATE_FILE)
+    """Write the state (the caller holds the key's writers' lock)."""
+    store.files.write_bytes(json.dumps(asdict(state)).encode(), SIDE_FILES, _key(run), STATE_FILE)

@@ -321,6 +321,12 @@ def test_trajectory_methods_say_what_they_need(tmp_path):
         store.attribute(["qa"], run=RUN, method="source", checkpoints=["nope"], write=False)
     with pytest.raises(InvalidArgumentError, match="does not take"):
         store.token_scores(None, [], run=RUN, method="source")
+    store_with_steps = gradstore.open(tmp_path / "steps", storage_dtype="float32")
+    train_captured(store_with_steps, range(3), model_at(INIT))
+    capture_queries(store_with_steps, model_at(INIT), "final", 3)
+    store_with_steps.core.create_run(dvemb.derived_run(RUN), dim=D + 1)
+    with pytest.raises(InvalidArgumentError, match="not derived from"):
+        store_with_steps.attribute(["qa"], run=RUN, method="dvemb", write=False)
     in_loop_only = gradstore.open(tmp_path / "in-loop", storage_dtype="float32")
     train_captured(in_loop_only, range(3), model_at(INIT))
     with pytest.raises(InvalidArgumentError, match="final-model gradient"):
