@@ -10,7 +10,10 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
   ``nn.Sequential`` modules so gradstore's hooks see ordinary ``nn.Linear`` layers. Objective: mean
   cross-entropy over the training set plus ``wd/2 * ||theta||^2``. Training: full-batch Adam with a cosine
   learning-rate schedule, fixed number of steps, fixed initialisation (zeros for logistic regression, one
-  seeded init for the MLP), the same procedure for the full model and for every retrained subset.
+  seeded init for the MLP), the same procedure for the full model and for every retrained subset. Weights and
+  inputs are float32 for logistic regression and float64 for the MLP: in float32 the module's GEMMs and the
+  stacked training's sum in different orders (4e-8 apart in the first step's gradient) and Adam amplifies that to
+  2.7e-4 in the MLP's final weights, where float64 keeps the two equal to 1e-15.
 * Ground truth, two independent retrainings through ``gradstore.evaluate.retrain``: 100 random subsets of 50%
   of the training set for the **validation** queries (subset seed ``seed + 1``) and another 100 for the
   **test** queries (subset seed ``seed + 2``), each subset retrained from the same init with the same
@@ -20,7 +23,8 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
   LDS only the test retraining: no choice ever sees a test subset or a test query.
 * The attributed model is trained **under capture**: the full model is the ``nn.Sequential`` module trained
   by ``torch.optim.Adam`` inside ``store.capture(module, RUN, optimizer=..., checkpoint="train")`` with the
-  same full-batch Adam and cosine schedule, capturing every ``every``-th step (the other steps run paused),
+  same full-batch Adam and cosine schedule, capturing every 10th (logistic regression) / 20th (MLP) step: 50
+  recorded steps; the exact variant, whose rows are the widest, every 50th / 100th (the other steps run paused),
   each captured step recording its learning rate (the in-loop rows of ``tracin-steps`` and ``dvemb``, which
   weight a recorded step by the optimizer steps until the next one). Its final weights are checked to equal
   (1e-5) the stacked training's copy trained on the full set. Checkpoint passes at five points of that run
@@ -50,12 +54,15 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
 * LDS: for query q the prediction for subset S is ``sum_{i in S} score(q, i)`` (a positive score means the
   example lowers q's loss); LDS_q = Spearman(prediction, -loss_S(q)) over the subsets; the LDS is the mean over
   queries, with its standard error over queries.
-* QLD (``gradstore.evaluate.qld_of_scores``), for each method's validation-chosen row: retrain without each of
-  ``--qld-queries`` test queries' top 10% proponents, minus the mean loss after removing random sets of the same
-  size (higher is better, 0 is chance).
+* QLD (``gradstore.evaluate.qld_of_scores``), for each method on its validation-chosen projected variant: retrain
+  without each of the first ``--qld-queries`` (default 10) test queries' top 10% proponents; the query's loss
+  minus its mean loss after removing three random sets of the same size (higher is better, 0 is chance). Each
+  QLD query costs one retraining per method, which is why it uses fewer queries than the LDS.
 
 Ends with three RESULT lines, each figure the test LDS of the candidate with the best validation LDS:
-``lds_trajectory_mlp_416`` (the MLP at 416 dims, among the trajectory-aware methods on every projected variant),
+``lds_trajectory_mlp_416`` (the MLP at 416 dims, among the methods that use more than the final model: ``tracin``,
+``tracin-steps``, ``dvemb``, ``source`` with either Fisher and, as issue 29 counts it, ``fisher`` on the true
+Fisher, on every projected variant),
 ``lds_logreg_320`` (logistic regression at 320 dims, among every method on every projected variant) and
 ``lds_curvature_projected_fisher`` (logistic regression / MLP, ``fisher`` on the curvature-aware family; the same
 choice on the two random families is printed above it).
@@ -81,7 +88,7 @@ from torch import nn
 
 import gradstore
 from gradstore import evaluate
-from gradstore.methods import METHODS
+from gradstore.methods import METHODS, TRUE_FISHER_SPLIT
 from ingest.basis import estimate_basis
 from ingest.capture import ProjectionConfig
 from ingest.projection import ProjectionBasis
@@ -91,7 +98,6 @@ IN_LOOP = "train"  # checkpoint label of the rows captured during training
 TARGETS = {"trajectory": 0.65, "logreg": 0.78, "curvature": {"logreg": 0.66, "mlp": 0.58}}
 DAMPING_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 CLASSES = 10
-TRUE_FISHER_SPLIT = "true-fisher"  # the split of the rows fisher and source fit their curvature on
 WEIGHT_TOLERANCE = 1e-5  # captured training vs the stacked training's full-set copy
 
 
@@ -288,6 +294,7 @@ class Variant:
     projection: str | None
     seed: int = 0
     split: str = "fixed"  # curvature-aware: estimate_basis split
+    sparser: int = 1  # in-loop rows every ``sparser * config.every`` steps (the exact rows are the widest)
 
     def capture_options(self, config: ModelConfig, basis: ProjectionBasis | None) -> dict[str, Any]:
         """The run's projection options for ``store.capture``."""
@@ -301,7 +308,7 @@ class Variant:
 
 FAMILIES = ("random factorized", "random dense", "curvature-aware")
 VARIANTS = (
-    Variant("exact", "exact", None),
+    Variant("exact", "exact", None, sparser=5),
     Variant("factorized-s0", "random factorized", "factorized", 0),
     Variant("factorized-s1", "random factorized", "factorized", 1),
     Variant("dense-s0", "random dense", "dense", 0),
@@ -351,9 +358,10 @@ def train_under_capture(
     seed: int,
     plan: dict[str, tuple[int, float]],
     options: dict[str, Any],
+    every: int,
 ) -> dict[str, list[torch.Tensor]]:
-    """Train the full model as an ``nn.Sequential`` under ``store.capture`` (every ``config.every``-th step
-    captured, the others paused); returns its parameters at the planned checkpoints."""
+    """Train the full model as an ``nn.Sequential`` under ``store.capture`` (every ``every``-th step captured,
+    the others paused); returns its parameters at the planned checkpoints."""
     module = make_module(config)
     load_into(module, [p[0] for p in init_params(config, 1, seed)])
     optimizer = torch.optim.Adam(module.parameters(), lr=config.lr)
@@ -364,7 +372,7 @@ def train_under_capture(
         for step in range(config.steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(config, step)
-            if step % config.every:
+            if step % every:
                 cap.pause()
             else:
                 cap.set_ids(ids)
@@ -441,7 +449,8 @@ def build_store(
     if variant.family == "curvature-aware":
         basis = fisher_basis(config, data.x_train, reference, variant.split)
     options = variant.capture_options(config, basis)
-    snapshots = train_under_capture(store, config, data, seed, plan, options)
+    every = config.every * variant.sparser
+    snapshots = train_under_capture(store, config, data, seed, plan, options, every)
     difference = max(float((a - b).abs().max()) for a, b in zip(snapshots["final"], reference))
     if difference > WEIGHT_TOLERANCE:
         raise AssertionError(
@@ -449,7 +458,7 @@ def build_store(
             f"full-set copy by {difference:.2e} (> {WEIGHT_TOLERANCE})"
         )
     checkpoint_passes(store, config, data, snapshots, plan, options, true_fisher=False)
-    note = f"dim {store.dim}" + ("" if basis is None else f" ({sizes_text(basis)})")
+    note = f"dim {store.dim}" + ("" if basis is None else f" ({sizes_text(basis)})") + f", in-loop every {every}"
     return store, snapshots, options, note
 
 
@@ -587,9 +596,7 @@ def evaluate_model(
     log(f"{config.name}: full model train acc {accuracy[0]:.3f}, test acc {accuracy[1]:.3f}")
     truth = retrain_both(config, data, subsets, seed)
     log(f"{config.name}: retrained 2 x {subsets} subsets in {time.perf_counter() - start:.1f}s")
-    specs = [
-        s for s in method_specs(plan) if (methods is None or s.label in methods) and s.options["method"] in METHODS
-    ]
+    specs = [s for s in method_specs(plan) if methods is None or s.label in methods]
     rows: list[Row] = []
     sanity: list[tuple[str, evaluate.LDSResult]] = []
     for variant in variants:
@@ -733,7 +740,7 @@ def main() -> None:
     parser.add_argument("--models", default="logreg,mlp")
     parser.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
     parser.add_argument("--methods", default=None, help="comma-separated subset of the method labels (default: all)")
-    parser.add_argument("--qld-queries", type=int, default=50, help="test queries of the QLD (0: no QLD)")
+    parser.add_argument("--qld-queries", type=int, default=10, help="test queries of the QLD (0: no QLD)")
     parser.add_argument(
         "--threads", type=int, default=2, help="torch threads (1 is faster when the cores are shared with other jobs)"
     )
