@@ -137,7 +137,7 @@ class GradStore:
         basis: ProjectionBasis | None = RUN_DEFAULT,
         loss_reduction: LossReduction = RUN_DEFAULT,
         loss_scale: float = RUN_DEFAULT,
-        normalizer: Literal["adam_factored"] | None = None,
+        normalizer: Literal["adam_factored", "adam_sqrt"] | None = None,
         fused: bool = False,
         rank: int | None = None,
         per_example_loss: Callable[..., torch.Tensor] | None = None,

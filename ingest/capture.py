@@ -34,7 +34,7 @@ from ingest.hooks import ActiveBatch, LayerHook, in_backward
 from ingest.ids import content_hashes, find_inputs, find_mask, normalize_ids
 from ingest.layers import LayerInfo, fsdp1_wrapped, select_layers
 from ingest.misuse import CaptureUsageError
-from ingest.normalizers import NORMALIZERS, adam_factored_scales
+from ingest.normalizers import NORMALIZER_POWERS, NORMALIZERS, adam_factored_scales
 from ingest.per_example import ROUTES
 from ingest.projection import LAYER_KINDS, LayerSizes, ProjectionBasis, ProjectionSpec, make_slot, slot_sizes
 from ingest.scaling import REDUCTIONS, example_scales, example_token_counts
@@ -152,8 +152,10 @@ class CaptureConfig:
     ``"materialize"``. ``loss_reduction``/``loss_scale``: how the loop's loss was formed, undone so
     rows are per-example gradients (see :mod:`ingest.scaling`). ``curvature``: also accumulate Kronecker
     covariances of the training rows. ``normalizer``: ``"adam_factored"`` records LESS-style rows normalised
-    by the optimizer's Adam second moments in factored form (see :mod:`ingest.normalizers`); forwards before
-    the optimizer holds state are not captured. ``fused``: project inside the Linear/Conv1D layers' own GEMMs
+    by the optimizer's Adam second moments in factored form, ``"adam_sqrt"`` by their square roots (rows in the
+    coordinates where an Adam step is a gradient step, for the trajectory methods; see
+    :mod:`ingest.normalizers`); forwards before the optimizer holds state are not captured. ``fused``: project
+    inside the Linear/Conv1D layers' own GEMMs
     (:mod:`ingest.fused`; the same rows, training unchanged, the activations read once instead of twice, the
     weights copied twice per step: it pays where batches hold more tokens than a layer is wide).
     ``on_nonfinite``: a training batch (split ``"train"``) with a NaN/Inf row, or one of a step a ``GradScaler``
@@ -578,7 +580,9 @@ class GradientCapture:
             return
         scales = []
         for h in self.layer_hooks:
-            layer = adam_factored_scales(self.optimizer, h.module, h.slot.kind, h.slot.has_bias)
+            layer = adam_factored_scales(
+                self.optimizer, h.module, h.slot.kind, h.slot.has_bias, NORMALIZER_POWERS[self.config.normalizer]
+            )
             if layer is None:
                 return  # no state yet (before the first step): keep not capturing
             scales.append(layer)

@@ -12,6 +12,13 @@ and the projected row is ``P_out D_out G D_in P_in^T = (P_out D_out) G (P_in D_i
 folded into the projection matrices (or applied to the materialised gradient for exact/dense slots), so the
 factorized route keeps its cost. The factors are refreshed from the optimizer by the first captured forward
 after each optimizer step.
+
+``"adam_sqrt"`` divides by ``V^1/4`` instead (the square roots of the same factors): rows in the coordinates
+``u = V^1/4 theta`` where an Adam step (without momentum) is a plain gradient step at the learning rate,
+``du = -lr V^-1/4 g``. Captured on every side (training rows, queries, true-Fisher rows), they make the
+trajectory methods' ``lr x curvature`` dynamics (``source``, ``dvemb``) Adam's linearised ones, and inner
+products ``q . g`` the first-order effect of an Adam step (``q^T V^-1/2 g``). Its factors are floored at
+:data:`SQRT_FLOOR` of their mean.
 """
 
 from __future__ import annotations
@@ -21,7 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
-NORMALIZERS = (None, "adam_factored")
+NORMALIZERS = (None, "adam_factored", "adam_sqrt")
+#: The power of the factored second moment each normaliser divides by: ``G / V^power``.
+NORMALIZER_POWERS = {"adam_factored": 0.5, "adam_sqrt": 0.25}
+#: ``adam_sqrt`` floors each factor of ``V`` at this share of its mean: Adam's ``eps`` in relative form. The
+#: capture divides by the moments of the steps before (Adam's own step includes the current gradient), so a
+#: coordinate first reached now (a rare token's embedding row early in training) would be divided by about 0.
+SQRT_FLOOR = 1e-2
 
 
 def factored_scales(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,20 +44,25 @@ def factored_scales(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales_from_sums(v.sum(dim=1), v.sum(dim=0))
 
 
-def scales_from_sums(rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`factored_scales` from the row sums ``[d_out]`` and column sums ``[d_in]`` (float64) of ``v``."""
+def scales_from_sums(rows: torch.Tensor, cols: torch.Tensor, floor: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`factored_scales` from the row sums ``[d_out]`` and column sums ``[d_in]`` (float64) of ``v``;
+    ``floor``: each factor at least that share of its mean (0: none)."""
     tiny = torch.finfo(torch.float32).tiny
-    out_scale = (rows / rows.sum().clamp(min=tiny)).clamp(min=tiny).rsqrt()
-    in_scale = cols.clamp(min=tiny).rsqrt()
-    return out_scale.float(), in_scale.float()
+    out_factor = rows / rows.sum().clamp(min=tiny)
+    return _floored(out_factor, floor, tiny).rsqrt().float(), _floored(cols, floor, tiny).rsqrt().float()
+
+
+def _floored(factor: torch.Tensor, floor: float, tiny: float) -> torch.Tensor:
+    return factor.clamp(min=max(tiny, floor * float(factor.mean()))) if floor else factor.clamp(min=tiny)
 
 
 def adam_factored_scales(
-    optimizer: torch.optim.Optimizer, module: nn.Module, kind: str, has_bias: bool
+    optimizer: torch.optim.Optimizer, module: nn.Module, kind: str, has_bias: bool, power: float = 0.5
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``factored_scales(adam_second_moment(...))`` without building ``v``: the row and column sums are reduced
     straight from the optimizer's ``exp_avg_sq`` (float64 accumulation) and bias-corrected afterwards. Adam's
-    second moments are non-negative, so no entry needs the clamp. ``None`` while the optimizer holds no state."""
+    second moments are non-negative, so no entry needs the clamp. ``None`` while the optimizer holds no state.
+    ``power``: the scales of ``V^-power`` (``NORMALIZER_POWERS``; 0.5: Adam's update direction)."""
     weight = _moment(optimizer, module.weight)
     bias = _moment(optimizer, module.bias) if has_bias else None
     if weight is None or (has_bias and bias is None):
@@ -57,7 +75,10 @@ def adam_factored_scales(
         v_b = bias[0].reshape(-1).double() / bias[1]
         rows = rows + v_b
         cols = torch.cat([cols, v_b.sum().reshape(1)])
-    return scales_from_sums(rows, cols)
+    if power == 0.5:
+        return scales_from_sums(rows, cols)
+    out_scale, in_scale = scales_from_sums(rows, cols, SQRT_FLOOR)
+    return out_scale.pow(2 * power), in_scale.pow(2 * power)
 
 
 def _moment(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[torch.Tensor, float] | None:

@@ -3,13 +3,20 @@ factored Adam second moment of the optimizer's state at the time of the backward
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import gradstore
 from ingest.capture import CaptureConfig, GradientCapture
-from ingest.normalizers import adam_factored_scales, adam_second_moment, factored_scales
+from ingest.normalizers import (
+    NORMALIZER_POWERS,
+    SQRT_FLOOR,
+    adam_factored_scales,
+    adam_second_moment,
+    factored_scales,
+)
 from ingest.projection import projection_matrix
 
 
@@ -79,14 +86,15 @@ def per_example_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dic
     return vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
 
 
-def run(projection: str | None) -> tuple[list, nn.Module, list]:
-    """Three Adam steps under capture; returns the captured batches and the expected rows of steps 1-2."""
+def run(projection: str | None, normalizer: str = "adam_factored") -> tuple[list, nn.Module, list]:
+    """Three Adam steps under capture; returns the captured batches and the expected rows of steps 1-2
+    (``G / V^power`` with the factored ``V``: power 1/2 for ``adam_factored``, 1/4 for ``adam_sqrt``)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, y = torch.randn(3, 6, 5), torch.randn(3, 6, 3)
     batches, expected = [], []
-    config = CaptureConfig.from_options(projection=projection, k_in=3, k_out=2, normalizer="adam_factored", seed=1)
+    config = CaptureConfig.from_options(projection=projection, k_in=3, k_out=2, normalizer=normalizer, seed=1)
     with GradientCapture(model, batches.append, config, optimizer=opt) as cap:
         for step in range(3):
             if step > 0:  # the optimizer holds state: what the row should be
@@ -96,8 +104,16 @@ def run(projection: str | None) -> tuple[list, nn.Module, list]:
                 for hook in cap.layer_hooks:
                     name = hook.slot.name
                     full = torch.cat([g[f"{name}.weight"], g[f"{name}.bias"].unsqueeze(-1)], dim=-1)
-                    out_scale, in_scale = factored_scales(adam_second_moment(opt, hook.module, "linear", True))
-                    normalized = full * torch.outer(out_scale, in_scale)
+                    v = adam_second_moment(opt, hook.module, "linear", True).double()
+                    power = NORMALIZER_POWERS[normalizer]
+                    if power == 0.5:
+                        out_scale, in_scale = factored_scales(v)
+                    else:  # the factors floored at SQRT_FLOOR of their mean
+                        out_factor = v.sum(1) / v.sum()
+                        in_factor = v.sum(0)
+                        out_scale = out_factor.clamp(min=SQRT_FLOOR * out_factor.mean()).rsqrt().float()
+                        in_scale = in_factor.clamp(min=SQRT_FLOOR * in_factor.mean()).rsqrt().float()
+                    normalized = full * torch.outer(out_scale, in_scale).pow(2 * power)
                     if projection == "factorized":
                         p_in = projection_matrix(1, name, "in", 3, hook.slot.d_in_eff)
                         p_out = projection_matrix(1, name, "out", 2, hook.slot.d_out)
@@ -111,15 +127,17 @@ def run(projection: str | None) -> tuple[list, nn.Module, list]:
     return batches, model, expected
 
 
-def test_exact_rows_are_adam_normalized_from_the_second_step():
-    batches, _, expected = run(None)
+@pytest.mark.parametrize("normalizer", ["adam_factored", "adam_sqrt"])
+def test_exact_rows_are_adam_normalized_from_the_second_step(normalizer):
+    batches, _, expected = run(None, normalizer)
     assert [b.step for b in batches] == [1, 2]  # no state before the first step: not captured
     for batch, rows in zip(batches, expected):
         torch.testing.assert_close(batch.grads, rows, rtol=1e-4, atol=1e-6)
 
 
-def test_factorized_rows_fold_the_normalizer_into_the_projection():
-    batches, _, expected = run("factorized")
+@pytest.mark.parametrize("normalizer", ["adam_factored", "adam_sqrt"])
+def test_factorized_rows_fold_the_normalizer_into_the_projection(normalizer):
+    batches, _, expected = run("factorized", normalizer)
     assert [b.step for b in batches] == [1, 2]
     for batch, rows in zip(batches, expected):
         torch.testing.assert_close(batch.grads, rows, rtol=1e-4, atol=1e-6)
