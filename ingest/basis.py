@@ -111,6 +111,16 @@ EIGEN_LAYERS = ("single-position", "non-token", "all")
 RandomSides = Mapping[str, tuple[bool, bool]]
 
 
+def check_eigen_layers(eigen_layers: str) -> str:
+    """``eigen_layers`` if it is one of :data:`EIGEN_LAYERS`, else a :class:`CaptureUsageError` naming them."""
+    if eigen_layers not in EIGEN_LAYERS:
+        raise CaptureUsageError(
+            f"estimate_basis: layers must be one of {EIGEN_LAYERS} (where the eigenbasis replaces the random "
+            f"projection), got {eigen_layers!r}"
+        )
+    return eigen_layers
+
+
 def random_sides(
     layers: list[LayerInfo], positions: Mapping[str, int], vocabularies: set[int], eigen_layers: str
 ) -> dict[str, tuple[bool, bool]]:
@@ -118,11 +128,7 @@ def random_sides(
 
     ``positions``: the most positions per example each layer saw in the pre-pass; ``vocabularies``: the
     ``num_embeddings`` of the model's embeddings (a linear layer with that many outputs is an unembedding)."""
-    if eigen_layers not in EIGEN_LAYERS:
-        raise CaptureUsageError(
-            f"estimate_basis: layers must be one of {EIGEN_LAYERS} (where the eigenbasis replaces the random "
-            f"projection), got {eigen_layers!r}"
-        )
+    check_eigen_layers(eigen_layers)
     sides = {}
     for info in layers:
         token_in = info.kind == "embedding"
@@ -366,7 +372,7 @@ def estimate_basis(
         raise ValueError(f"factors must be one of {FACTORS}, got {factors!r}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    random_sides([], {}, set(), layers)  # validates ``layers`` before the pre-pass
+    check_eigen_layers(layers)  # before the pre-pass
     config = config or ProjectionConfig()
     infos = select_layers(model, tuple(config.layer_types), config.include, config.exclude, config.include_frozen)
     if not infos:
