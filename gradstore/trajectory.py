@@ -160,21 +160,22 @@ def final_query_checkpoint(store: StoreCore, run: str, query_checkpoint: str | N
 
 
 def final_training_checkpoint(store: StoreCore, run: str, split: str) -> str:
-    """The checkpoint pass holding ``split`` rows with the largest recorded step (the final model's gradients of
-    the training examples: what trajectory self-influence scores)."""
+    """The checkpoint pass holding ``split`` rows with the largest recorded step (the only one, recorded step or
+    not): the final model's gradients of the training examples, what trajectory self-influence scores."""
     recorded = checkpoint_steps(store, run)
-    passes = [
-        c for c in row_checkpoints(store, run, split) if c is not None and recorded.get(c, (None,))[0] is not None
-    ]
     in_loop = _in_loop_labels(store, run)
-    passes = [c for c in passes if c not in in_loop]
-    if not passes:
+    passes = [c for c in row_checkpoints(store, run, split) if c is not None and c not in in_loop]
+    if len(passes) == 1:
+        return passes[0]
+    with_steps = [c for c in passes if recorded.get(c, (None,))[0] is not None]
+    if not passes or len(with_steps) < len(passes):
+        found = f"checkpoint passes {passes}, not all with a recorded step," if passes else "no checkpoint pass"
         raise InvalidArgumentError(
-            f"run {run!r} has no checkpoint pass of {split!r} rows with a recorded step: trajectory self-influence "
-            "scores each example's final-model gradient; capture a checkpoint pass of the training set at the end "
-            "of training (store.capture(model, run, checkpoint='final') with cap.set_step(step))"
+            f"run {run!r} has {found} of {split!r} rows: trajectory self-influence scores each example's "
+            "final-model gradient; capture a checkpoint pass of the training set at the end of training "
+            "(store.capture(model, run, checkpoint='final') with cap.set_step(step))"
         )
-    return max(passes, key=lambda c: (recorded[c][0], c))
+    return max(with_steps, key=lambda c: (recorded[c][0], c))
 
 
 def _in_loop_labels(store: StoreCore, run: str) -> set[str]:
@@ -218,8 +219,8 @@ def tracin_steps_entries(
     run = selection.run
     steps = recorded_steps(store, run, selection.checkpoint)
     where = selection.filter
-    stored = row_checkpoints(store, run, "query")
-    if query_checkpoint is not None or not stored or not stored_queries(queries):
+    stored = [c for c in row_checkpoints(store, run, "query") if c is not None]
+    if query_checkpoint is not None or len(stored) < 2 or not stored_queries(queries):
         resolved = resolve_queries(store, queries, run, final_query_checkpoint(store, run, query_checkpoint))
         return resolved.ids, [(where, _float64(resolved), _weights(steps))]
     bounds = _query_checkpoints(store, run, stored)
@@ -237,14 +238,14 @@ def tracin_steps_entries(
     return ids or [], entries
 
 
-def _query_checkpoints(store: StoreCore, run: str, stored: list[str | None]) -> list[tuple[str, int]]:
-    """Checkpoints holding query rows with a recorded step, by step (the last one scores every later step)."""
+def _query_checkpoints(store: StoreCore, run: str, stored: list[str]) -> list[tuple[str, int]]:
+    """Checkpoints holding query rows, by their recorded step (the last one scores every later step)."""
     steps = checkpoint_steps(store, run)
-    with_steps = sorted((steps[c][0], c) for c in stored if c is not None and steps.get(c, (None,))[0] is not None)
-    if not with_steps:
+    with_steps = sorted((steps[c][0], c) for c in stored if steps.get(c, (None,))[0] is not None)
+    if len(with_steps) < len(stored):
         raise InvalidArgumentError(
-            f"run {run!r} holds query rows at {stored} with no recorded step: "
-            "pass query_checkpoint= (the final model's)"
+            f"run {run!r} holds query rows at {stored}, not all with a recorded step: pass query_checkpoint= "
+            "(the final model's) or record each checkpoint's step (cap.set_step(step) in its capture)"
         )
     return [(c, s) for s, c in with_steps]
 

@@ -398,3 +398,27 @@ def test_trajectory_self_influence_and_selection_equal_their_score_matrices(tmp_
             np.testing.assert_allclose(chosen.column("score").to_numpy(), values[order], rtol=1e-4, atol=1e-7)
     with pytest.raises(InvalidArgumentError, match="does not use checkpoints"):
         store.select(["qa"], run=RUN, preconditioner="dvemb", checkpoints=["final"])
+
+
+def test_the_readme_flow_needs_no_recorded_steps_for_one_query_checkpoint(tmp_path):
+    """Rows captured in the loop and queries at one checkpoint captured without a step (the README's flow):
+    tracin-steps and dvemb score every step with those queries; self-influence reads the one training pass."""
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    model = model_at(INIT)
+    train_captured(store, range(T), model)
+    _, _, qx, qy, _, _ = problem()
+    with store.capture(model, RUN, split="query", checkpoint="final", projection=None) as cap:
+        cap.set_ids(["qa", "qb"])
+        (0.5 * ((model(qx).squeeze(-1) - qy) ** 2).mean()).backward()
+        model.zero_grad()
+    _, reference = true_effects()
+    np.testing.assert_allclose(
+        columns(store.score_matrix(run=RUN, method="tracin-steps")), reference, rtol=2e-4, atol=1e-6
+    )
+    assert store.attribute(run=RUN, method="dvemb", k=2, write=False).num_rows == 4
+    x, y, _, _, _, _ = problem()
+    with store.capture(model, RUN, checkpoint="final", projection=None) as cap:
+        cap.set_ids([str(i) for i in range(N)])
+        (0.5 * ((model(x).squeeze(-1) - y) ** 2).mean()).backward()
+        model.zero_grad()
+    assert store.self_influence(run=RUN, method="tracin-steps", write=False).num_rows == N
