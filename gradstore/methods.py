@@ -204,8 +204,8 @@ METHODS: dict[str, Method] = {
             "identity",
             True,
             False,
-            "sum over recorded training steps of lr_t * s_t / B_t * q . g_t (s_t steps per recorded one, "
-            "B_t rows per step), final-model queries",
+            "sum over recorded training steps of lr_t * s_t / B_t * q_c(t) . g_t (s_t steps per recorded one, "
+            "B_t rows per step, q_c(t) the queries of the first checkpoint at or after step t)",
             requires="training rows captured during training (one checkpoint label, many steps, a learning rate)",
             operations=frozenset({"attribute", "score_matrix", "self_influence", "select"}),
             trajectory="steps",
