@@ -12,16 +12,19 @@ eigenvectors. Sources of ``A`` and ``S``: a short pre-pass (:func:`estimate_basi
 ``curvature=True`` statistics (:func:`basis_from_curvature`). Embedding inputs are one-hot, so their ``A``
 is diagonal (token counts) and is kept as a vector.
 
-The eigenbasis keeps the directions most of the pre-pass's gradient energy lies in. Where an example's
-identity lives in rare directions it discards exactly those: a one-hot side (an embedding's tokens, the
+The top eigenvectors keep the directions most of the pre-pass's gradient energy lies in. Where an example's
+identity lives in rare directions they discard exactly those: a one-hot side (an embedding's tokens, the
 unembedding's vocabulary) keeps its ``k`` most frequent tokens and drops the rest, and a layer fed sequences
-weighs every position's token, so the directions shared by all sentences win. :func:`estimate_basis`'s
-``layers`` option therefore keeps the seeded random projection (the capture's own matrices) on such sides and
-layers; see :data:`EIGEN_LAYERS`.
+weighs every position's token, so the directions shared by all sentences win — and a damped inverse
+``(F + delta)^-1`` shrinks those top directions anyway. :func:`estimate_basis` therefore keeps the seeded random
+projection (the capture's own matrices) on token-indexed sides (``layers``, :data:`EIGEN_LAYERS`) and, on
+layers fed sequences, keeps the eigenvectors a damped inverse weighs most (``select="influence"``,
+:func:`ranked_rows`) instead of the top ones.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -51,6 +54,30 @@ def eigenbasis(cov: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.clip(cov[order], 0.0, None), rows
     values, vectors = np.linalg.eigh((cov + cov.T) / 2)
     return np.clip(values[::-1], 0.0, None), vectors[:, ::-1].T.copy()
+
+
+#: How :func:`ranked_rows` orders a side's eigenvectors: by eigenvalue (``"energy"``: PCA, the directions most
+#: of the gradients' energy lies in) or by their share of a damped inverse's scores (``"influence"``).
+#: ``estimate_basis(select="auto")`` (default) takes ``"influence"`` for layers fed sequences and ``"energy"``
+#: for layers that see one position per example.
+SELECTIONS = ("energy", "influence")
+
+
+def ranked_rows(cov: np.ndarray, select: str = "energy", damping: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """The eigenvectors of a symmetric ``cov [d, d]`` (or a diagonal ``[d]``) as rows ``[d, d]`` (float64), best
+    first, with their ranking weights.
+
+    ``"energy"``: by eigenvalue ``l``. ``"influence"``: by ``l / (l + delta)^2`` with ``delta = damping *
+    mean(l)``, the variance a direction adds to scores ``q^T (F + delta)^-1 g`` when ``q`` and ``g`` are drawn
+    with second moment ``F``: largest where ``l`` is near ``delta``, small for the top directions (which the
+    inverse shrinks) and for the null space. Ties keep eigenvalue order."""
+    values, rows = eigenbasis(cov)
+    if select == "energy":
+        return values, rows
+    delta = damping * float(values.mean()) or damping  # an all-zero side: any positive delta
+    weights = values / (values + delta) ** 2
+    order = np.argsort(-weights, kind="stable")
+    return weights[order], rows[order]
 
 
 def leading_rows(cov: np.ndarray, k: int) -> np.ndarray:
@@ -88,23 +115,33 @@ def random_tail(top: np.ndarray, tail: int, seed: int, layer: str, side: str) ->
     return q.T[:tail]
 
 
-def side_rows(cov: np.ndarray, k: int, tail: int, seed: int, layer: str, side: str) -> np.ndarray:
-    """``k`` projection rows of one side: ``k - tail`` leading eigenvectors then ``tail`` random ones."""
+def side_rows(
+    cov: np.ndarray,
+    k: int,
+    tail: int,
+    seed: int,
+    layer: str,
+    side: str,
+    select: str = "energy",
+    damping: float = 0.1,
+) -> np.ndarray:
+    """``k`` projection rows of one side: the ``k - tail`` best eigenvectors (:func:`ranked_rows`) then ``tail``
+    random ones."""
     d = cov.shape[0]
     k = min(k, d)
     tail = min(tail, k)
-    top = leading_rows(cov, k - tail)
+    top = ranked_rows(cov, select, damping)[1][: k - tail]
     return np.concatenate([top, random_tail(top, tail, seed, layer, side)]) if tail else top
 
 
 SPLITS = ("fixed", "energy")
 
 #: ``estimate_basis(layers=...)``: where the eigenbasis replaces the random projection. ``"all"``: every
-#: captured layer. ``"non-token"``: all but the token-indexed sides, i.e. an embedding's input side (one-hot
-#: tokens) and the output side of a linear layer as wide as an embedding's vocabulary (the unembedding), which
-#: keep the seeded random rows. ``"single-position"`` (default): moreover only layers that saw one position per
-#: example in the pre-pass (no sequence dimension: an example's gradient is one outer product, so the energy
-#: criterion weighs examples, not tokens); layers fed sequences keep the random projection on both sides.
+#: captured layer. ``"non-token"`` (default): all but the token-indexed sides, i.e. an embedding's input side
+#: (one-hot tokens) and the output side of a linear layer as wide as an embedding's vocabulary (the
+#: unembedding), which keep the seeded random rows. ``"single-position"``: moreover only layers that saw one
+#: position per example in the pre-pass (no sequence dimension); layers fed sequences keep the random
+#: projection on both sides.
 EIGEN_LAYERS = ("single-position", "non-token", "all")
 
 #: Per layer, whether its (input, output) side keeps the seeded random projection instead of the eigenbasis.
@@ -156,6 +193,8 @@ def basis_from_covariances(
     seed: int = 0,
     split: str = "fixed",
     random: RandomSides | None = None,
+    select: str | Mapping[str, str] = "energy",
+    damping: float = 0.1,
 ) -> ProjectionBasis:
     """The eigenbasis of per-layer ``(A, S)`` (``A`` may be a vector: a diagonal), sizes as in a capture
     (:func:`ingest.projection.slot_sizes`, capped at the layer's width).
@@ -163,23 +202,28 @@ def basis_from_covariances(
     ``split="energy"`` re-divides each layer's ``k_in * k_out`` dims between the two sides by
     :func:`energy_split` (same bytes per layer and in total); ``"fixed"`` keeps the requested sizes.
     ``random``: per layer, the sides that keep the seeded random projection (:func:`random_rows`, equal to a
-    capture's without a basis); a layer with a random side keeps the requested sizes."""
+    capture's without a basis); a layer with a random side keeps the requested sizes. ``select``/``damping``:
+    which eigenvectors each side keeps (:func:`ranked_rows`; the energy split then weighs the ranking weights);
+    ``select`` may map each layer name to its own selection."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     matrices = {}
     for name, (a_cov, s_cov) in covariances.items():
         random_in, random_out = (random or {}).get(name, (False, False))
+        order = select if isinstance(select, str) else select[name]
         layer_k_in, layer_k_out = slot_sizes(name, k_in, k_out, layer_sizes)
         layer_k_in, layer_k_out = min(layer_k_in, a_cov.shape[0]), min(layer_k_out, s_cov.shape[0])
         if split == "energy" and not (random_in or random_out):
-            layer_k_in, layer_k_out = energy_split(eigenbasis(a_cov)[0], eigenbasis(s_cov)[0], layer_k_in, layer_k_out)
+            layer_k_in, layer_k_out = energy_split(
+                ranked_rows(a_cov, order, damping)[0], ranked_rows(s_cov, order, damping)[0], layer_k_in, layer_k_out
+            )
         matrices[name] = (
             random_rows(seed, name, "in", layer_k_in, a_cov.shape[0])
             if random_in
-            else side_rows(a_cov, layer_k_in, tail, seed, name, "in"),
+            else side_rows(a_cov, layer_k_in, tail, seed, name, "in", order, damping),
             random_rows(seed, name, "out", layer_k_out, s_cov.shape[0])
             if random_out
-            else side_rows(s_cov, layer_k_out, tail, seed, name, "out"),
+            else side_rows(s_cov, layer_k_out, tail, seed, name, "out", order, damping),
         )
     return ProjectionBasis(matrices)
 
@@ -338,7 +382,9 @@ def estimate_basis(
     tail: int = 0,
     factors: str = "kfac",
     split: str = "fixed",
-    layers: str = "single-position",
+    layers: str = "non-token",
+    select: str = "auto",
+    damping: float = 0.1,
 ) -> ProjectionBasis:
     """A short pre-pass estimating each captured layer's K-FAC eigenbasis.
 
@@ -361,18 +407,30 @@ def estimate_basis(
     ``C - 1`` directions, so dims beyond those are better spent on the input side.
 
     ``layers`` (:data:`EIGEN_LAYERS`) says where the eigenbasis replaces the seeded random projection:
-    ``"single-position"`` (default) on the layers that see one position per example, except token-indexed
-    sides; ``"non-token"`` on every layer except token-indexed sides (embedding inputs, the unembedding's
-    vocabulary outputs); ``"all"`` everywhere. The other sides keep exactly the random rows a capture with
-    the same ``seed`` uses. Measured (docs/concepts.md): on a classifier MLP the eigenbasis gains held-out LDS
-    on every layer; on a small language model's fact tracing it loses recall on every layer, most on the
-    token-indexed sides. ``tail=k//2`` gives the mixed basis (top half eigenvectors, random complement).
+    ``"non-token"`` (default) on every layer except token-indexed sides (embedding inputs, the unembedding's
+    vocabulary outputs); ``"single-position"`` only on layers that see one position per example, except
+    token-indexed sides; ``"all"`` everywhere. The other sides keep exactly the random rows a capture with the
+    same ``seed`` uses. ``select`` says which eigenvectors a side keeps (:func:`ranked_rows`): ``"energy"``
+    the top ones, ``"influence"`` those of the largest ``l / (l + delta)^2`` with ``delta = damping *`` the
+    side's mean eigenvalue, ``"auto"`` (default) ``"influence"`` on layers fed sequences and ``"energy"`` on
+    layers that see one position per example. Measured (docs/concepts.md): on a classifier MLP the top
+    eigenvectors gain held-out LDS over a random projection and ``"influence"`` loses it; on a small language
+    model's fact tracing the top eigenvectors lose recall on every layer, most on the token-indexed sides, and
+    ``"influence"`` with random token sides gains. ``tail=k//2`` gives the mixed basis (top half
+    eigenvectors, random complement).
     """
     if factors not in FACTORS:
         raise ValueError(f"factors must be one of {FACTORS}, got {factors!r}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     check_eigen_layers(layers)  # before the pre-pass
+    if select not in (*SELECTIONS, "auto"):
+        raise CaptureUsageError(f"estimate_basis: select must be one of {(*SELECTIONS, 'auto')}, got {select!r}")
+    if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not math.isfinite(damping) or damping <= 0:
+        raise CaptureUsageError(
+            f"estimate_basis: damping must be a finite number > 0 (relative to each side's mean eigenvalue), "
+            f"got {damping!r}"
+        )
     config = config or ProjectionConfig()
     infos = select_layers(model, tuple(config.layer_types), config.include, config.exclude, config.include_frozen)
     if not infos:
@@ -389,6 +447,11 @@ def estimate_basis(
         config.seed,
         split=split,
         random=random_sides(infos, hooks.positions, vocabularies, layers),
+        select={
+            name: ("influence" if count > 1 else "energy") if select == "auto" else select
+            for name, count in hooks.positions.items()
+        },
+        damping=damping,
     )
 
 

@@ -15,7 +15,7 @@ from torch.func import functional_call, grad, vmap
 
 import gradstore
 from gradstore.run_basis import basis_from_run, basis_key, run_basis
-from ingest.basis import basis_from_curvature, energy_split, estimate_basis, side_rows
+from ingest.basis import basis_from_curvature, energy_split, estimate_basis, ranked_rows, side_rows
 from ingest.capture import CaptureConfig, GradientCapture, ProjectionConfig
 from ingest.misuse import CaptureUsageError
 from ingest.projection import ProjectionBasis, ProjectionMismatchError, ProjectionSpec, projection_matrix
@@ -380,6 +380,7 @@ def test_embedding_gradient_factors_equal_per_sample_gradients(factors):
         ProjectionConfig(k_in=3, k_out=2, include="^0$"),
         factors=factors,
         layers="all",
+        select="energy",
     )
     params = {k: v.detach() for k, v in model.named_parameters()}
 
@@ -470,14 +471,20 @@ def test_layers_option_keeps_the_capture_random_projection_where_asked():
     torch.testing.assert_close(rows["basis"], rows["seeded"], rtol=1e-4, atol=1e-6)
 
 
-def test_single_position_layers_keep_the_eigenbasis():
-    """A classifier MLP sees one position per example: the default equals ``layers="all"`` exactly."""
+def test_default_is_the_energy_eigenbasis_of_single_position_layers_and_influence_on_sequences():
+    """A classifier MLP sees one position per example and has no token side: the default is the top
+    eigenvectors of every layer. A language model's layers see sequences: ``select="influence"``."""
     model = mlp()
     x, y = data()
     config = ProjectionConfig(k_in=4, k_out=2)
     default = estimate_basis(model, batches(x, y), sum_loss, config)
-    every = estimate_basis(model, batches(x, y), sum_loss, config, layers="all")
+    every = estimate_basis(model, batches(x, y), sum_loss, config, layers="all", select="energy")
     assert default.digest() == every.digest()
+    lm, lm_config = tiny_lm(), ProjectionConfig(k_in=3, k_out=4)
+    auto = estimate_basis(lm, lm_batches(), lm_loss, lm_config, factors="gradient")
+    influence = estimate_basis(lm, lm_batches(), lm_loss, lm_config, factors="gradient", select="influence")
+    energy = estimate_basis(lm, lm_batches(), lm_loss, lm_config, factors="gradient", select="energy")
+    assert auto.digest() == influence.digest() != energy.digest()
     with pytest.raises(CaptureUsageError, match="layers must be one of"):
         estimate_basis(model, batches(x, y), sum_loss, config, layers="rare")
 
@@ -495,3 +502,36 @@ def test_mixed_basis_holds_the_top_eigenvectors_and_a_random_complement():
             kept = len(p) - min(2, len(p))
             np.testing.assert_allclose(np.abs(p[:kept]), np.abs(top[:kept]), atol=1e-6)  # signs are free
             np.testing.assert_allclose(p[kept:] @ top[:kept].T, 0.0, atol=1e-6)
+
+
+def test_influence_selection_keeps_the_directions_a_damped_inverse_weighs_most():
+    """``select="influence"``: eigenvectors ranked by l / (l + delta)^2, delta = damping * mean eigenvalue."""
+    values = np.array([100.0, 10.0, 3.0, 1.0, 0.3, 0.0])
+    rotation = np.linalg.qr(np.random.default_rng(0).standard_normal((6, 6)))[0]
+    cov = rotation @ np.diag(values) @ rotation.T
+    delta = 0.1 * values.mean()  # 1.905
+    weights, rows = ranked_rows(cov, "influence", damping=0.1)
+    expected = np.argsort(-(values / (values + delta) ** 2), kind="stable")
+    assert expected.tolist() == [2, 3, 1, 4, 0, 5]  # l = 3 and 1, near delta, before the top direction l = 100
+    np.testing.assert_allclose(weights, (values / (values + delta) ** 2)[expected], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(np.abs(rows @ rotation), np.eye(6)[expected], atol=1e-9)  # the eigenvectors
+    assert ranked_rows(cov)[0].tolist() == pytest.approx(values.tolist(), abs=1e-9)  # "energy": by eigenvalue
+    # through the pre-pass: orthonormal eigenvectors of each side, those of the largest weights
+    model = mlp()
+    x, y = data()
+    config = ProjectionConfig(k_in=3, k_out=2)
+    basis = estimate_basis(model, batches(x, y), sum_loss, config, select="influence", damping=0.5)
+    for name, (a_cov, s_cov) in hand_covariances(model, x, y).items():
+        for p, cov in zip(basis.matrices[name], (a_cov, s_cov)):
+            p = p.astype(np.float64)
+            assert_orthonormal(p)
+            eig = np.clip(np.linalg.eigvalsh(cov), 0.0, None)
+            weight = eig / (eig + 0.5 * eig.mean()) ** 2
+            kept = np.diag(p @ cov @ p.T)  # each row's eigenvalue
+            np.testing.assert_allclose(p @ cov @ p.T, np.diag(kept), atol=1e-5 * eig.max())
+            kept_weight = kept / (kept + 0.5 * eig.mean()) ** 2
+            np.testing.assert_allclose(kept_weight, np.sort(weight)[::-1][: len(p)], rtol=1e-3)
+    with pytest.raises(CaptureUsageError, match="select must be one of"):
+        estimate_basis(model, batches(x, y), sum_loss, config, select="rare")
+    with pytest.raises(CaptureUsageError, match="damping must be a finite number > 0"):
+        estimate_basis(model, batches(x, y), sum_loss, config, select="influence", damping=0.0)
