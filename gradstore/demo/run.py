@@ -159,7 +159,7 @@ def curvature_pass(
 ) -> ProjectionBasis:
     """A checkpoint pass of the trained model into run ``demo-curvature`` with a curvature-aware projection:
     the per-layer basis of the training gradients (``estimate_basis``, ``factors="unit"``, its default
-    ``layers``), same dims as the random projection of run ``demo``. Returns the basis."""
+    ``layers`` and ``select``), same dims as the random projection of run ``demo``. Returns the basis."""
     model.eval()
     batches = [tokenizer.batch([e.text for e in batch]) for batch in _batches(corpus.train, config.batch_size)]
     basis = estimate_basis(model, batches, lambda m, b: m(**b).loss, ProjectionConfig(), factors="unit")
@@ -219,11 +219,12 @@ def token_attribution(
     model.train()
 
 
-def eigen_layers(basis: ProjectionBasis, seed: int) -> int:
-    """How many layers of ``basis`` hold eigenvectors on some side (the others keep the seeded random rows)."""
+def eigen_sides(basis: ProjectionBasis, seed: int) -> int:
+    """How many layer sides of ``basis`` hold eigenvectors (the others keep the seeded random rows)."""
     return sum(
-        any(not np.array_equal(p, random_rows(seed, name, side, *p.shape)) for side, p in zip(("in", "out"), pair))
+        not np.array_equal(p, random_rows(seed, name, side, *p.shape))
         for name, pair in basis.matrices.items()
+        for side, p in zip(("in", "out"), pair)
     )
 
 
@@ -309,8 +310,8 @@ def recall_table(
 
     basis = curvature_pass(store, model, tokenizer, corpus, config, final)
     curvature_note = (
-        f"curvature-aware basis, eigenvectors on {eigen_layers(basis, projection.seed)} of {len(basis.matrices)} "
-        "layers, random LoGra elsewhere"
+        f"curvature-aware basis: eigenvectors on {eigen_sides(basis, projection.seed)} of "
+        f"{2 * len(basis.matrices)} layer sides, random LoGra rows on the others"
     )
     where = {"checkpoint": final}
     rows.append(attribution_row(store, CURVATURE_RUN, "fisher", where, curvature_note, judge, config.k, write=False))
