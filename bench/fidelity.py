@@ -23,11 +23,13 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
   LDS only the test retraining: no choice ever sees a test subset or a test query.
 * The attributed model is trained **under capture**: the full model is the ``nn.Sequential`` module trained
   by ``torch.optim.Adam`` inside ``store.capture(module, RUN, optimizer=..., checkpoint="train")`` with the
-  same full-batch Adam and cosine schedule, capturing every 10th (logistic regression) / 20th (MLP) step: 50
-  recorded steps; the exact variant, whose rows are the widest, every 50th / 100th (the other steps run paused),
-  each captured step recording its learning rate (the in-loop rows of ``tracin-steps`` and ``dvemb``, which
-  weight a recorded step by the optimizer steps until the next one). Its final weights are checked to equal
-  (1e-5) the stacked training's copy trained on the full set. Checkpoint passes at five points of that run
+  same full-batch Adam and cosine schedule, capturing every 10th (logistic regression) / 20th (MLP) step (50
+  recorded steps; the other steps run paused), each captured step recording its learning rate: the in-loop rows
+  of ``tracin-steps`` and ``dvemb``, which weight a recorded step by the optimizer steps until the next one. The
+  exact variant records none (its rows are the widest: ``dvemb``'s per-step 2,080 x 2,080 matrix powers alone
+  took 59 s on the MLP), so its trajectory rows are ``tracin`` and ``source`` over the checkpoint passes. The
+  final weights of the training under capture are checked to equal (1e-5) the stacked training's copy trained on
+  the full set. Checkpoint passes at five points of that run
   (``c1``..``c4``, ``final``, each recorded with its step and the mean learning rate of the steps since the
   previous one) capture per-example training rows and the query rows (``loss_reduction="mean"``, float32
   storage).
@@ -294,7 +296,7 @@ class Variant:
     projection: str | None
     seed: int = 0
     split: str = "fixed"  # curvature-aware: estimate_basis split
-    sparser: int = 1  # in-loop rows every ``sparser * config.every`` steps (the exact rows are the widest)
+    in_loop: bool = True  # rows captured during training (the exact variant has none: its rows are the widest)
 
     def capture_options(self, config: ModelConfig, basis: ProjectionBasis | None) -> dict[str, Any]:
         """The run's projection options for ``store.capture``."""
@@ -308,7 +310,7 @@ class Variant:
 
 FAMILIES = ("random factorized", "random dense", "curvature-aware")
 VARIANTS = (
-    Variant("exact", "exact", None, sparser=5),
+    Variant("exact", "exact", None, in_loop=False),
     Variant("factorized-s0", "random factorized", "factorized", 0),
     Variant("factorized-s1", "random factorized", "factorized", 1),
     Variant("dense-s0", "random dense", "dense", 0),
@@ -358,10 +360,10 @@ def train_under_capture(
     seed: int,
     plan: dict[str, tuple[int, float]],
     options: dict[str, Any],
-    every: int,
+    every: int | None,
 ) -> dict[str, list[torch.Tensor]]:
     """Train the full model as an ``nn.Sequential`` under ``store.capture`` (every ``every``-th step captured,
-    the others paused); returns its parameters at the planned checkpoints."""
+    the others paused; ``None``: all paused); returns its parameters at the planned checkpoints."""
     module = make_module(config)
     load_into(module, [p[0] for p in init_params(config, 1, seed)])
     optimizer = torch.optim.Adam(module.parameters(), lr=config.lr)
@@ -372,7 +374,7 @@ def train_under_capture(
         for step in range(config.steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(config, step)
-            if step % every:
+            if every is None or step % every:
                 cap.pause()
             else:
                 cap.set_ids(ids)
@@ -449,7 +451,7 @@ def build_store(
     if variant.family == "curvature-aware":
         basis = fisher_basis(config, data.x_train, reference, variant.split)
     options = variant.capture_options(config, basis)
-    every = config.every * variant.sparser
+    every = config.every if variant.in_loop else None
     snapshots = train_under_capture(store, config, data, seed, plan, options, every)
     difference = max(float((a - b).abs().max()) for a, b in zip(snapshots["final"], reference))
     if difference > WEIGHT_TOLERANCE:
@@ -458,7 +460,11 @@ def build_store(
             f"full-set copy by {difference:.2e} (> {WEIGHT_TOLERANCE})"
         )
     checkpoint_passes(store, config, data, snapshots, plan, options, true_fisher=False)
-    note = f"dim {store.dim}" + ("" if basis is None else f" ({sizes_text(basis)})") + f", in-loop every {every}"
+    note = (
+        f"dim {store.dim}"
+        + ("" if basis is None else f" ({sizes_text(basis)})")
+        + (f", in-loop every {every}" if every else ", no in-loop rows")
+    )
     return store, snapshots, options, note
 
 
@@ -606,6 +612,8 @@ def evaluate_model(
             if true_fisher:
                 checkpoint_passes(store, config, data, snapshots, plan, options, true_fisher=True)
             for spec in (s for s in specs if (s.curvature == "true") == true_fisher):
+                if spec.options.get("checkpoint") == IN_LOOP and not variant.in_loop:
+                    continue
                 rows.append(evaluate_method(store, spec, truth, data, config.name, variant, note))
         if config.hidden is None and variant.projection is None:
             sanity.append((variant.name, hessian_row(config, reference, data, store, truth)))
@@ -703,6 +711,20 @@ def print_results(rows: list[Row]) -> None:
         candidates = sorted({r.method.label for r in rows if r.method.trajectory})
         print(f"trajectory-aware candidates: {', '.join(candidates)} on the six projected variants")
         print(f"  chosen: {trajectory.method.label} {trajectory.variant.name} (val {trajectory.val:.3f})")
+        history = chosen(
+            rows,
+            lambda r: (
+                r.model == "mlp"
+                and r.variant.family != "exact"
+                and r.method.trajectory
+                and r.method.options["method"] != "fisher"
+            ),
+        )
+        if history is not None:
+            print(
+                f"  the same choice without fisher (the methods that read the history): {history.method.label} "
+                f"{history.variant.name} = {history.test.value:.3f} (val {history.val:.3f})"
+            )
         target = TARGETS["trajectory"]
         value = trajectory.test.value
         print(f"RESULT lds_trajectory_mlp_416={value:.3f} target>={target:.2f} {verdict(value, target)}")
