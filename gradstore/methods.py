@@ -12,6 +12,7 @@
 | ``trackstar``| ``cos(F^-1/2 q, F^-1/2 g)``                        | projected empirical Fisher, unit norm   |
 | ``tracin-steps`` | ``sum_t lr_t s_t / B_t * q . g_t`` over recorded training steps | identity per step     |
 | ``source``   | ``sum_l q^T (prod_{l'>l} E_l') (I - E_l) F_l^-1 g_l``, ``E_l = exp(-lr_l K_l F_l)`` | Fisher/segment |
+| ``source-ekfac`` | as ``source`` with ``F_l`` the checkpoint's EK-FAC                 | EK-FAC per segment   |
 | ``dvemb``    | ``q . e_z``, ``e_z = sum_t lr_t / B_t prod_{s>t} (I - lr_s H_s) g_t``  | batch curvature per step |
 
 ``influence`` is an alias of ``fisher``. Damping is relative to the mean eigenvalue (default 0.1).
@@ -52,6 +53,7 @@ MethodName = Literal[
     "trackstar",
     "tracin-steps",
     "source",
+    "source-ekfac",
     "dvemb",
     "influence",
 ]
@@ -218,6 +220,19 @@ METHODS: dict[str, Method] = {
             "SOURCE: segments between checkpoint passes, each with its own Fisher F_l: "
             "sum_l q^T (prod_{l'>l} exp(-lr K F)) (I - exp(-lr_l K_l F_l)) F_l^-1 g_l / N_l",
             requires="checkpoint passes: training rows at checkpoints with a recorded step and learning rate",
+            operations=frozenset({"attribute", "score_matrix", "self_influence", "select"}),
+            trajectory="segments",
+            true_fisher=True,
+        ),
+        Method(
+            "source-ekfac",
+            "kfac",
+            True,
+            False,
+            "source with each checkpoint's curvature its EK-FAC (Kronecker eigenbasis, eigenvalues refitted on the "
+            "rows) instead of the projected Fisher",
+            eigen_correction=True,
+            requires="checkpoint passes (a step and learning rate each) with Kronecker-structured rows",
             operations=frozenset({"attribute", "score_matrix", "self_influence", "select"}),
             trajectory="segments",
             true_fisher=True,

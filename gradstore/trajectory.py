@@ -18,6 +18,8 @@ step, with the step's learning rate, and checkpoint passes along the way. Two me
   ``score(q, z) = sum_l 1/N_l q^T (prod_{l' > l} exp(-lr_l' K_l' F_l')) (I - exp(-lr_l K_l F_l)) F_l^-1 g_{z,l}``
   with ``N_l`` the checkpoint's training rows (an example's expected share of a step's mean loss).
   Queries are final-model gradients. No damping is needed: ``(1 - exp(-c x)) / x`` is finite at ``x = 0``.
+  ``source-ekfac`` takes each checkpoint's EK-FAC (Kronecker eigenbasis, eigenvalues refitted on its rows) as
+  ``F_l`` instead.
 
 Both are sums over several rows of an example, computed as per-example scans on an engine (in this process or
 on Ray, :func:`gradstore.scan_tasks.tracin_top_k`): the query side is prepared once per checkpoint (SOURCE's
@@ -38,7 +40,7 @@ from gradstore.arguments import row_checkpoints
 from gradstore.core import StoreCore, gradient_filter
 from gradstore.errors import InvalidArgumentError
 from gradstore.fitting import FitCache, Selection, fit_spec
-from gradstore.methods import METHODS, ScoreOptions, resolve_method
+from gradstore.methods import ScoreOptions, resolve_method
 from gradstore.queries import Queries, QueryInput, resolve_queries, stored_queries
 
 #: One entry of a per-example sum: (row filter, prepared queries [q, dim] float64, per-step weights or None).
@@ -329,7 +331,7 @@ def source_entries(
     entries: list[WeightedRows] = []
     for segment in reversed(segments):
         selection = Selection(run, segment.checkpoint, options.split, options.where)
-        curvature = fits.get(fit_spec(store, selection, METHODS["source"], options.blocks))
+        curvature = fits.get(fit_spec(store, selection, resolve_method(options.method), options.blocks))
         horizon = segment.learning_rate * segment.steps
         examples = Selection(run, segment.checkpoint, options.split).count(store)  # N_l: one step's share is 1/N_l
         prepared = curvature.apply_function(carried, _segment_term(horizon)) / examples

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 
 import numpy as np
@@ -197,6 +197,22 @@ class KroneckerPreconditioner:
             return out
 
         return apply_rows(x, transform)
+
+    def apply_function(self, x: torch.Tensor, function: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``f(S (x) A) x`` layer by layer for a spectral function ``f`` of the *undamped* Kronecker curvature
+        (EK-FAC: its corrected eigenvalues), float64: ``x`` rotated into the layer's eigenbasis, scaled by ``f`` of
+        the eigenvalues, rotated back (SOURCE's segment terms, :mod:`gradstore.trajectory`)."""
+        self._decompose_given_factors()
+        if self.dim is None or not self.eigenvalues:
+            raise NotFittedError("fit the kfac preconditioner before applying it")
+        x = x.to(torch.float64)
+        out = torch.empty_like(x)
+        for name, offset, k_in, k_out in self.layout:
+            q_a, q_s = (self.basis[name][which].to(torch.float64) for which in (0, 1))
+            grads = x[:, offset : offset + k_in * k_out].reshape(-1, k_out, k_in)
+            rotated = (q_s.T @ grads @ q_a) * function(self.eigenvalues[name].to(torch.float64))
+            out[:, offset : offset + k_in * k_out] = (q_s @ rotated @ q_a.T).reshape(-1, k_in * k_out)
+        return out
 
     def apply_query(self, q: torch.Tensor) -> torch.Tensor:
         """``P^-1 q`` layer by layer, in the Kronecker eigenbasis."""

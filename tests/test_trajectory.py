@@ -422,3 +422,35 @@ def test_the_readme_flow_needs_no_recorded_steps_for_one_query_checkpoint(tmp_pa
         (0.5 * ((model(x).squeeze(-1) - y) ** 2).mean()).backward()
         model.zero_grad()
     assert store.self_influence(run=RUN, method="tracin-steps", write=False).num_rows == N
+
+
+def test_source_ekfac_uses_each_checkpoints_ekfac(tmp_path):
+    """source-ekfac equals SOURCE's closed form with F_l the dense matrix of each checkpoint's fitted EK-FAC
+    (its Kronecker eigenbasis and refitted eigenvalues), functions taken by a dense eigendecomposition."""
+    from gradstore.fitting import Selection, fit_spec
+    from gradstore.methods import METHODS
+
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    plan = checkpoint_passes(store, 0.05, 40, every=20)
+    core = store.core
+    queries = core.read_gradients(RUN, checkpoint=plan[-1][0], split="query").vectors.astype(np.float64)
+    total, operator, previous, segments = np.zeros((2, N)), np.eye(D + 1), 0, []
+    for name, step, rate in plan:
+        segments.append((name, step - previous, rate))
+        previous = step
+    for name, steps, rate in reversed(segments):
+        fitted = store.fits.get(fit_spec(core, Selection(RUN, name), METHODS["source-ekfac"]))
+        (layer,) = fitted.layout
+        q_a, q_s = (fitted.basis[layer[0]][i].numpy() for i in (0, 1))
+        rotation = np.kron(q_s, q_a)
+        dense = rotation @ np.diag(fitted.eigenvalues[layer[0]].numpy().ravel()) @ rotation.T
+        values, vectors = np.linalg.eigh(dense)
+        c = rate * steps
+        term = np.where(values * c > 1e-12, -np.expm1(-c * values) / np.where(values > 0, values, 1), c)
+        block = core.read_gradients(RUN, checkpoint=name, split="train")
+        prepared = queries @ operator.T @ ((vectors * term) @ vectors.T) / len(block.vectors)
+        for column, example in enumerate(block.metadata.column("example_id").to_pylist()):
+            total[:, int(example)] += prepared @ block.vectors[column].astype(np.float64)
+        operator = operator @ ((vectors * np.exp(-c * values)) @ vectors.T)
+    matrix = store.score_matrix(["qa", "qb"], run=RUN, method="source-ekfac")
+    np.testing.assert_allclose(columns(matrix), total, rtol=1e-4, atol=1e-7)
