@@ -227,12 +227,23 @@ class BlockDiagonal:
 
 
 def _carried(products: torch.Tensor, curvature: torch.Tensor, rate: float, span: int) -> torch.Tensor:
-    """``P (I - rate C^T C)^span`` for batched ``P [b, s, s]`` and ``C [b, n, s]``."""
+    """``P (I - rate C^T C)^span`` for batched ``P [b, s, s]`` and ``C [b, n, s]``. One step: two products. More:
+    through the eigendecomposition of the smaller Gram matrix, ``C C^T = U diag(mu) U^T`` (``n x n``), as
+    ``P + (P C^T U) diag(((1 - rate mu)^span - 1) / mu) (U^T C)`` (the factor is the identity off ``C``'s rows),
+    or of ``C^T C`` itself when it is the smaller one."""
     if span == 1:
         return torch.baddbmm(products, torch.bmm(products, curvature.transpose(1, 2)), curvature, alpha=-rate)
-    size = curvature.shape[2]
-    factor = torch.eye(size, dtype=torch.float64) - rate * torch.bmm(curvature.transpose(1, 2), curvature)
-    return torch.bmm(products, torch.linalg.matrix_power(factor, span))
+    if curvature.shape[1] < curvature.shape[2]:
+        values, vectors = torch.linalg.eigh(torch.bmm(curvature, curvature.transpose(1, 2)))
+        safe = torch.where(values > 0, values, torch.ones_like(values))
+        weights = torch.where(
+            values > 0, ((1 - rate * values) ** span - 1) / safe, -rate * span * torch.ones_like(values)
+        )
+        rows = torch.bmm(vectors.transpose(1, 2), curvature)  # U^T C: [b, n, s]
+        return torch.baddbmm(products, torch.bmm(products, rows.transpose(1, 2)) * weights[:, None, :], rows)
+    values, vectors = torch.linalg.eigh(torch.bmm(curvature.transpose(1, 2), curvature))
+    factor = torch.bmm(vectors * ((1 - rate * values) ** span)[:, None, :], vectors.transpose(1, 2))
+    return torch.bmm(products, factor)
 
 
 def _chunks(

@@ -454,3 +454,16 @@ def test_source_ekfac_uses_each_checkpoints_ekfac(tmp_path):
         operator = operator @ ((vectors * np.exp(-c * values)) @ vectors.T)
     matrix = store.score_matrix(["qa", "qb"], run=RUN, method="source-ekfac")
     np.testing.assert_allclose(columns(matrix), total, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("rows, size", [(5, 12), (20, 8)])
+@pytest.mark.parametrize("span", [1, 2, 7])
+def test_dvemb_carries_a_recorded_step_for_its_span(rows, size, span):
+    """``P (I - rate C^T C)^span`` (a recorded step standing for ``span`` steps), through the smaller Gram
+    matrix's eigendecomposition, equals repeated multiplication."""
+    generator = torch.Generator().manual_seed(rows * span)
+    products = torch.randn(3, size, size, generator=generator, dtype=torch.float64)
+    curvature = 0.3 * torch.randn(3, rows, size, generator=generator, dtype=torch.float64)
+    factor = torch.eye(size, dtype=torch.float64) - 0.05 * curvature.transpose(1, 2) @ curvature
+    expected = products @ torch.linalg.matrix_power(factor, span)
+    torch.testing.assert_close(dvemb._carried(products, curvature, 0.05, span), expected, rtol=1e-12, atol=1e-12)
