@@ -44,12 +44,15 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
   ``tracin-steps`` and ``dvemb`` over the in-loop rows, ``source`` over the five segments. A damped method's
   damping (relative to the mean eigenvalue) is chosen from a grid on the validation LDS.
 * Variants at equal dims (sizes capped at the layer width): exact gradients (``projection=None``, the ceiling,
-  never a candidate) and three projection families with **two candidates each**, fixed before any run:
+  never a candidate) and four families with **two candidates each**, fixed before any run:
   random LoGra factorized projections with projection seeds 0 and 1, random dense JL projections with seeds
   0 and 1, and curvature-aware factorized projections on the final model's K-FAC eigenbasis
   (``ingest.basis.estimate_basis``, ``factors="kfac"``) with the requested per-layer sizes (``fixed``) and with
   ``split="energy"`` (each layer's ``k_in * k_out`` re-divided between its sides to keep the most Kronecker
-  energy, same dims per layer). Logistic regression 32x10 = 320 dims; MLP 16x16 per layer (the 10-way output
+  energy, same dims per layer), and random factorized projections (seeds 0 and 1) of rows in Adam's geometry:
+  ``normalizer="adam_sqrt"`` on every capture (in-loop rows, checkpoint passes with the optimizer's state of that
+  checkpoint, true-Fisher rows), the coordinates where an Adam step is a gradient step at the learning rate, which
+  is what ``source`` and ``dvemb`` model. Logistic regression 32x10 = 320 dims; MLP 16x16 per layer (the 10-way output
   layer gets 16x10) = 416 dims. One extra logistic-regression row, "exact-Hessian IF", preconditions the test
   query rows with the true Hessian of the training objective (torch) and scores them through ``grad-dot``: a
   sanity check of the protocol, not a gradstore method and not a candidate.
@@ -75,6 +78,7 @@ Run: ``python bench/fidelity.py`` (``--threads 1`` when the two cores are shared
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import sys
 import tempfile
@@ -297,6 +301,7 @@ class Variant:
     seed: int = 0
     split: str = "fixed"  # curvature-aware: estimate_basis split
     in_loop: bool = True  # rows captured during training (the exact variant has none: its rows are the widest)
+    normalizer: str | None = None  # "adam_sqrt": every row in Adam's geometry (in-loop, passes, true Fisher)
 
     def capture_options(self, config: ModelConfig, basis: ProjectionBasis | None) -> dict[str, Any]:
         """The run's projection options for ``store.capture``."""
@@ -305,10 +310,21 @@ class Variant:
         options = {"projection": self.projection, "k_in": config.k_in, "k_out": config.k_out, "seed": self.seed}
         if basis is not None:
             options["basis"] = basis
+        if self.normalizer is not None:
+            options["normalizer"] = self.normalizer
         return options
 
 
-FAMILIES = ("random factorized", "random dense", "curvature-aware")
+@dataclass
+class Snapshot:
+    """The model at a planned checkpoint: its parameters and its optimizer's state (Adam's second moments, which
+    ``normalizer="adam_sqrt"`` passes read)."""
+
+    params: list[torch.Tensor]
+    optimizer_state: dict[str, Any]
+
+
+FAMILIES = ("random factorized", "random dense", "curvature-aware", "random factorized, Adam geometry")
 VARIANTS = (
     Variant("exact", "exact", None, in_loop=False),
     Variant("factorized-s0", "random factorized", "factorized", 0),
@@ -317,6 +333,8 @@ VARIANTS = (
     Variant("dense-s1", "random dense", "dense", 1),
     Variant("curvature-kfac", "curvature-aware", "factorized"),
     Variant("curvature-kfac-energy", "curvature-aware", "factorized", split="energy"),
+    Variant("factorized-adam-s0", FAMILIES[3], "factorized", 0, normalizer="adam_sqrt"),
+    Variant("factorized-adam-s1", FAMILIES[3], "factorized", 1, normalizer="adam_sqrt"),
 )
 
 
@@ -361,7 +379,7 @@ def train_under_capture(
     plan: dict[str, tuple[int, float]],
     options: dict[str, Any],
     every: int | None,
-) -> dict[str, list[torch.Tensor]]:
+) -> dict[str, Snapshot]:
     """Train the full model as an ``nn.Sequential`` under ``store.capture`` (every ``every``-th step captured,
     the others paused; ``None``: all paused); returns its parameters at the planned checkpoints."""
     module = make_module(config)
@@ -384,7 +402,8 @@ def train_under_capture(
             cap.resume()
             optimizer.step()
             if step + 1 in at_step:
-                snapshots[at_step[step + 1]] = [p.detach().clone() for p in module.parameters()]
+                params = [p.detach().clone() for p in module.parameters()]
+                snapshots[at_step[step + 1]] = Snapshot(params, copy.deepcopy(optimizer.state_dict()))
     return snapshots
 
 
@@ -392,7 +411,7 @@ def checkpoint_passes(
     store: gradstore.GradStore,
     config: ModelConfig,
     data: Data,
-    snapshots: dict[str, list[torch.Tensor]],
+    snapshots: dict[str, Snapshot],
     plan: dict[str, tuple[int, float]],
     options: dict[str, Any],
     true_fisher: bool,
@@ -409,8 +428,14 @@ def checkpoint_passes(
             ("query", val_ids(len(data.x_val)), data.x_val, data.y_val),
         ]
     for name, (step, rate) in plan.items():
-        load_into(module, snapshots[name])
-        with store.capture(module, RUN, checkpoint=name, learning_rate=rate, loss_reduction="mean", **options) as cap:
+        load_into(module, snapshots[name].params)
+        optimizer = None
+        if "normalizer" in options:  # the rows read the second moments the optimizer had at this checkpoint
+            optimizer = torch.optim.Adam(module.parameters(), lr=rate)
+            optimizer.load_state_dict(snapshots[name].optimizer_state)
+        with store.capture(
+            module, RUN, checkpoint=name, learning_rate=rate, loss_reduction="mean", optimizer=optimizer, **options
+        ) as cap:
             cap.set_step(step)
             for split, ids, x, y in groups:
                 cap.set_split(split)
@@ -443,7 +468,7 @@ def build_store(
     seed: int,
     plan: dict[str, tuple[int, float]],
     reference: list[torch.Tensor],
-) -> tuple[gradstore.GradStore, dict[str, list[torch.Tensor]], dict[str, Any], str]:
+) -> tuple[gradstore.GradStore, dict[str, Snapshot], dict[str, Any], str]:
     """A store of one variant: training under capture (checked against ``reference``) and the checkpoint
     passes' training and query rows. Returns it, the checkpoint weights, the capture options and a dims note."""
     store = gradstore.open(workdir / f"{config.name}-{variant.name}", storage_dtype="float32")
@@ -453,7 +478,7 @@ def build_store(
     options = variant.capture_options(config, basis)
     every = config.every if variant.in_loop else None
     snapshots = train_under_capture(store, config, data, seed, plan, options, every)
-    difference = max(float((a - b).abs().max()) for a, b in zip(snapshots["final"], reference))
+    difference = max(float((a - b).abs().max()) for a, b in zip(snapshots["final"].params, reference))
     if difference > WEIGHT_TOLERANCE:
         raise AssertionError(
             f"{config.name} {variant.name}: the model trained under capture differs from the stacked training's "
@@ -690,7 +715,8 @@ def print_results(rows: list[Row]) -> None:
     """The projection families at equal candidate counts, then the RESULT lines (all chosen on validation)."""
     print(
         "\nProjection families, two candidates each (fixed before any run): random factorized seeds 0/1, random "
-        "dense seeds 0/1, curvature-aware K-FAC eigenbasis fixed/energy split; fisher (empirical or true), "
+        "dense seeds 0/1, curvature-aware K-FAC eigenbasis fixed/energy split, random factorized seeds 0/1 of "
+        "adam_sqrt rows; fisher (empirical or true), "
         "damping and variant chosen on validation:"
     )
     curvature = {}
@@ -709,7 +735,7 @@ def print_results(rows: list[Row]) -> None:
     logreg = chosen(rows, lambda r: r.model == "logreg" and r.variant.family != "exact")
     if trajectory is not None:
         candidates = sorted({r.method.label for r in rows if r.method.trajectory})
-        print(f"trajectory-aware candidates: {', '.join(candidates)} on the six projected variants")
+        print(f"trajectory-aware candidates: {', '.join(candidates)} on the eight projected variants")
         print(f"  chosen: {trajectory.method.label} {trajectory.variant.name} (val {trajectory.val:.3f})")
         history = chosen(
             rows,
@@ -730,7 +756,7 @@ def print_results(rows: list[Row]) -> None:
         print(f"RESULT lds_trajectory_mlp_416={value:.3f} target>={target:.2f} {verdict(value, target)}")
     if logreg is not None:
         print(
-            f"logistic regression, every method on the six projected variants: chosen {logreg.method.label} "
+            f"logistic regression, every method on the eight projected variants: chosen {logreg.method.label} "
             f"{logreg.variant.name} (val {logreg.val:.3f})"
         )
         target, value = TARGETS["logreg"], logreg.test.value
