@@ -82,6 +82,17 @@ def hand_lds(store, truth, queries: list[str]) -> np.ndarray:
     return np.array([spearmanr(predicted[:, j], actual[:, j])[0] for j in range(len(queries))])
 
 
+def write_toy_train(path) -> None:
+    """A retraining module for the CLI: ``train_fn`` with losses a deterministic function of the subset ids."""
+    path.write_text(
+        "import numpy as np\n\n"
+        "def train_fn(subsets, queries, seed):\n"
+        "    weight = {q: i + 1 for i, q in enumerate(queries)}\n"
+        "    return np.array([[sum(int(e[1:]) % 7 for e in s) * weight[q] + seed for q in queries]"
+        " for s in subsets], float)\n"
+    )
+
+
 def test_lds_equals_hand_computation_and_is_written(store):
     train_fn, calls = make_train_fn()
     queries = [f"q{i}" for i in range(N_QUERY)]
@@ -150,13 +161,7 @@ def test_cli_evaluate_lds_imports_the_training_function(store, tmp_path, monkeyp
 
     from gradstore.cli import app
 
-    (tmp_path / "lds_toy_train.py").write_text(
-        "import numpy as np\n\n"
-        "def train_fn(subsets, queries, seed):\n"
-        "    weight = {q: i + 1 for i, q in enumerate(queries)}\n"
-        "    return np.array([[sum(int(e[1:]) % 7 for e in s) * weight[q] + seed for q in queries]"
-        " for s in subsets], float)\n"
-    )
+    write_toy_train(tmp_path / "lds_toy_train.py")
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(
         app,
@@ -458,13 +463,7 @@ def test_cli_evaluate_qld_end_to_end(store, tmp_path, monkeypatch):
 
     from gradstore.cli import app
 
-    (tmp_path / "qld_toy_train.py").write_text(
-        "import numpy as np\n\n"
-        "def train_fn(subsets, queries, seed):\n"
-        "    weight = {q: i + 1 for i, q in enumerate(queries)}\n"
-        "    return np.array([[sum(int(e[1:]) % 7 for e in s) * weight[q] + seed for q in queries]"
-        " for s in subsets], float)\n"
-    )
+    write_toy_train(tmp_path / "qld_toy_train.py")
     monkeypatch.chdir(tmp_path)
     arguments = ["evaluate", "qld", store.uri, "--run", "run", "--train", "qld_toy_train:train_fn"]
     options = ["--methods", "grad-dot,fisher", "--damping", "0.01", "--fraction", "0.2", "--seeds", "0,1"]
