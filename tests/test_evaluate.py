@@ -6,6 +6,7 @@ call per seed, rows with metric='qld', the CLI, argument errors."""
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -82,7 +83,7 @@ def hand_lds(store, truth, queries: list[str]) -> np.ndarray:
     return np.array([spearmanr(predicted[:, j], actual[:, j])[0] for j in range(len(queries))])
 
 
-def write_toy_train(path) -> None:
+def write_toy_train(path: Path) -> None:
     """A retraining module for the CLI: ``train_fn`` with losses a deterministic function of the subset ids."""
     path.write_text(
         "import numpy as np\n\n"
