@@ -79,9 +79,7 @@ class RecordedStep:
 def in_loop_checkpoint(store: StoreCore, run: str, checkpoint: str | None = None) -> str:
     """The checkpoint label of ``run``'s training rows captured during training (``checkpoint`` when given): the
     label whose training rows span the most distinct steps, at least two."""
-    table = _train_rows(store, run, None)
-    counts = table.group_by("checkpoint").aggregate([("step", "count_distinct")]).to_pylist()
-    steps = {row["checkpoint"]: row["step_count_distinct"] for row in counts}
+    steps = _step_counts(store, run)
     if checkpoint is not None:
         if steps.get(checkpoint, 0) < 2:
             raise InvalidArgumentError(
@@ -182,8 +180,13 @@ def final_training_checkpoint(store: StoreCore, run: str, split: str) -> str:
 
 def _in_loop_labels(store: StoreCore, run: str) -> set[str]:
     """Checkpoint labels whose training rows span two or more steps (rows captured during training)."""
+    return {c for c, n in _step_counts(store, run).items() if n > 1}
+
+
+def _step_counts(store: StoreCore, run: str) -> dict[str | None, int]:
+    """``checkpoint label -> distinct steps`` of the run's training rows."""
     counts = _train_rows(store, run, None).group_by("checkpoint").aggregate([("step", "count_distinct")])
-    return {c for c, n in zip(counts.column(0).to_pylist(), counts.column(1).to_pylist()) if (n or 0) > 1}
+    return {row["checkpoint"]: row["step_count_distinct"] or 0 for row in counts.to_pylist()}
 
 
 # ---------------------------------------------------------------------------------------------- tracin-steps
