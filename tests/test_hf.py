@@ -13,7 +13,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from tiny_models import tiny_gpt2  # noqa: E402
+from tiny_models import collate, tiny_gpt2, token_dataset  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import gradstore  # noqa: E402
@@ -21,18 +21,6 @@ from gradstore.hf import GradstoreCallback, with_example_ids  # noqa: E402
 
 N, SEQ, LR = 12, 16, 1e-3
 OPTIONS = {"projection": "factorized", "k_in": 8, "k_out": 8}
-
-
-def token_dataset() -> datasets.Dataset:
-    gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 64, (N, SEQ), generator=gen).tolist()
-    return datasets.Dataset.from_dict(
-        {"input_ids": tokens, "labels": tokens, "example_id": [f"ex{i}" for i in range(N)]}
-    )
-
-
-def collate(features: list[dict]) -> dict[str, torch.Tensor]:
-    return {k: torch.tensor([f[k] for f in features]) for k in ("input_ids", "labels")}
 
 
 def train_with_callback(tmp_path, store, run: str, **arguments) -> Trainer:
@@ -58,7 +46,7 @@ def train_with_callback(tmp_path, store, run: str, **arguments) -> Trainer:
     trainer = Trainer(
         model=tiny_gpt2(),
         args=args,
-        train_dataset=token_dataset(),
+        train_dataset=token_dataset(N, SEQ),
         data_collator=with_example_ids(collate),
         callbacks=[callback],
     )
@@ -114,7 +102,7 @@ def test_trainer_rows_have_the_trainers_steps_epochs_and_learning_rates(plain_ru
 def test_trainer_rows_equal_a_plain_capture_of_the_same_examples(plain_run):
     tmp_path, _, got = plain_run
     step0 = sorted(example_id for example_id, step in got if step == 0)
-    data = token_dataset().to_dict()
+    data = token_dataset(N, SEQ).to_dict()
     index = [data["example_id"].index(i) for i in step0]
     batch = collate([{"input_ids": data["input_ids"][j], "labels": data["labels"][j]} for j in index])
     reference = reference_rows(batch, step0, tmp_path)

@@ -44,7 +44,7 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import tiny_gpt2  # noqa: E402
+from tiny_models import collate, tiny_gpt2, token_dataset  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import gradstore  # noqa: E402
@@ -57,18 +57,6 @@ HANG_GUARD_S = 300
 
 
 # ---------------------------------------------------------------------------------------------- shared set-up
-def token_dataset() -> datasets.Dataset:
-    gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 64, (N, SEQ), generator=gen).tolist()
-    return datasets.Dataset.from_dict(
-        {"input_ids": tokens, "labels": tokens, "example_id": [f"ex{i}" for i in range(N)]}
-    )
-
-
-def collate(features: list[dict]) -> dict[str, torch.Tensor]:
-    return {k: torch.tensor([f[k] for f in features]) for k in ("input_ids", "labels")}
-
-
 def train_trainer(out: Path, store, run: str, batch: int, **arguments) -> None:
     args = TrainingArguments(
         output_dir=str(out / run),
@@ -93,7 +81,7 @@ def train_trainer(out: Path, store, run: str, batch: int, **arguments) -> None:
     Trainer(
         model=model,
         args=args,
-        train_dataset=token_dataset(),
+        train_dataset=token_dataset(N, SEQ),
         data_collator=with_example_ids(collate),
         callbacks=[GradstoreCallback(store, run, commit_every=2, **OPTIONS)],
     ).train()

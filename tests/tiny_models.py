@@ -22,3 +22,23 @@ def tiny_gpt2(dropout: float = 0.0, attention: str | None = None):
     if attention is not None:
         config._attn_implementation = attention
     return transformers.GPT2LMHeadModel(config)
+
+
+def token_dataset(n: int, seq: int):
+    """A ``datasets.Dataset`` of ``n`` seeded random token sequences of length ``seq`` (``input_ids``, ``labels``
+    and ``example_id`` "ex0" ...) for the tiny GPT-2."""
+    import datasets
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (n, seq), generator=gen).tolist()
+    return datasets.Dataset.from_dict(
+        {"input_ids": tokens, "labels": tokens, "example_id": [f"ex{i}" for i in range(n)]}
+    )
+
+
+def collate(features: list[dict]):
+    """Stack ``input_ids`` and ``labels`` of dataset rows into tensors (the Trainer's collator)."""
+    import torch
+
+    return {k: torch.tensor([f[k] for f in features]) for k in ("input_ids", "labels")}
