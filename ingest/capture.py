@@ -28,16 +28,18 @@ from torch import nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ingest.curvature import CurvatureStats
+from ingest.coverage import COVERAGE_MODES, Coverage
+from ingest.curvature import CURVATURE_SPLITS, CurvatureStats
 from ingest.delivery import Delivery
 from ingest.hooks import ActiveBatch, LayerHook, in_backward
 from ingest.ids import content_hashes, find_inputs, find_mask, normalize_ids
-from ingest.layers import LayerInfo, fsdp1_wrapped, select_layers
+from ingest.layers import LayerInfo, fsdp1_wrapped, left_out_ops, select_layers
 from ingest.misuse import CaptureUsageError
 from ingest.normalizers import NORMALIZER_POWERS, NORMALIZERS, adam_factored_scales
 from ingest.per_example import ROUTES
 from ingest.projection import LAYER_KINDS, LayerSizes, ProjectionBasis, ProjectionSpec, make_slot, slot_sizes
 from ingest.scaling import REDUCTIONS, example_scales, example_token_counts
+from ingest.uses import ParameterUses, mark_batched
 
 PROJECTIONS = (None, "factorized", "dense")
 #: What capture does with a training batch whose rows hold NaN/Inf (see :class:`CaptureConfig`).
@@ -90,7 +92,7 @@ class ProjectionConfig:
     k_in: int = 16
     k_out: int = 16
     seed: int = 0
-    layer_types: tuple[str, ...] = ("linear", "conv1d", "embedding")
+    layer_types: tuple[str, ...] = LAYER_KINDS
     include: str | None = None
     exclude: str | None = None
     layer_sizes: LayerSizes | None = None
@@ -151,13 +153,16 @@ class CaptureConfig:
     ``route``: factorized contraction route, ``"auto"`` (cost rule) or forced ``"project"`` /
     ``"materialize"``. ``loss_reduction``/``loss_scale``: how the loop's loss was formed, undone so
     rows are per-example gradients (see :mod:`ingest.scaling`). ``curvature``: also accumulate Kronecker
-    covariances of the training rows. ``normalizer``: ``"adam_factored"`` records LESS-style rows normalised
-    by the optimizer's Adam second moments in factored form, ``"adam_sqrt"`` by their square roots (rows in the
+    covariances of the training rows (and, kept apart, of the ``"true-fisher"`` rows). ``normalizer``:
+    ``"adam_factored"`` records LESS-style rows normalised by the optimizer's Adam second moments in factored
+    form, ``"adam_sqrt"`` by their square roots (rows in the
     coordinates where an Adam step is a gradient step, for the trajectory methods; see
     :mod:`ingest.normalizers`); forwards before the optimizer holds state are not captured. ``fused``: project
     inside the Linear/Conv1D layers' own GEMMs
     (:mod:`ingest.fused`; the same rows, training unchanged, the activations read once instead of twice, the
     weights copied twice per step: it pays where batches hold more tokens than a layer is wide).
+    ``coverage``: what to do about trainable parameters the capture does not record (:mod:`ingest.coverage`:
+    ``"warn"`` once, ``"strict"`` raises, ``"ignore"``).
     ``on_nonfinite``: a training batch (split ``"train"``) with a NaN/Inf row, or one of a step a ``GradScaler``
     skipped, is ``"skip"``-ped (not delivered; reported to ``on_skip`` and warned once) or, with ``"raise"``,
     :class:`NonFiniteRowsError` is raised from the ``backward()`` that produced a non-finite row (one device
@@ -174,6 +179,7 @@ class CaptureConfig:
     normalizer: str | None = None
     fused: bool = False
     on_nonfinite: str = "skip"
+    coverage: str = "warn"
 
     @classmethod
     def from_options(cls, **options: Any) -> CaptureConfig:
@@ -205,6 +211,8 @@ class CaptureConfig:
             raise CaptureUsageError(f"normalizer must be one of {NORMALIZERS}, got {self.normalizer!r}")
         if self.normalizer is not None and self.curvature:
             raise CaptureUsageError("curvature statistics of normalised rows are not supported: capture them raw")
+        if self.coverage not in COVERAGE_MODES:
+            raise CaptureUsageError(f"coverage must be one of {COVERAGE_MODES}, got {self.coverage!r}")
         if self.on_nonfinite not in NONFINITE_MODES:
             raise CaptureUsageError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {self.on_nonfinite!r}")
         for name in ("split", "checkpoint"):
@@ -342,9 +350,20 @@ class GradientCapture:
         )
         if not layers:
             raise CaptureUsageError(
-                "capture: no supported layer (Linear, Conv1D, Embedding) matches the layer selection: the model has "
-                "none, or layer_types=/include=/exclude= leave none"
+                "capture: no supported layer (Linear, Conv1D, Embedding, ConvNd, attention, parameter) matches the "
+                "layer selection: the model has none, or layer_types=/include=/exclude= leave none"
             )
+        op_level = sorted({info.kind for info in layers if not info.hooked})
+        if op_level and (self.config.normalizer is not None or self.hook_class is not LayerHook):
+            raise CaptureUsageError(
+                f"capture: layers of kind {op_level} are captured at their ops, which "
+                f"{'normalizer=' if self.config.normalizer else 'per-token capture'} does not support yet: leave them "
+                "out with layer_types=/exclude="
+            )
+        self.coverage = Coverage.of(
+            model, layers, tuple(projection.layer_types), projection.include, projection.exclude, self.config.coverage
+        )
+        self.coverage.check()
         self.spec = build_spec(layers, projection)
         self.layer_hooks = [
             self.hook_class(
@@ -353,9 +372,22 @@ class GradientCapture:
                 self,
                 projection.seed,
                 None if projection.basis is None else projection.basis.tensors(slot.name),
+                (info.parameter, info.bias) if info.weight is not None else None,
             )
             for slot, info in zip(self.spec.layers, layers)
         ]
+        self._hooked = [info.hooked for info in layers]
+        self._uses = ParameterUses(
+            self,
+            self.layer_hooks,
+            {id(info.module) for info in layers if info.hooked},
+            {id(p): n for n, p in model.named_parameters()},
+            left_out_ops(model, layers),
+        )
+        self._uses_needed = bool(op_level)  # else only the first captured forward checks for uses outside hooks
+        self._uses_probe = True
+        self._uses_active = False
+        self._scope_handles: list[Any] = []
         self._normalized = self.config.normalizer is None  # False until the optimizer holds second moments
         self._moments_stale = self.config.normalizer is not None  # the optimizer stepped since the last refresh
         self.batch: ActiveBatch | None = None
@@ -369,7 +401,7 @@ class GradientCapture:
         self._generation = 0
         self._next_ids: list[str] | None = None
         self._param_ids = {id(p) for p in model.parameters()}
-        self._curvature: dict[str, CurvatureStats] = {}
+        self._curvature: dict[tuple[str, str], CurvatureStats] = {}  # by (checkpoint, split)
         self._handles: list[Any] = []
         self._delivery: Delivery | None = None
         self.on_skip = on_skip
@@ -387,9 +419,17 @@ class GradientCapture:
 
     def __enter__(self) -> GradientCapture:
         self._delivery = Delivery(self._deliver, self.config.max_pending_batches)
-        self._handles = [h.attach() for h in self.layer_hooks]
+        self._handles = [h.attach() for h, hooked in zip(self.layer_hooks, self._hooked) if hooked]
         self._handles.append(self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(self._after_forward, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._leave_uses, always_call=True))
+        if self._uses_needed or self._uses_probe:
+            for h, hooked in zip(self.layer_hooks, self._hooked):
+                if hooked:
+                    self._scope_handles.append(h.module.register_forward_pre_hook(self._uses.enter_module))
+                    self._scope_handles.append(
+                        h.module.register_forward_hook(self._uses.leave_module, always_call=True)
+                    )
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
         else:
@@ -400,9 +440,10 @@ class GradientCapture:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        for handle in self._handles:
+        for handle in self._handles + self._scope_handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._scope_handles = [], []
+        self._leave_uses()
         self.batch = None
         delivery = self._delivery
         try:
@@ -471,11 +512,17 @@ class GradientCapture:
             self._delivery.flush()
         self._warn_skips()
 
-    def curvature(self, checkpoint: str | None = None) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
-        """Per layer ``(A [k_in, k_in], S [k_out, k_out], tokens)`` of a checkpoint (default: current)."""
+    def curvature(
+        self, checkpoint: str | None = None, split: str = "train"
+    ) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+        """Per layer ``(A [k_in, k_in], S [k_out, k_out], tokens)`` of a checkpoint (default: current), over the
+        rows of ``split``: ``"train"`` (the empirical Fisher's factors) or ``"true-fisher"`` (labels sampled from
+        the model: the true Fisher's), kept apart (:data:`ingest.curvature.CURVATURE_SPLITS`)."""
         if not self.config.curvature:
             raise RuntimeError("curvature statistics were not requested (CaptureConfig.curvature=False)")
-        stats = self._curvature.get(self.checkpoint if checkpoint is None else checkpoint)
+        if split not in CURVATURE_SPLITS:
+            raise ValueError(f"curvature statistics are kept for the splits {CURVATURE_SPLITS}, not {split!r}")
+        stats = self._curvature.get((self.checkpoint if checkpoint is None else checkpoint, split))
         return {} if stats is None else stats.result()
 
     # hook owner interface ----------------------------------------------------------------------
@@ -487,11 +534,12 @@ class GradientCapture:
         return batch.rows
 
     def curvature_stats(self) -> CurvatureStats | None:
-        """Accumulator of the current checkpoint, or None when curvature is off or the rows are not
-        training rows (query rows describe no curvature of the training loss)."""
-        if not self.config.curvature or self.split != "train":
+        """Accumulator of the current checkpoint and split, or None when curvature is off or the rows are neither
+        training nor true-Fisher rows (query rows describe no curvature of the training loss). Training and
+        true-Fisher rows accumulate separately."""
+        if not self.config.curvature or self.split not in CURVATURE_SPLITS:
             return None
-        return self._curvature.setdefault(self.checkpoint, CurvatureStats())
+        return self._curvature.setdefault((self.checkpoint, self.split), CurvatureStats())
 
     def gradient_arrived(self, batch: ActiveBatch) -> None:
         """Arrange for ``batch`` to be finished when the running backward ends."""
@@ -548,7 +596,31 @@ class GradientCapture:
                 "loss": None,
             },
         )
+        if self._uses_needed or self._uses_probe:
+            mark_batched(args)
+            mark_batched(kwargs.values())
+            self._uses.__enter__()
+            self._uses_active = True
         return args, kwargs
+
+    def _leave_uses(self, *_: Any) -> None:
+        """End the op-level capture of a forward; after the first, keep it only where it is needed (op-level
+        layers, or hooked parameters that the first forward used outside their modules)."""
+        if not self._uses_active:
+            return
+        self._uses_active = False
+        self._uses.__exit__(None, None, None)
+        if self._uses_probe:
+            self._uses_probe = False
+            self._uses_needed = self._uses_needed or self._uses.seen_outside
+            if not self._uses_needed:
+                for handle in self._scope_handles:
+                    handle.remove()
+                self._scope_handles = []
+
+    def uncovered(self, names: Any, how: str) -> None:
+        """A use of parameters ``names`` that capture cannot split per example (from :mod:`ingest.uses`)."""
+        self.coverage.uncovered(set(names), how)
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         batch = self.batch

@@ -4,12 +4,21 @@ For every captured token ``t`` of every example ``b`` (padding excluded when an 
 known) a layer adds ``a a^T`` to ``A`` and ``s s^T`` to ``S``, where ``a = P_in [x_t, 1]`` and
 ``s = c_b P_out dy_t`` (``c_b`` the per-example scale of :mod:`ingest.scaling`). Sums are kept in
 float64 on the training device; :meth:`CurvatureStats.result` returns the token means and the count.
+
+A capture keeps one accumulator per checkpoint and split of :data:`CURVATURE_SPLITS`: the training rows give
+the empirical Fisher's factors, the ``"true-fisher"`` rows (losses on labels sampled from the model,
+:func:`ingest.losses.sample_labels`) the true Fisher's, which K-FAC and EK-FAC prefer where a checkpoint has them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+#: The split of true-Fisher rows: gradients of losses on labels sampled from the model's own predictive distribution.
+TRUE_FISHER_SPLIT = "true-fisher"
+#: The splits whose rows describe the training loss's curvature; each accumulates its own Kronecker factors.
+CURVATURE_SPLITS = ("train", TRUE_FISHER_SPLIT)
 
 
 class CurvatureStats:

@@ -41,6 +41,9 @@ from ingest.per_example import (
 )
 from ingest.projection import LayerSlot, projection_matrix
 
+#: Set by the op-level capture (:mod:`ingest.uses`) on a hooked module's output whose use it captured itself.
+TAKEN_MARK = "_gradstore_taken"
+
 
 class RecomputationError(RuntimeError):
     """A captured module was recomputed and backpropagated inside a backward (reentrant checkpointing)."""
@@ -100,9 +103,19 @@ class LayerHook:
         owner: HookOwner,
         seed: int,
         fixed: tuple[torch.Tensor, torch.Tensor] | None = None,
+        parameters: tuple[nn.Parameter, nn.Parameter | None] | None = None,
     ) -> None:
         self.slot = slot
         self.module = module
+        # the slot's (weight, bias): the module's own unless given (an attention in_proj, a bare parameter)
+        self.parameter, self.bias = (
+            parameters
+            if parameters is not None
+            else (
+                module.weight,
+                getattr(module, "bias", None) if slot.has_bias else None,
+            )
+        )
         self.owner = owner
         self.seed = seed
         self.fixed = fixed  # (P_in, P_out) of a ProjectionBasis, used instead of the seeded matrices
@@ -212,8 +225,8 @@ class LayerHook:
         if in_backward():
             output.register_hook(self._refuse_recomputation)
             return replaced
-        if getattr(output, FUSED_MARK, False):
-            return None  # the fused GEMMs hand this output's projections to add_projected
+        if getattr(output, FUSED_MARK, False) or getattr(output, TAKEN_MARK, False):
+            return None  # the fused GEMMs hand this output's projections to add_projected / captured at its op
         if x.shape[0] != batch.size:
             raise CaptureUsageError(
                 f"capture: layer {self.slot.name!r} got a batch of {x.shape[0]} for a forward of "
@@ -295,15 +308,31 @@ class LayerHook:
             grad = embedding_exact(saved, dy, s.d_in, self.padding_idx)
         else:
             grad = linear_exact(saved, dy, s.has_bias)
+        return self.gradient_block(grad)
+
+    def add_gradient(self, generation: int, grad: torch.Tensor) -> None:
+        """Add one use's materialised per-example gradients ``[B, d_out, d_in (+1)]`` (this slot's orientation)
+        into the batch's rows (the op-level capture of :mod:`ingest.uses` for uses it cannot factor)."""
+        batch = self.owner.batch
+        if batch is None or batch.generation != generation:
+            return
+        with torch.no_grad():
+            self._add_block(batch, self.gradient_block(grad.float()))
+        self.owner.gradient_arrived(batch)
+
+    def gradient_block(self, grad: torch.Tensor) -> torch.Tensor:
+        """This slot's block ``[B, size]`` of materialised per-example gradients ``[B, d_out, d_in (+1)]``:
+        normalised, then kept (exact) or projected."""
+        s = self.slot
         if self.scales is not None and s.mode != "factorized":  # factorized: folded into the matrices
             out_scale, in_scale = (f.to(grad.device) for f in self.scales)
             grad = grad * (out_scale.unsqueeze(1) * in_scale.unsqueeze(0))
         if s.mode == "exact":
             return grad.flatten(1)
         if s.mode == "dense":
-            return dense_project(grad, self.matrix("dense", dy.device, torch.float32))
-        p_in = self.matrix("in", dy.device, torch.float32)
-        return project_gradient(grad, p_in, self.matrix("out", dy.device, torch.float32)).flatten(1)
+            return dense_project(grad, self.matrix("dense", grad.device, torch.float32))
+        p_in = self.matrix("in", grad.device, torch.float32)
+        return project_gradient(grad, p_in, self.matrix("out", grad.device, torch.float32)).flatten(1)
 
     def _add_curvature(
         self, stats: CurvatureStats, batch: ActiveBatch, route: str, saved: torch.Tensor, dy: torch.Tensor

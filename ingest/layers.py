@@ -1,16 +1,41 @@
-"""Which modules of a model can be captured, and their shapes."""
+"""Which parameters of a model can be captured, as what kind of layer, and by which mechanism.
+
+A captured *layer* is one slot of the row: a parameter (and the bias that goes with it) whose per-example
+gradient is a ``d_out x d_in`` matrix (see :mod:`ingest.projection`). Kinds:
+
+* ``linear`` (``nn.Linear``), ``conv1d`` (Hugging Face ``Conv1D``), ``embedding`` (``nn.Embedding``);
+* ``conv`` (``nn.Conv1d/2d/3d``: ``[C_out, C_in/groups x kernel]``, the patch (im2col) view);
+* ``attention`` (``nn.MultiheadAttention``'s packed in-projection, named ``<module>.in_proj``);
+* ``parameter`` (a bare trainable ``nn.Parameter`` that no layer above owns and that is not a norm's affine
+  parameter, e.g. a ViT ``cls_token`` or a position table: ``grad.reshape(-1, shape[-1])``).
+
+A layer is captured by a module hook (``hooked``) only where the hook provably sees every use of its weight:
+a stock ``nn.Linear``/``nn.Embedding``/``Conv1D`` forward (not a subclass that overrides it, not an attention
+module's ``out_proj`` that attention never calls). Every other layer is captured at the ops that consume its
+parameter (:mod:`ingest.uses`). Trainable parameters that are not captured are listed, with why, by
+:func:`uncaptured_parameters` (:mod:`ingest.coverage` records and reports them).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
 from torch import nn
 
+#: Why a trainable parameter is not a layer of its own (see :func:`uncaptured_parameters`).
+REASON_NORM = "norm affine parameter (norm scales and shifts are not captured)"
+REASON_RECURRENT = "recurrent layer weight (RNN/LSTM/GRU are not captured)"
+REASON_STACKED = "stacked parameter of 3 or more dims (e.g. MoE experts): per-slice capture is not supported"
+REASON_ATTENTION = "attention projection outside the packed in_proj (kdim/vdim differ, bias_k/bias_v)"
+
 
 @dataclass(frozen=True)
 class LayerInfo:
-    """A capturable module: its name, kind and linear-map shape (``d_in -> d_out``)."""
+    """A capturable layer: its name, kind, linear-map shape (``d_in -> d_out``), its parameters and whether a
+    module hook captures it (else the op-level capture of :mod:`ingest.uses`)."""
 
     name: str
     module: nn.Module
@@ -18,6 +43,14 @@ class LayerInfo:
     d_in: int
     d_out: int
     has_bias: bool
+    weight: nn.Parameter | None = None
+    bias: nn.Parameter | None = None
+    hooked: bool = True
+
+    @property
+    def parameter(self) -> nn.Parameter:
+        """The layer's weight (the module's ``weight`` unless set)."""
+        return self.weight if self.weight is not None else self.module.weight
 
 
 def _conv1d_class() -> type | None:
@@ -28,12 +61,37 @@ def _conv1d_class() -> type | None:
     return Conv1D
 
 
+def _stock_forward(module: nn.Module, base: type) -> bool:
+    """Whether ``module``'s class runs ``base``'s own forward (a subclass that does not override it; an
+    instance-level wrapper, as accelerate's hooks set, is taken to call it)."""
+    return type(module).forward is base.forward
+
+
 def layer_info(name: str, module: nn.Module) -> LayerInfo | None:
-    """Describe ``module`` if it is a supported layer (Linear, HF Conv1D, Embedding), else None."""
+    """Describe ``module`` if it is a supported module layer (Linear, HF Conv1D, Embedding, ConvNd), else None."""
     if isinstance(module, nn.Linear):
-        return LayerInfo(name, module, "linear", module.in_features, module.out_features, module.bias is not None)
+        return LayerInfo(
+            name,
+            module,
+            "linear",
+            module.in_features,
+            module.out_features,
+            module.bias is not None,
+            hooked=_stock_forward(module, nn.Linear),
+        )
     if isinstance(module, nn.Embedding):
-        return LayerInfo(name, module, "embedding", module.num_embeddings, module.embedding_dim, False)
+        return LayerInfo(
+            name,
+            module,
+            "embedding",
+            module.num_embeddings,
+            module.embedding_dim,
+            False,
+            hooked=_stock_forward(module, nn.Embedding),
+        )
+    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
+        d_in = module.in_channels // module.groups * math.prod(module.kernel_size)
+        return LayerInfo(name, module, "conv", d_in, module.out_channels, module.bias is not None, hooked=False)
     conv1d = _conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
         d_in, d_out = getattr(module, "nx", None), getattr(module, "nf", None)
@@ -41,6 +99,31 @@ def layer_info(name: str, module: nn.Module) -> LayerInfo | None:
             d_in, d_out = module.weight.shape
         return LayerInfo(name, module, "conv1d", d_in, d_out, module.bias is not None)
     return None
+
+
+def attention_info(name: str, module: nn.Module) -> LayerInfo | None:
+    """The packed in-projection of an ``nn.MultiheadAttention`` (``<name>.in_proj``), else None."""
+    if not isinstance(module, nn.MultiheadAttention) or not module._qkv_same_embed_dim:
+        return None
+    weight, bias = module.in_proj_weight, module.in_proj_bias
+    dim = module.embed_dim
+    return LayerInfo(
+        f"{name}.in_proj" if name else "in_proj",
+        module,
+        "attention",
+        dim,
+        3 * dim,
+        bias is not None,
+        weight,
+        bias,
+        False,
+    )
+
+
+def parameter_info(name: str, module: nn.Module, param: nn.Parameter) -> LayerInfo:
+    """A bare parameter as a ``[numel / last, last]`` layer captured at its ops."""
+    last = param.shape[-1] if param.dim() else 1
+    return LayerInfo(name, module, "parameter", last, max(param.numel() // max(last, 1), 1), False, param, None, False)
 
 
 #: Path components that wrappers insert into module names (FSDP1's ``FullyShardedDataParallel``).
@@ -63,6 +146,47 @@ def fsdp1_wrapped(model: nn.Module) -> bool:
     return any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
 
 
+def is_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalisation layer (torch's, or a model's own ``*Norm`` class)."""
+    norms = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+    return isinstance(module, norms) or "norm" in type(module).__name__.lower()
+
+
+def _candidate_layers(model: nn.Module) -> tuple[list[LayerInfo], dict[int, str]]:
+    """Every layer the model offers, in module order, and the reason each other trainable-or-not parameter
+    (by id) is not a layer (``""`` for the parameters that are a layer's weight or bias)."""
+    layers: list[LayerInfo] = []
+    reasons: dict[int, str] = {}
+    bypassed = set()  # attention reads out_proj.weight without calling the module
+    for raw_name, module in model.named_modules():
+        name = clean_name(raw_name)
+        info = layer_info(name, module) or attention_info(name, module)
+        if isinstance(module, nn.MultiheadAttention):
+            bypassed.add(id(module.out_proj))
+        if info is not None:
+            layers.append(info)
+            for p in (info.parameter, info.bias if info.weight is not None else getattr(module, "bias", None)):
+                if isinstance(p, nn.Parameter):
+                    reasons.setdefault(id(p), "")
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in reasons:
+                continue
+            full = f"{name}.{pname}" if name else pname
+            if isinstance(module, nn.RNNBase):
+                reasons[id(param)] = REASON_RECURRENT
+            elif isinstance(module, nn.MultiheadAttention):
+                reasons[id(param)] = REASON_ATTENTION
+            elif is_norm(module):
+                reasons[id(param)] = REASON_NORM
+            elif sum(s > 1 for s in param.shape) > 2:
+                reasons[id(param)] = REASON_STACKED
+            else:
+                layers.append(parameter_info(full, module, param))
+                reasons[id(param)] = ""
+    layers = [dataclasses.replace(i, hooked=False) if id(i.module) in bypassed else i for i in layers]
+    return layers, reasons
+
+
 def select_layers(
     model: nn.Module,
     layer_types: tuple[str, ...],
@@ -72,19 +196,68 @@ def select_layers(
 ) -> list[LayerInfo]:
     """Supported layers of ``model`` in module order, filtered by kind and name regexes.
 
-    Names are the module names without wrapper components (:func:`clean_name`). ``include``/``exclude`` are
-    matched with ``re.search`` on them. Layers whose weight does not require grad (frozen, e.g. the base
+    Names are the module names without wrapper components (:func:`clean_name`); a bare parameter's name is its
+    full dotted name, an attention module's packed in-projection ``<module>.in_proj``. ``include``/``exclude``
+    are matched with ``re.search`` on them. Layers whose weight does not require grad (frozen, e.g. the base
     layers of a LoRA model) are skipped unless ``include_frozen``.
     """
-    found = []
-    for raw_name, module in model.named_modules():
-        name = clean_name(raw_name)
-        info = layer_info(name, module)
-        if info is None or info.kind not in layer_types or not (include_frozen or module.weight.requires_grad):
+    layers, _ = _candidate_layers(model)
+    return [info for info in layers if _selected(info, layer_types, include, exclude, include_frozen)]
+
+
+def _selected(
+    info: LayerInfo, layer_types: tuple[str, ...], include: str | None, exclude: str | None, include_frozen: bool
+) -> bool:
+    if info.kind not in layer_types or not (include_frozen or info.parameter.requires_grad):
+        return False
+    if include is not None and not re.search(include, info.name):
+        return False
+    return not (exclude is not None and re.search(exclude, info.name))
+
+
+def uncaptured_parameters(
+    model: nn.Module, layers: list[LayerInfo], layer_types: tuple[str, ...], include: str | None, exclude: str | None
+) -> list[tuple[str, int, str]]:
+    """``(name, numel, reason)`` of every trainable parameter of ``model`` that none of ``layers`` captures."""
+    candidates, reasons = _candidate_layers(model)
+    captured = {id(p) for info in layers for p in (info.parameter, _bias(info)) if p is not None}
+    why: dict[int, str] = {}
+    for info in candidates:
+        for p in (info.parameter, _bias(info)):
+            if p is None or id(p) in captured:
+                continue
+            if info.kind not in layer_types:
+                why[id(p)] = f"layer kind {info.kind!r} not in layer_types"
+            else:
+                why[id(p)] = "left out by include=/exclude="
+    out, seen = [], set()
+    for raw, param in model.named_parameters():
+        if not param.requires_grad or id(param) in captured or id(param) in seen:
             continue
-        if include is not None and not re.search(include, name):
+        seen.add(id(param))
+        out.append((clean_name(raw), param.numel(), why.get(id(param)) or reasons.get(id(param)) or "not a layer"))
+    return out
+
+
+def _bias(info: LayerInfo) -> nn.Parameter | None:
+    if info.weight is not None:
+        return info.bias
+    bias = getattr(info.module, "bias", None)
+    return bias if isinstance(bias, nn.Parameter) and info.has_bias else None
+
+
+def left_out_ops(model: nn.Module, layers: list[LayerInfo]) -> dict[int, object]:
+    """Weight id -> the op (``F.linear``/``F.embedding``) of each Linear/Embedding module the selection leaves out:
+    such a module's own use of a weight it shares with a captured layer (a tied ``lm_head``) is left out with it."""
+    import torch.nn.functional as F
+
+    selected = {id(info.module) for info in layers}
+    out: dict[int, object] = {}
+    for module in model.modules():
+        if id(module) in selected:
             continue
-        if exclude is not None and re.search(exclude, name):
-            continue
-        found.append(info)
-    return found
+        if isinstance(module, nn.Linear):
+            out[id(module.weight)] = F.linear
+        elif isinstance(module, nn.Embedding):
+            out[id(module.weight)] = F.embedding
+    return out

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-LAYER_KINDS = ("linear", "conv1d", "embedding")
+LAYER_KINDS = ("linear", "conv1d", "embedding", "conv", "attention", "parameter")
 SLOT_MODES = ("exact", "factorized", "dense")
 SPEC_KINDS = ("none", "factorized", "dense")
 SIDES = ("in", "out", "dense")

@@ -1,0 +1,577 @@
+"""Op-level capture: each use of a captured parameter, taken at the op that consumes it.
+
+A module hook assumes how a module uses its weight. This capture does not: while a captured forward runs, a
+:class:`~torch.overrides.TorchFunctionMode` (:class:`ParameterUses`) sees every torch function call, and where a
+captured parameter is an operand it forms that use's per-example gradient from the op's real inputs and output
+gradient:
+
+* ``F.linear`` (weight of a ``linear``/``attention``/``parameter`` slot, with its bias): the Linear rule on the
+  op's input; inside ``F.multi_head_attention_forward`` (which works sequence-first and reads ``out_proj.weight``
+  and the packed ``in_proj_weight`` without calling a module) inputs are ``[T, B, d]`` or ``[T*B, d]``;
+* ``F.embedding`` with batch-first indices: the lookup rule with the op's own indices and padding index;
+* ``conv1d/2d/3d``: the Linear rule over the input's patches (im2col, ``[C_in/groups x kernel]``);
+* a tensor computed from parameters alone (a position table sliced or looked up with indices that do not come
+  from the batch, T5's relative-position bias, a ``cls_token`` expanded over the batch) is followed until it
+  meets the batch in an elementwise op or a concatenation. There it is expanded over the batch, so autograd hands
+  each example its own output gradient, and the parameter's per-example gradient is a batched vector-Jacobian
+  product through the parameter-only part (``torch.autograd.grad(..., is_grads_batched=True)``).
+
+What comes from the batch is known by marking the model's inputs and every tensor computed from them (a taint,
+not a shape guess: indices of shape ``[T, T]`` are batch-free even when ``T == B``). A use of a captured
+parameter that none of the rules covers is reported to the capture's coverage (``uncovered``), never silently
+left out. Layers a module hook provably captures (:mod:`ingest.layers`) keep the hook; their own op inside the
+module's forward is left to it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ingest.hooks import TAKEN_MARK, ActiveBatch, LayerHook, in_backward
+
+#: Attribute set on tensors computed from the batch's inputs: the dim that indexes the examples (-1: unknown).
+BATCHED = "_gradstore_batched"
+TAKEN = TAKEN_MARK
+#: Attribute set on batch-free tensors computed from captured parameters: the parameters (a tuple).
+SOURCES = "_gradstore_sources"
+#: Elementwise (broadcasting) functions where a parameter-only tensor may meet the batch.
+ELEMENTWISE = frozenset(
+    [
+        torch.add,
+        torch.sub,
+        torch.mul,
+        torch.div,
+        torch.where,
+        *(
+            getattr(torch.Tensor, name)
+            for name in (
+                "add",
+                "sub",
+                "mul",
+                "div",
+                "add_",
+                "sub_",
+                "mul_",
+                "div_",
+                "__add__",
+                "__radd__",
+                "__iadd__",
+                "__sub__",
+                "__rsub__",
+                "__isub__",
+                "__mul__",
+                "__rmul__",
+                "__imul__",
+                "__truediv__",
+                "__rtruediv__",
+                "__itruediv__",
+            )
+        ),
+    ]
+)
+RESHAPES = frozenset(["view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"])
+CONCATENATIONS = frozenset([torch.cat, torch.concat, torch.concatenate, torch.stack])
+CONVOLUTIONS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
+
+
+def _unguarded(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` (a Python function of ``torch.nn.functional``) without its own ``handle_torch_function`` call,
+    so the ops inside it reach the active mode (the mode sees ``func`` itself first and descends)."""
+    clone = types.FunctionType(
+        func.__code__,
+        dict(func.__globals__, has_torch_function=lambda *_: False),
+        func.__name__,
+        func.__defaults__,
+        func.__closure__,
+    )
+    clone.__kwdefaults__ = func.__kwdefaults__
+    return clone
+
+
+_ATTENTION = _unguarded(F.multi_head_attention_forward)
+
+
+class UseOwner(Protocol):
+    """What the op-level capture needs from the capture that owns it."""
+
+    batch: ActiveBatch | None
+
+    def uncovered(self, names: Iterable[str], how: str) -> None: ...
+
+
+def _tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def mark_batched(values: Iterable[Any]) -> None:
+    """Mark the tensors among ``values`` (and inside lists, tuples and dicts one level down) as the batch's,
+    examples along dim 0."""
+    for value in values:
+        if isinstance(value, dict):
+            mark_batched(value.values())
+        for t in _tensors([value]):
+            setattr(t, BATCHED, 0)
+
+
+def batch_dim(t: Any) -> int | None:
+    """The dim of ``t`` that indexes the examples (-1: from the batch, dim unknown; None: not from the batch)."""
+    return getattr(t, BATCHED, None) if isinstance(t, torch.Tensor) else None
+
+
+def _result_dim(func: Any, args: tuple, source: torch.Tensor, dim: int, out: torch.Tensor, size: int) -> int:
+    """Where the examples' dim of ``source`` (``dim``) lands in ``out``, an output of ``func`` (-1: unknown)."""
+    if dim < 0:
+        return -1
+    name = getattr(func, "__name__", "")
+    n = source.dim()
+    if name in ("transpose", "swapaxes", "swapdims") and len(args) >= 3:
+        a, b = int(args[1]) % n, int(args[2]) % n
+        new = b if dim == a else a if dim == b else dim
+    elif name == "permute" and len(args) >= 2:
+        order = args[1] if isinstance(args[1], (tuple, list)) else args[1:]
+        new = [int(d) % n for d in order].index(dim)
+    elif func in ELEMENTWISE:  # broadcasting: aligned from the right
+        new = dim + out.dim() - n
+    elif out.dim() == n and name not in RESHAPES:
+        new = dim
+    else:  # a reshape, or a change of rank: the dim after the same number of leading entries
+        before = math.prod(source.shape[:dim])
+        new = next((i for i in range(out.dim() + 1) if math.prod(out.shape[:i]) == before), -1)
+    return new if 0 <= new < out.dim() and out.shape[new] == size else -1
+
+
+def _mark(result: Any, attribute: str, value: Any) -> None:
+    for t in _tensors([result]):
+        setattr(t, attribute, value)
+
+
+class ParameterUses(TorchFunctionMode):
+    """The op-level capture (see the module doc) of ``hooks``' parameters while a captured forward runs.
+
+    ``hooks``: the layer hooks of the op-level slots and of the hooked slots (whose own forward is theirs: a use
+    of a hooked slot's parameter outside its module is captured here too). ``names``: every trainable parameter's
+    name, by id (for reports). ``seen_outside`` becomes True when a hooked parameter was used outside its module.
+    """
+
+    def __init__(
+        self,
+        owner: UseOwner,
+        hooks: list[LayerHook],
+        hooked: set[int],
+        names: dict[int, str],
+        left_out: dict[int, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.left_out = left_out or {}  # weight id -> the op of a layer module the selection leaves out
+        self.owner = owner
+        self.names = names
+        self.slots: dict[int, list[LayerHook]] = {}
+        for hook in hooks:
+            self.slots.setdefault(id(hook.parameter), []).append(hook)
+        self.hooked = hooked  # ids of the modules whose hooks capture their own forward
+        self.scope: list[tuple[nn.Module, Any]] = []  # running hooked modules and their inputs
+        self.sequence_first = False
+        self.seen_outside = False
+
+    # modules ------------------------------------------------------------------------------------
+
+    def enter_module(self, module: nn.Module, args: tuple) -> None:
+        """Forward pre-hook of a hooked module: its own op is its hook's when its input is batch-first."""
+        self.scope.append((module, args[0] if args else None))
+
+    def leave_module(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Forward hook of a hooked module (``always_call``): a Linear/Conv1D/Embedding keeps its input's leading
+        dims, so its output indexes the examples where its input does (its forward may flatten in between)."""
+        if self.scope and self.scope[-1][0] is module:
+            _, x = self.scope.pop()
+            dim = batch_dim(x)
+            if dim is not None and isinstance(output, torch.Tensor) and output.dim() > dim >= 0:
+                setattr(output, BATCHED, dim)
+
+    # dispatch -----------------------------------------------------------------------------------
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        batch = self.owner.batch
+        if batch is None or not torch.is_grad_enabled() or in_backward():
+            return func(*args, **kwargs)
+        if func is F.multi_head_attention_forward:
+            return self._attention(batch, args, kwargs)
+        operands = list(_tensors(args)) + list(_tensors(kwargs.values()))
+        dims = [(batch_dim(t), t) for t in operands]
+        first = next((t for d, t in dims if d is not None and d >= 0), None)
+        first = first if first is not None else next((t for d, t in dims if d is not None), None)
+        batched = first is not None
+        sources = self._sources(operands)
+        own = self._own_forward(sources) if sources else False
+        if own is not False and _hook_owns(own, batch.size):
+            sources = []  # a hooked module's own op on a batch-first input: its hook captures this use
+        if sources:
+            result = self._use(func, args, kwargs, batch, batched, sources)
+            if own is not False and isinstance(result, torch.Tensor):
+                setattr(result, TAKEN, True)
+                self.seen_outside = True
+        else:
+            result = func(*args, **kwargs)
+        if batched:
+            dim = batch_dim(first)
+            for out in _tensors([result]):  # an in-place op returns (and so marks) its first operand
+                setattr(out, BATCHED, _result_dim(func, args, first, dim, out, batch.size))
+        elif sources:
+            _mark(result, SOURCES, tuple({id(p): p for p in sources}.values()))
+        return result
+
+    def _sources(self, operands: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The captured parameters among ``operands`` or behind their parameter-only inputs."""
+        found = []
+        for t in operands:
+            if id(t) in self.slots:
+                found.append(t)
+            found.extend(getattr(t, SOURCES, ()))
+        return found
+
+    def _own_forward(self, sources: list[torch.Tensor]) -> Any:
+        """The module's input when this op is a hooked module's own op on its own parameters, else False."""
+        if not self.scope:
+            return False
+        module, x = self.scope[-1]
+        own = {id(p) for p in module.parameters(recurse=False)}
+        return x if all(id(p) in own for p in sources) else False
+
+    # uses ---------------------------------------------------------------------------------------
+
+    def _use(
+        self,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        batch: ActiveBatch,
+        batched: bool,
+        sources: list[torch.Tensor],
+    ) -> Any:
+        if not batched:
+            return func(*args, **kwargs)  # parameters among themselves: followed until they meet the batch
+        if self.left_out.get(id(args[1] if len(args) > 1 else None)) is func:
+            return func(*args, **kwargs)  # a left-out layer's own op on a weight it shares (a tied lm_head)
+        if any(self._is_hooked(p) for p in sources):
+            self.seen_outside = True
+        if func is F.linear:
+            result = self._linear(batch, *args, **kwargs)
+        elif func is F.embedding:
+            result = self._embedding(batch, args, kwargs)
+        elif func in CONVOLUTIONS:
+            result = self._convolution(batch, func, args, kwargs)
+        elif func in ELEMENTWISE or func in CONCATENATIONS:
+            result = self._meet(batch, func, args, kwargs)
+        else:
+            result = None
+        if result is None:
+            self.owner.uncovered(self._names(sources), _name(func))
+            return func(*args, **kwargs)
+        return result
+
+    def _is_hooked(self, param: torch.Tensor) -> bool:
+        return any(id(h.module) in self.hooked for h in self.slots.get(id(param), ()))
+
+    def _names(self, sources: list[torch.Tensor]) -> list[str]:
+        return sorted({self.names.get(id(p), "<tensor>") for p in sources})
+
+    def _slot(self, weight: Any, kinds: tuple[str, ...]) -> LayerHook | None:
+        for hook in self.slots.get(id(weight), ()):
+            if hook.slot.kind in kinds:
+                return hook
+        return None
+
+    def _linear(self, batch: ActiveBatch, x: Any, weight: Any, bias: Any = None) -> Any:
+        hook = self._slot(weight, ("linear", "attention", "parameter"))
+        if hook is None or batch_dim(x) is None:
+            return None
+        if bias is not None and bias is not hook.bias:
+            return None
+        if hook.slot.has_bias and bias is None:
+            return None
+        layout = self._layout(x, batch.size)
+        if layout is None:
+            return None
+        out = F.linear(x, weight, bias)
+        route, saved = hook._save(layout(x.detach()), batch.size)
+        out.register_hook(functools.partial(_backward, hook, batch.generation, route, saved, layout))
+        return out
+
+    def _layout(self, x: torch.Tensor, size: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """How to view ``x`` (and its output gradient) batch-first, or None when its batch cannot be found."""
+        if self.sequence_first:
+            if x.dim() < 2 or (x.shape[-2] != size if x.dim() >= 3 else x.shape[0] % size):
+                return None
+            return lambda t: t.reshape(-1, size, t.shape[-1]).transpose(0, 1)
+        dim = batch_dim(x)
+        if dim is None or dim < 0 or x.dim() < 2:
+            return None
+        return (lambda t: t) if dim == 0 else (lambda t: t.movedim(dim, 0))
+
+    def _embedding(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
+        bound = _bind(F.embedding, args, kwargs)
+        idx, weight = bound["input"], bound["weight"]
+        hook = self._slot(weight, ("embedding",))
+        dim = batch_dim(idx)
+        if hook is None or dim is None or dim < 0 or self.sequence_first or bound.get("max_norm") is not None:
+            return None
+        out = F.embedding(*args, **kwargs)
+        padding = bound.get("padding_idx")
+        hook.padding_idx = None if padding is None else padding % hook.slot.d_in
+        layout = None if dim == 0 else (lambda t: t.movedim(dim, 0))
+        route, saved = hook._save(idx.detach() if layout is None else layout(idx.detach()), batch.size)
+        out.register_hook(functools.partial(_backward, hook, batch.generation, route, saved, layout))
+        return out
+
+    def _convolution(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
+        bound = _bind(func, args, kwargs)
+        x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
+        hook = self._slot(weight, ("conv",))
+        if hook is None or batch_dim(x) != 0 or self.sequence_first:
+            return None
+        if (bias is not None and bias is not hook.bias) or (hook.slot.has_bias and bias is None):
+            return None
+        out = func(*args, **kwargs)
+        dims = CONVOLUTIONS[func]
+        patches = conv_patches(
+            x.detach(), weight.shape[2:], bound.get("stride", 1), bound.get("padding", 0), bound.get("dilation", 1)
+        )
+        groups = int(bound.get("groups", 1))
+        if groups == 1:
+            route, saved = hook._save(patches, batch.size)
+            layout = functools.partial(_channels_last, dims=dims)
+            out.register_hook(functools.partial(_backward, hook, batch.generation, route, saved, layout))
+        else:
+            out.register_hook(functools.partial(_grouped_backward, hook, batch.generation, patches, groups, dims))
+        return out
+
+    def _attention(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
+        """``F.multi_head_attention_forward`` with its inner ops visible, sequence-first."""
+        query = args[0] if args else kwargs["query"]
+        if query.dim() == 3 and query.shape[1] != batch.size:
+            return F.multi_head_attention_forward(*args, **kwargs)  # not this batch's layout: uses are uncovered
+        previous, self.sequence_first = self.sequence_first, query.dim() == 3
+        try:
+            with self:
+                return _ATTENTION(*args, **kwargs)
+        finally:
+            self.sequence_first = previous
+
+    # parameter-only tensors meeting the batch -----------------------------------------------------
+
+    def _meet(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run ``func`` with every parameter-only operand expanded over the batch (dim 0 of the result) and hooked,
+        so each example's gradient of it arrives separately (see the module doc). None when an operand's
+        parameters are not all captured or the layout is not one this rule handles."""
+        if self.sequence_first:
+            return None
+        if _in_place(func) and args and batch_dim(args[0]) is None:
+            return None  # the parameter-only operand is the one written to
+        size = batch.size
+        if func in CONCATENATIONS:
+            tensors = args[0] if args else kwargs["tensors"]
+            dim = _bind(func, args, kwargs).get("dim", 0)
+            if dim % tensors[0].dim() == 0 and func is not torch.stack:
+                return None
+            shape = None
+        else:
+            tensors = list(_tensors(args)) + list(_tensors(kwargs.values()))
+            shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+        replaced: dict[int, torch.Tensor] = {}
+        for t in tensors:
+            params = self._sources([t])
+            if not params or batch_dim(t) is not None or id(t) in replaced:
+                continue
+            targets = [
+                self._slot(p, ("embedding", "parameter", "linear", "attention", "conv", "conv1d")) for p in params
+            ]
+            if any(h is None for h in targets):
+                return None
+            expanded = _expand(t, shape, size, func)
+            if expanded is None:
+                return None
+            expanded.register_hook(functools.partial(_meeting_backward, t, params, targets, batch.generation, size))
+            replaced[id(t)] = expanded
+        return func(*_swap(args, replaced), **{k: _swap_one(v, replaced) for k, v in kwargs.items()})
+
+
+def _hook_owns(x: Any, size: int) -> bool:
+    """Whether a hooked module's hook captures its forward on input ``x`` exactly: a batch-first input, or one of
+    a single row that the hook broadcasts over the batch (e.g. position ids ``[1, T]``)."""
+    if not isinstance(x, torch.Tensor):
+        return False
+    dim = batch_dim(x)
+    return dim == 0 or (dim is None and x.dim() > 0 and (x.shape[0] == 1 or size == 1))
+
+
+def _in_place(func: Any) -> bool:
+    """Whether ``func`` writes into its first operand (``add_``, ``__iadd__``, ``__setitem__``)."""
+    name = getattr(func, "__name__", "")
+    return (
+        name == "__setitem__"
+        or (name.startswith("__i") and name.endswith("__"))
+        or (name.endswith("_") and not name.endswith("__"))
+    )
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def _bind(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Arguments of a functional op by name (the signatures of ``F.embedding`` and ``convNd``)."""
+    if func is F.embedding:
+        names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+    elif func in CONCATENATIONS:
+        names = ("tensors", "dim")
+    else:
+        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def _swap_one(value: Any, replaced: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return replaced.get(id(value), value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(replaced.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in value)
+    return value
+
+
+def _swap(args: tuple, replaced: dict[int, torch.Tensor]) -> tuple:
+    return tuple(_swap_one(a, replaced) for a in args)
+
+
+def _expand(t: torch.Tensor, shape: torch.Size | None, size: int, func: Any) -> torch.Tensor | None:
+    """``t`` as an operand whose dim 0 is the batch: broadcast to ``shape`` (elementwise ops) or, in a
+    concatenation, ``t`` itself when its dim 0 already spans the batch."""
+    if shape is None:
+        if t.dim() == 0 or t.shape[0] != size:
+            return None
+        return t.view_as(t)
+    if len(shape) == 0 or shape[0] != size or t.dim() > len(shape):
+        return None
+    return t.expand(shape)
+
+
+def _backward(
+    hook: LayerHook,
+    generation: int,
+    route: str,
+    saved: torch.Tensor,
+    layout: Callable[[torch.Tensor], torch.Tensor] | None,
+    dy: torch.Tensor,
+) -> None:
+    hook._backward(generation, route, saved, dy if layout is None else layout(dy))
+
+
+def _channels_last(dy: torch.Tensor, dims: int) -> torch.Tensor:
+    """A convolution's output gradient ``[B, C_out, *spatial]`` as ``[B, positions, C_out]``."""
+    return dy.flatten(2).transpose(1, 2)
+
+
+def _grouped_backward(
+    hook: LayerHook, generation: int, patches: torch.Tensor, groups: int, dims: int, dy: torch.Tensor
+) -> None:
+    """A grouped convolution's per-example gradient ``[B, C_out, C_in/groups x kernel (+1)]``, materialised."""
+    with torch.no_grad():
+        size, positions = patches.shape[:2]
+        x = patches.reshape(size, positions, groups, -1).float()
+        g = _channels_last(dy.detach(), dims).reshape(size, positions, groups, -1).float()
+        grad = torch.einsum("blgo,blgi->bgoi", g, x).reshape(size, -1, x.shape[-1])
+        if hook.slot.has_bias:
+            grad = torch.cat([grad, g.sum(dim=1).reshape(size, -1, 1)], dim=-1)
+    hook.add_gradient(generation, grad)
+
+
+def conv_patches(x: torch.Tensor, kernel: tuple[int, ...], stride: Any, padding: Any, dilation: Any) -> torch.Tensor:
+    """The input patches of a convolution, ``[B, positions, C_in x prod(kernel)]`` in the weight's
+    ``(channel, *kernel)`` order (im2col; ``padding`` as the op takes it: ints or ``"same"``/``"valid"``)."""
+    dims = len(kernel)
+    stride, dilation = _tuple(stride, dims), _tuple(dilation, dims)
+    if padding == "valid":
+        pads = [(0, 0)] * dims
+    elif padding == "same":
+        pads = []
+        for k, d in zip(kernel, dilation):
+            total = d * (k - 1)
+            pads.append((total // 2, total - total // 2))
+    else:
+        pads = [(p, p) for p in _tuple(padding, dims)]
+    flat = [side for pair in reversed(pads) for side in pair]  # F.pad takes the last dim first
+    if any(flat):
+        x = F.pad(x, flat)
+    for i, (k, s, d) in enumerate(zip(kernel, stride, dilation)):
+        x = x.unfold(2 + i, d * (k - 1) + 1, s)[..., ::d]
+    # [B, C, *positions, *kernel] -> [B, *positions, C, *kernel]
+    size, channels = x.shape[:2]
+    order = [0, *range(2, 2 + dims), 1, *range(2 + dims, 2 + 2 * dims)]
+    x = x.permute(order)
+    return x.reshape(size, -1, channels * torch.Size(kernel).numel())
+
+
+def _tuple(value: Any, dims: int) -> tuple[int, ...]:
+    return tuple(int(v) for v in value) if isinstance(value, (tuple, list)) else (int(value),) * dims
+
+
+def _meeting_backward(
+    operand: torch.Tensor,
+    params: list[torch.Tensor],
+    hooks: list[LayerHook],
+    generation: int,
+    size: int,
+    grad: torch.Tensor,
+) -> None:
+    """The per-example gradients of ``params`` from the gradient of their batch-expanded ``operand``."""
+    with torch.no_grad():
+        per_example = _per_example_operand(grad.detach(), operand.shape, size)
+    if len(params) == 1 and params[0] is operand:
+        grads = [per_example]
+    else:
+        grads = torch.autograd.grad(
+            operand, params, per_example, retain_graph=True, is_grads_batched=True, allow_unused=True
+        )
+    for param, hook, g in zip(params, hooks, grads):
+        if g is not None:
+            hook.add_gradient(generation, slot_gradient(hook, param, g))
+
+
+def _per_example_operand(grad: torch.Tensor, shape: torch.Size, size: int) -> torch.Tensor:
+    """``[B, *shape]``: example ``b``'s gradient of an operand of ``shape`` whose batch-expanded form got ``grad``."""
+    aligned = (1,) * (grad.dim() - len(shape)) + tuple(shape)
+    if aligned[0] == 1:
+        return grad.sum_to_size((size, *aligned[1:])).reshape(size, *shape)
+    # the operand already spans the batch on dim 0: example b's gradient is its own slice, zeros elsewhere
+    slices = grad.sum_to_size((size, *aligned[1:]))
+    out = grad.new_zeros((size, *shape))
+    index = torch.arange(size, device=grad.device)
+    out.view(size, size, -1)[index, index] = slices.reshape(size, -1)
+    return out
+
+
+def slot_gradient(hook: LayerHook, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Per-example gradients ``[B, *param.shape]`` of one of ``hook``'s parameters in the slot's orientation
+    ``[B, d_out, d_in (+1)]`` (a weight's gradient with a zero bias column, or a bias's in that column)."""
+    s = hook.slot
+    size = grad.shape[0]
+    if param is hook.bias:
+        out = grad.new_zeros(size, s.d_out, s.d_in_eff)
+        out[:, :, -1] = grad.reshape(size, s.d_out)
+        return out
+    weight = grad.transpose(1, 2) if s.kind in ("embedding", "conv1d") else grad.reshape(size, s.d_out, s.d_in)
+    if s.has_bias:
+        weight = torch.cat([weight, weight.new_zeros(size, s.d_out, 1)], dim=-1)
+    return weight
