@@ -417,7 +417,9 @@ def estimate_basis(
     eigenvectors gain held-out LDS over a random projection and ``"influence"`` loses it; on a small language
     model's fact tracing the top eigenvectors lose recall on every layer, most on the token-indexed sides, and
     ``"influence"`` with random token sides gains. ``tail=k//2`` gives the mixed basis (top half
-    eigenvectors, random complement).
+    eigenvectors, random complement). Layers captured at their ops rather than by a module hook (convolutions,
+    attention in-projections, bare parameters, Embedding subclasses; :mod:`ingest.layers`) keep the capture's
+    seeded random projection.
     """
     if factors not in FACTORS:
         raise ValueError(f"factors must be one of {FACTORS}, got {factors!r}")
@@ -432,13 +434,14 @@ def estimate_basis(
             f"got {damping!r}"
         )
     config = config or ProjectionConfig()
-    infos = select_layers(model, tuple(config.layer_types), config.include, config.exclude, config.include_frozen)
-    if not infos:
+    selected = select_layers(model, tuple(config.layer_types), config.include, config.exclude, config.include_frozen)
+    if not selected:
         raise ValueError("estimate_basis: no supported layer matches the layer selection")
+    infos = [info for info in selected if info.hooked]
     hooks = _CovarianceHooks(infos, factors)
     covariances = _moments(model, infos, batches, loss_fn, hooks)
     vocabularies = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
-    return basis_from_covariances(
+    basis = basis_from_covariances(
         covariances,
         config.k_in,
         config.k_out,
@@ -453,6 +456,24 @@ def estimate_basis(
         },
         damping=damping,
     )
+    return ProjectionBasis({**basis.matrices, **_seeded(selected, config)})
+
+
+def _seeded(layers: list[LayerInfo], config: ProjectionConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The capture's own seeded random matrices of the layers captured at their ops (:mod:`ingest.uses`: no module
+    hook for the pre-pass to read), so the basis covers every layer of the capture."""
+    out = {}
+    for info in layers:
+        if info.hooked:
+            continue
+        d_in = info.d_in + int(info.has_bias)
+        k_in, k_out = slot_sizes(info.name, config.k_in, config.k_out, config.layer_sizes)
+        k_in, k_out = min(k_in, d_in), min(k_out, info.d_out)
+        out[info.name] = (
+            random_rows(config.seed, info.name, "in", k_in, d_in),
+            random_rows(config.seed, info.name, "out", k_out, info.d_out),
+        )
+    return out
 
 
 def _moments(

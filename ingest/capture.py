@@ -19,7 +19,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
-from types import TracebackType
+from types import SimpleNamespace, TracebackType
 from typing import Any
 
 import numpy as np
@@ -354,12 +354,6 @@ class GradientCapture:
                 "layer selection: the model has none, or layer_types=/include=/exclude= leave none"
             )
         op_level = sorted({info.kind for info in layers if not info.hooked})
-        if op_level and (self.config.normalizer is not None or self.hook_class is not LayerHook):
-            raise CaptureUsageError(
-                f"capture: layers of kind {op_level} are captured at their ops, which "
-                f"{'normalizer=' if self.config.normalizer else 'per-token capture'} does not support yet: leave them "
-                "out with layer_types=/exclude="
-            )
         self.coverage = Coverage.of(
             model, layers, tuple(projection.layer_types), projection.include, projection.exclude, self.config.coverage
         )
@@ -376,6 +370,8 @@ class GradientCapture:
             )
             for slot, info in zip(self.spec.layers, layers)
         ]
+        for hook, info in zip(self.layer_hooks, layers):
+            hook.index = info.index
         self._hooked = [info.hooked for info in layers]
         self._uses = ParameterUses(
             self,
@@ -653,7 +649,11 @@ class GradientCapture:
         scales = []
         for h in self.layer_hooks:
             layer = adam_factored_scales(
-                self.optimizer, h.module, h.slot.kind, h.slot.has_bias, NORMALIZER_POWERS[self.config.normalizer]
+                self.optimizer,
+                SimpleNamespace(weight=h.parameter, bias=h.bias),
+                h.slot.kind,
+                h.slot.has_bias,
+                NORMALIZER_POWERS[self.config.normalizer],
             )
             if layer is None:
                 return  # no state yet (before the first step): keep not capturing

@@ -95,6 +95,8 @@ class LayerHook:
 
     #: Whether this hook may fuse the projections into the module's GEMMs (``owner.fused``, see :mod:`ingest.fused`).
     FUSABLE = True
+    #: Whether this hook keeps each position's share of a block (per-token capture) instead of their sum.
+    PER_POSITION = False
 
     def __init__(
         self,
@@ -107,6 +109,7 @@ class LayerHook:
     ) -> None:
         self.slot = slot
         self.module = module
+        self.index: int | None = None  # the slice of a stacked parameter this slot is (ingest.layers.stacked_info)
         # the slot's (weight, bias): the module's own unless given (an attention in_proj, a bare parameter)
         self.parameter, self.bias = (
             parameters
@@ -310,14 +313,39 @@ class LayerHook:
             grad = linear_exact(saved, dy, s.has_bias)
         return self.gradient_block(grad)
 
-    def add_gradient(self, generation: int, grad: torch.Tensor) -> None:
+    def add_gradient(self, generation: int, grad: torch.Tensor, positions: int | None = None) -> None:
         """Add one use's materialised per-example gradients ``[B, d_out, d_in (+1)]`` (this slot's orientation)
-        into the batch's rows (the op-level capture of :mod:`ingest.uses` for uses it cannot factor)."""
+        into the batch's rows (the op-level capture of :mod:`ingest.uses` for uses it cannot factor).
+        ``positions``: only for hooks that keep each position's share (:attr:`PER_POSITION`)."""
         batch = self.owner.batch
         if batch is None or batch.generation != generation:
             return
         with torch.no_grad():
             self._add_block(batch, self.gradient_block(grad.float()))
+        self.owner.gradient_arrived(batch)
+
+    def add_rows(self, generation: int, x: torch.Tensor, dy: torch.Tensor, owner: torch.Tensor) -> None:
+        """Add one use whose rows mix the examples (tokens flattened across the batch, then gathered, as a MoE
+        layer routes them): ``x [N, d_in]``, ``dy [N, d_out]``, ``owner [N]`` the example of each row. Each
+        example's block is the sum of its rows' ``dy x^T`` (projected first on a factorized slot)."""
+        batch = self.owner.batch
+        if batch is None or batch.generation != generation:
+            return
+        s = self.slot
+        with torch.no_grad():
+            x, dy = x.float(), dy.detach().float()
+            if s.mode == "factorized":
+                ops = self.operands(dy.device, torch.float32)
+                x_p, dy_p = project_tokens(x, ops.in_t, ops.in_bias), project_tokens(dy, ops.out_t)
+                terms = (dy_p.unsqueeze(2) * x_p.unsqueeze(1)).flatten(1)
+                block = terms.new_zeros(batch.size, terms.shape[1]).index_add_(0, owner, terms)
+            else:
+                if s.has_bias:
+                    x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+                terms = dy.unsqueeze(2) * x.unsqueeze(1)
+                grad = terms.new_zeros(batch.size, *terms.shape[1:]).index_add_(0, owner, terms)
+                block = self.gradient_block(grad)
+            self._add_block(batch, block)
         self.owner.gradient_arrived(batch)
 
     def gradient_block(self, grad: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ gradient is a ``d_out x d_in`` matrix (see :mod:`ingest.projection`). Kinds:
 * ``conv`` (``nn.Conv1d/2d/3d``: ``[C_out, C_in/groups x kernel]``, the patch (im2col) view);
 * ``attention`` (``nn.MultiheadAttention``'s packed in-projection, named ``<module>.in_proj``);
 * ``parameter`` (a bare trainable ``nn.Parameter`` that no layer above owns and that is not a norm's affine
-  parameter, e.g. a ViT ``cls_token`` or a position table: ``grad.reshape(-1, shape[-1])``).
+  parameter, e.g. a ViT ``cls_token``, a position table or a router: ``grad.reshape(-1, shape[-1])``; a stacked
+  3-D parameter ``[E, d_out, d_in]`` such as transformers-5 MoE experts is ``E`` such layers ``<name>.<e>``).
 
 A layer is captured by a module hook (``hooked``) only where the hook provably sees every use of its weight:
 a stock ``nn.Linear``/``nn.Embedding``/``Conv1D`` forward (not a subclass that overrides it, not an attention
@@ -28,7 +29,7 @@ from torch import nn
 #: Why a trainable parameter is not a layer of its own (see :func:`uncaptured_parameters`).
 REASON_NORM = "norm affine parameter (norm scales and shifts are not captured)"
 REASON_RECURRENT = "recurrent layer weight (RNN/LSTM/GRU are not captured)"
-REASON_STACKED = "stacked parameter of 3 or more dims (e.g. MoE experts): per-slice capture is not supported"
+REASON_STACKED = "parameter of 4 or more non-trivial dims: not captured"
 REASON_ATTENTION = "attention projection outside the packed in_proj (kdim/vdim differ, bias_k/bias_v)"
 
 
@@ -46,6 +47,7 @@ class LayerInfo:
     weight: nn.Parameter | None = None
     bias: nn.Parameter | None = None
     hooked: bool = True
+    index: int | None = None  # the slice ``weight[index]`` of a stacked 3-D parameter (one MoE expert)
 
     @property
     def parameter(self) -> nn.Parameter:
@@ -126,6 +128,16 @@ def parameter_info(name: str, module: nn.Module, param: nn.Parameter) -> LayerIn
     return LayerInfo(name, module, "parameter", last, max(param.numel() // max(last, 1), 1), False, param, None, False)
 
 
+def stacked_info(name: str, module: nn.Module, param: nn.Parameter) -> list[LayerInfo]:
+    """A stacked ``[E, d_out, d_in]`` parameter as ``E`` layers ``<name>.<e>`` (one per slice, e.g. per MoE expert),
+    captured where a slice ``param[e]`` is used; examples that use no row of a slice have zeros in its slot."""
+    _, d_out, d_in = param.shape
+    return [
+        LayerInfo(f"{name}.{e}", module, "parameter", d_in, d_out, False, param, None, False, e)
+        for e in range(param.shape[0])
+    ]
+
+
 #: Path components that wrappers insert into module names (FSDP1's ``FullyShardedDataParallel``).
 WRAPPER_COMPONENTS = ("_fsdp_wrapped_module",)
 
@@ -178,6 +190,9 @@ def _candidate_layers(model: nn.Module) -> tuple[list[LayerInfo], dict[int, str]
                 reasons[id(param)] = REASON_ATTENTION
             elif is_norm(module):
                 reasons[id(param)] = REASON_NORM
+            elif param.dim() == 3 and param.shape[0] > 1:  # stacked matrices (MoE experts): a slot per slice
+                layers.extend(stacked_info(full, module, param))
+                reasons[id(param)] = ""
             elif sum(s > 1 for s in param.shape) > 2:
                 reasons[id(param)] = REASON_STACKED
             else:

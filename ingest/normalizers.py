@@ -68,7 +68,8 @@ def adam_factored_scales(
     if weight is None or (has_bias and bias is None):
         return None
     v, correction = weight
-    out_dim = 0 if kind == "linear" else 1  # Conv1D weights are [in, out]; embeddings [num, dim] (in = the index)
+    v = as_matrix(v, kind)
+    out_dim = 1 if kind in ("conv1d", "embedding") else 0  # Conv1D weights are [in, out]; embeddings [num, dim]
     rows = v.sum(dim=1 - out_dim, dtype=torch.float64) / correction
     cols = v.sum(dim=out_dim, dtype=torch.float64) / correction
     if bias is not None:
@@ -79,6 +80,14 @@ def adam_factored_scales(
         return scales_from_sums(rows, cols)
     out_scale, in_scale = scales_from_sums(rows, cols, SQRT_FLOOR)
     return out_scale.pow(2 * power), in_scale.pow(2 * power)
+
+
+def as_matrix(v: torch.Tensor, kind: str) -> torch.Tensor:
+    """A layer's weight-shaped tensor as the 2-D matrix of its slot (a convolution's ``[C_out, C_in x kernel]``, a
+    bare parameter's ``[-1, last dim]``); 2-D weights as they are."""
+    if v.dim() == 2:
+        return v
+    return v.reshape(v.shape[0], -1) if kind == "conv" else v.reshape(-1, v.shape[-1] if v.dim() else 1)
 
 
 def _moment(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[torch.Tensor, float] | None:
@@ -99,7 +108,8 @@ def adam_second_moment(
     if "exp_avg_sq" not in state:
         return None
     v = _full(state["exp_avg_sq"]) / _bias_correction(optimizer, weight, state)
-    v = v if kind == "linear" else v.T  # Conv1D weights are [in, out]; embeddings [num, dim] (in = the index)
+    v = as_matrix(v, kind)
+    v = v.T if kind in ("conv1d", "embedding") else v  # Conv1D weights are [in, out]; embeddings [num, dim]
     if has_bias:
         bias_state = optimizer.state.get(module.bias, {})
         if "exp_avg_sq" not in bias_state:

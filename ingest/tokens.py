@@ -36,6 +36,31 @@ class TokenLayerHook(LayerHook):
     """A layer hook that keeps each position's term of the layer's block instead of their sum."""
 
     FUSABLE = False  # per-token blocks need each position's projected input and gradient: the hooks' route
+    PER_POSITION = True
+
+    def add_rows(self, generation: int, x: torch.Tensor, dy: torch.Tensor, owner: torch.Tensor) -> None:
+        """Rows that mix the examples (a MoE layer's routed tokens) have no per-position split here."""
+        raise ValueError(
+            f"per-token capture: layer {self.slot.name!r} sees tokens gathered across the batch (a MoE layer); "
+            "exclude it"
+        )
+
+    def add_gradient(self, generation: int, grad: torch.Tensor, positions: int | None = None) -> None:
+        """A use captured at its op (:mod:`ingest.uses`) as materialised gradients per example and position
+        ``[B x T, d_out, d_in (+1)]``."""
+        batch = self.owner.batch
+        if batch is None or batch.generation != generation:
+            return
+        if positions is None:
+            raise ValueError(
+                f"per-token capture: layer {self.slot.name!r} is used in a way that has no per-position split "
+                "(e.g. a grouped convolution); exclude it"
+            )
+        with torch.no_grad():
+            block = self.gradient_block(grad.float())
+            rows = self.owner.token_rows(batch, positions, block.device, self.slot.name)
+            rows[:, :, self.slot.offset : self.slot.offset + self.slot.size] += block.view(batch.size, positions, -1)
+        self.owner.gradient_arrived(batch)
 
     def _backward(self, generation: int, route: str, saved: torch.Tensor, dy: torch.Tensor) -> None:
         batch = self.owner.batch

@@ -41,6 +41,11 @@ from ingest.hooks import TAKEN_MARK, ActiveBatch, LayerHook, in_backward
 #: Attribute set on tensors computed from the batch's inputs: the dim that indexes the examples (-1: unknown).
 BATCHED = "_gradstore_batched"
 TAKEN = TAKEN_MARK
+#: Attribute set on a batch tensor whose dim 0 mixes the examples (tokens flattened across the batch, then
+#: gathered): a long tensor, the example of each entry along dim 0.
+OWNER = "_gradstore_owner"
+#: Attribute set on a slice ``param[e]`` of a captured stacked parameter: ``(param, e)``.
+SLICE = "_gradstore_slice"
 #: Attribute set on batch-free tensors computed from captured parameters: the parameters (a tuple).
 SOURCES = "_gradstore_sources"
 #: Elementwise (broadcasting) functions where a parameter-only tensor may meet the batch.
@@ -81,6 +86,8 @@ ELEMENTWISE = frozenset(
 RESHAPES = frozenset(["view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"])
 CONCATENATIONS = frozenset([torch.cat, torch.concat, torch.concatenate, torch.stack])
 CONVOLUTIONS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
+#: Grouped matmuls ``(x [S, d_in], W [E, d_in, d_out], offs [E])``: rows ``offs[e-1]:offs[e]`` of ``x`` use ``W[e]``.
+GROUPED_MM = frozenset(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f)
 
 
 def _unguarded(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -210,6 +217,8 @@ class ParameterUses(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is F.multi_head_attention_forward:
             return self._attention(batch, args, kwargs)
+        if func is torch.Tensor.__getitem__ and self._is_stacked(args[0]):
+            return self._slice(args)
         operands = list(_tensors(args)) + list(_tensors(kwargs.values()))
         dims = [(batch_dim(t), t) for t in operands]
         first = next((t for d, t in dims if d is not None and d >= 0), None)
@@ -227,9 +236,11 @@ class ParameterUses(TorchFunctionMode):
         else:
             result = func(*args, **kwargs)
         if batched:
-            dim = batch_dim(first)
+            dim, owner = batch_dim(first), getattr(first, OWNER, None)
             for out in _tensors([result]):  # an in-place op returns (and so marks) its first operand
-                setattr(out, BATCHED, _result_dim(func, args, first, dim, out, batch.size))
+                new, new_owner = _result_batch(func, args, first, dim, owner, out, batch.size)
+                setattr(out, BATCHED, new)
+                setattr(out, OWNER, new_owner)
         elif sources:
             _mark(result, SOURCES, tuple({id(p): p for p in sources}.values()))
         return result
@@ -241,7 +252,25 @@ class ParameterUses(TorchFunctionMode):
             if id(t) in self.slots:
                 found.append(t)
             found.extend(getattr(t, SOURCES, ()))
+            if hasattr(t, SLICE):
+                found.append(getattr(t, SLICE)[0])
         return found
+
+    def _is_stacked(self, t: Any) -> bool:
+        return any(h.index is not None for h in self.slots.get(id(t), ()))
+
+    def _slice(self, args: tuple) -> Any:
+        """``param[e]`` of a stacked parameter with one integer index (an expert chosen by the router): the slice,
+        marked so its uses go to slot ``e``; any other indexing of it is a use no rule splits."""
+        param, index = args[0], args[1]
+        result = torch.Tensor.__getitem__(param, index)
+        if isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point():
+            index = int(index)
+        if isinstance(index, int):
+            setattr(result, SLICE, (param, index % param.shape[0]))
+        else:
+            self.owner.uncovered(self._names([param]), "indexing other than param[e]")
+        return result
 
     def _own_forward(self, sources: list[torch.Tensor]) -> Any:
         """The module's input when this op is a hooked module's own op on its own parameters, else False."""
@@ -274,6 +303,8 @@ class ParameterUses(TorchFunctionMode):
             result = self._embedding(batch, args, kwargs)
         elif func in CONVOLUTIONS:
             result = self._convolution(batch, func, args, kwargs)
+        elif func in GROUPED_MM or _name(func).endswith("grouped_mm_fallback"):
+            result = self._grouped(batch, func, args, kwargs)
         elif func in ELEMENTWISE or func in CONCATENATIONS:
             result = self._meet(batch, func, args, kwargs)
         else:
@@ -290,8 +321,11 @@ class ParameterUses(TorchFunctionMode):
         return sorted({self.names.get(id(p), "<tensor>") for p in sources})
 
     def _slot(self, weight: Any, kinds: tuple[str, ...]) -> LayerHook | None:
+        if hasattr(weight, SLICE):  # a slice of a stacked parameter: its own slot
+            param, index = getattr(weight, SLICE)
+            return next((h for h in self.slots.get(id(param), ()) if h.index == index), None)
         for hook in self.slots.get(id(weight), ()):
-            if hook.slot.kind in kinds:
+            if hook.slot.kind in kinds and hook.index is None:
                 return hook
         return None
 
@@ -303,6 +337,11 @@ class ParameterUses(TorchFunctionMode):
             return None
         if hook.slot.has_bias and bias is None:
             return None
+        owner = getattr(x, OWNER, None)
+        if owner is not None and not self.sequence_first and x.dim() == 2:  # rows that mix the examples
+            out = F.linear(x, weight, bias)
+            out.register_hook(functools.partial(_rows_backward, hook, batch.generation, x.detach(), owner))
+            return out
         layout = self._layout(x, batch.size)
         if layout is None:
             return None
@@ -357,6 +396,32 @@ class ParameterUses(TorchFunctionMode):
             out.register_hook(functools.partial(_backward, hook, batch.generation, route, saved, layout))
         else:
             out.register_hook(functools.partial(_grouped_backward, hook, batch.generation, patches, groups, dims))
+        return out
+
+    def _grouped(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A grouped matmul over a stacked parameter (transformers' MoE experts): rows of group ``e`` use slice ``e``,
+        whose per-example gradient sums each example's rows (the rows' examples tracked through the routing)."""
+        x, weight = args[0], args[1]
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        owner = getattr(x, OWNER, None)
+        sources = getattr(weight, SOURCES, ()) if id(weight) not in self.slots else (weight,)
+        if owner is None or len(sources) != 1 or offs is None or x.dim() != 2 or self.sequence_first:
+            return None
+        param = sources[0]
+        hooks = {h.index: h for h in self.slots.get(id(param), ()) if h.index is not None}
+        if len(hooks) != param.shape[0]:
+            return None
+        if tuple(weight.shape) == (param.shape[0], param.shape[2], param.shape[1]) and param.shape[1] != param.shape[2]:
+            transposed = True  # W = param^T: a slice's gradient is dy^T x, in the parameter's own layout
+        elif tuple(weight.shape) == tuple(param.shape):
+            transposed = False  # W = param: its gradient is x^T dy
+        else:
+            return None
+        out = func(*args, **kwargs)
+        ends = offs.tolist()
+        out.register_hook(
+            functools.partial(_grouped_backward_rows, hooks, batch.generation, x.detach(), owner, ends, transposed)
+        )
         return out
 
     def _attention(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
@@ -478,6 +543,66 @@ def _backward(
     hook._backward(generation, route, saved, dy if layout is None else layout(dy))
 
 
+def _grouped_backward_rows(
+    hooks: dict[int, LayerHook],
+    generation: int,
+    x: torch.Tensor,
+    owner: torch.Tensor,
+    ends: list[int],
+    transposed: bool,
+    dy: torch.Tensor,
+) -> None:
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            rows = slice(start, end)
+            if transposed:
+                hooks[e].add_rows(generation, x[rows], dy[rows], owner[rows])
+            else:
+                hooks[e].add_rows(generation, dy[rows], x[rows], owner[rows])
+        start = end
+
+
+def _rows_backward(hook: LayerHook, generation: int, x: torch.Tensor, owner: torch.Tensor, dy: torch.Tensor) -> None:
+    hook.add_rows(generation, x, dy, owner)
+
+
+def _result_batch(
+    func: Any, args: tuple, source: torch.Tensor, dim: int, owner: torch.Tensor | None, out: torch.Tensor, size: int
+) -> tuple[int, torch.Tensor | None]:
+    """Where the examples are in ``out``, an output of ``func`` on ``source`` (whose examples' dim is ``dim``, or
+    whose dim 0 mixes them as ``owner`` says): ``(dim, owner)``, ``(-1, None)`` when unknown."""
+    name = getattr(func, "__name__", "")
+    if owner is None:
+        new = _result_dim(func, args, source, dim, out, size)
+        if new >= 0 or dim != 0 or name not in RESHAPES or out.dim() == 0:
+            return new, None
+        merged = out.shape[0]  # leading dims merged into dim 0 (tokens flattened across the batch)?
+        if merged % size == 0 and any(math.prod(source.shape[: j + 1]) == merged for j in range(1, source.dim())):
+            return 0, torch.arange(size, device=out.device).repeat_interleave(merged // size)
+        return -1, None
+    rows = source.shape[0]
+    if name == "__getitem__":
+        index = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
+        if isinstance(index, torch.Tensor) and index.dim() == 1 and not index.is_floating_point():
+            index = index.nonzero().flatten() if index.dtype == torch.bool else index
+            if out.dim() > 0 and out.shape[0] == index.numel():
+                return 0, owner[index]
+        return -1, None
+    if name in RESHAPES and out.dim() > 0 and out.shape[0] == size and rows % size == 0:
+        regular = torch.arange(size, device=owner.device).repeat_interleave(rows // size)
+        return (0, None) if torch.equal(owner, regular) else (-1, None)
+    if name in ("transpose", "swapaxes", "swapdims", "permute", "t", "movedim"):
+        return -1, None
+    aligned = out.dim() == source.dim() or (func in ELEMENTWISE and out.dim() > source.dim())
+    first = out.dim() - source.dim() if func in ELEMENTWISE else 0
+    if aligned and out.dim() > first and out.shape[first] == rows and first == 0:
+        return 0, owner
+    if out.dim() > 0 and out.shape[0] == rows and name in RESHAPES:
+        return 0, owner
+    return -1, None
+
+
 def _channels_last(dy: torch.Tensor, dims: int) -> torch.Tensor:
     """A convolution's output gradient ``[B, C_out, *spatial]`` as ``[B, positions, C_out]``."""
     return dy.flatten(2).transpose(1, 2)
@@ -535,31 +660,37 @@ def _meeting_backward(
     size: int,
     grad: torch.Tensor,
 ) -> None:
-    """The per-example gradients of ``params`` from the gradient of their batch-expanded ``operand``."""
+    """The per-example (per-token, for a per-token capture's hooks) gradients of ``params`` from the gradient of
+    their batch-expanded ``operand``."""
+    positions = grad.shape[1] if hooks[0].PER_POSITION and grad.dim() > 1 else None
     with torch.no_grad():
-        per_example = _per_example_operand(grad.detach(), operand.shape, size)
+        per_row = split_operand(grad.detach(), operand.shape, 1 if positions is None else 2)
     if len(params) == 1 and params[0] is operand:
-        grads = [per_example]
+        grads = [per_row]
     else:
         grads = torch.autograd.grad(
-            operand, params, per_example, retain_graph=True, is_grads_batched=True, allow_unused=True
+            operand, params, per_row, retain_graph=True, is_grads_batched=True, allow_unused=True
         )
     for param, hook, g in zip(params, hooks, grads):
         if g is not None:
-            hook.add_gradient(generation, slot_gradient(hook, param, g))
+            hook.add_gradient(generation, slot_gradient(hook, param, g), positions)
 
 
-def _per_example_operand(grad: torch.Tensor, shape: torch.Size, size: int) -> torch.Tensor:
-    """``[B, *shape]``: example ``b``'s gradient of an operand of ``shape`` whose batch-expanded form got ``grad``."""
+def split_operand(grad: torch.Tensor, shape: torch.Size, splits: int = 1) -> torch.Tensor:
+    """``[N, *shape]``: the gradient of an operand of ``shape`` through each index of the first ``splits`` dims of
+    the result whose gradient is ``grad`` (the operand broadcast to it): per example (``splits=1``, ``N = B``) or
+    per example and position (``splits=2``, ``N = B x T``). Where the operand spans a split dim (a position table
+    over the positions) each row holds its own slice, zeros elsewhere; where it is broadcast, the sum."""
+    lead = tuple(grad.shape[:splits])
     aligned = (1,) * (grad.dim() - len(shape)) + tuple(shape)
-    if aligned[0] == 1:
-        return grad.sum_to_size((size, *aligned[1:])).reshape(size, *shape)
-    # the operand already spans the batch on dim 0: example b's gradient is its own slice, zeros elsewhere
-    slices = grad.sum_to_size((size, *aligned[1:]))
-    out = grad.new_zeros((size, *shape))
-    index = torch.arange(size, device=grad.device)
-    out.view(size, size, -1)[index, index] = slices.reshape(size, -1)
-    return out
+    reduced = grad.sum_to_size((*lead, *aligned[splits:]))
+    rows = math.prod(lead)
+    out = grad.new_zeros((rows, *aligned))
+    grid = torch.meshgrid(*(torch.arange(n, device=grad.device) for n in lead), indexing="ij")
+    index = [torch.arange(rows, device=grad.device)]
+    index += [g.reshape(-1) if aligned[j] > 1 else 0 for j, g in enumerate(grid)]
+    out[tuple(index)] = reduced.reshape(rows, *aligned[splits:])
+    return out.reshape(rows, *shape)
 
 
 def slot_gradient(hook: LayerHook, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

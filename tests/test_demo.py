@@ -62,7 +62,7 @@ def test_demo_end_to_end_reduced(tmp_path):
     assert "@ epoch-10," in labels["fisher"] and "damping" in labels["fisher"]
     steps = 10 * len(range(0, 6 * 2 * 7 + 6 * 4, config.batch_size))
     assert f"@ {steps} training steps" in labels["tracin-steps"] and f"@ {steps} training steps" in labels["dvemb"]
-    assert "eigenvectors on 18 of 20 layer sides" in table[len(config.methods)].label  # token sides random
+    assert "eigenvectors on 18 of 22 layer sides" in table[len(config.methods)].label  # token sides random
     assert table[-2].label == BM25_LABEL
     by_label = {row.label: row.recall for row in table}
     assert min(by_label[labels["fisher"]]["all"], by_label[labels["tracin"]]["all"]) > table[-1].recall["all"]
