@@ -46,6 +46,9 @@ TAKEN = TAKEN_MARK
 OWNER = "_gradstore_owner"
 #: Attribute set on a slice ``param[e]`` of a captured stacked parameter: ``(param, e)``.
 SLICE = "_gradstore_slice"
+#: Attribute set on ``param[ids]`` of a captured stacked parameter gathered per row (``ids`` a 1-D long tensor,
+#: transformers' batched-mm experts): ``(param, ids)``.
+GATHER = "_gradstore_gather"
 #: Attribute set on batch-free tensors computed from captured parameters: the parameters (a tuple).
 SOURCES = "_gradstore_sources"
 #: Elementwise (broadcasting) functions where a parameter-only tensor may meet the batch.
@@ -84,6 +87,7 @@ ELEMENTWISE = frozenset(
     ]
 )
 RESHAPES = frozenset(["view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"])
+REDUCTIONS = frozenset(["mean", "sum", "amax", "amin", "max", "min", "std", "var", "logsumexp", "prod", "norm"])
 CONCATENATIONS = frozenset([torch.cat, torch.concat, torch.concatenate, torch.stack])
 CONVOLUTIONS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
 #: Grouped matmuls ``(x [S, d_in], W [E, d_in, d_out], offs [E])``: rows ``offs[e-1]:offs[e]`` of ``x`` use ``W[e]``.
@@ -150,6 +154,10 @@ def _result_dim(func: Any, args: tuple, source: torch.Tensor, dim: int, out: tor
     elif name == "permute" and len(args) >= 2:
         order = args[1] if isinstance(args[1], (tuple, list)) else args[1:]
         new = [int(d) % n for d in order].index(dim)
+    elif name == "__getitem__" and len(args) >= 2:
+        new = _indexed_dim(args[1], dim, n)
+    elif name in REDUCTIONS and out.dim() < n:
+        new = _reduced_dim(args, dim, n)
     elif func in ELEMENTWISE:  # broadcasting: aligned from the right
         new = dim + out.dim() - n
     elif out.dim() == n and name not in RESHAPES:
@@ -158,6 +166,42 @@ def _result_dim(func: Any, args: tuple, source: torch.Tensor, dim: int, out: tor
         before = math.prod(source.shape[:dim])
         new = next((i for i in range(out.dim() + 1) if math.prod(out.shape[:i]) == before), -1)
     return new if 0 <= new < out.dim() and out.shape[new] == size else -1
+
+
+def _indexed_dim(index: Any, dim: int, n: int) -> int:
+    """Where dim ``dim`` of an ``n``-dim tensor lands after ``t[index]`` with basic indexing (ints, slices,
+    ``None``, ``...``); -1 when ``dim`` itself is indexed by an int or the index holds tensors."""
+    index = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, torch.Tensor) for i in index):
+        return -1
+    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
+    source, out = 0, 0
+    for i in index:
+        if i is Ellipsis:
+            skip = n - consumed
+            if source <= dim < source + skip:
+                return out + dim - source
+            source, out = source + skip, out + skip
+        elif i is None:
+            out += 1
+        elif isinstance(i, int):
+            if source == dim:
+                return -1
+            source += 1
+        else:  # a slice keeps the dim
+            if source == dim:
+                return out
+            source, out = source + 1, out + 1
+    return out + dim - source if dim >= source else -1
+
+
+def _reduced_dim(args: tuple, dim: int, n: int) -> int:
+    """Where dim ``dim`` lands after a reduction over ``args[1]`` (an int or a tuple) without ``keepdim``."""
+    reduced = args[1] if len(args) > 1 else None
+    if reduced is None:
+        return -1
+    reduced = {int(d) % n for d in (reduced if isinstance(reduced, (tuple, list)) else (reduced,))}
+    return -1 if dim in reduced else dim - sum(1 for d in reduced if d < dim)
 
 
 def _mark(result: Any, attribute: str, value: Any) -> None:
@@ -238,7 +282,7 @@ class ParameterUses(TorchFunctionMode):
         if batched:
             dim, owner = batch_dim(first), getattr(first, OWNER, None)
             for out in _tensors([result]):  # an in-place op returns (and so marks) its first operand
-                new, new_owner = _result_batch(func, args, first, dim, owner, out, batch.size)
+                new, new_owner = _result_batch(func, args, kwargs, first, dim, owner, out, batch.size)
                 setattr(out, BATCHED, new)
                 setattr(out, OWNER, new_owner)
         elif sources:
@@ -254,6 +298,8 @@ class ParameterUses(TorchFunctionMode):
             found.extend(getattr(t, SOURCES, ()))
             if hasattr(t, SLICE):
                 found.append(getattr(t, SLICE)[0])
+            if hasattr(t, GATHER):
+                found.append(getattr(t, GATHER)[0])
         return found
 
     def _is_stacked(self, t: Any) -> bool:
@@ -264,10 +310,13 @@ class ParameterUses(TorchFunctionMode):
         marked so its uses go to slot ``e``; any other indexing of it is a use no rule splits."""
         param, index = args[0], args[1]
         result = torch.Tensor.__getitem__(param, index)
-        if isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point():
+        integer = isinstance(index, torch.Tensor) and not index.is_floating_point() and index.dtype != torch.bool
+        if integer and index.dim() == 0:
             index = int(index)
         if isinstance(index, int):
             setattr(result, SLICE, (param, index % param.shape[0]))
+        elif integer and index.dim() == 1:
+            setattr(result, GATHER, (param, index % param.shape[0]))
         else:
             self.owner.uncovered(self._names([param]), "indexing other than param[e]")
         return result
@@ -305,6 +354,8 @@ class ParameterUses(TorchFunctionMode):
             result = self._convolution(batch, func, args, kwargs)
         elif func in GROUPED_MM or _name(func).endswith("grouped_mm_fallback"):
             result = self._grouped(batch, func, args, kwargs)
+        elif func in (torch.bmm, torch.Tensor.bmm) and not kwargs:
+            result = self._gathered(batch, *args)
         elif func in ELEMENTWISE or func in CONCATENATIONS:
             result = self._meet(batch, func, args, kwargs)
         else:
@@ -424,6 +475,23 @@ class ParameterUses(TorchFunctionMode):
         )
         return out
 
+    def _gathered(self, batch: ActiveBatch, a: Any, b: Any) -> Any:
+        """``bmm`` of per-row gathered slices ``param[ids]`` with rows of mixed examples (transformers' batched-mm
+        experts): row ``r`` uses slice ``ids[r]``; each slice's per-example gradient sums its examples' rows."""
+        if hasattr(a, GATHER) and getattr(b, OWNER, None) is not None and b.dim() == 3 and b.shape[2] == 1:
+            (param, ids), x, owner, left = getattr(a, GATHER), b, getattr(b, OWNER), True  # param[ids] @ x
+        elif hasattr(b, GATHER) and getattr(a, OWNER, None) is not None and a.dim() == 3 and a.shape[1] == 1:
+            (param, ids), x, owner, left = getattr(b, GATHER), a, getattr(a, OWNER), False  # x @ param[ids]
+        else:
+            return None
+        hooks = {h.index: h for h in self.slots.get(id(param), ()) if h.index is not None}
+        if len(hooks) != param.shape[0] or ids.shape[0] != x.shape[0]:
+            return None
+        out = torch.bmm(a, b)
+        x = x.detach().reshape(x.shape[0], -1)
+        out.register_hook(functools.partial(_gathered_backward, hooks, batch.generation, x, owner, ids, left))
+        return out
+
     def _attention(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
         """``F.multi_head_attention_forward`` with its inner ops visible, sequence-first."""
         query = args[0] if args else kwargs["query"]
@@ -480,6 +548,8 @@ def _hook_owns(x: Any, size: int) -> bool:
     if not isinstance(x, torch.Tensor):
         return False
     dim = batch_dim(x)
+    if getattr(x, OWNER, None) is not None:
+        return False  # rows that mix the examples (tokens flattened across the batch): captured at the op
     return dim == 0 or (dim is None and x.dim() > 0 and (x.shape[0] == 1 or size == 1))
 
 
@@ -563,12 +633,37 @@ def _grouped_backward_rows(
         start = end
 
 
+def _gathered_backward(
+    hooks: dict[int, LayerHook],
+    generation: int,
+    x: torch.Tensor,
+    owner: torch.Tensor,
+    ids: torch.Tensor,
+    left: bool,
+    dy: torch.Tensor,
+) -> None:
+    dy = dy.reshape(dy.shape[0], -1)
+    for e in ids.unique().tolist():
+        rows = (ids == e).nonzero().flatten()
+        if left:  # W [out, in] @ x: the slice's gradient dy x^T
+            hooks[e].add_rows(generation, x[rows], dy[rows], owner[rows])
+        else:  # x @ W [in, out]: x^T dy, in the parameter's own layout
+            hooks[e].add_rows(generation, dy[rows], x[rows], owner[rows])
+
+
 def _rows_backward(hook: LayerHook, generation: int, x: torch.Tensor, owner: torch.Tensor, dy: torch.Tensor) -> None:
     hook.add_rows(generation, x, dy, owner)
 
 
 def _result_batch(
-    func: Any, args: tuple, source: torch.Tensor, dim: int, owner: torch.Tensor | None, out: torch.Tensor, size: int
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    source: torch.Tensor,
+    dim: int,
+    owner: torch.Tensor | None,
+    out: torch.Tensor,
+    size: int,
 ) -> tuple[int, torch.Tensor | None]:
     """Where the examples are in ``out``, an output of ``func`` on ``source`` (whose examples' dim is ``dim``, or
     whose dim 0 mixes them as ``owner`` says): ``(dim, owner)``, ``(-1, None)`` when unknown."""
@@ -582,6 +677,11 @@ def _result_batch(
             return 0, torch.arange(size, device=out.device).repeat_interleave(merged // size)
         return -1, None
     rows = source.shape[0]
+    if name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], int):
+        along = args[2] if len(args) > 2 else kwargs.get("dim")
+        if along is not None and int(along) % source.dim() == 0 and out.shape[0] == rows * args[1]:
+            return 0, owner.repeat_interleave(args[1])
+        return -1, None
     if name == "__getitem__":
         index = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
         if isinstance(index, torch.Tensor) and index.dim() == 1 and not index.is_floating_point():
@@ -598,7 +698,7 @@ def _result_batch(
     first = out.dim() - source.dim() if func in ELEMENTWISE else 0
     if aligned and out.dim() > first and out.shape[first] == rows and first == 0:
         return 0, owner
-    if out.dim() > 0 and out.shape[0] == rows and name in RESHAPES:
+    if out.dim() > 0 and out.shape[0] == rows and name not in REDUCTIONS:  # dim 0 kept (unsqueeze, chunk, ...)
         return 0, owner
     return -1, None
 
