@@ -1,0 +1,722 @@
+"""A zoo of tiny models (built in code, no downloads) and their exact per-example reference gradients.
+
+Each builder returns a :class:`ZooCase`: a model in training mode with every dropout at 0, one batch of ``B``
+examples (every tensor batch-first), the batch's training loss and the ``loss_reduction`` that capture undoes.
+
+References never go through capture: :func:`per_example_grads` runs ``torch.func.grad`` of each example's own
+loss (the example alone, through ``functional_call``), with one entry per *use site* of a parameter: a key per
+module attribute (``"lm_head.weight"`` and ``"transformer.wte.weight"`` are separate keys of one tied parameter),
+so a tied parameter's gradient is the sum of its keys'. :func:`batch_grads` is the ordinary ``.grad`` of the
+batch loss; ``sum_i weights[i] * per_example[key][i]`` summed over a parameter's keys must equal it (the check
+that a reference is right before it judges capture).
+
+:func:`reference_slot` builds a capture slot's row matrix from the slot's kind and name alone (row layout of
+``docs/capture.md``): ``linear`` ``[W | b]``, ``conv1d`` ``[W^T | b]``, ``embedding`` ``W^T``, ``conv``
+``[W.reshape(C_out, -1) | b]``, ``attention`` (``<mha>.in_proj``) ``[in_proj_weight | in_proj_bias]``,
+``parameter`` ``grad.reshape(-1, shape[-1])`` (a stacked 3-D parameter's slice ``<name>.<e>``: ``grad[e]``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad
+
+from ingest.capture import CaptureConfig, GradientCapture
+
+Batch = dict[str, torch.Tensor]
+#: ``loss(forward, batch) -> scalar``: the training loss of ``batch`` where ``forward(**model_kwargs)`` runs the
+#: model (the model itself, or a functional call of it with other parameters).
+LossFn = Callable[[Callable[..., Any], Batch], torch.Tensor]
+
+
+@dataclass
+class ZooCase:
+    """One model of the zoo with one batch, and how its batch loss combines the examples' own losses."""
+
+    name: str
+    model: nn.Module
+    batch: Batch
+    loss: LossFn
+    loss_reduction: str = "mean"
+    #: ``[B]``: the batch loss is ``sum_i weights[i] * loss_i`` (``loss_i`` the example's own loss).
+    weights: torch.Tensor | None = None
+    note: str = ""
+    #: extra capture options (``include=`` ...), beside ``projection=None`` and the loss reduction
+    options: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.batch.values())).shape[0]
+
+    def example(self, i: int) -> Batch:
+        return {k: v[i : i + 1] for k, v in self.batch.items()}
+
+    def example_weights(self) -> torch.Tensor:
+        if self.weights is not None:
+            return self.weights
+        return torch.full((self.batch_size,), 1.0 / self.batch_size)
+
+
+# ---------------------------------------------------------------------------------------------- references
+
+
+def use_sites(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Every ``<module>.<attr>`` that holds a parameter, one key per module (``named_modules`` order, modules
+    reached by two names counted once), so parameters tied across modules get one key per module."""
+    out = {}
+    for mname, module in model.named_modules():
+        for pname, param in module._parameters.items():
+            if param is not None:
+                out[f"{mname}.{pname}" if mname else pname] = param
+    return out
+
+
+def per_example_grads(case: ZooCase) -> dict[str, torch.Tensor]:
+    """``{key: [B, *shape]}``: torch.func gradient of each example's own loss at each use site (untied)."""
+    sites = use_sites(case.model)
+    params = {k: p.detach() for k, p in sites.items()}
+
+    def example_loss(p: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(case.model, p, args, kwargs, tie_weights=False, strict=False)
+
+        return case.loss(forward, batch)
+
+    per = [grad(example_loss)(params, case.example(i)) for i in range(case.batch_size)]
+    return {k: torch.stack([g[k] for g in per]) for k in params}
+
+
+def batch_grads(case: ZooCase) -> dict[int, torch.Tensor]:
+    """``{id(param): param.grad}`` of one ordinary backward of the batch loss (no capture)."""
+    case.model.zero_grad(set_to_none=True)
+    case.loss(case.model, case.batch).backward()
+    out = {id(p): p.grad.detach().clone() for p in case.model.parameters() if p.grad is not None}
+    case.model.zero_grad(set_to_none=True)
+    return out
+
+
+def reference_check(case: ZooCase, grads: dict[str, torch.Tensor]) -> list[tuple[str, float]]:
+    """``(parameter, rel. error)`` of every parameter whose weighted sum of per-example gradients (over all its
+    use sites) differs from the batch gradient by more than 1e-5: empty when the reference is right."""
+    full = batch_grads(case)
+    w = case.example_weights()
+    summed: dict[int, torch.Tensor] = {}
+    names: dict[int, str] = {}
+    for key, param in use_sites(case.model).items():
+        if not param.requires_grad:
+            continue
+        g = torch.einsum("b,b...->...", w, grads[key])
+        summed[id(param)] = summed.get(id(param), 0) + g
+        names.setdefault(id(param), key)
+    # a gradient that is zero in exact arithmetic (a key projection's bias: softmax ignores a shift of every
+    # score) is judged against the model's largest gradient instead of its own rounding noise
+    floor = 1e-3 * max(float(g.norm()) for g in full.values())
+    bad = []
+    for pid, g in summed.items():
+        ref = full.get(pid, torch.zeros_like(g))
+        err = float((g - ref).norm()) / max(float(ref.norm()), floor)
+        if err > 1e-5:
+            bad.append((names[pid], err))
+    return bad
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    den = b.norm()
+    if den == 0:
+        return 0.0 if a.norm() == 0 else math.inf
+    return float((a - b).norm() / den)
+
+
+def _stacked(name: str, grads: dict[str, torch.Tensor]) -> tuple[str, int] | None:
+    base, _, index = name.rpartition(".")
+    if base in grads and index.isdigit() and grads[base].dim() == 4:
+        return base, int(index)
+    return None
+
+
+def slot_keys(slot: Any, grads: dict[str, torch.Tensor]) -> list[str]:
+    """The use-site keys (parameters) a slot holds, from its kind and name."""
+    if slot.kind == "attention":
+        base = slot.name.removesuffix(".in_proj") if slot.name != "in_proj" else ""
+        prefix = f"{base}." if base else ""
+        keys = [f"{prefix}in_proj_weight"] + ([f"{prefix}in_proj_bias"] if slot.has_bias else [])
+    elif slot.kind == "parameter":
+        stacked = _stacked(slot.name, grads)
+        keys = [stacked[0] if stacked else slot.name]
+    else:
+        keys = [f"{slot.name}.weight"] + ([f"{slot.name}.bias"] if slot.has_bias else [])
+    missing = [k for k in keys if k not in grads]
+    if missing:
+        raise KeyError(f"slot {slot.name!r} ({slot.kind}): no parameter {missing} in the model")
+    return keys
+
+
+def reference_slot(slot: Any, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The ``[B, d_out, d_in(+1)]`` matrix a slot of kind ``slot.kind`` named ``slot.name`` must hold."""
+    keys = slot_keys(slot, grads)
+    g = grads[keys[0]]
+    b = g.shape[0]
+    if slot.kind == "parameter":
+        stacked = _stacked(slot.name, grads)
+        if stacked is not None:
+            return g[:, stacked[1]]
+        return g.reshape(b, -1, g.shape[-1]) if g.dim() > 1 else g.reshape(b, 1, 1)
+    if slot.kind in ("conv1d", "embedding"):
+        w = g.transpose(1, 2)
+    elif slot.kind == "conv":
+        w = g.reshape(b, g.shape[1], -1)
+    else:  # linear, attention
+        w = g
+    if len(keys) == 2:
+        w = torch.cat([w, grads[keys[1]].unsqueeze(-1)], dim=-1)
+    return w
+
+
+def slot_to_params(slot: Any, matrix: torch.Tensor, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A slot's ``[B, d_out, d_in(+1)]`` matrix back in its parameters' own layout (``{key: [B, *shape]}``, a
+    stacked slice as the full stacked parameter with zeros elsewhere), to sum the slots of a tied parameter."""
+    keys = slot_keys(slot, grads)
+    b = matrix.shape[0]
+    if slot.kind == "parameter":
+        stacked = _stacked(slot.name, grads)
+        full = torch.zeros_like(grads[keys[0]])
+        if stacked is not None:
+            full[:, stacked[1]] = matrix
+        else:
+            full = matrix.reshape(full.shape)
+        return {keys[0]: full}
+    shape = grads[keys[0]].shape
+    w = matrix[..., : slot.d_in]
+    if slot.kind in ("conv1d", "embedding"):
+        w = w.transpose(1, 2)
+    out = {keys[0]: w.reshape(shape)}
+    if len(keys) == 2:
+        out[keys[1]] = matrix[..., slot.d_in]
+    assert out[keys[0]].shape[0] == b
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- capture
+
+
+@dataclass
+class Captured:
+    spec: Any
+    rows: torch.Tensor  # [B, dim] float32
+    batches: int
+    coverage: str
+    warnings: list[str]
+    #: the capture's own record of the trainable parameters it does not capture: ``{name: reason}`` (None: the
+    #: capture keeps no such record)
+    uncaptured: dict[str, str] | None
+
+
+def capture(case: ZooCase) -> Captured:
+    """One backward of ``case``'s batch loss under an exact (projection=None) capture."""
+    out: list = []
+    case.model.zero_grad(set_to_none=True)
+    config = CaptureConfig.from_options(projection=None, loss_reduction=case.loss_reduction, **case.options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with GradientCapture(case.model, out.append, config) as cap:
+            case.loss(case.model, case.batch).backward()
+    case.model.zero_grad(set_to_none=True)
+    coverage = getattr(cap, "coverage", None)
+    summary = coverage.summary() if coverage is not None and hasattr(coverage, "summary") else "(no coverage)"
+    rows = out[0].grads if out else torch.zeros(0, 0)
+    records = getattr(coverage, "parameters", None)
+    uncaptured = None if records is None else {p.name: str(p.reason) for p in records if not p.captured}
+    return Captured(cap.spec, rows, len(out), summary, [str(w.message) for w in caught], uncaptured)
+
+
+def silent_gaps(case: ZooCase, got: Captured, grads: dict[str, torch.Tensor]) -> list[str]:
+    """Trainable parameters with a gradient that no slot holds and that the capture does not record as left
+    out (with a reason): the capture is blind to them without a word."""
+    held = {id(use_sites(case.model)[k]) for slot in got.spec.layers for k in slot_keys(slot, grads)}
+    recorded = got.uncaptured or {}
+    out = []
+    for name, param in case.model.named_parameters():
+        if not param.requires_grad or id(param) in held or name in recorded:
+            continue
+        keys = [k for k, p in use_sites(case.model).items() if p is param]
+        if any(grads[k].abs().sum() > 0 for k in keys):
+            out.append(name)
+    return out
+
+
+def slot_matrix(spec: Any, rows: torch.Tensor, slot: Any) -> torch.Tensor:
+    return rows[:, slot.offset : slot.offset + slot.size].reshape(-1, slot.k_out, slot.k_in)
+
+
+def compare(case: ZooCase, got: Captured, grads: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """``(report lines, failures)``: every slot against its reference; slots that share a parameter (tied
+    weights) are also compared as their sum in the parameter's layout (the contract for tied weights)."""
+    sites = use_sites(case.model)
+    lines, failures = [], []
+    by_param: dict[int, list[Any]] = {}  # parameter -> its slots
+    by_part: dict[tuple[int, int | None], int] = {}  # (parameter, stacked slice) -> slots holding it
+    for slot in got.spec.layers:
+        pid = id(sites[slot_keys(slot, grads)[0]])
+        by_param.setdefault(pid, []).append(slot)
+        part = (pid, (_stacked(slot.name, grads) or (None, None))[1])
+        by_part[part] = by_part.get(part, 0) + 1
+    tied = {pid for (pid, _), n in by_part.items() if n > 1}
+    tied |= {id(p) for p in sites.values() if sum(q is p for q in sites.values()) > 1}
+    for slot in got.spec.layers:
+        keys = slot_keys(slot, grads)
+        mat, ref = slot_matrix(got.spec, got.rows, slot), reference_slot(slot, grads)
+        err = rel_err(mat, ref) if mat.shape == ref.shape else math.inf
+        zero = bool(ref.norm() > 0 and mat.norm() == 0)
+        is_tied = id(sites[keys[0]]) in tied
+        status = "ok" if err < 1e-5 and not zero else ("tied" if is_tied else "FAIL")
+        recorded = [k for k in keys if k in (got.uncaptured or {})]
+        loud = f" (recorded as not captured: {got.uncaptured[recorded[0]]})" if recorded else ""
+        lines.append(
+            f"  {slot.kind:9s} {slot.name:48s} {tuple(mat.shape[1:])!s:14s} rel.err {err:.2e}"
+            + (" ALL ZERO" if zero else "")
+            + (" (tied: judged as a sum below)" if is_tied and status != "ok" else "")
+            + (loud if status != "ok" else "")
+        )
+        if status == "FAIL":
+            failures.append(
+                f"{slot.kind} slot {slot.name}: rel. error {err:.3g}"
+                + (" (rows all zero)" if zero else "")
+                + (" [loud: coverage records it]" if recorded else " [silent]")
+            )
+    for pid in tied:
+        slots = by_param.get(pid, [])
+        if not slots:
+            continue
+        # the uses of the parameter through the slots' own modules (a tied alias that the selection leaves out,
+        # e.g. an lm_head excluded by include=, is not part of any slot)
+        keys = list(dict.fromkeys(k for slot in slots for k in slot_keys(slot, grads) if id(sites[k]) == pid))
+        ref = sum(grads[k] for k in keys)
+        got_sum = torch.zeros_like(ref)
+        for slot in slots:
+            parts = slot_to_params(slot, slot_matrix(got.spec, got.rows, slot), grads)
+            got_sum = got_sum + parts[slot_keys(slot, grads)[0]]
+        err = rel_err(got_sum, ref)
+        names = "+".join(s.name for s in slots)
+        lines.append(f"  tied sum  {names:48s} over uses {keys}: rel.err {err:.2e}")
+        if err >= 1e-5:
+            failures.append(f"tied parameter {keys[0]} (slots {names}): sum rel. error {err:.3g}")
+    return lines, failures
+
+
+# ---------------------------------------------------------------------------------------------- builders
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _hf_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    return forward(**batch).loss
+
+
+def _causal_weights(labels: torch.Tensor) -> torch.Tensor:
+    """HF causal-LM token mean: example i's share of the batch loss is its shifted label count / all of them."""
+    counts = (labels[:, 1:] != -100).sum(1).float()
+    return counts / counts.sum()
+
+
+def _causal_case(name: str, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None, note="") -> ZooCase:
+    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+    batch = {"input_ids": ids, "labels": labels}
+    if mask is not None:
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return ZooCase(name, model.train(), batch, _hf_loss, "token_mean", _causal_weights(labels), note)
+
+
+def _right_padded(lengths: list[int], seq: int, vocab: int, seed: int, low: int = 0) -> tuple[torch.Tensor, ...]:
+    ids = torch.randint(low, vocab, (len(lengths), seq), generator=_gen(seed))
+    mask = (torch.arange(seq)[None] < torch.tensor(lengths)[:, None]).long()
+    return ids * mask, mask
+
+
+def gpt2() -> ZooCase:
+    from tiny_models import tiny_gpt2
+
+    ids, mask = _right_padded([8, 5, 8, 3], 8, 64, seed=1)
+    return _causal_case("gpt2", tiny_gpt2(attention="eager"), ids, mask, "Conv1D, tied wte/lm_head, padding")
+
+
+def llama() -> ZooCase:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    ids = torch.randint(0, 64, (3, 7), generator=_gen(2))
+    return _causal_case("llama", transformers.LlamaForCausalLM(config), ids, note="GQA, RoPE, untied head")
+
+
+def gemma() -> ZooCase:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GemmaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
+    ids = torch.randint(3, 64, (3, 6), generator=_gen(3))
+    note = "GemmaTextScaledWordEmbedding (lookup x sqrt(hidden)), tied lm_head"
+    return _causal_case("gemma", transformers.GemmaForCausalLM(config), ids, note=note)
+
+
+def opt() -> ZooCase:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(
+        vocab_size=64,
+        hidden_size=32,
+        ffn_dim=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+        word_embed_proj_dim=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        layerdrop=0.0,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
+    ids, mask = _right_padded([7, 4, 6], 7, 64, seed=4, low=3)
+    # left padding (as OPT is used for generation): an example's positions start where its mask does, not at 0
+    ids, mask = ids.flip(1), mask.flip(1)
+    note = "OPTLearnedPositionalEmbedding(attention_mask): positions cumsum(mask)-1 + offset 2, left padding"
+    return _causal_case("opt", transformers.OPTForCausalLM(config), ids, mask, note)
+
+
+def opt_positions() -> ZooCase:
+    # the position table alone (include=), so it is judged even where another layer of OPT is refused
+    case = opt()
+    case.name, case.options = "opt-positions", {"include": r"embed_(positions|tokens)$"}
+    return case
+
+
+def _t5(name: str, batch: int, enc: int, dec: int) -> ZooCase:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=64,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        feed_forward_proj="relu",
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        attn_implementation="eager",
+    )
+    model = transformers.T5ForConditionalGeneration(config).train()
+    ids = torch.randint(2, 64, (batch, enc), generator=_gen(5))
+    labels = torch.randint(2, 64, (batch, dec), generator=_gen(6))
+    note = f"relative_attention_bias looked up with [T, T] indices, B={batch} T_enc={enc} T_dec={dec}"
+    # T5's loss is the mean over all (unshifted) label tokens; with equal lengths that is the mean of the examples'.
+    return ZooCase(name, model, {"input_ids": ids, "labels": labels}, _hf_loss, "mean", note=note)
+
+
+def t5() -> ZooCase:
+    return _t5("t5", batch=3, enc=6, dec=5)
+
+
+def t5_square() -> ZooCase:
+    return _t5("t5-square", batch=4, enc=4, dec=4)
+
+
+def _whisper(name: str, low: int, dec: int) -> ZooCase:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(
+        vocab_size=64,
+        num_mel_bins=8,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_source_positions=8,
+        max_target_positions=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        attn_implementation="eager",
+    )
+    model = transformers.WhisperForConditionalGeneration(config).train()
+    features = torch.randn(3, 8, 16, generator=_gen(7))  # [B, mel bins, 2 * max_source_positions]
+    dec_ids = torch.randint(low, 64 if low else 8, (3, dec), generator=_gen(8))
+    labels = torch.randint(3, 64, (3, dec), generator=_gen(9))
+    batch = {"input_features": features, "decoder_input_ids": dec_ids, "labels": labels}
+    note = f"conv encoder, decoder positions weight[position_ids], decoder ids in [{low}, {64 if low else 8})"
+    return ZooCase(name, model, batch, _hf_loss, "mean", note=note)
+
+
+def whisper() -> ZooCase:
+    # token ids below max_target_positions (8) but not equal to their positions: a lookup by id is silently wrong
+    return _whisper("whisper", low=0, dec=6)
+
+
+def whisper_large_ids() -> ZooCase:
+    # token ids >= max_target_positions: a lookup of the position table by token id is out of range
+    return _whisper("whisper-large-ids", low=8, dec=8)
+
+
+def vit() -> ZooCase:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+        attn_implementation="eager",
+    )
+    model = transformers.ViTForImageClassification(config).train()
+    with torch.no_grad():  # ViT initialises cls_token / position_embeddings small: make them matter
+        model.vit.embeddings.cls_token.normal_()
+        model.vit.embeddings.position_embeddings.normal_()
+    pixels = torch.randn(4, 3, 8, 8, generator=_gen(10))
+    labels = torch.randint(0, 3, (4,), generator=_gen(11))
+    note = "Conv2d patch embedding, bare cls_token and position_embeddings"
+    return ZooCase("vit", model, {"pixel_values": pixels, "labels": labels}, _hf_loss, "mean", note=note)
+
+
+def _mixtral(name: str, experts: str) -> ZooCase:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        router_jitter_noise=0.0,
+        output_router_logits=False,
+        attn_implementation="eager",
+        experts_implementation=experts,
+    )
+    model = transformers.MixtralForCausalLM(config)
+    ids = torch.randint(0, 64, (3, 6), generator=_gen(12))
+    impl = model.config._experts_implementation
+    case = _causal_case(name, model, ids, note=f"3-D experts (experts_implementation={impl!r}), bare router weight")
+    case.extra["experts_implementation"] = impl
+    return case
+
+
+def mixtral() -> ZooCase:
+    return _mixtral("mixtral", None)  # transformers' default for a model built in code
+
+
+def mixtral_eager() -> ZooCase:
+    return _mixtral("mixtral-eager", "eager")
+
+
+def mixtral_batched() -> ZooCase:
+    return _mixtral("mixtral-batched-mm", "batched_mm")
+
+
+def bert() -> ZooCase:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=16,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+        attn_implementation="eager",
+    )
+    model = transformers.BertForSequenceClassification(config).train()
+    ids, mask = _right_padded([7, 4, 6, 7], 7, 64, seed=13, low=3)
+    types = (torch.arange(7)[None] >= 3).long().expand(4, 7) * mask
+    labels = torch.randint(0, 3, (4,), generator=_gen(14))
+    batch = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "labels": labels}
+    note = "position_ids [1, T] from a buffer, token types, pooler, padding"
+    return ZooCase("bert", model, batch, _hf_loss, "mean", note=note)
+
+
+class SmallCNN(nn.Module):
+    """8x8 images: Conv2d -> ReLU -> grouped strided Conv2d -> ReLU -> Linear head (no BatchNorm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 8, 3, stride=2, padding=1, groups=2)
+        self.head = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.conv2(F.relu(self.conv1(x)))).flatten(1))
+
+
+class SmallConv1d(nn.Module):
+    """Sequences of 3 channels: Conv1d -> ReLU -> dilated grouped Conv1d (no bias) -> mean over time -> Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(3, 6, 3, padding=1)
+        self.conv2 = nn.Conv1d(6, 6, 3, dilation=2, groups=3, bias=False)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.conv2(F.relu(self.conv1(x)))).mean(-1))
+
+
+class SmallConv3d(nn.Module):
+    """Volumes: Conv3d (stride 2) -> ReLU -> Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, (2, 3, 3), stride=(1, 2, 2), padding=(0, 1, 1))
+        self.head = nn.Linear(4 * 3 * 3 * 3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.conv(x)).flatten(1))
+
+
+def _classify(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    return F.cross_entropy(forward(x=batch["x"]), batch["y"])
+
+
+def cnn() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 1, 8, 8, generator=_gen(15)), "y": torch.randint(0, 10, (4,), generator=_gen(16))}
+    return ZooCase("cnn", SmallCNN().train(), batch, _classify, note="Conv2d (groups=2, stride 2) + Linear")
+
+
+def cnn1d() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 3, 10, generator=_gen(17)), "y": torch.randint(0, 4, (4,), generator=_gen(18))}
+    return ZooCase("cnn1d", SmallConv1d().train(), batch, _classify, note="Conv1d (dilation 2, groups 3, no bias)")
+
+
+def cnn3d() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(3, 2, 4, 6, 6, generator=_gen(19)), "y": torch.randint(0, 3, (3,), generator=_gen(20))}
+    return ZooCase("cnn3d", SmallConv3d().train(), batch, _classify, note="Conv3d")
+
+
+class EncoderClassifier(nn.Module):
+    """Token ids ``[B, T]`` -> Embedding -> nn.TransformerEncoder -> mean over tokens -> Linear. With
+    ``batch_first=False`` the encoder runs sequence-first (the model transposes), the input stays batch-first."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = nn.Embedding(32, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=batch_first)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if self.batch_first:
+            return self.head(self.encoder(h).mean(1))
+        return self.head(self.encoder(h.transpose(0, 1)).mean(0))
+
+
+def _encoder(name: str, batch_first: bool) -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randint(0, 32, (3, 5), generator=_gen(21)), "y": torch.randint(0, 3, (3,), generator=_gen(22))}
+    note = f"nn.MultiheadAttention packed in_proj + out_proj (never called), batch_first={batch_first}"
+    return ZooCase(name, EncoderClassifier(batch_first).train(), batch, _classify, note=note)
+
+
+def transformer_encoder() -> ZooCase:
+    return _encoder("transformer-encoder", batch_first=True)
+
+
+def transformer_encoder_seq_first() -> ZooCase:
+    return _encoder("transformer-encoder-seq-first", batch_first=False)
+
+
+#: Every model of the zoo by name (the pytest ids).
+ZOO: dict[str, Callable[[], ZooCase]] = {
+    "gpt2": gpt2,
+    "llama": llama,
+    "gemma": gemma,
+    "opt": opt,
+    "opt-positions": opt_positions,
+    "t5": t5,
+    "t5-square": t5_square,
+    "whisper": whisper,
+    "whisper-large-ids": whisper_large_ids,
+    "vit": vit,
+    "mixtral": mixtral,
+    "mixtral-eager": mixtral_eager,
+    "mixtral-batched-mm": mixtral_batched,
+    "bert": bert,
+    "cnn": cnn,
+    "cnn1d": cnn1d,
+    "cnn3d": cnn3d,
+    "transformer-encoder": transformer_encoder,
+    "transformer-encoder-seq-first": transformer_encoder_seq_first,
+}
