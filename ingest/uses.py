@@ -142,7 +142,9 @@ def batch_dim(t: Any) -> int | None:
     return getattr(t, BATCHED, None) if isinstance(t, torch.Tensor) else None
 
 
-def _result_dim(func: Any, args: tuple, source: torch.Tensor, dim: int, out: torch.Tensor, size: int) -> int:
+def _result_dim(
+    func: Any, args: tuple, source: torch.Tensor, dim: int, out: torch.Tensor, size: int, kwargs: dict | None = None
+) -> int:
     """Where the examples' dim of ``source`` (``dim``) lands in ``out``, an output of ``func`` (-1: unknown)."""
     if dim < 0:
         return -1
@@ -157,7 +159,7 @@ def _result_dim(func: Any, args: tuple, source: torch.Tensor, dim: int, out: tor
     elif name == "__getitem__" and len(args) >= 2:
         new = _indexed_dim(args[1], dim, n)
     elif name in REDUCTIONS and out.dim() < n:
-        new = _reduced_dim(args, dim, n)
+        new = _reduced_dim(args[1] if len(args) > 1 else (kwargs or {}).get("dim"), dim, n)
     elif func in ELEMENTWISE:  # broadcasting: aligned from the right
         new = dim + out.dim() - n
     elif out.dim() == n and name not in RESHAPES:
@@ -195,9 +197,8 @@ def _indexed_dim(index: Any, dim: int, n: int) -> int:
     return out + dim - source if dim >= source else -1
 
 
-def _reduced_dim(args: tuple, dim: int, n: int) -> int:
-    """Where dim ``dim`` lands after a reduction over ``args[1]`` (an int or a tuple) without ``keepdim``."""
-    reduced = args[1] if len(args) > 1 else None
+def _reduced_dim(reduced: Any, dim: int, n: int) -> int:
+    """Where dim ``dim`` lands after a reduction over ``reduced`` (an int or a tuple) without ``keepdim``."""
     if reduced is None:
         return -1
     reduced = {int(d) % n for d in (reduced if isinstance(reduced, (tuple, list)) else (reduced,))}
@@ -669,7 +670,7 @@ def _result_batch(
     whose dim 0 mixes them as ``owner`` says): ``(dim, owner)``, ``(-1, None)`` when unknown."""
     name = getattr(func, "__name__", "")
     if owner is None:
-        new = _result_dim(func, args, source, dim, out, size)
+        new = _result_dim(func, args, source, dim, out, size, kwargs)
         if new >= 0 or dim != 0 or name not in RESHAPES or out.dim() == 0:
             return new, None
         merged = out.shape[0]  # leading dims merged into dim 0 (tokens flattened across the batch)?
