@@ -27,6 +27,7 @@ from gradstore.resume import CommittedRows
 from gradstore.run_basis import run_basis, save_basis
 from ingest import CaptureConfig, CapturedBatch, GradientCapture, ProjectionSpec
 from ingest.capture import NonFiniteRowsError, SkippedBatch
+from ingest.coverage import Coverage
 
 #: Options that define a run's vectors (or how its loss was formed): later captures of the run reuse them.
 RUN_OPTIONS = (
@@ -180,6 +181,8 @@ class StoreCapture:
                 raise
             raise ours from error
         self._record_run()
+        if exc is None:
+            self._record_coverage()  # a capture stopped by an error changes no table beyond the rows it wrote
         if exc is not None and (ours := _translated(exc)) is not None:
             raise ours from exc
 
@@ -196,6 +199,34 @@ class StoreCapture:
                 stats = self.capture.curvature(checkpoint)
                 if stats:
                     self.store.save_curvature(self.run_id, checkpoint, stats)
+
+    def _record_coverage(self) -> None:
+        """The capture's coverage: a row per trainable parameter in ``capture_coverage``."""
+        now = datetime.now(timezone.utc)
+        rows = [
+            {
+                "run_id": self.run_id,
+                "checkpoint": self.capture.checkpoint,
+                "split": self.capture.split,
+                "rank": self.capture.config.labels.rank,
+                "parameter": p.name,
+                "numel": p.numel,
+                "captured": p.captured,
+                "slot": p.slot,
+                "how": p.how,
+                "reason": p.reason,
+                "created_at": now,
+            }
+            for p in self.capture.coverage.parameters
+        ]
+        if rows:
+            self.store.append_table(S.COVERAGE, pa.Table.from_pylist(rows, schema=S.COVERAGE_SCHEMA))
+
+    @property
+    def coverage(self) -> Coverage:
+        """Which trainable parameters this capture records, how, and why the others are not
+        (:class:`ingest.coverage.Coverage`; ``.summary()``, ``.parameters``, ``.fraction``)."""
+        return self.capture.coverage
 
     # ------------------------------------------------------------------ controls
     @property

@@ -104,6 +104,13 @@ def info(
     typer.echo(f"dims       {dims}  ({summary['storage_dtype']} storage)")
     runs = ", ".join(f"{run} ({dim})" for run, dim in summary["run_dims"].items())
     typer.echo(f"runs       {runs or '-'}")
+    for run, coverage in summary.get("coverage", {}).items():
+        missing = coverage["not_captured"]
+        listed = ", ".join(missing[:5]) + (f", ... ({len(missing)} in all)" if len(missing) > 5 else "")
+        typer.echo(
+            f"coverage   {run}: {coverage['fraction']:.1%} of {coverage['trainable']:,} trainable parameter entries"
+            + (f"; not captured: {listed}" if missing else "")
+        )
     size = summary["bytes_on_disk"]
     typer.echo(f"on disk    {size / 1e6:.2f} MB" if size is not None else "on disk    (remote)")
     typer.echo(f"{'table':16s}{'rows':>12s}{'fragments':>11s}{'version':>9s}")

@@ -235,6 +235,8 @@ class DistributedCapture(StoreCapture):
         if exc_type is None:  # a failing rank must not wait for the others in a collective
             self._committer.commit(self._stager.take())
             self._record_run()
+            if dist.get_rank() == 0:  # every rank captures the same model
+                self._record_coverage()
 
     def flush(self) -> None:
         """Commit every rank's captured rows (one transaction). Collective: call it on every rank."""

@@ -143,6 +143,7 @@ class GradStore:
         per_example_loss: Callable[..., torch.Tensor] | None = None,
         grad_scaler: Any = None,
         on_nonfinite: Literal["skip", "raise"] = "skip",
+        coverage: Literal["warn", "strict", "ignore"] = "warn",
         max_pending_batches: int = 4,
         writer: WriterConfig | None = None,
         resume: bool = False,
@@ -167,7 +168,12 @@ class GradStore:
         ``grad_scaler``: the loop's AMP ``GradScaler`` (its scale is divided out of the rows). ``on_nonfinite``: a
         training batch whose gradients hold NaN/Inf, or whose step the scaler skipped, is not written but listed in
         the ``skipped_steps`` table with a warning (``"skip"``), or ``NonFiniteGradientError`` stops the loop at
-        the ``backward()`` that produced it (``"raise"``).
+        the ``backward()`` that produced it (``"raise"``). ``coverage``: every trainable parameter is captured
+        (Linear, Conv1D, Embedding and their subclasses, ConvNd, attention projections, bare parameters; at the
+        ops that use it where a module hook cannot see every use) or recorded as not captured with why (norm
+        parameters by decision; recurrent weights, uses capture cannot split): ``"warn"``
+        once, ``"strict"`` raises ``CaptureUsageError``, ``"ignore"``; each capture's coverage is a row per
+        parameter in the ``capture_coverage`` table and in ``store.info()["coverage"]``.
         """
         options = {
             "split": split,
@@ -190,6 +196,7 @@ class GradStore:
             "fused": fused,
             "max_pending_batches": max_pending_batches,
             "on_nonfinite": on_nonfinite,
+            "coverage": coverage,
         }
         if rank is not None:
             options["rank"] = rank

@@ -30,6 +30,7 @@ import pyarrow.fs as pafs
 from gradstore.core import commits, storage
 from gradstore.core import schema as S
 from gradstore.core import sql as store_sql
+from gradstore.core.coverage import run_coverage
 from gradstore.core.curvature_files import LayerCurvature, load_curvature, save_curvature
 from gradstore.core.filters import StepRange, gradient_filter, sql_literal
 from gradstore.core.gradient_tables import GradientTables, is_gradient_table, table_dim
@@ -874,7 +875,8 @@ class StoreCore:
         return verify_store(self)
 
     def info(self) -> dict[str, Any]:
-        """A summary: tables with rows, fragments and versions, runs with their dims, dims, dtype, bytes on disk.
+        """A summary: tables with rows, fragments and versions, runs with their dims, dims, dtype, bytes on disk,
+        and each run's capture coverage (:func:`gradstore.core.coverage.run_coverage`).
 
         ``dim`` is the store's one dim, or ``None`` while it holds none or several (see ``dims``)."""
         tables = {}
@@ -897,6 +899,7 @@ class StoreCore:
             "run_dims": dict(zip(runs.column("run_id").to_pylist(), runs.column("dim").to_pylist())),
             "tables": tables,
             "bytes_on_disk": size,
+            "coverage": run_coverage(self),
         }
 
 

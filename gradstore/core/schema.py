@@ -155,8 +155,32 @@ ONLINE_SELECTION_SCHEMA = _tagged(
     ]
 )
 
+COVERAGE = "capture_coverage"
+
+#: One row per trainable parameter of the model of each capture (:mod:`ingest.coverage`): captured (``how``:
+#: ``"hook"`` or ``"op"``, into ``slot``) or not and why. A run's coverage is that of its latest capture.
+COVERAGE_SCHEMA = _tagged(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("checkpoint", pa.string()),
+        pa.field("split", pa.string()),
+        pa.field("rank", pa.int32()),
+        pa.field("parameter", pa.string()),
+        pa.field("numel", pa.int64()),
+        pa.field("captured", pa.bool_()),
+        pa.field("slot", pa.string()),
+        pa.field("how", pa.string()),
+        pa.field("reason", pa.string()),
+        pa.field("created_at", _TIMESTAMP),
+    ]
+)
+
 #: Tables created on first use that SQL always shows (empty until then).
-LAZY_SCHEMAS = {SKIPPED_STEPS: SKIPPED_STEPS_SCHEMA, ONLINE_SELECTION: ONLINE_SELECTION_SCHEMA}
+LAZY_SCHEMAS = {
+    SKIPPED_STEPS: SKIPPED_STEPS_SCHEMA,
+    ONLINE_SELECTION: ONLINE_SELECTION_SCHEMA,
+    COVERAGE: COVERAGE_SCHEMA,
+}
 
 FIXED_SCHEMAS = {
     RUNS: RUNS_SCHEMA,

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from gradstore.core import sql_in, sql_literal
+from gradstore.core.coverage import run_coverage
 from gradstore.errors import InvalidNameError, SchemaMismatchError
 from gradstore.index import INDEXES, MANIFEST_FILE
 
@@ -169,8 +170,9 @@ class _Reader:
             else None
         )
         counts = {name: self.store.count(name) for name in sorted(self.tables)}
+        coverage = run_coverage(self.store)
         return {
-            "runs": _records(runs),
+            "runs": [{**r, "coverage": coverage.get(r["run_id"])} for r in _records(runs)],
             "checkpoints": _records(checkpoints),
             "row_counts": counts,
             "dim": self._dim(),

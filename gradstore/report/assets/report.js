@@ -77,8 +77,10 @@
     el("p", {text: `dimension ${fmt(overview.dim)}; example text from column ${overview.text_column ?? "(none)"}` +
                    (data.run ? `; run ${data.run}` : "")}),
     el("h3", {text: "Runs"}),
-    table(["run", "created", "dim", "model", "projection"], overview.runs.map((r) =>
-      [r.run_id, r.created_at, r.dim, r.model_fingerprint, r.projection_fingerprint])),
+    table(["run", "created", "dim", "model", "projection", "parameters captured", "not captured"],
+      overview.runs.map((r) => [r.run_id, r.created_at, r.dim, r.model_fingerprint, r.projection_fingerprint,
+        r.coverage ? `${(100 * r.coverage.fraction).toFixed(1)}% of ${r.coverage.trainable}` : "-",
+        r.coverage ? Object.entries(r.coverage.reasons).map(([name, why]) => `${name} (${why})`).join("; ") : "-"])),
     el("h3", {text: "Checkpoints"}),
     table(["run", "checkpoint", "step", "epoch", "learning rate"], overview.checkpoints.map((c) =>
       [c.run_id, c.checkpoint, c.step, c.epoch, c.learning_rate])),

@@ -1,0 +1,198 @@
+"""Coverage: every trainable parameter is captured exactly or recorded as not captured, and the user is told."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import gradstore
+from gradstore.report.data import gather
+from ingest.capture import CaptureConfig, GradientCapture
+from ingest.coverage import CoverageWarning
+from ingest.misuse import CaptureUsageError
+from ingest.tokens import TokenGradientCapture
+
+
+class BareMatmul(nn.Module):
+    """A bare weight used as ``x @ W``: a use no rule splits per example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x @ self.w)
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(4, 4, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gru(x)[0][:, -1])
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.fc(x)))
+
+
+def _capture(model: nn.Module, x: torch.Tensor, **options) -> tuple[GradientCapture, list, list]:
+    rows: list = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with GradientCapture(model, rows.append, CaptureConfig.from_options(projection=None, **options)) as cap:
+            model(x).sum().backward()
+    return cap, rows, [w for w in caught if issubclass(w.category, CoverageWarning)]
+
+
+def test_an_unsplittable_use_is_recorded_and_warned_once() -> None:
+    torch.manual_seed(0)
+    cap, rows, caught = _capture(BareMatmul(), torch.randn(5, 4))
+    record = {p.name: p for p in cap.coverage.parameters}
+    assert not record["w"].captured and "matmul" in record["w"].reason
+    assert record["head.weight"].captured and record["head.weight"].how == "hook"
+    assert len(caught) == 1 and "w (used by" in str(caught[0].message)
+    assert cap.coverage.fraction == pytest.approx(12 / 24)  # head: 9 + 3 of 24 entries
+    s = cap.spec.slot("w")
+    assert torch.count_nonzero(rows[0].grads[:, s.offset : s.offset + s.size]) == 0  # nothing half-captured
+
+
+def test_strict_refuses_at_start_and_at_the_use() -> None:
+    with pytest.raises(CaptureUsageError, match=r"gru\.weight_ih_l0 \(recurrent"):
+        GradientCapture(Recurrent(), lambda batch: None, CaptureConfig.from_options(coverage="strict"))
+    model = BareMatmul()
+    with (
+        pytest.raises(CaptureUsageError, match="w \\(used by"),
+        GradientCapture(model, lambda batch: None, CaptureConfig.from_options(coverage="strict")),
+    ):
+        model(torch.randn(2, 4)).sum().backward()
+
+
+def test_ignore_records_without_warning_and_norms_are_a_decision() -> None:
+    cap, _, caught = _capture(Recurrent(), torch.randn(3, 5, 4), coverage="ignore")
+    assert not caught and {p.name for p in cap.coverage.gaps()} == {
+        "gru.weight_ih_l0",
+        "gru.weight_hh_l0",
+        "gru.bias_ih_l0",
+        "gru.bias_hh_l0",
+    }
+    cap, _, caught = _capture(Normed(), torch.randn(3, 4))
+    norms = [p for p in cap.coverage.parameters if p.name.startswith("norm.")]
+    assert not caught and norms and all(not p.captured and p.decided for p in norms)
+    with pytest.raises(CaptureUsageError, match="coverage must be one of"):
+        CaptureConfig.from_options(coverage="loud").validate()
+
+
+def test_sequence_first_linear_with_as_many_positions_as_examples_is_exact() -> None:
+    """A ``batch_first=False`` encoder with ``T == B``: shapes cannot tell the examples' dim, the taint does."""
+    torch.manual_seed(1)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0), 1, enable_nested_tensor=False)
+    head = nn.Linear(8, 3)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder, self.head = encoder, head
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(x.transpose(0, 1)).mean(0))
+
+    model = Model()
+    x, y = torch.randn(4, 4, 8), torch.tensor([0, 1, 2, 0])
+    rows: list = []
+    with GradientCapture(model, rows.append, CaptureConfig.from_options(projection=None)) as cap:
+        nn.functional.cross_entropy(model(x), y).backward()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    per_example = vmap(
+        grad(lambda p, xi, yi: nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])),
+        in_dims=(None, 0, 0),
+    )(params, x, y)
+    for name in ("encoder.layers.0.linear1", "encoder.layers.0.self_attn.out_proj"):
+        s = cap.spec.slot(name)
+        got = rows[0].grads[:, s.offset : s.offset + s.size].reshape(4, s.k_out, s.k_in)
+        want = torch.cat([per_example[f"{name}.weight"], per_example[f"{name}.bias"].unsqueeze(-1)], dim=-1)
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), name
+    s = cap.spec.slot("encoder.layers.0.self_attn.in_proj")
+    got = rows[0].grads[:, s.offset : s.offset + s.size].reshape(4, s.k_out, s.k_in)
+    prefix = "encoder.layers.0.self_attn."
+    want = torch.cat(
+        [per_example[prefix + "in_proj_weight"], per_example[prefix + "in_proj_bias"].unsqueeze(-1)], dim=-1
+    )
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+
+
+class Positional(nn.Module):
+    """A token model with a bare position table (added) and a learned scale (multiplied)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.position = nn.Parameter(torch.randn(8, 6))
+        self.gain = nn.Parameter(torch.ones(6))
+        self.head = nn.Linear(6, 11)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = (self.embed(input_ids) + self.position[: input_ids.shape[1]]) * self.gain
+        return self.head(torch.tanh(h))
+
+
+def test_per_token_rows_of_bare_parameters_sum_to_the_example_rows() -> None:
+    torch.manual_seed(2)
+    model = Positional()
+    ids = torch.randint(0, 11, (3, 5))
+
+    def step() -> None:
+        logits = model(ids)
+        nn.functional.cross_entropy(logits.reshape(-1, 11), ids.reshape(-1), reduction="sum").backward()
+
+    config = CaptureConfig.from_options(k_in=4, k_out=4, loss_reduction="sum")
+    rows: list = []
+    with GradientCapture(model, rows.append, config):
+        step()
+    tokens = TokenGradientCapture(model, config)
+    with tokens:
+        step()
+    assert torch.allclose(tokens.results[0].rows.sum(dim=1), rows[0].grads, atol=1e-5, rtol=1e-4)
+    position = tokens.spec.slot("position")
+    share = tokens.results[0].rows[:, :, position.offset : position.offset + position.size]
+    assert torch.count_nonzero(share) > 0
+
+
+def test_the_store_keeps_each_runs_coverage(tmp_path) -> None:
+    store = gradstore.open(tmp_path / "store")
+    model = Recurrent()
+    with store.capture(model, run="rnn", coverage="ignore") as cap:
+        cap.set_ids(["a", "b"])
+        model(torch.randn(2, 5, 4)).sum().backward()
+    coverage = store.info()["coverage"]["rnn"]
+    assert coverage["not_captured"] == ["gru.weight_ih_l0", "gru.weight_hh_l0", "gru.bias_ih_l0", "gru.bias_hh_l0"]
+    assert coverage["fraction"] == pytest.approx(15 / (15 + 3 * 4 * 4 * 2 + 3 * 4 * 2))
+    table = store.sql("select parameter, captured, how from capture_coverage order by parameter").df()
+    assert table.loc[table.parameter == "head.weight", "how"].item() == "hook"
+    with pytest.raises(gradstore.GradstoreError, match="recurrent"):
+        store.capture(model, run="rnn", coverage="strict")
+    report = gather(store.core)
+    assert report.overview["runs"][0]["coverage"]["not_captured"] == coverage["not_captured"]
+    printed = subprocess.run(
+        [sys.executable, "-m", "gradstore.cli", "info", str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "coverage   rnn:" in printed and "gru.weight_ih_l0" in printed
