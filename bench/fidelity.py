@@ -70,7 +70,9 @@ Ends with three RESULT lines, each figure the test LDS of the candidate with the
 Fisher, on every projected variant),
 ``lds_logreg_320`` (logistic regression at 320 dims, among every method on every projected variant) and
 ``lds_curvature_projected_fisher`` (logistic regression / MLP, ``fisher`` on the curvature-aware family; the same
-choice on the two random families is printed above it).
+choice on the two random families is printed above it). Then the vision row, ``bench/fidelity_vision.py`` (a
+two-convolution CNN on the same split and protocol, its convolutions captured at their ops): its table and a fourth
+RESULT line, ``lds_vision_cnn_496`` (about 2.5 of the run's minutes; ``--no-vision`` skips it).
 
 Run: ``python bench/fidelity.py`` (``--threads 1`` when the two cores are shared with other jobs).
 """
@@ -164,10 +166,11 @@ def val_ids(n: int) -> list[str]:
 # ---------------------------------------------------------------------------------------------- models
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture, training procedure and capture sizes of one model family."""
+    """Architecture, training procedure and capture sizes of one model family. The architecture is in
+    :meth:`module` and :meth:`stacked_logits` (``bench/fidelity_vision.py`` subclasses them for a CNN)."""
 
     name: str
-    hidden: int | None  # None: logistic regression
+    hidden: int | None  # None: logistic regression (zero init, the exact-Hessian sanity row)
     weight_decay: float
     lr: float
     steps: int
@@ -176,32 +179,30 @@ class ModelConfig:
     every: int  # capture every ``every``-th training step
     dtype: torch.dtype  # of the weights and inputs, in every training and capture
 
+    def module(self) -> nn.Module:
+        """The ``nn.Module`` gradstore captures (inputs ``[n, 64]``)."""
+        if self.hidden is None:
+            return nn.Sequential(nn.Linear(64, CLASSES)).to(self.dtype)
+        return nn.Sequential(nn.Linear(64, self.hidden), nn.ReLU(), nn.Linear(self.hidden, CLASSES)).to(self.dtype)
 
-def make_module(config: ModelConfig) -> nn.Sequential:
-    """The ``nn.Module`` gradstore captures."""
-    if config.hidden is None:
-        return nn.Sequential(nn.Linear(64, CLASSES)).to(config.dtype)
-    return nn.Sequential(nn.Linear(64, config.hidden), nn.ReLU(), nn.Linear(config.hidden, CLASSES)).to(config.dtype)
+    def initial(self, copies: int, seed: int) -> list[torch.Tensor]:
+        """Stacked ``[copies, ...]`` initial parameters (``module().parameters()`` order), identical across copies:
+        zeros for logistic regression, else one seeded init of :meth:`module`."""
+        if self.hidden is None:
+            base = [torch.zeros(CLASSES, 64, dtype=self.dtype), torch.zeros(CLASSES, dtype=self.dtype)]
+        else:
+            torch.manual_seed(seed)
+            base = [p.detach().clone() for p in self.module().parameters()]
+        return [p.unsqueeze(0).repeat(copies, *([1] * p.dim())).contiguous() for p in base]
 
-
-def init_params(config: ModelConfig, copies: int, seed: int) -> list[torch.Tensor]:
-    """Stacked ``[copies, ...]`` initial parameters (weight, bias per layer), identical across copies."""
-    if config.hidden is None:
-        base = [torch.zeros(CLASSES, 64, dtype=config.dtype), torch.zeros(CLASSES, dtype=config.dtype)]
-    else:
-        torch.manual_seed(seed)
-        base = [p.detach().clone() for p in make_module(config).parameters()]
-    return [p.unsqueeze(0).repeat(copies, *([1] * p.dim())).contiguous() for p in base]
-
-
-def stacked_logits(params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """Logits ``[copies, n, 10]`` of a stack of models on inputs ``[copies, n, 64]``."""
-    h = x
-    for layer in range(0, len(params), 2):
-        h = torch.baddbmm(params[layer + 1].unsqueeze(1), h, params[layer].transpose(1, 2))
-        if layer + 2 < len(params):
-            h = torch.relu(h)
-    return h
+    def stacked_logits(self, params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Logits ``[copies, n, 10]`` of a stack of models on inputs ``[copies, n, 64]``."""
+        h = x
+        for layer in range(0, len(params), 2):
+            h = torch.baddbmm(params[layer + 1].unsqueeze(1), h, params[layer].transpose(1, 2))
+            if layer + 2 < len(params):
+                h = torch.relu(h)
+        return h
 
 
 def lr_at(config: ModelConfig, step: int) -> float:
@@ -217,13 +218,13 @@ def decay(config: ModelConfig, params: list[torch.Tensor] | Any) -> torch.Tensor
 def train_stack(config: ModelConfig, x: torch.Tensor, y: torch.Tensor, seed: int) -> list[torch.Tensor]:
     """Train ``copies`` independent models, copy ``c`` on ``x[c], y[c]`` (``[copies, n, 64]``, ``[copies, n]``):
     mean cross-entropy + ``wd/2 ||theta||^2`` each, full-batch Adam, cosine schedule. Final stacked parameters."""
-    params = [p.requires_grad_() for p in init_params(config, x.shape[0], seed)]
+    params = [p.requires_grad_() for p in config.initial(x.shape[0], seed)]
     x = x.to(config.dtype)
     optimizer = torch.optim.Adam(params, lr=config.lr)
     for step in range(config.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(config, step)
-        logits = stacked_logits(params, x)
+        logits = config.stacked_logits(params, x)
         loss = F.cross_entropy(logits.reshape(-1, CLASSES), y.reshape(-1), reduction="sum") / x.shape[1]
         optimizer.zero_grad()
         (loss + decay(config, params)).backward()
@@ -231,14 +232,14 @@ def train_stack(config: ModelConfig, x: torch.Tensor, y: torch.Tensor, seed: int
     return [p.detach() for p in params]
 
 
-def query_losses(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def query_losses(config: ModelConfig, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy ``[copies, queries]`` of every model of a stack on every query."""
     with torch.no_grad():
-        logits = stacked_logits(params, x.to(params[0].dtype).unsqueeze(0).expand(params[0].shape[0], -1, -1))
+        logits = config.stacked_logits(params, x.to(params[0].dtype).unsqueeze(0).expand(params[0].shape[0], -1, -1))
         return F.cross_entropy(logits.transpose(1, 2), y.unsqueeze(0).expand(logits.shape[0], -1), reduction="none")
 
 
-def load_into(module: nn.Sequential, params: list[torch.Tensor]) -> None:
+def load_into(module: nn.Module, params: list[torch.Tensor]) -> None:
     """Copy a model's parameters (a list in ``module.parameters()`` order) into ``module``."""
     with torch.no_grad():
         for target, source in zip(module.parameters(), params):
@@ -258,8 +259,8 @@ def make_train_fn(config: ModelConfig, data: Data) -> evaluate.TrainFn:
         chosen = torch.tensor([[int(i) for i in subset] for subset in subsets])
         params = train_stack(config, data.x_train[chosen], data.y_train[chosen], seed)
         losses = {
-            "test": query_losses(params, data.x_test, data.y_test).numpy(),
-            "val": query_losses(params, data.x_val, data.y_val).numpy(),
+            "test": query_losses(config, params, data.x_test, data.y_test).numpy(),
+            "val": query_losses(config, params, data.x_val, data.y_val).numpy(),
         }
         return np.stack([losses[split][:, i] for split, i in (queries[q] for q in query_ids)], 1)
 
@@ -358,7 +359,7 @@ def fisher_basis(
 
     The pre-pass backpropagates the loss of every label weighted by the square root of its predicted
     probability (one backward per label; no labels needed), so the second moments are the true Fisher's."""
-    module = make_module(config)
+    module = config.module()
     load_into(module, params)
 
     def loss_fn(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
@@ -382,8 +383,8 @@ def train_under_capture(
 ) -> dict[str, Snapshot]:
     """Train the full model as an ``nn.Sequential`` under ``store.capture`` (every ``every``-th step captured,
     the others paused; ``None``: all paused); returns its parameters at the planned checkpoints."""
-    module = make_module(config)
-    load_into(module, [p[0] for p in init_params(config, 1, seed)])
+    module = config.module()
+    load_into(module, [p[0] for p in config.initial(1, seed)])
     optimizer = torch.optim.Adam(module.parameters(), lr=config.lr)
     ids = train_ids(len(data.x_train))
     at_step = {step: name for name, (step, _) in plan.items()}
@@ -418,7 +419,7 @@ def checkpoint_passes(
     batch: int = 250,
 ) -> None:
     """At every planned checkpoint: training and query rows, or (``true_fisher``) the true-Fisher rows."""
-    module = make_module(config)
+    module = config.module()
     if true_fisher:
         groups = [(TRUE_FISHER_SPLIT, train_ids(len(data.x_train)), data.x_train, None)]
     else:
@@ -554,6 +555,7 @@ class Row:
     scores: np.ndarray  # [test queries, n_train] for the QLD
     note: str
     qld: evaluate.QLDResult | None = field(default=None)
+    val_stderr: float = field(default=float("nan"))  # of ``val`` over the validation queries
 
 
 def evaluate_method(
@@ -564,18 +566,18 @@ def evaluate_method(
     options = dict(spec.options)
     if spec.damped:
         grid = {
-            d: evaluate.lds_of_scores(score_rows(store, {**options, "damping": d}, vals, ids), truth.val, vals).value
+            d: evaluate.lds_of_scores(score_rows(store, {**options, "damping": d}, vals, ids), truth.val, vals)
             for d in DAMPING_GRID
         }
-        damping = max(grid, key=lambda d: (round(grid[d], 4), d))  # ties: the larger damping
+        damping = max(grid, key=lambda d: (round(grid[d].value, 4), d))  # ties: the larger damping
         options["damping"] = damping
         val = grid[damping]
         note = f"{note}, damping {damping:g}"
     else:
-        val = evaluate.lds_of_scores(score_rows(store, options, vals, ids), truth.val, vals).value
+        val = evaluate.lds_of_scores(score_rows(store, options, vals, ids), truth.val, vals)
     scores = score_rows(store, options, tests, ids)
     test = evaluate.lds_of_scores(scores, truth.test, tests, spec.label)
-    return Row(model, variant, spec, val, test, scores.astype(np.float32), note)
+    return Row(model, variant, spec, val.value, test, scores.astype(np.float32), note, val_stderr=val.stderr)
 
 
 def hessian_row(
@@ -617,7 +619,7 @@ def evaluate_model(
     start = time.perf_counter()
     data = data.to(config.dtype)
     reference = [p[0] for p in train_stack(config, data.x_train[None], data.y_train[None], seed)]
-    logits = make_module(config)
+    logits = config.module()
     load_into(logits, reference)
     with torch.no_grad():
         accuracy = [
@@ -792,6 +794,7 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=2, help="torch threads (1 is faster when the cores are shared with other jobs)"
     )
+    parser.add_argument("--no-vision", action="store_true", help="skip the CNN's row (bench/fidelity_vision.py)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     began, cpu = time.perf_counter(), time.process_time()
@@ -816,6 +819,11 @@ def main() -> None:
         f"2 x {args.subsets} subsets, {args.threads} thread(s)"
     )
     print_results(rows)
+    if not args.no_vision:
+        import fidelity_vision  # bench/ is on sys.path when this file runs as a script
+
+        fidelity_vision.vision_rows(args.subsets, args.seed, methods=methods)
+        print(f"total runtime {time.perf_counter() - began:.0f}s wall, {time.process_time() - cpu:.0f} CPU-s")
 
 
 if __name__ == "__main__":

@@ -104,3 +104,17 @@ def test_train_lora_captures_adapters_and_attributes(tmp_path):
 
     store = gradstore.open(tmp_path / "store", create=False)
     assert store.sql("SELECT count(*) FROM gradients WHERE split = 'train'").fetchall()[0][0] == 32 * 2 + 32
+
+
+def test_vision_cnn_captures_convolutions(tmp_path):
+    out = run_example("vision_cnn", tmp_path / "store")
+    assert out.count("proponents (rank 1 = most helpful)") == 4
+    (share,) = number_after(r"proponents with the query's label: ([\d.]+)", out)
+    assert share > 0.5  # chance is 0.10
+    import gradstore
+
+    store = gradstore.open(tmp_path / "store", create=False)
+    coverage = store.info()["coverage"]["digits-cnn"]
+    assert coverage["fraction"] == 1.0 and coverage["not_captured"] == []
+    assert len(coverage["captured"]) == 6  # both convolutions and the head, weights and biases
+    assert store.dim == 10 * 8 + 16 * 16 + 16 * 10  # factorized 16 x 16, capped at each slot's sides
