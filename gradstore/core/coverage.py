@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+import pyarrow as pa
 
 from gradstore.core import schema as S
 
-if TYPE_CHECKING:
-    from gradstore.core.database import StoreCore
+
+class TableReader(Protocol):
+    """What reading the coverage needs of a store (:class:`gradstore.core.database.StoreCore` is one)."""
+
+    def has_table(self, name: str) -> bool: ...
+
+    def scan(self, name: str) -> pa.Table: ...
 
 
-def run_coverage(store: StoreCore) -> dict[str, dict[str, Any]]:
+def run_coverage(store: TableReader) -> dict[str, dict[str, Any]]:
     """Per run, the coverage of its latest capture: ``fraction`` of the trainable parameter entries captured,
     ``trainable`` entries, ``captured``/``not_captured`` parameter names and ``reasons`` (name -> why not)."""
     if not store.has_table(S.COVERAGE):
