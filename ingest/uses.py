@@ -89,7 +89,7 @@ ELEMENTWISE = frozenset(
 RESHAPES = frozenset(["view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"])
 REDUCTIONS = frozenset(["mean", "sum", "amax", "amin", "max", "min", "std", "var", "logsumexp", "prod", "norm"])
 CONCATENATIONS = frozenset([torch.cat, torch.concat, torch.concatenate, torch.stack])
-CONVOLUTIONS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
+CONVOLUTIONS = frozenset([torch.conv1d, torch.conv2d, torch.conv3d])
 #: Grouped matmuls ``(x [S, d_in], W [E, d_in, d_out], offs [E])``: rows ``offs[e-1]:offs[e]`` of ``x`` use ``W[e]``.
 GROUPED_MM = frozenset(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f)
 
@@ -437,17 +437,15 @@ class ParameterUses(TorchFunctionMode):
         if (bias is not None and bias is not hook.bias) or (hook.slot.has_bias and bias is None):
             return None
         out = func(*args, **kwargs)
-        dims = CONVOLUTIONS[func]
         patches = conv_patches(
             x.detach(), weight.shape[2:], bound.get("stride", 1), bound.get("padding", 0), bound.get("dilation", 1)
         )
         groups = int(bound.get("groups", 1))
         if groups == 1:
             route, saved = hook._save(patches, batch.size)
-            layout = functools.partial(_channels_last, dims=dims)
-            out.register_hook(functools.partial(_backward, hook, batch.generation, route, saved, layout))
+            out.register_hook(functools.partial(_backward, hook, batch.generation, route, saved, _channels_last))
         else:
-            out.register_hook(functools.partial(_grouped_backward, hook, batch.generation, patches, groups, dims))
+            out.register_hook(functools.partial(_grouped_backward, hook, batch.generation, patches, groups))
         return out
 
     def _grouped(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -535,7 +533,7 @@ class ParameterUses(TorchFunctionMode):
             ]
             if any(h is None for h in targets):
                 return None
-            expanded = _expand(t, shape, size, func)
+            expanded = _expand(t, shape, size)
             if expanded is None:
                 return None
             expanded.register_hook(functools.partial(_meeting_backward, t, params, targets, batch.generation, size))
@@ -591,7 +589,7 @@ def _swap(args: tuple, replaced: dict[int, torch.Tensor]) -> tuple:
     return tuple(_swap_one(a, replaced) for a in args)
 
 
-def _expand(t: torch.Tensor, shape: torch.Size | None, size: int, func: Any) -> torch.Tensor | None:
+def _expand(t: torch.Tensor, shape: torch.Size | None, size: int) -> torch.Tensor | None:
     """``t`` as an operand whose dim 0 is the batch: broadcast to ``shape`` (elementwise ops) or, in a
     concatenation, ``t`` itself when its dim 0 already spans the batch."""
     if shape is None:
@@ -695,28 +693,26 @@ def _result_batch(
         return (0, None) if torch.equal(owner, regular) else (-1, None)
     if name in ("transpose", "swapaxes", "swapdims", "permute", "t", "movedim"):
         return -1, None
-    aligned = out.dim() == source.dim() or (func in ELEMENTWISE and out.dim() > source.dim())
-    first = out.dim() - source.dim() if func in ELEMENTWISE else 0
-    if aligned and out.dim() > first and out.shape[first] == rows and first == 0:
-        return 0, owner
-    if out.dim() > 0 and out.shape[0] == rows and name not in REDUCTIONS:  # dim 0 kept (unsqueeze, chunk, ...)
-        return 0, owner
+    if name in REDUCTIONS and out.dim() < source.dim():
+        reduced = args[1] if len(args) > 1 else kwargs.get("dim")
+        return (0, owner) if _reduced_dim(reduced, 0, source.dim()) == 0 else (-1, None)
+    broadcast_up = func in ELEMENTWISE and out.dim() > source.dim()
+    if out.dim() > 0 and out.shape[0] == rows and not broadcast_up:
+        return 0, owner  # dim 0 kept (elementwise, unsqueeze, chunk, a reshape of the other dims, ...)
     return -1, None
 
 
-def _channels_last(dy: torch.Tensor, dims: int) -> torch.Tensor:
+def _channels_last(dy: torch.Tensor) -> torch.Tensor:
     """A convolution's output gradient ``[B, C_out, *spatial]`` as ``[B, positions, C_out]``."""
     return dy.flatten(2).transpose(1, 2)
 
 
-def _grouped_backward(
-    hook: LayerHook, generation: int, patches: torch.Tensor, groups: int, dims: int, dy: torch.Tensor
-) -> None:
+def _grouped_backward(hook: LayerHook, generation: int, patches: torch.Tensor, groups: int, dy: torch.Tensor) -> None:
     """A grouped convolution's per-example gradient ``[B, C_out, C_in/groups x kernel (+1)]``, materialised."""
     with torch.no_grad():
         size, positions = patches.shape[:2]
         x = patches.reshape(size, positions, groups, -1).float()
-        g = _channels_last(dy.detach(), dims).reshape(size, positions, groups, -1).float()
+        g = _channels_last(dy.detach()).reshape(size, positions, groups, -1).float()
         grad = torch.einsum("blgo,blgi->bgoi", g, x).reshape(size, -1, x.shape[-1])
         if hook.slot.has_bias:
             grad = torch.cat([grad, g.sum(dim=1).reshape(size, -1, 1)], dim=-1)
