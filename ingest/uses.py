@@ -25,7 +25,9 @@ module's forward is left to it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import math
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -37,6 +39,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ingest.hooks import TAKEN_MARK, ActiveBatch, LayerHook, in_backward
+
+log = logging.getLogger(__name__)
 
 #: Attribute set on tensors computed from the batch's inputs: the dim that indexes the examples (-1: unknown).
 BATCHED = "_gradstore_batched"
@@ -262,7 +266,7 @@ class ParameterUses(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is F.multi_head_attention_forward:
             return self._attention(batch, args, kwargs)
-        if func is torch.Tensor.__getitem__ and self._is_stacked(args[0]):
+        if func is torch.Tensor.__getitem__ and args and self._is_stacked(args[0]):
             return self._slice(args)
         operands = list(_tensors(args)) + list(_tensors(kwargs.values()))
         dims = [(batch_dim(t), t) for t in operands]
@@ -280,15 +284,34 @@ class ParameterUses(TorchFunctionMode):
                 self.seen_outside = True
         else:
             result = func(*args, **kwargs)
-        if batched:
+        try:
+            self._mark_result(func, args, kwargs, result, first, sources, batch.size)
+        except Exception as error:  # an op this bookkeeping does not know: its outputs' examples are unknown
+            log.debug("op-level capture: no batch bookkeeping for %s: %r", _name(func), error)
+            for out in _tensors([result]):
+                with contextlib.suppress(Exception):
+                    setattr(out, BATCHED, -1 if first is not None else None)
+        return result
+
+    def _mark_result(
+        self,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        result: Any,
+        first: torch.Tensor | None,
+        sources: list[torch.Tensor],
+        size: int,
+    ) -> None:
+        """Mark ``result``: where its examples are (from ``first``, the batch operand), or the parameters behind it."""
+        if first is not None:
             dim, owner = batch_dim(first), getattr(first, OWNER, None)
             for out in _tensors([result]):  # an in-place op returns (and so marks) its first operand
-                new, new_owner = _result_batch(func, args, kwargs, first, dim, owner, out, batch.size)
+                new, new_owner = _result_batch(func, args, kwargs, first, dim, owner, out, size)
                 setattr(out, BATCHED, new)
                 setattr(out, OWNER, new_owner)
         elif sources:
             _mark(result, SOURCES, tuple({id(p): p for p in sources}.values()))
-        return result
 
     def _sources(self, operands: list[torch.Tensor]) -> list[torch.Tensor]:
         """The captured parameters among ``operands`` or behind their parameter-only inputs."""
@@ -347,19 +370,28 @@ class ParameterUses(TorchFunctionMode):
             return func(*args, **kwargs)  # a left-out layer's own op on a weight it shares (a tied lm_head)
         if any(self._is_hooked(p) for p in sources):
             self.seen_outside = True
-        if func is F.linear:
-            result = self._linear(batch, *args, **kwargs)
-        elif func is F.embedding:
-            result = self._embedding(batch, args, kwargs)
-        elif func in CONVOLUTIONS:
-            result = self._convolution(batch, func, args, kwargs)
-        elif func in GROUPED_MM or _name(func).endswith("grouped_mm_fallback"):
-            result = self._grouped(batch, func, args, kwargs)
-        elif func in (torch.bmm, torch.Tensor.bmm) and not kwargs:
-            result = self._gathered(batch, *args)
-        elif func in ELEMENTWISE or func in CONCATENATIONS:
-            result = self._meet(batch, func, args, kwargs)
-        else:
+        try:
+            if func is F.linear:
+                result = self._linear(batch, *args, **kwargs)
+            elif func is F.embedding:
+                result = self._embedding(batch, args, kwargs)
+            elif func in CONVOLUTIONS:
+                result = self._convolution(batch, func, args, kwargs)
+            elif func in GROUPED_MM or _name(func).endswith("grouped_mm_fallback"):
+                result = self._grouped(batch, func, args, kwargs)
+            elif func in (torch.bmm, torch.Tensor.bmm) and not kwargs:
+                result = self._gathered(batch, *args)
+            elif func in ELEMENTWISE or func in CONCATENATIONS:
+                result = self._meet(batch, func, args, kwargs)
+            else:
+                result = None
+        except Exception as error:  # a rule that does not fit this call: the use is reported, training goes on
+            log.warning(
+                "op-level capture: %s on %s failed (%r); reported as not captured",
+                _name(func),
+                self._names(sources),
+                error,
+            )
             result = None
         if result is None:
             self.owner.uncovered(self._names(sources), _name(func))
