@@ -37,7 +37,15 @@ from ingest.layers import LayerInfo, fsdp1_wrapped, left_out_ops, select_layers
 from ingest.misuse import CaptureUsageError
 from ingest.normalizers import NORMALIZER_POWERS, NORMALIZERS, adam_factored_scales
 from ingest.per_example import ROUTES
-from ingest.projection import LAYER_KINDS, LayerSizes, ProjectionBasis, ProjectionSpec, make_slot, slot_sizes
+from ingest.projection import (
+    DEFAULT_LAYER_KINDS,
+    LAYER_KINDS,
+    LayerSizes,
+    ProjectionBasis,
+    ProjectionSpec,
+    make_slot,
+    slot_sizes,
+)
 from ingest.scaling import REDUCTIONS, example_scales, example_token_counts
 from ingest.uses import ParameterUses, mark_batched
 
@@ -92,7 +100,7 @@ class ProjectionConfig:
     k_in: int = 16
     k_out: int = 16
     seed: int = 0
-    layer_types: tuple[str, ...] = LAYER_KINDS
+    layer_types: tuple[str, ...] = DEFAULT_LAYER_KINDS
     include: str | None = None
     exclude: str | None = None
     layer_sizes: LayerSizes | None = None

@@ -5,7 +5,8 @@ by a module hook or at its ops (:mod:`ingest.uses`), and why not. Uses found whi
 split per example (:meth:`Coverage.uncovered`) turn a captured parameter into an uncaptured one. ``mode``:
 
 * ``"warn"`` (default): one :class:`CoverageWarning` listing the parameters not captured for a reason other than
-  a documented decision (norm affine parameters, layers left out by ``layer_types``/``include``/``exclude``)
+  a documented decision (layers left out by ``layer_types``/``include``/``exclude``, e.g. the norms' scales and
+  shifts, which the default ``layer_types`` leaves out)
   with their share of the trainable parameters;
 * ``"strict"``: such parameters raise :class:`~ingest.misuse.CaptureUsageError` (at capture start, or at the
   forward where an uncovered use appears);
@@ -20,12 +21,12 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from ingest.layers import REASON_NORM, LayerInfo, clean_name, uncaptured_parameters
+from ingest.layers import LayerInfo, clean_name, uncaptured_parameters
 from ingest.misuse import CaptureUsageError
 
 COVERAGE_MODES = ("warn", "strict", "ignore")
 #: Reasons that are a documented choice, not a gap: recorded, never warned about.
-DECISIONS = (REASON_NORM, "layer kind", "left out by include=/exclude=")
+DECISIONS = ("layer kind", "left out by include=/exclude=")
 
 
 class CoverageWarning(UserWarning):

@@ -6,6 +6,8 @@ gradient is a ``d_out x d_in`` matrix (see :mod:`ingest.projection`). Kinds:
 * ``linear`` (``nn.Linear``), ``conv1d`` (Hugging Face ``Conv1D``), ``embedding`` (``nn.Embedding``);
 * ``conv`` (``nn.Conv1d/2d/3d``: ``[C_out, C_in/groups x kernel]``, the patch (im2col) view);
 * ``attention`` (``nn.MultiheadAttention``'s packed in-projection, named ``<module>.in_proj``);
+* ``norm`` (opt-in, not among the default ``layer_types``): a normalisation layer's scale or shift (``LayerNorm``,
+  ``RMSNorm``, a model's ``*Norm`` class), ``[1, D]``;
 * ``parameter`` (a bare trainable ``nn.Parameter`` that no layer above owns and that is not a norm's affine
   parameter, e.g. a ViT ``cls_token``, a position table or a router: ``grad.reshape(-1, shape[-1])``; a stacked
   3-D parameter ``[E, d_out, d_in]`` such as transformers-5 MoE experts is ``E`` such layers ``<name>.<e>``).
@@ -27,7 +29,6 @@ from dataclasses import dataclass
 from torch import nn
 
 #: Why a trainable parameter is not a layer of its own (see :func:`uncaptured_parameters`).
-REASON_NORM = "norm affine parameter (norm scales and shifts are not captured)"
 REASON_RECURRENT = "recurrent layer weight (RNN/LSTM/GRU are not captured)"
 REASON_STACKED = "parameter of 4 or more non-trivial dims: not captured"
 REASON_ATTENTION = "attention projection outside the packed in_proj (kdim/vdim differ, bias_k/bias_v)"
@@ -188,8 +189,9 @@ def _candidate_layers(model: nn.Module) -> tuple[list[LayerInfo], dict[int, str]
                 reasons[id(param)] = REASON_RECURRENT
             elif isinstance(module, nn.MultiheadAttention):
                 reasons[id(param)] = REASON_ATTENTION
-            elif is_norm(module):
-                reasons[id(param)] = REASON_NORM
+            elif is_norm(module):  # a scale or shift: the opt-in kind "norm"
+                layers.append(dataclasses.replace(parameter_info(full, module, param), kind="norm"))
+                reasons[id(param)] = ""
             elif param.dim() == 3 and param.shape[0] > 1:  # stacked matrices (MoE experts): a slot per slice
                 layers.extend(stacked_info(full, module, param))
                 reasons[id(param)] = ""

@@ -94,6 +94,11 @@ RESHAPES = frozenset(["view", "reshape", "flatten", "unflatten", "view_as", "res
 REDUCTIONS = frozenset(["mean", "sum", "amax", "amin", "max", "min", "std", "var", "logsumexp", "prod", "norm"])
 CONCATENATIONS = frozenset([torch.cat, torch.concat, torch.concatenate, torch.stack])
 CONVOLUTIONS = frozenset([torch.conv1d, torch.conv2d, torch.conv3d])
+#: Normalisations with an elementwise scale (and shift) over the last dims: their argument names, in order.
+NORMALIZATIONS = {
+    F.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps"),
+    **({F.rms_norm: ("input", "normalized_shape", "weight", "eps")} if hasattr(F, "rms_norm") else {}),
+}
 #: Grouped matmuls ``(x [S, d_in], W [E, d_in, d_out], offs [E])``: rows ``offs[e-1]:offs[e]`` of ``x`` use ``W[e]``.
 GROUPED_MM = frozenset(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f)
 
@@ -381,6 +386,8 @@ class ParameterUses(TorchFunctionMode):
                 result = self._grouped(batch, func, args, kwargs)
             elif func in (torch.bmm, torch.Tensor.bmm) and not kwargs:
                 result = self._gathered(batch, *args)
+            elif func in NORMALIZATIONS:
+                result = self._normalization(batch, func, args, kwargs)
             elif func in ELEMENTWISE or func in CONCATENATIONS:
                 result = self._meet(batch, func, args, kwargs)
             else:
@@ -480,6 +487,27 @@ class ParameterUses(TorchFunctionMode):
             out.register_hook(functools.partial(_grouped_backward, hook, batch.generation, patches, groups))
         return out
 
+    def _normalization(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``F.layer_norm``/``F.rms_norm`` with a captured scale or shift (kind ``norm``): per example, the scale's
+        gradient sums ``dy * x_hat`` and the shift's ``dy`` over the example's positions."""
+        bound = {**dict(zip(NORMALIZATIONS[func], args)), **kwargs}
+        x, shape = bound["input"], tuple(bound["normalized_shape"])
+        scale, shift = bound.get("weight"), bound.get("bias")
+        hooks = [(p, self._slot(p, ("norm",))) for p in (scale, shift) if p is not None]
+        layout = self._layout(x, batch.size) if batch_dim(x) is not None else None
+        if layout is None or self.sequence_first:
+            return None
+        out = func(*args, **kwargs)
+        with torch.no_grad():
+            plain = {"eps": bound["eps"]} if bound.get("eps") is not None else {}
+            x_hat = func(x.detach(), shape, **plain) if func is F.layer_norm else func(x.detach(), shape, None, **plain)
+        out.register_hook(
+            functools.partial(
+                _normalization_backward, hooks, scale, batch.generation, layout(x_hat), len(shape), layout
+            )
+        )
+        return out
+
     def _grouped(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
         """A grouped matmul over a stacked parameter (transformers' MoE experts): rows of group ``e`` use slice ``e``,
         whose per-example gradient sums each example's rows (the rows' examples tracked through the routing)."""
@@ -561,7 +589,8 @@ class ParameterUses(TorchFunctionMode):
             if not params or batch_dim(t) is not None or id(t) in replaced:
                 continue
             targets = [
-                self._slot(p, ("embedding", "parameter", "linear", "attention", "conv", "conv1d")) for p in params
+                self._slot(p, ("embedding", "parameter", "norm", "linear", "attention", "conv", "conv1d"))
+                for p in params
             ]
             if any(h is None for h in targets):
                 return None
@@ -680,6 +709,26 @@ def _gathered_backward(
             hooks[e].add_rows(generation, x[rows], dy[rows], owner[rows])
         else:  # x @ W [in, out]: x^T dy, in the parameter's own layout
             hooks[e].add_rows(generation, dy[rows], x[rows], owner[rows])
+
+
+def _normalization_backward(
+    hooks: list[tuple[torch.Tensor, LayerHook | None]],
+    scale: torch.Tensor | None,
+    generation: int,
+    x_hat: torch.Tensor,
+    dims: int,
+    layout: Callable[[torch.Tensor], torch.Tensor],
+    dy: torch.Tensor,
+) -> None:
+    with torch.no_grad():
+        dy = layout(dy.detach()).float()
+        size = dy.shape[0]
+        for param, hook in hooks:
+            if hook is None:
+                continue  # a scale or shift the selection leaves out
+            term = dy * x_hat.float() if param is scale else dy
+            grad = term.reshape(size, -1, *term.shape[term.dim() - dims :]).sum(dim=1)
+            hook.add_gradient(generation, slot_gradient(hook, param, grad))
 
 
 def _rows_backward(hook: LayerHook, generation: int, x: torch.Tensor, owner: torch.Tensor, dy: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from gradstore.report.data import gather
 from ingest.capture import CaptureConfig, GradientCapture
 from ingest.coverage import CoverageWarning
 from ingest.misuse import CaptureUsageError
+from ingest.projection import LAYER_KINDS
 from ingest.tokens import TokenGradientCapture
 
 
@@ -135,6 +136,55 @@ def test_sequence_first_linear_with_as_many_positions_as_examples_is_exact() -> 
         [per_example[prefix + "in_proj_weight"], per_example[prefix + "in_proj_bias"].unsqueeze(-1)], dim=-1
     )
     assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+
+
+class Normed2(nn.Module):
+    """torch's LayerNorm and RMSNorm (F.layer_norm, F.rms_norm) and a Hugging Face style RMSNorm (weight * h)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.ln = nn.LayerNorm(6)
+        self.rms = nn.RMSNorm(6)
+        self.hf_norm = HFStyleRMSNorm(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hf_norm(self.rms(self.ln(self.fc(x)))).mean(1))
+
+
+class HFStyleRMSNorm(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_norm_scales_and_shifts_are_exact_when_asked_for() -> None:
+    torch.manual_seed(3)
+    model = Normed2()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.split(".")[0] in ("ln", "rms", "hf_norm"):
+                p.normal_()
+    x, y = torch.randn(3, 5, 4), torch.tensor([0, 1, 2])
+    rows: list = []
+    config = CaptureConfig.from_options(projection=None, layer_types=LAYER_KINDS)
+    with GradientCapture(model, rows.append, config) as cap:
+        nn.functional.cross_entropy(model(x), y).backward()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    per_example = vmap(
+        grad(lambda p, xi, yi: nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])),
+        in_dims=(None, 0, 0),
+    )(params, x, y)
+    norms = [s for s in cap.spec.layers if s.kind == "norm"]
+    assert {s.name for s in norms} == {"ln.weight", "ln.bias", "rms.weight", "hf_norm.weight"}
+    for s in norms:
+        got = rows[0].grads[:, s.offset : s.offset + s.size]
+        assert torch.allclose(got, per_example[s.name].reshape(3, -1), atol=1e-6, rtol=1e-5), s.name
+    assert cap.coverage.fraction == 1.0
 
 
 class Positional(nn.Module):
