@@ -159,6 +159,12 @@ def fsdp1_wrapped(model: nn.Module) -> bool:
     return any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
 
 
+def is_flat(param: nn.Parameter) -> bool:
+    """Whether ``param`` is FSDP1's ``FlatParameter`` (the storage of its module's own parameters, whose layers
+    are captured as themselves)."""
+    return bool(getattr(param, "_is_flat_param", False))
+
+
 def is_norm(module: nn.Module) -> bool:
     """Whether ``module`` is a normalisation layer (torch's, or a model's own ``*Norm`` class)."""
     norms = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
@@ -182,7 +188,7 @@ def _candidate_layers(model: nn.Module) -> tuple[list[LayerInfo], dict[int, str]
                 if isinstance(p, nn.Parameter):
                     reasons.setdefault(id(p), "")
         for pname, param in module.named_parameters(recurse=False):
-            if id(param) in reasons:
+            if id(param) in reasons or is_flat(param):
                 continue
             full = f"{name}.{pname}" if name else pname
             if isinstance(module, nn.RNNBase):
@@ -249,7 +255,7 @@ def uncaptured_parameters(
                 why[id(p)] = "left out by include=/exclude="
     out, seen = [], set()
     for raw, param in model.named_parameters():
-        if not param.requires_grad or id(param) in captured or id(param) in seen:
+        if not param.requires_grad or id(param) in captured or id(param) in seen or is_flat(param):
             continue
         seen.add(id(param))
         out.append((clean_name(raw), param.numel(), why.get(id(param)) or reasons.get(id(param)) or "not a layer"))
