@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ingest.hooks import TAKEN_MARK, ActiveBatch, LayerHook, in_backward
+from ingest.hooks import TAKEN_MARK, ActiveBatch, LayerHook, RecomputationError, in_backward
 
 log = logging.getLogger(__name__)
 
@@ -267,16 +267,18 @@ class ParameterUses(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         batch = self.owner.batch
-        if batch is None or not torch.is_grad_enabled() or in_backward():
+        if batch is None:
             return func(*args, **kwargs)
+        if in_backward():
+            return self._recomputed(func, args, kwargs)
+        if not torch.is_grad_enabled():  # no gradient here; the examples are still tracked (a custom Function)
+            return self._without_grad(func, args, kwargs, batch)
         if func is F.multi_head_attention_forward:
             return self._attention(batch, args, kwargs)
         if func is torch.Tensor.__getitem__ and args and self._is_stacked(args[0]):
             return self._slice(args)
         operands = list(_tensors(args)) + list(_tensors(kwargs.values()))
-        dims = [(batch_dim(t), t) for t in operands]
-        first = next((t for d, t in dims if d is not None and d >= 0), None)
-        first = first if first is not None else next((t for d, t in dims if d is not None), None)
+        first = _batch_operand(operands)
         batched = first is not None
         sources = self._sources(operands)
         own = self._own_forward(sources) if sources else False
@@ -317,6 +319,28 @@ class ParameterUses(TorchFunctionMode):
                 setattr(out, OWNER, new_owner)
         elif sources:
             _mark(result, SOURCES, tuple({id(p): p for p in sources}.values()))
+
+    def _without_grad(self, func: Any, args: tuple, kwargs: dict, batch: ActiveBatch) -> Any:
+        operands = list(_tensors(args)) + list(_tensors(kwargs.values()))
+        first = _batch_operand(operands)
+        used = [t for t in operands if id(t) in self.slots and t.requires_grad]
+        if used and first is not None:  # e.g. the forward of reentrant checkpointing: recomputed unseen later
+            self.owner.uncovered(self._names(used), f"{_name(func)} under torch.no_grad (reentrant checkpointing?)")
+        result = func(*args, **kwargs)
+        with contextlib.suppress(Exception):
+            self._mark_result(func, args, kwargs, result, first, [], batch.size)
+        return result
+
+    def _recomputed(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op run inside a backward: a reentrant gradient-checkpointing recomputation. A use of a captured
+        parameter there would be backpropagated in a nested backward the capture does not see: refused, as the
+        hooks refuse it (:class:`~ingest.hooks.RecomputationError`), when that output is backpropagated."""
+        result = func(*args, **kwargs)
+        operands = list(_tensors(args)) + list(_tensors(kwargs.values()))
+        if isinstance(result, torch.Tensor) and result.requires_grad and any(id(t) in self.slots for t in operands):
+            name = sorted(self._names([t for t in operands if id(t) in self.slots]))[0]
+            result.register_hook(functools.partial(_refuse_recomputation, name))
+        return result
 
     def _sources(self, operands: list[torch.Tensor]) -> list[torch.Tensor]:
         """The captured parameters among ``operands`` or behind their parameter-only inputs."""
@@ -602,6 +626,13 @@ class ParameterUses(TorchFunctionMode):
         return func(*_swap(args, replaced), **{k: _swap_one(v, replaced) for k, v in kwargs.items()})
 
 
+def _batch_operand(operands: list[torch.Tensor]) -> torch.Tensor | None:
+    """The operand whose examples' dim the outputs follow: one with a known dim, else any from the batch."""
+    dims = [(batch_dim(t), t) for t in operands]
+    first = next((t for d, t in dims if d is not None and d >= 0), None)
+    return first if first is not None else next((t for d, t in dims if d is not None), None)
+
+
 def _hook_owns(x: Any, size: int) -> bool:
     """Whether a hooked module's hook captures its forward on input ``x`` exactly: a batch-first input, or one of
     a single row that the hook broadcasts over the batch (e.g. position ids ``[1, T]``)."""
@@ -729,6 +760,14 @@ def _normalization_backward(
             term = dy * x_hat.float() if param is scale else dy
             grad = term.reshape(size, -1, *term.shape[term.dim() - dims :]).sum(dim=1)
             hook.add_gradient(generation, slot_gradient(hook, param, grad))
+
+
+def _refuse_recomputation(name: str, grad: torch.Tensor) -> None:
+    raise RecomputationError(
+        f"capture: parameter {name!r} was used in a recomputation backpropagated inside backward (reentrant "
+        "gradient checkpointing). Use non-reentrant checkpointing (use_reentrant=False) or disable gradient "
+        "checkpointing while capturing."
+    )
 
 
 def _rows_backward(hook: LayerHook, generation: int, x: torch.Tensor, owner: torch.Tensor, dy: torch.Tensor) -> None:

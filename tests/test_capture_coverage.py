@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.utils.checkpoint import checkpoint
 
 import gradstore
 from gradstore.report.data import gather
@@ -246,3 +247,42 @@ def test_the_store_keeps_each_runs_coverage(tmp_path) -> None:
         check=True,
     ).stdout
     assert "coverage   rnn:" in printed and "gru.weight_ih_l0" in printed
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.conv, self.head, self.reentrant = nn.Conv2d(1, 2, 3), nn.Linear(2, 3), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(lambda t: torch.relu(self.conv(t)), x, use_reentrant=self.reentrant)
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_convolution_is_exact_or_reported(reentrant: bool) -> None:
+    """Non-reentrant checkpointing keeps the forward's graph: exact. Reentrant checkpointing recomputes the
+    convolution inside backward, unseen: it is reported, and the head after the custom Function is still exact."""
+    torch.manual_seed(4)
+    model = Checkpointed(reentrant)
+    x = torch.randn(3, 1, 6, 6, requires_grad=reentrant)
+    rows: list = []
+    config = CaptureConfig.from_options(projection=None, loss_reduction="sum")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with GradientCapture(model, rows.append, config) as cap:
+            model(x).sum().backward()
+    warned = [w for w in caught if issubclass(w.category, CoverageWarning)]
+    want = []
+    for b in range(3):  # per-example backward: the reference
+        model.zero_grad()
+        model(x[b : b + 1]).sum().backward()
+        want.append(torch.cat([model.head.weight.grad, model.head.bias.grad.unsqueeze(-1)], dim=-1).flatten())
+    head = cap.spec.slot("head")
+    got = rows[0].grads[:, head.offset : head.offset + head.size]
+    assert torch.allclose(got, torch.stack(want), atol=1e-6, rtol=1e-5)
+    conv = {p.name: p for p in cap.coverage.parameters}["conv.weight"]
+    if reentrant:
+        assert not conv.captured and "reentrant" in conv.reason and warned
+    else:
+        assert conv.captured and not warned
