@@ -109,7 +109,7 @@ def test_bad_requests_get_a_typed_4xx(http, path, body, code, error):
 def test_malformed_and_oversized_bodies(http, server):
     assert http.post("/api/sql", content=b"{not json", headers={"content-type": "application/json"}).status_code == 422
     limits = server.service.limits
-    server.service.limits = dataclasses.replace(limits, max_request_bytes=1000)
+    server.service.limits = dataclasses.replace(limits, max_body_bytes=1000)
     try:
         response = http.post("/api/sql", json={"query": "SELECT 1 -- " + "x" * 2000})
         assert (response.status_code, response.json()["error"]) == (413, "RequestTooLargeError")

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 from gradstore.serve.auth import AuthError, Tokens
 from gradstore.serve.client import RemoteStore, ServerError, connect
+from gradstore.serve.errors import NotBuiltError, QueryTimeoutError, ServerBusyError
 from gradstore.serve.server import Server, serve
 from gradstore.serve.service import Limits, RequestTooLargeError, Service
 
 __all__ = [
     "AuthError",
     "Limits",
+    "NotBuiltError",
+    "QueryTimeoutError",
     "RemoteStore",
     "RequestTooLargeError",
     "Server",
+    "ServerBusyError",
     "ServerError",
     "Service",
     "Tokens",

@@ -17,14 +17,32 @@ import pyarrow.flight as flight
 from gradstore import errors
 from gradstore.errors import GradstoreError, InvalidArgumentError
 from gradstore.serve.auth import AuthError
-from gradstore.serve.service import RequestTooLargeError
+from gradstore.serve.errors import (
+    NoModelError,
+    NotBuiltError,
+    QueryCancelledError,
+    QueryTimeoutError,
+    RequestTooLargeError,
+    ServerBusyError,
+)
 
 
 class ServerError(GradstoreError):
     """The server failed (a bug or an unreachable server), not the request."""
 
 
-_KNOWN = {"AuthError": AuthError, "RequestTooLargeError": RequestTooLargeError}
+_KNOWN = {
+    error.__name__: error
+    for error in (
+        AuthError,
+        RequestTooLargeError,
+        NoModelError,
+        NotBuiltError,
+        QueryTimeoutError,
+        QueryCancelledError,
+        ServerBusyError,
+    )
+}
 
 
 def _raise(error: flight.FlightError) -> None:
@@ -226,7 +244,7 @@ class RemoteStore:
     def sql(self, query: str) -> duckdb.DuckDBPyRelation:
         """As :meth:`GradStore.sql`: a DuckDB relation (over the server's result, already computed)."""
         table = self._call("sql", {"query": query})
-        return duckdb.from_arrow(table)
+        return duckdb.connect().from_arrow(table)  # its own connection: threads may each hold a result
 
     def runs(self) -> pa.Table:
         return self._call("runs", {})

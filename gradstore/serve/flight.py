@@ -4,7 +4,12 @@ One ``DoExchange`` per call: the descriptor's command is ``{"call": name, "args"
 streams the query vectors (one ``vector`` list column, float32) when it has any, and the server streams the result
 table back; its schema metadata ``gradstore.version`` is the gradients table version the answer read, and
 ``gradstore.value`` a JSON value (``info``). Refusals are ``FlightServerError``s whose ``extra_info`` is
-``{"error": type name, "message": ..., "status": 4xx}``; the client raises the named ``GradstoreError``."""
+``{"error": type name, "message": ..., "status": 4xx}``; the client raises the named ``GradstoreError``.
+
+The token is checked by a server middleware when a call starts, before its handler runs or reads a byte of its
+stream; a call then waits for one of the server's request slots (``Limits.max_concurrent``, shared with HTTP). The
+other Flight RPCs (``DoGet``, ``DoPut``, ``GetFlightInfo``, ...) are refused the same typed way, never with a
+Python traceback; a bug is answered ``FlightInternalError("internal error: <type>")`` and logged here."""
 
 from __future__ import annotations
 
@@ -39,12 +44,18 @@ class _AuthFactory(flight.ServerMiddlewareFactory):
             token = self.tokens.check(values[0])
         except AuthError as error:
             raise flight.FlightUnauthenticatedError(str(error)) from None
+        if info.method != flight.FlightMethod.DO_EXCHANGE:  # here: pyarrow's GetSchema would add a traceback
+            raise _unsupported(str(info.method).rpartition(".")[2])
         return _Auth(token.scope)
 
 
 def _refusal(error: BaseException) -> flight.FlightServerError:
     body = {**error_body(error), "status": status(error)}
     return flight.FlightServerError(f"{body['error']}: {body['message']}", extra_info=json.dumps(body).encode())
+
+
+def _unsupported(rpc: str) -> flight.FlightServerError:
+    return _refusal(InvalidArgumentError(f"this server answers DoExchange calls only (gradstore.connect), not {rpc}"))
 
 
 class FlightService(flight.FlightServerBase):
@@ -63,12 +74,15 @@ class FlightService(flight.FlightServerBase):
         self.service = service
 
     def do_exchange(self, context, descriptor, reader, writer):
+        limits = self.service.limits
         try:
-            answer = self._answer(context, descriptor, reader)
+            with self.service.admission.slot(limits.queue_timeout_s):
+                answer = self._answer(context, descriptor, reader)
         except GradstoreError as error:
             raise _refusal(error) from None
-        except (pa.ArrowException, ValueError, TypeError, KeyError) as error:  # a malformed stream or command
-            raise _refusal(InvalidArgumentError(f"malformed request: {error}")) from None
+        except (pa.ArrowException, ValueError, TypeError, KeyError, RecursionError) as error:  # a malformed request
+            message = "nested too deeply" if isinstance(error, RecursionError) else str(error).splitlines()[0]
+            raise _refusal(InvalidArgumentError(f"malformed request: {message}")) from None
         except Exception as error:  # a bug: say so without the traceback, keep serving
             log.exception("flight call failed")
             raise flight.FlightInternalError(f"internal error: {type(error).__name__}") from None
@@ -89,7 +103,30 @@ class FlightService(flight.FlightServerBase):
             raise InvalidArgumentError('the command must be {"call": name, "args": {...}}')
         vectors = _read_vectors(reader, limits.max_request_bytes)
         scope = context.get_middleware("auth").scope
-        return self.service.call(command["call"], command.get("args") or {}, vectors, scope)
+        args = command.get("args")
+        return self.service.call(command["call"], {} if args is None else args, vectors, scope, context.is_cancelled)
+
+    # the other RPCs: refused, typed
+    def do_get(self, context, ticket):
+        raise _unsupported("DoGet")
+
+    def do_put(self, context, descriptor, reader, writer):
+        raise _unsupported("DoPut")
+
+    def do_action(self, context, action):
+        raise _unsupported("DoAction")
+
+    def list_actions(self, context):
+        raise _unsupported("ListActions")
+
+    def list_flights(self, context, criteria):
+        raise _unsupported("ListFlights")
+
+    def get_flight_info(self, context, descriptor):
+        raise _unsupported("GetFlightInfo")
+
+    def get_schema(self, context, descriptor):
+        raise _unsupported("GetSchema")
 
 
 def _read_vectors(reader, max_bytes: int) -> np.ndarray | None:

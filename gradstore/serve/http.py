@@ -5,30 +5,41 @@ FastAPI on uvicorn: the request bodies are typed models, so the OpenAPI schema, 
 that does not fit) and the docs page come from one declaration; uvicorn is the ASGI server both ship for.
 
 Authentication: ``Authorization: Bearer <token>``, or for a browser the ``gradstore_token`` cookie set by
-``POST /login`` (HttpOnly, SameSite=Strict; the token never appears in a URL)."""
+``POST /login`` (HttpOnly, SameSite=Strict, Secure over TLS; the token never appears in a URL). The token is checked
+by :class:`~gradstore.serve.guard.Guard` before any body is read; the endpoints work in threads (reads side by
+side) and a client that goes away interrupts its SQL statement. Every refusal is ``{"error", "message"}`` with a
+4xx (503 when the server is busy)."""
 
 from __future__ import annotations
 
 import html
 import json
+import logging
 import math
+import threading
+from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any, Literal
 from urllib.parse import parse_qs
 
-import numpy as np
+import anyio
 import pyarrow as pa
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gradstore.errors import GradstoreError
 from gradstore.report import ReportOptions, gather, render
 from gradstore.serve.auth import AuthError, Tokens
+from gradstore.serve.guard import COOKIE, SCOPE_KEY, Guard, bearer
 from gradstore.serve.service import RequestTooLargeError, Service, error_body, status
 
-COOKIE = "gradstore_token"
+log = logging.getLogger("gradstore.serve")
 Ids = list[str] | str | None
+DISCONNECT_POLL_S = 0.1  # how often a request's connection is checked while its call runs
+REFUSALS = (400, 401, 403, 404, 409, 411, 413, 422, 503)
 
 
 class _Body(BaseModel):
@@ -120,20 +131,44 @@ def _rows(table: pa.Table) -> list[dict[str, Any]]:
     return [_json_value(row) for row in table.to_pylist()]
 
 
+async def _in_thread(request: Request, work: Callable[[Callable[[], bool]], Any]) -> Any:
+    """``work(gone)`` in a worker thread (reads run side by side), ``gone()`` turning true once the client has
+    disconnected (a running SQL statement is then interrupted)."""
+    gone = threading.Event()
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await anyio.sleep(DISCONNECT_POLL_S)
+        gone.set()
+
+    outcome: dict[str, Any] = {}
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch)
+        try:
+            outcome["value"] = await anyio.to_thread.run_sync(work, gone.is_set)
+        except Exception as error:  # raised below, outside the task group (not as an exception group)
+            outcome["error"] = error
+        group.cancel_scope.cancel()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def create_app(service: Service, tokens: Tokens) -> FastAPI:
     """The ASGI app serving ``service`` to holders of ``tokens``."""
     app = FastAPI(
         title="gradstore",
         summary="Training data attribution lookups over one gradient store.",
         version="1",
-        responses={code: {"model": ErrorBody} for code in (400, 401, 403, 404, 413)},
+        responses={code: {"model": ErrorBody} for code in REFUSALS},
     )
+    app.add_middleware(Guard, service=service, tokens=tokens)
 
     def scope_of(request: Request) -> str:
-        header = request.headers.get("authorization")
-        if header is None and COOKIE in request.cookies:
-            header = f"Bearer {request.cookies[COOKIE]}"
-        return tokens.check(header).scope
+        checked = request.scope.get("state", {}).get(SCOPE_KEY)
+        if checked is not None:
+            return checked
+        return tokens.check(bearer(request.scope)).scope
 
     @app.exception_handler(GradstoreError)
     async def refused(request: Request, error: GradstoreError) -> JSONResponse:
@@ -149,64 +184,82 @@ def create_app(service: Service, tokens: Tokens) -> FastAPI:
             status_code=422,
         )
 
-    @app.middleware("http")
-    async def size_limit(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is None and request.method in ("POST", "PUT", "PATCH"):
-            return JSONResponse(
-                {"error": "InvalidArgumentError", "message": "a request body needs a Content-Length"}, status_code=411
-            )
-        if length is not None and (not length.isdigit() or int(length) > service.limits.max_request_bytes):
-            error = RequestTooLargeError(f"the request is larger than {service.limits.max_request_bytes} bytes")
-            return JSONResponse(error_body(error), status_code=413)
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        name = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(error.status_code, "InvalidArgumentError")
+        try:
+            phrase = HTTPStatus(error.status_code).phrase
+        except ValueError:
+            phrase = "refused"
+        message = error.detail if isinstance(error.detail, str) else phrase
+        if message == "There was an error parsing the body":
+            message = "the body is not JSON this server reads (malformed, or nested too deeply)"
+        return JSONResponse(
+            {"error": name, "message": message}, status_code=error.status_code, headers=getattr(error, "headers", None)
+        )
 
-    def answer(name: str, body: BaseModel | None, scope: str) -> dict[str, Any]:
+    @app.exception_handler(Exception)
+    async def failed(request: Request, error: Exception) -> JSONResponse:  # a bug: said without details
+        log.exception("http call failed")
+        return JSONResponse({"error": "InternalError", "message": f"internal error: {type(error).__name__}"}, 500)
+
+    async def answer(request: Request, name: str, body: BaseModel | None, scope: str) -> dict[str, Any]:
         args = body.model_dump(exclude_unset=True) if body is not None else {}
         vectors = args.pop("vectors", None)
-        result = service.call(name, args, None if vectors is None else np.asarray(vectors, np.float32), scope)
-        if result.value is not None:
-            return {"version": result.version, "value": _json_value(result.value)}
-        return {"version": result.version, "rows": _rows(result.table)}
+
+        def work(gone: Callable[[], bool]) -> dict[str, Any]:
+            result = service.call(name, args, vectors, scope, gone)
+            if result.value is not None:
+                return {"version": result.version, "value": _json_value(result.value)}
+            return {"version": result.version, "rows": _rows(result.table)}
+
+        return await _in_thread(request, work)
 
     @app.post("/api/attribute", response_model=Result)
-    def attribute(body: AttributeRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
+    async def attribute(request: Request, body: AttributeRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
         """Top-k proponents (and opponents) of stored queries or raw vectors, as ``store.attribute``."""
-        return answer("attribute", body, scope)
+        return await answer(request, "attribute", body, scope)
 
     @app.post("/api/self_influence", response_model=Result)
-    def self_influence(body: SelfInfluenceRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
+    async def self_influence(
+        request: Request, body: SelfInfluenceRequest, scope: str = Depends(scope_of)
+    ) -> dict[str, Any]:
         """``g^T P^-1 g`` of the training rows, as ``store.self_influence``."""
-        return answer("self_influence", body, scope)
+        return await answer(request, "self_influence", body, scope)
 
     @app.post("/api/select", response_model=Result)
-    def select(body: SelectRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
+    async def select(request: Request, body: SelectRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
         """LESS-style selection, as ``store.select``."""
-        return answer("select", body, scope)
+        return await answer(request, "select", body, scope)
 
     @app.post("/api/attribute_text", response_model=Result)
-    def attribute_text(body: TextRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
+    async def attribute_text(request: Request, body: TextRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
         """Proponents of a typed prompt and completion: the query gradient is computed on the server's
         ``--model`` with the run's projection (404 when the server was started without ``--model``)."""
-        result = service.attribute_text(
-            body.prompt, body.completion, run=body.run, k=body.k, method=body.method, checkpoint=body.checkpoint
-        )
-        return {"version": result.version, "rows": _rows(result.table)}
+
+        def work(gone: Callable[[], bool]) -> dict[str, Any]:
+            result = service.attribute_text(
+                body.prompt, body.completion, run=body.run, k=body.k, method=body.method, checkpoint=body.checkpoint
+            )
+            return {"version": result.version, "rows": _rows(result.table)}
+
+        return await _in_thread(request, work)
 
     @app.post("/api/sql", response_model=Result)
-    def sql(body: SQLRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
-        """One read-only DuckDB statement, as ``store.sql``."""
-        return answer("sql", body, scope)
+    async def sql(request: Request, body: SQLRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
+        """One read-only DuckDB statement (a ``SELECT`` over the store's tables and macros), as ``store.sql``;
+        interrupted past the server's time limit or when the client goes away."""
+        return await answer(request, "sql", body, scope)
 
     @app.get("/api/runs", response_model=Result)
-    def runs(scope: str = Depends(scope_of)) -> dict[str, Any]:
+    async def runs(request: Request, scope: str = Depends(scope_of)) -> dict[str, Any]:
         """The store's runs."""
-        return answer("runs", None, scope)
+        return await answer(request, "runs", None, scope)
 
     @app.get("/api/info")
-    def info(scope: str = Depends(scope_of)) -> dict[str, Any]:
+    async def info(request: Request, scope: str = Depends(scope_of)) -> dict[str, Any]:
         """Tables, runs, dims and versions, as ``store.info``."""
-        return answer("info", None, scope)
+        return await answer(request, "info", None, scope)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def home(request: Request) -> Response:
@@ -218,13 +271,13 @@ def create_app(service: Service, tokens: Tokens) -> FastAPI:
 
     @app.post("/login", include_in_schema=False)
     async def login(request: Request) -> Response:
-        body = await request.body()  # a urlencoded form of one field (no multipart parser needed)
+        body = await request.body()  # a urlencoded form of one field (no multipart parser needed); <= 8 KiB
         if len(body) > 8192:
             raise RequestTooLargeError("the login form is too large")
         token = (parse_qs(body.decode("utf-8", "replace")).get("token") or [""])[0]
         tokens.check(f"Bearer {token}")
         response = RedirectResponse("/report", status_code=303)
-        response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+        response.set_cookie(COOKIE, token, httponly=True, samesite="strict", secure=request.url.scheme == "https")
         return response
 
     @app.get("/report", response_class=HTMLResponse, include_in_schema=False)
@@ -236,7 +289,7 @@ def create_app(service: Service, tokens: Tokens) -> FastAPI:
             return RedirectResponse("/", status_code=303)
         if not 1 <= top <= service.limits.max_k:
             raise RequestTooLargeError(f"top must be in 1..{service.limits.max_k}")
-        with service._lock, service.store.core.snapshot():
+        with service.report_lock, service.store.core.snapshot():
             page = render(gather(service.store.core, ReportOptions(run=run, top=top)))
         if service.model is not None:
             runs = service.store.info()["runs"]

@@ -59,6 +59,7 @@ class Server:
             self.flight.shutdown()
         for thread in self._threads:
             thread.join(30)
+        self.service.close()
 
     def __enter__(self) -> Server:
         return self
@@ -87,9 +88,11 @@ def serve(
 ) -> Server:
     """Serve ``store`` (opened read-only for requests; ``allow_writes``: write-scoped tokens may ask ``write=True``).
     ``flight_port``/``http_port``: ``0`` picks a free port, ``None`` leaves that transport off. ``tls_cert`` and
-    ``tls_key`` (PEM files) turn on TLS for both. ``warm``: methods looked up once per run (and per index kind of
-    ``warm_kinds``) before the first request (:meth:`Service.warm`). ``model``: ``"module:factory"``
-    (:mod:`gradstore.serve.model`), loaded once here, turns on text queries (``POST /api/attribute_text``).
+    ``tls_key`` (PEM files) turn on TLS for both. ``limits``: what a request may ask and the server spend
+    (:class:`~gradstore.serve.service.Limits`, docs/serve.md "Security model"). ``warm``: methods looked up once per
+    run (and per index kind of ``warm_kinds``) before the first request (:meth:`Service.warm`). ``model``:
+    ``"module:factory"`` (:mod:`gradstore.serve.model`), loaded once here, turns on text queries
+    (``POST /api/attribute_text``).
     Returns the started :class:`Server`."""
     text_model = None
     if model is not None:
@@ -121,17 +124,22 @@ def serve(
     if http_port is not None:
         import uvicorn
 
+        from gradstore.serve.guard import protocol_class
         from gradstore.serve.http import create_app
 
+        limits = service.limits
         config = uvicorn.Config(
             create_app(service, tokens),
             host=host,
             port=http_port,
+            http=protocol_class(limits.header_timeout_s, limits.body_timeout_s),
             log_level="warning",
             access_log=False,
             ssl_certfile=str(tls_cert) if tls else None,
             ssl_keyfile=str(tls_key) if tls else None,
-            limit_concurrency=256,
+            limit_concurrency=limits.max_connections,
+            backlog=min(limits.max_connections, 4096),
+            timeout_keep_alive=5,
         )
         http_server = uvicorn.Server(config)
         http_server.install_signal_handlers = lambda: None  # the caller's thread owns signals
