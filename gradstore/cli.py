@@ -582,9 +582,13 @@ def serve(
             "the page's text box and POST /api/attribute_text."
         ),
     ] = None,
+    limit: Annotated[
+        list[str] | None,
+        typer.Option(help="A server limit as name=value, repeatable (docs/serve.md lists them): max_concurrent=8."),
+    ] = None,
 ) -> None:
     """Serve the store to many clients: Arrow Flight (gradstore.connect) and HTTP (JSON API, the live report)."""
-    from gradstore.serve import Tokens
+    from gradstore.serve import Limits, Tokens
     from gradstore.serve import serve as start
 
     server = start(
@@ -601,6 +605,7 @@ def serve(
         warm=_csv_list(warm),
         warm_kinds=tuple(_csv_list(warm_kinds) or ("exact",)),
         model=model,
+        limits=Limits.parse(limit),
     )
     typer.echo(f"flight {server.flight_uri}")
     typer.echo(f"http {server.http_url}", err=False)

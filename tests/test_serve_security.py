@@ -474,3 +474,14 @@ def test_limits_parse_from_the_command_line():
     for bad in ("nope=1", "max_k", "max_k=-1", "sql_timeout_s=inf", "max_k=lots"):
         with pytest.raises(gradstore.InvalidArgumentError):
             Limits.parse([bad])
+
+
+def test_the_serve_command_takes_limits(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from gradstore.cli import app
+
+    monkeypatch.setenv("GRADSTORE_TOKENS", READ)
+    make_store(tmp_path / "store")
+    result = CliRunner().invoke(app, ["serve", str(tmp_path / "store"), "--limit", "max_body=1"])
+    assert result.exit_code == 1 and result.output.startswith("error: --limit takes name=value"), result.output
