@@ -70,6 +70,8 @@ def test_tokens_are_required(server):
         assert "Access token" in anonymous.get("/").text  # the login form, no data
         assert anonymous.get("/report", follow_redirects=False).status_code == 303
         assert anonymous.post("/login", data={"token": "nope"}).status_code == 401
+        cookie = anonymous.post("/login", data={"token": READ}).headers["set-cookie"].lower()
+        assert "httponly" in cookie and "samesite=strict" in cookie and "secure" not in cookie  # plain http
 
 
 def test_writes_are_refused_on_a_read_only_server(http, server):

@@ -60,5 +60,8 @@ def test_both_transports_serve_tls(tmp_path, certificate):
         trusted = ssl.create_default_context(cafile=str(cert))
         with httpx.Client(base_url=server.http_url, verify=trusted, timeout=60) as http:
             assert http.get("/api/runs", headers={"Authorization": f"Bearer {READ}"}).status_code == 200
+            login = http.post("/login", data={"token": READ})
+            cookie = login.headers["set-cookie"].lower()  # over TLS the login cookie is never sent in clear
+            assert login.status_code == 303 and "secure" in cookie and "httponly" in cookie
         with httpx.Client(base_url=server.http_url, timeout=60) as untrusting, pytest.raises(httpx.ConnectError):
             untrusting.get("/api/runs")
