@@ -10,7 +10,13 @@ process on localhost, clients in this process over Arrow Flight.
 - ``serve_first_vs_warm``: the first request to a freshly started ``--warm`` server (row file present) over a
   warm one: target <= 1.2 (the first request to a server started without ``--warm`` is logged beside it);
 - ``serve_soak_failed_requests``: ``--soak-clients`` (16) clients mixing attribute, sql and report requests for
-  ``--soak-seconds`` (60) while this process appends rows: target 0.
+  ``--soak-seconds`` (60) while this process appends rows: target 0;
+- ``serve_p99_under_abuse_vs_quiet`` (issue 36): ``--abuse-clients`` (64) well-behaved HTTP clients (one-vector
+  lookups, a read token) for ``--abuse-seconds``, first alone, then while ``--attackers`` (512) unauthenticated
+  connections attack (a third send headers a line at a time, a third ``Content-Length: 100`` and one byte, a third
+  announce 50 MB and stream junk; each reconnects ``--abuse-reconnect-s`` after the server drops it): the good
+  clients' p99 over their quiet p99, target <= 3; beside it the good clients' non-200 answers (target 0) and the
+  server's RSS growth under attack (``serve_abuse_rss_growth_mb``, target <= 256). ``--abuse-only`` runs just this.
 
 Default 20,000 x 4,096 rows (under 10 minutes on 2 cores); ``--rows 100000`` is the issue's size.
 """
@@ -166,6 +172,155 @@ def soak(server: ServerProcess, store: gradstore.GradStore, queries: np.ndarray,
     return sum(counts), len(failures), len(versions)
 
 
+def good_clients(url: str, queries: np.ndarray, clients: int, seconds: float, options: dict) -> tuple[list, list]:
+    """``clients`` HTTP clients looking up one vector each in a loop for ``seconds``: (latencies, non-200 codes)."""
+    import httpx
+
+    latencies: list[float] = []
+    refused: list[int] = []
+    stop = threading.Event()
+    ready = threading.Barrier(clients + 1)
+
+    def client(c: int) -> None:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        with httpx.Client(base_url=url, headers=headers, timeout=300) as http:
+            body = {**options, "vectors": queries[c][None].tolist()}
+            http.post("/api/attribute", json=body)  # connected and warm
+            ready.wait()
+            i = c
+            while not stop.is_set():
+                body = {**options, "vectors": queries[i % len(queries)][None].tolist()}
+                start = time.perf_counter()
+                try:
+                    code = http.post("/api/attribute", json=body).status_code
+                except httpx.HTTPError:
+                    code = -1
+                latencies.append(time.perf_counter() - start)
+                if code != 200:
+                    refused.append(code)
+                i += clients
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    return latencies, refused
+
+
+class Attack:
+    """``attackers`` unauthenticated connections to ``url`` (asyncio, in a thread of this process): slow headers,
+    ``Content-Length: 100`` and one byte, 50 MB announced and junk streamed; each reconnects ``reconnect_s`` after
+    the server drops it. ``.connections`` counts the connections made."""
+
+    def __init__(self, url: str, attackers: int, reconnect_s: float) -> None:
+        import asyncio
+        from urllib.parse import urlsplit
+
+        address = urlsplit(url)
+        self.host, self.port = address.hostname, address.port
+        self.attackers, self.reconnect_s = attackers, reconnect_s
+        self.connections = 0
+        self._loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),), daemon=True)
+
+    def __enter__(self) -> Attack:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(60)
+
+    async def _main(self) -> None:
+        import asyncio
+
+        await asyncio.gather(*(self._attacker(i % 3) for i in range(self.attackers)))
+
+    async def _attacker(self, kind: int) -> None:
+        import asyncio
+
+        junk = b"[" * 65536
+        while not self._stop.is_set():
+            writer = None
+            try:
+                reader, writer = await asyncio.open_connection(self.host, self.port)
+                self.connections += 1
+                if kind == 0:  # headers a line at a time
+                    writer.write(b"POST /api/attribute HTTP/1.1\r\nHost: x\r\n")
+                    while not self._stop.is_set():
+                        await asyncio.sleep(0.5)
+                        writer.write(b"X-Slow: 1\r\n")
+                        await writer.drain()
+                        if reader.at_eof():
+                            break
+                elif kind == 1:  # Content-Length: 100 and one byte
+                    head = "POST /api/attribute HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+                    writer.write(head.encode())
+                    await writer.drain()
+                    await reader.read()
+                else:  # 50 MB announced, junk streamed as fast as the server takes it
+                    writer.write(
+                        f"POST /api/attribute HTTP/1.1\r\nHost: x\r\nContent-Length: {50 * 2**20}\r\n\r\n".encode()
+                    )
+                    for _ in range(800):
+                        writer.write(junk)
+                        await writer.drain()
+            except (OSError, asyncio.TimeoutError):
+                pass
+            finally:
+                if writer is not None:
+                    writer.close()
+            await asyncio.sleep(self.reconnect_s)
+
+
+def rss_of(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+def abuse(root: Path, queries: np.ndarray, args: argparse.Namespace, options: dict) -> None:
+    server = ServerProcess(root, args.window_ms, warm=args.method)
+    try:
+        log(f"abuse: {args.abuse_clients} good HTTP clients for {args.abuse_seconds} s, quiet")
+        quiet, quiet_refused = good_clients(server.http_url, queries, args.abuse_clients, args.abuse_seconds, options)
+        rss_quiet = rss_of(server.process.pid)
+        log(f"abuse: the same while {args.attackers} unauthenticated connections attack")
+        peak = [rss_quiet]
+        sampling = threading.Event()
+
+        def sample() -> None:
+            while not sampling.wait(0.2):
+                peak[0] = max(peak[0], rss_of(server.process.pid))
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        with Attack(server.http_url, args.attackers, args.abuse_reconnect_s) as attack:
+            time.sleep(2.0)  # every attacker connected
+            loud, loud_refused = good_clients(server.http_url, queries, args.abuse_clients, args.abuse_seconds, options)
+        sampling.set()
+        sampler.join()
+    finally:
+        server.stop()
+    quiet_p99, loud_p99 = percentile(quiet, 99), percentile(loud, 99)
+    log(f"abuse: quiet {len(quiet)} lookups, p50 {percentile(quiet, 50) * 1e3:.1f} ms, p99 {quiet_p99 * 1e3:.1f} ms; "
+        f"under attack ({attack.connections} attacking connections made) {len(loud)} lookups, "
+        f"p50 {percentile(loud, 50) * 1e3:.1f} ms, p99 {loud_p99 * 1e3:.1f} ms; non-200 answers: quiet "
+        f"{sorted(set(quiet_refused))} x{len(quiet_refused)}, attacked {sorted(set(loud_refused))} "
+        f"x{len(loud_refused)}; "
+        f"server RSS {rss_quiet / 2**20:.0f} MB quiet, peak {peak[0] / 2**20:.0f} MB under attack")  # fmt: skip
+    print(f"abuse: clients={args.abuse_clients} attackers={args.attackers} seconds={args.abuse_seconds} "
+          f"reconnect_s={args.abuse_reconnect_s} cpus={os.cpu_count()}")  # fmt: skip
+    result("serve_p99_under_abuse_vs_quiet", loud_p99 / quiet_p99, "<=", 3)
+    result("serve_abuse_good_refused", len(quiet_refused) + len(loud_refused), "<=", 0)
+    result("serve_abuse_rss_growth_mb", (peak[0] - rss_quiet) / 2**20, "<=", 256)
+
+
 def result(name: str, value: float, op: str, target: float) -> None:
     ok = value >= target if op == ">=" else value <= target
     print(f"RESULT {name}={value:.3f} target{op}{target} {'PASS' if ok else 'MISS'}", flush=True)
@@ -182,6 +337,11 @@ def main() -> None:
     parser.add_argument("--method", default="grad-dot")
     parser.add_argument("--soak-clients", type=int, default=16)
     parser.add_argument("--soak-seconds", type=float, default=60.0)
+    parser.add_argument("--abuse-clients", type=int, default=64)
+    parser.add_argument("--attackers", type=int, default=512)
+    parser.add_argument("--abuse-seconds", type=float, default=20.0)
+    parser.add_argument("--abuse-reconnect-s", type=float, default=1.0)
+    parser.add_argument("--abuse-only", action="store_true", help="only the abuse run (issue 36)")
     args = parser.parse_args()
     options = {"run": RUN, "k": 10, "method": args.method}
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
@@ -189,6 +349,10 @@ def main() -> None:
         log(f"writing {args.rows} x {args.dim} rows")
         store = write_store(root, args.rows, args.dim)
         queries = np.random.default_rng(1).standard_normal((256, args.dim), dtype=np.float32)
+        if args.abuse_only:
+            print(f"rows={args.rows} dim={args.dim} method={args.method}")
+            abuse(root, queries, args, options)
+            return
         log("in-process warm loop")
 
         def local_call(q):
@@ -239,6 +403,7 @@ def main() -> None:
             log(f"soak: {requests} requests, {failed} failed, {seen} gradients versions seen")
         finally:
             server.stop()
+        abuse(root, queries, args, options)
     print(f"rows={args.rows} dim={args.dim} clients={args.clients} cpus={os.cpu_count()} method={args.method}")
     result("serve_batching_speedup", served_qps / loop_qps, ">=", 8)
     result("serve_exact_p99_vs_inprocess", percentile(served, 99) / percentile(in_process, 99), "<=", 2)
