@@ -38,7 +38,7 @@ def local(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(local):
     tokens = Tokens.parse(f"{READ}, {WRITE}:write")
-    limits = Limits(header_timeout_s=1.0, body_timeout_s=1.0, max_body_bytes=4 * MB, sql_threads=1)
+    limits = Limits(header_timeout_s=2.0, body_timeout_s=2.0, max_body_bytes=4 * MB, sql_threads=1)
     with serve(local.uri, tokens=tokens, flight_port=0, http_port=0, refresh_s=0.0, limits=limits) as running:
         yield running
 
@@ -197,7 +197,16 @@ def _wait_for(condition, what: str) -> None:
         time.sleep(0.01)
 
 
-def test_a_client_that_goes_away_interrupts_its_statement(server):
+@pytest.fixture
+def no_sql_timeout(server):
+    """The statements of a test run until their client goes away (not interrupted by the time limit)."""
+    sandbox = server.service.sql
+    timeout, sandbox.timeout_s = sandbox.timeout_s, 3600.0
+    yield
+    sandbox.timeout_s = timeout
+
+
+def test_a_client_that_goes_away_interrupts_its_statement(server, no_sql_timeout):
     watchdog = server.service.sql.watchdog
     sock = _connect(server)
     body = json.dumps({"query": LONG_SQL}).encode()
@@ -349,7 +358,7 @@ def test_flight_errors_are_typed_without_tracebacks(server):
 
 
 # ---------------------------------------------------------------------------------------------- 5. concurrency
-def test_a_slow_statement_does_not_hold_up_lookups(server, http, local):
+def test_a_slow_statement_does_not_hold_up_lookups(server, http, local, no_sql_timeout):
     watchdog = server.service.sql.watchdog
     sock = _connect(server)
     body = json.dumps({"query": LONG_SQL}).encode()
