@@ -131,9 +131,11 @@ def _rows(table: pa.Table) -> list[dict[str, Any]]:
     return [_json_value(row) for row in table.to_pylist()]
 
 
-async def _in_thread(request: Request, work: Callable[[Callable[[], bool]], Any]) -> Any:
-    """``work(gone)`` in a worker thread (reads run side by side), ``gone()`` turning true once the client has
-    disconnected (a running SQL statement is then interrupted)."""
+async def _in_thread(
+    request: Request, work: Callable[[Callable[[], bool]], Any], limiter: anyio.CapacityLimiter | None = None
+) -> Any:
+    """``work(gone)`` in a worker thread (reads run side by side; ``limiter``: how many threads), ``gone()``
+    turning true once the client has disconnected (a running SQL statement is then interrupted)."""
     gone = threading.Event()
 
     async def watch() -> None:
@@ -145,7 +147,7 @@ async def _in_thread(request: Request, work: Callable[[Callable[[], bool]], Any]
     async with anyio.create_task_group() as group:
         group.start_soon(watch)
         try:
-            outcome["value"] = await anyio.to_thread.run_sync(work, gone.is_set)
+            outcome["value"] = await anyio.to_thread.run_sync(work, gone.is_set, limiter=limiter)
         except Exception as error:  # raised below, outside the task group (not as an exception group)
             outcome["error"] = error
         group.cancel_scope.cancel()
@@ -163,6 +165,12 @@ def create_app(service: Service, tokens: Tokens) -> FastAPI:
         responses={code: {"model": ErrorBody} for code in REFUSALS},
     )
     app.add_middleware(Guard, service=service, tokens=tokens)
+    threads: list[anyio.CapacityLimiter] = []  # made in the event loop: a thread for every request slot
+
+    def limiter() -> anyio.CapacityLimiter:
+        if not threads:
+            threads.append(anyio.CapacityLimiter(max(40, service.limits.max_concurrent)))
+        return threads[0]
 
     def scope_of(request: Request) -> str:
         checked = request.scope.get("state", {}).get(SCOPE_KEY)
@@ -213,7 +221,7 @@ def create_app(service: Service, tokens: Tokens) -> FastAPI:
                 return {"version": result.version, "value": _json_value(result.value)}
             return {"version": result.version, "rows": _rows(result.table)}
 
-        return await _in_thread(request, work)
+        return await _in_thread(request, work, limiter())
 
     @app.post("/api/attribute", response_model=Result)
     async def attribute(request: Request, body: AttributeRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
@@ -243,7 +251,7 @@ def create_app(service: Service, tokens: Tokens) -> FastAPI:
             )
             return {"version": result.version, "rows": _rows(result.table)}
 
-        return await _in_thread(request, work)
+        return await _in_thread(request, work, limiter())
 
     @app.post("/api/sql", response_model=Result)
     async def sql(request: Request, body: SQLRequest, scope: str = Depends(scope_of)) -> dict[str, Any]:
