@@ -28,6 +28,7 @@ from gradstore.run_basis import run_basis, save_basis
 from ingest import CaptureConfig, CapturedBatch, GradientCapture, ProjectionSpec
 from ingest.capture import NonFiniteRowsError, SkippedBatch
 from ingest.coverage import Coverage
+from ingest.curvature import CURVATURE_SPLITS
 
 #: Options that define a run's vectors (or how its loss was formed): later captures of the run reuse them.
 RUN_OPTIONS = (
@@ -191,14 +192,16 @@ class StoreCapture:
         return self.store.writer(self.run_id, self._writer_config)
 
     def _record_run(self) -> None:
-        """Record the checkpoints seen (step, epoch, learning rate) and their curvature statistics."""
+        """Record the checkpoints seen (step, epoch, learning rate) and their curvature statistics (of the training
+        rows and, apart, of the true-Fisher rows)."""
         for checkpoint, seen in self._seen.items():
             self.store.record_checkpoint(self.run_id, checkpoint, **seen)
         if self.capture.config.curvature:
             for checkpoint in self._seen:
-                stats = self.capture.curvature(checkpoint)
-                if stats:
-                    self.store.save_curvature(self.run_id, checkpoint, stats)
+                for split in CURVATURE_SPLITS:
+                    stats = self.capture.curvature(checkpoint, split)
+                    if stats:
+                        self.store.save_curvature(self.run_id, checkpoint, stats, split)
 
     def _record_coverage(self) -> None:
         """The capture's coverage: a row per trainable parameter in ``capture_coverage``."""

@@ -50,6 +50,7 @@ from gradstore.capture_session import StoreCapture, config_for_run
 from gradstore.core import commits
 from gradstore.core.writer import GradientWriter, WriterConfig
 from gradstore.errors import InvalidArgumentError, surface
+from ingest.curvature import CURVATURE_SPLITS
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore
@@ -264,8 +265,12 @@ class DistributedCapture(StoreCapture):
             self.flush()
 
     def _record_run(self) -> None:
-        """Rank 0 records checkpoints and the ranks' pooled curvature statistics."""
-        curvature = {c: self.capture.curvature(c) for c in self._seen} if self.capture.config.curvature else {}
+        """Rank 0 records checkpoints and the ranks' pooled curvature statistics (per checkpoint and split)."""
+        curvature = (
+            {(c, split): self.capture.curvature(c, split) for c in self._seen for split in CURVATURE_SPLITS}
+            if self.capture.config.curvature
+            else {}
+        )
         gathered = self._committer.gather((self._seen, curvature))
         if gathered is None:
             return
@@ -280,9 +285,10 @@ class DistributedCapture(StoreCapture):
         for checkpoint, info in seen.items():
             self.store.record_checkpoint(self.run_id, checkpoint, **info)
         for checkpoint in seen:
-            stats = pool_curvature([part.get(checkpoint, {}) for _, part in gathered])
-            if stats:
-                self.store.save_curvature(self.run_id, checkpoint, stats)
+            for split in CURVATURE_SPLITS:
+                stats = pool_curvature([part.get((checkpoint, split), {}) for _, part in gathered])
+                if stats:
+                    self.store.save_curvature(self.run_id, checkpoint, stats, split)
 
 
 def pool_curvature(

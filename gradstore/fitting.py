@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, astuple, dataclass
 from datetime import datetime, timezone
@@ -27,11 +28,12 @@ import numpy as np
 
 from gradstore.core import StoreCore, gradient_filter, storage
 from gradstore.engine import Engine, LocalEngine
-from gradstore.errors import InvalidArgumentError, MissingCurvatureError, StoreCorruptError, StorePermissionError
+from gradstore.errors import InvalidArgumentError, StoreCorruptError, StorePermissionError
 from gradstore.methods import DEFAULT_DAMPING, TRUE_FISHER_SPLIT, BlockStructure, Method, check_blocks
 from gradstore.scoring import ScoringSpace
 from gradstore.shards import Shard, fragment_shards
 from indexers import FitStatistics, Preconditioner, VectorBlocks, load_preconditioner, make_preconditioner
+from ingest.curvature import CURVATURE_SPLITS
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,13 @@ class Selection:
         return (store.gradient_dataset(self.run).version, astuple(self), (what,))
 
 
+KroneckerSource = Literal["train", "true-fisher", "rows"]
+"""Where a ``kfac`` fit's factors come from: the Kronecker statistics a capture with ``curvature=True`` saved for the
+checkpoint's training rows (``"train"``) or for its true-Fisher rows (``"true-fisher"``), or, where none were saved,
+estimated from the selected rows themselves (``"rows"``: ``A = E[G^T G]``, ``S = E[G G^T] / E[|G|^2]``,
+:mod:`indexers.kfac`)."""
+
+
 @dataclass(frozen=True)
 class FitSpec:
     """Everything a fitted preconditioner depends on, except the damping."""
@@ -107,16 +116,19 @@ class FitSpec:
     preconditioner: str
     blocks: Literal["layer", "full"] | None = None  # fisher only
     eigen_correction: bool = False  # kfac only
+    factors: KroneckerSource | None = None  # kfac only: where its Kronecker factors come from (kronecker_source)
 
     def key(self) -> str:
-        """A stable file-system safe key."""
-        text = json.dumps(asdict(self), sort_keys=True)
+        """A stable file-system safe key (``factors`` counts only where set: keys of other fits are unchanged)."""
+        fields = {name: value for name, value in asdict(self).items() if name != "factors" or value is not None}
+        text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def fit_spec(store: StoreCore, selection: Selection, method: Method, blocks: BlockStructure = "auto") -> FitSpec:
     """The :class:`FitSpec` of ``method`` over ``selection`` (``blocks="auto"``: :func:`auto_blocks`): over the
-    selection's true-Fisher rows instead (:func:`curvature_selection`) for methods that fit on them."""
+    selection's true-Fisher rows instead (:func:`curvature_selection`) for methods that fit on them, with the
+    Kronecker factors of those rows for ``kfac`` fits (:func:`kronecker_source`)."""
     check_blocks(blocks)
     if method.true_fisher:
         selection = curvature_selection(store, selection)
@@ -125,7 +137,26 @@ def fit_spec(store: StoreCore, selection: Selection, method: Method, blocks: Blo
         structure = blocks if blocks != "auto" else auto_blocks(store, selection.run)
     elif blocks != "auto":
         raise InvalidArgumentError(f"blocks={blocks!r} applies to the fisher method, not {method.name!r}")
-    return FitSpec(selection, method.preconditioner, structure, method.eigen_correction)
+    factors = kronecker_source(store, selection) if method.preconditioner == "kfac" else None
+    return FitSpec(selection, method.preconditioner, structure, method.eigen_correction, factors)
+
+
+def kronecker_source(store: StoreCore, selection: Selection) -> KroneckerSource:
+    """Where a ``kfac`` fit over ``selection`` takes its Kronecker factors (:data:`KroneckerSource`): the factors a
+    capture with ``curvature=True`` saved for the checkpoint's rows of the selection's split (the true-Fisher rows'
+    own factors when :func:`curvature_selection` chose them, so eigenbasis and EK-FAC eigenvalues come from the same
+    rows); else the checkpoint's training-row factors (a store whose true-Fisher rows were captured without
+    curvature, or before true-Fisher factors were kept: its eigenbasis is the empirical Fisher's, and a warning says
+    so when it is fitted); else estimated from the selected rows (rows captured without ``curvature=True``)."""
+    if selection.checkpoint is None:
+        return "rows"
+    if selection.split in CURVATURE_SPLITS and store.has_curvature(
+        selection.run, selection.checkpoint, selection.split
+    ):
+        return selection.split  # type: ignore[return-value]
+    if store.has_curvature(selection.run, selection.checkpoint, "train"):
+        return "train"
+    return "rows"
 
 
 def curvature_selection(store: StoreCore, selection: Selection) -> Selection:
@@ -239,11 +270,25 @@ class FitCache:
         if dense:
             raise InvalidArgumentError(f"kfac needs Kronecker-structured rows; layers {dense} use a dense projection")
         layout = [(s.name, s.offset, s.k_in, s.k_out) for s in layers]
-        try:
-            curvature = self.store.load_curvature(spec.selection.run, spec.selection.checkpoint)
+        selection, source = spec.selection, spec.factors or "rows"
+        factors = None  # "rows": estimated from the selected rows themselves
+        if source != "rows":
+            curvature = self.store.load_curvature(selection.run, str(selection.checkpoint), source)
             factors = {name: (a, s) for name, (a, s, _) in curvature.items()}
-        except MissingCurvatureError:
-            factors = None  # estimated from the gradients themselves
+        if selection.split == TRUE_FISHER_SPLIT and source == "train":
+            uses = (
+                "ekfac uses their eigenbasis (the empirical Fisher's) with eigenvalues refitted on the true-Fisher rows"
+                if spec.eigen_correction
+                else "kfac uses them (the empirical Fisher's)"
+            )
+            warnings.warn(
+                f"run {selection.run!r} checkpoint {selection.checkpoint!r} has true-Fisher rows but only the training "
+                f"rows' Kronecker factors: {uses}; capture the true-Fisher rows with curvature=True for the true "
+                "Fisher's own factors",
+                stacklevel=2,
+            )
+        elif source == "rows":
+            log.info("%s: no Kronecker factors captured (curvature=True); estimated from the rows", selection)
         return make_preconditioner(
             "kfac",
             damping=DEFAULT_DAMPING,

@@ -16,6 +16,8 @@
 | ``dvemb``    | ``q . e_z``, ``e_z = sum_t lr_t / B_t prod_{s>t} (I - lr_s H_s) g_t``  | batch curvature per step |
 
 ``influence`` is an alias of ``fisher``. Damping is relative to the mean eigenvalue (default 0.1).
+``kfac``/``ekfac`` use the factors a capture with ``curvature=True`` recorded (:data:`KRONECKER_FACTORS`); rows
+captured without it get factors estimated from the rows themselves (:func:`gradstore.fitting.kronecker_source`).
 ``trackstar`` (TrackStar, Chang et al. 2024) is meant for rows captured with ``normalizer="adam_factored"``
 (optimizer-aware: Adam second-moment normalisation): both sides are whitened by the Fisher of the stored rows
 and unit-normalised, so the score is a cosine in the whitened space.
@@ -25,7 +27,8 @@ The trajectory methods (:mod:`gradstore.trajectory`, :mod:`gradstore.dvemb`) use
 optimizer steps stand for each recorded one, ``B_t`` rows per step), ``source`` the checkpoint passes (segments
 of ``K_l`` steps at mean learning rate ``lr_l``). Curvature comes from rows of split ``"true-fisher"`` (labels
 sampled from the model, :data:`TRUE_FISHER_SPLIT`) where a checkpoint (or step) has them, else from the
-training rows (the empirical Fisher); ``fisher``, ``kfac`` and ``ekfac`` fit on true-Fisher rows the same way.
+training rows (the empirical Fisher); ``fisher``, ``kfac`` and ``ekfac`` fit on true-Fisher rows the same way
+(``kfac``/``ekfac``: the Kronecker factors captured on those rows, for the eigenbasis and the eigenvalues alike).
 
 :data:`METHODS` is the one table the API, the CLI's choices and the docs' methods table come from: each
 :class:`Method` says which optional arguments it uses (:attr:`Method.uses`), which calls accept it
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from gradstore.errors import InvalidArgumentError
+from ingest.curvature import TRUE_FISHER_SPLIT as _TRUE_FISHER_SPLIT
 
 MethodName = Literal[
     "grad-dot",
@@ -67,7 +71,7 @@ Operation = Literal["attribute", "score_matrix", "self_influence", "select", "bu
 DEFAULT_DAMPING = 0.1
 #: The split of curvature rows: gradients of losses on labels sampled from the model's own predictive
 #: distribution (true Fisher / GGN). Never scored or used as training rows; fits use them where present.
-TRUE_FISHER_SPLIT = "true-fisher"
+TRUE_FISHER_SPLIT = _TRUE_FISHER_SPLIT
 #: The method every scoring call uses when given none (the best single-checkpoint answer on the demo's facts).
 DEFAULT_METHOD = "fisher"
 
@@ -82,6 +86,11 @@ OPTIONAL_ARGUMENTS = {
     "query_checkpoint": "the checkpoint of stored query rows scored against one checkpoint's training rows",
     "device": "where the exact top-k search runs",
 }
+#: What ``kfac`` and ``ekfac`` need (their registry rows' "needs"; :func:`gradstore.fitting.kronecker_source`).
+KRONECKER_FACTORS = (
+    "Kronecker-structured (factorized or exact) rows, captured with curvature=True for the recorded factors; "
+    "without them the factors are estimated from the rows (A = E[G^T G], S = E[G G^T] / E[|G|^2])"
+)
 _ALL_OPERATIONS = frozenset(get_args(Operation))
 _ONE_CHECKPOINT = frozenset({"checkpoint", "kind", "rerank", "query_checkpoint", "device"})
 #: Optional arguments a call uses whatever its method (``select`` sums over its own ``checkpoints``).
@@ -167,8 +176,9 @@ METHODS: dict[str, Method] = {
             "kfac",
             True,
             True,
-            "q^T (S (x) A + damping)^-1 g with Kronecker factors recorded at capture",
-            requires="curvature statistics: capture the run with curvature=True",
+            "q^T (S (x) A + damping)^-1 g with the Kronecker factors recorded at capture (those of the true-fisher "
+            "rows where the checkpoint has them)",
+            requires=KRONECKER_FACTORS,
             true_fisher=True,
         ),
         Method(
@@ -176,9 +186,10 @@ METHODS: dict[str, Method] = {
             "kfac",
             True,
             True,
-            "kfac with its eigenvalues refitted on the stored rows (eigen-corrected)",
+            "kfac with its eigenvalues refitted on the stored rows (eigen-corrected; eigenbasis and eigenvalues both "
+            "from the true-fisher rows where the checkpoint has them)",
             eigen_correction=True,
-            requires="curvature statistics: capture the run with curvature=True",
+            requires=KRONECKER_FACTORS,
             true_fisher=True,
         ),
         Method(

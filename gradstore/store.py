@@ -152,8 +152,9 @@ class GradStore:
 
         Per capture: ``split`` (``"train"``/``"query"``), ``checkpoint``, ``learning_rate`` (overrides the
         optimizer's; for checkpoint passes without one), ``curvature`` (also record Kronecker covariances of the
-        training rows for ``kfac``), ``normalizer``, ``fused`` (project inside the Linear/Conv1D layers' own GEMMs:
-        the same rows, cheaper where batches hold more tokens than a layer is wide; :mod:`ingest.fused`), ``rank``.
+        training rows and, apart, of the ``"true-fisher"`` rows, for ``kfac``/``ekfac``), ``normalizer``, ``fused``
+        (project inside the Linear/Conv1D layers' own GEMMs: the same rows, cheaper where batches hold more tokens
+        than a layer is wide; :mod:`ingest.fused`), ``rank``.
         Per run: ``projection`` (``"factorized"`` ``k_out x k_in`` per layer, ``"dense"``, or ``None`` for exact
         gradients), ``k_in``/``k_out``, ``seed``, ``layer_types``/``include``/``exclude`` (which layers),
         ``include_frozen`` (also capture layers whose weight is frozen, e.g. a LoRA model's base layers; default:
@@ -473,7 +474,9 @@ def open_store(
     """Create or open the store at ``uri`` (a local directory or an object-store URI such as ``s3://bucket/x``).
 
     ``storage_dtype`` (``"float16"`` default, ``"bfloat16"`` or ``"float32"``; see :mod:`gradstore.core.vectors`)
-    applies when the gradients table is created; asking for a different one on an existing store is an error.
+    is fixed when the store is created (recorded in it before any run exists): a later open without it uses the
+    store's, and asking for a different one is a ``SchemaMismatchError`` (a store made by an earlier version that
+    has no run yet takes the one asked for, or the default, when its first run is created).
     ``read_consistency`` is how stale a read may be (0: always see other writers' latest commits).
     ``storage_options``: endpoint and credentials of
     an object store (Lance's names: ``aws_endpoint``, ``aws_access_key_id``, ``aws_secret_access_key``,

@@ -31,7 +31,7 @@ from gradstore.core import commits, storage
 from gradstore.core import schema as S
 from gradstore.core import sql as store_sql
 from gradstore.core.coverage import run_coverage
-from gradstore.core.curvature_files import LayerCurvature, load_curvature, save_curvature
+from gradstore.core.curvature_files import LayerCurvature, has_curvature, load_curvature, save_curvature
 from gradstore.core.filters import StepRange, gradient_filter, sql_literal
 from gradstore.core.gradient_tables import GradientTables, is_gradient_table, table_dim
 from gradstore.core.index_cache import IndexCache
@@ -368,7 +368,8 @@ class StoreCore:
             return
         if self.writable:
             for name, schema in missing.items():
-                self._create_table(name, schema)
+                # the runs table records the dtype the store is created with (the first creator's, in a race)
+                self._create_table(name, S.runs_schema_of_new_store(self._storage_dtype) if name == S.RUNS else schema)
             return
         log.debug("store %s is read-only for this process: tables %s read as empty", self.uri, sorted(missing))
         self._stand_ins = tempfile.TemporaryDirectory(prefix="gradstore-empty-tables-")
@@ -419,10 +420,24 @@ class StoreCore:
 
     @property
     def storage_dtype(self) -> str:
-        """Storage dtype of the vector column (see :mod:`gradstore.core.vectors`); one per store."""
+        """Storage dtype of the vector column (see :mod:`gradstore.core.vectors`); one per store, fixed when the
+        store is created (:meth:`created_storage_dtype`)."""
         if self.gradient_tables.primary_dim() is not None:
             return storage_dtype_of(self.dataset(S.GRADIENTS).schema.field(S.VECTOR_COLUMN))
         return self._storage_dtype
+
+    def created_storage_dtype(self) -> str | None:
+        """The dtype recorded in the ``runs`` table's schema metadata when the store was created (``None``: a store
+        made before it was recorded)."""
+        if not self.has_table(S.RUNS):
+            return None
+        recorded = (self.table(S.RUNS).schema.metadata or {}).get(S.STORAGE_DTYPE_KEY)
+        if recorded is None:
+            return None
+        try:
+            return check_storage_dtype(recorded.decode())
+        except (InvalidArgumentError, UnicodeDecodeError) as error:
+            raise StoreCorruptError(f"store {self.uri} records an unknown storage dtype {recorded!r}") from error
 
     @writes("create a run")
     def create_run(
@@ -612,14 +627,20 @@ class StoreCore:
             return set(self.row_cache.memo((dataset.version, name, "checkpoint labels", run_id), read, RUN_ROW_BYTES))
 
     @writes("save curvature statistics")
-    def save_curvature(self, run_id: str, checkpoint: str, stats: LayerCurvature) -> None:
-        """Save per-layer Kronecker curvature statistics of a run's checkpoint (a side file)."""
+    def save_curvature(self, run_id: str, checkpoint: str, stats: LayerCurvature, split: str = "train") -> None:
+        """Save per-layer Kronecker curvature statistics of a run's checkpoint over its rows of ``split``
+        (``"train"`` or ``"true-fisher"``, one side file each)."""
         self.run(run_id)
-        save_curvature(self.files, run_id, checkpoint, stats)
+        save_curvature(self.files, run_id, checkpoint, stats, split)
 
-    def load_curvature(self, run_id: str, checkpoint: str) -> LayerCurvature:
-        """Per layer ``(A, S, count)`` saved by a capture with ``curvature=True`` (``MissingCurvatureError``)."""
-        return load_curvature(self.files, run_id, checkpoint)
+    def load_curvature(self, run_id: str, checkpoint: str, split: str = "train") -> LayerCurvature:
+        """Per layer ``(A, S, count)`` of the checkpoint's rows of ``split`` saved by a capture with
+        ``curvature=True`` (``MissingCurvatureError`` if none was)."""
+        return load_curvature(self.files, run_id, checkpoint, split)
+
+    def has_curvature(self, run_id: str, checkpoint: str, split: str = "train") -> bool:
+        """Whether a capture with ``curvature=True`` saved statistics of the checkpoint's rows of ``split``."""
+        return has_curvature(self.files, run_id, checkpoint, split)
 
     # ------------------------------------------------------------------ writing and reading gradients
     @writes("write gradients")
@@ -975,8 +996,6 @@ def connect(
         runs_schema = store.table(S.RUNS).schema
         if (runs_schema.metadata or {}).get(S.FORMAT_KEY) != S.FORMAT_VERSION:
             raise NotAStoreError(f"{uri} holds a '{S.RUNS}' table that gradstore did not write")
-        if storage_dtype is not None and store.dims and store.storage_dtype != storage_dtype:
-            raise SchemaMismatchError(f"store {uri} stores {store.storage_dtype} vectors, not {storage_dtype}")
     elif not create:
         raise NotAStoreError(f"no gradstore store at {uri}")
     elif not store.writable:
@@ -992,6 +1011,17 @@ def connect(
         if refused is None:
             raise
         raise refused from error
+    # with rows, the gradient table's dtype (read only to check one asked for: a store whose rows this version cannot
+    # decode still opens); before any run, the dtype recorded when the store was created
+    has_rows = store.gradient_tables.primary_dim() is not None
+    fixed = (store.storage_dtype if storage_dtype is not None else None) if has_rows else store.created_storage_dtype()
+    if fixed is not None:
+        if storage_dtype is not None and fixed != storage_dtype:
+            raise SchemaMismatchError(
+                f"store {uri} stores {fixed} vectors, not {storage_dtype}: a store's storage_dtype is fixed when it is "
+                f"created; open it without storage_dtype (or with storage_dtype={fixed!r}), or create a new store"
+            )
+        store._storage_dtype = fixed  # what its runs' new gradient tables are created with
     return store
 
 

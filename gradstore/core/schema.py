@@ -13,6 +13,9 @@ from ingest import CaptureLabels
 
 FORMAT_KEY = b"gradstore.format"
 FORMAT_VERSION = b"1"
+#: The ``runs`` table's schema metadata key holding the store's storage dtype, written when the store is created
+#: (the dtype is fixed then, before any run exists; stores made before it was recorded lack the key).
+STORAGE_DTYPE_KEY = b"gradstore.storage_dtype"
 
 RUNS = "runs"
 CHECKPOINTS = "checkpoints"
@@ -47,6 +50,12 @@ RUNS_SCHEMA = _tagged(
         pa.field("config", pa.string()),  # free-form JSON: capture config, user notes
     ]
 )
+
+
+def runs_schema_of_new_store(storage_dtype: str) -> pa.Schema:
+    """:data:`RUNS_SCHEMA` with the storage dtype of the store it is created in (:data:`STORAGE_DTYPE_KEY`)."""
+    return RUNS_SCHEMA.with_metadata({**RUNS_SCHEMA.metadata, STORAGE_DTYPE_KEY: storage_dtype.encode()})
+
 
 CHECKPOINTS_SCHEMA = _tagged(
     [
