@@ -243,7 +243,8 @@ class ParameterUses(TorchFunctionMode):
         for hook in hooks:
             self.slots.setdefault(id(hook.parameter), []).append(hook)
         self.hooked = hooked  # ids of the modules whose hooks capture their own forward
-        self.scope: list[tuple[nn.Module, Any]] = []  # running hooked modules and their inputs
+        # running hooked modules, their inputs and their own parameters' ids
+        self.scope: list[tuple[nn.Module, Any, frozenset[int]]] = []
         self.sequence_first = False
         self.seen_outside = False
 
@@ -251,13 +252,14 @@ class ParameterUses(TorchFunctionMode):
 
     def enter_module(self, module: nn.Module, args: tuple) -> None:
         """Forward pre-hook of a hooked module: its own op is its hook's when its input is batch-first."""
-        self.scope.append((module, args[0] if args else None))
+        own = frozenset(id(p) for p in module.parameters(recurse=False))
+        self.scope.append((module, args[0] if args else None, own))
 
     def leave_module(self, module: nn.Module, args: tuple, output: Any) -> None:
         """Forward hook of a hooked module (``always_call``): a Linear/Conv1D/Embedding keeps its input's leading
         dims, so its output indexes the examples where its input does (its forward may flatten in between)."""
         if self.scope and self.scope[-1][0] is module:
-            _, x = self.scope.pop()
+            _, x, _ = self.scope.pop()
             dim = batch_dim(x)
             if dim is not None and isinstance(output, torch.Tensor) and output.dim() > dim >= 0:
                 setattr(output, BATCHED, dim)
@@ -378,8 +380,7 @@ class ParameterUses(TorchFunctionMode):
         """The module's input when this op is a hooked module's own op on its own parameters, else False."""
         if not self.scope:
             return False
-        module, x = self.scope[-1]
-        own = {id(p) for p in module.parameters(recurse=False)}
+        _, x, own = self.scope[-1]
         return x if all(id(p) in own for p in sources) else False
 
     # uses ---------------------------------------------------------------------------------------

@@ -54,6 +54,15 @@ class Normed(nn.Module):
         return self.head(self.norm(self.fc(x)))
 
 
+def per_example_cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The reference: ``torch.func`` per-example gradients of each example's cross-entropy, by parameter name."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    return vmap(
+        grad(lambda p, xi, yi: nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])),
+        in_dims=(None, 0, 0),
+    )(params, x, y)
+
+
 def _capture(model: nn.Module, x: torch.Tensor, **options) -> tuple[GradientCapture, list, list]:
     rows: list = []
     with warnings.catch_warnings(record=True) as caught:
@@ -120,11 +129,7 @@ def test_sequence_first_linear_with_as_many_positions_as_examples_is_exact() -> 
     rows: list = []
     with GradientCapture(model, rows.append, CaptureConfig.from_options(projection=None)) as cap:
         nn.functional.cross_entropy(model(x), y).backward()
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    per_example = vmap(
-        grad(lambda p, xi, yi: nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])),
-        in_dims=(None, 0, 0),
-    )(params, x, y)
+    per_example = per_example_cross_entropy(model, x, y)
     for name in ("encoder.layers.0.linear1", "encoder.layers.0.self_attn.out_proj"):
         s = cap.spec.slot(name)
         got = rows[0].grads[:, s.offset : s.offset + s.size].reshape(4, s.k_out, s.k_in)
@@ -175,11 +180,7 @@ def test_norm_scales_and_shifts_are_exact_when_asked_for() -> None:
     config = CaptureConfig.from_options(projection=None, layer_types=LAYER_KINDS)
     with GradientCapture(model, rows.append, config) as cap:
         nn.functional.cross_entropy(model(x), y).backward()
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    per_example = vmap(
-        grad(lambda p, xi, yi: nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])),
-        in_dims=(None, 0, 0),
-    )(params, x, y)
+    per_example = per_example_cross_entropy(model, x, y)
     norms = [s for s in cap.spec.layers if s.kind == "norm"]
     assert {s.name for s in norms} == {"ln.weight", "ln.bias", "rms.weight", "hf_norm.weight"}
     for s in norms:
