@@ -4,6 +4,7 @@ kept examples only (float64, plain loop), the policies, refusals, and the store'
 from __future__ import annotations
 
 import copy
+import gc
 from pathlib import Path
 
 import pytest
@@ -398,34 +399,44 @@ def _ddp_store_worker(rank: int, port: int, store_path: str) -> None:
     import os
 
     import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LANCE_LOG="error")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        _ddp_store_job(rank, store_path)
+        _ddp_plain(rank, f"{store_path}.plain")
+        # Every DDP module (which holds the process group) is gone before the group is: gloo's worker threads
+        # must not outlive it into interpreter shutdown, where they abort the process.
+        dist.barrier()
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_store_job(rank: int, store_path: str) -> None:
+    """Rank ``rank``'s training through the store (its modules freed on return)."""
     from torch.nn.parallel import DistributedDataParallel
 
     import gradstore
     from gradstore.distributed import distributed_capture
     from gradstore.online import select_online
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LANCE_LOG="error")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        model = DistributedDataParallel(mlp().double())
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        store = gradstore.open(store_path, storage_dtype="float32")
-        target = torch.randn(28, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-        capture = distributed_capture(store, model, "ddp", optimizer=opt, k_in=4, k_out=4)
-        with capture as cap, select_online(cap, KeepTopFraction(0.4), target) as sel:
-            assert sel.selector.collective
-            for step in range(DDP_STEPS):
-                x, y, ids = _ddp_data(step, rank)
-                cap.set_ids(ids)
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-        torch.save(model.module.state_dict(), f"{store_path}.params.{rank}")
-        _ddp_plain(rank, f"{store_path}.plain")
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(mlp().double())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    store = gradstore.open(store_path, storage_dtype="float32")
+    target = torch.randn(28, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    capture = distributed_capture(store, model, "ddp", optimizer=opt, k_in=4, k_out=4)
+    with capture as cap, select_online(cap, KeepTopFraction(0.4), target) as sel:
+        assert sel.selector.collective
+        for step in range(DDP_STEPS):
+            x, y, ids = _ddp_data(step, rank)
+            cap.set_ids(ids)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    torch.save(model.module.state_dict(), f"{store_path}.params.{rank}")
 
 
 def _ddp_plain(rank: int, out: str) -> None:
