@@ -166,6 +166,27 @@ def test_slow_clients_are_dropped_and_others_are_served(server, http):
     assert http.get("/api/runs").status_code == 200
 
 
+def test_one_client_address_holds_a_bounded_number_of_connections(local):
+    limits = Limits(max_connections_per_client=4, header_timeout_s=120.0, sql_threads=1)
+    with serve(local.uri, tokens=Tokens.parse(READ), flight_port=None, http_port=0, limits=limits) as running:
+        held = [_connect(running) for _ in range(4)]  # idle connections: within the limit, kept open
+        extra = _connect(running)
+        code, headers, body = _response(extra)  # refused at once, before it sends a byte
+        assert (code, json.loads(body)["error"], headers["connection"]) == (429, "ServerBusyError", "close")
+        assert "too many open connections" in json.loads(body)["message"] and _closed_by_server(extra)
+        held[0].sendall(_head("/api/runs", 0, READ, method="GET"))
+        assert _response(held[0])[0] == 200  # the held ones are served
+        for sock in held:
+            sock.close()
+        for _ in range(200):  # the server counts a connection out when it sees it close (no fixed wait)
+            with httpx.Client(base_url=running.http_url, headers={"Authorization": f"Bearer {READ}"}) as fresh:
+                if fresh.get("/api/runs").status_code == 200:
+                    break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("closed connections were never counted out")
+
+
 # ---------------------------------------------------------------------------------------------- 3. SQL bounds
 def test_sql_results_are_capped_while_streaming(server, http):
     rss = _rss()

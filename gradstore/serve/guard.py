@@ -14,12 +14,15 @@ token is accepted, and no client holds the server's memory or connections for lo
   headers within ``Limits.header_timeout_s`` (from the connection's start, or from the first byte of a later
   request on it; an idle kept-alive connection is closed by uvicorn after 5 s) and its body within
   ``Limits.body_timeout_s`` after them, else it is closed: slow clients cannot hold connections open. A response
-  sent before the request's body was read closes the connection."""
+  sent before the request's body was read closes the connection. One client address holds at most
+  ``Limits.max_connections_per_client`` open connections: a further one gets a 429 and is closed before anything
+  of it is read."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from typing import Any
 
 import h11
@@ -144,11 +147,21 @@ class DeadlineH11Protocol(H11Protocol):
 
     header_timeout_s = 10.0
     body_timeout_s = 30.0
+    per_client = 256
+    open_by_client: Counter[str]  # this server's open connections by client address (one event loop: no lock)
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._deadline: asyncio.TimerHandle | None = None
         self._seen_cycle: Any = None
+        peer = transport.get_extra_info("peername")
+        self._client: str | None = str(peer[0]) if peer else ""
+        if self.open_by_client[self._client] >= self.per_client:
+            self._client = None
+            transport.write(_TOO_MANY)
+            transport.close()
+            return
+        self.open_by_client[self._client] += 1
         self._arm(self.header_timeout_s)
 
     def _arm(self, seconds: float | None) -> None:
@@ -196,13 +209,37 @@ class DeadlineH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._arm(None)
+        if self._client is not None:
+            self.open_by_client[self._client] -= 1
+            if not self.open_by_client[self._client]:
+                del self.open_by_client[self._client]
         super().connection_lost(exc)
 
 
-def protocol_class(header_timeout_s: float, body_timeout_s: float) -> type[DeadlineH11Protocol]:
-    """An h11 protocol class for ``uvicorn.Config(http=...)`` with these deadlines."""
+def _too_many() -> bytes:
+    body = json.dumps(
+        {
+            "error": "ServerBusyError",
+            "message": "too many open connections from this address: close idle ones (or reuse one connection)",
+        }
+    ).encode()
+    head = f"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+    return (head + "connection: close\r\nretry-after: 1\r\n\r\n").encode() + body
+
+
+_TOO_MANY = _too_many()
+
+
+def protocol_class(header_timeout_s: float, body_timeout_s: float, per_client: int) -> type[DeadlineH11Protocol]:
+    """An h11 protocol class for ``uvicorn.Config(http=...)`` with these deadlines and this many connections per
+    client address (counted per class: one class per server)."""
     return type(
         "GradstoreH11Protocol",
         (DeadlineH11Protocol,),
-        {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s},
+        {
+            "header_timeout_s": header_timeout_s,
+            "body_timeout_s": body_timeout_s,
+            "per_client": per_client,
+            "open_by_client": Counter(),
+        },
     )

@@ -132,7 +132,7 @@ def serve(
             create_app(service, tokens),
             host=host,
             port=http_port,
-            http=protocol_class(limits.header_timeout_s, limits.body_timeout_s),
+            http=protocol_class(limits.header_timeout_s, limits.body_timeout_s, limits.max_connections_per_client),
             log_level="warning",
             access_log=False,
             ssl_certfile=str(tls_cert) if tls else None,

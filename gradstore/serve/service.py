@@ -157,6 +157,7 @@ class Limits:
     max_concurrent: int = 32  # requests worked on at once (both transports together)
     max_waiting: int = 512  # requests waiting for a slot; more are refused at once (503)
     max_connections: int = 4096  # open HTTP connections; past it uvicorn answers 503
+    max_connections_per_client: int = 256  # open HTTP connections from one address; past it 429 and closed
     # memory and disk
     sql_memory_bytes: int = 2**30  # DuckDB memory_limit (every statement together)
     sql_temp_bytes: int = 4 * 2**30  # DuckDB max_temp_directory_size (its private temp directory)
