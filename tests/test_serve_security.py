@@ -405,6 +405,26 @@ def _hashes(root: Path) -> dict[str, str]:
     }
 
 
+def test_a_read_only_server_does_not_add_the_tables_an_older_store_lacks(tmp_path):
+    """A store from an earlier version (no self_influence table): opened read-only from the start, nothing created."""
+    import shutil
+
+    root = tmp_path / "old"
+    make_store(root)
+    shutil.rmtree(root / "self_influence.lance")
+    before = _hashes(root)
+    headers = {"Authorization": f"Bearer {READ}"}
+    with (
+        serve(root, tokens=Tokens.parse(READ), flight_port=None, http_port=0) as running,
+        httpx.Client(base_url=running.http_url, headers=headers) as http,
+    ):
+        answer = http.post("/api/sql", json={"query": "SELECT count(*) AS n FROM self_influence"})
+        assert answer.status_code == 200 and answer.json()["rows"] == [{"n": 0}], answer.text
+        assert http.post("/api/attribute", json={"run": RUN, "k": 2, "method": "grad-dot"}).status_code == 200
+    assert not (root / "self_influence.lance").exists()
+    assert _hashes(root) == before
+
+
 AT = {"run": "quad", "checkpoint": "train"}  # the trajectory store's training rows are labelled "train"
 
 

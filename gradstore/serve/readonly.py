@@ -12,11 +12,13 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
+from gradstore.core.database import StoreCore, connect
 from gradstore.errors import GradstoreError, StorePermissionError
 from gradstore.serve.errors import NotBuiltError
 
@@ -83,6 +85,24 @@ class BoundedFits(OrderedDict):
     def bytes(self) -> int:
         with self._lock:
             return sum(self._sizes.values())
+
+
+class ReadOnlyCore(StoreCore):
+    """A :class:`~gradstore.core.database.StoreCore` this process never writes, from its first step: a fixed table
+    the store lacks (a store made by an earlier version) reads as empty instead of being created at open."""
+
+    @property
+    def writable(self) -> bool:
+        return False
+
+
+def open_read_only(uri: str | Path, read_consistency: timedelta) -> Any:
+    """The store at ``uri`` (a ``GradStore``) opened without a write, taken as read-only (:func:`make_read_only`)."""
+    from gradstore.store import GradStore
+
+    store = GradStore(connect(uri, ReadOnlyCore, create=False, read_consistency=read_consistency))
+    make_read_only(store)
+    return store
 
 
 def make_read_only(store: Any) -> None:

@@ -247,11 +247,13 @@ class Service:
         max_batch: int = 64,
         model: Any = None,
     ) -> None:
-        self.store = gradstore.open(uri, create=False, read_consistency=timedelta(seconds=refresh_s))
+        consistency = timedelta(seconds=refresh_s)
+        if allow_writes:
+            self.store = gradstore.open(uri, create=False, read_consistency=consistency)
+        else:
+            self.store = readonly.open_read_only(uri, consistency)
         self.allow_writes = allow_writes
         self.limits = limits or Limits()
-        if not allow_writes:
-            readonly.make_read_only(self.store)
         self.fits = readonly.bound_fits(self.store, self.limits.fit_cache_bytes)
         self.name = PurePath(str(uri)).name or str(uri)
         # calls that may write the store take turns (a writable server only); reads never wait for one another
