@@ -71,12 +71,18 @@ class Preconditioner(Protocol):
         ...
 
 
+#: Prefix of a :class:`FitStatistics` key that holds a stack of rows rather than a sum.
+STACKED = "stack_"
+
+
 @dataclass
 class FitStatistics:
     """Float64 sums of one fitting pass over some rows, keyed by name, and the row count.
 
     Statistics of disjoint sets of rows merge by adding their sums (:meth:`merge`); an empty set has no
-    sums and merges as the identity."""
+    sums and merges as the identity. A key starting with :data:`STACKED` holds rows themselves (a part with fewer
+    rows than their sum would take): stacks are concatenated, and where either part holds one, a sum present in
+    one part only is taken as it is (the preconditioner adds the stack's contribution in ``finish``)."""
 
     rows: int = 0
     sums: dict[str, np.ndarray] = field(default_factory=dict)
@@ -87,13 +93,20 @@ class FitStatistics:
             return FitStatistics(self.rows + other.rows, dict(self.sums))
         if not self.sums:
             return FitStatistics(self.rows + other.rows, dict(other.sums))
-        if self.sums.keys() != other.sums.keys():
+        stacked = any(key.startswith(STACKED) for key in (*self.sums, *other.sums))
+        if self.sums.keys() != other.sums.keys() and not stacked:
             raise ValueError(f"statistics disagree on their sums: {sorted(self.sums)} vs {sorted(other.sums)}")
-        merged = {}
-        for key, value in self.sums.items():
-            if value.shape != other.sums[key].shape:
-                raise ValueError(f"statistics {key!r} have shapes {value.shape} and {other.sums[key].shape}")
-            merged[key] = value + other.sums[key]
+        merged = {**self.sums, **other.sums}
+        for key in self.sums.keys() & other.sums.keys():
+            value, more = self.sums[key], other.sums[key]
+            if key.startswith(STACKED):
+                if value.shape[1:] != more.shape[1:]:
+                    raise ValueError(f"statistics {key!r} stack rows of shapes {value.shape} and {more.shape}")
+                merged[key] = np.concatenate([value, more])
+            elif value.shape != more.shape:
+                raise ValueError(f"statistics {key!r} have shapes {value.shape} and {more.shape}")
+            else:
+                merged[key] = value + more
         return FitStatistics(self.rows + other.rows, merged)
 
     @staticmethod

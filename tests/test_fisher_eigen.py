@@ -206,3 +206,27 @@ def test_store_scores_at_every_damping_and_fit_bytes(tmp_path, n):
         for method in ("fisher", "trackstar"):
             np.testing.assert_array_equal(scores(again, method, 0.1, blocks), scores(store, method, 0.1, blocks))
     assert again.fits.fitted == 0
+
+
+def test_fewer_rows_than_dims_decompose_the_small_gram_matrix_and_parts_merge(monkeypatch):
+    """n < size: only n x n matrices are decomposed; statistics of parts (rows stacked in some, summed in others, as
+    Ray workers return them) merge to the one-pass fit; repeated rows (rank below n) still equal the closed form."""
+    from indexers.preconditioner import FitStatistics
+
+    shapes = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda m: shapes.append(tuple(m.shape)) or eigh(m))
+    g = gradients(30)
+    g = np.concatenate([g, g[:10]])  # 40 rows of rank 30
+    whole = make_preconditioner("fisher", damping=0.1, blocks=LAYERS).fit(g)
+    assert shapes == [(40, 40), (40, 40)]
+    assert [vectors.shape[1] for vectors in whole.eigenvectors] == [30, 30]  # the rank, not the row count
+    expected = QUERIES @ closed_form(g, 0.1, LAYERS, 1.0)
+    np.testing.assert_allclose(apply(whole, QUERIES, both=False), expected, rtol=1e-9, atol=1e-12)
+    many = gradients(100, seed=4)  # 100 rows: blocks of 48 sum their Gram matrices; a part of 20 stacks its rows
+    fitter = make_preconditioner("fisher", damping=0.1, blocks=LAYERS)
+    parts = [fitter.statistics(many[:20]), fitter.statistics(many[20:90]), fitter.statistics(many[90:])]
+    assert any(key.startswith("stack_") for key in parts[0].sums) and "gram_0" in parts[1].sums
+    merged = make_preconditioner("fisher", damping=0.1, blocks=LAYERS).finish(FitStatistics.combine(parts))
+    expected = QUERIES @ closed_form(many, 0.1, LAYERS, 0.5)
+    np.testing.assert_allclose(apply(merged, QUERIES, both=True), expected, rtol=1e-9, atol=1e-12)
