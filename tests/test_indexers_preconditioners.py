@@ -220,6 +220,19 @@ def test_save_load_round_trip(tmp_path, name: str, options: dict) -> None:
         np.testing.assert_array_equal(apply(loaded, QUERIES, both), apply(fitted, QUERIES, both))
 
 
+@pytest.mark.parametrize("eigen_correction", [False, True])
+def test_kfac_is_saved_in_float32_and_scores_as_the_float64_fit(tmp_path, eigen_correction: bool) -> None:
+    fitted = make_preconditioner("kfac", damping=0.4, kronecker_layout=LAYOUT, eigen_correction=eigen_correction)
+    fitted = fitted.fit(chunks(GRADS))
+    before = {both: apply(fitted, QUERIES, both) for both in (False, True)}  # float64 bases, as fitted
+    fitted.save(tmp_path / "p")
+    with np.load(tmp_path / "p" / "state.npz") as state:
+        assert {state[key].dtype for key in state.files if key.startswith("q_")} == {np.dtype(np.float32)}
+    loaded = load_preconditioner(tmp_path / "p")
+    for both in (False, True):
+        np.testing.assert_allclose(apply(loaded, QUERIES, both), before[both], rtol=2e-6, atol=1e-7)
+
+
 def test_dtypes_and_one_dimensional_inputs() -> None:
     fisher = make_preconditioner("fisher").fit(chunks(GRADS.astype(np.float32)))
     half = torch.from_numpy(QUERIES).to(torch.float16)
