@@ -51,7 +51,8 @@ LABEL = "dvemb"
 SIDE_FILES = "derived"
 STATE_FILE = "dvemb.json"
 #: Rows read per chunk of steps during the recursion (about; a step is never split).
-CHUNK_ROWS = 65536
+CHUNK_ROWS = 65536  # embeddings written per batch
+CHUNK_BYTES = 64 * 2**20  # float64 training and true-Fisher rows read per chunk of steps by the recursion
 
 
 def derived_run(run: str) -> str:
@@ -250,10 +251,18 @@ def _chunks(
     store: StoreCore, run: str, label: str, steps: Sequence[RecordedStep]
 ) -> Iterator[dict[int, tuple[torch.Tensor, list[str], torch.Tensor]]]:
     """The rows of ``steps`` in chunks of consecutive steps, last chunk first: ``step -> (training rows float64,
-    their example ids, curvature rows)`` (true-Fisher rows of the step where it has any)."""
+    their example ids, curvature rows)`` (true-Fisher rows of the step where it has any). A chunk holds about
+    ``CHUNK_BYTES`` of float64 rows whatever the dimension (at least one step): memory does not grow with the
+    number of steps."""
+    name = store.gradient_table_name(run)
+    span = (steps[0].step, steps[-1].step) if steps else (None, None)
+    fisher_rows = store.scan(name, ["step"], gradient_filter(run, label, [TRUE_FISHER_SPLIT], span)).num_rows
+    # float64 bytes a training row brings into a chunk: itself and its share of the steps' true-Fisher rows
+    row_bytes = 8 * store.run_dim(run) * (1 + fisher_rows / max(1, sum(s.rows for s in steps)))
+    budget = max(1, int(CHUNK_BYTES // row_bytes))
     groups: list[list[RecordedStep]] = [[]]
     for step in steps:
-        if groups[-1] and sum(s.rows for s in groups[-1]) + step.rows > CHUNK_ROWS:
+        if groups[-1] and sum(s.rows for s in groups[-1]) + step.rows > budget:
             groups.append([])
         groups[-1].append(step)
     for group in reversed([g for g in groups if g]):

@@ -127,8 +127,11 @@ def trained(tmp_path):
     return store, model
 
 
-def test_dvemb_equals_the_unrolled_effect_of_up_weighting(trained):
+@pytest.mark.parametrize("chunk_bytes", [None, 1])  # the default; a chunk per step (memory bounded by one step)
+def test_dvemb_equals_the_unrolled_effect_of_up_weighting(trained, monkeypatch, chunk_bytes):
     store, _ = trained
+    if chunk_bytes is not None:
+        monkeypatch.setattr("gradstore.dvemb.CHUNK_BYTES", chunk_bytes)
     truth, _ = true_effects()
     matrix = store.score_matrix(["qa", "qb"], run=RUN, method="dvemb")
     np.testing.assert_allclose(columns(matrix), truth, rtol=2e-4, atol=1e-6)
