@@ -25,7 +25,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-import gradstore
 from gradstore.errors import (
     GradstoreError,
     InvalidArgumentError,
@@ -48,6 +47,7 @@ from gradstore.serve.errors import (
     ServerBusyError,
 )
 from gradstore.serve.sql import SQLSandbox, store_views
+from gradstore.store import open_store
 
 __all__ = [
     "CALLS",
@@ -246,7 +246,7 @@ class Service:
         max_batch: int = 64,
         model: Any = None,
     ) -> None:
-        self.store = gradstore.open(uri, create=False, read_consistency=timedelta(seconds=refresh_s))
+        self.store = open_store(uri, create=False, read_consistency=timedelta(seconds=refresh_s))
         self.allow_writes = allow_writes
         self.limits = limits or Limits()
         if not allow_writes:
