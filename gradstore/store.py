@@ -24,7 +24,7 @@ from torch import nn
 from gradstore import dvemb
 from gradstore.arguments import require_rows
 from gradstore.attribution import ScoreMatrix, attribute, score_matrix, self_influence
-from gradstore.capture_session import RUN_DEFAULT, StoreCapture, config_for_run
+from gradstore.capture_session import RUN_DEFAULT, StoreCapture, capture_config
 from gradstore.core import StoreCore, WriterConfig, connect
 from gradstore.core.row_cache import RowFiles
 from gradstore.engine import Engine, EngineName, resolve_engine
@@ -37,6 +37,7 @@ from gradstore.report import ReportOptions, write_report
 from gradstore.selection import Aggregate, select
 from gradstore.store_api import IndexKind
 from gradstore.token_scores import ExampleBatches, TokenText, token_scores
+from ingest import CaptureConfig
 from ingest.projection import LayerSizes, ProjectionBasis
 
 Projection = Literal["factorized", "dense"] | None
@@ -147,6 +148,7 @@ class GradStore:
         max_pending_batches: int = 4,
         writer: WriterConfig | None = None,
         resume: bool = False,
+        config: CaptureConfig | None = None,
     ) -> StoreCapture:
         """Capture per-example gradients of ``model`` into run ``run`` (a context manager).
 
@@ -175,6 +177,9 @@ class GradStore:
         parameters by decision; recurrent weights, uses capture cannot split): ``"warn"``
         once, ``"strict"`` raises ``CaptureUsageError``, ``"ignore"``; each capture's coverage is a row per
         parameter in the ``capture_coverage`` table and in ``store.info()["coverage"]``.
+        ``config``: an :class:`ingest.CaptureConfig` built whole (projection, labels, how rows are formed) instead of
+        the keywords it holds (a keyword that differs from it is an ``InvalidArgumentError``); a run's later
+        captures must give the same projection.
         """
         options = {
             "split": split,
@@ -207,7 +212,7 @@ class GradStore:
             self.core,
             model,
             run,
-            config_for_run(self.core, run, options),
+            capture_config(self.core, run, config, options),
             optimizer=optimizer,
             per_example_loss=per_example_loss,
             grad_scaler=grad_scaler,

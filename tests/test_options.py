@@ -10,12 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import typer.main
+from torch import nn
 
 import gradstore
 from gradstore import cli
 from gradstore.errors import InvalidArgumentError
 from gradstore.methods import OPTION_HELP, ScoreOptions
+from ingest import CaptureConfig
 
 RUN, DIM = "r", 8
 FIELDS = {f.name: f.default for f in dataclasses.fields(ScoreOptions)}
@@ -124,3 +127,27 @@ def test_the_cli_offers_each_scoring_option_with_the_declared_default_and_help(c
             assert parameters[name].help.startswith(OPTION_HELP[field]), (command, name)
     for call_name, field in cli.NOT_ON_THE_COMMAND_LINE:  # each exception names an option its call has
         assert field in _option_parameters(call_name)
+
+
+def _train(store, run: str, **capture):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(16, 6, generator=torch.Generator().manual_seed(1)), torch.arange(16) % 3
+    with store.capture(model, run, **capture) as session:
+        session.set_ids([f"x{i}" for i in range(16)])
+        nn.functional.cross_entropy(model(x), y).backward()
+    return store.read_gradients(run)
+
+
+def test_capture_takes_a_built_config_or_its_keywords(store):
+    keywords = dict(projection="factorized", k_in=3, k_out=2, seed=7, checkpoint="c1", curvature=True)
+    by_keywords = _train(store, "by-keywords", **keywords)
+    config = CaptureConfig.from_options(**keywords)
+    by_config = _train(store, "by-config", config=config)
+    np.testing.assert_array_equal(np.asarray(by_config.vectors), np.asarray(by_keywords.vectors))
+    assert store.core.run_config("by-config")["capture"]["k_out"] == 2
+    _train(store, "by-config", config=config, k_in=3, curvature=True)  # keywords that agree with it are no conflict
+    with pytest.raises(InvalidArgumentError, match=r"config= and k_in=5, which differs from the config's 3"):
+        _train(store, "by-config", config=config, k_in=5)
+    with pytest.raises(InvalidArgumentError, match=r"config=ingest\.CaptureConfig"):
+        _train(store, "other", config={"k_in": 3})

@@ -68,3 +68,23 @@ def test_a_served_store_refuses_what_is_the_servers_choice_or_contradicts_the_op
         remote.attribute(run=RUN, device="cpu")
     with pytest.raises(InvalidArgumentError, match=r"damping=0\.5.*options\.damping=0\.3"):
         remote.attribute(run=RUN, damping=0.5, options=ScoreOptions(damping=0.3))
+
+
+@pytest.mark.parametrize("call", ["attribute", "self_influence", "select"])
+def test_the_servers_calls_and_http_bodies_follow_the_protocol(call):
+    from gradstore.serve import http
+    from gradstore.serve.service import ARGUMENT_TYPES, CALLS, SERVER_CHOSEN
+
+    parameters = inspect.signature(getattr(StoreAPI, call)).parameters
+    assert CALLS[call] == set(parameters) - SERVER_CHOSEN - {"self"}
+    assert CALLS[call] <= set(ARGUMENT_TYPES)
+    model = {"attribute": http.AttributeRequest, "self_influence": http.SelfInfluenceRequest}.get(
+        call, http.SelectRequest
+    )
+    fields = model.model_fields
+    assert set(fields) - {"vectors"} == CALLS[call]
+    for name, field in fields.items():
+        if name in ("vectors", "run"):
+            continue
+        expected = False if name == "write" else parameters[name].default  # a server writes only when asked
+        assert field.default == expected, (call, name)
