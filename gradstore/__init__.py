@@ -32,11 +32,13 @@ from gradstore.errors import (
     UnknownRunError,
     WriterClosedError,
 )
+from gradstore.methods import ScoreOptions
 from gradstore.queries import QueryBatch
 from gradstore.store import GradStore
 from gradstore.store import open_store as open
 from gradstore.store_api import StoreAPI
 from indexers import FewerResultsWarning
+from ingest import CaptureConfig
 from ingest.losses import sample_labels
 
 
@@ -50,6 +52,7 @@ def connect(uri: str, token: str | None = None, **kwargs):
 
 
 __all__ = [
+    "CaptureConfig",
     "CaptureUsageError",
     "FewerResultsWarning",
     "GradStore",
@@ -72,6 +75,7 @@ __all__ = [
     "SQLError",
     "SchemaMismatchError",
     "ScoreMatrix",
+    "ScoreOptions",
     "StoreAPI",
     "StoreCore",
     "StoreCorruptError",
