@@ -5,6 +5,8 @@ takes its scoring options as ``options=`` as a local one does."""
 from __future__ import annotations
 
 import inspect
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -88,3 +90,14 @@ def test_the_servers_calls_and_http_bodies_follow_the_protocol(call):
             continue
         expected = False if name == "write" else parameters[name].default  # a server writes only when asked
         assert field.default == expected, (call, name)
+
+
+def test_no_module_of_the_package_is_imported_out_of_the_linters_sight():
+    root = Path(__file__).resolve().parents[1]
+    hidden = [
+        str(path.relative_to(root))
+        for package in ("gradstore", "ingest", "indexers")
+        for path in (root / package).rglob("*.py")
+        if re.search(r"import_module\(\s*[\"'](gradstore|ingest|indexers)\b", path.read_text(encoding="utf-8"))
+    ]
+    assert not hidden, f"imports hidden from import-linter (write a plain import statement): {hidden}"
