@@ -32,23 +32,27 @@ from gradstore.errors import (
     UnknownRunError,
     WriterClosedError,
 )
+from gradstore.methods import ScoreOptions
 from gradstore.queries import QueryBatch
 from gradstore.store import GradStore
 from gradstore.store import open_store as open
+from gradstore.store_api import StoreAPI
 from indexers import FewerResultsWarning
+from ingest import CaptureConfig
 from ingest.losses import sample_labels
 
 
 def connect(uri: str, token: str | None = None, **kwargs):
     """A client of a ``gradstore serve`` server at ``uri`` (``grpc://host:port``) with bearer ``token``: the read
-    side of the store API (``attribute``, ``sql``, ``self_influence``, ``select``, ``runs``, ``info``) over Arrow
-    Flight (see docs/serve.md)."""
-    import importlib  # at call time: the server's package sits above every layer the package root serves
+    side of the store API (:class:`~gradstore.store_api.StoreAPI`: ``attribute``, ``sql``, ``self_influence``,
+    ``select``, ``runs``, ``info``) over Arrow Flight (see docs/serve.md)."""
+    from gradstore.serve.client import RemoteStore  # when called: a local store never loads pyarrow.flight
 
-    return importlib.import_module("gradstore.serve.client").connect(uri, token, **kwargs)
+    return RemoteStore(uri, token, **kwargs)
 
 
 __all__ = [
+    "CaptureConfig",
     "CaptureUsageError",
     "FewerResultsWarning",
     "GradStore",
@@ -71,6 +75,8 @@ __all__ = [
     "SQLError",
     "SchemaMismatchError",
     "ScoreMatrix",
+    "ScoreOptions",
+    "StoreAPI",
     "StoreCore",
     "StoreCorruptError",
     "StorePermissionError",

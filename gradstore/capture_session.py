@@ -83,6 +83,32 @@ def config_for_run(store: StoreCore, run: str, overrides: dict[str, Any]) -> Cap
     return config
 
 
+def capture_config(store: StoreCore, run: str, config: CaptureConfig | None, keywords: dict[str, Any]) -> CaptureConfig:
+    """The config a capture of ``run`` runs with: ``config`` when the caller built one (a keyword among the flat
+    ``keywords`` set away from its default to another value than ``config`` holds is an ``InvalidArgumentError``
+    saying what to do), else the run's own options with ``keywords`` applied (:func:`config_for_run`)."""
+    if config is None:
+        return config_for_run(store, run, keywords)
+    if not isinstance(config, CaptureConfig):
+        raise InvalidArgumentError(f"capture takes config=ingest.CaptureConfig(...), got {type(config).__name__}")
+    held = {**config.options(), "basis": config.projection.basis}
+    defaults = CaptureConfig().options()
+    for name, value in keywords.items():
+        if value is RUN_DEFAULT or value is held[name]:
+            continue
+        if name != "basis" and (value == held[name] or value == defaults.get(name, value)):  # bases: by identity
+            continue
+        raise InvalidArgumentError(
+            f"capture got config= and {name}={value!r}, which differs from the config's {held[name]!r}: give it "
+            f"once, in the config (ingest.CaptureConfig) or as keywords only"
+        )
+    try:
+        config.validate()
+    except ValueError as error:
+        raise InvalidArgumentError(str(error)) from error
+    return config
+
+
 def check_learning_rate(learning_rate: float | None) -> float | None:
     """``learning_rate`` if it is ``None`` or a finite number >= 0."""
     if learning_rate is None:

@@ -16,7 +16,7 @@ import typer
 from gradstore.engine import resolve_engine
 from gradstore.errors import GradstoreError, InvalidArgumentError
 from gradstore.index import index_summary
-from gradstore.methods import DEFAULT_METHOD, OPTION_HELP, method_names, resolve_method
+from gradstore.methods import DEFAULT_METHOD, OPTION_HELP, ScoreOptions, method_names, resolve_method
 
 app = typer.Typer(
     help="gradstore: a gradient-store database for training data attribution.",
@@ -57,6 +57,24 @@ RayAddressOption = Annotated[
 ]
 DeviceOption = Annotated[str | None, typer.Option(help=OPTION_HELP["device"])]
 BlocksOption = Annotated[Blocks, typer.Option(help=OPTION_HELP["blocks"])]
+CheckpointsOption = Annotated[str | None, typer.Option(help=f"{OPTION_HELP['checkpoints']}, comma-separated")]
+SplitOption = Annotated[str, typer.Option(help=OPTION_HELP["split"])]
+WhereOption = Annotated[str | None, typer.Option(help=OPTION_HELP["where"])]
+
+#: The commands that score, each with its call of the store API: their options are
+#: :class:`~gradstore.methods.ScoreOptions` fields (same names, defaults and help; tests/test_cli_options.py checks
+#: them against the declaration), passed as ``options=``.
+SCORING_COMMANDS = {
+    "build-index": "build_index",
+    "attribute": "attribute",
+    "select": "select",
+    "self-influence": "self_influence",
+}
+#: Options of a scoring call that its command does not offer, and why.
+NOT_ON_THE_COMMAND_LINE = {
+    ("attribute", "where"): "--where selects the query rows (a filter on the training rows is not offered)",
+    ("attribute", "split"): "the training rows' split is train",
+}
 
 
 class OutputFormat(str, Enum):
@@ -209,20 +227,22 @@ def build_index_command(
     engine: EngineOption = EngineChoice.local,
     ray_address: RayAddressOption = None,
     device: DeviceOption = None,
+    split: SplitOption = "train",
+    where: WhereOption = None,
 ) -> None:
     """Fit a preconditioner (or reuse the store's fit) and build (or update) a persisted index; an exact index's
     rows are read and prepared now, and left in a row file for later calls (``"row_file"``)."""
-    index = _open(store).build_index(
-        run,
-        checkpoint=checkpoint,
+    options = ScoreOptions(
         method=method.value,
+        checkpoint=checkpoint,
         damping=damping,
-        kind=kind,
         blocks=blocks.value,
-        refit=refit,
-        engine=_engine(engine, ray_address),
+        kind=kind,
         device=device,
+        split=split,
+        where=where,
     )
+    index = _open(store).build_index(run, refit=refit, engine=_engine(engine, ray_address), options=options)
     summary = index_summary(index)
     if kind == "exact" and engine == EngineChoice.local:  # later calls (new processes) map the rows
         row_file = index.warm()
@@ -251,29 +271,32 @@ def attribute(
     ray_address: RayAddressOption = None,
     rerank: Annotated[int, typer.Option(help=OPTION_HELP["rerank"])] = 0,
     query_checkpoint: Annotated[str | None, typer.Option(help=OPTION_HELP["query_checkpoint"])] = None,
-    checkpoints: Annotated[str | None, typer.Option(help=f"{OPTION_HELP['checkpoints']}, comma-separated")] = None,
+    checkpoints: CheckpointsOption = None,
     write: Annotated[bool, typer.Option(help="Append the results to the store's scores table.")] = True,
     device: DeviceOption = None,
 ) -> None:
     """Top-k proponents (and opponents) of query examples; results are appended to the scores table unless
     --no-write (a store this process cannot write answers with --no-write)."""
     selected = _csv_list(queries) if queries else where
-    table = _open(store).attribute(
-        selected,
-        run=run,
-        k=k,
+    options = ScoreOptions(
         method=method.value,
         checkpoint=checkpoint,
         query_checkpoint=query_checkpoint,
         checkpoints=_csv_list(checkpoints),
-        write=write,
         damping=damping,
-        kind=kind,
         blocks=blocks.value,
-        opponents=opponents,
-        engine=_engine(engine, ray_address),
+        kind=kind,
         rerank=rerank,
         device=device,
+    )
+    table = _open(store).attribute(
+        selected,
+        run=run,
+        k=k,
+        opponents=opponents,
+        write=write,
+        engine=_engine(engine, ray_address),
+        options=options,
     )
     if out is not None:
         import pyarrow.parquet as pq
@@ -298,18 +321,31 @@ def select(
     out: Annotated[Path | None, typer.Option(help="Write the selection to this parquet file.")] = None,
     engine: EngineOption = EngineChoice.local,
     ray_address: RayAddressOption = None,
+    checkpoints: CheckpointsOption = None,
+    damping: DampingOption = None,
+    blocks: BlocksOption = Blocks.auto,
+    split: SplitOption = "train",
+    where: WhereOption = None,
 ) -> None:
     """LESS-style data selection: the training examples most aligned with a target set."""
     from gradstore.selection import export_selection
 
     count_or_fraction = int(budget) if budget > 1 and budget.is_integer() else budget
+    options = ScoreOptions(
+        method=preconditioner.value,
+        checkpoints=_csv_list(checkpoints),
+        damping=damping,
+        blocks=blocks.value,
+        split=split,
+        where=where,
+    )
     table = _open(store).select(
         _csv_list(target),
         run=run,
         budget=count_or_fraction,
-        preconditioner=preconditioner.value,
         aggregate=aggregate,
         engine=_engine(engine, ray_address),
+        options=options,
     )
     if out is not None:
         export_selection(table, out)
@@ -330,18 +366,20 @@ def self_influence_command(
     write: Annotated[bool, typer.Option(help="Append the values to the store's self_influence table.")] = True,
     engine: EngineOption = EngineChoice.local,
     ray_address: RayAddressOption = None,
+    split: SplitOption = "train",
+    where: WhereOption = None,
 ) -> None:
     """Self-influence of every training row (written to the self_influence table unless --no-write); shows the
     largest."""
-    table = _open(store).self_influence(
-        run=run,
+    options = ScoreOptions(
         method=method.value,
         checkpoint=checkpoint,
         damping=damping,
         blocks=blocks.value,
-        write=write,
-        engine=_engine(engine, ray_address),
+        split=split,
+        where=where,
     )
+    table = _open(store).self_influence(run=run, write=write, engine=_engine(engine, ray_address), options=options)
     _print_table(table.select(["example_id", "self_influence", "checkpoint", "method"]).slice(0, top), limit=top)
 
 

@@ -30,7 +30,7 @@ import uuid
 import zlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +39,7 @@ import pyarrow as pa
 
 from gradstore.core import sql_literal
 from gradstore.errors import InvalidArgumentError
-from gradstore.methods import DEFAULT_METHOD
+from gradstore.methods import DEFAULT_METHOD, ScoreOptions
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore
@@ -225,7 +225,8 @@ def lds(
 ) -> tuple[pa.Table, Retraining]:
     """LDS of each scored variant on stored query ids ``queries``.
 
-    ``methods``: label -> ``store.attribute`` options (default grad-dot and fisher). Ground truth comes from
+    ``methods``: label -> ``store.attribute`` options, a dict or a :class:`~gradstore.methods.ScoreOptions` (default
+    grad-dot and fisher). Ground truth comes from
     ``truth`` when given (reuse one retraining for several evaluations), else from :func:`retrain` of the
     run's training example ids with ``train_fn``, ``subsets``, ``fraction``, ``seeds`` and ``seed``. Returns
     the rows (also appended to the ``evaluations`` table unless ``write=False``) and the retraining.
@@ -276,6 +277,13 @@ def _check_methods(methods: Mapping[str, Mapping[str, Any]] | None) -> dict[str,
         )
     chosen = {}
     for label, options in methods.items():
+        if isinstance(options, ScoreOptions):  # its fields set away from their defaults, as attribute's keywords
+            neutral = ScoreOptions()
+            options = {
+                f.name: getattr(options, f.name)
+                for f in fields(ScoreOptions)
+                if f.name == "method" or getattr(options, f.name) != getattr(neutral, f.name)
+            }
         if not isinstance(label, str) or not isinstance(options, Mapping):
             raise InvalidArgumentError(
                 f"methods[{label!r}] must map a string label to a dict of store.attribute options, got {options!r}"

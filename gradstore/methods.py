@@ -384,8 +384,9 @@ def _option(default: Any, help: str) -> Any:
 @dataclass(frozen=True)
 class ScoreOptions:
     """How a scoring call scores: the one declaration of the options ``attribute``, ``score_matrix``,
-    ``self_influence``, ``select``, ``build_index`` and ``token_scores`` share (their keywords build one; the
-    CLI's help and the docs' options table come from the field docs, :func:`options_table`).
+    ``self_influence``, ``select``, ``build_index`` and ``token_scores`` share: pass one as ``options=``, or the
+    keywords, which build one (:meth:`build`); the CLI's options, :class:`~gradstore.serve.client.RemoteStore`'s
+    and the docs' options table come from the fields (:func:`options_table`).
     :meth:`check` refuses an option the chosen method does not use."""
 
     method: str = _option(DEFAULT_METHOD, "attribution method, one of the registry's (default fisher)")
@@ -404,17 +405,47 @@ class ScoreOptions:
     split: str = _option("train", "split of the training rows")
     where: str | None = _option(None, "SQL filter on the training rows' metadata")
 
-    @classmethod
-    def pick(cls, arguments: dict[str, Any]) -> ScoreOptions:
-        """The options among a call's ``arguments`` (its keywords; others ignored)."""
-        chosen = {f.name: arguments[f.name] for f in fields(cls) if f.name in arguments}
-        if chosen.get("checkpoints") is not None:
-            if isinstance(chosen["checkpoints"], str):
+    def __post_init__(self) -> None:
+        if self.checkpoints is not None:  # any sequence of names, kept as a tuple (the options stay hashable)
+            if isinstance(self.checkpoints, str):
                 raise InvalidArgumentError(
-                    f"checkpoints takes a list of checkpoint names, got the string {chosen['checkpoints']!r}"
+                    f"checkpoints takes a list of checkpoint names, got the string {self.checkpoints!r}"
                 )
-            chosen["checkpoints"] = tuple(chosen["checkpoints"])
-        return cls(**chosen)
+            object.__setattr__(self, "checkpoints", tuple(self.checkpoints))
+
+    @classmethod
+    def build(
+        cls,
+        options: ScoreOptions | None,
+        call: str,
+        *,
+        defaults: Mapping[str, Any] | None = None,
+        spelled: Mapping[str, str] | None = None,
+        **keywords: Any,
+    ) -> ScoreOptions:
+        """The options scoring call ``call`` runs with: its option ``keywords`` (those it takes, by field name), or
+        ``options`` when the caller gave one. A keyword set away from its default (the field's, or ``defaults``)
+        to another value than ``options`` holds, or an option of ``options`` that ``call`` does not take, is an
+        ``InvalidArgumentError`` saying what to do. ``spelled``: a field's keyword name in ``call``
+        (``select``'s ``preconditioner`` is ``method``)."""
+        given = cls(**keywords)
+        if options is None:
+            return given
+        if not isinstance(options, cls):
+            raise InvalidArgumentError(f"{call} takes options=ScoreOptions(...), got {type(options).__name__}")
+        neutral = cls()
+        for f in fields(cls):
+            value, chosen = getattr(given, f.name), getattr(options, f.name)
+            if f.name not in keywords:
+                if not _same(chosen, getattr(neutral, f.name)):
+                    raise InvalidArgumentError(f"{call} does not take {f.name}= (options.{f.name}={chosen!r})")
+            elif not _same(value, (defaults or {}).get(f.name, getattr(neutral, f.name))) and value != chosen:
+                keyword = (spelled or {}).get(f.name, f.name)
+                raise InvalidArgumentError(
+                    f"{call} got options= and {keyword}={value!r}, which differs from options.{f.name}={chosen!r}: "
+                    f"give it once, on the options (dataclasses.replace(options, {f.name}=...)) or as keywords only"
+                )
+        return options
 
     def check(self, operation: str) -> Method:
         """The resolved method, after refusing a method ``operation`` does not take or an option it does not use."""

@@ -24,7 +24,7 @@ from torch import nn
 from gradstore import dvemb
 from gradstore.arguments import require_rows
 from gradstore.attribution import ScoreMatrix, attribute, score_matrix, self_influence
-from gradstore.capture_session import RUN_DEFAULT, StoreCapture, config_for_run
+from gradstore.capture_session import RUN_DEFAULT, StoreCapture, capture_config
 from gradstore.core import StoreCore, WriterConfig, connect
 from gradstore.core.row_cache import RowFiles
 from gradstore.engine import Engine, EngineName, resolve_engine
@@ -35,12 +35,13 @@ from gradstore.methods import DEFAULT_METHOD, BlockStructure, MethodName, ScoreO
 from gradstore.queries import QueryBatch, QueryInput
 from gradstore.report import ReportOptions, write_report
 from gradstore.selection import Aggregate, select
+from gradstore.store_api import IndexKind
 from gradstore.token_scores import ExampleBatches, TokenText, token_scores
+from ingest import CaptureConfig
 from ingest.projection import LayerSizes, ProjectionBasis
 
 Projection = Literal["factorized", "dense"] | None
 LossReduction = Literal["mean", "sum", "token_mean"]
-IndexKind = str  # "exact", "auto" or a FAISS factory string such as "Flat" or "IVF1024,Flat"
 
 
 class _FromCore:
@@ -147,6 +148,7 @@ class GradStore:
         max_pending_batches: int = 4,
         writer: WriterConfig | None = None,
         resume: bool = False,
+        config: CaptureConfig | None = None,
     ) -> StoreCapture:
         """Capture per-example gradients of ``model`` into run ``run`` (a context manager).
 
@@ -175,6 +177,9 @@ class GradStore:
         parameters by decision; recurrent weights, uses capture cannot split): ``"warn"``
         once, ``"strict"`` raises ``CaptureUsageError``, ``"ignore"``; each capture's coverage is a row per
         parameter in the ``capture_coverage`` table and in ``store.info()["coverage"]``.
+        ``config``: an :class:`ingest.CaptureConfig` built whole (projection, labels, how rows are formed) instead of
+        the keywords it holds (a keyword that differs from it is an ``InvalidArgumentError``); a run's later
+        captures must give the same projection.
         """
         options = {
             "split": split,
@@ -207,7 +212,7 @@ class GradStore:
             self.core,
             model,
             run,
-            config_for_run(self.core, run, options),
+            capture_config(self.core, run, config, options),
             optimizer=optimizer,
             per_example_loss=per_example_loss,
             grad_scaler=grad_scaler,
@@ -233,31 +238,46 @@ class GradStore:
         refit: bool = False,
         engine: EngineName | Engine = "local",
         device: str | torch.device | None = None,
+        options: ScoreOptions | None = None,
     ) -> AttributionIndex:
         """Fit ``method``'s preconditioner over the run's rows (or reuse the store's fit) and build/persist an
         index, incrementally when rows were appended since. ``kind``: ``"exact"``, ``"auto"`` or a FAISS
         factory string; ``blocks``: the Fisher block structure (``"layer"``, ``"full"``, ``"auto"``);
         ``engine``: where the fit runs (``"local"``, ``"ray"`` or a :class:`~gradstore.engine.RayEngine`);
         ``device``: where the index searches (exact: a torch device, default CUDA when torch sees one, else the
-        CPU; FAISS: ``"cuda"`` moves a GPU-capable index to the GPUs)."""
-        options = ScoreOptions.pick(locals())
+        CPU; FAISS: ``"cuda"`` moves a GPU-capable index to the GPUs). ``options``: a
+        :class:`~gradstore.methods.ScoreOptions` instead of its keywords."""
+        options = ScoreOptions.build(
+            options,
+            "build_index",
+            method=method,
+            checkpoint=checkpoint,
+            damping=damping,
+            blocks=blocks,
+            kind=kind,
+            device=device,
+            split=split,
+            where=where,
+        )
+        method, blocks = options.method, options.blocks
         if options.check("build_index").trajectory == "embeddings":  # an index over the derived run's embeddings
             selection, method, blocks = dvemb.ensure(self.core, run, options), "grad-dot", "auto"
         else:
-            selection = Selection(run, checkpoint or self.core.default_checkpoint(run), split, where)
+            checkpoint = options.checkpoint or self.core.default_checkpoint(run)
+            selection = Selection(run, checkpoint, options.split, options.where)
         require_rows(self.core, selection)
         return build_index(
             self.core,
             self.fits,
             selection,
             method,
-            damping=damping,
-            kind=kind,
+            damping=options.damping,
+            kind=options.kind,
             name=name,
             blocks=blocks,
             refit=refit,
             engine=resolve_engine(engine),
-            device=device,
+            device=options.device,
         )
 
     @surface
@@ -284,10 +304,11 @@ class GradStore:
         opponents: bool = False,
         split: str = "train",
         where: str | None = None,
-        write: bool = True,
+        write: bool | None = None,
         engine: EngineName | Engine = "local",
         rerank: int = 0,
         device: str | torch.device | None = None,
+        options: ScoreOptions | None = None,
     ) -> pa.Table:
         """Top-k proponents (and with ``opponents=True`` the bottom-k opponents) of each query.
 
@@ -302,19 +323,36 @@ class GradStore:
         process) or ``"ray"`` (or a :class:`~gradstore.engine.RayEngine` with an address); both give the same results.
         ``rerank=m`` (FAISS kinds): the index's ``m * k`` candidates are re-scored exactly from the stored rows;
         FAISS indexes whose probed lists hold fewer than ``k`` rows return fewer (with a ``FewerResultsWarning``).
-        ``device``: where the search runs (as for :meth:`build_index`).
+        ``device``: where the search runs (as for :meth:`build_index`). ``options``: a
+        :class:`~gradstore.methods.ScoreOptions` instead of the keywords it holds (``method`` to ``where``; a
+        keyword that differs from it is an ``InvalidArgumentError``).
         Returns ``(query_id, example_id, grad_id, score, rank, method, run_id, checkpoint, index_name)``,
         also appended to ``scores`` unless ``write=False``.
         """
+        options = ScoreOptions.build(
+            options,
+            "attribute",
+            method=method,
+            checkpoint=checkpoint,
+            query_checkpoint=query_checkpoint,
+            checkpoints=checkpoints,
+            damping=damping,
+            blocks=blocks,
+            kind=kind,
+            rerank=rerank,
+            device=device,
+            split=split,
+            where=where,
+        )
         return attribute(
             self.core,
             self.fits,
             queries,
-            ScoreOptions.pick(locals()),
+            options,
             run=run,
             k=k,
             opponents=opponents,
-            write=write,
+            write=True if write is None else write,  # None: the store's default (a local store writes)
             engine=engine,
         )
 
@@ -332,11 +370,24 @@ class GradStore:
         blocks: BlockStructure = "auto",
         split: str = "train",
         where: str | None = None,
+        options: ScoreOptions | None = None,
     ) -> ScoreMatrix:
         """Dense queries x training rows scores with their ids (``.scores`` numpy, ``.torch()``), for small
         problems; nothing is written to ``scores``. Arguments as for :meth:`attribute`. Methods that sum over an
         example's rows (``tracin-steps``, ``source``) give one column per example (``grad_ids`` -1)."""
-        return score_matrix(self.core, self.fits, queries, ScoreOptions.pick(locals()), run=run)
+        options = ScoreOptions.build(
+            options,
+            "score_matrix",
+            method=method,
+            checkpoint=checkpoint,
+            checkpoints=checkpoints,
+            query_checkpoint=query_checkpoint,
+            damping=damping,
+            blocks=blocks,
+            split=split,
+            where=where,
+        )
+        return score_matrix(self.core, self.fits, queries, options, run=run)
 
     @surface
     def self_influence(
@@ -349,8 +400,9 @@ class GradStore:
         blocks: BlockStructure = "auto",
         split: str = "train",
         where: str | None = None,
-        write: bool = True,
+        write: bool | None = None,
         engine: EngineName | Engine = "local",
+        options: ScoreOptions | None = None,
     ) -> pa.Table:
         """``g^T P^-1 g`` of every selected training row (large values: outliers, likely mislabels).
 
@@ -358,7 +410,18 @@ class GradStore:
         appended to the ``self_influence`` table unless ``write=False``. ``engine`` as for :meth:`attribute`.
         Trajectory methods (``tracin-steps``, ``source``, ``dvemb``): the effect of up-weighting each example on
         its own final loss (its row at the last checkpoint pass scored against its history), one row per example."""
-        return self_influence(self.core, self.fits, ScoreOptions.pick(locals()), run=run, write=write, engine=engine)
+        options = ScoreOptions.build(
+            options,
+            "self_influence",
+            method=method,
+            checkpoint=checkpoint,
+            damping=damping,
+            blocks=blocks,
+            split=split,
+            where=where,
+        )
+        write = True if write is None else write  # None: the store's default (a local store writes)
+        return self_influence(self.core, self.fits, options, run=run, write=write, engine=engine)
 
     @surface
     def select(
@@ -375,6 +438,7 @@ class GradStore:
         split: str = "train",
         where: str | None = None,
         engine: EngineName | Engine = "local",
+        options: ScoreOptions | None = None,
     ) -> pa.Table:
         """LESS-style data selection: the training examples whose gradients align best with ``target``.
 
@@ -383,8 +447,20 @@ class GradStore:
         rows, ``P`` the ``preconditioner`` method's fit; a trajectory method (``tracin-steps``, ``source``,
         ``dvemb``) scores each example by the ``agg`` over the target of its influence scores instead.
         ``budget``: a fraction in (0, 1] or a count.
-        ``engine`` as for :meth:`attribute`. Returns ``(example_id, score, rank)``, best first."""
-        options = ScoreOptions.pick({**locals(), "method": preconditioner})
+        ``engine`` as for :meth:`attribute`; ``options``: a :class:`~gradstore.methods.ScoreOptions` (its ``method``
+        is the preconditioner). Returns ``(example_id, score, rank)``, best first."""
+        options = ScoreOptions.build(
+            options,
+            "select",
+            defaults={"method": "grad-dot"},
+            spelled={"method": "preconditioner"},
+            method=preconditioner,
+            checkpoints=checkpoints,
+            damping=damping,
+            blocks=blocks,
+            split=split,
+            where=where,
+        )
         return select(self.core, self.fits, target, options, run=run, budget=budget, aggregate=aggregate, engine=engine)
 
     @surface
@@ -405,6 +481,7 @@ class GradStore:
         split: str = "train",
         where: str | None = None,
         write: bool = True,
+        options: ScoreOptions | None = None,
     ) -> pa.Table:
         """Per-token attribution of each query against its top-k training examples (a re-rank stage).
 
@@ -419,12 +496,22 @@ class GradStore:
         Returns ``(query_id, example_id, rank, side, position, token_id, token, score, method, run_id,
         checkpoint, created_at)`` with ``side`` ``"train"`` (the example's tokens) or ``"query"`` (the query's),
         also appended to ``token_scores`` unless ``write=False``."""
+        options = ScoreOptions.build(
+            options,
+            "token_scores",
+            method=method,
+            checkpoint=checkpoint,
+            damping=damping,
+            blocks=blocks,
+            split=split,
+            where=where,
+        )
         return token_scores(
             self.core,
             self.fits,
             queries,
             examples,
-            ScoreOptions.pick(locals()),
+            options,
             run=run,
             k=k,
             loss_fn=loss_fn,

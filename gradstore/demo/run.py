@@ -27,7 +27,6 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-import gradstore
 from gradstore.demo.bm25 import BM25
 from gradstore.demo.corpus import Corpus, Example, build_corpus
 from gradstore.demo.model import TinyGPT, WordTokenizer
@@ -44,6 +43,7 @@ from gradstore.demo.table import (
 )
 from gradstore.methods import Method, resolve_method
 from gradstore.queries import QueryBatch
+from gradstore.store import GradStore, open_store
 from ingest.basis import estimate_basis, random_rows
 from ingest.capture import ProjectionConfig
 from ingest.projection import ProjectionBasis
@@ -86,7 +86,7 @@ def _checkpoint_epochs(config: DemoConfig) -> list[int]:
 
 
 def _capture_pass(
-    store: gradstore.GradStore,
+    store: GradStore,
     model: TinyGPT,
     tokenizer: WordTokenizer,
     corpus: Corpus,
@@ -119,7 +119,7 @@ def _capture_pass(
 
 
 def train_under_capture(
-    store: gradstore.GradStore, corpus: Corpus, config: DemoConfig, log: Callable[[str], None]
+    store: GradStore, corpus: Corpus, config: DemoConfig, log: Callable[[str], None]
 ) -> tuple[TinyGPT, WordTokenizer, torch.optim.Optimizer]:
     """Train the tiny GPT with a plain loop inside ``store.capture``; capture checkpoint passes on the way.
     Returns the model, its tokenizer and the optimizer (whose Adam state the TrackStar pass reads)."""
@@ -150,7 +150,7 @@ def train_under_capture(
 
 
 def curvature_pass(
-    store: gradstore.GradStore,
+    store: GradStore,
     model: TinyGPT,
     tokenizer: WordTokenizer,
     corpus: Corpus,
@@ -192,7 +192,7 @@ def answer_accuracy(model: TinyGPT, tokenizer: WordTokenizer, corpus: Corpus) ->
 
 
 def token_attribution(
-    store: gradstore.GradStore,
+    store: GradStore,
     model: TinyGPT,
     tokenizer: WordTokenizer,
     corpus: Corpus,
@@ -245,7 +245,7 @@ def _top(table: Any) -> dict[str, list[str]]:
 
 
 def attribution_row(
-    store: gradstore.GradStore,
+    store: GradStore,
     run: str,
     method_name: str,
     where: dict[str, Any],
@@ -285,7 +285,7 @@ def attribution_row(
 
 
 def recall_table(
-    store: gradstore.GradStore,
+    store: GradStore,
     model: TinyGPT,
     tokenizer: WordTokenizer,
     optimizer: torch.optim.Optimizer,
@@ -350,11 +350,11 @@ def run_demo(
     torch.set_num_threads(min(2, torch.get_num_threads()))
     store_dir = Path(store_dir)
     if store_dir.exists() and any(store_dir.iterdir()):
-        gradstore.open(store_dir, create=False)  # refuse to wipe something that is not a store
+        open_store(store_dir, create=False)  # refuse to wipe something that is not a store
         import shutil
 
         shutil.rmtree(store_dir)
-    store = gradstore.open(store_dir)
+    store = open_store(store_dir)
     corpus = build_corpus(config.places, config.phrasings, config.seed)
     store.add_examples(
         pd.DataFrame(

@@ -7,15 +7,16 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from gradstore import errors
+import gradstore.errors as errors
 from gradstore.errors import GradstoreError, InvalidArgumentError
+from gradstore.methods import DEFAULT_METHOD, ScoreOptions
 from gradstore.serve.auth import AuthError
 from gradstore.serve.errors import (
     NoModelError,
@@ -25,6 +26,15 @@ from gradstore.serve.errors import (
     RequestTooLargeError,
     ServerBusyError,
 )
+from gradstore.store_api import IndexKind
+
+if TYPE_CHECKING:
+    import torch
+
+    from gradstore.engine import Engine, EngineName
+    from gradstore.methods import BlockStructure, MethodName
+    from gradstore.queries import QueryInput
+    from gradstore.selection import Aggregate
 
 
 class ServerError(GradstoreError):
@@ -65,7 +75,8 @@ def _raise(error: flight.FlightError) -> None:
 
 
 class RemoteStore:
-    """A served store (see :func:`connect`)."""
+    """A served store (see :func:`connect`): implements :class:`~gradstore.store_api.StoreAPI` with the local
+    store's signatures."""
 
     def __init__(
         self,
@@ -146,100 +157,105 @@ class RemoteStore:
 
     def attribute(
         self,
-        queries=None,
+        queries: QueryInput = None,
         *,
         run: str,
         k: int = 10,
-        method: str = "fisher",
-        checkpoint=None,
-        query_checkpoint=None,
+        method: MethodName = DEFAULT_METHOD,
+        checkpoint: str | None = None,
+        query_checkpoint: str | None = None,
         checkpoints: Sequence[str] | None = None,
-        damping=None,
-        blocks="auto",
-        kind="exact",
-        opponents=False,
-        split="train",
-        where=None,
-        write=False,
-        rerank=0,
+        damping: float | None = None,
+        blocks: BlockStructure = "auto",
+        kind: IndexKind = "exact",
+        opponents: bool = False,
+        split: str = "train",
+        where: str | None = None,
+        write: bool | None = None,
+        engine: EngineName | Engine = "local",
+        rerank: int = 0,
+        device: str | torch.device | None = None,
+        options: ScoreOptions | None = None,
     ) -> pa.Table:
-        """As :meth:`GradStore.attribute` (``engine``/``device`` are the server's)."""
-        ids, vectors = self._queries(queries)
-        args = {
-            "queries": ids,
-            "run": run,
-            "k": k,
+        """As :meth:`GradStore.attribute`; ``engine``/``device`` are the server's, ``write`` defaults to ``False``."""
+        _served_here("attribute", engine)
+        keywords = {
             "method": method,
             "checkpoint": checkpoint,
             "query_checkpoint": query_checkpoint,
-            "checkpoints": _list(checkpoints),
+            "checkpoints": checkpoints,
             "damping": damping,
             "blocks": blocks,
             "kind": kind,
-            "opponents": opponents,
+            "rerank": rerank,
+            "device": device,
             "split": split,
             "where": where,
-            "write": write,
-            "rerank": rerank,
         }
-        return self._call(
-            "attribute", _given(args, {"checkpoints", "damping", "query_checkpoint", "checkpoint"}), vectors
-        )
+        chosen = ScoreOptions.build(options, "attribute", **keywords)
+        ids, vectors = self._queries(queries)
+        args = {"queries": ids, "run": run, "k": k, "opponents": opponents, "write": bool(write)}
+        return self._call("attribute", {**args, **_sent("attribute", chosen, keywords)}, vectors)
 
     def self_influence(
         self,
         *,
         run: str,
-        method: str = "fisher",
-        checkpoint=None,
-        damping=None,
-        blocks="auto",
-        split="train",
-        where=None,
-        write=False,
+        method: MethodName = DEFAULT_METHOD,
+        checkpoint: str | None = None,
+        damping: float | None = None,
+        blocks: BlockStructure = "auto",
+        split: str = "train",
+        where: str | None = None,
+        write: bool | None = None,
+        engine: EngineName | Engine = "local",
+        options: ScoreOptions | None = None,
     ) -> pa.Table:
-        """As :meth:`GradStore.self_influence`."""
-        args = {
-            "run": run,
+        """As :meth:`GradStore.self_influence` (``engine`` is the server's, ``write`` defaults to ``False``)."""
+        _served_here("self_influence", engine)
+        keywords = {
             "method": method,
             "checkpoint": checkpoint,
             "damping": damping,
             "blocks": blocks,
             "split": split,
             "where": where,
-            "write": write,
         }
-        return self._call("self_influence", _given(args, {"damping", "checkpoint"}))
+        chosen = ScoreOptions.build(options, "self_influence", **keywords)
+        args = {"run": run, "write": bool(write), **_sent("self_influence", chosen, keywords)}
+        return self._call("self_influence", args)
 
     def select(
         self,
-        target=None,
+        target: QueryInput = None,
         *,
         run: str,
         budget: float = 0.05,
-        preconditioner: str = "grad-dot",
-        aggregate: str = "max",
+        preconditioner: MethodName = "grad-dot",
+        aggregate: Aggregate = "max",
         checkpoints: Sequence[str] | None = None,
-        damping=None,
-        blocks="auto",
-        split="train",
-        where=None,
+        damping: float | None = None,
+        blocks: BlockStructure = "auto",
+        split: str = "train",
+        where: str | None = None,
+        engine: EngineName | Engine = "local",
+        options: ScoreOptions | None = None,
     ) -> pa.Table:
-        """As :meth:`GradStore.select`."""
-        ids, vectors = self._queries(target)
-        args = {
-            "target": ids,
-            "run": run,
-            "budget": budget,
-            "preconditioner": preconditioner,
-            "aggregate": aggregate,
-            "checkpoints": _list(checkpoints),
+        """As :meth:`GradStore.select` (``engine`` is the server's)."""
+        _served_here("select", engine)
+        keywords = {
+            "method": preconditioner,
+            "checkpoints": checkpoints,
             "damping": damping,
             "blocks": blocks,
             "split": split,
             "where": where,
         }
-        return self._call("select", _given(args, {"checkpoints", "damping"}), vectors)
+        spelled = {"method": "preconditioner"}
+        chosen = ScoreOptions.build(options, "select", defaults={"method": "grad-dot"}, spelled=spelled, **keywords)
+        ids, vectors = self._queries(target)
+        args = {"target": ids, "run": run, "budget": budget, "aggregate": aggregate}
+        return self._call("select", {**args, **_sent("select", chosen, keywords, spelled)}, vectors)
 
     def sql(self, query: str) -> duckdb.DuckDBPyRelation:
         """As :meth:`GradStore.sql`: a DuckDB relation (over the server's result, already computed)."""
@@ -255,14 +271,24 @@ class RemoteStore:
         return self._last_value
 
 
-def _list(value: Sequence[str] | None) -> list[str] | None:
-    return None if value is None else list(value)
+def _served_here(call: str, engine: Any) -> None:
+    """Refuse an ``engine`` other than the default: a served store's work runs where its server runs it."""
+    if engine != "local":
+        raise InvalidArgumentError(f"{call}: engine= is the server's choice for a served store; leave it out")
 
 
-def _given(args: dict[str, Any], optional: set[str]) -> dict[str, Any]:
-    """``args`` without the optional ones left at ``None`` (so the server's method registry sees only what the
-    caller gave, as a local call does)."""
-    return {key: value for key, value in args.items() if not (key in optional and value is None)}
+def _sent(call: str, options: ScoreOptions, keywords: dict[str, Any], spelled: dict[str, str] | None = None) -> dict:
+    """The options of ``call`` (``keywords``' fields) as request arguments: those left at ``None`` are not sent (the
+    server's method registry sees only what the caller gave, as a local call does); ``device`` must be left out
+    (where the search runs is the server's choice)."""
+    if options.device is not None:
+        raise InvalidArgumentError(f"{call}: device= is the server's choice for a served store; leave it out")
+    sent = {}
+    for name in keywords:
+        value = getattr(options, name)
+        if value is not None:
+            sent[(spelled or {}).get(name, name)] = list(value) if isinstance(value, tuple) else value
+    return sent
 
 
 def connect(uri: str, token: str | None = None, **kwargs: Any) -> RemoteStore:

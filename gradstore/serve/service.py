@@ -11,6 +11,7 @@ turns. Without ``allow_writes`` the store is never written (:mod:`gradstore.serv
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import re
@@ -25,7 +26,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-import gradstore
 from gradstore.errors import (
     GradstoreError,
     InvalidArgumentError,
@@ -48,6 +48,8 @@ from gradstore.serve.errors import (
     ServerBusyError,
 )
 from gradstore.serve.sql import SQLSandbox, store_views
+from gradstore.store import open_store
+from gradstore.store_api import STORE_API, StoreAPI
 
 __all__ = [
     "CALLS",
@@ -64,35 +66,20 @@ __all__ = [
     "status",
 ]
 
-#: The calls a server answers, each with the keywords a request may give (``queries``/``target`` also as vectors).
-CALLS: dict[str, frozenset[str]] = {
-    "attribute": frozenset(
-        [
-            "queries",
-            "run",
-            "k",
-            "method",
-            "checkpoint",
-            "query_checkpoint",
-            "checkpoints",
-            "damping",
-            "blocks",
-            "kind",
-            "opponents",
-            "split",
-            "where",
-            "rerank",
-            "write",
-        ]
-    ),
-    "self_influence": frozenset(["run", "method", "checkpoint", "damping", "blocks", "split", "where", "write"]),
-    "select": frozenset(
-        ["target", "run", "budget", "preconditioner", "aggregate", "checkpoints", "damping", "blocks", "split", "where"]
-    ),
-    "sql": frozenset({"query"}),
-    "runs": frozenset(),
-    "info": frozenset(),
-}
+#: The keywords of the store API a request cannot give: where the work runs is the server's choice, and the
+#: scoring options travel as their own keywords.
+SERVER_CHOSEN = frozenset({"engine", "device", "options"})
+
+
+def _keywords(call: str) -> frozenset[str]:
+    """The keywords of :class:`~gradstore.store_api.StoreAPI`'s ``call`` a request may give."""
+    parameters = inspect.signature(getattr(StoreAPI, call)).parameters
+    return frozenset(parameters) - SERVER_CHOSEN - {"self"}
+
+
+#: The calls a server answers, each with the keywords a request may give (``queries``/``target`` also as vectors):
+#: those of the store API (:data:`~gradstore.store_api.STORE_API`).
+CALLS: dict[str, frozenset[str]] = {call: _keywords(call) for call in STORE_API}
 WRITING = ("attribute", "self_influence")  # calls that append results when write=True
 
 #: The JSON type each keyword takes: ``str``, ``str?`` (or null), ``ids`` (a string, a list of strings or null),
@@ -249,7 +236,7 @@ class Service:
     ) -> None:
         consistency = timedelta(seconds=refresh_s)
         if allow_writes:
-            self.store = gradstore.open(uri, create=False, read_consistency=consistency)
+            self.store = open_store(uri, create=False, read_consistency=consistency)
         else:
             self.store = readonly.open_read_only(uri, consistency)
         self.allow_writes = allow_writes
