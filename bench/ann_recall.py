@@ -42,11 +42,11 @@ import pandas as pd
 import torch
 
 import gradstore
+from gradstore.core.engine import LocalEngine
 from gradstore.demo.corpus import build_corpus
 from gradstore.demo.run import RUN, DemoConfig, train_under_capture
-from gradstore.engine import LocalEngine
-from gradstore.index import INDEXES, AttributionIndex
-from gradstore.scan_tasks import top_k
+from gradstore.search.index import INDEXES, AttributionIndex
+from gradstore.search.scan_tasks import top_k
 from indexers import FaissIndex, recall_at_k
 from indexers.faiss_index import DEFAULT_EF_SEARCH
 

@@ -68,7 +68,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
 
 import gradstore
-from gradstore.capture_session import StoreCapture
+from gradstore.capture.session import StoreCapture
 from gradstore.core import schema as S
 from ingest.per_example import contract_tokens, project_tokens
 from ingest.projection import ProjectionSpec

@@ -14,7 +14,7 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
   inputs are float32 for logistic regression and float64 for the MLP: in float32 the module's GEMMs and the
   stacked training's sum in different orders (4e-8 apart in the first step's gradient) and Adam amplifies that to
   2.7e-4 in the MLP's final weights, where float64 keeps the two equal to 1e-15.
-* Ground truth, two independent retrainings through ``gradstore.evaluate.retrain``: 100 random subsets of 50%
+* Ground truth, two independent retrainings through ``gradstore.answers.evaluate.retrain``: 100 random subsets of 50%
   of the training set for the **validation** queries (subset seed ``seed + 1``) and another 100 for the
   **test** queries (subset seed ``seed + 2``), each subset retrained from the same init with the same
   procedure (the bench's ``train_fn`` trains all subsets together as one stack of independent models: Adam is
@@ -59,7 +59,8 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
 * LDS: for query q the prediction for subset S is ``sum_{i in S} score(q, i)`` (a positive score means the
   example lowers q's loss); LDS_q = Spearman(prediction, -loss_S(q)) over the subsets; the LDS is the mean over
   queries, with its standard error over queries.
-* QLD (``gradstore.evaluate.qld_of_scores``), for each method on its validation-chosen projected variant: retrain
+* QLD (``gradstore.answers.evaluate.qld_of_scores``), for each method on its validation-chosen projected variant:
+  retrain
   without each of the first ``--qld-queries`` (default 10) test queries' top 10% proponents; the query's loss
   minus its mean loss after removing three random sets of the same size (higher is better, 0 is chance). Each
   QLD query costs one retraining per method, which is why it uses fewer queries than the LDS.
@@ -95,7 +96,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradstore
-from gradstore import evaluate
+from gradstore.answers import evaluate
 from gradstore.methods import METHODS, TRUE_FISHER_SPLIT
 from ingest.basis import estimate_basis
 from ingest.capture import ProjectionConfig
@@ -248,7 +249,7 @@ def load_into(module: nn.Module, params: list[torch.Tensor]) -> None:
 
 # ---------------------------------------------------------------------------------------------- ground truth
 def make_train_fn(config: ModelConfig, data: Data) -> evaluate.TrainFn:
-    """The retraining function ``gradstore.evaluate`` calls: every subset trained as one stack of independent
+    """The retraining function ``gradstore.answers.evaluate`` calls: every subset trained as one stack of independent
     models (same init and procedure as the full model), losses on the requested test/validation query ids."""
     queries = {
         **{q: ("test", i) for i, q in enumerate(test_ids(len(data.x_test)))},
@@ -276,7 +277,7 @@ class Truth:
 
 
 def retrain_both(config: ModelConfig, data: Data, subsets: int, seed: int) -> Truth:
-    """Two :func:`gradstore.evaluate.retrain` draws with different subset seeds (checked to share no subset)."""
+    """Two :func:`gradstore.answers.evaluate.retrain` draws with different subset seeds (checked to share no subset)."""
     train_fn, ids = make_train_fn(config, data), train_ids(len(data.x_train))
     draws = {
         name: evaluate.retrain(train_fn, ids, queries=queries, subsets=subsets, seeds=(seed,), seed=seed + offset)

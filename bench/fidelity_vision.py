@@ -2,7 +2,7 @@
 vision row of ``bench/fidelity.py``, under its protocol.
 
 Everything that is not the architecture is ``bench/fidelity.py``'s, imported from it (data split, ids, the
-cosine schedule, the stacked retraining behind ``gradstore.evaluate.retrain``, training under ``store.capture``,
+cosine schedule, the stacked retraining behind ``gradstore.answers.evaluate.retrain``, training under ``store.capture``,
 checkpoint passes, true-Fisher rows, the variants, the methods, the damping grid, the LDS): see its docstring.
 Here:
 

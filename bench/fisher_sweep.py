@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 import gradstore
-from gradstore.fitting import Selection, fit_spec
 from gradstore.methods import resolve_method
+from gradstore.methods.fitting import Selection, fit_spec
 from ingest.projection import LayerSlot, ProjectionSpec
 
 RUN, CHECKPOINT, K = "bench", "train", 10

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 import gradstore
-from gradstore.report import ReportOptions, gather, render
+from gradstore.answers.report import ReportOptions, gather, render
 from ingest.projection import LayerSlot, ProjectionSpec
 
 RUN = "bench"

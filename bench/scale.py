@@ -44,9 +44,9 @@ import torch
 from ann_recall import ivf_kind, real_gradients, two_stage
 
 import gradstore
-from gradstore.engine import Engine, LocalEngine, RayEngine
-from gradstore.scan_tasks import top_k
-from gradstore.shards import Shard, block_rows_for, fragment_shards
+from gradstore.core.engine import Engine, LocalEngine, RayEngine
+from gradstore.core.shards import Shard, block_rows_for, fragment_shards
+from gradstore.search.scan_tasks import top_k
 from ingest import LayerSlot, ProjectionSpec
 
 DIM, LAYERS, K, QUERIES, RUN = 4096, 16, 10, 64, "scale"
@@ -125,7 +125,7 @@ def paired(local_shards, ray_shards, ray_engine, space, prepared, rounds: int) -
 
 
 def _nothing(shard: None, payload: None) -> None:
-    import gradstore.scan_tasks  # noqa: F401
+    import gradstore.search.scan_tasks  # noqa: F401
 
 
 def row_prefix(store: gradstore.GradStore, fragments: tuple[int, ...], fraction: float) -> tuple[tuple[int, ...], int]:

@@ -8,7 +8,8 @@ What it shows:
    the same with ``preconditioner="fisher"`` (cosine in the Fisher-whitened space);
 3. the target is the held-out examples of one source (``code``); the selection is mostly ``code`` although
    the training set is a third ``code``;
-4. export: ``gradstore.selection.export_selection`` writes parquet, ``gradstore.selection.filter_dataset``
+4. export: ``gradstore.answers.selection.export_selection`` writes parquet,
+   ``gradstore.answers.selection.filter_dataset``
    filters a Hugging Face ``datasets.Dataset`` down to the selected rows (needs the ``hf`` extra).
 
 Run (CPU, under a minute):
@@ -31,7 +32,7 @@ import pyarrow.parquet as pq
 import torch
 
 import gradstore
-from gradstore.selection import export_selection, filter_dataset
+from gradstore.answers.selection import export_selection, filter_dataset
 
 RUN = "selection"
 TARGET_SOURCE = "code"

@@ -22,7 +22,7 @@ import _toy
 import torch
 
 import gradstore
-from gradstore.queries import QueryBatch
+from gradstore.methods.queries import QueryBatch
 
 RUN = "plain-loop"
 

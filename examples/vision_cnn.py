@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gradstore
-from gradstore.queries import QueryBatch
+from gradstore.methods.queries import QueryBatch
 
 RUN = "digits-cnn"
 SHADES = " .:-=+*#%@"  # pixel intensity 0..16 as text

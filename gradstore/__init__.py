@@ -5,12 +5,15 @@
 """
 
 import os
+import sys
 
 os.environ.setdefault("LANCE_LOG", "error")  # Lance logs a warning for every table it creates
 
-from gradstore.attribution import ScoreMatrix
+from gradstore.answers import evaluate, selection
+from gradstore.answers.attribution import ScoreMatrix
+from gradstore.capture import online
 from gradstore.core import GradientBlock, GradientWriter, StoreCore, WriterConfig
-from gradstore.engine import LocalEngine, RayEngine
+from gradstore.core.engine import LocalEngine, RayEngine
 from gradstore.errors import (
     CaptureUsageError,
     GradstoreError,
@@ -32,14 +35,20 @@ from gradstore.errors import (
     UnknownRunError,
     WriterClosedError,
 )
-from gradstore.methods import ScoreOptions
-from gradstore.queries import QueryBatch
+from gradstore.methods import ScoreOptions, queries
+from gradstore.methods.extension import register_method
+from gradstore.methods.queries import QueryBatch
 from gradstore.store import GradStore
 from gradstore.store import open_store as open
 from gradstore.store_api import StoreAPI
 from indexers import FewerResultsWarning
 from ingest import CaptureConfig
 from ingest.losses import sample_labels
+
+# The import paths these modules had before the stage packages (2026-12) stay the same modules:
+# ``from gradstore.online import select_online`` keeps working.
+for _moved in (evaluate, selection, online, queries):
+    sys.modules[f"{__name__}.{_moved.__name__.rsplit('.', 1)[1]}"] = _moved
 
 
 def connect(uri: str, token: str | None = None, **kwargs):
@@ -87,5 +96,6 @@ __all__ = [
     "connect",
     "sample_labels",
     "open",
+    "register_method",
 ]
 __version__ = "0.1.0"

@@ -13,10 +13,11 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from gradstore.engine import resolve_engine
+from gradstore.core.engine import resolve_engine
 from gradstore.errors import GradstoreError, InvalidArgumentError
-from gradstore.index import index_summary
 from gradstore.methods import DEFAULT_METHOD, OPTION_HELP, ScoreOptions, method_names, resolve_method
+from gradstore.methods.extension import load_plugins
+from gradstore.search.index import index_summary
 
 app = typer.Typer(
     help="gradstore: a gradient-store database for training data attribution.",
@@ -27,6 +28,7 @@ app = typer.Typer(
 StoreArg = Annotated[Path, typer.Argument(help="Store directory (or object-store URI).")]
 
 
+load_plugins()  # user methods (GRADSTORE_PLUGINS, entry points) join the registry before its choices are read
 Method = Enum("Method", {name: name for name in method_names()}, type=str)  # the registry's methods
 SelectSpace = Enum("SelectSpace", {name: name for name in method_names("select")}, type=str)
 
@@ -328,7 +330,7 @@ def select(
     where: WhereOption = None,
 ) -> None:
     """LESS-style data selection: the training examples most aligned with a target set."""
-    from gradstore.selection import export_selection
+    from gradstore.answers.selection import export_selection
 
     count_or_fraction = int(budget) if budget > 1 and budget.is_integer() else budget
     options = ScoreOptions(
@@ -425,7 +427,7 @@ def _evaluation_inputs(
 ) -> tuple[Any, Any, list[str], dict[str, dict[str, Any]]]:
     """What ``evaluate lds`` and ``evaluate qld`` share: the store, the imported training function, the query
     ids and each method's ``attribute`` options (``checkpoint``/``damping`` only for methods that use them)."""
-    from gradstore.evaluate import query_ids
+    from gradstore.answers.evaluate import query_ids
 
     opened = _open(store)
     train_fn = _import_function(train)
@@ -469,7 +471,7 @@ def evaluate_lds(
     seed: DrawSeedOption = 0,
 ) -> None:
     """Linear datamodeling score of each method; rows are appended to the evaluations table."""
-    from gradstore.evaluate import lds
+    from gradstore.answers.evaluate import lds
 
     opened, train_fn, query_ids, chosen = _evaluation_inputs(store, run, train, queries, methods, damping, checkpoint)
     table, _ = lds(
@@ -504,7 +506,7 @@ def evaluate_qld(
 ) -> None:
     """Query loss difference of each method: each query's loss without its top proponents minus its loss
     without random sets of the same size (higher is better); rows are appended to the evaluations table."""
-    from gradstore.evaluate import qld
+    from gradstore.answers.evaluate import qld
 
     opened, train_fn, query_ids, chosen = _evaluation_inputs(store, run, train, queries, methods, damping, checkpoint)
     table = qld(

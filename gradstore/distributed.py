@@ -46,7 +46,7 @@ from lance.fragment import FragmentMetadata, write_fragments
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from gradstore.capture_session import StoreCapture, config_for_run
+from gradstore.capture.session import StoreCapture, config_for_run
 from gradstore.core import commits
 from gradstore.core.writer import GradientWriter, WriterConfig
 from gradstore.errors import InvalidArgumentError, surface
@@ -170,7 +170,7 @@ class CollectiveCommit:
 
 
 class DistributedCapture(StoreCapture):
-    """A :class:`~gradstore.capture_session.StoreCapture` whose ranks stage rows as data files and commit them
+    """A :class:`~gradstore.capture.session.StoreCapture` whose ranks stage rows as data files and commit them
     together at collective flush points (see the module docstring). Use :func:`distributed_capture`."""
 
     def __init__(

@@ -34,7 +34,7 @@ from ingest.capture import ProjectionConfig
 from ingest.layers import select_layers
 
 if TYPE_CHECKING:
-    from gradstore.capture_session import StoreCapture
+    from gradstore.capture.session import StoreCapture
     from gradstore.store import GradStore
 
 ID_ENTRY = "example_id"

@@ -1,6 +1,6 @@
 """Online data selection in a Hugging Face ``Trainer``: :class:`OnlineSelectionCallback` captures like
 :class:`~gradstore.hf.GradstoreCallback` and, at every optimizer step, drops or reweights examples before the step
-(:mod:`gradstore.online`), recording the decisions in the store's ``online_selection`` table.
+(:mod:`gradstore.capture.online`), recording the decisions in the store's ``online_selection`` table.
 
 >>> callback = OnlineSelectionCallback(store, "sft-1", KeepTopFraction(0.5), target=query_target(store, "sft-1"))
 >>> Trainer(model, args=TrainingArguments(..., max_grad_norm=0, remove_unused_columns=False),
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
+from gradstore.capture.online import OnlineSelection, SelectionPolicy, Target, select_online
 from gradstore.distributed import is_distributed
 from gradstore.errors import InvalidArgumentError
 from gradstore.hf import GradstoreCallback
-from gradstore.online import OnlineSelection, SelectionPolicy, Target, select_online
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class OnlineSelectionCallback(GradstoreCallback):
     """A :class:`~gradstore.hf.GradstoreCallback` that also selects online: ``policy``, ``target``,
     ``similarity``, ``renormalize``, ``seed`` and ``selection_commit_every`` as in
-    :func:`gradstore.online.select_online`; the other arguments as in ``GradstoreCallback``.
+    :func:`gradstore.capture.online.select_online`; the other arguments as in ``GradstoreCallback``.
 
     The Trainer clips gradients before its optimizer step, after which a removal would no longer be exact: training
     arguments with ``max_grad_norm > 0`` are refused (pass ``max_grad_norm=0``). With the callback's default

@@ -3,7 +3,7 @@
 :class:`~gradstore.core.StoreCore` holds the data (tables, runs, checkpoints, gradients, examples, side
 files, SQL); a ``GradStore`` *holds* one (``store.core``, for power users and tests) and exposes the calls a
 user means (:data:`API`): capture, indexes, attribution, selection, reports, and the few data calls of the
-core that belong to the API. It owns the store's :class:`~gradstore.fitting.FitCache`, so every call shares one
+core that belong to the API. It owns the store's :class:`~gradstore.methods.fitting.FitCache`, so every call shares one
 fit per rows and method. Every name of the API goes through :func:`gradstore.errors.surface`: nothing but a
 ``GradstoreError`` comes out of it for what a user gives it. The core's other names still answer on the facade
 for one release, with a ``DeprecationWarning`` naming ``store.core``.
@@ -21,22 +21,21 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from gradstore import dvemb
-from gradstore.arguments import require_rows
-from gradstore.attribution import ScoreMatrix, attribute, score_matrix, self_influence
-from gradstore.capture_session import RUN_DEFAULT, StoreCapture, capture_config
+from gradstore.answers.attribution import ScoreMatrix, attribute, score_matrix, self_influence
+from gradstore.answers.report import ReportOptions, write_report
+from gradstore.answers.selection import Aggregate, select
+from gradstore.answers.token_scores import ExampleBatches, TokenText, token_scores
+from gradstore.capture.session import RUN_DEFAULT, StoreCapture, capture_config
 from gradstore.core import StoreCore, WriterConfig, connect
+from gradstore.core.engine import Engine, EngineName, resolve_engine
 from gradstore.core.row_cache import RowFiles
-from gradstore.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError, surface
-from gradstore.fitting import FitCache, Selection
-from gradstore.index import AttributionIndex, build_index, load_index
-from gradstore.methods import DEFAULT_METHOD, BlockStructure, MethodName, ScoreOptions, check_count, check_k
-from gradstore.queries import QueryBatch, QueryInput
-from gradstore.report import ReportOptions, write_report
-from gradstore.selection import Aggregate, select
+from gradstore.methods import DEFAULT_METHOD, BlockStructure, MethodName, ScoreOptions, check_count, check_k, dvemb
+from gradstore.methods.fitting import FitCache, Selection
+from gradstore.methods.queries import QueryBatch, QueryInput
+from gradstore.methods.rows import require_rows
+from gradstore.search.index import AttributionIndex, build_index, load_index
 from gradstore.store_api import IndexKind
-from gradstore.token_scores import ExampleBatches, TokenText, token_scores
 from ingest import CaptureConfig
 from ingest.projection import LayerSizes, ProjectionBasis
 
@@ -167,7 +166,7 @@ class GradStore:
         given (else the defaults: factorized 16 x 16, mean reduction); later captures of the run reuse the run's own
         unless told otherwise, and one whose projection differs is refused with ``ProjectionMismatchError``.
         ``resume=True`` (a job restarted from a checkpoint): rows of ``(checkpoint, step, split, example_id)``
-        already committed to the run are skipped (:mod:`gradstore.resume`).
+        already committed to the run are skipped (:mod:`gradstore.capture.resume`).
         ``grad_scaler``: the loop's AMP ``GradScaler`` (its scale is divided out of the rows). ``on_nonfinite``: a
         training batch whose gradients hold NaN/Inf, or whose step the scaler skipped, is not written but listed in
         the ``skipped_steps`` table with a warning (``"skip"``), or ``NonFiniteGradientError`` stops the loop at
@@ -243,7 +242,7 @@ class GradStore:
         """Fit ``method``'s preconditioner over the run's rows (or reuse the store's fit) and build/persist an
         index, incrementally when rows were appended since. ``kind``: ``"exact"``, ``"auto"`` or a FAISS
         factory string; ``blocks``: the Fisher block structure (``"layer"``, ``"full"``, ``"auto"``);
-        ``engine``: where the fit runs (``"local"``, ``"ray"`` or a :class:`~gradstore.engine.RayEngine`);
+        ``engine``: where the fit runs (``"local"``, ``"ray"`` or a :class:`~gradstore.core.engine.RayEngine`);
         ``device``: where the index searches (exact: a torch device, default CUDA when torch sees one, else the
         CPU; FAISS: ``"cuda"`` moves a GPU-capable index to the GPUs). ``options``: a
         :class:`~gradstore.methods.ScoreOptions` instead of its keywords."""
@@ -313,14 +312,15 @@ class GradStore:
         """Top-k proponents (and with ``opponents=True`` the bottom-k opponents) of each query.
 
         ``queries``: ``None`` (every stored query row of the run), a SQL filter, a list of query example ids, a
-        :class:`~gradstore.queries.QueryBatch` or raw vectors ``[q, dim]``. Training rows are those of
+        :class:`~gradstore.methods.queries.QueryBatch` or raw vectors ``[q, dim]``. Training rows are those of
         ``checkpoint`` (default: the run's latest); stored queries are read at ``query_checkpoint`` (default: the
         same checkpoint when the run has query rows there, else the one checkpoint its query rows were captured
         at, e.g. ``"final"``). ``method``: one of :data:`gradstore.methods.METHODS` (default ``fisher``;
         ``tracin`` sums over ``checkpoints``, default all recorded with a learning rate); an argument the method
         does not use (``damping`` for grad-dot, ``checkpoints`` for fisher, ...) is an ``InvalidArgumentError``.
         ``where`` filters the training rows. ``engine``: where fitting and the exact scan run, ``"local"`` (this
-        process) or ``"ray"`` (or a :class:`~gradstore.engine.RayEngine` with an address); both give the same results.
+        process) or ``"ray"`` (or a :class:`~gradstore.core.engine.RayEngine` with an address); both give the same
+        results.
         ``rerank=m`` (FAISS kinds): the index's ``m * k`` candidates are re-scored exactly from the stored rows;
         FAISS indexes whose probed lists hold fewer than ``k`` rows return fewer (with a ``FewerResultsWarning``).
         ``device``: where the search runs (as for :meth:`build_index`). ``options``: a
@@ -487,7 +487,7 @@ class GradStore:
 
         The top-k are found in the store as by :meth:`attribute`; then only those examples are run through
         ``queries.model`` again, with the run's projection, to split each (query, example) score into its
-        tokens' shares on both sides. ``queries``: a :class:`~gradstore.queries.QueryBatch` (the model, the
+        tokens' shares on both sides. ``queries``: a :class:`~gradstore.methods.queries.QueryBatch` (the model, the
         tokenized queries, their loss). ``examples(ids)``: the model's input batch for training examples by id
         (without an ``example_id`` entry), scored with ``loss_fn(model, batch)`` (default ``model(**batch).loss``,
         formed as the run's ``loss_reduction`` says), ``batch_size`` ids at a time. ``token_text(token_id)``: how a
@@ -532,7 +532,7 @@ class GradStore:
         selection: pa.Table | None = None,
     ) -> Path:
         """Write a self-contained HTML attribution report (opens offline) to ``out`` (its folder is created);
-        see :mod:`gradstore.report`."""
+        see :mod:`gradstore.answers.report`."""
         options = ReportOptions(run=run, max_queries=check_count("max_queries", max_queries), top=check_k(top))
         out = Path(out)
         try:

@@ -20,10 +20,10 @@ if TYPE_CHECKING:
     import pyarrow as pa
     import torch
 
-    from gradstore.engine import Engine, EngineName
+    from gradstore.answers.selection import Aggregate
+    from gradstore.core.engine import Engine, EngineName
     from gradstore.methods import BlockStructure, MethodName, ScoreOptions
-    from gradstore.queries import QueryInput
-    from gradstore.selection import Aggregate
+    from gradstore.methods.queries import QueryInput
 
 IndexKind = str  # "exact", "auto" or a FAISS factory string such as "Flat" or "IVF1024,Flat"
 

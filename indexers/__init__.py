@@ -19,6 +19,7 @@ from indexers.faiss_index import (
 from indexers.manifest import check_manifest, manifest_diff
 from indexers.preconditioner import FitStatistics
 from indexers.preconditioner_registry import (
+    PRECONDITIONERS,
     CosinePreconditioner,
     DiagonalPreconditioner,
     FisherPreconditioner,
@@ -27,12 +28,15 @@ from indexers.preconditioner_registry import (
     Preconditioner,
     load_preconditioner,
     make_preconditioner,
+    register_preconditioner,
 )
 from indexers.prefetch import prefetched, read_ahead
 from indexers.recall import choose_index_kind, measure_recall, recall_at_k
 from indexers.search_errors import IndexMismatchError, NotFittedError
 
 __all__ = [
+    "PRECONDITIONERS",
+    "register_preconditioner",
     "CosinePreconditioner",
     "DiagonalPreconditioner",
     "ExactIndex",

@@ -201,7 +201,7 @@ class KroneckerPreconditioner:
     def apply_function(self, x: torch.Tensor, function: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``f(S (x) A) x`` layer by layer for a spectral function ``f`` of the *undamped* Kronecker curvature
         (EK-FAC: its corrected eigenvalues), float64: ``x`` rotated into the layer's eigenbasis, scaled by ``f`` of
-        the eigenvalues, rotated back (SOURCE's segment terms, :mod:`gradstore.trajectory`)."""
+        the eigenvalues, rotated back (SOURCE's segment terms, :mod:`gradstore.methods.trajectory`)."""
         self._decompose_given_factors()
         if self.dim is None or not self.eigenvalues:
             raise NotFittedError("fit the kfac preconditioner before applying it")

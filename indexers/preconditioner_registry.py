@@ -27,7 +27,11 @@ PRECONDITIONERS: dict[str, type] = {
     )
 }
 
+#: The preconditioners this package defines (the others in :data:`PRECONDITIONERS` were registered).
+BUILT_IN = frozenset(PRECONDITIONERS)
+
 __all__ = [
+    "BUILT_IN",
     "PRECONDITIONERS",
     "CosinePreconditioner",
     "DiagonalPreconditioner",
@@ -37,7 +41,27 @@ __all__ = [
     "Preconditioner",
     "load_preconditioner",
     "make_preconditioner",
+    "register_preconditioner",
 ]
+
+#: What a preconditioner class offers (:class:`~indexers.preconditioner.Preconditioner`, plus ``load``).
+REQUIRED_MEMBERS = ("name", "passes", "fit", "statistics", "finish", "apply_query", "apply_both", "save", "load")
+
+
+def register_preconditioner(cls: type) -> type:
+    """Make ``cls`` buildable by :func:`make_preconditioner` and loadable by :func:`load_preconditioner` under
+    ``cls.name``. It must offer :data:`REQUIRED_MEMBERS` and take ``damping=`` (a float, relative or absolute as
+    it documents). ``ValueError`` when a member is missing or the name is taken by another class."""
+    missing = [member for member in REQUIRED_MEMBERS if not hasattr(cls, member)]
+    if missing:
+        raise ValueError(f"preconditioner class {cls.__name__} lacks {missing} (see indexers.preconditioner)")
+    name = cls.name
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"preconditioner class {cls.__name__} needs a non-empty string name")
+    if PRECONDITIONERS.get(name, cls) is not cls:
+        raise ValueError(f"a preconditioner named {name!r} exists ({PRECONDITIONERS[name].__name__}): choose another")
+    PRECONDITIONERS[name] = cls
+    return cls
 
 
 def make_preconditioner(
@@ -62,6 +86,8 @@ def make_preconditioner(
         raise ValueError(f"kronecker_* and eigen_correction apply to the 'kfac' preconditioner, not {name!r}")
     if name in ("identity", "cosine"):
         return PRECONDITIONERS[name]()
+    if name not in BUILT_IN:
+        return PRECONDITIONERS[name](damping=damping)  # a registered one (register_preconditioner)
     if name == "diagonal":
         return DiagonalPreconditioner(damping=damping)
     if name == "fisher":

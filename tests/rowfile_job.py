@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 import gradstore
-import gradstore.index
+import gradstore.search.index
 from gradstore.core.row_cache import RowFiles
 
 
@@ -21,7 +21,7 @@ def refuse(*args, **kwargs):
 if __name__ == "__main__":
     store_path, cache = sys.argv[1], sys.argv[2]
     if "--no-lance" in sys.argv:
-        gradstore.index.stored_blocks = refuse
+        gradstore.search.index.stored_blocks = refuse
     store = gradstore.open(store_path, row_files=RowFiles(cache, min_bytes=0))
     queries = np.random.default_rng(99).standard_normal((4, 40)).astype(np.float32)
     table = store.attribute(queries, run="r", k=6, write=False, method="grad-dot")

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import gradstore
-from gradstore.index import index_summary
-from gradstore.queries import QueryBatch
+from gradstore.methods.queries import QueryBatch
+from gradstore.search.index import index_summary
 from indexers import IndexMismatchError, gpu_available
 from indexers.screening import fast_bfloat16_matmul
 
@@ -192,7 +192,7 @@ def test_on_the_fly_queries_equal_stored_query_rows(captured, tmp_path):
         model.zero_grad()
     stored = store.read_gradients("run", checkpoint="now", split="query").vectors
     before = [p.grad for p in model.parameters()]
-    from gradstore.queries import resolve_queries
+    from gradstore.methods.queries import resolve_queries
 
     live = resolve_queries(
         store.core,

@@ -14,7 +14,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import gradstore
-from gradstore.run_basis import basis_from_run, basis_key, run_basis
+from gradstore.core.run_basis import basis_from_run, basis_key, run_basis
 from ingest.basis import basis_from_curvature, energy_split, estimate_basis, ranked_rows, side_rows
 from ingest.capture import CaptureConfig, GradientCapture, ProjectionConfig
 from ingest.misuse import CaptureUsageError

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gradstore
-import gradstore.index as index_module
+import gradstore.search.index as index_module
 from gradstore.core import schema as S
 from gradstore.core.stored_rows import stored_blocks
 from gradstore.core.vectors import (

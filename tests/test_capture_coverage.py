@@ -13,7 +13,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils.checkpoint import checkpoint
 
 import gradstore
-from gradstore.report.data import gather
+from gradstore.answers.report.data import gather
 from ingest.capture import CaptureConfig, GradientCapture
 from ingest.coverage import CoverageWarning
 from ingest.misuse import CaptureUsageError

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import gradstore
+from gradstore.core.run_basis import run_basis
 from gradstore.demo import DemoConfig, run_demo, serve_factory
 from gradstore.demo.bm25 import BM25
 from gradstore.demo.corpus import build_corpus
 from gradstore.demo.run import _checkpoint_epochs
 from gradstore.demo.table import BM25_LABEL, SPLITS, query_halves
 from gradstore.methods import METHODS
-from gradstore.queries import QueryBatch
-from gradstore.run_basis import run_basis
+from gradstore.methods.queries import QueryBatch
 
 
 def test_corpus_is_deterministic_and_holds_out_one_phrasing_per_fact():

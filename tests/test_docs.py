@@ -330,6 +330,22 @@ def gradient_rows(work: Path, block: Block) -> Iterator[Prelude]:
 
 
 @prelude
+def examples(work: Path, block: Block) -> Iterator[Prelude]:
+    """``examples/`` importable, as on a user's path after ``cd examples`` (nothing added to the namespace);
+    methods the block registers are forgotten after it."""
+    import importlib
+
+    from gradstore.methods.extension import scoped_registry
+
+    _examples()
+    with scoped_registry():
+        for name in ("custom_method",):  # registers when (re)imported
+            if name in sys.modules:
+                importlib.reload(sys.modules[name])
+        yield Prelude()
+
+
+@prelude
 def checkpoint_pass_store(work: Path, block: Block) -> Iterator[Prelude]:
     """The store of ``python examples/checkpoint_pass.py --store /tmp/checkpoint-pass --quick``, built in the
     working directory; ``/tmp/checkpoint-pass`` in the block names it."""

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import gradstore
-from gradstore import attribution
-from gradstore.engine import LocalEngine, RayEngine, resolve_engine
-from gradstore.shards import example_shards, fragment_shards
+from gradstore.answers import attribution
+from gradstore.core.engine import LocalEngine, RayEngine, resolve_engine
+from gradstore.core.shards import example_shards, fragment_shards
 
 ray = pytest.importorskip("ray")
 
@@ -186,8 +186,8 @@ def test_rows_searched_as_stored_on_ray_equal_in_process(tmp_path, ray_engine, d
 
 
 def test_a_fit_on_ray_equals_the_in_process_fit(captured, ray_engine):
-    from gradstore.fitting import Selection, fit_spec
     from gradstore.methods import resolve_method
+    from gradstore.methods.fitting import Selection, fit_spec
 
     spec = fit_spec(captured.core, Selection("run", "b"), resolve_method("ekfac"))
     local = captured.fits.get(spec, 0.1, refit=True)

@@ -15,9 +15,9 @@ from scipy.stats import spearmanr
 from torch import nn
 
 import gradstore
+from gradstore.answers.evaluate import average_ranks, lds, qld, qld_of_scores, retrain, scores_by_example
+from gradstore.answers.report.data import ReportOptions
 from gradstore.errors import InvalidArgumentError, MissingIdsError, UnknownRunError
-from gradstore.evaluate import average_ranks, lds, qld, qld_of_scores, retrain, scores_by_example
-from gradstore.report.data import ReportOptions
 
 N_TRAIN, N_QUERY, DIM, RIDGE = 40, 6, 5, 1e-1
 
@@ -533,7 +533,7 @@ def evaluated(store):
 
 
 def test_report_data_puts_qld_beside_lds(evaluated):
-    from gradstore.report.data import gather
+    from gradstore.answers.report.data import gather
 
     store, lds_rows, qld_rows = evaluated
     evaluations = gather(store.core).evaluations

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gradstore
-from gradstore.index import valid_entries
+from gradstore.search.index import valid_entries
 from indexers import MISSING_ID, ExactIndex, FaissIndex, FewerResultsWarning, blocks_from_arrays, found_counts, packed
 from ingest import LayerSlot, ProjectionSpec
 

@@ -10,7 +10,7 @@ import pytest
 
 import gradstore
 from gradstore.core import schema as S
-from gradstore.shards import example_shards, fragment_shards
+from gradstore.core.shards import example_shards, fragment_shards
 
 N_TRAIN, N_QUERY = 48, 4
 #: run -> (dim, checkpoint label its rows carry; None: appended without one)
@@ -290,7 +290,7 @@ def test_shards_cover_the_runs_own_table_only(stores):
 
 def test_the_ray_engine_reads_the_runs_own_table(stores):
     ray = pytest.importorskip("ray")
-    from gradstore.engine import RayEngine
+    from gradstore.core.engine import RayEngine
 
     multi, _ = stores
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -115,7 +115,7 @@ def test_storage_options_on_a_local_path_are_refused(tmp_path):
 def test_a_new_process_maps_the_row_file_of_a_store_on_object_storage(s3_bucket, tmp_path, monkeypatch):
     """Row files live on local disk whatever the store: a second handle (as a new process) searches the rows an
     earlier search of the S3 store prepared without reading them from the bucket, and finds the same."""
-    import gradstore.index
+    import gradstore.search.index
     from gradstore.core.row_cache import RowFiles
 
     bucket, options = s3_bucket
@@ -130,7 +130,7 @@ def test_a_new_process_maps_the_row_file_of_a_store_on_object_storage(s3_bucket,
     def refuse(*args, **kwargs):
         raise AssertionError("the stored rows were read from the bucket")
 
-    monkeypatch.setattr(gradstore.index, "stored_blocks", refuse)
+    monkeypatch.setattr(gradstore.search.index, "stored_blocks", refuse)
     again = gradstore.open(uri, storage_options=options, row_files=RowFiles(tmp_path / "cache", min_bytes=0))
     found = again.attribute(run="run", k=5, method="fisher", write=False)
     assert found.column("grad_id").to_pylist() == expected.column("grad_id").to_pylist()

@@ -1,5 +1,5 @@
-"""Online data selection in the step (ingest.online_selection, gradstore.online): exactness against a step on the
-kept examples only (float64, plain loop), the policies, refusals, and the store's decision table."""
+"""Online data selection in the step (ingest.online_selection, gradstore.capture.online): exactness against a step on
+the kept examples only (float64, plain loop), the policies, refusals, and the store's decision table."""
 
 from __future__ import annotations
 
@@ -233,13 +233,13 @@ def test_misuse_is_refused_with_what_to_do():
         OnlineSelector(cap, KeepTopFraction(0.5), torch.zeros(3))
 
 
-# ---------------------------------------------------------------- the store side (gradstore.online)
+# ---------------------------------------------------------------- the store side (gradstore.capture.online)
 
 
 def test_store_selection_scores_against_query_rows_and_records_every_decision(tmp_path):
     import gradstore
-    from gradstore.online import KeepTopFraction as StoreKeepTop
-    from gradstore.online import query_target, select_online
+    from gradstore.capture.online import KeepTopFraction as StoreKeepTop
+    from gradstore.capture.online import query_target, select_online
 
     store = gradstore.open(tmp_path / "store", storage_dtype="float32")
     assert store.sql("select count(*) from online_selection").fetchall() == [(0,)]
@@ -283,8 +283,8 @@ def test_store_selection_scores_against_query_rows_and_records_every_decision(tm
     reference_steps(twin, batches, decisions)
     assert_same(model, twin)
     # the report shows what was kept, per run
-    from gradstore.report.data import gather
-    from gradstore.report.html import render
+    from gradstore.answers.report.data import gather
+    from gradstore.answers.report.html import render
 
     shown = gather(store.core).online_selection
     row = dict(zip(shown["columns"], shown["rows"][0]))
@@ -302,9 +302,9 @@ def test_store_selection_scores_against_query_rows_and_records_every_decision(tm
 
 def test_store_selection_errors_are_gradstore_errors(tmp_path):
     import gradstore
+    from gradstore.capture.online import ExactRemovalError as StoreExactRemovalError
+    from gradstore.capture.online import query_target, select_online
     from gradstore.errors import GradstoreError, InvalidArgumentError
-    from gradstore.online import ExactRemovalError as StoreExactRemovalError
-    from gradstore.online import query_target, select_online
 
     store = gradstore.open(tmp_path / "store", storage_dtype="float32")
     model = nn.Sequential(nn.Linear(5, 4), nn.LayerNorm(4), nn.Linear(4, 3))
@@ -419,8 +419,8 @@ def _ddp_store_job(rank: int, store_path: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     import gradstore
+    from gradstore.capture.online import select_online
     from gradstore.distributed import distributed_capture
-    from gradstore.online import select_online
 
     torch.manual_seed(0)
     model = DistributedDataParallel(mlp().double())

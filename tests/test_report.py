@@ -12,9 +12,9 @@ import pyarrow as pa
 import pytest
 
 import gradstore
+from gradstore.answers.report import ReportOptions, gather
+from gradstore.answers.report.html import plotly_js, script_safe_json
 from gradstore.demo import DemoConfig, run_demo
-from gradstore.report import ReportOptions, gather
-from gradstore.report.html import plotly_js, script_safe_json
 from ingest.projection import LayerSlot, ProjectionSpec
 
 RUN = "r"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gradstore
-from gradstore.rerank import RowLocator
+from gradstore.search.rerank import RowLocator
 from indexers import recall_at_k
 from ingest import LayerSlot, ProjectionSpec
 

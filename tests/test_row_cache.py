@@ -59,7 +59,7 @@ def test_prepared_rows_take_at_most_half_a_gpus_free_memory(monkeypatch) -> None
     its free memory (else they are streamed to it)."""
     import torch
 
-    from gradstore.index import device_admits
+    from gradstore.search.index import device_admits
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000, 4000))
     cuda = torch.device("cuda")
@@ -75,7 +75,7 @@ def test_the_row_cache_is_charged_what_the_prepared_rows_hold(kernel: str, store
     are bf16 already."""
     import torch
 
-    from gradstore.index import prepared_bytes
+    from gradstore.search.index import prepared_bytes
     from indexers import ExactIndex
     from indexers.screening import ScreenedBlock
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gradstore
-import gradstore.index
+import gradstore.search.index
 from gradstore.core.row_cache import ROW_FILE_SUFFIX, RowFiles
 from indexers import ExactIndex
 from indexers.saved_rows import SavedRowsError, rows_from_state, rows_state
@@ -80,7 +80,7 @@ def no_lance_reads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the stored rows were read from Lance")
 
-    return lambda: monkeypatch.setattr(gradstore.index, "stored_blocks", refuse)
+    return lambda: monkeypatch.setattr(gradstore.search.index, "stored_blocks", refuse)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])

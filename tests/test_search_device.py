@@ -11,8 +11,8 @@ import torch
 
 import gradstore
 from gradstore.errors import InvalidArgumentError
-from gradstore.fitting import Selection
-from gradstore.index import build_index, load_index
+from gradstore.methods.fitting import Selection
+from gradstore.search.index import build_index, load_index
 from indexers import ExactIndex, gpu_available, resolve_device
 from ingest import LayerSlot, ProjectionSpec
 
@@ -46,7 +46,7 @@ def fake_gpu(monkeypatch):
     """torch and faiss both say a GPU is there (none is used: the tests only look at where searches would go)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr("gradstore.index.gpu_available", lambda: True)
+    monkeypatch.setattr("gradstore.search.index.gpu_available", lambda: True)
 
 
 # ------------------------------------------------------------------------------------------- indexers level
@@ -161,7 +161,7 @@ def test_faiss_device_cpu_stays_on_the_cpu(store_and_queries, fake_gpu) -> None:
 def test_faiss_cuda_refusals(store_and_queries, monkeypatch) -> None:
     pytest.importorskip("faiss")
     store, _ = store_and_queries
-    monkeypatch.setattr("gradstore.index.gpu_available", lambda: False)
+    monkeypatch.setattr("gradstore.search.index.gpu_available", lambda: False)
     with pytest.raises(InvalidArgumentError, match="FAISS cannot use a GPU here"):
         build_index(store.core, store.fits, SELECTION, kind="IVF4,Flat", device="cuda")
     with pytest.raises(InvalidArgumentError, match="every GPU faiss sees"):

@@ -14,7 +14,7 @@ import pytest
 from test_serve import READ
 
 import gradstore
-from gradstore.queries import QueryBatch
+from gradstore.methods.queries import QueryBatch
 from gradstore.serve import Limits, Tokens, serve
 
 RUN = "text-run"

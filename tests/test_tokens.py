@@ -10,7 +10,7 @@ import torch
 from tiny_models import tiny_gpt2
 
 import gradstore
-from gradstore.queries import QueryBatch
+from gradstore.methods.queries import QueryBatch
 from ingest.projection import projection_matrix
 
 pytest.importorskip("transformers")

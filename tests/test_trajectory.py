@@ -14,9 +14,8 @@ import torch
 from torch import nn
 
 import gradstore
-from gradstore import dvemb
 from gradstore.errors import InvalidArgumentError
-from gradstore.methods import TRUE_FISHER_SPLIT
+from gradstore.methods import TRUE_FISHER_SPLIT, dvemb
 
 N, D, B, T = 10, 3, 4, 9
 RUN = "quad"
@@ -131,7 +130,7 @@ def trained(tmp_path):
 def test_dvemb_equals_the_unrolled_effect_of_up_weighting(trained, monkeypatch, chunk_bytes):
     store, _ = trained
     if chunk_bytes is not None:
-        monkeypatch.setattr("gradstore.dvemb.CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr("gradstore.methods.dvemb.CHUNK_BYTES", chunk_bytes)
     truth, _ = true_effects()
     matrix = store.score_matrix(["qa", "qb"], run=RUN, method="dvemb")
     np.testing.assert_allclose(columns(matrix), truth, rtol=2e-4, atol=1e-6)
@@ -430,8 +429,8 @@ def test_the_readme_flow_needs_no_recorded_steps_for_one_query_checkpoint(tmp_pa
 def test_source_ekfac_uses_each_checkpoints_ekfac(tmp_path):
     """source-ekfac equals SOURCE's closed form with F_l the dense matrix of each checkpoint's fitted EK-FAC
     (its Kronecker eigenbasis and refitted eigenvalues), functions taken by a dense eigendecomposition."""
-    from gradstore.fitting import Selection, fit_spec
     from gradstore.methods import METHODS
+    from gradstore.methods.fitting import Selection, fit_spec
 
     store = gradstore.open(tmp_path / "store", storage_dtype="float32")
     plan = checkpoint_passes(store, 0.05, 40, every=20)

@@ -20,8 +20,8 @@ from torch import nn
 
 import gradstore
 from gradstore.core import schema as S
-from gradstore.fitting import Selection, fit_spec
 from gradstore.methods import METHODS, TRUE_FISHER_SPLIT
+from gradstore.methods.fitting import Selection, fit_spec
 from ingest import CaptureConfig, GradientCapture
 from ingest.curvature import CURVATURE_SPLITS
 

@@ -146,7 +146,7 @@ SKIPPED_STEPS_SCHEMA = _tagged(
 
 ONLINE_SELECTION = "online_selection"
 
-#: One row per example and optimizer step of online data selection (:mod:`gradstore.online`): kept or dropped,
+#: One row per example and optimizer step of online data selection (:mod:`gradstore.capture.online`): kept or dropped,
 #: the weight applied, its score against the target and its loss (null when not computed).
 ONLINE_SELECTION_SCHEMA = _tagged(
     [

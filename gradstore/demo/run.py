@@ -10,7 +10,7 @@
    (``token_scores``), and report fact-tracing recall@10 against a random and a BM25 baseline computed in the
    same run (:mod:`gradstore.demo.table`: every row names its method, checkpoints and dims; dampings and the
    best method are chosen on a validation half of the questions and reported on the other half).
-5. Compute self-influence and a 10% LESS selection, and write ``report.html`` (:mod:`gradstore.report`) into
+5. Compute self-influence and a 10% LESS selection, and write ``report.html`` (:mod:`gradstore.answers.report`) into
    the store directory.
 """
 
@@ -42,7 +42,7 @@ from gradstore.demo.table import (
     result_line,
 )
 from gradstore.methods import Method, resolve_method
-from gradstore.queries import QueryBatch
+from gradstore.methods.queries import QueryBatch
 from gradstore.store import GradStore, open_store
 from ingest.basis import estimate_basis, random_rows
 from ingest.capture import ProjectionConfig

@@ -31,10 +31,10 @@ from gradstore.store_api import IndexKind
 if TYPE_CHECKING:
     import torch
 
-    from gradstore.engine import Engine, EngineName
+    from gradstore.answers.selection import Aggregate
+    from gradstore.core.engine import Engine, EngineName
     from gradstore.methods import BlockStructure, MethodName
-    from gradstore.queries import QueryInput
-    from gradstore.selection import Aggregate
+    from gradstore.methods.queries import QueryInput
 
 
 class ServerError(GradstoreError):

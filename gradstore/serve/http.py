@@ -30,8 +30,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gradstore.answers.report import ReportOptions, gather, render
 from gradstore.errors import GradstoreError
-from gradstore.report import ReportOptions, gather, render
 from gradstore.serve.auth import AuthError, Tokens
 from gradstore.serve.guard import COOKIE, SCOPE_KEY, Guard, bearer
 from gradstore.serve.service import RequestTooLargeError, Service, error_body, status

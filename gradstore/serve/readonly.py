@@ -155,9 +155,9 @@ def check_index_built(store: Any, args: dict[str, Any]) -> None:
     """On a read-only server, an ``attribute`` with a FAISS ``kind`` reads an index already built in the store
     (building one per request would cost minutes and never be kept): ``NotBuiltError`` with the command otherwise.
     Arguments the store refuses anyway are left to it."""
-    from gradstore.fitting import Selection, fit_spec
-    from gradstore.index import INDEXES, MANIFEST_FILE, choose_index_kind, default_index_name
     from gradstore.methods import DEFAULT_DAMPING, DEFAULT_METHOD, resolve_method
+    from gradstore.methods.fitting import Selection, fit_spec
+    from gradstore.search.index import INDEXES, MANIFEST_FILE, choose_index_kind, default_index_name
 
     kind = args.get("kind", "exact")
     if kind == "exact" or not isinstance(kind, str) or not isinstance(args.get("run"), str):

@@ -282,7 +282,7 @@ class Service:
         if checkpoint is not None:
             given["checkpoint"] = checkpoint
         args = self._arguments("attribute", given)
-        from gradstore.queries import QueryBatch
+        from gradstore.methods.queries import QueryBatch
 
         batch = self.model.batch(prompt, completion)
         query = QueryBatch(self.model.model, batch, ids=["text"], loss_fn=self.model.loss_fn)

@@ -17,16 +17,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from gradstore.arguments import check_where
-from gradstore.attribution import history_for, learning_rates, per_example_shards
+from gradstore.answers.attribution import history_for, learning_rates, per_example_shards
 from gradstore.core import StoreCore, one_snapshot
-from gradstore.engine import Engine, EngineName, resolve_engine
+from gradstore.core.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError
-from gradstore.fitting import FitCache, Selection
 from gradstore.methods import ScoreOptions, resolve_method
-from gradstore.queries import QueryInput, resolve_queries
-from gradstore.scan_tasks import example_aggregates, example_totals, unit_rows
-from gradstore.scoring import ScoringSpace
+from gradstore.methods.fitting import FitCache, Selection
+from gradstore.methods.queries import QueryInput, resolve_queries
+from gradstore.methods.rows import check_where
+from gradstore.methods.scoring import ScoringSpace
+from gradstore.search.scan_tasks import example_aggregates, example_totals, unit_rows
 from indexers import IdentityPreconditioner
 
 Aggregate = Literal["max", "mean"]
@@ -87,7 +87,7 @@ def _by_influence(
     engine: Engine,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per example, the ``max``/``mean`` over the target queries of a trajectory method's influence score (its
-    per-example sum over the stored history: :func:`gradstore.attribution.history_for`)."""
+    per-example sum over the stored history: :func:`gradstore.answers.attribution.history_for`)."""
     method = resolve_method(options.method)
     if options.checkpoints is not None and "checkpoints" not in method.uses:
         raise InvalidArgumentError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 from importlib import resources
 
-from gradstore.report.data import ReportData
+from gradstore.answers.report.data import ReportData
 
 # No fetches of any kind; inline scripts and styles only (Plotly needs no eval for the charts drawn here).
 _POLICY = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data: blob:"
@@ -32,7 +32,7 @@ def plotly_js() -> str:
 
 
 def _asset(name: str) -> str:
-    return resources.files("gradstore.report").joinpath("assets", name).read_text(encoding="utf-8")
+    return resources.files("gradstore.answers.report").joinpath("assets", name).read_text(encoding="utf-8")
 
 
 def render(data: ReportData) -> str:

@@ -23,12 +23,12 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from gradstore.arguments import row_checkpoints
-from gradstore.capture_session import config_for_run
+from gradstore.capture.session import config_for_run
 from gradstore.core import StoreCore, sql_in
 from gradstore.core.database import check_spec
 from gradstore.core.filters import check_filter
 from gradstore.errors import InvalidArgumentError, MissingIdsError, NonFiniteGradientError, SchemaMismatchError
+from gradstore.methods.rows import row_checkpoints
 from ingest import GradientCapture
 
 

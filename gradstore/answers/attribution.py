@@ -1,7 +1,7 @@
 """Attribution: top-k proponents/opponents of queries, TracIn over checkpoints, dense score matrices and
-self-influence, all scored through :class:`~gradstore.scoring.ScoringSpace` with fits from the store's
-:class:`~gradstore.fitting.FitCache`. Top-k, TracIn and self-influence run as scans on an engine
-(:mod:`gradstore.scan_tasks`: in this process by default, or on Ray), never holding a queries x rows matrix.
+self-influence, all scored through :class:`~gradstore.methods.scoring.ScoringSpace` with fits from the store's
+:class:`~gradstore.methods.fitting.FitCache`. Top-k, TracIn and self-influence run as scans on an engine
+(:mod:`gradstore.search.scan_tasks`: in this process by default, or on Ray), never holding a queries x rows matrix.
 
 Every top-k result is a pyarrow Table and is also appended to the store's ``scores`` (or ``self_influence``)
 table, so it can be joined with ``examples`` in SQL. Proponents get ranks 1..k (most supportive first);
@@ -19,18 +19,18 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from gradstore import dvemb, scan_tasks, trajectory
-from gradstore.arguments import check_where, require_rows
 from gradstore.core import StoreCore, one_snapshot, sql_in, sql_literal
 from gradstore.core import schema as S
-from gradstore.engine import Engine, EngineName, resolve_engine
+from gradstore.core.engine import Engine, EngineName, resolve_engine
+from gradstore.core.shards import Shard, example_shards
 from gradstore.errors import InvalidArgumentError, MissingIdsError
-from gradstore.fitting import FitCache, Selection
-from gradstore.index import AttributionIndex, build_index, valid_entries
-from gradstore.methods import Method, ScoreOptions, check_k, resolve_method
-from gradstore.queries import Queries, QueryInput, resolve_queries
-from gradstore.scoring import ScoringSpace
-from gradstore.shards import Shard, example_shards
+from gradstore.methods import Method, ScoreOptions, check_k, dvemb, resolve_method, trajectory
+from gradstore.methods.fitting import FitCache, Selection
+from gradstore.methods.queries import Queries, QueryInput, resolve_queries
+from gradstore.methods.rows import check_where, require_rows
+from gradstore.methods.scoring import ScoringSpace
+from gradstore.search import scan_tasks
+from gradstore.search.index import AttributionIndex, build_index, valid_entries
 from indexers import IdentityPreconditioner
 
 #: Examples a TracIn or selection task sums at most (about; ranges come from a sample of the ids): bounds
@@ -103,7 +103,7 @@ def _searched(
 ) -> tuple[Queries, Selection, Method]:
     """The resolved queries, the rows searched and the method they are searched with: one checkpoint's training
     rows by ``method``, or for ``dvemb`` the derived run's embeddings by grad-dot with final-model queries
-    (:mod:`gradstore.dvemb`, built or extended first)."""
+    (:mod:`gradstore.methods.dvemb`, built or extended first)."""
     if method.trajectory == "embeddings":
         checkpoint = trajectory.final_query_checkpoint(store, run, options.query_checkpoint)
         resolved_queries = resolve_queries(store, queries, run, checkpoint)
@@ -193,7 +193,7 @@ def history_for(
     store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, run: str
 ) -> trajectory.History:
     """A trajectory method's scores as a per-example sum over stored history (``tracin-steps``, ``source``:
-    :mod:`gradstore.trajectory`; ``dvemb``: its derived run, :mod:`gradstore.dvemb`)."""
+    :mod:`gradstore.methods.trajectory`; ``dvemb``: its derived run, :mod:`gradstore.methods.dvemb`)."""
     if resolve_method(options.method).trajectory == "embeddings":
         return dvemb.history(store, queries, options, run)
     return trajectory.history(store, fits, queries, options, run)
@@ -311,7 +311,7 @@ def tracin(
     grad-dot scores, summed exactly per example before ranking (not a merge of per-checkpoint top-k lists).
     Queries must be stored query rows captured at every checkpoint (ids, a filter, or ``None`` for all).
 
-    Streaming: the training rows are split into ``example_id`` ranges (:func:`gradstore.shards.example_shards`)
+    Streaming: the training rows are split into ``example_id`` ranges (:func:`gradstore.core.shards.example_shards`)
     so that every row of an example, at every checkpoint, is summed by one task; each task ranks its
     examples and the top-k lists are merged (ties: the smaller example id)."""
     check_k(k)

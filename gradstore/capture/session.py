@@ -12,6 +12,7 @@ import hashlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -19,12 +20,12 @@ import pyarrow as pa
 import torch
 from torch import nn
 
+from gradstore.capture.resume import CommittedRows
 from gradstore.core import GradientWriter, StoreCore, WriterConfig
 from gradstore.core import schema as S
 from gradstore.core.database import check_run_name
+from gradstore.core.run_basis import run_basis, save_basis
 from gradstore.errors import GradstoreError, InvalidArgumentError, InvalidNameError, NonFiniteGradientError, translated
-from gradstore.resume import CommittedRows
-from gradstore.run_basis import run_basis, save_basis
 from ingest import CaptureConfig, CapturedBatch, GradientCapture, ProjectionSpec
 from ingest.capture import NonFiniteRowsError, SkippedBatch
 from ingest.coverage import Coverage
@@ -45,6 +46,16 @@ RUN_OPTIONS = (
     "loss_reduction",
     "loss_scale",
 )
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """One captured backward's rows as a per-step hook (:meth:`StoreCapture.on_rows`) sees them."""
+
+    ids: list[Any] | None  # the examples' ids as set (None: content hashes, computed when written)
+    step: int
+    split: str
+    rows: torch.Tensor  # [B, dim] float32 projected per-example gradients on the model's device (read only)
 
 
 class RunDefault:
@@ -256,6 +267,18 @@ class StoreCapture:
         """Which trainable parameters this capture records, how, and why the others are not
         (:class:`ingest.coverage.Coverage`; ``.summary()``, ``.parameters``, ``.fraction``)."""
         return self.capture.coverage
+
+    def on_rows(self, hook: Callable[[StepRows], None]) -> Callable[[], None]:
+        """Call ``hook(rows)`` with every captured backward's per-example rows (a :class:`StepRows`), on the
+        training thread, before the optimizer step and before they are written: act on gradients during training
+        (online data selection is built on it). Returns a function that removes the hook."""
+
+        def listener(batch: Any, rows: torch.Tensor) -> None:
+            meta = batch.meta
+            ids = meta["ids"].tolist() if isinstance(meta["ids"], torch.Tensor) else meta["ids"]
+            hook(StepRows(ids, meta["step"], meta["split"], rows))
+
+        return self.capture.add_row_listener(listener)
 
     # ------------------------------------------------------------------ controls
     @property

@@ -3,7 +3,7 @@
 An index is built from the rows of one run/checkpoint/split (optionally a SQL ``where``); its manifest
 (side files ``indexes/<name>/``) names exactly what it was built from (run, checkpoint, split, filter,
 projection fingerprint, method, damping, kind, rows). The preconditioner comes from the store's
-:class:`~gradstore.fitting.FitCache` (one fit per rows and method, re-damped on use), so an index of another
+:class:`~gradstore.methods.fitting.FitCache` (one fit per rows and method, re-damped on use), so an index of another
 damping costs no pass over the data and no second copy of the fit. Loading an index whose manifest does
 not match the store (another projection, another dimension) raises ``IndexMismatchError``.
 
@@ -11,7 +11,7 @@ Kinds: ``"exact"`` (blocked matmul + running top-k over the stored rows, which t
 into the store's in-memory :class:`~gradstore.core.row_cache.RowCache` when they fit its budget), or any FAISS
 factory string (``"Flat"``, ``"HNSW32,Flat"``, ``"IVF1024,Flat"``, ...); ``"auto"`` picks by
 :func:`indexers.choose_index_kind` and reports the recall of an ANN index against exact search. A FAISS index
-holds the rows in the balanced space (:meth:`~gradstore.scoring.ScoringSpace.balanced`: ``P^-1/2`` on rows and
+holds the rows in the balanced space (:meth:`~gradstore.methods.scoring.ScoringSpace.balanced`: ``P^-1/2`` on rows and
 queries alike, manifest ``first_stage: "balanced"``); indexes built before it hold the prepared rows and are
 searched with prepared queries. On real gradients only an exhaustive compressed scan or an HNSW graph over the
 balanced rows holds the neighbours (``docs/scale.md``): IVF partitions do not. A FAISS search can find fewer
@@ -44,11 +44,11 @@ import pyarrow.fs as pafs
 import torch
 
 from gradstore.core import StoreCore
+from gradstore.core.engine import Engine, LocalEngine
 from gradstore.core.index_cache import LoadedIndex
 from gradstore.core.row_cache import cache_file_name, dataset_content
 from gradstore.core.sidefiles import CHECKSUM_SUFFIX, check_component
 from gradstore.core.stored_rows import stored_blocks
-from gradstore.engine import Engine, LocalEngine
 from gradstore.errors import (
     IndexMismatchError,
     InvalidArgumentError,
@@ -56,12 +56,12 @@ from gradstore.errors import (
     StorePermissionError,
     UnknownIndexError,
 )
-from gradstore.fitting import FitCache, FitSpec, Selection, fit_spec
 from gradstore.methods import DEFAULT_DAMPING, BlockStructure, Method, resolve_method
-from gradstore.rerank import RowLocator
-from gradstore.rerank import rerank as exact_rerank
-from gradstore.scan_tasks import TopK, faiss_parts, top_k
-from gradstore.scoring import ScoringSpace, as_float32
+from gradstore.methods.fitting import FitCache, FitSpec, Selection, fit_spec
+from gradstore.methods.scoring import ScoringSpace, as_float32
+from gradstore.search.rerank import RowLocator
+from gradstore.search.rerank import rerank as exact_rerank
+from gradstore.search.scan_tasks import TopK, faiss_parts, top_k
 from indexers import (
     MISSING_ID,
     UNIT_BF16_NORM,
@@ -191,7 +191,7 @@ class AttributionIndex:
 
         Exact search reads the rows on ``engine`` (default: this process, from the rows the store's row
         cache holds, see :meth:`_rows`); FAISS search runs here, and with ``rerank=m`` its
-        ``m * k`` best candidates are re-scored exactly from the stored rows (:mod:`gradstore.rerank`).
+        ``m * k`` best candidates are re-scored exactly from the stored rows (:mod:`gradstore.search.rerank`).
 
         Every side is ``(scores [q, k'], grad_ids [q, k'])``, best first, ``k' = min(k, rows)``. A FAISS search may
         find fewer than ``k'`` rows for some queries (the IVF lists probed, or the HNSW graph search, hold fewer;

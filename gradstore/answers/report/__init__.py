@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from gradstore.report.data import ReportData, ReportOptions, gather
-from gradstore.report.html import render
+from gradstore.answers.report.data import ReportData, ReportOptions, gather
+from gradstore.answers.report.html import render
 
 if TYPE_CHECKING:
     from gradstore.core import StoreCore

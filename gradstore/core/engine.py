@@ -1,7 +1,7 @@
-"""Where scans run: in this process (the default) or as Ray tasks, one per :class:`~gradstore.shards.Shard`.
+"""Where scans run: in this process (the default) or as Ray tasks, one per :class:`~gradstore.core.shards.Shard`.
 
 An engine maps a task ``task(shard, payload) -> partial`` over shards and returns the partials in shard
-order; the caller reduces them exactly (:mod:`gradstore.scan_tasks`). The payload (a fitted preconditioner,
+order; the caller reduces them exactly (:mod:`gradstore.search.scan_tasks`). The payload (a fitted preconditioner,
 prepared queries) is shipped once per map: Ray keeps one copy in its object store that every task reads.
 Tasks are module-level functions of gradstore, so a worker needs gradstore installed (or on its
 ``PYTHONPATH``) and access to the store's URI.
@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, TypeVar, get_args
 
+from gradstore.core.shards import Shard
 from gradstore.errors import InvalidArgumentError
-from gradstore.shards import Shard
 
 EngineName = Literal["local", "ray"]
 """Engines by name: ``local`` (this process) or ``ray``."""

@@ -25,14 +25,14 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from gradstore.capture_session import config_for_run
+from gradstore.capture.session import config_for_run
 from gradstore.core import StoreCore
 from gradstore.core.database import check_spec
 from gradstore.errors import InvalidArgumentError, MissingIdsError
-from gradstore.fitting import FitCache, Selection
-from gradstore.index import build_index
 from gradstore.methods import ScoreOptions, check_k
-from gradstore.queries import QueryBatch
+from gradstore.methods.fitting import FitCache, Selection
+from gradstore.methods.queries import QueryBatch
+from gradstore.search.index import build_index
 from ingest import CaptureConfig
 from ingest.tokens import TokenGradientCapture, TokenRows
 

@@ -17,12 +17,13 @@
 
 ``influence`` is an alias of ``fisher``. Damping is relative to the mean eigenvalue (default 0.1).
 ``kfac``/``ekfac`` use the factors a capture with ``curvature=True`` recorded (:data:`KRONECKER_FACTORS`); rows
-captured without it get factors estimated from the rows themselves (:func:`gradstore.fitting.kronecker_source`).
+captured without it get factors estimated from the rows themselves (:func:`gradstore.methods.fitting.kronecker_source`).
 ``trackstar`` (TrackStar, Chang et al. 2024) is meant for rows captured with ``normalizer="adam_factored"``
 (optimizer-aware: Adam second-moment normalisation): both sides are whitened by the Fisher of the stored rows
 and unit-normalised, so the score is a cosine in the whitened space.
 
-The trajectory methods (:mod:`gradstore.trajectory`, :mod:`gradstore.dvemb`) use the store's training history:
+The trajectory methods (:mod:`gradstore.methods.trajectory`, :mod:`gradstore.methods.dvemb`) use the store's training
+history:
 ``tracin-steps`` and ``dvemb`` the rows captured *during training* (one checkpoint label, many steps: ``s_t``
 optimizer steps stand for each recorded one, ``B_t`` rows per step), ``source`` the checkpoint passes (segments
 of ``K_l`` steps at mean learning rate ``lr_l``). Curvature comes from rows of split ``"true-fisher"`` (labels
@@ -64,7 +65,7 @@ MethodName = Literal[
 """Names :func:`resolve_method` accepts (``influence`` is ``fisher``)."""
 BlockStructure = Literal["auto", "layer", "full"]
 """Fisher blocks: one per layer, one full ``dim x dim`` block, or ``auto`` (per layer for runs captured with a
-projection spec, full for runs written without layers: :func:`gradstore.fitting.auto_blocks`)."""
+projection spec, full for runs written without layers: :func:`gradstore.methods.fitting.auto_blocks`)."""
 Operation = Literal["attribute", "score_matrix", "self_influence", "select", "build_index", "token_scores"]
 """The calls that take a ``method``."""
 
@@ -86,7 +87,7 @@ OPTIONAL_ARGUMENTS = {
     "query_checkpoint": "the checkpoint of stored query rows scored against one checkpoint's training rows",
     "device": "where the exact top-k search runs",
 }
-#: What ``kfac`` and ``ekfac`` need (their registry rows' "needs"; :func:`gradstore.fitting.kronecker_source`).
+#: What ``kfac`` and ``ekfac`` need (their registry rows' "needs"; :func:`gradstore.methods.fitting.kronecker_source`).
 KRONECKER_FACTORS = (
     "Kronecker-structured (factorized or exact) rows, captured with curvature=True for the recorded factors; "
     "without them the factors are estimated from the rows (A = E[G^T G], S = E[G G^T] / E[|G|^2])"

@@ -22,9 +22,9 @@ step, with the step's learning rate, and checkpoint passes along the way. Two me
   ``F_l`` instead.
 
 Both are sums over several rows of an example, computed as per-example scans on an engine (in this process or
-on Ray, :func:`gradstore.scan_tasks.tracin_top_k`): the query side is prepared once per checkpoint (SOURCE's
+on Ray, :func:`gradstore.search.scan_tasks.tracin_top_k`): the query side is prepared once per checkpoint (SOURCE's
 segment terms are spectral functions of the fitted Fisher, :meth:`indexers.FisherPreconditioner.apply_function`),
-each stored row is read once. ``dvemb`` (:mod:`gradstore.dvemb`) uses the same recorded steps.
+each stored row is read once. ``dvemb`` (:mod:`gradstore.methods.dvemb`) uses the same recorded steps.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from gradstore.arguments import row_checkpoints
 from gradstore.core import StoreCore, gradient_filter
 from gradstore.errors import InvalidArgumentError
-from gradstore.fitting import FitCache, Selection, fit_spec
 from gradstore.methods import ScoreOptions, resolve_method
-from gradstore.queries import Queries, QueryInput, resolve_queries, stored_queries
+from gradstore.methods.fitting import FitCache, Selection, fit_spec
+from gradstore.methods.queries import Queries, QueryInput, resolve_queries, stored_queries
+from gradstore.methods.rows import row_checkpoints
 
 #: One entry of a per-example sum: (row filter, prepared queries [q, dim] float64, per-step weights or None).
 WeightedRows = tuple[str, torch.Tensor, "StepWeights | None"]

@@ -6,7 +6,7 @@ when it is used, so one fit serves every damping. Fits are held in memory and pe
 (``fits/<key>/``, a manifest written last) with the row count and largest ``grad_id`` they were fitted
 on; rows appended to the selection since make the fit stale, and it is fitted again.
 
-A fit runs on an :mod:`engine <gradstore.engine>`: each pass of the preconditioner computes partial
+A fit runs on an :mod:`engine <gradstore.core.engine>`: each pass of the preconditioner computes partial
 statistics per shard of the selection (in this process, or as Ray tasks) and merges them exactly on the
 caller's side (:func:`fit_on`).
 """
@@ -27,11 +27,11 @@ from typing import Literal
 import numpy as np
 
 from gradstore.core import StoreCore, gradient_filter, storage
-from gradstore.engine import Engine, LocalEngine
+from gradstore.core.engine import Engine, LocalEngine
+from gradstore.core.shards import Shard, fragment_shards
 from gradstore.errors import InvalidArgumentError, StoreCorruptError, StorePermissionError
 from gradstore.methods import DEFAULT_DAMPING, TRUE_FISHER_SPLIT, BlockStructure, Method, check_blocks
-from gradstore.scoring import ScoringSpace
-from gradstore.shards import Shard, fragment_shards
+from gradstore.methods.scoring import ScoringSpace
 from indexers import FitStatistics, Preconditioner, VectorBlocks, load_preconditioner, make_preconditioner
 from ingest.curvature import CURVATURE_SPLITS
 
@@ -73,7 +73,7 @@ class Selection:
         return source
 
     def shards(self, store: StoreCore, parts: int, columns: tuple[str, ...] = ()) -> list[Shard]:
-        """The selected rows as at most ``parts`` shards of fragments (see :mod:`gradstore.shards`)."""
+        """The selected rows as at most ``parts`` shards of fragments (see :mod:`gradstore.core.shards`)."""
         return fragment_shards(store, self.run, self.filter, parts, columns=columns)
 
     def state(self, store: StoreCore) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """What an attribution report shows, gathered from a store through its SQL.
 
-Everything here is plain JSON-ready data (dicts, lists, strings, numbers); :mod:`gradstore.report.html`
+Everything here is plain JSON-ready data (dicts, lists, strings, numbers); :mod:`gradstore.answers.report.html`
 turns it into the page. Text from the store is kept as it is: escaping is the renderer's job.
 """
 
@@ -18,7 +18,7 @@ import pyarrow as pa
 from gradstore.core import sql_in, sql_literal
 from gradstore.core.coverage import run_coverage
 from gradstore.errors import InvalidNameError, SchemaMismatchError
-from gradstore.index import INDEXES, MANIFEST_FILE
+from gradstore.search.index import INDEXES, MANIFEST_FILE
 
 if TYPE_CHECKING:
     from gradstore.core import StoreCore
@@ -362,7 +362,7 @@ class _Reader:
 
     # ------------------------------------------------------------------ evaluations and texts
     def evaluations(self) -> dict[str, Any] | None:
-        """The ``evaluations`` table. Rows written by :mod:`gradstore.evaluate` (with ``metric``, ``label``,
+        """The ``evaluations`` table. Rows written by :mod:`gradstore.answers.evaluate` (with ``metric``, ``label``,
         ``value``) come newest first with the metric in the first column, and a ``summary`` puts each label's
         latest value of every metric side by side (LDS beside QLD, each with its standard error); a table of other
         columns is shown as it is."""
@@ -393,7 +393,7 @@ class _Reader:
         return result
 
     def online_selection(self) -> dict[str, Any] | None:
-        """Per run, what online data selection (:mod:`gradstore.online`) kept: steps, examples, the kept share
+        """Per run, what online data selection (:mod:`gradstore.capture.online`) kept: steps, examples, the kept share
         and the mean score of the kept and of the dropped examples."""
         if not self._has_rows("online_selection"):
             return None

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from gradstore.capture_session import StoreCapture
+from gradstore.capture.session import StoreCapture
 from gradstore.core import schema as S
 from gradstore.errors import (
     CaptureUsageError,

@@ -39,10 +39,16 @@ import torch
 
 from gradstore.core import StoreCore, gradient_filter
 from gradstore.errors import InvalidArgumentError
-from gradstore.fitting import Selection, auto_blocks
 from gradstore.methods import TRUE_FISHER_SPLIT, ScoreOptions, check_blocks
-from gradstore.queries import QueryInput, resolve_queries
-from gradstore.trajectory import History, RecordedStep, final_query_checkpoint, in_loop_checkpoint, recorded_steps
+from gradstore.methods.fitting import Selection, auto_blocks
+from gradstore.methods.queries import QueryInput, resolve_queries
+from gradstore.methods.trajectory import (
+    History,
+    RecordedStep,
+    final_query_checkpoint,
+    in_loop_checkpoint,
+    recorded_steps,
+)
 
 log = logging.getLogger(__name__)
 

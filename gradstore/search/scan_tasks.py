@@ -7,7 +7,7 @@ shard's examples), never a ``queries x rows`` matrix:
   order as one exact search (score, then the smaller ``grad_id``);
 * :func:`self_influence`: ``g^T P^-1 g`` per row (the result has one value per row anyway);
 * :func:`tracin_top_k`: TracIn sums one example's rows over every checkpoint before ranking, so its shards
-  are ``example_id`` ranges (:func:`gradstore.shards.example_shards`): a task holds a dense ``[queries,
+  are ``example_id`` ranges (:func:`gradstore.core.shards.example_shards`): a task holds a dense ``[queries,
   examples of its range]`` float64 sum, ranks it and returns the top-k/bottom-k examples (ties by id);
 * :func:`example_totals`: LESS selection's per-example scores (one float per example), by the same ranges;
 * :func:`faiss_parts`: a trained FAISS index filled with each shard's rows, to be merged (index builds).
@@ -23,9 +23,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from gradstore.engine import Engine
-from gradstore.scoring import ScoringSpace
-from gradstore.shards import Shard
+from gradstore.core.engine import Engine
+from gradstore.core.shards import Shard
+from gradstore.methods.scoring import ScoringSpace
 from indexers import FaissIndex, RunningTopK, float32_products
 from indexers.blocks import as_tensor, unpack_block
 from indexers.screening import as_scales
@@ -94,7 +94,7 @@ def faiss_parts(
     engine: Engine, shards: Sequence[Shard], space: ScoringSpace, trained: FaissIndex
 ) -> list[tuple[FaissIndex, np.ndarray]]:
     """Per shard: a copy of the ``trained`` (empty) index holding the shard's balanced rows
-    (:meth:`~gradstore.scoring.ScoringSpace.balanced`), and their ids in the order added; merging them in shard
+    (:meth:`~gradstore.methods.scoring.ScoringSpace.balanced`), and their ids in the order added; merging them in shard
     order gives the index one process would build."""
     return engine.map(_faiss_task, shards, (space, trained))
 
@@ -186,7 +186,7 @@ def rank_examples(scores: np.ndarray, example_ids: np.ndarray, k: int, largest: 
 
 
 class RowWeights(Protocol):
-    """A weight per row looked up from the rows' ``step`` column (:class:`gradstore.trajectory.StepWeights`)."""
+    """A weight per row looked up from the rows' ``step`` column (:class:`gradstore.methods.trajectory.StepWeights`)."""
 
     def of(self, steps: np.ndarray) -> np.ndarray: ...
 
