@@ -90,7 +90,7 @@ def make_read_only(store: Any) -> None:
     writes raise ``StorePermissionError`` (``StoreCore.writable``), and reading a side file takes the writers' lock
     only where a writer made one (:func:`existing_lock_file`): no lock file is created per key read (a read token
     naming ever new ``where`` filters would otherwise add a file to the store for each)."""
-    store.core._writable = False
+    store.core.tables._writable = False
     files = store.core.files
     files._lock_file = lambda parts: existing_lock_file(files, parts)
 
