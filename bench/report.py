@@ -75,7 +75,7 @@ def build_store(path: Path, examples: int, queries: int, side: int, seed: int) -
         size=side * side,
         has_bias=True,
     )
-    store.core.ensure_run(RUN, ProjectionSpec(seed=seed, kind="none", layers=(layer,)))
+    store.core.catalog.ensure_run(RUN, ProjectionSpec(seed=seed, kind="none", layers=(layer,)))
     store.record_checkpoint(RUN, "final", step=1, learning_rate=1e-3)
     train_ids = [f"ex-{i:06d}" for i in range(examples)]
     query_ids = [f"q-{i:04d}" for i in range(queries)]

@@ -90,7 +90,7 @@ def open_store(rows: int) -> gradstore.GradStore:
         return gradstore.open(path, create=False)
     log(f"generating {rows:,} x {DIM} rows into {path} (cached for later runs)")
     store = gradstore.open(path)
-    store.core.ensure_run(RUN, spec())
+    store.core.catalog.ensure_run(RUN, spec())
     with store.writer(RUN, commit_rows=WRITE_ROWS) as writer:
         for start in range(0, rows, WRITE_ROWS):
             n = min(WRITE_ROWS, rows - start)

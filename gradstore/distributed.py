@@ -254,7 +254,7 @@ class DistributedCapture(StoreCapture):
             dim=self.store.run_dim(self.run_id),
             storage_dtype=self.store.storage_dtype,
             config=config,
-            id_tables=self.store.other_gradient_tables(self.run_id),
+            id_tables=self.store.catalog.other_gradient_tables(self.run_id),
         )
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -288,7 +288,7 @@ class DistributedCapture(StoreCapture):
             for split in CURVATURE_SPLITS:
                 stats = pool_curvature([part.get((checkpoint, split), {}) for _, part in gathered])
                 if stats:
-                    self.store.save_curvature(self.run_id, checkpoint, stats, split)
+                    self.store.curvature.save(self.run_id, checkpoint, stats, split)
 
 
 def pool_curvature(

@@ -27,8 +27,12 @@ from gradstore.answers.selection import Aggregate, select
 from gradstore.answers.token_scores import ExampleBatches, TokenText, token_scores
 from gradstore.capture.session import RUN_DEFAULT, StoreCapture, capture_config
 from gradstore.core import StoreCore, WriterConfig, connect
+from gradstore.core.catalog import RunCatalog
 from gradstore.core.engine import Engine, EngineName, resolve_engine
+from gradstore.core.maintenance import Maintenance
+from gradstore.core.results import Results
 from gradstore.core.row_cache import RowFiles
+from gradstore.core.tables import Tables
 from gradstore.errors import InvalidArgumentError, surface
 from gradstore.methods import DEFAULT_METHOD, BlockStructure, MethodName, ScoreOptions, check_count, check_k, dvemb
 from gradstore.methods.fitting import FitCache, Selection
@@ -44,26 +48,36 @@ LossReduction = Literal["mean", "sum", "token_mean"]
 
 
 class _FromCore:
-    """A name of the API answered by the store's core: the core's own signature and docstring, through the
-    error surface (wrapped once per store)."""
+    """A name of the API answered by the store's core (or by its part ``part``, a class of ``gradstore.core``): the
+    answering method's own signature and docstring, through the error surface (wrapped once per store)."""
 
-    def __init__(self) -> None:
+    def __init__(self, part: type | None = None) -> None:
         self.name = ""
+        self.part = part
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
     def __get__(self, store: GradStore | None, owner: type) -> Any:
         if store is None:
-            return getattr(StoreCore, self.name)
-        bound = surface(getattr(store.core, self.name))
+            return getattr(self.part or StoreCore, self.name)
+        bound = surface(getattr(_answering(store.core, self.part), self.name))
         store.__dict__[self.name] = bound  # later lookups find it on the instance
         return bound
 
 
-def _core_property(name: str, doc: str | None = None) -> property:
-    """A read-only property of the API answered by the store's core."""
-    return property(lambda store: getattr(store.core, name), doc=doc or getattr(StoreCore, name).__doc__)
+def _answering(core: StoreCore, part: type | None) -> Any:
+    """The core, or its part of class ``part``."""
+    return (
+        core if part is None else next(getattr(core, name) for name in core.PARTS if type(getattr(core, name)) is part)
+    )
+
+
+def _core_property(name: str, doc: str | None = None, part: type | None = None) -> property:
+    """A read-only property of the API answered by the store's core (or its part of class ``part``)."""
+    return property(
+        lambda store: getattr(_answering(store.core, part), name), doc=doc or getattr(part or StoreCore, name).__doc__
+    )
 
 
 class GradStore:
@@ -82,9 +96,11 @@ class GradStore:
         """The core's other names, for one release, with a ``DeprecationWarning``."""
         if name.startswith("_") or name in ("core", "fits"):
             raise AttributeError(name)
-        value = getattr(self.core, name)  # AttributeError: neither the API nor the core has it
+        part = None if hasattr(self.core, name) else self.core.part_of(name)
+        path = "core" if part is None else f"core.{part}"
+        value = getattr(self.core if part is None else getattr(self.core, part), name)  # AttributeError: nobody has it
         warnings.warn(
-            f"store.{name} is the store's plumbing, not its API: use store.core.{name} "
+            f"store.{name} is the store's plumbing, not its API: use store.{path}.{name} "
             "(it leaves the facade in the next release)",
             DeprecationWarning,
             stacklevel=2,
@@ -93,13 +109,13 @@ class GradStore:
 
     # ------------------------------------------------------------------ data: the core's calls that are API
     uri = _core_property("uri", "The store's location as given to :func:`gradstore.open` (a path or a URI).")
-    dim = _core_property("dim")
-    dims = _core_property("dims")
+    dim = _core_property("dim", part=RunCatalog)
+    dims = _core_property("dims", part=RunCatalog)
     storage_dtype = _core_property("storage_dtype")
     writable = _core_property("writable")
-    add_examples = _FromCore()
+    add_examples = _FromCore(Results)
     sql = _FromCore()
-    runs = _FromCore()
+    runs = _FromCore(RunCatalog)
     run = _FromCore()
     checkpoints = _FromCore()
     create_run = _FromCore()
@@ -107,10 +123,10 @@ class GradStore:
     writer = _FromCore()
     read_gradients = _FromCore()
     iter_gradients = _FromCore()
-    count = _FromCore()
-    compact = _FromCore()
-    verify = _FromCore()
-    info = _FromCore()
+    count = _FromCore(Tables)
+    compact = _FromCore(Maintenance)
+    verify = _FromCore(Maintenance)
+    info = _FromCore(Maintenance)
 
     # ------------------------------------------------------------------ capture
     @surface

@@ -151,7 +151,7 @@ def test_hnsw_graph_that_reaches_few_rows_packs_and_warns_once() -> None:
 def _store(path, rows: np.ndarray) -> gradstore.GradStore:
     store = gradstore.open(path, storage_dtype="float32")
     layers = tuple(LayerSlot(f"l{i}", "linear", 8, 8, 4, 4, "factorized", 16 * i, 16, False) for i in range(2))
-    store.core.ensure_run("run", ProjectionSpec(seed=0, kind="factorized", layers=layers))
+    store.core.catalog.ensure_run("run", ProjectionSpec(seed=0, kind="factorized", layers=layers))
     with store.writer("run") as writer:
         writer.append(rows, [f"x{i:04d}" for i in range(len(rows))], checkpoint="train", split="train")
     return store

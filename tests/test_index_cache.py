@@ -19,7 +19,7 @@ KIND = "HNSW16,Flat"
 def _store(path, rows: int = 600) -> tuple[gradstore.GradStore, np.ndarray]:
     store = gradstore.open(path, storage_dtype="float32")
     layers = tuple(LayerSlot(f"l{i}", "linear", 8, 8, 4, 4, "factorized", 16 * i, 16, False) for i in range(2))
-    store.core.ensure_run("run", ProjectionSpec(seed=0, kind="factorized", layers=layers))
+    store.core.catalog.ensure_run("run", ProjectionSpec(seed=0, kind="factorized", layers=layers))
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((rows, DIM)).astype(np.float32)
     with store.writer("run") as writer:

@@ -200,7 +200,7 @@ def test_errors_not_about_the_data_still_stop_capture(store, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store.core, "append_table", full)
+    monkeypatch.setattr(store.core.results, "append_table", full)
     with pytest.raises(OSError, match="No space left"), warnings.catch_warnings():
         warnings.simplefilter("ignore", SkippedStepWarning)
         train(store, "full", [[i] for i in range(BATCHES)], nan=(2,))

@@ -64,7 +64,7 @@ def test_permission_failures_are_told_apart_from_other_failures():
 def test_a_store_taken_as_read_only_keeps_fits_in_memory_and_refuses_writes(store_path):
     _build(store_path)
     store = gradstore.open(store_path)
-    store.core._writable = False  # as found for a store whose directories this process may not write
+    store.core.tables._writable = False  # as found for a store whose directories this process may not write
     fits = store_path / "_gradstore" / "fits"
     before = sorted(p.name for p in fits.iterdir())
     found = store.attribute(run="run", k=3, method="fisher", write=False)

@@ -40,7 +40,7 @@ def small_store(tmp_path_factory):
         size=SIDE * SIDE,
         has_bias=True,
     )
-    store.core.ensure_run(RUN, ProjectionSpec(seed=0, kind="none", layers=(layer,)))
+    store.core.catalog.ensure_run(RUN, ProjectionSpec(seed=0, kind="none", layers=(layer,)))
     store.record_checkpoint(RUN, "final", step=1, learning_rate=0.1)
     train = [f"t-{i:03d}" for i in range(N_TRAIN)]
     queries = [f"q-{i}" for i in range(N_QUERIES)]

@@ -20,7 +20,7 @@ def _clustered_store(path) -> tuple[gradstore.GradStore, np.ndarray]:
     """1,200 float32 rows around 12 cluster centres, and 16 query rows near them."""
     store = gradstore.open(path, storage_dtype="float32")
     layers = tuple(LayerSlot(f"l{i}", "linear", 8, 8, 4, 4, "factorized", 16 * i, 16, False) for i in range(2))
-    store.core.ensure_run("run", ProjectionSpec(seed=0, kind="factorized", layers=layers))
+    store.core.catalog.ensure_run("run", ProjectionSpec(seed=0, kind="factorized", layers=layers))
     rng = np.random.default_rng(0)
     centres = rng.standard_normal((12, DIM)) * 3
     rows = (centres[rng.integers(0, 12, 1200)] + rng.standard_normal((1200, DIM))).astype(np.float32)

@@ -9,6 +9,7 @@ import pytest
 import gradstore
 from gradstore.core import StoreCore
 from gradstore.core import schema as S
+from gradstore.core.catalog import RunCatalog
 from gradstore.errors import InvalidArgumentError, SchemaMismatchError
 
 SPEC_A = {"kind": "a", "fingerprint": "a"}
@@ -17,15 +18,15 @@ SPEC_B = {"kind": "b", "fingerprint": "b"}
 
 def _rival_commits_first(monkeypatch, store: StoreCore, **rival: object) -> None:
     """Make the next ``create_run`` miss a rival's run row: the rival commits right after ``has_run`` said no."""
-    original = StoreCore.has_run
+    original = RunCatalog.has_run
 
-    def has_run_then_rival(self: StoreCore, run_id: str) -> bool:
-        monkeypatch.setattr(StoreCore, "has_run", original)
+    def has_run_then_rival(self: RunCatalog, run_id: str) -> bool:
+        monkeypatch.setattr(RunCatalog, "has_run", original)
         found = original(self, run_id)
         gradstore.open(store.uri).create_run(run_id, **rival)
         return found
 
-    monkeypatch.setattr(StoreCore, "has_run", has_run_then_rival)
+    monkeypatch.setattr(RunCatalog, "has_run", has_run_then_rival)
 
 
 def test_the_first_committed_spec_is_the_run_and_the_other_creation_fails(monkeypatch, tmp_path):

@@ -24,7 +24,7 @@ SELECTION = Selection("run", "train", "train", None)
 def store_and_queries(tmp_path_factory):
     store = gradstore.open(tmp_path_factory.mktemp("device") / "store", storage_dtype="float32")
     layers = tuple(LayerSlot(f"l{i}", "linear", 8, 8, 4, 4, "factorized", 16 * i, 16, False) for i in range(2))
-    store.core.ensure_run("run", ProjectionSpec(seed=0, kind="factorized", layers=layers))
+    store.core.catalog.ensure_run("run", ProjectionSpec(seed=0, kind="factorized", layers=layers))
     rng = np.random.default_rng(0)
     with store.writer("run") as writer:
         writer.append(

@@ -114,7 +114,7 @@ def _create_gradients_table(path: str, dim: int, barrier, results) -> None:
     store = gradstore.open(path)
     barrier.wait()
     try:
-        store.core._create_table(S.GRADIENTS, S.gradients_schema(dim, "float16"))
+        store.core.tables.create(S.GRADIENTS, S.gradients_schema(dim, "float16"))
         results.put(("ok", dim))
     except Exception as error:  # reported to the test
         results.put(("error", repr(error)))

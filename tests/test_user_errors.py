@@ -64,7 +64,7 @@ def filled(tmp_path_factory) -> gradstore.GradStore:
 
 
 def _versions(store: gradstore.GradStore) -> dict[str, int]:
-    return {name: store.core.dataset(name).version for name in store.core.table_names()}
+    return {name: store.core.dataset(name).version for name in store.core.tables.table_names()}
 
 
 def _check(store: gradstore.GradStore, call) -> None:

@@ -317,7 +317,7 @@ def _finish(store: GradStore, run: str, rows: list[dict], write: bool) -> pa.Tab
         schema=EVALUATIONS_SCHEMA,
     )
     if write:
-        store.core.append_table(EVALUATIONS, table)
+        store.core.results.append_table(EVALUATIONS, table)
     return table
 
 

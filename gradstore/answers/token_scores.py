@@ -27,7 +27,7 @@ from torch import nn
 
 from gradstore.capture.session import config_for_run
 from gradstore.core import StoreCore
-from gradstore.core.database import check_spec
+from gradstore.core.catalog import check_spec
 from gradstore.errors import InvalidArgumentError, MissingIdsError
 from gradstore.methods import ScoreOptions, check_k
 from gradstore.methods.fitting import FitCache, Selection
@@ -136,7 +136,7 @@ def token_scores(
         )
     table = builder.table(resolved.name, run, checkpoint)
     if write:
-        store.append_table(TOKEN_SCORES, table)
+        store.results.append_table(TOKEN_SCORES, table)
     return table
 
 

@@ -177,7 +177,9 @@ class OnlineSelection:
         if not self._rows:
             return
         rows, self._rows = self._rows, []
-        self.capture.store.append_table(ONLINE_SELECTION, pa.Table.from_pylist(rows, schema=S.ONLINE_SELECTION_SCHEMA))
+        self.capture.store.results.append_table(
+            ONLINE_SELECTION, pa.Table.from_pylist(rows, schema=S.ONLINE_SELECTION_SCHEMA)
+        )
 
 
 def select_online(

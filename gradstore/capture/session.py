@@ -23,7 +23,7 @@ from torch import nn
 from gradstore.capture.resume import CommittedRows
 from gradstore.core import GradientWriter, StoreCore, WriterConfig
 from gradstore.core import schema as S
-from gradstore.core.database import check_run_name
+from gradstore.core.catalog import check_run_name
 from gradstore.core.run_basis import run_basis, save_basis
 from gradstore.errors import GradstoreError, InvalidArgumentError, InvalidNameError, NonFiniteGradientError, translated
 from ingest import CaptureConfig, CapturedBatch, GradientCapture, ProjectionSpec
@@ -196,7 +196,7 @@ class StoreCapture:
         basis = self.capture.config.projection.basis
         if basis is not None:
             save_basis(self.store, self.spec, basis)
-        self.store.ensure_run(
+        self.store.catalog.ensure_run(
             self.run_id, self.spec, model_fingerprint(self._model), {"capture": self.capture.config.options()}
         )
         self._writer = self._open_writer()
@@ -238,7 +238,7 @@ class StoreCapture:
                 for split in CURVATURE_SPLITS:
                     stats = self.capture.curvature(checkpoint, split)
                     if stats:
-                        self.store.save_curvature(self.run_id, checkpoint, stats, split)
+                        self.store.curvature.save(self.run_id, checkpoint, stats, split)
 
     def _record_coverage(self) -> None:
         """The capture's coverage: a row per trainable parameter in ``capture_coverage``."""
@@ -260,7 +260,7 @@ class StoreCapture:
             for p in self.capture.coverage.parameters
         ]
         if rows:
-            self.store.append_table(S.COVERAGE, pa.Table.from_pylist(rows, schema=S.COVERAGE_SCHEMA))
+            self.store.results.append_table(S.COVERAGE, pa.Table.from_pylist(rows, schema=S.COVERAGE_SCHEMA))
 
     @property
     def coverage(self) -> Coverage:
@@ -347,7 +347,7 @@ class StoreCapture:
             "n_nonfinite": batch.nonfinite_rows,
             "created_at": datetime.now(timezone.utc),
         }
-        self.store.append_table(S.SKIPPED_STEPS, pa.Table.from_pylist([row], schema=S.SKIPPED_STEPS_SCHEMA))
+        self.store.results.append_table(S.SKIPPED_STEPS, pa.Table.from_pylist([row], schema=S.SKIPPED_STEPS_SCHEMA))
         self.steps_skipped += 1
         self.rows_dropped += len(batch.example_ids)
 

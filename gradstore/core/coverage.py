@@ -10,7 +10,7 @@ from gradstore.core import schema as S
 
 
 class TableReader(Protocol):
-    """What reading the coverage needs of a store (:class:`gradstore.core.database.StoreCore` is one)."""
+    """What reading the coverage needs of a store (:class:`gradstore.core.tables.Tables` is one)."""
 
     def has_table(self, name: str) -> bool: ...
 

@@ -3,7 +3,8 @@
 
 A checkpoint has the factors of its training rows (split ``"train"``, the empirical Fisher's: the key stores made
 before true-Fisher factors existed use) and, where a capture with ``curvature=True`` wrote true-Fisher rows, those of
-split ``"true-fisher"`` (the true Fisher's), each in its own file."""
+split ``"true-fisher"`` (the true Fisher's), each in its own file. :class:`Curvature` is the store's part that keeps
+them for its runs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import io
 
 import numpy as np
 
+from gradstore.core.catalog import RunCatalog
 from gradstore.core.sidefiles import SideFiles
+from gradstore.core.tables import writes
 from gradstore.errors import InvalidArgumentError, MissingCurvatureError, StoreCorruptError
 from ingest.curvature import CURVATURE_SPLITS
 
@@ -69,3 +72,27 @@ def load_curvature(files: SideFiles, run_id: str, checkpoint: str, split: str = 
             }
     except (ValueError, KeyError, OSError) as error:
         raise StoreCorruptError(f"curvature of {of} is damaged: {error}") from error
+
+
+class Curvature:
+    """The curvature statistics of a store's runs' checkpoints (one side file per checkpoint and split)."""
+
+    def __init__(self, catalog: RunCatalog) -> None:
+        self.catalog = catalog
+        self.tables = catalog.tables
+
+    @writes("save curvature statistics")
+    def save(self, run_id: str, checkpoint: str, stats: LayerCurvature, split: str = "train") -> None:
+        """Save per-layer Kronecker curvature statistics of a run's checkpoint over its rows of ``split``
+        (``"train"`` or ``"true-fisher"``, one side file each)."""
+        self.catalog.run(run_id)
+        save_curvature(self.tables.files, run_id, checkpoint, stats, split)
+
+    def load(self, run_id: str, checkpoint: str, split: str = "train") -> LayerCurvature:
+        """Per layer ``(A, S, count)`` of the checkpoint's rows of ``split`` saved by a capture with
+        ``curvature=True`` (``MissingCurvatureError`` if none was)."""
+        return load_curvature(self.tables.files, run_id, checkpoint, split)
+
+    def has(self, run_id: str, checkpoint: str, split: str = "train") -> bool:
+        """Whether a capture with ``curvature=True`` saved statistics of the checkpoint's rows of ``split``."""
+        return has_curvature(self.tables.files, run_id, checkpoint, split)

@@ -19,7 +19,10 @@ import lance
 import pyarrow as pa
 import pyarrow.dataset as pads
 
-from gradstore.core.schema import LAZY_SCHEMAS
+from gradstore.core.gradient_tables import is_gradient_table
+from gradstore.core.macros import macros_for
+from gradstore.core.schema import GRADIENTS, LAZY_SCHEMAS
+from gradstore.core.tables import Tables
 from gradstore.errors import SQLError
 
 _READ_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
@@ -94,3 +97,25 @@ def run_query(con: duckdb.DuckDBPyConnection, query: str) -> duckdb.DuckDBPyRela
         return con.from_arrow(con.sql(query).to_arrow_table())
     except (duckdb.Error, pa.ArrowException) as error:
         raise SQLError(str(error)) from None
+
+
+def store_views(tables: Tables) -> tuple[dict[str, lance.LanceDataset], dict[str, list[str]], list[str]]:
+    """What SQL shows of a store's ``tables`` (at the caller's snapshot): ``(tables, unions, macros)``.
+
+    ``gradients`` is the one dim's table, or the union of every ``gradients_<dim>``, each also shown by that name."""
+    views = {name: tables.dataset(name) for name in tables.stored_names() if not is_gradient_table(name)}
+    by_dim = {f"{GRADIENTS}_{dim}": tables.dataset(name) for dim, name in tables.gradient_tables.by_dim().items()}
+    unions = {GRADIENTS: list(by_dim)} if len(by_dim) > 1 else {}
+    if len(by_dim) == 1:
+        views[GRADIENTS] = next(iter(by_dim.values()))
+    views.update(by_dim)
+    macros = macros_for({name: view.schema.names for name, view in views.items()})
+    return views, unions, macros
+
+
+def query_store(tables: Tables, query: str) -> tuple[duckdb.DuckDBPyConnection, duckdb.DuckDBPyRelation]:
+    """Run read-only ``query`` over a store's ``tables`` (vectors excluded): the connection (which the relation
+    needs alive) and the relation."""
+    views, unions, macros = store_views(tables)
+    connection = connect(views, macros, tables.storage_options, unions)
+    return connection, run_query(connection, query)

@@ -17,7 +17,9 @@ import numpy as np
 import pyarrow as pa
 
 from gradstore.core import schema as S
+from gradstore.core.catalog import RunCatalog
 from gradstore.core.gradient_tables import is_gradient_table, table_dim
+from gradstore.core.tables import Tables
 from gradstore.core.vectors import decode, storage_dtype_of
 
 
@@ -35,28 +37,28 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_store(store: Any, block_rows: int = 65536) -> VerifyReport:
-    """Check every table and side file of ``store`` (a :class:`~gradstore.core.StoreCore`)."""
+def verify_store(tables: Tables, catalog: RunCatalog, block_rows: int = 65536) -> VerifyReport:
+    """Check every table and side file of a store (its :class:`~gradstore.core.tables.Tables` and runs)."""
     report = VerifyReport()
-    for name in sorted(store.db.list_tables().tables):
-        if not store._committed(name):  # a kill during its creation: absent for the store, completed on use
+    for name in sorted(tables.db.list_tables().tables):
+        if not tables.committed(name):  # a kill during its creation: absent for the store, completed on use
             continue
         try:
-            expected = store.table(name).count_rows()
-            dataset = store.table(name).to_lance()
-            rows = _scan(name, dataset, block_rows, store, report)
+            expected = tables.table(name).count_rows()
+            dataset = tables.table(name).to_lance()
+            rows = _scan(name, dataset, block_rows, catalog, report)
         except Exception as error:  # any failure to read is damage; the message names the file
             report.problems.append(f"table {name}: cannot be read: {error}")
             continue
         report.tables[name] = rows
         if rows != expected:
             report.problems.append(f"table {name}: {rows} rows readable but its manifest counts {expected}")
-    problems, report.side_files_checked = store.files.damaged()
+    problems, report.side_files_checked = tables.files.damaged()
     report.problems.extend(problems)
     return report
 
 
-def _scan(name: str, dataset: Any, block_rows: int, store: Any, report: VerifyReport) -> int:
+def _scan(name: str, dataset: Any, block_rows: int, catalog: RunCatalog, report: VerifyReport) -> int:
     rows = 0
     grad_ids: list[np.ndarray] = []
     runs: set[str] = set()
@@ -77,7 +79,7 @@ def _scan(name: str, dataset: Any, block_rows: int, store: Any, report: VerifyRe
         duplicated = len(ids) - len(np.unique(ids))
         if duplicated:
             report.problems.append(f"table {name}: {duplicated} duplicated grad_id(s)")
-        known = store.runs()
+        known = catalog.runs()
         dims = dict(zip(known.column("run_id").to_pylist(), known.column("dim").to_pylist()))
         if runs - set(dims):
             report.problems.append(f"table {name}: rows of unknown run(s) {sorted(runs - set(dims))}")

@@ -25,7 +25,7 @@ import torch
 
 from gradstore.capture.session import config_for_run
 from gradstore.core import StoreCore, sql_in
-from gradstore.core.database import check_spec
+from gradstore.core.catalog import check_spec
 from gradstore.core.filters import check_filter
 from gradstore.errors import InvalidArgumentError, MissingIdsError, NonFiniteGradientError, SchemaMismatchError
 from gradstore.methods.rows import row_checkpoints

@@ -91,9 +91,9 @@ class ReadOnlyCore(StoreCore):
     """A :class:`~gradstore.core.database.StoreCore` this process never writes, from its first step: a fixed table
     the store lacks (a store made by an earlier version) reads as empty instead of being created at open."""
 
-    @property
-    def writable(self) -> bool:
-        return False
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tables._writable = False
 
 
 def open_read_only(uri: str | Path, read_consistency: timedelta) -> Any:
@@ -110,7 +110,7 @@ def make_read_only(store: Any) -> None:
     writes raise ``StorePermissionError`` (``StoreCore.writable``), and reading a side file takes the writers' lock
     only where a writer made one (:func:`existing_lock_file`): no lock file is created per key read (a read token
     naming ever new ``where`` filters would otherwise add a file to the store for each)."""
-    store.core._writable = False
+    store.core.tables._writable = False
     files = store.core.files
     files._lock_file = lambda parts: existing_lock_file(files, parts)
 

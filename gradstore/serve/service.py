@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from gradstore.core.sql import store_views
 from gradstore.errors import (
     GradstoreError,
     InvalidArgumentError,
@@ -47,7 +48,7 @@ from gradstore.serve.errors import (
     RequestTooLargeError,
     ServerBusyError,
 )
-from gradstore.serve.sql import SQLSandbox, store_views
+from gradstore.serve.sql import SQLSandbox
 from gradstore.store import open_store
 from gradstore.store_api import STORE_API, StoreAPI
 
@@ -442,7 +443,7 @@ class Service:
         return core.dataset(name).version
 
     def _sql(self, query: Any, cancelled: Callable[[], bool] | None = None) -> pa.Table:
-        tables, unions, macros = store_views(self.store.core)
+        tables, unions, macros = store_views(self.store.core.tables)
         return self.sql.run(query, tables, unions, macros, self.store.core.storage_options, cancelled)
 
     def _capped(self, table: Any) -> pa.Table:

@@ -30,9 +30,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from gradstore.core.gradient_tables import is_gradient_table
-from gradstore.core.macros import macros_for
-from gradstore.core.schema import GRADIENTS, LAZY_SCHEMAS
+from gradstore.core.schema import LAZY_SCHEMAS
 from gradstore.core.sql import VectorlessLanceView
 from gradstore.errors import GradstoreError, InvalidArgumentError, SQLError
 from gradstore.serve.errors import QueryCancelledError, QueryTimeoutError, RequestTooLargeError
@@ -104,20 +102,6 @@ def _safe(check: Callable[[], bool]) -> bool:
         return False
 
 
-def store_views(core: Any) -> tuple[dict[str, Any], dict[str, list[str]], list[str]]:
-    """What ``store.sql`` shows of ``core`` (at the caller's snapshot): ``(tables, unions, macros)`` (as
-    :meth:`gradstore.core.database.StoreCore.sql` builds them: ``gradients`` is one dim's table or the union of
-    every ``gradients_<dim>``)."""
-    tables = {name: core.dataset(name) for name in core._list_tables() if not is_gradient_table(name)}
-    by_dim = {f"{GRADIENTS}_{dim}": core.dataset(name) for dim, name in core.gradient_tables.by_dim().items()}
-    unions = {GRADIENTS: list(by_dim)} if len(by_dim) > 1 else {}
-    if len(by_dim) == 1:
-        tables[GRADIENTS] = next(iter(by_dim.values()))
-    tables.update(by_dim)
-    macros = macros_for({name: table.schema.names for name, table in tables.items()})
-    return tables, unions, macros
-
-
 def _identifier(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
@@ -182,7 +166,8 @@ class SQLSandbox:
         cancelled: Callable[[], bool] | None = None,
     ) -> pa.Table:
         """``query``'s result over ``tables`` (name -> Lance dataset), ``unions`` and ``macros`` (as
-        :func:`store_views` gives them), checked, bounded and streamed; ``cancelled()`` true interrupts it."""
+        :func:`gradstore.core.sql.store_views` gives them), checked, bounded and streamed; ``cancelled()`` true
+        interrupts it."""
         if not isinstance(query, str):
             raise InvalidArgumentError("sql needs a query (a string)")
         names = set(tables) | set(LAZY_SCHEMAS) | set(unions)

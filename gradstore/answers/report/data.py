@@ -84,7 +84,7 @@ def gather(store: StoreCore, options: ReportOptions | None = None, selection: pa
         raise ValueError("max_queries and outliers must be >= 0 and top >= 1")
     if options.run is not None:
         store.run(options.run)  # UnknownRunError for a run the store does not hold
-    tables = set(store.table_names())
+    tables = set(store.tables.table_names())
     reader = _Reader(store, tables, options)
     notes: list[str] = []
     queries, total = reader.queries()
@@ -136,7 +136,7 @@ class _Reader:
         return self.store.sql(query).df()
 
     def _has_rows(self, table: str) -> bool:
-        return table in self.tables and self.store.count(table) > 0
+        return table in self.tables and self.store.tables.count(table) > 0
 
     def _text_column(self) -> str | None:
         if "examples" not in self.tables:
@@ -169,7 +169,7 @@ class _Reader:
             if "checkpoints" in self.tables
             else None
         )
-        counts = {name: self.store.count(name) for name in sorted(self.tables)}
+        counts = {name: self.store.tables.count(name) for name in sorted(self.tables)}
         coverage = run_coverage(self.store)
         return {
             "runs": [{**r, "coverage": coverage.get(r["run_id"])} for r in _records(runs)],
@@ -183,7 +183,7 @@ class _Reader:
         """The reported run's dim, else the store's dims (``"16, 64"`` for several)."""
         if self.options.run is not None:
             return self.store.run_dim(self.options.run)
-        dims = self.store.dims
+        dims = self.store.catalog.dims
         return dims[0] if len(dims) == 1 else (", ".join(map(str, dims)) or None)
 
     # ------------------------------------------------------------------ queries and their top-k
