@@ -59,6 +59,8 @@ UNIT_DTYPES = ("float16", "bfloat16", "int8")
 #: on one thread. Encoding, a memory-bound pass, then never keeps OpenMP workers spinning on cores other
 #: writers (or the training) need, and its temporaries stay small (no fresh pages to fault in per commit).
 ENCODE_CHUNK_VALUES = 32768
+#: Values per float32 tile when measuring int8 rows' norms (:func:`int8_scales`): cache-sized, few kernel calls.
+SCALE_TILE_VALUES = 1 << 18
 DEFAULT_STORAGE_DTYPE = "float16"
 #: The largest row norm a store holds (``grad_norm`` is float32): larger rows would be stored as ``inf``.
 MAX_NORM = float(np.finfo(np.float32).max)
@@ -185,12 +187,16 @@ def int8_scales(rows: np.ndarray, norms: np.ndarray) -> np.ndarray:
     """Per-row float32 scales of int8 rows: ``norm / ||q||`` (a row is ``scale * q``); a zero row's scale is
     ``0 * norm`` (0, or NaN for a row stored with a non-finite norm)."""
     q_norms = np.empty(len(rows), dtype=np.float32)
-    source = torch.from_numpy(rows) if rows.flags.writeable else torch.from_numpy(rows.copy())
-    tile_rows = max(1, ENCODE_CHUNK_VALUES // max(rows.shape[1], 1))
+    with warnings.catch_warnings():  # shared read-only: only read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        source = torch.from_numpy(np.ascontiguousarray(rows))
+    tile_rows = max(1, SCALE_TILE_VALUES // max(rows.shape[1], 1))
+    tile = torch.empty(min(len(rows), tile_rows), rows.shape[1])
     out = torch.from_numpy(q_norms)
     for start in range(0, len(rows), tile_rows):
         part = slice(start, start + tile_rows)
-        torch.linalg.vector_norm(source[part].to(torch.float32), dim=1, out=out[part])
+        stored = source[part]
+        torch.linalg.vector_norm(tile[: len(stored)].copy_(stored), dim=1, out=out[part])
     norms = np.asarray(norms, dtype=np.float32)
     with np.errstate(invalid="ignore"):
         return np.where(q_norms > 0, norms / np.where(q_norms > 0, q_norms, 1), norms * 0).astype(np.float32)
