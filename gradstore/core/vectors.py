@@ -27,8 +27,14 @@ Storage dtypes
     ``max|u| ~ 4/sqrt(d)`` this is about ``4/127 = 0.03``, and for a query unrelated to the errors they cancel
     to ``~max|u| / (127 sqrt(3))``, about 1e-3 at d = 256 and 1.6e-4 at d = 4,096 (checked in
     tests/test_int8_store.py). int8 values convert to bf16 exactly, so the exact kernel's bf16 screen is exact on
-    the stored values and float32 rescoring decides: exact top-k on what is stored. Not the default: its
-    fidelity cost (bench/fidelity.py) has not been measured. 1 byte per dimension + 4 bytes.
+    the stored values and float32 rescoring decides: exact top-k on what is stored. Measured (2026-12-05,
+    docs/benchmarks.md): 4,119 bytes per row on disk at 4,096 dims (float16 8,215: 0.501x); recall@10 against a
+    float32 scan on decaying-spectrum rows 0.9875 (float16 1.0, bfloat16 0.998), short of the issue's 0.999;
+    ``gradstore demo`` best/BM25 2.205 (float16 2.349) but fisher's recall@10 0.496 (float16 0.623) and the
+    curvature-aware fisher's 0.500 (0.796): preconditioning amplifies the quantisation error. The scan of
+    prepared rows is no faster than float16's (the bf16 kernel screens a bf16 copy). Not the default: the
+    demo's fisher rows and the 0.999 recall fail, and bench/fidelity.py was not run. 1 byte per dimension + 4
+    bytes.
 ``"float32"``
     The raw vector in float32 (``grad_norm`` is still stored, for cosine and audits). 4 bytes per dimension.
 
