@@ -583,11 +583,14 @@ def demo(
     ),
     epochs: Annotated[int, typer.Option(help="Training epochs.")] = 24,
     places: Annotated[int, typer.Option(help="Invented places (2 facts each).")] = 24,
+    storage_dtype: Annotated[str, typer.Option(help="The store's encoding: float16, bfloat16, float32 or int8.")] = (
+        "float16"
+    ),
 ) -> None:
     """Run the whole job on a built-in corpus: train a tiny GPT under capture, attribute, report recall."""
     from gradstore.demo import DemoConfig, run_demo
 
-    run_demo(store, DemoConfig(epochs=epochs, places=places), log=typer.echo)
+    run_demo(store, DemoConfig(epochs=epochs, places=places, storage_dtype=storage_dtype), log=typer.echo)
 
 
 @app.command()

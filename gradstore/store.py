@@ -576,10 +576,11 @@ def open_store(
 ) -> GradStore:
     """Create or open the store at ``uri`` (a local directory or an object-store URI such as ``s3://bucket/x``).
 
-    ``storage_dtype`` (``"float16"`` default, ``"bfloat16"`` or ``"float32"``; see :mod:`gradstore.core.vectors`)
-    is fixed when the store is created (recorded in it before any run exists): a later open without it uses the
-    store's, and asking for a different one is a ``SchemaMismatchError`` (a store made by an earlier version that
-    has no run yet takes the one asked for, or the default, when its first run is created).
+    ``storage_dtype`` (``"float16"`` default, ``"bfloat16"``, ``"float32"`` or ``"int8"``; see
+    :mod:`gradstore.core.vectors`) is fixed when the store is created (recorded in it before any run exists): a
+    later open without it uses the store's, and asking for a different one is a ``SchemaMismatchError`` (a store
+    made by an earlier version that has no run yet takes the one asked for, or the default, when its first run is
+    created).
     ``read_consistency`` is how stale a read may be (0: always see other writers' latest commits).
     ``storage_options``: endpoint and credentials of
     an object store (Lance's names: ``aws_endpoint``, ``aws_access_key_id``, ``aws_secret_access_key``,

@@ -23,7 +23,7 @@ from indexers.screening import (
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 #: Row dtypes that prepared rows keep as they are on the CPU (the store's encodings); others become float32.
-STORED_ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+STORED_ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)
 #: An upper bound of the norm of a float32 unit vector rounded to bfloat16 (each entry moves by at most 2**-8 of
 #: itself; the rest covers the float32 rounding of the unit vector's own scaling, with a wide margin).
 UNIT_BF16_NORM = 1 + 2**-6

@@ -167,7 +167,7 @@ def test_unknown_or_contradictory_encodings_are_refused(tmp_path, monkeypatch) -
     assert storage_dtype_of(pa.field("grad", pa.list_(pa.float32(), 4))) == "float32"
     refused = [
         pa.field("grad", pa.list_(pa.uint16(), 4)),  # untagged uint16: nothing ever wrote that
-        pa.field("grad", pa.list_(pa.int8(), 4), metadata={ENCODING_KEY: b"int8"}),  # a newer encoding
+        pa.field("grad", pa.list_(pa.int8(), 4), metadata={ENCODING_KEY: b"int4"}),  # a newer encoding
         pa.field("grad", pa.list_(pa.float16(), 4), metadata={ENCODING_KEY: b"bfloat16"}),  # tag and type disagree
     ]
     for bad in refused:

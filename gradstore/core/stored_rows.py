@@ -19,7 +19,7 @@ import pyarrow as pa
 from gradstore.core import schema as S
 from gradstore.core.filters import gradient_filter
 from gradstore.core.vector_scanner import late_materialization, vector_scanner
-from gradstore.core.vectors import UNIT_DTYPES, stored_values
+from gradstore.core.vectors import UNIT_DTYPES, int8_scales, stored_values
 
 if TYPE_CHECKING:
     from gradstore.core.database import StoreCore
@@ -62,9 +62,11 @@ def stored_columns(dtype: str) -> list[str]:
 
 def stored_block(batch: pa.RecordBatch, dtype: str) -> tuple:
     """A scanned batch of :func:`stored_columns` as a :data:`indexers.VectorBlocks` block: ``(grad_ids, rows as
-    stored, norms)`` for unit-row encodings (the row is ``norm * unit row``), ``(grad_ids, rows)`` for float32."""
+    stored, norms)`` for unit-row encodings (the row is ``norm * unit row``; int8 rows come with their per-row
+    scales ``norm / ||q||`` instead, :func:`~gradstore.core.vectors.int8_scales`), ``(grad_ids, rows)`` for float32."""
     ids = np.array(batch.column("grad_id").to_numpy())  # small copies: writable, unlike Arrow's buffers
     rows = stored_values(batch.column(S.VECTOR_COLUMN), dtype)
     if dtype not in UNIT_DTYPES:
         return ids, rows
-    return ids, rows, np.array(batch.column(S.NORM_COLUMN).to_numpy())
+    norms = np.array(batch.column(S.NORM_COLUMN).to_numpy())
+    return ids, rows, int8_scales(rows, norms) if dtype == "int8" else norms

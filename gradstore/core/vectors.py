@@ -16,6 +16,25 @@ Storage dtypes
     ``~2**-8 / sqrt(3 d)`` (measured maxima over 500 N(0,1) pairs: 7e-5 at d = 4,096, 3e-4 at 256, 1.4e-3 at
     16). So the 1e-3 rule holds for spread-out gradients of a few hundred dims and more, not for every pair.
     2 bytes per dimension + 4 bytes.
+``"int8"``
+    One byte per dimension: the unit vector ``u = g / ||g||`` quantised per row as ``q = round(127 u / max|u|)``
+    (``|q| <= 127``, the row's largest entry exactly +-127) plus the float32 norm in ``grad_norm``. The row
+    decodes as ``||g|| q / ||q||``: its per-row scale ``||g|| / ||q||`` is derived from the stored values and the
+    norm (no scale column: every reader of unit rows reads the same two columns), and the decoded row keeps the
+    true norm exactly. Each entry of ``127 u / max|u|`` is rounded by at most 1/2, so the direction's error is
+    ``||q/||q|| - u|| <= sqrt(d) / ||q||`` (``<= sqrt(d) max|u| / 127``), i.e. ``|a . b~ - a . b| <= sqrt(d)
+    max|u_b| / 127 ||a|| ||b||`` in the worst case (a query aligned with the rounding errors); for spread-out rows
+    ``max|u| ~ 4/sqrt(d)`` this is about ``4/127 = 0.03``, and for a query unrelated to the errors they cancel
+    to ``~max|u| / (127 sqrt(3))``, about 1e-3 at d = 256 and 1.6e-4 at d = 4,096 (checked in
+    tests/test_int8_store.py). int8 values convert to bf16 exactly, so the exact kernel's bf16 screen is exact on
+    the stored values and float32 rescoring decides: exact top-k on what is stored. Measured (2026-12-05,
+    docs/benchmarks.md): 4,119 bytes per row on disk at 4,096 dims (float16 8,215: 0.501x); recall@10 against a
+    float32 scan on decaying-spectrum rows 0.9875 (float16 1.0, bfloat16 0.998), short of the issue's 0.999;
+    ``gradstore demo`` best/BM25 2.205 (float16 2.349) but fisher's recall@10 0.496 (float16 0.623) and the
+    curvature-aware fisher's 0.500 (0.796): preconditioning amplifies the quantisation error. The scan of
+    prepared rows is no faster than float16's (the bf16 kernel screens a bf16 copy). Not the default: the
+    demo's fisher rows and the 0.999 recall fail, and bench/fidelity.py was not run. 1 byte per dimension + 4
+    bytes.
 ``"float32"``
     The raw vector in float32 (``grad_norm`` is still stored, for cosine and audits). 4 bytes per dimension.
 
@@ -35,17 +54,19 @@ import torch
 
 from gradstore.errors import InvalidArgumentError, StoreCorruptError
 
-STORAGE_DTYPES = ("float16", "bfloat16", "float32")
+STORAGE_DTYPES = ("float16", "bfloat16", "float32", "int8")
 #: Field metadata key of the ``grad`` column naming its storage dtype (one of :data:`STORAGE_DTYPES`).
 ENCODING_KEY = b"gradstore.encoding"
 #: Arrow value type of each storage dtype's ``grad`` column.
-VALUE_TYPES = {"float16": pa.float16(), "bfloat16": pa.uint16(), "float32": pa.float32()}
+VALUE_TYPES = {"float16": pa.float16(), "bfloat16": pa.uint16(), "float32": pa.float32(), "int8": pa.int8()}
 #: Storage dtypes whose rows are unit vectors scaled by ``grad_norm`` (the others store the raw vector).
-UNIT_DTYPES = ("float16", "bfloat16")
+UNIT_DTYPES = ("float16", "bfloat16", "int8")
 #: Values per kernel call when encoding: torch's parallel grain size, so each kernel does one grain of work
 #: on one thread. Encoding, a memory-bound pass, then never keeps OpenMP workers spinning on cores other
 #: writers (or the training) need, and its temporaries stay small (no fresh pages to fault in per commit).
 ENCODE_CHUNK_VALUES = 32768
+#: Values per float32 tile when measuring int8 rows' norms (:func:`int8_scales`): cache-sized, few kernel calls.
+SCALE_TILE_VALUES = 1 << 18
 DEFAULT_STORAGE_DTYPE = "float16"
 #: The largest row norm a store holds (``grad_norm`` is float32): larger rows would be stored as ``inf``.
 MAX_NORM = float(np.finfo(np.float32).max)
@@ -137,6 +158,8 @@ def encode_rows(vectors: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray
     norms = row_norms(vectors)
     if check_storage_dtype(dtype) == "float32":
         return vectors.copy(), norms
+    if dtype == "int8":
+        return _quantised(vectors), norms
     scale = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
     scale = torch.from_numpy(scale.astype(np.float32))[:, None]
     source = torch.from_numpy(vectors)
@@ -146,6 +169,43 @@ def encode_rows(vectors: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray
     if dtype == "float16":
         return values.numpy(), norms
     return values.view(torch.int16).numpy().view(np.uint16), norms  # bfloat16's bit patterns
+
+
+def _quantised(vectors: np.ndarray) -> np.ndarray:
+    """``round(127 v / max|v|)`` of each row as int8 (equal to the unit row's; zero rows and rows holding NaN/Inf
+    are stored as zeros: their norm, 0 or non-finite, decodes them as 0 or NaN)."""
+    peaks = row_peaks(vectors).astype(np.float64)
+    usable = np.isfinite(peaks) & (peaks > 0)
+    factor = np.divide(127.0, peaks, out=np.zeros_like(peaks), where=usable)
+    factor = torch.from_numpy(factor.astype(np.float32))[:, None]
+    source = torch.from_numpy(vectors)
+    values = torch.empty(source.shape, dtype=torch.int8)
+    tile = torch.empty(min(len(vectors), max(1, ENCODE_CHUNK_VALUES // max(vectors.shape[1], 1))), vectors.shape[1])
+    for rows in _row_chunks(*source.shape):
+        scaled = tile[: rows.stop - rows.start]
+        torch.mul(source[rows], factor[rows], out=scaled)
+        scaled.nan_to_num_(0.0, 0.0, 0.0).round_().clamp_(-127, 127)
+        values[rows].copy_(scaled)
+    return values.numpy()
+
+
+def int8_scales(rows: np.ndarray, norms: np.ndarray) -> np.ndarray:
+    """Per-row float32 scales of int8 rows: ``norm / ||q||`` (a row is ``scale * q``); a zero row's scale is
+    ``0 * norm`` (0, or NaN for a row stored with a non-finite norm)."""
+    q_norms = np.empty(len(rows), dtype=np.float32)
+    with warnings.catch_warnings():  # shared read-only: only read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        source = torch.from_numpy(np.ascontiguousarray(rows))
+    tile_rows = max(1, SCALE_TILE_VALUES // max(rows.shape[1], 1))
+    tile = torch.empty(min(len(rows), tile_rows), rows.shape[1])
+    out = torch.from_numpy(q_norms)
+    for start in range(0, len(rows), tile_rows):
+        part = slice(start, start + tile_rows)
+        stored = source[part]
+        torch.linalg.vector_norm(tile[: len(stored)].copy_(stored), dim=1, out=out[part])
+    norms = np.asarray(norms, dtype=np.float32)
+    with np.errstate(invalid="ignore"):
+        return np.where(q_norms > 0, norms / np.where(q_norms > 0, q_norms, 1), norms * 0).astype(np.float32)
 
 
 def encode(vectors: np.ndarray, dtype: str) -> tuple[pa.FixedSizeListArray, pa.Array]:
@@ -174,6 +234,8 @@ def decode(column: pa.Array | pa.ChunkedArray, norms: pa.Array | pa.ChunkedArray
     if dtype in UNIT_DTYPES:
         norm = np.asarray(norms.to_numpy(zero_copy_only=False), dtype=np.float32)
         decoded = rows.to(torch.float32).numpy() if isinstance(rows, torch.Tensor) else rows.astype(np.float32)
+        if dtype == "int8":
+            norm = int8_scales(rows, norm)
         decoded *= norm[:, None]  # in place: one float32 copy of the block, not two
         return decoded
     return rows if rows.flags.writeable else rows.copy()  # Arrow buffers are read-only

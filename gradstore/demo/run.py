@@ -71,6 +71,7 @@ class DemoConfig:
     methods: tuple[str, ...] = ("grad-dot", "cosine", "fisher", "tracin", "tracin-steps", "dvemb", "source")
     shown_queries: int = 3
     seed: int = 0
+    storage_dtype: str = "float16"  # the store's encoding (gradstore.core.vectors)
 
 
 def _batches(examples: list[Example], size: int, rng: random.Random | None = None) -> list[list[Example]]:
@@ -354,7 +355,7 @@ def run_demo(
         import shutil
 
         shutil.rmtree(store_dir)
-    store = open_store(store_dir)
+    store = open_store(store_dir, storage_dtype=config.storage_dtype)
     corpus = build_corpus(config.places, config.phrasings, config.seed)
     store.add_examples(
         pd.DataFrame(
