@@ -158,7 +158,7 @@ def test_open_errors(tmp_path):
     with pytest.raises(gradstore.NotAStoreError):
         gradstore.open(tmp_path / "missing", create=False)
     with pytest.raises(ValueError, match="storage_dtype"):
-        gradstore.open(tmp_path / "s", storage_dtype="int8")
+        gradstore.open(tmp_path / "s", storage_dtype="int4")
 
 
 def test_corrupt_table_raises_store_corrupt(store_path):
