@@ -1,0 +1,121 @@
+"""What the commands share: the Typer app, the option types (from :class:`~gradstore.methods.ScoreOptions`'s
+declaration), opening a store and one-line errors."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from gradstore.core.engine import resolve_engine
+from gradstore.errors import GradstoreError
+from gradstore.methods import OPTION_HELP, method_names
+from gradstore.methods.extension import load_plugins
+
+app = typer.Typer(
+    help="gradstore: a gradient-store database for training data attribution.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+StoreArg = Annotated[Path, typer.Argument(help="Store directory (or object-store URI).")]
+
+
+load_plugins()  # user methods (GRADSTORE_PLUGINS, entry points) join the registry before its choices are read
+Method = Enum("Method", {name: name for name in method_names()}, type=str)  # the registry's methods
+SelectSpace = Enum("SelectSpace", {name: name for name in method_names("select")}, type=str)
+
+
+class Blocks(str, Enum):
+    auto = "auto"
+    layer = "layer"
+    full = "full"
+
+
+class EngineChoice(str, Enum):
+    local = "local"
+    ray = "ray"
+
+
+MethodOption = Annotated[Method, typer.Option(help=OPTION_HELP["method"])]
+CheckpointOption = Annotated[str | None, typer.Option(help=OPTION_HELP["checkpoint"])]
+DampingOption = Annotated[float | None, typer.Option(help=OPTION_HELP["damping"])]
+KindOption = Annotated[str, typer.Option(help=OPTION_HELP["kind"])]
+EngineOption = Annotated[
+    EngineChoice, typer.Option("--engine", help="Where fitting and scans run: this process, or a Ray cluster.")
+]
+RayAddressOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address", help="Ray cluster address (with --engine ray; default: RAY_ADDRESS, else a local cluster)."
+    ),
+]
+DeviceOption = Annotated[str | None, typer.Option(help=OPTION_HELP["device"])]
+BlocksOption = Annotated[Blocks, typer.Option(help=OPTION_HELP["blocks"])]
+CheckpointsOption = Annotated[str | None, typer.Option(help=f"{OPTION_HELP['checkpoints']}, comma-separated")]
+SplitOption = Annotated[str, typer.Option(help=OPTION_HELP["split"])]
+WhereOption = Annotated[str | None, typer.Option(help=OPTION_HELP["where"])]
+
+#: The commands that score, each with its call of the store API: their options are
+#: :class:`~gradstore.methods.ScoreOptions` fields (same names, defaults and help; tests/test_cli_options.py checks
+#: them against the declaration), passed as ``options=``.
+SCORING_COMMANDS = {
+    "build-index": "build_index",
+    "attribute": "attribute",
+    "select": "select",
+    "self-influence": "self_influence",
+}
+#: Options of a scoring call that its command does not offer, and why.
+NOT_ON_THE_COMMAND_LINE = {
+    ("attribute", "where"): "--where selects the query rows (a filter on the training rows is not offered)",
+    ("attribute", "split"): "the training rows' split is train",
+}
+
+
+class OutputFormat(str, Enum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+    parquet = "parquet"
+
+
+def open_store(store: Path, create: bool = False):
+    import gradstore
+
+    return gradstore.open(store, create=create)
+
+
+def one_line_errors(command: Callable[..., None]) -> Callable[..., None]:
+    """A command that prints one line and exits with code 1 for every ``GradstoreError`` (what a user can cause)
+    and ``OSError`` (a file it cannot read or write), never a traceback."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            command(*args, **kwargs)
+        except (GradstoreError, OSError) as error:
+            fail(error)
+
+    return run
+
+
+def fail(error: Exception) -> NoReturn:
+    lines = str(error).strip().splitlines()  # one line: DuckDB appends the query and a caret marker
+    typer.secho(f"error: {lines[0] if lines else type(error).__name__}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=1)
+
+
+def engine_of(engine: EngineChoice, address: str | None):
+    return resolve_engine(engine.value, address)
+
+
+def print_table(table, limit: int = 50) -> None:
+    typer.echo(table.to_pandas().to_string(index=False, max_rows=limit))
+
+
+def csv_list(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
