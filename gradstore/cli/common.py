@@ -10,15 +10,41 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+import typer.core
 
 from gradstore.core.engine import resolve_engine
 from gradstore.errors import GradstoreError
 from gradstore.methods import OPTION_HELP, method_names
 from gradstore.methods.extension import load_plugins
 
+#: The order ``gradstore --help`` lists the commands in (the modules register them in import order).
+COMMAND_ORDER = (
+    "info",
+    "sql",
+    "compact",
+    "verify",
+    "build-index",
+    "attribute",
+    "select",
+    "self-influence",
+    "evaluate",
+    "row-files",
+    "report",
+    "demo",
+    "serve",
+)
+
+
+class _Commands(typer.core.TyperGroup):
+    def list_commands(self, ctx: Any) -> list[str]:
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda name: COMMAND_ORDER.index(name) if name in COMMAND_ORDER else len(names))
+
+
 app = typer.Typer(
     help="gradstore: a gradient-store database for training data attribution.",
     no_args_is_help=True,
+    cls=_Commands,
     pretty_exceptions_enable=False,
 )
 
