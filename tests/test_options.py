@@ -159,7 +159,7 @@ def test_capture_takes_a_built_config_or_its_keywords(store):
 
 
 def test_evaluations_take_score_options_as_a_methods_options():
-    from gradstore.answers.evaluate import _check_methods
+    from gradstore.answers.evaluate.evaluations import check_methods
 
-    chosen = _check_methods({"f": ScoreOptions(method="fisher", damping=0.2), "g": {"method": "grad-dot"}})
+    chosen = check_methods({"f": ScoreOptions(method="fisher", damping=0.2), "g": {"method": "grad-dot"}})
     assert chosen == {"f": {"method": "fisher", "damping": 0.2}, "g": {"method": "grad-dot"}}
