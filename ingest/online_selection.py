@@ -68,7 +68,7 @@ def _top(values: torch.Tensor, fraction: float, largest: bool) -> torch.Tensor:
     n = values.shape[0]
     count = max(1, round(fraction * n)) if n else 0
     keep = torch.zeros(n, dtype=torch.bool)
-    keep[torch.topk(values.double().cpu(), count, largest=largest, sorted=False).indices] = True
+    keep[torch.topk(values.cpu(), count, largest=largest, sorted=False).indices] = True
     return keep
 
 
@@ -482,10 +482,10 @@ class OnlineSelector:
             total = float(all_weights.sum())
             kept = float((all_weights.cpu() * decided).sum())
             factor = total / kept if kept > 0 else 1.0
-        self._remove(pending, local, group)
+        scaled = self._remove(pending, local, group, factor)
         if factor != 1.0:
             for p in self._params:
-                if p.grad is not None:
+                if p.grad is not None and id(p) not in scaled:
                     p.grad.mul_(factor)
         sources = [p.meta["ids"] if p.meta.get("ids") is not None else p.meta["hash_source"] for p in pending]
         decision = StepDecision(
@@ -523,9 +523,12 @@ class OnlineSelector:
             raise CaptureUsageError(f"the target function returned {scores.shape[0]} scores for {rows.shape[0]} rows")
         return scores
 
-    def _remove(self, pending: list[_Pending], weights: torch.Tensor, group: _Group) -> None:
-        """Add ``(w_b - 1)`` times each changed example's term to the gradients (all-reduced when collective)."""
+    def _remove(self, pending: list[_Pending], weights: torch.Tensor, group: _Group, factor: float) -> set[int]:
+        """Add ``(w_b - 1)`` times each changed example's term to the gradients (all-reduced when collective);
+        the gradients a pure drop subtracts from in place are also multiplied by the renormalisation ``factor`` in
+        the same call: their ids are returned (the caller scales the others)."""
         corrections: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        scaled: set[int] = set()
         offset = 0
         for p in pending:
             size = p.rows.shape[0]
@@ -537,7 +540,11 @@ class OnlineSelector:
             dropping = not self.collective and bool((w[changed] == 0).all())
             for module, kind, x, dy in p.uses:
                 idx = changed.to(x.device)
-                if dropping and kind != "embedding" and self._subtract_in_place(module, kind, x, dy, idx):
+                if (
+                    dropping
+                    and kind != "embedding"
+                    and self._subtract_in_place(module, kind, x, dy, idx, factor, scaled)
+                ):
                     continue
                 coef = (w[changed] - 1).to(dy.device, dy.dtype)
                 d = (dy.index_select(0, idx.to(dy.device)) * coef.view(-1, *([1] * (dy.dim() - 1)))).reshape(
@@ -565,13 +572,24 @@ class OnlineSelector:
             term = group.average(term)
             if param.grad is None:
                 param.grad = term.clone()
-            else:
-                param.grad.add_(term)
+            else:  # a gradient scaled already takes its term scaled too
+                param.grad.add_(term, alpha=factor if id(param) in scaled else 1.0)
+        return scaled
 
     @staticmethod
-    def _subtract_in_place(module: nn.Module, kind: str, x: torch.Tensor, dy: torch.Tensor, idx: torch.Tensor) -> bool:
-        """Pure drop on one process: subtract the dropped examples' terms straight from ``.grad`` (one ``addmm_``
-        per weight); ``False`` when the gradients are missing or of another dtype (the general path then runs)."""
+    def _subtract_in_place(
+        module: nn.Module,
+        kind: str,
+        x: torch.Tensor,
+        dy: torch.Tensor,
+        idx: torch.Tensor,
+        factor: float,
+        scaled: set[int],
+    ) -> bool:
+        """Pure drop on one process: subtract the dropped examples' terms straight from ``.grad``, one ``addmm_``
+        per weight and one ``addmv_`` per bias, each also applying the renormalisation ``factor`` the first time it
+        touches a gradient (its id then joins ``scaled``); ``False`` when the gradients are missing or of another
+        dtype (the general path then runs)."""
         weight, bias = module.weight, module.bias
         bias_grad = bias is not None and bias.requires_grad
         if weight.grad is None or (bias_grad and bias.grad is None):
@@ -580,12 +598,16 @@ class OnlineSelector:
             return False
         d = dy.index_select(0, idx).reshape(-1, dy.shape[-1])
         xs = x.index_select(0, idx).reshape(-1, x.shape[-1])
+        beta = 1.0 if id(weight) in scaled else factor
         if kind == "linear":
-            weight.grad.addmm_(d.T, xs, alpha=-1.0)
+            weight.grad.addmm_(d.T, xs, beta=beta, alpha=-factor)
         else:  # conv1d: weight [d_in, d_out]
-            weight.grad.addmm_(xs.T, d, alpha=-1.0)
+            weight.grad.addmm_(xs.T, d, beta=beta, alpha=-factor)
+        scaled.add(id(weight))
         if bias_grad:
-            bias.grad.sub_(d.sum(0))
+            ones = torch.ones(d.shape[0], dtype=d.dtype, device=d.device)
+            bias.grad.addmv_(d.T, ones, beta=1.0 if id(bias) in scaled else factor, alpha=-factor)
+            scaled.add(id(bias))
         return True
 
     def _order(self, param: torch.Tensor) -> int:
