@@ -458,23 +458,24 @@ class OnlineSelector:
                     "(backward not run on it, or a second forward without backward)"
                 )
         rows = pending[0].rows if len(pending) == 1 else torch.cat([p.rows for p in pending])
-        scales = torch.cat([p.scales.to(rows.device, torch.float64) for p in pending])
+        scales = torch.cat([p.scales for p in pending]).to(rows.device, torch.float64)
         losses = None
         if all(p.meta.get("loss") is not None for p in pending):
             losses = torch.cat([p.meta["loss"].to(rows.device) for p in pending])
         scores = self._scores(rows, losses)
-        weights_local = torch.where(scales > 0, 1.0 / scales.clamp(min=1e-300), torch.zeros_like(scales))
+        weights_local = scales.reciprocal().nan_to_num_(posinf=0.0)  # an example of scale 0 (no tokens) weighs 0
         group = _Group(self.collective)
         all_scores = group.gather(scores)
         all_losses = group.gather(losses)
         all_weights = group.gather(weights_local)
         decided = self.policy.decide(int(all_weights.shape[0]), all_scores, all_losses, self.generator)
-        decided = torch.as_tensor(decided).to(torch.float64).cpu().reshape(-1)
+        decided = torch.as_tensor(decided).cpu().reshape(-1)
         n_all = all_weights.shape[0]
         if decided.shape[0] != n_all:
             raise CaptureUsageError(f"the policy returned {decided.shape[0]} weights for {n_all} examples")
-        if not bool(torch.isfinite(decided).all()) or bool((decided < 0).any()):
+        if decided.dtype != torch.bool and not bool((torch.isfinite(decided) & (decided >= 0)).all()):
             raise CaptureUsageError("the policy returned a negative or non-finite weight")
+        decided = decided.to(torch.float64)
         start = group.offset(rows.shape[0])
         local = decided[start : start + rows.shape[0]].to(rows.device)
         factor = 1.0
