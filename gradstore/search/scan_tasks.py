@@ -240,12 +240,17 @@ def _tracin_task(shard: Shard, job: _TracInJob) -> ExampleTopK:
     return {side: rank_examples(sums.matrix.numpy(), ids, job.k, side) for side in job.sides}
 
 
+#: Bytes of float64 rows one scoring step of a sum holds (a block's rows are scored in slices of this size).
+SUM_SLICE_BYTES = 16 << 20
+
+
 def _example_sums(shard: Shard, entries: Sequence[SumEntry], space: ScoringSpace) -> ExampleScores:
     sums = ExampleScores(len(entries[0][1]))
     for where, queries, weights in entries:
         for block in shard.narrowed(where).blocks():
-            rows = space.rows(torch.from_numpy(block.vectors).to(torch.float64))
-            scores = queries @ rows.T
+            vectors = torch.from_numpy(block.vectors)
+            step = max(1, SUM_SLICE_BYTES // (8 * max(1, vectors.shape[1])))
+            scores = torch.cat([queries @ space.rows(part.to(torch.float64)).T for part in vectors.split(step)], dim=1)
             if weights is not None:
                 scores *= torch.from_numpy(weights.of(block.metadata.column("step").to_numpy(zero_copy_only=False)))
             sums.add(block.metadata.column("example_id").to_pylist(), scores)
