@@ -232,11 +232,9 @@ def eigen_sides(basis: ProjectionBasis, seed: int) -> int:
 def _where(method: Method, final: str, passes: list[str]) -> dict[str, Any]:
     """The checkpoint arguments of ``method``: every checkpoint pass (TracIn, SOURCE's segments), the in-loop
     rows (step TracIn, data value embeddings) or the final checkpoint (the single-checkpoint methods)."""
-    if method.over_checkpoints or method.trajectory == "segments":
-        return {"checkpoints": passes}
-    if method.trajectory in ("steps", "embeddings"):
-        return {"checkpoint": TRAIN_CHECKPOINT}
-    return {"checkpoint": final}
+    if not method.reads_history:
+        return {"checkpoint": final}
+    return {"checkpoints": passes} if "checkpoints" in method.uses else {"checkpoint": TRAIN_CHECKPOINT}
 
 
 def _top(table: Any) -> dict[str, list[str]]:
