@@ -232,3 +232,20 @@ def test_no_module_outside_the_methods_package_switches_on_a_method():
             if any(pattern.search(line) for pattern in SWITCHES):
                 found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_the_demo_and_the_read_only_server_see_the_flag_era_kinds():
+    from gradstore.demo.run import TRAIN_CHECKPOINT, _where
+
+    passes = ["epoch-1", "epoch-2"]
+    for name, method in METHODS.items():
+        if name in ("tracin", "source", "source-ekfac"):  # flag era: over_checkpoints or trajectory == "segments"
+            expected = {"checkpoints": passes}
+        elif name in ("tracin-steps", "dvemb"):  # trajectory in ("steps", "embeddings")
+            expected = {"checkpoint": TRAIN_CHECKPOINT}
+        else:
+            expected = {"checkpoint": "epoch-2"}
+        assert _where(method, "epoch-2", passes) == expected, name
+    message = METHODS["dvemb"].read_only_refusal("r", Exception("dvemb: build the derived run 'r.dvemb' of data"))
+    assert message is not None and "gradstore attribute STORE --run r --method dvemb -k 1 --no-write" in message
+    assert all(m.read_only_refusal("r", Exception("r.dvemb")) is None for n, m in METHODS.items() if n != "dvemb")

@@ -258,7 +258,7 @@ def attribution_row(
     ``write``: that choice's scores go to the ``scores`` table. The label names the method, the checkpoints,
     the dims and ``rows_note`` (what the rows are)."""
     method = resolve_method(method_name)
-    grid: tuple[float | None, ...] = DAMPINGS if method.damped else (None,)
+    grid: tuple[float | None, ...] = DAMPINGS if "damping" in method.uses else (None,)
     results = {}
     for damping in grid:
         options = {} if damping is None else {"damping": damping}
