@@ -32,7 +32,7 @@ import torch
 
 import gradstore
 from gradstore.methods import resolve_method
-from gradstore.methods.fitting import Selection, fit_spec
+from gradstore.preconditioning.fitting import Selection, fit_spec
 from ingest.projection import LayerSlot, ProjectionSpec
 
 RUN, CHECKPOINT, K = "bench", "train", 10

@@ -38,6 +38,7 @@ from gradstore.errors import (
 from gradstore.methods import ScoreOptions, queries
 from gradstore.methods.extension import register_method
 from gradstore.methods.queries import QueryBatch
+from gradstore.preconditioning import fitting, scoring
 from gradstore.store import GradStore
 from gradstore.store import open_store as open
 from gradstore.store_api import StoreAPI
@@ -49,6 +50,9 @@ from ingest.losses import sample_labels
 # ``from gradstore.online import select_online`` keeps working.
 for _moved in (evaluate, selection, online, queries):
     sys.modules[f"{__name__}.{_moved.__name__.rsplit('.', 1)[1]}"] = _moved
+# And those the method families moved below search (issue 37): ``from gradstore.methods.fitting import FitCache``.
+for _moved in (fitting, scoring):
+    sys.modules[f"{__name__}.methods.{_moved.__name__.rsplit('.', 1)[1]}"] = _moved
 
 
 def connect(uri: str, token: str | None = None, **kwargs):

@@ -3,8 +3,8 @@
 :class:`~gradstore.core.StoreCore` holds the data (tables, runs, checkpoints, gradients, examples, side
 files, SQL); a ``GradStore`` *holds* one (``store.core``, for power users and tests) and exposes the calls a
 user means (:data:`API`): capture, indexes, attribution, selection, reports, and the few data calls of the
-core that belong to the API. It owns the store's :class:`~gradstore.methods.fitting.FitCache`, so every call shares one
-fit per rows and method. Every name of the API goes through :func:`gradstore.errors.surface`: nothing but a
+core that belong to the API. It owns the store's :class:`~gradstore.preconditioning.fitting.FitCache`, so every call
+shares one fit per rows and method. Every name of the API goes through :func:`gradstore.errors.surface`: nothing but a
 ``GradstoreError`` comes out of it for what a user gives it. The core's other names still answer on the facade
 for one release, with a ``DeprecationWarning`` naming ``store.core``.
 """
@@ -34,11 +34,11 @@ from gradstore.core.results import Results
 from gradstore.core.row_cache import RowFiles
 from gradstore.core.tables import Tables
 from gradstore.errors import InvalidArgumentError, surface
-from gradstore.methods import DEFAULT_METHOD, BlockStructure, MethodName, ScoreOptions, check_count, check_k, dvemb
-from gradstore.methods.fitting import FitCache, Selection
+from gradstore.methods import DEFAULT_METHOD, BlockStructure, MethodName, ScoreOptions, check_count, check_k
+from gradstore.methods.preconditioned import indexed
 from gradstore.methods.queries import QueryBatch, QueryInput
-from gradstore.methods.rows import require_rows
-from gradstore.search.index import AttributionIndex, build_index, load_index
+from gradstore.preconditioning.fitting import FitCache
+from gradstore.search.index import AttributionIndex, load_index
 from gradstore.store_api import IndexKind
 from ingest import CaptureConfig
 from ingest.projection import LayerSizes, ProjectionBasis
@@ -274,32 +274,15 @@ class GradStore:
             split=split,
             where=where,
         )
-        method, blocks = options.method, options.blocks
-        if options.check("build_index").trajectory == "embeddings":  # an index over the derived run's embeddings
-            selection, method, blocks = dvemb.ensure(self.core, run, options), "grad-dot", "auto"
-        else:
-            checkpoint = options.checkpoint or self.core.default_checkpoint(run)
-            selection = Selection(run, checkpoint, options.split, options.where)
-        require_rows(self.core, selection)
-        return build_index(
-            self.core,
-            self.fits,
-            selection,
-            method,
-            damping=options.damping,
-            kind=options.kind,
-            name=name,
-            blocks=blocks,
-            refit=refit,
-            engine=resolve_engine(engine),
-            device=options.device,
+        return options.check("build_index").build_index(
+            self.core, self.fits, options, run=run, name=name, refit=refit, engine=resolve_engine(engine)
         )
 
     @surface
     def index(self, name: str, *, device: str | torch.device | None = None) -> AttributionIndex:
         """Load a persisted index by name (``IndexMismatchError`` if it does not match the store); ``device`` as
         for :meth:`build_index`."""
-        return load_index(self.core, self.fits, name, device=device)
+        return load_index(self.core, self.fits, name, indexed, device=device)
 
     # ------------------------------------------------------------------ attribution and selection
     @surface

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import gradstore
-from gradstore.answers import attribution
 from gradstore.core.engine import LocalEngine, RayEngine, resolve_engine
 from gradstore.core.shards import example_shards, fragment_shards
+from gradstore.methods import summed
 
 ray = pytest.importorskip("ray")
 
@@ -127,7 +127,7 @@ def test_exact_top_k_and_opponents_with_ties_equal_brute_force(integers, ray_eng
 def test_tracin_streams_per_example_range_and_equals_the_dense_sum(integers, ray_engine, monkeypatch):
     store = integers
     reference = store.attribute(run="ints", method="tracin", k=6, opponents=True, write=False)
-    monkeypatch.setattr(attribution, "EXAMPLES_PER_TASK", 11)  # many example ranges in-process too
+    monkeypatch.setattr(summed, "EXAMPLES_PER_TASK", 11)  # many example ranges in-process too
     ranged = store.attribute(run="ints", method="tracin", k=6, opponents=True, write=False)
     remote = store.attribute(run="ints", method="tracin", k=6, opponents=True, write=False, engine=ray_engine)
     _same(reference, ranged, rtol=0)
@@ -187,7 +187,7 @@ def test_rows_searched_as_stored_on_ray_equal_in_process(tmp_path, ray_engine, d
 
 def test_a_fit_on_ray_equals_the_in_process_fit(captured, ray_engine):
     from gradstore.methods import resolve_method
-    from gradstore.methods.fitting import Selection, fit_spec
+    from gradstore.preconditioning.fitting import Selection, fit_spec
 
     spec = fit_spec(captured.core, Selection("run", "b"), resolve_method("ekfac"))
     local = captured.fits.get(spec, 0.1, refit=True)

@@ -18,6 +18,8 @@ BEFORE = [
     ("gradstore.hf", ["GradstoreCallback", "with_example_ids"]),
     ("gradstore.distributed", ["distributed_capture"]),
     ("gradstore.serve", ["Limits", "Tokens", "serve"]),
+    ("gradstore.methods.fitting", ["FitCache", "Selection", "fit_spec"]),
+    ("gradstore.methods.scoring", ["ScoringSpace"]),
 ]
 #: Where each moved module lives now.
 NOW = {
@@ -25,6 +27,8 @@ NOW = {
     "gradstore.evaluate": "gradstore.answers.evaluate",
     "gradstore.selection": "gradstore.answers.selection",
     "gradstore.queries": "gradstore.methods.queries",
+    "gradstore.methods.fitting": "gradstore.preconditioning.fitting",
+    "gradstore.methods.scoring": "gradstore.preconditioning.scoring",
 }
 
 

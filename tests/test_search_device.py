@@ -11,7 +11,8 @@ import torch
 
 import gradstore
 from gradstore.errors import InvalidArgumentError
-from gradstore.methods.fitting import Selection
+from gradstore.methods.preconditioned import indexed
+from gradstore.preconditioning.fitting import Selection
 from gradstore.search.index import build_index, load_index
 from indexers import ExactIndex, gpu_available, resolve_device
 from ingest import LayerSlot, ProjectionSpec
@@ -101,7 +102,7 @@ def test_devices_other_than_cpu_and_cuda_are_refused(store_and_queries, device) 
 
 def test_explicit_cuda_with_another_engine_is_refused(store_and_queries, fake_gpu) -> None:
     store, queries = store_and_queries
-    index = load_index(store.core, store.fits, store.build_index("run", method="grad-dot").name, device="cuda")
+    index = load_index(store.core, store.fits, store.build_index("run", method="grad-dot").name, indexed, device="cuda")
     assert index.device == torch.device("cuda")
 
     class Elsewhere:

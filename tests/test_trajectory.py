@@ -430,7 +430,7 @@ def test_source_ekfac_uses_each_checkpoints_ekfac(tmp_path):
     """source-ekfac equals SOURCE's closed form with F_l the dense matrix of each checkpoint's fitted EK-FAC
     (its Kronecker eigenbasis and refitted eigenvalues), functions taken by a dense eigendecomposition."""
     from gradstore.methods import METHODS
-    from gradstore.methods.fitting import Selection, fit_spec
+    from gradstore.preconditioning.fitting import Selection, fit_spec
 
     store = gradstore.open(tmp_path / "store", storage_dtype="float32")
     plan = checkpoint_passes(store, 0.05, 40, every=20)

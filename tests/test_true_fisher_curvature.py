@@ -21,7 +21,7 @@ from torch import nn
 import gradstore
 from gradstore.core import schema as S
 from gradstore.methods import METHODS, TRUE_FISHER_SPLIT
-from gradstore.methods.fitting import Selection, fit_spec
+from gradstore.preconditioning.fitting import Selection, fit_spec
 from ingest import CaptureConfig, GradientCapture
 from ingest.curvature import CURVATURE_SPLITS
 

@@ -15,19 +15,14 @@ from typing import Any, Literal, get_args
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
-from gradstore.answers.attribution import history_for, learning_rates, per_example_shards
 from gradstore.core import StoreCore, one_snapshot
 from gradstore.core.engine import Engine, EngineName, resolve_engine
 from gradstore.errors import InvalidArgumentError
-from gradstore.methods import ScoreOptions, resolve_method
-from gradstore.methods.fitting import FitCache, Selection
-from gradstore.methods.queries import QueryInput, resolve_queries
+from gradstore.methods import ScoreOptions
+from gradstore.methods.queries import QueryInput
 from gradstore.methods.rows import check_where
-from gradstore.methods.scoring import ScoringSpace
-from gradstore.search.scan_tasks import example_aggregates, example_totals, unit_rows
-from indexers import IdentityPreconditioner
+from gradstore.preconditioning.fitting import FitCache
 
 Aggregate = Literal["max", "mean"]
 AGGREGATES = get_args(Aggregate)
@@ -53,51 +48,11 @@ def select(
     if aggregate not in AGGREGATES:
         raise InvalidArgumentError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
     budget_count(budget, 1)  # a bad budget fails before any work
-    method = options.check("select")  # cosines in a preconditioned space: not cosine or tracin
-    checkpoints, split, where = options.checkpoints, options.split, options.where
-    check_where(store, run, where)
+    method = options.check("select")  # cosines in a preconditioned space (not cosine or tracin), or a history sum
+    check_where(store, run, options.where)
     engine = resolve_engine(engine)
-    if method.trajectory:
-        example_ids, scores = _by_influence(store, fits, target, options, run, aggregate, engine)
-        return _ranked(example_ids, scores, budget)
-    try:
-        rates = learning_rates(store, run, checkpoints)
-    except InvalidArgumentError:
-        if checkpoints is not None:
-            raise
-        rates = {store.default_checkpoint(run): 1.0}  # no learning rates recorded: one unweighted checkpoint
-    jobs = []
-    for checkpoint, rate in rates.items():
-        selection = Selection(run, checkpoint, split, where)
-        space = fits.space(selection, method, options.blocks, options.damping, engine)
-        resolved = resolve_queries(store, target, run, checkpoint)
-        jobs.append((selection.filter, rate, space, unit_rows(space.whitened(torch.from_numpy(resolved.vectors)))))
-    shards = per_example_shards(store, engine, [Selection(run, c, split, where) for c in rates])
-    example_ids, scores = example_totals(engine, shards, jobs, aggregate)
+    example_ids, scores = method.select(store, fits, target, options, run=run, aggregate=aggregate, engine=engine)
     return _ranked(example_ids, scores, budget)
-
-
-def _by_influence(
-    store: StoreCore,
-    fits: FitCache,
-    target: QueryInput,
-    options: ScoreOptions,
-    run: str,
-    aggregate: Aggregate,
-    engine: Engine,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per example, the ``max``/``mean`` over the target queries of a trajectory method's influence score (its
-    per-example sum over the stored history: :func:`gradstore.answers.attribution.history_for`)."""
-    method = resolve_method(options.method)
-    if options.checkpoints is not None and "checkpoints" not in method.uses:
-        raise InvalidArgumentError(
-            f"select(preconditioner={method.name!r}) scores with the run's training history and does not use "
-            "checkpoints=: drop it"
-        )
-    summed = history_for(store, fits, target, options, run)
-    shards = per_example_shards(store, engine, [summed.selection], summed.columns)
-    space = ScoringSpace(resolve_method("grad-dot"), IdentityPreconditioner())
-    return example_aggregates(engine, shards, space, summed.entries, aggregate)
 
 
 def _ranked(example_ids: np.ndarray, scores: np.ndarray, budget: float) -> pa.Table:

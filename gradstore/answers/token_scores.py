@@ -30,8 +30,8 @@ from gradstore.core import StoreCore
 from gradstore.core.catalog import check_spec
 from gradstore.errors import InvalidArgumentError, MissingIdsError
 from gradstore.methods import ScoreOptions, check_k
-from gradstore.methods.fitting import FitCache, Selection
 from gradstore.methods.queries import QueryBatch
+from gradstore.preconditioning.fitting import FitCache, Selection
 from gradstore.search.index import build_index
 from ingest import CaptureConfig
 from ingest.tokens import TokenGradientCapture, TokenRows
@@ -90,7 +90,7 @@ def token_scores(
         )
     checkpoint = options.checkpoint or store.default_checkpoint(run)
     selection = Selection(run, checkpoint, options.split, options.where)
-    index = build_index(store, fits, selection, resolved.name, damping=options.damping, blocks=options.blocks)
+    index = build_index(store, fits, selection, resolved, damping=options.damping, blocks=options.blocks)
     model = queries.model
     query_config = config_for_run(store, run, {"split": "query", "checkpoint": checkpoint, **queries.options})
     query_tokens = _token_rows(

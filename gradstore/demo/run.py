@@ -232,11 +232,9 @@ def eigen_sides(basis: ProjectionBasis, seed: int) -> int:
 def _where(method: Method, final: str, passes: list[str]) -> dict[str, Any]:
     """The checkpoint arguments of ``method``: every checkpoint pass (TracIn, SOURCE's segments), the in-loop
     rows (step TracIn, data value embeddings) or the final checkpoint (the single-checkpoint methods)."""
-    if method.over_checkpoints or method.trajectory == "segments":
-        return {"checkpoints": passes}
-    if method.trajectory in ("steps", "embeddings"):
-        return {"checkpoint": TRAIN_CHECKPOINT}
-    return {"checkpoint": final}
+    if not method.reads_history:
+        return {"checkpoint": final}
+    return {"checkpoints": passes} if "checkpoints" in method.uses else {"checkpoint": TRAIN_CHECKPOINT}
 
 
 def _top(table: Any) -> dict[str, list[str]]:
@@ -260,7 +258,7 @@ def attribution_row(
     ``write``: that choice's scores go to the ``scores`` table. The label names the method, the checkpoints,
     the dims and ``rows_note`` (what the rows are)."""
     method = resolve_method(method_name)
-    grid: tuple[float | None, ...] = DAMPINGS if method.damped else (None,)
+    grid: tuple[float | None, ...] = DAMPINGS if "damping" in method.uses else (None,)
     results = {}
     for damping in grid:
         options = {} if damping is None else {"damping": damping}

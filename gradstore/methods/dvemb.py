@@ -38,17 +38,25 @@ import pyarrow.compute as pc
 import torch
 
 from gradstore.core import StoreCore, gradient_filter
+from gradstore.core.engine import Engine
 from gradstore.errors import InvalidArgumentError
-from gradstore.methods import TRUE_FISHER_SPLIT, ScoreOptions, check_blocks
-from gradstore.methods.fitting import Selection, auto_blocks
-from gradstore.methods.queries import QueryInput, resolve_queries
+from gradstore.methods.preconditioned import dense_matrix, index_top_k
+from gradstore.methods.queries import Queries, QueryInput, resolve_queries
+from gradstore.methods.registry import ONE_CHECKPOINT, TRUE_FISHER_SPLIT, Method, ScoreOptions, check_blocks
+from gradstore.methods.results import ScoreMatrix
+from gradstore.methods.rows import check_where, require_rows
+from gradstore.methods.summed import history_aggregates, history_self_influence, refuse_checkpoints
 from gradstore.methods.trajectory import (
     History,
     RecordedStep,
     final_query_checkpoint,
+    final_training_checkpoint,
     in_loop_checkpoint,
     recorded_steps,
 )
+from gradstore.preconditioning import GRAD_DOT
+from gradstore.preconditioning.fitting import FitCache, Selection, auto_blocks
+from gradstore.search.index import AttributionIndex, build_index
 
 log = logging.getLogger(__name__)
 
@@ -363,3 +371,129 @@ def _read_state(store: StoreCore, run: str) -> EmbeddingState | None:
 def _write_state(store: StoreCore, run: str, state: EmbeddingState) -> None:
     """Write the state (the caller holds the key's writers' lock)."""
     store.files.write_bytes(json.dumps(asdict(state)).encode(), SIDE_FILES, _key(run), STATE_FILE)
+
+
+# ---------------------------------------------------------------------------------------------- the family
+@dataclass(frozen=True)
+class Embeddings(Method):
+    """Data value embeddings: each training example's embedding ``e_z`` is kept as a row of the derived run
+    :func:`derived_run` (built, or extended with the steps recorded since, by :func:`ensure`), and a query scores
+    ``q . e_z`` with its final-model gradient: a grad-dot search of the derived run."""
+
+    name: str
+    summary: str
+    requires: str = ""
+    operations: frozenset[str] = frozenset({"attribute", "score_matrix", "self_influence", "select", "build_index"})
+
+    @property
+    def uses(self) -> frozenset[str]:
+        return ONE_CHECKPOINT | {"blocks"}  # a search of one checkpoint's rows (the derived run's), blocks for H_s
+
+    @property
+    def reads_history(self) -> bool:
+        return True
+
+    def read_only_refusal(self, run: str, error: Exception) -> str | None:
+        if derived_run(run) not in str(error):
+            return None
+        return (
+            f"method={self.name!r} reads the derived run {derived_run(run)}, which is not built (or not up to date) "
+            f"and this server is read-only: the operator builds it with `gradstore attribute STORE --run {run} "
+            f"--method {self.name} -k 1 --no-write` (or serves with --allow-writes)"
+        )
+
+    def _queries_and_rows(
+        self, store: StoreCore, queries: QueryInput, options: ScoreOptions, run: str
+    ) -> tuple[Queries, Selection]:
+        checkpoint = final_query_checkpoint(store, run, options.query_checkpoint)
+        resolved = resolve_queries(store, queries, run, checkpoint)
+        return resolved, ensure(store, run, options)
+
+    def attribute(
+        self,
+        store: StoreCore,
+        fits: FitCache,
+        queries: QueryInput,
+        options: ScoreOptions,
+        *,
+        run: str,
+        k: int,
+        opponents: bool,
+        engine: Engine,
+    ) -> pa.Table:
+        resolved, selection = self._queries_and_rows(store, queries, options, run)
+        return index_top_k(
+            store,
+            fits,
+            resolved,
+            selection,
+            GRAD_DOT,
+            options,
+            self.name,
+            run=run,
+            k=k,
+            opponents=opponents,
+            engine=engine,
+            blocks="auto",
+        )
+
+    def matrix(
+        self, store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, *, run: str
+    ) -> ScoreMatrix:
+        resolved, selection = self._queries_and_rows(store, queries, options, run)
+        return dense_matrix(store, fits, resolved, selection, GRAD_DOT, "auto", options.damping)
+
+    def self_influence(
+        self, store: StoreCore, fits: FitCache, options: ScoreOptions, *, run: str, engine: Engine
+    ) -> pa.Table:
+        check_where(store, run, options.where)
+        return history_self_influence(
+            store,
+            history,
+            options,
+            final=final_training_checkpoint(store, run, options.split),
+            method=self.name,
+            run=run,
+            engine=engine,
+        )
+
+    def select(
+        self,
+        store: StoreCore,
+        fits: FitCache,
+        target: QueryInput,
+        options: ScoreOptions,
+        *,
+        run: str,
+        aggregate: str,
+        engine: Engine,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        refuse_checkpoints(self, options)
+        return history_aggregates(store, history(store, target, options, run), aggregate, engine)
+
+    def build_index(
+        self,
+        store: StoreCore,
+        fits: FitCache,
+        options: ScoreOptions,
+        *,
+        run: str,
+        name: str | None,
+        refit: bool,
+        engine: Engine,
+    ) -> AttributionIndex:
+        selection = ensure(store, run, options)
+        require_rows(store, selection)
+        return build_index(
+            store,
+            fits,
+            selection,
+            GRAD_DOT,
+            damping=options.damping,
+            kind=options.kind,
+            name=name,
+            blocks="auto",
+            refit=refit,
+            engine=engine,
+            device=options.device,
+        )

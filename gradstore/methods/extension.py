@@ -24,7 +24,8 @@ from contextlib import contextmanager
 from importlib.metadata import entry_points
 
 from gradstore.errors import InvalidArgumentError
-from gradstore.methods import ALIASES, METHODS, Method
+from gradstore.methods.preconditioned import Preconditioned
+from gradstore.methods.registry import ALIASES, METHODS, Method
 from indexers import PRECONDITIONERS, register_preconditioner
 
 #: Environment variable naming modules (comma-separated) the CLI and the server import before they start.
@@ -42,9 +43,10 @@ def register_method(
     query_only: bool = True,
     damped: bool = True,
     unit_norm: bool = False,
-) -> Method:
+) -> Preconditioned:
     """Register a method called ``name`` scoring with ``preconditioner`` (a class, registered under its own
-    ``name`` attribute; see the module docstring) and return its :class:`~gradstore.methods.Method`.
+    ``name`` attribute; see the module docstring) and return it: a
+    :class:`~gradstore.methods.preconditioned.Preconditioned` method over one checkpoint's rows.
 
     ``query_only``: score ``(P^-1 q) . g`` (``True``) or ``(P^-1/2 q) . (P^-1/2 g)``; ``damped``: the method
     takes ``damping=`` (passed to the class as ``damping=``); ``unit_norm``: both sides unit-normalised after
@@ -59,14 +61,30 @@ def register_method(
         register_preconditioner(preconditioner)
     except ValueError as error:
         raise InvalidArgumentError(f"cannot register method {name!r}: {error}") from None
-    method = Method(
-        name=name,
-        preconditioner=preconditioner.name,
+    method = Preconditioned(
+        name,
+        preconditioner.name,
         query_only=query_only,
         damped=damped,
-        summary=summary,
         unit_norm=unit_norm,
+        summary=summary,
     )
+    return register(method)
+
+
+def register(method: Method) -> Method:
+    """Register ``method``, an instance of a family (:class:`~gradstore.methods.Method`: one of
+    :data:`gradstore.methods.FAMILIES`, or a subclass of your own implementing the operations its ``operations``
+    name), under its ``name``, and return it. Registering the same method again is a no-op; a name that exists
+    (a built-in method, an alias or another definition) or is not 1-40 lower-case letters, digits, ``-`` or ``_``
+    is an ``InvalidArgumentError``."""
+    if not isinstance(method, Method):
+        raise InvalidArgumentError(f"register takes a gradstore.methods.Method, got {type(method).__name__}")
+    name = method.name
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidArgumentError(
+            f"a method name is 1-40 lower-case letters, digits, '-' or '_' starting with a letter, got {name!r}"
+        )
     existing = METHODS.get(name)
     if existing is not None and existing != method or name in ALIASES:
         raise InvalidArgumentError(f"a method named {name!r} exists already: register yours under another name")

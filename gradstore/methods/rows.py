@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from gradstore.core import StoreCore, gradient_filter
 from gradstore.errors import InvalidArgumentError, InvalidFilterError
-from gradstore.methods.fitting import Selection
+from gradstore.preconditioning.fitting import Selection
 
 
 def check_where(store: StoreCore, run: str, where: str | None) -> None:

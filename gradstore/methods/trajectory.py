@@ -30,18 +30,29 @@ each stored row is read once. ``dvemb`` (:mod:`gradstore.methods.dvemb`) uses th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from gradstore.core import StoreCore, gradient_filter
+from gradstore.core.engine import Engine
 from gradstore.errors import InvalidArgumentError
-from gradstore.methods import ScoreOptions, resolve_method
-from gradstore.methods.fitting import FitCache, Selection, fit_spec
 from gradstore.methods.queries import Queries, QueryInput, resolve_queries, stored_queries
-from gradstore.methods.rows import row_checkpoints
+from gradstore.methods.registry import Method, ScoreOptions, resolve_method
+from gradstore.methods.results import ScoreMatrix
+from gradstore.methods.rows import check_where, row_checkpoints
+from gradstore.methods.summed import (
+    history_aggregates,
+    history_matrix,
+    history_self_influence,
+    history_top_k,
+    refuse_checkpoints,
+)
+from gradstore.preconditioning import Preconditioning
+from gradstore.preconditioning.fitting import FitCache, Selection, fit_spec
 
 #: One entry of a per-example sum: (row filter, prepared queries [q, dim] float64, per-step weights or None).
 WeightedRows = tuple[str, torch.Tensor, "StepWeights | None"]
@@ -352,3 +363,83 @@ def _segment_term(horizon: float):
         return torch.where(scaled > 1e-12, -torch.expm1(-scaled) / safe, torch.full_like(values, horizon))
 
     return term
+
+
+# ---------------------------------------------------------------------------------------------- the family
+HISTORY_OPERATIONS = frozenset({"attribute", "score_matrix", "self_influence", "select"})
+
+
+@dataclass(frozen=True)
+class Trajectory(Preconditioning, Method):
+    """A method summing per example over the run's training history: over the recorded training steps
+    (``trajectory="steps"``: ``tracin-steps``) or over the segments between checkpoint passes (``"segments"``:
+    ``source``, ``source-ekfac``), as :func:`history` computes. Its :class:`~gradstore.preconditioning.Preconditioning`
+    is the curvature each segment fits (identity for the steps)."""
+
+    summary: str = ""
+    requires: str = ""
+    operations: frozenset[str] = HISTORY_OPERATIONS
+    trajectory: Literal["steps", "segments"] = field(default="steps", kw_only=True)
+
+    @property
+    def uses(self) -> frozenset[str]:
+        used = {"checkpoint" if self.trajectory == "steps" else "checkpoints", "query_checkpoint"}
+        if self.damped:
+            used.add("damping")
+        if self.preconditioner == "fisher":
+            used.add("blocks")
+        return frozenset(used)
+
+    @property
+    def reads_history(self) -> bool:
+        return True
+
+    def attribute(
+        self,
+        store: StoreCore,
+        fits: FitCache,
+        queries: QueryInput,
+        options: ScoreOptions,
+        *,
+        run: str,
+        k: int,
+        opponents: bool,
+        engine: Engine,
+    ) -> pa.Table:
+        check_where(store, run, options.where)
+        summed = history(store, fits, queries, options, run)
+        return history_top_k(store, summed, method=self.name, run=run, k=k, opponents=opponents, engine=engine)
+
+    def matrix(
+        self, store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, *, run: str
+    ) -> ScoreMatrix:
+        check_where(store, run, options.where)
+        return history_matrix(store, history(store, fits, queries, options, run))
+
+    def self_influence(
+        self, store: StoreCore, fits: FitCache, options: ScoreOptions, *, run: str, engine: Engine
+    ) -> pa.Table:
+        check_where(store, run, options.where)
+        return history_self_influence(
+            store,
+            lambda store, queries, options, run: history(store, fits, queries, options, run),
+            options,
+            final=final_training_checkpoint(store, run, options.split),
+            method=self.name,
+            run=run,
+            engine=engine,
+        )
+
+    def select(
+        self,
+        store: StoreCore,
+        fits: FitCache,
+        target: QueryInput,
+        options: ScoreOptions,
+        *,
+        run: str,
+        aggregate: str,
+        engine: Engine,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        refuse_checkpoints(self, options)
+        return history_aggregates(store, history(store, fits, target, options, run), aggregate, engine)

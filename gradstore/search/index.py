@@ -3,16 +3,16 @@
 An index is built from the rows of one run/checkpoint/split (optionally a SQL ``where``); its manifest
 (side files ``indexes/<name>/``) names exactly what it was built from (run, checkpoint, split, filter,
 projection fingerprint, method, damping, kind, rows). The preconditioner comes from the store's
-:class:`~gradstore.methods.fitting.FitCache` (one fit per rows and method, re-damped on use), so an index of another
-damping costs no pass over the data and no second copy of the fit. Loading an index whose manifest does
+:class:`~gradstore.preconditioning.fitting.FitCache` (one fit per rows and method, re-damped on use), so an index of
+another damping costs no pass over the data and no second copy of the fit. Loading an index whose manifest does
 not match the store (another projection, another dimension) raises ``IndexMismatchError``.
 
 Kinds: ``"exact"`` (blocked matmul + running top-k over the stored rows, which the first search reads once
 into the store's in-memory :class:`~gradstore.core.row_cache.RowCache` when they fit its budget), or any FAISS
 factory string (``"Flat"``, ``"HNSW32,Flat"``, ``"IVF1024,Flat"``, ...); ``"auto"`` picks by
 :func:`indexers.choose_index_kind` and reports the recall of an ANN index against exact search. A FAISS index
-holds the rows in the balanced space (:meth:`~gradstore.methods.scoring.ScoringSpace.balanced`: ``P^-1/2`` on rows and
-queries alike, manifest ``first_stage: "balanced"``); indexes built before it hold the prepared rows and are
+holds the rows in the balanced space (:meth:`~gradstore.preconditioning.scoring.ScoringSpace.balanced`: ``P^-1/2`` on
+rows and queries alike, manifest ``first_stage: "balanced"``); indexes built before it hold the prepared rows and are
 searched with prepared queries. On real gradients only an exhaustive compressed scan or an HNSW graph over the
 balanced rows holds the neighbours (``docs/scale.md``): IVF partitions do not. A FAISS search can find fewer
 than ``k`` rows for a query (the IVF lists probed, or the HNSW graph search, hold fewer): it warns, and
@@ -32,7 +32,7 @@ import re
 import tempfile
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import astuple
 from datetime import datetime, timezone
 from pathlib import Path
@@ -56,9 +56,9 @@ from gradstore.errors import (
     StorePermissionError,
     UnknownIndexError,
 )
-from gradstore.methods import DEFAULT_DAMPING, BlockStructure, Method, resolve_method
-from gradstore.methods.fitting import FitCache, FitSpec, Selection, fit_spec
-from gradstore.methods.scoring import ScoringSpace, as_float32
+from gradstore.preconditioning import DEFAULT_DAMPING, GRAD_DOT, BlockStructure, Preconditioning
+from gradstore.preconditioning.fitting import FitCache, FitSpec, Selection, fit_spec
+from gradstore.preconditioning.scoring import ScoringSpace, as_float32
 from gradstore.search.rerank import RowLocator
 from gradstore.search.rerank import rerank as exact_rerank
 from gradstore.search.scan_tasks import TopK, faiss_parts, top_k
@@ -134,7 +134,7 @@ class AttributionIndex:
         return self.manifest["name"]
 
     @property
-    def method(self) -> Method:
+    def method(self) -> Preconditioning:
         """The attribution method the index scores with."""
         return self.space.method
 
@@ -549,7 +549,7 @@ def check_device(kind: str, dim: int, device: str | torch.device | None) -> torc
 
 
 def default_index_name(
-    selection: Selection, method: Method, damping: float | None, kind: str, blocks: str | None = None
+    selection: Selection, method: Preconditioning, damping: float | None, kind: str, blocks: str | None = None
 ) -> str:
     """A readable, file-system safe name: the selection, method, Fisher block structure (``blocks``, when the
     method has one) and damping in words plus a hash of the exact values."""
@@ -573,7 +573,7 @@ def build_index(
     store: StoreCore,
     fits: FitCache,
     selection: Selection,
-    method: str = "grad-dot",
+    method: Preconditioning = GRAD_DOT,
     *,
     damping: float | None = None,
     kind: str = "exact",
@@ -587,9 +587,7 @@ def build_index(
     """Fit (or reuse the fit of) the method's preconditioner over the selected rows (on ``engine``) and build
     the search structure. An index of the same name built the same way gets the rows appended since added.
     ``device``: where its searches run (:func:`check_device`; checked before anything is fitted or built)."""
-    resolved = resolve_method(method)
-    if resolved.over_checkpoints:
-        raise InvalidArgumentError(f"{resolved.name} sums over checkpoints and has no index; use attribute()")
+    resolved = method
     spec = fit_spec(store, selection, resolved, blocks)
     damping = DEFAULT_DAMPING if damping is None else float(damping)
     rows = selection.count(store)
@@ -605,7 +603,8 @@ def build_index(
     )
     preconditioner = fits.get(spec, damping, refit=refit, engine=engine)
     if not refit:
-        existing = load_index(store, fits, name, missing_ok=True, device=device)
+        same = {resolved.name: resolved}.get  # another method's index of this name is rebuilt, not loaded
+        existing = load_index(store, fits, name, same, missing_ok=True, device=device)
         if existing is not None and _same_build(existing.manifest, spec, resolved, damping, kind):
             existing.space = ScoringSpace(resolved, preconditioner)
             _add_new_rows(existing)
@@ -639,7 +638,9 @@ def build_index(
     return index
 
 
-def _same_build(manifest: dict[str, Any], spec: FitSpec, method: Method, damping: float | None, kind: str) -> bool:
+def _same_build(
+    manifest: dict[str, Any], spec: FitSpec, method: Preconditioning, damping: float | None, kind: str
+) -> bool:
     return (
         Selection(manifest["run_id"], manifest["checkpoint"], manifest["split"], manifest["where"]) == spec.selection
         and manifest["method"] == method.name
@@ -722,20 +723,28 @@ def load_index(
     store: StoreCore,
     fits: FitCache,
     name: str,
+    methods: Callable[[str], Preconditioning | None],
     *,
     missing_ok: bool = False,
     device: str | torch.device | None = None,
 ) -> AttributionIndex | None:
     """Load index ``name``; raises ``IndexMismatchError`` if it does not match the store's run. Not while another
-    process saves it (the manifest and the FAISS files it names are read as one). ``device``: where its searches
-    run (:func:`check_device`)."""
+    process saves it (the manifest and the FAISS files it names are read as one). ``methods``: the
+    :class:`Preconditioning` of the method a manifest names (the registry's, above search: an unknown name raises
+    there; ``None``: not the one wanted, and nothing is loaded). ``device``: where its searches run
+    (:func:`check_device`)."""
     check_component(name, "index name")
     with store.files.reading(INDEXES, name):
-        return _load_index(store, fits, name, missing_ok, device)
+        return _load_index(store, fits, name, methods, missing_ok, device)
 
 
 def _load_index(
-    store: StoreCore, fits: FitCache, name: str, missing_ok: bool, device: str | torch.device | None = None
+    store: StoreCore,
+    fits: FitCache,
+    name: str,
+    methods: Callable[[str], Preconditioning | None],
+    missing_ok: bool,
+    device: str | torch.device | None = None,
 ) -> AttributionIndex | None:
     try:
         manifest_bytes = store.files.read_bytes(INDEXES, name, MANIFEST_FILE)
@@ -753,7 +762,9 @@ def _load_index(
     if differences:
         raise IndexMismatchError(differences)
     device = check_device(manifest["kind"], manifest["dim"], device)  # before the fit is read
-    method = resolve_method(manifest["method"])
+    method = methods(manifest["method"])
+    if method is None:
+        return None
     selection = Selection(manifest["run_id"], manifest["checkpoint"], manifest["split"], manifest["where"])
     spec = fit_spec(store, selection, method, manifest.get("blocks") or "auto")
     preconditioner = fits.get(spec, manifest.get("damping"))

@@ -17,7 +17,7 @@ from gradstore.core import StoreCore
 from gradstore.core import schema as S
 from gradstore.core.vectors import decode
 from gradstore.errors import StoreCorruptError
-from gradstore.methods.scoring import ScoringSpace
+from gradstore.preconditioning.scoring import ScoringSpace
 from indexers import RunningTopK
 
 

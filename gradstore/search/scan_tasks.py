@@ -25,7 +25,7 @@ import torch
 
 from gradstore.core.engine import Engine
 from gradstore.core.shards import Shard
-from gradstore.methods.scoring import ScoringSpace
+from gradstore.preconditioning.scoring import ScoringSpace
 from indexers import FaissIndex, RunningTopK, float32_products
 from indexers.blocks import as_tensor, unpack_block
 from indexers.screening import as_scales
@@ -94,8 +94,8 @@ def faiss_parts(
     engine: Engine, shards: Sequence[Shard], space: ScoringSpace, trained: FaissIndex
 ) -> list[tuple[FaissIndex, np.ndarray]]:
     """Per shard: a copy of the ``trained`` (empty) index holding the shard's balanced rows
-    (:meth:`~gradstore.methods.scoring.ScoringSpace.balanced`), and their ids in the order added; merging them in shard
-    order gives the index one process would build."""
+    (:meth:`~gradstore.preconditioning.scoring.ScoringSpace.balanced`), and their ids in the order added; merging them
+    in shard order gives the index one process would build."""
     return engine.map(_faiss_task, shards, (space, trained))
 
 

@@ -141,13 +141,15 @@ def bound_fits(store: Any, budget_bytes: int) -> BoundedFits:
 def refusal(error: StorePermissionError, name: str, args: dict[str, Any]) -> GradstoreError:
     """The error a read-only server answers when a call ran into a write: the command that builds what it lacks
     (no server path in the message)."""
-    run = args.get("run", "RUN")
-    if "dvemb" in str(error):
-        return NotBuiltError(
-            f"method='dvemb' reads the derived run {run}.dvemb, which is not built (or not up to date) and this "
-            f"server is read-only: the operator builds it with `gradstore attribute STORE --run {run} --method dvemb "
-            "-k 1 --no-write` (or serves with --allow-writes)"
-        )
+    from gradstore.methods import DEFAULT_METHOD, resolve_method
+
+    try:
+        method = resolve_method(args.get("method", DEFAULT_METHOD))
+    except (GradstoreError, TypeError):
+        method = None
+    built_first = method.read_only_refusal(str(args.get("run", "RUN")), error) if method is not None else None
+    if built_first is not None:  # what the method builds on first use (dvemb: its derived run)
+        return NotBuiltError(built_first)
     return NotBuiltError(f"{name} needs to write the store and this server is read-only (start it with --allow-writes)")
 
 
@@ -156,7 +158,7 @@ def check_index_built(store: Any, args: dict[str, Any]) -> None:
     (building one per request would cost minutes and never be kept): ``NotBuiltError`` with the command otherwise.
     Arguments the store refuses anyway are left to it."""
     from gradstore.methods import DEFAULT_DAMPING, DEFAULT_METHOD, resolve_method
-    from gradstore.methods.fitting import Selection, fit_spec
+    from gradstore.preconditioning.fitting import Selection, fit_spec
     from gradstore.search.index import INDEXES, MANIFEST_FILE, choose_index_kind, default_index_name
 
     kind = args.get("kind", "exact")
@@ -164,7 +166,7 @@ def check_index_built(store: Any, args: dict[str, Any]) -> None:
         return
     try:
         method = resolve_method(args.get("method", DEFAULT_METHOD))
-        if method.over_checkpoints or method.trajectory:
+        if method.reads_history:  # no index of one checkpoint's rows serves it
             return
         core, run = store.core, args["run"]
         checkpoint = args.get("checkpoint") or core.default_checkpoint(run)

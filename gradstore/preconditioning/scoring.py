@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradstore.methods import Method
+from gradstore.preconditioning import Preconditioning
 from indexers import Preconditioner
 
 
@@ -26,7 +26,7 @@ def as_float32(vectors: np.ndarray | torch.Tensor) -> torch.Tensor:
 class ScoringSpace:
     """``score(q, g) = queries(q) . rows(g)`` for one method and its fitted preconditioner."""
 
-    method: Method
+    method: Preconditioning
     preconditioner: Preconditioner
 
     def queries(self, queries: np.ndarray | torch.Tensor) -> torch.Tensor:

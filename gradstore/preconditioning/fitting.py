@@ -30,8 +30,8 @@ from gradstore.core import StoreCore, gradient_filter, storage
 from gradstore.core.engine import Engine, LocalEngine
 from gradstore.core.shards import Shard, fragment_shards
 from gradstore.errors import InvalidArgumentError, StoreCorruptError, StorePermissionError
-from gradstore.methods import DEFAULT_DAMPING, TRUE_FISHER_SPLIT, BlockStructure, Method, check_blocks
-from gradstore.methods.scoring import ScoringSpace
+from gradstore.preconditioning import DEFAULT_DAMPING, TRUE_FISHER_SPLIT, BlockStructure, Preconditioning, check_blocks
+from gradstore.preconditioning.scoring import ScoringSpace
 from indexers import FitStatistics, Preconditioner, VectorBlocks, load_preconditioner, make_preconditioner
 from ingest.curvature import CURVATURE_SPLITS
 
@@ -125,7 +125,9 @@ class FitSpec:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def fit_spec(store: StoreCore, selection: Selection, method: Method, blocks: BlockStructure = "auto") -> FitSpec:
+def fit_spec(
+    store: StoreCore, selection: Selection, method: Preconditioning, blocks: BlockStructure = "auto"
+) -> FitSpec:
     """The :class:`FitSpec` of ``method`` over ``selection`` (``blocks="auto"``: :func:`auto_blocks`): over the
     selection's true-Fisher rows instead (:func:`curvature_selection`) for methods that fit on them, with the
     Kronecker factors of those rows for ``kfac`` fits (:func:`kronecker_source`)."""
@@ -188,7 +190,7 @@ class FitCache:
     def space(
         self,
         selection: Selection,
-        method: Method,
+        method: Preconditioning,
         blocks: BlockStructure = "auto",
         damping: float | None = None,
         engine: Engine | None = None,
