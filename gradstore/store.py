@@ -38,7 +38,8 @@ from gradstore.methods import DEFAULT_METHOD, BlockStructure, MethodName, ScoreO
 from gradstore.methods.preconditioned import indexed
 from gradstore.methods.queries import QueryBatch, QueryInput
 from gradstore.preconditioning.fitting import FitCache
-from gradstore.search.index import AttributionIndex, load_index
+from gradstore.search.index import AttributionIndex
+from gradstore.search.loading import load_index
 from gradstore.store_api import IndexKind
 from ingest import CaptureConfig
 from ingest.projection import LayerSizes, ProjectionBasis

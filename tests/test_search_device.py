@@ -13,7 +13,8 @@ import gradstore
 from gradstore.errors import InvalidArgumentError
 from gradstore.methods.preconditioned import indexed
 from gradstore.preconditioning.fitting import Selection
-from gradstore.search.index import build_index, load_index
+from gradstore.search.building import build_index
+from gradstore.search.loading import load_index
 from indexers import ExactIndex, gpu_available, resolve_device
 from ingest import LayerSlot, ProjectionSpec
 

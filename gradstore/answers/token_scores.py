@@ -32,7 +32,7 @@ from gradstore.errors import InvalidArgumentError, MissingIdsError
 from gradstore.methods import ScoreOptions, check_k
 from gradstore.methods.queries import QueryBatch
 from gradstore.preconditioning.fitting import FitCache, Selection
-from gradstore.search.index import build_index
+from gradstore.search.building import build_index
 from ingest import CaptureConfig
 from ingest.tokens import TokenGradientCapture, TokenRows
 

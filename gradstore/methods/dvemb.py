@@ -56,7 +56,8 @@ from gradstore.methods.trajectory import (
 )
 from gradstore.preconditioning import GRAD_DOT
 from gradstore.preconditioning.fitting import FitCache, Selection, auto_blocks
-from gradstore.search.index import AttributionIndex, build_index
+from gradstore.search.building import build_index
+from gradstore.search.index import AttributionIndex
 
 log = logging.getLogger(__name__)
 

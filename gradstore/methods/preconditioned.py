@@ -26,7 +26,8 @@ from gradstore.methods.summed import learning_rates, per_example_shards
 from gradstore.preconditioning import Preconditioning
 from gradstore.preconditioning.fitting import FitCache, Selection
 from gradstore.search import scan_tasks
-from gradstore.search.index import AttributionIndex, build_index
+from gradstore.search.building import build_index
+from gradstore.search.index import AttributionIndex
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ def index_top_k(
     blocks: str | None = None,
 ) -> pa.Table:
     """The top-k rows of ``selection`` for ``queries`` scored with ``preconditioning`` (through the index
-    :func:`~gradstore.search.index.build_index` builds or reuses), as a ``scores`` table of method ``method``;
+    :func:`~gradstore.search.building.build_index` builds or reuses), as a ``scores`` table of method ``method``;
     ``blocks``: the Fisher blocks (default: the options')."""
     index = build_index(
         store,
@@ -218,7 +219,7 @@ def dense_matrix(
 
 
 def indexed(name: str) -> Preconditioning:
-    """The preconditioning of the method an index manifest names (what :func:`gradstore.search.index.load_index`
+    """The preconditioning of the method an index manifest names (what :func:`gradstore.search.loading.load_index`
     loads it with): an unknown method, or one with no index of its own, is an ``InvalidArgumentError``."""
     method = resolve_method(name)
     if not isinstance(method, Preconditioning):

@@ -4,7 +4,8 @@ An index is built from the rows of one run/checkpoint/split (optionally a SQL ``
 (side files ``indexes/<name>/``) names exactly what it was built from (run, checkpoint, split, filter,
 projection fingerprint, method, damping, kind, rows). The preconditioner comes from the store's
 :class:`~gradstore.preconditioning.fitting.FitCache` (one fit per rows and method, re-damped on use), so an index of
-another damping costs no pass over the data and no second copy of the fit. Loading an index whose manifest does
+another damping costs no pass over the data and no second copy of the fit. Building is
+:mod:`gradstore.search.building`, loading :mod:`gradstore.search.loading`; loading an index whose manifest does
 not match the store (another projection, another dimension) raises ``IndexMismatchError``.
 
 Kinds: ``"exact"`` (blocked matmul + running top-k over the stored rows, which the first search reads once
@@ -25,16 +26,13 @@ can use them, except HNSW graphs (no GPU version) and with ``device="cpu"``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import re
 import tempfile
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import astuple
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -47,21 +45,18 @@ from gradstore.core import StoreCore
 from gradstore.core.engine import Engine, LocalEngine
 from gradstore.core.index_cache import LoadedIndex
 from gradstore.core.row_cache import cache_file_name, dataset_content
-from gradstore.core.sidefiles import CHECKSUM_SUFFIX, check_component
+from gradstore.core.sidefiles import CHECKSUM_SUFFIX
 from gradstore.core.stored_rows import stored_blocks
 from gradstore.errors import (
-    IndexMismatchError,
     InvalidArgumentError,
-    StoreCorruptError,
     StorePermissionError,
-    UnknownIndexError,
 )
-from gradstore.preconditioning import DEFAULT_DAMPING, GRAD_DOT, BlockStructure, Preconditioning
-from gradstore.preconditioning.fitting import FitCache, FitSpec, Selection, fit_spec
+from gradstore.preconditioning import Preconditioning
+from gradstore.preconditioning.fitting import Selection
 from gradstore.preconditioning.scoring import ScoringSpace, as_float32
 from gradstore.search.rerank import RowLocator
 from gradstore.search.rerank import rerank as exact_rerank
-from gradstore.search.scan_tasks import TopK, faiss_parts, top_k
+from gradstore.search.scan_tasks import TopK, top_k
 from indexers import (
     MISSING_ID,
     UNIT_BF16_NORM,
@@ -70,16 +65,12 @@ from indexers import (
     FewerResultsWarning,
     PreparedRows,
     VectorBlocks,
-    choose_index_kind,
     found_counts,
     gpu_available,
-    load_preconditioner,
-    manifest_diff,
     packed,
     prefetched,
     resolve_device,
 )
-from indexers import IndexMismatchError as LowerIndexMismatchError
 from indexers.saved_rows import rows_from_state
 
 log = logging.getLogger(__name__)
@@ -455,9 +446,9 @@ class AttributionIndex:
         for child in files.children(INDEXES, self.name):
             if child.startswith(FAISS_PREFIX) and child != self.manifest.get(FAISS_FILES):
                 files.remove(INDEXES, self.name, child)
-        identity = _identity(self.store, self.name, manifest_bytes) if self.faiss_index is not None else None
+        identity = files_identity(self.store, self.name, manifest_bytes) if self.faiss_index is not None else None
         if identity is not None:  # the next load of these files in this process uses them as they are here
-            self.store.index_cache.put(self.name, _loaded_entry(self, identity))
+            self.store.index_cache.put(self.name, loaded_entry(self, identity))
 
 
 def device_admits(nbytes: int, device: torch.device) -> bool:
@@ -548,252 +539,19 @@ def check_device(kind: str, dim: int, device: str | torch.device | None) -> torc
     return asked
 
 
-def default_index_name(
-    selection: Selection, method: Preconditioning, damping: float | None, kind: str, blocks: str | None = None
-) -> str:
-    """A readable, file-system safe name: the selection, method, Fisher block structure (``blocks``, when the
-    method has one) and damping in words plus a hash of the exact values."""
-    parts = [selection.run, selection.checkpoint or "", selection.split, method.name]  # None: unlabelled rows
-    if blocks is not None:
-        parts.append(blocks)
-    if method.damped:
-        parts.append(f"d{damping:g}")
-    parts.append(kind)
-    readable = re.sub(r"[^A-Za-z0-9._=+-]+", "_", "-".join(parts)).strip("._-")[:120] or "index"
-    digest = hashlib.sha256(json.dumps([*parts, selection.where]).encode()).hexdigest()[:8]
-    return f"{readable}-{digest}"
+def index_summary(index: AttributionIndex) -> dict[str, Any]:
+    """The manifest fields people look at."""
+    keys = ("name", "run_id", "checkpoint", "split", "method", "damping", "kind", "rows", "recall_at_10")
+    return {**{k: index.manifest.get(k) for k in keys}, "search": index.search_path}
 
 
-def _expected_manifest(store: StoreCore, run: str) -> dict[str, Any]:
+def expected_manifest(store: StoreCore, run: str) -> dict[str, Any]:
+    """What an index of run ``run`` must match: its projection and dimension."""
     row = store.run(run)
     return {"projection_fingerprint": row["projection_fingerprint"], "dim": row["dim"]}
 
 
-def build_index(
-    store: StoreCore,
-    fits: FitCache,
-    selection: Selection,
-    method: Preconditioning = GRAD_DOT,
-    *,
-    damping: float | None = None,
-    kind: str = "exact",
-    name: str | None = None,
-    blocks: BlockStructure = "auto",
-    refit: bool = False,
-    recall_queries: int = 64,
-    engine: Engine | None = None,
-    device: str | torch.device | None = None,
-) -> AttributionIndex:
-    """Fit (or reuse the fit of) the method's preconditioner over the selected rows (on ``engine``) and build
-    the search structure. An index of the same name built the same way gets the rows appended since added.
-    ``device``: where its searches run (:func:`check_device`; checked before anything is fitted or built)."""
-    resolved = method
-    spec = fit_spec(store, selection, resolved, blocks)
-    damping = DEFAULT_DAMPING if damping is None else float(damping)
-    rows = selection.count(store)
-    if rows == 0:
-        raise InvalidArgumentError(f"no training rows match {selection}: capture the run first")
-    if kind == "auto":
-        kind = choose_index_kind(rows, store.run_dim(selection.run))
-    device = check_device(kind, store.run_dim(selection.run), device)
-    name = (
-        check_component(name, "index name")
-        if name is not None
-        else default_index_name(selection, resolved, damping, kind, spec.blocks)
-    )
-    preconditioner = fits.get(spec, damping, refit=refit, engine=engine)
-    if not refit:
-        same = {resolved.name: resolved}.get  # another method's index of this name is rebuilt, not loaded
-        existing = load_index(store, fits, name, same, missing_ok=True, device=device)
-        if existing is not None and _same_build(existing.manifest, spec, resolved, damping, kind):
-            existing.space = ScoringSpace(resolved, preconditioner)
-            _add_new_rows(existing)
-            return existing
-    manifest = {
-        "name": name,
-        "run_id": selection.run,
-        "checkpoint": selection.checkpoint,
-        "split": selection.split,
-        "where": selection.where,
-        "method": resolved.name,
-        "damping": damping if resolved.damped else None,
-        "kind": kind,
-        "metric": "ip",
-        "rows": rows,
-        "blocks": spec.blocks,
-        "eigen_correction": spec.eigen_correction,
-        "fit": spec.key(),
-        **({FIRST_STAGE: BALANCED} if kind != "exact" else {}),
-        "gradients_version": store.gradient_dataset(selection.run).version,
-        "built_at": datetime.now(timezone.utc).isoformat(),
-        **_expected_manifest(store, selection.run),
-    }
-    index = AttributionIndex(store, manifest, ScoringSpace(resolved, preconditioner), device=device)
-    if kind != "exact":
-        engine = engine or LocalEngine()
-        _build_faiss(index, kind, selection.blocks(store), engine)
-        index.manifest["recall_at_10"] = _measure_recall(index, engine, recall_queries)
-        log.info("index %s: FAISS %s recall@10 vs exact = %.3f", name, kind, index.manifest["recall_at_10"])
-    index.save()
-    return index
-
-
-def _same_build(
-    manifest: dict[str, Any], spec: FitSpec, method: Preconditioning, damping: float | None, kind: str
-) -> bool:
-    return (
-        Selection(manifest["run_id"], manifest["checkpoint"], manifest["split"], manifest["where"]) == spec.selection
-        and manifest["method"] == method.name
-        and manifest["kind"] == kind
-        and manifest.get("fit") == spec.key()
-        and (not method.damped or manifest["damping"] == damping)
-    )
-
-
-def _build_faiss(index: AttributionIndex, kind: str, source: VectorBlocks, engine: Engine) -> None:
-    """Train on a sample of the balanced rows here (only the sampled rows are read), then add the rows: here,
-    or per shard on ``engine`` (each task fills a copy of the trained index; the copies are merged in shard
-    order). HNSW graphs cannot be merged: their rows are added here whatever the engine."""
-    try:
-        faiss_index = FaissIndex(kind, index.manifest["dim"], metric="ip")
-    except ValueError as error:
-        raise InvalidArgumentError(f"index kind {kind!r}: {error}") from error
-    ids, stored = _sample(index, faiss_index.training_rows, seed=0)
-    sample = (ids, index.first_stage(stored, rows=True))
-    faiss_index.train(lambda: iter([sample]), sample_size=len(ids))
-    added = [np.empty(0, np.int64)]
-    if isinstance(engine, LocalEngine) or not faiss_index.mergeable:
-        for ids, vectors in source():
-            faiss_index.add(ids, index.first_stage(vectors, rows=True))
-            added.append(ids)
-    else:
-        parts = faiss_parts(
-            engine, index.selection.shards(index.store, engine.parallelism, ()), index.space, faiss_index
-        )
-        if parts:  # merged into the first part: FAISS merges only indexes of one type (as deserialized)
-            faiss_index = parts[0][0]
-        for position, (part, ids) in enumerate(parts):
-            if position:
-                faiss_index.merge_from(part)
-            added.append(ids)
-    index.faiss_index, index.indexed_ids = faiss_index, np.concatenate(added)
-
-
-def _sample(index: AttributionIndex, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """A uniform random sample of the selected rows as stored: ``(grad_ids, float32 rows)``.
-
-    One pass over the ``grad_id`` column, then only the sampled rows are read (Lance ``take``)."""
-    ids = index.selection.grad_ids(index.store)
-    chosen = np.sort(np.random.default_rng(seed).choice(ids, size=min(size, len(ids)), replace=False))
-    found, stored = index._locator.read(index.store, index.selection.run, chosen)
-    return chosen[found], stored
-
-
-def _measure_recall(index: AttributionIndex, engine: Engine, n_queries: int) -> float:
-    """Recall@10 of the FAISS index against exact search (on ``engine``), with stored rows as queries."""
-    from indexers import recall_at_k
-
-    _, rows = _sample(index, n_queries, seed=1)
-    prepared = index.space.queries(torch.from_numpy(rows))
-    _, approx = index.faiss_index.search(index.first_stage(rows, rows=False), 10, warn=False)  # misses: recall
-    shards = index.selection.shards(index.store, engine.parallelism)
-    _, exact = top_k(engine, shards, index.space, prepared, 10)[True]
-    return recall_at_k(approx, exact)
-
-
-def _add_new_rows(index: AttributionIndex) -> None:
-    """Incremental update: add rows appended to the selection since the index was built."""
-    rows = index.selection.count(index.store)
-    if rows == index.manifest["rows"]:
-        return
-    if index.faiss_index is not None:
-        for ids, vectors in index.selection.blocks(index.store)():
-            fresh = ~np.isin(ids, index.indexed_ids)
-            if fresh.any():
-                if index.store.index_cache.holds(index.faiss_index):  # shared with other loads: change a copy
-                    index.faiss_index = _copied(index.faiss_index)
-                index.faiss_index.add(ids[fresh], index.first_stage(vectors[fresh], rows=True))
-                index._gpu_copy = None
-                index.indexed_ids = np.concatenate([index.indexed_ids, ids[fresh]])
-    index.manifest.update(rows=rows, gradients_version=index.store.gradient_dataset(index.selection.run).version)
-    index.save()
-
-
-def load_index(
-    store: StoreCore,
-    fits: FitCache,
-    name: str,
-    methods: Callable[[str], Preconditioning | None],
-    *,
-    missing_ok: bool = False,
-    device: str | torch.device | None = None,
-) -> AttributionIndex | None:
-    """Load index ``name``; raises ``IndexMismatchError`` if it does not match the store's run. Not while another
-    process saves it (the manifest and the FAISS files it names are read as one). ``methods``: the
-    :class:`Preconditioning` of the method a manifest names (the registry's, above search: an unknown name raises
-    there; ``None``: not the one wanted, and nothing is loaded). ``device``: where its searches run
-    (:func:`check_device`)."""
-    check_component(name, "index name")
-    with store.files.reading(INDEXES, name):
-        return _load_index(store, fits, name, methods, missing_ok, device)
-
-
-def _load_index(
-    store: StoreCore,
-    fits: FitCache,
-    name: str,
-    methods: Callable[[str], Preconditioning | None],
-    missing_ok: bool,
-    device: str | torch.device | None = None,
-) -> AttributionIndex | None:
-    try:
-        manifest_bytes = store.files.read_bytes(INDEXES, name, MANIFEST_FILE)
-        manifest = json.loads(manifest_bytes)
-    except FileNotFoundError:
-        if missing_ok:
-            return None
-        raise UnknownIndexError(f"no index {name!r} in store {store.uri}: build it with build_index") from None
-    except (ValueError, UnicodeDecodeError) as error:
-        raise IndexMismatchError({"manifest": ("valid JSON", f"corrupt ({error})")}) from None
-    if not isinstance(manifest, dict) or manifest.get("name") != name:
-        raise IndexMismatchError({"name": (name, manifest.get("name") if isinstance(manifest, dict) else None)})
-    expected = _expected_manifest(store, manifest["run_id"])
-    differences = manifest_diff(expected, {k: manifest.get(k) for k in expected})
-    if differences:
-        raise IndexMismatchError(differences)
-    device = check_device(manifest["kind"], manifest["dim"], device)  # before the fit is read
-    method = methods(manifest["method"])
-    if method is None:
-        return None
-    selection = Selection(manifest["run_id"], manifest["checkpoint"], manifest["split"], manifest["where"])
-    spec = fit_spec(store, selection, method, manifest.get("blocks") or "auto")
-    preconditioner = fits.get(spec, manifest.get("damping"))
-    index = AttributionIndex(store, manifest, ScoringSpace(method, preconditioner), device=device)
-    if manifest["kind"] != "exact":
-        identity = _identity(store, name, manifest_bytes)
-        cached = None if identity is None else store.index_cache.get(name, identity)
-        if cached is not None:  # the same files as loaded before: not read (nor hashed) again
-            cached.faiss_index.nprobe, cached.faiss_index.ef_search = cached.nprobe, cached.ef_search
-            index.faiss_index, index.indexed_ids = cached.faiss_index, cached.indexed_ids
-            if cached.first_preconditioner is not None:
-                index.first_space = ScoringSpace(method, cached.first_preconditioner)
-            return index
-        try:
-            with store.files.local_directory(INDEXES, name, manifest.get(FAISS_FILES, FAISS_PREFIX)) as directory:
-                index.faiss_index = FaissIndex.load(directory, expected_manifest=manifest, mmap=False)
-                index.indexed_ids = np.load(directory / IDS_FILE, allow_pickle=False)
-                if manifest.get(FIRST_STAGE) == BALANCED:
-                    index.first_space = ScoringSpace(method, load_preconditioner(directory))
-        except LowerIndexMismatchError as error:
-            raise IndexMismatchError(error.differences) from error
-        except (OSError, ValueError, RuntimeError) as error:
-            raise StoreCorruptError(f"FAISS index {name!r} of store {store.uri} cannot be read: {error}") from error
-        if identity is not None:
-            store.index_cache.put(name, _loaded_entry(index, identity))
-    return index
-
-
-def _identity(store: StoreCore, name: str, manifest_bytes: bytes) -> tuple | None:
+def files_identity(store: StoreCore, name: str, manifest_bytes: bytes) -> tuple | None:
     """What identifies index ``name``'s files on disk, read cheaply (the small files only): the bytes of its
     manifest and the checksums kept beside its FAISS files (:mod:`gradstore.core.index_cache`); ``None`` when they
     cannot be read (the index is then neither cached nor taken from the cache)."""
@@ -811,20 +569,7 @@ def _identity(store: StoreCore, name: str, manifest_bytes: bytes) -> tuple | Non
     return manifest_bytes, tuple(sorted(checksums))
 
 
-def _loaded_entry(index: AttributionIndex, identity: tuple) -> LoadedIndex:
+def loaded_entry(index: AttributionIndex, identity: tuple) -> LoadedIndex:
     first = index.first_space.preconditioner if index.manifest.get(FIRST_STAGE) == BALANCED else None
     faiss_index = index.faiss_index
     return LoadedIndex(identity, faiss_index, index.indexed_ids, first, faiss_index.nprobe, faiss_index.ef_search)
-
-
-def _copied(faiss_index: FaissIndex) -> FaissIndex:
-    """A copy of ``faiss_index`` that can be changed without changing it."""
-    copy = FaissIndex.__new__(FaissIndex)
-    copy.__setstate__(faiss_index.__getstate__())
-    return copy
-
-
-def index_summary(index: AttributionIndex) -> dict[str, Any]:
-    """The manifest fields people look at."""
-    keys = ("name", "run_id", "checkpoint", "split", "method", "damping", "kind", "rows", "recall_at_10")
-    return {**{k: index.manifest.get(k) for k in keys}, "search": index.search_path}

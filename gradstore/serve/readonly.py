@@ -159,7 +159,9 @@ def check_index_built(store: Any, args: dict[str, Any]) -> None:
     Arguments the store refuses anyway are left to it."""
     from gradstore.methods import DEFAULT_DAMPING, DEFAULT_METHOD, resolve_method
     from gradstore.preconditioning.fitting import Selection, fit_spec
-    from gradstore.search.index import INDEXES, MANIFEST_FILE, choose_index_kind, default_index_name
+    from gradstore.search.building import default_index_name
+    from gradstore.search.index import INDEXES, MANIFEST_FILE
+    from indexers import choose_index_kind
 
     kind = args.get("kind", "exact")
     if kind == "exact" or not isinstance(kind, str) or not isinstance(args.get("run"), str):
