@@ -42,15 +42,14 @@ from gradstore.core.engine import Engine
 from gradstore.errors import InvalidArgumentError
 from gradstore.methods.preconditioned import dense_matrix, index_top_k
 from gradstore.methods.queries import Queries, QueryInput, resolve_queries
-from gradstore.methods.registry import ONE_CHECKPOINT, TRUE_FISHER_SPLIT, Method, ScoreOptions, check_blocks
+from gradstore.methods.registry import ONE_CHECKPOINT, TRUE_FISHER_SPLIT, ScoreOptions, check_blocks
 from gradstore.methods.results import ScoreMatrix
-from gradstore.methods.rows import check_where, require_rows
-from gradstore.methods.summed import history_aggregates, history_self_influence, refuse_checkpoints
+from gradstore.methods.rows import require_rows
 from gradstore.methods.trajectory import (
     History,
+    HistorySum,
     RecordedStep,
     final_query_checkpoint,
-    final_training_checkpoint,
     in_loop_checkpoint,
     recorded_steps,
 )
@@ -376,7 +375,7 @@ def _write_state(store: StoreCore, run: str, state: EmbeddingState) -> None:
 
 # ---------------------------------------------------------------------------------------------- the family
 @dataclass(frozen=True)
-class Embeddings(Method):
+class Embeddings(HistorySum):
     """Data value embeddings: each training example's embedding ``e_z`` is kept as a row of the derived run
     :func:`derived_run` (built, or extended with the steps recorded since, by :func:`ensure`), and a query scores
     ``q . e_z`` with its final-model gradient: a grad-dot search of the derived run."""
@@ -390,10 +389,6 @@ class Embeddings(Method):
     def uses(self) -> frozenset[str]:
         return ONE_CHECKPOINT | {"blocks"}  # a search of one checkpoint's rows (the derived run's), blocks for H_s
 
-    @property
-    def reads_history(self) -> bool:
-        return True
-
     def read_only_refusal(self, run: str, error: Exception) -> str | None:
         if derived_run(run) not in str(error):
             return None
@@ -402,6 +397,11 @@ class Embeddings(Method):
             f"and this server is read-only: the operator builds it with `gradstore attribute STORE --run {run} "
             f"--method {self.name} -k 1 --no-write` (or serves with --allow-writes)"
         )
+
+    def history(
+        self, store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, run: str
+    ) -> History:
+        return history(store, queries, options, run)
 
     def _queries_and_rows(
         self, store: StoreCore, queries: QueryInput, options: ScoreOptions, run: str
@@ -443,34 +443,6 @@ class Embeddings(Method):
     ) -> ScoreMatrix:
         resolved, selection = self._queries_and_rows(store, queries, options, run)
         return dense_matrix(store, fits, resolved, selection, GRAD_DOT, "auto", options.damping)
-
-    def self_influence(
-        self, store: StoreCore, fits: FitCache, options: ScoreOptions, *, run: str, engine: Engine
-    ) -> pa.Table:
-        check_where(store, run, options.where)
-        return history_self_influence(
-            store,
-            history,
-            options,
-            final=final_training_checkpoint(store, run, options.split),
-            method=self.name,
-            run=run,
-            engine=engine,
-        )
-
-    def select(
-        self,
-        store: StoreCore,
-        fits: FitCache,
-        target: QueryInput,
-        options: ScoreOptions,
-        *,
-        run: str,
-        aggregate: str,
-        engine: Engine,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        refuse_checkpoints(self, options)
-        return history_aggregates(store, history(store, target, options, run), aggregate, engine)
 
     def build_index(
         self,

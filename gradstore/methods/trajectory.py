@@ -369,8 +369,52 @@ def _segment_term(horizon: float):
 HISTORY_OPERATIONS = frozenset({"attribute", "score_matrix", "self_influence", "select"})
 
 
+class HistorySum(Method):
+    """A method whose scores sum per example over the run's training history (:meth:`history`): its
+    self-influence and its selection are those sums', whatever builds them (:class:`Trajectory`, and
+    :class:`gradstore.methods.dvemb.Embeddings` over the embeddings it keeps)."""
+
+    @property
+    def reads_history(self) -> bool:
+        return True
+
+    def history(
+        self, store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, run: str
+    ) -> History:
+        """The per-example sums of ``queries`` over the history, ready to scan."""
+        raise NotImplementedError
+
+    def self_influence(
+        self, store: StoreCore, fits: FitCache, options: ScoreOptions, *, run: str, engine: Engine
+    ) -> pa.Table:
+        check_where(store, run, options.where)
+        return history_self_influence(
+            store,
+            lambda store, queries, options, run: self.history(store, fits, queries, options, run),
+            options,
+            final=final_training_checkpoint(store, run, options.split),
+            method=self.name,
+            run=run,
+            engine=engine,
+        )
+
+    def select(
+        self,
+        store: StoreCore,
+        fits: FitCache,
+        target: QueryInput,
+        options: ScoreOptions,
+        *,
+        run: str,
+        aggregate: str,
+        engine: Engine,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        refuse_checkpoints(self, options)
+        return history_aggregates(store, self.history(store, fits, target, options, run), aggregate, engine)
+
+
 @dataclass(frozen=True)
-class Trajectory(Preconditioning, Method):
+class Trajectory(Preconditioning, HistorySum):
     """A method summing per example over the run's training history: over the recorded training steps
     (``trajectory="steps"``: ``tracin-steps``) or over the segments between checkpoint passes (``"segments"``:
     ``source``, ``source-ekfac``), as :func:`history` computes. Its :class:`~gradstore.preconditioning.Preconditioning`
@@ -390,9 +434,10 @@ class Trajectory(Preconditioning, Method):
             used.add("blocks")
         return frozenset(used)
 
-    @property
-    def reads_history(self) -> bool:
-        return True
+    def history(
+        self, store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, run: str
+    ) -> History:
+        return history(store, fits, queries, options, run)
 
     def attribute(
         self,
@@ -415,31 +460,3 @@ class Trajectory(Preconditioning, Method):
     ) -> ScoreMatrix:
         check_where(store, run, options.where)
         return history_matrix(store, history(store, fits, queries, options, run))
-
-    def self_influence(
-        self, store: StoreCore, fits: FitCache, options: ScoreOptions, *, run: str, engine: Engine
-    ) -> pa.Table:
-        check_where(store, run, options.where)
-        return history_self_influence(
-            store,
-            lambda store, queries, options, run: history(store, fits, queries, options, run),
-            options,
-            final=final_training_checkpoint(store, run, options.split),
-            method=self.name,
-            run=run,
-            engine=engine,
-        )
-
-    def select(
-        self,
-        store: StoreCore,
-        fits: FitCache,
-        target: QueryInput,
-        options: ScoreOptions,
-        *,
-        run: str,
-        aggregate: str,
-        engine: Engine,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        refuse_checkpoints(self, options)
-        return history_aggregates(store, history(store, fits, target, options, run), aggregate, engine)
