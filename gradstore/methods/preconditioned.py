@@ -44,7 +44,7 @@ class Preconditioned(Preconditioning, Method):
         used = set(ONE_CHECKPOINT)
         if self.damped:
             used.add("damping")
-        if self.preconditioner == "fisher":
+        if self.blocked:
             used.add("blocks")
         return frozenset(used)
 

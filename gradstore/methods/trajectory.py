@@ -430,7 +430,7 @@ class Trajectory(Preconditioning, HistorySum):
         used = {"checkpoint" if self.trajectory == "steps" else "checkpoints", "query_checkpoint"}
         if self.damped:
             used.add("damping")
-        if self.preconditioner == "fisher":
+        if self.blocked:
             used.add("blocks")
         return frozenset(used)
 

@@ -20,6 +20,9 @@ BlockStructure = Literal["auto", "layer", "full"]
 projection spec, full for runs written without layers: :func:`gradstore.preconditioning.fitting.auto_blocks`)."""
 
 DEFAULT_DAMPING = 0.1
+#: The preconditioner whose fit has blocks (:attr:`Preconditioning.blocked`) and the one over Kronecker factors.
+BLOCKED_PRECONDITIONER = "fisher"
+KRONECKER_PRECONDITIONER = "kfac"
 #: The split of curvature rows: gradients of losses on labels sampled from the model's own predictive
 #: distribution (true Fisher / GGN). Never scored or used as training rows; fits use them where present.
 TRUE_FISHER_SPLIT = _TRUE_FISHER_SPLIT
@@ -38,6 +41,16 @@ class Preconditioning:
     unit_norm: bool = False
     eigen_correction: bool = False  # kfac: eigenvalues refitted on the rows (EK-FAC)
     true_fisher: bool = False  # fitted on true-Fisher rows where a checkpoint has them
+
+    @property
+    def blocked(self) -> bool:
+        """Whether its fit has a block structure (``blocks=``: the projected Fisher, per layer or full)."""
+        return self.preconditioner == BLOCKED_PRECONDITIONER
+
+    @property
+    def kronecker(self) -> bool:
+        """Whether its fit takes the run's Kronecker factors (K-FAC, EK-FAC)."""
+        return self.preconditioner == KRONECKER_PRECONDITIONER
 
 
 #: The raw gradient inner product ``q . g``: what sums over checkpoints, steps and embeddings score with.

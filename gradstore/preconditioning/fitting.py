@@ -30,7 +30,15 @@ from gradstore.core import StoreCore, gradient_filter, storage
 from gradstore.core.engine import Engine, LocalEngine
 from gradstore.core.shards import Shard, fragment_shards
 from gradstore.errors import InvalidArgumentError, StoreCorruptError, StorePermissionError
-from gradstore.preconditioning import DEFAULT_DAMPING, TRUE_FISHER_SPLIT, BlockStructure, Preconditioning, check_blocks
+from gradstore.preconditioning import (
+    BLOCKED_PRECONDITIONER,
+    DEFAULT_DAMPING,
+    KRONECKER_PRECONDITIONER,
+    TRUE_FISHER_SPLIT,
+    BlockStructure,
+    Preconditioning,
+    check_blocks,
+)
 from gradstore.preconditioning.scoring import ScoringSpace
 from indexers import FitStatistics, Preconditioner, VectorBlocks, load_preconditioner, make_preconditioner
 from ingest.curvature import CURVATURE_SPLITS
@@ -135,11 +143,11 @@ def fit_spec(
     if method.true_fisher:
         selection = curvature_selection(store, selection)
     structure = None
-    if method.preconditioner == "fisher":
+    if method.blocked:
         structure = blocks if blocks != "auto" else auto_blocks(store, selection.run)
     elif blocks != "auto":
         raise InvalidArgumentError(f"blocks={blocks!r} applies to the fisher method, not {method.name!r}")
-    factors = kronecker_source(store, selection) if method.preconditioner == "kfac" else None
+    factors = kronecker_source(store, selection) if method.kronecker else None
     return FitSpec(selection, method.preconditioner, structure, method.eigen_correction, factors)
 
 
@@ -251,18 +259,20 @@ class FitCache:
         return fit_on(engine, spec.selection.shards(self.store, engine.parallelism), preconditioner)
 
     def _unfitted(self, spec: FitSpec) -> Preconditioner:
-        name = spec.preconditioner
-        if name == "fisher":
-            blocks = None
-            if spec.blocks == "layer":
-                layers = self.store.run_spec(spec.selection.run, "a per-layer Fisher (blocks='layer')").layers
-                blocks = [(s.offset, s.size) for s in layers]
-            return make_preconditioner("fisher", damping=DEFAULT_DAMPING, blocks=blocks)
-        if name == "kfac":
+        """A new preconditioner for ``spec``: the projected Fisher with its blocks, K-FAC over the run's Kronecker
+        layout, or any other by name."""
+        if spec.preconditioner == BLOCKED_PRECONDITIONER:
+            return self._blocked(spec)
+        if spec.preconditioner == KRONECKER_PRECONDITIONER:
             return self._kronecker(spec)
-        if name in ("identity", "cosine"):
-            return make_preconditioner(name)
-        return make_preconditioner(name, damping=DEFAULT_DAMPING)
+        return make_preconditioner(spec.preconditioner, damping=DEFAULT_DAMPING)  # identity, cosine: not damped
+
+    def _blocked(self, spec: FitSpec) -> Preconditioner:
+        blocks = None
+        if spec.blocks == "layer":
+            layers = self.store.run_spec(spec.selection.run, "a per-layer Fisher (blocks='layer')").layers
+            blocks = [(s.offset, s.size) for s in layers]
+        return make_preconditioner(spec.preconditioner, damping=DEFAULT_DAMPING, blocks=blocks)
 
     def _kronecker(self, spec: FitSpec) -> Preconditioner:
         layers = self.store.run_spec(

@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gradstore.answers.report import ReportOptions, gather, render
 from gradstore.errors import GradstoreError
+from gradstore.methods import DEFAULT_METHOD
 from gradstore.serve.auth import AuthError, Tokens
 from gradstore.serve.guard import COOKIE, SCOPE_KEY, Guard, bearer
 from gradstore.serve.service import RequestTooLargeError, Service, error_body, status
@@ -51,7 +52,7 @@ class AttributeRequest(_Body):
     queries: Ids = Field(None, description="query ids, a SQL filter on the stored query rows, or null for all")
     vectors: list[list[float]] | None = Field(None, description="raw query vectors [queries, dim] instead")
     k: int = 10
-    method: str = "fisher"
+    method: str = DEFAULT_METHOD
     checkpoint: str | None = None
     query_checkpoint: str | None = None
     checkpoints: list[str] | None = None
@@ -67,7 +68,7 @@ class AttributeRequest(_Body):
 
 class SelfInfluenceRequest(_Body):
     run: str
-    method: str = "fisher"
+    method: str = DEFAULT_METHOD
     checkpoint: str | None = None
     damping: float | None = None
     blocks: str = "auto"
@@ -95,7 +96,7 @@ class TextRequest(_Body):
     completion: str = Field("", description="the completion whose loss the query gradient is of")
     run: str
     k: int = 10
-    method: str = "fisher"
+    method: str = DEFAULT_METHOD
     checkpoint: str | None = Field(None, description="the training rows' checkpoint (a run with several needs it)")
 
 

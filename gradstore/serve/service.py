@@ -36,6 +36,7 @@ from gradstore.errors import (
     UnknownIndexError,
     UnknownRunError,
 )
+from gradstore.methods import DEFAULT_METHOD
 from gradstore.serve import readonly
 from gradstore.serve.admission import Admission
 from gradstore.serve.auth import AuthError
@@ -263,7 +264,14 @@ class Service:
         self.sql.close()
 
     def attribute_text(
-        self, prompt: Any, completion: Any, *, run: Any, k: Any = 10, method: Any = "fisher", checkpoint: Any = None
+        self,
+        prompt: Any,
+        completion: Any,
+        *,
+        run: Any,
+        k: Any = 10,
+        method: Any = DEFAULT_METHOD,
+        checkpoint: Any = None,
     ) -> Answer:
         """Proponents of a typed ``prompt`` and ``completion``: the query gradient is captured on the server's
         ``--model`` with the run's own projection (``store.attribute(QueryBatch(...))``), never written."""
