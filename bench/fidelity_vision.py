@@ -14,7 +14,7 @@ Here:
   ``torch.func.functional_call`` of the same module under ``vmap`` over stacked parameters (a grouped
   convolution per layer). Float32: the model trained under capture and the stacked full-set copy end 6e-7 apart
   (``bench/fidelity.py``'s 1e-5 check holds); float64 convolutions take 4-5x longer on CPU.
-* Capture: the convolutions are captured at their ops (``ingest/uses.py``; slot ``[C_out, C_in * 3 * 3 + 1]``,
+* Capture: the convolutions are captured at their ops (``ingest/uses/``; slot ``[C_out, C_in * 3 * 3 + 1]``,
   the im2col view), the head by its hook. Before scoring, a capture check compares exact rows (``projection=None``)
   of 64 training examples with ``torch.func`` per-example gradients and prints the run's coverage; it stops the
   bench on a relative error above 1e-5 or a parameter not captured.

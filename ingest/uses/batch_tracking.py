@@ -1,0 +1,169 @@
+"""Which tensors come from the batch, and along which dim: the taint the op-level capture (:mod:`ingest.uses`)
+carries from the model's inputs through every op (transposes, permutes, reshapes, indexing, reductions, tokens
+flattened across the batch), and the attributes it marks tensors with."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ingest.hooks import TAKEN_MARK
+from ingest.uses.ops import ELEMENTWISE, REDUCTIONS, RESHAPES
+
+#: Attribute set on tensors computed from the batch's inputs: the dim that indexes the examples (-1: unknown).
+BATCHED = "_gradstore_batched"
+TAKEN = TAKEN_MARK
+#: Attribute set on a batch tensor whose dim 0 mixes the examples (tokens flattened across the batch, then
+#: gathered): a long tensor, the example of each entry along dim 0.
+OWNER = "_gradstore_owner"
+#: Attribute set on a slice ``param[e]`` of a captured stacked parameter: ``(param, e)``.
+SLICE = "_gradstore_slice"
+#: Attribute set on ``param[ids]`` of a captured stacked parameter gathered per row (``ids`` a 1-D long tensor,
+#: transformers' batched-mm experts): ``(param, ids)``.
+GATHER = "_gradstore_gather"
+#: Attribute set on batch-free tensors computed from captured parameters: the parameters (a tuple).
+SOURCES = "_gradstore_sources"
+
+
+def tensors_in(values: Iterable[Any]) -> Iterator[torch.Tensor]:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def mark_batched(values: Iterable[Any]) -> None:
+    """Mark the tensors among ``values`` (and inside lists, tuples and dicts one level down) as the batch's,
+    examples along dim 0."""
+    for value in values:
+        if isinstance(value, dict):
+            mark_batched(value.values())
+        for t in tensors_in([value]):
+            setattr(t, BATCHED, 0)
+
+
+def batch_dim(t: Any) -> int | None:
+    """The dim of ``t`` that indexes the examples (-1: from the batch, dim unknown; None: not from the batch)."""
+    return getattr(t, BATCHED, None) if isinstance(t, torch.Tensor) else None
+
+
+def batch_operand(operands: list[torch.Tensor]) -> torch.Tensor | None:
+    """The operand whose examples' dim the outputs follow: one with a known dim, else any from the batch."""
+    dims = [(batch_dim(t), t) for t in operands]
+    first = next((t for d, t in dims if d is not None and d >= 0), None)
+    return first if first is not None else next((t for d, t in dims if d is not None), None)
+
+
+def result_batch(
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    source: torch.Tensor,
+    dim: int,
+    owner: torch.Tensor | None,
+    out: torch.Tensor,
+    size: int,
+) -> tuple[int, torch.Tensor | None]:
+    """Where the examples are in ``out``, an output of ``func`` on ``source`` (whose examples' dim is ``dim``, or
+    whose dim 0 mixes them as ``owner`` says): ``(dim, owner)``, ``(-1, None)`` when unknown."""
+    name = getattr(func, "__name__", "")
+    if owner is None:
+        new = _result_dim(func, args, source, dim, out, size, kwargs)
+        if new >= 0 or dim != 0 or name not in RESHAPES or out.dim() == 0:
+            return new, None
+        merged = out.shape[0]  # leading dims merged into dim 0 (tokens flattened across the batch)?
+        if merged % size == 0 and any(math.prod(source.shape[: j + 1]) == merged for j in range(1, source.dim())):
+            return 0, torch.arange(size, device=out.device).repeat_interleave(merged // size)
+        return -1, None
+    rows = source.shape[0]
+    if name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], int):
+        along = args[2] if len(args) > 2 else kwargs.get("dim")
+        if along is not None and int(along) % source.dim() == 0 and out.shape[0] == rows * args[1]:
+            return 0, owner.repeat_interleave(args[1])
+        return -1, None
+    if name == "__getitem__":
+        index = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
+        if isinstance(index, torch.Tensor) and index.dim() == 1 and not index.is_floating_point():
+            index = index.nonzero().flatten() if index.dtype == torch.bool else index
+            if out.dim() > 0 and out.shape[0] == index.numel():
+                return 0, owner[index]
+        return -1, None
+    if name in RESHAPES and out.dim() > 0 and out.shape[0] == size and rows % size == 0:
+        regular = torch.arange(size, device=owner.device).repeat_interleave(rows // size)
+        return (0, None) if torch.equal(owner, regular) else (-1, None)
+    if name in ("transpose", "swapaxes", "swapdims", "permute", "t", "movedim"):
+        return -1, None
+    if name in REDUCTIONS and out.dim() < source.dim():
+        reduced = args[1] if len(args) > 1 else kwargs.get("dim")
+        return (0, owner) if _reduced_dim(reduced, 0, source.dim()) == 0 else (-1, None)
+    broadcast_up = func in ELEMENTWISE and out.dim() > source.dim()
+    if out.dim() > 0 and out.shape[0] == rows and not broadcast_up:
+        return 0, owner  # dim 0 kept (elementwise, unsqueeze, chunk, a reshape of the other dims, ...)
+    return -1, None
+
+
+def _result_dim(
+    func: Any, args: tuple, source: torch.Tensor, dim: int, out: torch.Tensor, size: int, kwargs: dict | None = None
+) -> int:
+    """Where the examples' dim of ``source`` (``dim``) lands in ``out``, an output of ``func`` (-1: unknown)."""
+    if dim < 0:
+        return -1
+    name = getattr(func, "__name__", "")
+    n = source.dim()
+    if name in ("transpose", "swapaxes", "swapdims") and len(args) >= 3:
+        a, b = int(args[1]) % n, int(args[2]) % n
+        new = b if dim == a else a if dim == b else dim
+    elif name == "permute" and len(args) >= 2:
+        order = args[1] if isinstance(args[1], (tuple, list)) else args[1:]
+        new = [int(d) % n for d in order].index(dim)
+    elif name == "__getitem__" and len(args) >= 2:
+        new = _indexed_dim(args[1], dim, n)
+    elif name in REDUCTIONS and out.dim() < n:
+        new = _reduced_dim(args[1] if len(args) > 1 else (kwargs or {}).get("dim"), dim, n)
+    elif func in ELEMENTWISE:  # broadcasting: aligned from the right
+        new = dim + out.dim() - n
+    elif out.dim() == n and name not in RESHAPES:
+        new = dim
+    else:  # a reshape, or a change of rank: the dim after the same number of leading entries
+        before = math.prod(source.shape[:dim])
+        new = next((i for i in range(out.dim() + 1) if math.prod(out.shape[:i]) == before), -1)
+    return new if 0 <= new < out.dim() and out.shape[new] == size else -1
+
+
+def _indexed_dim(index: Any, dim: int, n: int) -> int:
+    """Where dim ``dim`` of an ``n``-dim tensor lands after ``t[index]`` with basic indexing (ints, slices,
+    ``None``, ``...``); -1 when ``dim`` itself is indexed by an int or the index holds tensors."""
+    index = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, torch.Tensor) for i in index):
+        return -1
+    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
+    source, out = 0, 0
+    for i in index:
+        if i is Ellipsis:
+            skip = n - consumed
+            if source <= dim < source + skip:
+                return out + dim - source
+            source, out = source + skip, out + skip
+        elif i is None:
+            out += 1
+        elif isinstance(i, int):
+            if source == dim:
+                return -1
+            source += 1
+        else:  # a slice keeps the dim
+            if source == dim:
+                return out
+            source, out = source + 1, out + 1
+    return out + dim - source if dim >= source else -1
+
+
+def _reduced_dim(reduced: Any, dim: int, n: int) -> int:
+    """Where dim ``dim`` lands after a reduction over ``reduced`` (an int or a tuple) without ``keepdim``."""
+    if reduced is None:
+        return -1
+    reduced = {int(d) % n for d in (reduced if isinstance(reduced, (tuple, list)) else (reduced,))}
+    return -1 if dim in reduced else dim - sum(1 for d in reduced if d < dim)

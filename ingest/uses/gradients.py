@@ -1,0 +1,201 @@
+"""The per-example gradient of each use the op-level capture (:mod:`ingest.uses`) takes: the output-gradient hooks
+it registers (Linear rule, grouped and gathered MoE slices, convolutions, normalisations, parameter-only tensors
+meeting the batch) and the pieces they need (im2col patches, an operand's gradient split per example, a
+parameter's gradient in its slot's orientation)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ingest.hooks import LayerHook, RecomputationError
+
+
+def hook_backward(
+    hook: LayerHook,
+    generation: int,
+    route: str,
+    saved: torch.Tensor,
+    layout: Callable[[torch.Tensor], torch.Tensor] | None,
+    dy: torch.Tensor,
+) -> None:
+    hook._backward(generation, route, saved, dy if layout is None else layout(dy))
+
+
+def rows_backward(hook: LayerHook, generation: int, x: torch.Tensor, owner: torch.Tensor, dy: torch.Tensor) -> None:
+    hook.add_rows(generation, x, dy, owner)
+
+
+def grouped_mm_backward(
+    hooks: dict[int, LayerHook],
+    generation: int,
+    x: torch.Tensor,
+    owner: torch.Tensor,
+    ends: list[int],
+    transposed: bool,
+    dy: torch.Tensor,
+) -> None:
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            rows = slice(start, end)
+            if transposed:
+                hooks[e].add_rows(generation, x[rows], dy[rows], owner[rows])
+            else:
+                hooks[e].add_rows(generation, dy[rows], x[rows], owner[rows])
+        start = end
+
+
+def gathered_backward(
+    hooks: dict[int, LayerHook],
+    generation: int,
+    x: torch.Tensor,
+    owner: torch.Tensor,
+    ids: torch.Tensor,
+    left: bool,
+    dy: torch.Tensor,
+) -> None:
+    dy = dy.reshape(dy.shape[0], -1)
+    for e in ids.unique().tolist():
+        rows = (ids == e).nonzero().flatten()
+        if left:  # W [out, in] @ x: the slice's gradient dy x^T
+            hooks[e].add_rows(generation, x[rows], dy[rows], owner[rows])
+        else:  # x @ W [in, out]: x^T dy, in the parameter's own layout
+            hooks[e].add_rows(generation, dy[rows], x[rows], owner[rows])
+
+
+def normalization_backward(
+    hooks: list[tuple[torch.Tensor, LayerHook | None]],
+    scale: torch.Tensor | None,
+    generation: int,
+    x_hat: torch.Tensor,
+    dims: int,
+    layout: Callable[[torch.Tensor], torch.Tensor],
+    dy: torch.Tensor,
+) -> None:
+    with torch.no_grad():
+        dy = layout(dy.detach()).float()
+        size = dy.shape[0]
+        for param, hook in hooks:
+            if hook is None:
+                continue  # a scale or shift the selection leaves out
+            term = dy * x_hat.float() if param is scale else dy
+            grad = term.reshape(size, -1, *term.shape[term.dim() - dims :]).sum(dim=1)
+            hook.add_gradient(generation, slot_gradient(hook, param, grad))
+
+
+def channels_last(dy: torch.Tensor) -> torch.Tensor:
+    """A convolution's output gradient ``[B, C_out, *spatial]`` as ``[B, positions, C_out]``."""
+    return dy.flatten(2).transpose(1, 2)
+
+
+def grouped_conv_backward(
+    hook: LayerHook, generation: int, patches: torch.Tensor, groups: int, dy: torch.Tensor
+) -> None:
+    """A grouped convolution's per-example gradient ``[B, C_out, C_in/groups x kernel (+1)]``, materialised."""
+    with torch.no_grad():
+        size, positions = patches.shape[:2]
+        x = patches.reshape(size, positions, groups, -1).float()
+        g = channels_last(dy.detach()).reshape(size, positions, groups, -1).float()
+        grad = torch.einsum("blgo,blgi->bgoi", g, x).reshape(size, -1, x.shape[-1])
+        if hook.slot.has_bias:
+            grad = torch.cat([grad, g.sum(dim=1).reshape(size, -1, 1)], dim=-1)
+    hook.add_gradient(generation, grad)
+
+
+def meeting_backward(
+    operand: torch.Tensor,
+    params: list[torch.Tensor],
+    hooks: list[LayerHook],
+    generation: int,
+    size: int,
+    grad: torch.Tensor,
+) -> None:
+    """The per-example (per-token, for a per-token capture's hooks) gradients of ``params`` from the gradient of
+    their batch-expanded ``operand``."""
+    positions = grad.shape[1] if hooks[0].PER_POSITION and grad.dim() > 1 else None
+    with torch.no_grad():
+        per_row = split_operand(grad.detach(), operand.shape, 1 if positions is None else 2)
+    if len(params) == 1 and params[0] is operand:
+        grads = [per_row]
+    else:
+        grads = torch.autograd.grad(
+            operand, params, per_row, retain_graph=True, is_grads_batched=True, allow_unused=True
+        )
+    for param, hook, g in zip(params, hooks, grads):
+        if g is not None:
+            hook.add_gradient(generation, slot_gradient(hook, param, g), positions)
+
+
+def refuse_recomputation(name: str, grad: torch.Tensor) -> None:
+    raise RecomputationError(
+        f"capture: parameter {name!r} was used in a recomputation backpropagated inside backward (reentrant "
+        "gradient checkpointing). Use non-reentrant checkpointing (use_reentrant=False) or disable gradient "
+        "checkpointing while capturing."
+    )
+
+
+def conv_patches(x: torch.Tensor, kernel: tuple[int, ...], stride: Any, padding: Any, dilation: Any) -> torch.Tensor:
+    """The input patches of a convolution, ``[B, positions, C_in x prod(kernel)]`` in the weight's
+    ``(channel, *kernel)`` order (im2col; ``padding`` as the op takes it: ints or ``"same"``/``"valid"``)."""
+    dims = len(kernel)
+    stride, dilation = _tuple(stride, dims), _tuple(dilation, dims)
+    if padding == "valid":
+        pads = [(0, 0)] * dims
+    elif padding == "same":
+        pads = []
+        for k, d in zip(kernel, dilation):
+            total = d * (k - 1)
+            pads.append((total // 2, total - total // 2))
+    else:
+        pads = [(p, p) for p in _tuple(padding, dims)]
+    flat = [side for pair in reversed(pads) for side in pair]  # F.pad takes the last dim first
+    if any(flat):
+        x = F.pad(x, flat)
+    for i, (k, s, d) in enumerate(zip(kernel, stride, dilation)):
+        x = x.unfold(2 + i, d * (k - 1) + 1, s)[..., ::d]
+    # [B, C, *positions, *kernel] -> [B, *positions, C, *kernel]
+    size, channels = x.shape[:2]
+    order = [0, *range(2, 2 + dims), 1, *range(2 + dims, 2 + 2 * dims)]
+    x = x.permute(order)
+    return x.reshape(size, -1, channels * torch.Size(kernel).numel())
+
+
+def _tuple(value: Any, dims: int) -> tuple[int, ...]:
+    return tuple(int(v) for v in value) if isinstance(value, (tuple, list)) else (int(value),) * dims
+
+
+def split_operand(grad: torch.Tensor, shape: torch.Size, splits: int = 1) -> torch.Tensor:
+    """``[N, *shape]``: the gradient of an operand of ``shape`` through each index of the first ``splits`` dims of
+    the result whose gradient is ``grad`` (the operand broadcast to it): per example (``splits=1``, ``N = B``) or
+    per example and position (``splits=2``, ``N = B x T``). Where the operand spans a split dim (a position table
+    over the positions) each row holds its own slice, zeros elsewhere; where it is broadcast, the sum."""
+    lead = tuple(grad.shape[:splits])
+    aligned = (1,) * (grad.dim() - len(shape)) + tuple(shape)
+    reduced = grad.sum_to_size((*lead, *aligned[splits:]))
+    rows = math.prod(lead)
+    out = grad.new_zeros((rows, *aligned))
+    grid = torch.meshgrid(*(torch.arange(n, device=grad.device) for n in lead), indexing="ij")
+    index = [torch.arange(rows, device=grad.device)]
+    index += [g.reshape(-1) if aligned[j] > 1 else 0 for j, g in enumerate(grid)]
+    out[tuple(index)] = reduced.reshape(rows, *aligned[splits:])
+    return out.reshape(rows, *shape)
+
+
+def slot_gradient(hook: LayerHook, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Per-example gradients ``[B, *param.shape]`` of one of ``hook``'s parameters in the slot's orientation
+    ``[B, d_out, d_in (+1)]`` (a weight's gradient with a zero bias column, or a bias's in that column)."""
+    s = hook.slot
+    size = grad.shape[0]
+    if param is hook.bias:
+        out = grad.new_zeros(size, s.d_out, s.d_in_eff)
+        out[:, :, -1] = grad.reshape(size, s.d_out)
+        return out
+    weight = grad.transpose(1, 2) if s.kind in ("embedding", "conv1d") else grad.reshape(size, s.d_out, s.d_in)
+    if s.has_bias:
+        weight = torch.cat([weight, weight.new_zeros(size, s.d_out, 1)], dim=-1)
+    return weight

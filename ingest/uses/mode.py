@@ -1,0 +1,202 @@
+"""The op-level capture's :class:`~torch.overrides.TorchFunctionMode` (:mod:`ingest.uses`): sees every torch
+function call of a captured forward, hands each use of a captured parameter to its rule (:class:`UseRules`), leaves
+a hooked module's own op to its hook, and marks every result with where its examples are."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ingest.hooks import ActiveBatch, LayerHook, in_backward
+from ingest.uses.batch_tracking import (
+    BATCHED,
+    GATHER,
+    OWNER,
+    SLICE,
+    SOURCES,
+    TAKEN,
+    batch_dim,
+    batch_operand,
+    result_batch,
+    tensors_in,
+)
+from ingest.uses.gradients import refuse_recomputation
+from ingest.uses.ops import op_name
+from ingest.uses.rules import UseOwner, UseRules
+
+log = logging.getLogger(__name__)
+
+
+def _mark(result: Any, attribute: str, value: Any) -> None:
+    for t in tensors_in([result]):
+        setattr(t, attribute, value)
+
+
+class ParameterUses(UseRules, TorchFunctionMode):
+    """The op-level capture (see :mod:`ingest.uses`) of ``hooks``' parameters while a captured forward runs.
+
+    ``hooks``: the layer hooks of the op-level slots and of the hooked slots (whose own forward is theirs: a use
+    of a hooked slot's parameter outside its module is captured here too). ``names``: every trainable parameter's
+    name, by id (for reports). ``seen_outside`` becomes True when a hooked parameter was used outside its module.
+    """
+
+    def __init__(
+        self,
+        owner: UseOwner,
+        hooks: list[LayerHook],
+        hooked: set[int],
+        names: dict[int, str],
+        left_out: dict[int, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.left_out = left_out or {}  # weight id -> the op of a layer module the selection leaves out
+        self.owner = owner
+        self.names = names
+        self.slots: dict[int, list[LayerHook]] = {}
+        for hook in hooks:
+            self.slots.setdefault(id(hook.parameter), []).append(hook)
+        self.hooked = hooked  # ids of the modules whose hooks capture their own forward
+        # running hooked modules, their inputs and their own parameters' ids
+        self.scope: list[tuple[nn.Module, Any, frozenset[int]]] = []
+        self.sequence_first = False
+        self.seen_outside = False
+
+    # modules ------------------------------------------------------------------------------------
+
+    def enter_module(self, module: nn.Module, args: tuple) -> None:
+        """Forward pre-hook of a hooked module: its own op is its hook's when its input is batch-first."""
+        own = frozenset(id(p) for p in module.parameters(recurse=False))
+        self.scope.append((module, args[0] if args else None, own))
+
+    def leave_module(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Forward hook of a hooked module (``always_call``): a Linear/Conv1D/Embedding keeps its input's leading
+        dims, so its output indexes the examples where its input does (its forward may flatten in between)."""
+        if self.scope and self.scope[-1][0] is module:
+            _, x, _ = self.scope.pop()
+            dim = batch_dim(x)
+            if dim is not None and isinstance(output, torch.Tensor) and output.dim() > dim >= 0:
+                setattr(output, BATCHED, dim)
+
+    # dispatch -----------------------------------------------------------------------------------
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        batch = self.owner.batch
+        if batch is None:
+            return func(*args, **kwargs)
+        if in_backward():
+            return self._recomputed(func, args, kwargs)
+        if not torch.is_grad_enabled():  # no gradient here; the examples are still tracked (a custom Function)
+            return self._without_grad(func, args, kwargs, batch)
+        if func is F.multi_head_attention_forward:
+            return self._attention(batch, args, kwargs)
+        if func is torch.Tensor.__getitem__ and args and self._is_stacked(args[0]):
+            return self._slice(args)
+        operands = list(tensors_in(args)) + list(tensors_in(kwargs.values()))
+        first = batch_operand(operands)
+        batched = first is not None
+        sources = self._sources(operands)
+        own = self._own_forward(sources) if sources else False
+        if own is not False and _hook_owns(own, batch.size):
+            sources = []  # a hooked module's own op on a batch-first input: its hook captures this use
+        if sources:
+            result = self._use(func, args, kwargs, batch, batched, sources)
+            if own is not False and isinstance(result, torch.Tensor):
+                setattr(result, TAKEN, True)
+                self.seen_outside = True
+        else:
+            result = func(*args, **kwargs)
+        try:
+            self._mark_result(func, args, kwargs, result, first, sources, batch.size)
+        except Exception as error:  # an op this bookkeeping does not know: its outputs' examples are unknown
+            log.debug("op-level capture: no batch bookkeeping for %s: %r", op_name(func), error)
+            for out in tensors_in([result]):
+                with contextlib.suppress(Exception):
+                    setattr(out, BATCHED, -1 if first is not None else None)
+        return result
+
+    def _mark_result(
+        self,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        result: Any,
+        first: torch.Tensor | None,
+        sources: list[torch.Tensor],
+        size: int,
+    ) -> None:
+        """Mark ``result``: where its examples are (from ``first``, the batch operand), or the parameters behind it."""
+        if first is not None:
+            dim, owner = batch_dim(first), getattr(first, OWNER, None)
+            for out in tensors_in([result]):  # an in-place op returns (and so marks) its first operand
+                new, new_owner = result_batch(func, args, kwargs, first, dim, owner, out, size)
+                setattr(out, BATCHED, new)
+                setattr(out, OWNER, new_owner)
+        elif sources:
+            _mark(result, SOURCES, tuple({id(p): p for p in sources}.values()))
+
+    def _without_grad(self, func: Any, args: tuple, kwargs: dict, batch: ActiveBatch) -> Any:
+        operands = list(tensors_in(args)) + list(tensors_in(kwargs.values()))
+        first = batch_operand(operands)
+        used = [t for t in operands if id(t) in self.slots and t.requires_grad]
+        if used and first is not None:  # e.g. the forward of reentrant checkpointing: recomputed unseen later
+            self.owner.uncovered(self._names(used), f"{op_name(func)} under torch.no_grad (reentrant checkpointing?)")
+        result = func(*args, **kwargs)
+        with contextlib.suppress(Exception):
+            self._mark_result(func, args, kwargs, result, first, [], batch.size)
+        return result
+
+    def _recomputed(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op run inside a backward: a reentrant gradient-checkpointing recomputation. A use of a captured
+        parameter there would be backpropagated in a nested backward the capture does not see: refused, as the
+        hooks refuse it (:class:`~ingest.hooks.RecomputationError`), when that output is backpropagated."""
+        result = func(*args, **kwargs)
+        operands = list(tensors_in(args)) + list(tensors_in(kwargs.values()))
+        if isinstance(result, torch.Tensor) and result.requires_grad and any(id(t) in self.slots for t in operands):
+            name = sorted(self._names([t for t in operands if id(t) in self.slots]))[0]
+            result.register_hook(functools.partial(refuse_recomputation, name))
+        return result
+
+    def _is_stacked(self, t: Any) -> bool:
+        return any(h.index is not None for h in self.slots.get(id(t), ()))
+
+    def _slice(self, args: tuple) -> Any:
+        """``param[e]`` of a stacked parameter with one integer index (an expert chosen by the router): the slice,
+        marked so its uses go to slot ``e``; any other indexing of it is a use no rule splits."""
+        param, index = args[0], args[1]
+        result = torch.Tensor.__getitem__(param, index)
+        integer = isinstance(index, torch.Tensor) and not index.is_floating_point() and index.dtype != torch.bool
+        if integer and index.dim() == 0:
+            index = int(index)
+        if isinstance(index, int):
+            setattr(result, SLICE, (param, index % param.shape[0]))
+        elif integer and index.dim() == 1:
+            setattr(result, GATHER, (param, index % param.shape[0]))
+        else:
+            self.owner.uncovered(self._names([param]), "indexing other than param[e]")
+        return result
+
+    def _own_forward(self, sources: list[torch.Tensor]) -> Any:
+        """The module's input when this op is a hooked module's own op on its own parameters, else False."""
+        if not self.scope:
+            return False
+        _, x, own = self.scope[-1]
+        return x if all(id(p) in own for p in sources) else False
+
+
+def _hook_owns(x: Any, size: int) -> bool:
+    """Whether a hooked module's hook captures its forward on input ``x`` exactly: a batch-first input, or one of
+    a single row that the hook broadcasts over the batch (e.g. position ids ``[1, T]``)."""
+    if not isinstance(x, torch.Tensor):
+        return False
+    dim = batch_dim(x)
+    if getattr(x, OWNER, None) is not None:
+        return False  # rows that mix the examples (tokens flattened across the batch): captured at the op
+    return dim == 0 or (dim is None and x.dim() > 0 and (x.shape[0] == 1 or size == 1))

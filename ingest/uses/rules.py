@@ -1,0 +1,357 @@
+"""The op-level capture's rule for each use of a captured parameter (:mod:`ingest.uses`): which op it is, which
+slot it feeds, and the output-gradient hook that forms its per-example gradient (see :mod:`ingest.uses.gradients`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ingest.hooks import ActiveBatch, LayerHook
+from ingest.uses.batch_tracking import GATHER, OWNER, SLICE, SOURCES, batch_dim, tensors_in
+from ingest.uses.gradients import (
+    channels_last,
+    conv_patches,
+    gathered_backward,
+    grouped_conv_backward,
+    grouped_mm_backward,
+    hook_backward,
+    meeting_backward,
+    normalization_backward,
+    rows_backward,
+)
+from ingest.uses.ops import (
+    CONCATENATIONS,
+    CONVOLUTIONS,
+    ELEMENTWISE,
+    GROUPED_MM,
+    NORMALIZATIONS,
+    bind_arguments,
+    in_place,
+    op_name,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _unguarded(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` (a Python function of ``torch.nn.functional``) without its own ``handle_torch_function`` call,
+    so the ops inside it reach the active mode (the mode sees ``func`` itself first and descends)."""
+    clone = types.FunctionType(
+        func.__code__,
+        dict(func.__globals__, has_torch_function=lambda *_: False),
+        func.__name__,
+        func.__defaults__,
+        func.__closure__,
+    )
+    clone.__kwdefaults__ = func.__kwdefaults__
+    return clone
+
+
+_ATTENTION = _unguarded(F.multi_head_attention_forward)
+
+
+class UseOwner(Protocol):
+    """What the op-level capture needs from the capture that owns it."""
+
+    batch: ActiveBatch | None
+
+    def uncovered(self, names: Iterable[str], how: str) -> None: ...
+
+
+class UseRules:
+    """The rule of each captured use, by op (``F.linear``, ``F.embedding``, ``convNd``, the grouped and gathered
+    matmuls of MoE experts, ``F.layer_norm``/``F.rms_norm``, ``F.multi_head_attention_forward``, elementwise ops
+    and concatenations where a parameter-only tensor meets the batch): the half of
+    :class:`~ingest.uses.mode.ParameterUses` that forms a use's per-example gradient. It reads the mode's state
+    (``owner``, ``slots``, ``hooked``, ``names``, ``left_out``, ``sequence_first``, ``seen_outside``)."""
+
+    owner: UseOwner
+    slots: dict[int, list[LayerHook]]
+    hooked: set[int]
+    names: dict[int, str]
+    left_out: dict[int, Any]
+    sequence_first: bool
+    seen_outside: bool
+
+    def _sources(self, operands: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The captured parameters among ``operands`` or behind their parameter-only inputs."""
+        found = []
+        for t in operands:
+            if id(t) in self.slots:
+                found.append(t)
+            found.extend(getattr(t, SOURCES, ()))
+            if hasattr(t, SLICE):
+                found.append(getattr(t, SLICE)[0])
+            if hasattr(t, GATHER):
+                found.append(getattr(t, GATHER)[0])
+        return found
+
+    def _use(
+        self,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        batch: ActiveBatch,
+        batched: bool,
+        sources: list[torch.Tensor],
+    ) -> Any:
+        if not batched:
+            return func(*args, **kwargs)  # parameters among themselves: followed until they meet the batch
+        if self.left_out.get(id(args[1] if len(args) > 1 else None)) is func:
+            return func(*args, **kwargs)  # a left-out layer's own op on a weight it shares (a tied lm_head)
+        if any(self._is_hooked(p) for p in sources):
+            self.seen_outside = True
+        try:
+            if func is F.linear:
+                result = self._linear(batch, *args, **kwargs)
+            elif func is F.embedding:
+                result = self._embedding(batch, args, kwargs)
+            elif func in CONVOLUTIONS:
+                result = self._convolution(batch, func, args, kwargs)
+            elif func in GROUPED_MM or op_name(func).endswith("grouped_mm_fallback"):
+                result = self._grouped(batch, func, args, kwargs)
+            elif func in (torch.bmm, torch.Tensor.bmm) and not kwargs:
+                result = self._gathered(batch, *args)
+            elif func in NORMALIZATIONS:
+                result = self._normalization(batch, func, args, kwargs)
+            elif func in ELEMENTWISE or func in CONCATENATIONS:
+                result = self._meet(batch, func, args, kwargs)
+            else:
+                result = None
+        except Exception as error:  # a rule that does not fit this call: the use is reported, training goes on
+            log.warning(
+                "op-level capture: %s on %s failed (%r); reported as not captured",
+                op_name(func),
+                self._names(sources),
+                error,
+            )
+            result = None
+        if result is None:
+            self.owner.uncovered(self._names(sources), op_name(func))
+            return func(*args, **kwargs)
+        return result
+
+    def _is_hooked(self, param: torch.Tensor) -> bool:
+        return any(id(h.module) in self.hooked for h in self.slots.get(id(param), ()))
+
+    def _names(self, sources: list[torch.Tensor]) -> list[str]:
+        return sorted({self.names.get(id(p), "<tensor>") for p in sources})
+
+    def _slot(self, weight: Any, kinds: tuple[str, ...]) -> LayerHook | None:
+        if hasattr(weight, SLICE):  # a slice of a stacked parameter: its own slot
+            param, index = getattr(weight, SLICE)
+            return next((h for h in self.slots.get(id(param), ()) if h.index == index), None)
+        for hook in self.slots.get(id(weight), ()):
+            if hook.slot.kind in kinds and hook.index is None:
+                return hook
+        return None
+
+    def _linear(self, batch: ActiveBatch, x: Any, weight: Any, bias: Any = None) -> Any:
+        hook = self._slot(weight, ("linear", "attention", "parameter"))
+        if hook is None or batch_dim(x) is None:
+            return None
+        if bias is not None and bias is not hook.bias:
+            return None
+        if hook.slot.has_bias and bias is None:
+            return None
+        owner = getattr(x, OWNER, None)
+        if owner is not None and not self.sequence_first and x.dim() == 2:  # rows that mix the examples
+            out = F.linear(x, weight, bias)
+            out.register_hook(functools.partial(rows_backward, hook, batch.generation, x.detach(), owner))
+            return out
+        layout = self._layout(x, batch.size)
+        if layout is None:
+            return None
+        out = F.linear(x, weight, bias)
+        route, saved = hook._save(layout(x.detach()), batch.size)
+        out.register_hook(functools.partial(hook_backward, hook, batch.generation, route, saved, layout))
+        return out
+
+    def _layout(self, x: torch.Tensor, size: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """How to view ``x`` (and its output gradient) batch-first, or None when its batch cannot be found."""
+        if self.sequence_first:
+            if x.dim() < 2 or (x.shape[-2] != size if x.dim() >= 3 else x.shape[0] % size):
+                return None
+            return lambda t: t.reshape(-1, size, t.shape[-1]).transpose(0, 1)
+        dim = batch_dim(x)
+        if dim is None or dim < 0 or x.dim() < 2:
+            return None
+        return (lambda t: t) if dim == 0 else (lambda t: t.movedim(dim, 0))
+
+    def _embedding(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
+        bound = bind_arguments(F.embedding, args, kwargs)
+        idx, weight = bound["input"], bound["weight"]
+        hook = self._slot(weight, ("embedding",))
+        dim = batch_dim(idx)
+        if hook is None or dim is None or dim < 0 or self.sequence_first or bound.get("max_norm") is not None:
+            return None
+        out = F.embedding(*args, **kwargs)
+        padding = bound.get("padding_idx")
+        hook.padding_idx = None if padding is None else padding % hook.slot.d_in
+        layout = None if dim == 0 else (lambda t: t.movedim(dim, 0))
+        route, saved = hook._save(idx.detach() if layout is None else layout(idx.detach()), batch.size)
+        out.register_hook(functools.partial(hook_backward, hook, batch.generation, route, saved, layout))
+        return out
+
+    def _convolution(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
+        bound = bind_arguments(func, args, kwargs)
+        x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
+        hook = self._slot(weight, ("conv",))
+        if hook is None or batch_dim(x) != 0 or self.sequence_first:
+            return None
+        if (bias is not None and bias is not hook.bias) or (hook.slot.has_bias and bias is None):
+            return None
+        out = func(*args, **kwargs)
+        patches = conv_patches(
+            x.detach(), weight.shape[2:], bound.get("stride", 1), bound.get("padding", 0), bound.get("dilation", 1)
+        )
+        groups = int(bound.get("groups", 1))
+        if groups == 1:
+            route, saved = hook._save(patches, batch.size)
+            out.register_hook(functools.partial(hook_backward, hook, batch.generation, route, saved, channels_last))
+        else:
+            out.register_hook(functools.partial(grouped_conv_backward, hook, batch.generation, patches, groups))
+        return out
+
+    def _normalization(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``F.layer_norm``/``F.rms_norm`` with a captured scale or shift (kind ``norm``): per example, the scale's
+        gradient sums ``dy * x_hat`` and the shift's ``dy`` over the example's positions."""
+        bound = {**dict(zip(NORMALIZATIONS[func], args)), **kwargs}
+        x, shape = bound["input"], tuple(bound["normalized_shape"])
+        scale, shift = bound.get("weight"), bound.get("bias")
+        hooks = [(p, self._slot(p, ("norm",))) for p in (scale, shift) if p is not None]
+        layout = self._layout(x, batch.size) if batch_dim(x) is not None else None
+        if layout is None or self.sequence_first:
+            return None
+        out = func(*args, **kwargs)
+        with torch.no_grad():
+            plain = {"eps": bound["eps"]} if bound.get("eps") is not None else {}
+            x_hat = func(x.detach(), shape, **plain) if func is F.layer_norm else func(x.detach(), shape, None, **plain)
+        out.register_hook(
+            functools.partial(normalization_backward, hooks, scale, batch.generation, layout(x_hat), len(shape), layout)
+        )
+        return out
+
+    def _grouped(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A grouped matmul over a stacked parameter (transformers' MoE experts): rows of group ``e`` use slice ``e``,
+        whose per-example gradient sums each example's rows (the rows' examples tracked through the routing)."""
+        x, weight = args[0], args[1]
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        owner = getattr(x, OWNER, None)
+        sources = getattr(weight, SOURCES, ()) if id(weight) not in self.slots else (weight,)
+        if owner is None or len(sources) != 1 or offs is None or x.dim() != 2 or self.sequence_first:
+            return None
+        param = sources[0]
+        hooks = {h.index: h for h in self.slots.get(id(param), ()) if h.index is not None}
+        if len(hooks) != param.shape[0]:
+            return None
+        if tuple(weight.shape) == (param.shape[0], param.shape[2], param.shape[1]) and param.shape[1] != param.shape[2]:
+            transposed = True  # W = param^T: a slice's gradient is dy^T x, in the parameter's own layout
+        elif tuple(weight.shape) == tuple(param.shape):
+            transposed = False  # W = param: its gradient is x^T dy
+        else:
+            return None
+        out = func(*args, **kwargs)
+        ends = offs.tolist()
+        out.register_hook(
+            functools.partial(grouped_mm_backward, hooks, batch.generation, x.detach(), owner, ends, transposed)
+        )
+        return out
+
+    def _gathered(self, batch: ActiveBatch, a: Any, b: Any) -> Any:
+        """``bmm`` of per-row gathered slices ``param[ids]`` with rows of mixed examples (transformers' batched-mm
+        experts): row ``r`` uses slice ``ids[r]``; each slice's per-example gradient sums its examples' rows."""
+        if hasattr(a, GATHER) and getattr(b, OWNER, None) is not None and b.dim() == 3 and b.shape[2] == 1:
+            (param, ids), x, owner, left = getattr(a, GATHER), b, getattr(b, OWNER), True  # param[ids] @ x
+        elif hasattr(b, GATHER) and getattr(a, OWNER, None) is not None and a.dim() == 3 and a.shape[1] == 1:
+            (param, ids), x, owner, left = getattr(b, GATHER), a, getattr(a, OWNER), False  # x @ param[ids]
+        else:
+            return None
+        hooks = {h.index: h for h in self.slots.get(id(param), ()) if h.index is not None}
+        if len(hooks) != param.shape[0] or ids.shape[0] != x.shape[0]:
+            return None
+        out = torch.bmm(a, b)
+        x = x.detach().reshape(x.shape[0], -1)
+        out.register_hook(functools.partial(gathered_backward, hooks, batch.generation, x, owner, ids, left))
+        return out
+
+    def _attention(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
+        """``F.multi_head_attention_forward`` with its inner ops visible, sequence-first."""
+        query = args[0] if args else kwargs["query"]
+        if query.dim() == 3 and query.shape[1] != batch.size:
+            return F.multi_head_attention_forward(*args, **kwargs)  # not this batch's layout: uses are uncovered
+        previous, self.sequence_first = self.sequence_first, query.dim() == 3
+        try:
+            with self:
+                return _ATTENTION(*args, **kwargs)
+        finally:
+            self.sequence_first = previous
+
+    # parameter-only tensors meeting the batch -----------------------------------------------------
+
+    def _meet(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run ``func`` with every parameter-only operand expanded over the batch (dim 0 of the result) and hooked,
+        so each example's gradient of it arrives separately (see :mod:`ingest.uses`). None when an operand's
+        parameters are not all captured or the layout is not one this rule handles."""
+        if self.sequence_first:
+            return None
+        if in_place(func) and args and batch_dim(args[0]) is None:
+            return None  # the parameter-only operand is the one written to
+        size = batch.size
+        if func in CONCATENATIONS:
+            tensors = args[0] if args else kwargs["tensors"]
+            dim = bind_arguments(func, args, kwargs).get("dim", 0)
+            if dim % tensors[0].dim() == 0 and func is not torch.stack:
+                return None
+            shape = None
+        else:
+            tensors = list(tensors_in(args)) + list(tensors_in(kwargs.values()))
+            shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+        replaced: dict[int, torch.Tensor] = {}
+        for t in tensors:
+            params = self._sources([t])
+            if not params or batch_dim(t) is not None or id(t) in replaced:
+                continue
+            targets = [
+                self._slot(p, ("embedding", "parameter", "norm", "linear", "attention", "conv", "conv1d"))
+                for p in params
+            ]
+            if any(h is None for h in targets):
+                return None
+            expanded = _expand(t, shape, size)
+            if expanded is None:
+                return None
+            expanded.register_hook(functools.partial(meeting_backward, t, params, targets, batch.generation, size))
+            replaced[id(t)] = expanded
+        return func(*_swap(args, replaced), **{k: _swap_one(v, replaced) for k, v in kwargs.items()})
+
+
+def _swap_one(value: Any, replaced: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return replaced.get(id(value), value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(replaced.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in value)
+    return value
+
+
+def _swap(args: tuple, replaced: dict[int, torch.Tensor]) -> tuple:
+    return tuple(_swap_one(a, replaced) for a in args)
+
+
+def _expand(t: torch.Tensor, shape: torch.Size | None, size: int) -> torch.Tensor | None:
+    """``t`` as an operand whose dim 0 is the batch: broadcast to ``shape`` (elementwise ops) or, in a
+    concatenation, ``t`` itself when its dim 0 already spans the batch."""
+    if shape is None:
+        if t.dim() == 0 or t.shape[0] != size:
+            return None
+        return t.view_as(t)
+    if len(shape) == 0 or shape[0] != size or t.dim() > len(shape):
+        return None
+    return t.expand(shape)
