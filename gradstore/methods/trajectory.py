@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -68,6 +69,7 @@ class RecordedStep:
     rows: int  # B_t
     learning_rate: float
     span: int  # optimizer steps it stands for (until the next recorded step)
+    coefficients: Any = None  # its optimizer's linearised dynamics (gradstore.methods.dynamics), None: lr x grad
 
     @property
     def weight(self) -> float:

@@ -1,0 +1,96 @@
+"""What each optimizer step of a capture applied: a row of the store's ``optimizer_steps`` table per step.
+
+Read from the optimizer in its step post-hook (no user action): the kind (``"sgd"``, ``"adam"``, ``"adamw"``,
+else the class name), the learning rate, momentum (Adam: ``beta1``), dampening, nesterov, weight decay, ``beta2``,
+``eps``, Adam's step count and, for Adam/AdamW, the step's preconditioner ``1 / (sqrt(v_hat) + eps)`` in the
+space of the stored rows. The hyper-parameters are those of the parameter group holding the first captured
+layer's weight.
+
+Adam's preconditioner is elementwise over the parameters; a random projection does not commute with it. Where
+every captured layer is stored unprojected (``projection=None``) it is recorded per coordinate, in the rows'
+layout, and the trajectory methods' Adam dynamics are exact for a quadratic model. Otherwise it is recorded as
+one value per layer, the layer's mean of ``1 / (sqrt(v_hat) + eps)``: an isotropic approximation of the layer's
+preconditioner in its projected block (the per-row/column structure the ``normalizer="adam_*"`` rows fold in
+is lost; the rows themselves are the raw gradients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from ingest.normalizers import adam_second_moment
+
+#: Layer kinds whose unprojected block is the ``[d_out, d_in (+1)]`` gradient flattened row by row.
+EXACT_KINDS = ("linear", "conv")
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """``"sgd"``, ``"adam"`` or ``"adamw"`` (decoupled weight decay), else the optimizer's class name."""
+    if isinstance(optimizer, torch.optim.AdamW):
+        return "adamw"
+    if isinstance(optimizer, torch.optim.Adam):
+        return "adamw" if optimizer.param_groups[0].get("decoupled_weight_decay", False) else "adam"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    return type(optimizer).__name__
+
+
+def step_record(
+    optimizer: torch.optim.Optimizer, hooks: Sequence[Any], run: str, checkpoint: str, step: int, rank: int
+) -> dict[str, Any]:
+    """The ``optimizer_steps`` row of the step the optimizer just took (``hooks``: the capture's layer hooks,
+    each with ``parameter``, ``bias`` and ``slot``)."""
+    first = hooks[0].parameter if hooks else None
+    group = next(
+        (g for g in optimizer.param_groups if first is not None and any(p is first for p in g["params"])),
+        optimizer.param_groups[0],
+    )
+    kind = optimizer_kind(optimizer)
+    adam = kind in ("adam", "adamw")
+    betas = group.get("betas", (None, None))
+    state = optimizer.state.get(first, {}) if first is not None else {}
+    adam_step = state.get("step") if adam else None
+    return {
+        "run_id": run,
+        "checkpoint": checkpoint,
+        "step": int(step),
+        "rank": int(rank),
+        "optimizer": kind,
+        "learning_rate": float(group["lr"]),
+        "momentum": float(betas[0]) if adam else float(group.get("momentum", 0.0) or 0.0),
+        "dampening": float(group.get("dampening", 0.0) or 0.0),
+        "nesterov": bool(group.get("nesterov", False)),
+        "weight_decay": float(group.get("weight_decay", 0.0) or 0.0),
+        "beta2": float(betas[1]) if adam else None,
+        "eps": float(group["eps"]) if adam else None,
+        "adam_step": int(float(adam_step)) if adam_step is not None else None,
+        "preconditioner": preconditioner(optimizer, hooks, float(group["eps"])) if adam else None,
+        "created_at": datetime.now(timezone.utc),
+    }
+
+
+def preconditioner(optimizer: torch.optim.Optimizer, hooks: Sequence[Any], eps: float) -> list[float] | None:
+    """``1 / (sqrt(v_hat) + eps)`` in the rows' space: per coordinate ``[dim]`` when every layer is stored
+    unprojected, else the per-layer mean ``[layers]``; ``None`` while the optimizer holds no state."""
+    exact, means = [], []
+    for hook in hooks:
+        slot = hook.slot
+        if hook.parameter is None:
+            return None
+        layer = SimpleNamespace(weight=hook.parameter, bias=hook.bias)
+        v = adam_second_moment(optimizer, layer, slot.kind, slot.has_bias)
+        if v is None:
+            return None
+        factor = 1.0 / (v.double().clamp(min=0).sqrt() + eps)
+        means.append(float(factor.mean()))
+        if slot.mode == "exact" and slot.kind in EXACT_KINDS and factor.numel() == slot.size:
+            exact.append(factor.reshape(-1).cpu())
+    if hooks and len(exact) == len(hooks):
+        order = sorted(range(len(hooks)), key=lambda i: hooks[i].slot.offset)
+        return torch.cat([exact[i] for i in order]).tolist()
+    return means
