@@ -275,3 +275,117 @@ def test_an_overflowing_recursion_names_the_step_not_the_rows(tmp_path, monkeypa
     monkeypatch.setattr(dynamics, "STABILITY", "clip")
     with pytest.warns(UnstableStepWarning):
         assert np.isfinite(store.score_matrix(["qa", "qb"], run=RUN, method="dvemb").scores).all()
+
+
+# ---------------------------------------------------------------------------------------------- source
+def heavy_ball_passes(store: gradstore.GradStore, rate: float, mu: float, wd: float, steps: int, every: int):
+    """Full-batch SGD with momentum ``mu`` and weight decay ``wd`` (its steps recorded by a paused capture with
+    the optimizer); a checkpoint pass (training rows, true-Fisher rows, queries) every ``every`` steps."""
+    x, y, qx, qy, _ = problem()
+    model = init_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=rate, momentum=mu, weight_decay=wd)
+    ids = [str(i) for i in range(N)]
+    plan = []
+    for start in range(0, steps, every):
+        with store.capture(model, RUN, optimizer=optimizer, checkpoint="steps", projection=None) as cap:
+            cap.set_step(start)
+            with cap.paused():
+                for _ in range(every):
+                    optimizer.zero_grad()
+                    (0.5 * ((model(x) - y) ** 2).sum(1)).mean().backward()
+                    optimizer.step()
+        name = f"c{start + every}"
+        with store.capture(model, RUN, checkpoint=name, learning_rate=rate, projection=None) as cap:
+            cap.set_step(start + every)
+            cap.set_ids(ids)
+            (0.5 * ((model(x) - y) ** 2).sum(1)).mean().backward()
+            cap.set_split(TRUE_FISHER_SPLIT)
+            for output in range(OUT):
+                cap.set_ids(ids)
+                (math.sqrt(OUT) * model(x)[:, output]).mean().backward()
+            cap.set_split("query")
+            cap.set_ids(["qa", "qb"])
+            (0.5 * ((model(qx) - qy) ** 2).sum(1)).mean().backward()
+            model.zero_grad()
+        plan.append((name, start + every))
+    optimizer.zero_grad()
+    return plan
+
+
+def heavy_ball_truth(rate: float, mu: float, wd: float, steps: int) -> np.ndarray:
+    x, y, qx, qy, _ = problem()
+    model = init_model()
+    weights = torch.ones(N, dtype=torch.float64, requires_grad=True)
+    theta = torch.cat([model.weight.detach(), model.bias.detach()[:, None]], 1).clone().requires_grad_()
+    xt = torch.cat([x, torch.ones(N, 1, dtype=torch.float64)], 1)
+    qt = torch.cat([qx, torch.ones(2, 1, dtype=torch.float64)], 1)
+    buffer = None
+    for _ in range(steps):
+        loss = (weights * 0.5 * ((xt @ theta.T - y) ** 2).sum(1)).mean()
+        (grad,) = torch.autograd.grad(loss, theta, create_graph=True)
+        grad = grad + wd * theta
+        buffer = grad if buffer is None else mu * buffer + grad
+        theta = theta - rate * buffer
+    return np.stack(
+        [
+            -torch.autograd.grad(0.5 * ((qt[q] @ theta.T - qy[q]) ** 2).sum(), weights, retain_graph=True)[0].numpy()
+            for q in range(2)
+        ]
+    )
+
+
+def heavy_ball_source_reference(store: gradstore.GradStore, plan, rate: float, mu: float, wd: float) -> np.ndarray:
+    """SOURCE over the heavy ball's discrete dynamics with numpy: per segment the joint ``2d x 2d`` step
+    ``A = [[I - lr (F + wd), -lr mu], [F + wd, mu]]``, ``S = sum_j A^j [-lr; 1]``, the final weights' row carried."""
+    core = store.core
+    dim = (D + 1) * OUT
+    queries = core.read_gradients(RUN, checkpoint=plan[-1][0], split="query").vectors.astype(np.float64)
+    total, previous, segments = np.zeros((2, N)), 0, []
+    for name, step in plan:
+        segments.append((name, step - previous))
+        previous = step
+    eye = np.eye(dim)
+    carried = np.hstack([eye, np.zeros((dim, dim))])
+    for name, steps in reversed(segments):
+        rows = core.read_gradients(RUN, checkpoint=name, split=TRUE_FISHER_SPLIT).vectors.astype(np.float64)
+        curvature = rows.T @ rows / len(rows) + wd * eye
+        step = np.block([[eye - rate * curvature, -rate * mu * eye], [curvature, mu * eye]])
+        inject, power, summed = np.vstack([-rate * eye, eye]), np.eye(2 * dim), np.zeros((2 * dim, dim))
+        for _ in range(steps):
+            summed += power @ inject
+            power = step @ power
+        block = core.read_gradients(RUN, checkpoint=name, split="train")
+        train = block.vectors.astype(np.float64)
+        prepared = -queries @ carried @ summed / len(train)
+        for column, example in enumerate(block.metadata.column("example_id").to_pylist()):
+            total[:, int(example)] += prepared @ train[column]
+        carried = carried @ power
+    return total
+
+
+def test_source_carries_heavy_ball_dynamics(tmp_path, monkeypatch):
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    rate, mu, wd, steps = 0.01, 0.9, 0.05, 60
+    plan = heavy_ball_passes(store, rate, mu, wd, steps, every=20)
+    recorded = store.sql(f"select step, momentum from {S.OPTIMIZER_STEPS}").to_arrow_table()
+    assert sorted(recorded.column("step").to_pylist()) == list(range(steps))
+    scores = columns(store.score_matrix(["qa", "qb"], run=RUN, method="source"))
+    reference = heavy_ball_source_reference(store, plan, rate, mu, wd)
+    error = np.abs(scores - reference).max()
+    print(f"source heavy ball: max |source - discrete closed form| = {error:.3g} (scale {np.abs(reference).max():.3g})")
+    np.testing.assert_allclose(scores, reference, rtol=1e-4, atol=1e-6 * np.abs(reference).max())
+    truth = heavy_ball_truth(rate, mu, wd, steps)
+    relative = np.abs(scores - truth).max() / np.abs(truth).max()
+    correlation = np.corrcoef(scores.ravel(), truth.ravel())[0, 1]
+    print(f"source heavy ball vs unrolled truth: relative max error {relative:.3g}, Pearson {correlation:.5f}")
+    assert correlation > 0.95
+    # without the recorded steps (a store made before them): SOURCE's lr x gradient flow, 10x too short a horizon
+    monkeypatch.setattr(dynamics, "segment_coefficients", lambda store, run, ends: [None] * len(ends))
+    plain = columns(store.score_matrix(["qa", "qb"], run=RUN, method="source"))
+    plain_relative = np.abs(plain - truth).max() / np.abs(truth).max()
+    plain_correlation = np.corrcoef(plain.ravel(), truth.ravel())[0, 1]
+    print(
+        f"source plain lr model vs unrolled truth: relative max error {plain_relative:.3g}, "
+        f"Pearson {plain_correlation:.5f}"
+    )
+    assert relative < plain_relative

@@ -312,3 +312,89 @@ class JointProduct:
                 self.moment[i] = co.mu * self.moment[i] - co.b * scaled
             self.theta[i] = co.rho * theta - curved
         check_finite(self.theta + (self.moment or []), step, self.run, self.first_large)
+
+
+# ---------------------------------------------------------------------------------------------- source
+def segment_coefficients(store: StoreCore, run: str, ends: Sequence[tuple[int, int]]) -> list[Coefficients | None]:
+    """Per SOURCE segment ``(first step, end step)``: the mean of the recorded steps' :class:`Coefficients` over
+    its optimizer steps ``first <= step < end`` (any checkpoint label; Adam's preconditioner as its mean, a
+    scalar: the segment's curvature is one symmetric matrix, so only an isotropic preconditioner keeps SOURCE's
+    spectral closed form), ``None`` where no step is recorded or every one is plain SGD (the segment keeps
+    SOURCE's ``exp(-lr K F)`` form)."""
+    if not ends or not store.has_table(S.OPTIMIZER_STEPS):
+        return [None] * len(ends)
+    table = store.scan(S.OPTIMIZER_STEPS)
+    table = table.filter(pc.equal(table.column("run_id"), run))
+    rows = {row["step"]: row for row in table.to_pylist()}
+    dim = store.run_dim(run)
+    spec = store.run(run)["projection"]
+    layers = [(s.offset, s.size) for s in store.run_spec(run, "source").layers] if spec else [(0, dim)]
+    out: list[Coefficients | None] = []
+    for first, end in ends:
+        recorded = [rows[s] for s in range(first, end) if s in rows]
+        if not recorded:
+            out.append(None)
+            continue
+        every = [coefficients(r, float(r["learning_rate"]), dim, layers) for r in recorded]
+        if all(c.is_plain for c in every):
+            out.append(None)
+            continue
+        scale = [float(c.p.mean()) if c.p is not None else 1.0 for c in every]
+        out.append(
+            Coefficients(
+                float(np.mean([c.rho for c in every])),
+                float(np.mean([c.a * s for c, s in zip(every, scale)])),
+                float(np.mean([c.b * s for c, s in zip(every, scale)])),
+                float(np.mean([c.mu for c in every])),
+                float(np.mean([c.c for c in every])),
+                float(np.mean([c.l2 for c in every])),
+                None,
+                every[-1].optimizer,
+            )
+        )
+    return out
+
+
+class SegmentFunctions:
+    """Spectral functions of a segment of ``steps`` optimizer steps with constant curvature ``F`` (eigenvalue
+    ``lambda``) and dynamics ``co``: the entries of ``A(lambda)^steps`` (``A`` the 2x2 step of the mode,
+    module doc) and of ``S = sum_{j < steps} A^j w`` (``w = [-a, c]``: one step's injection), computed by
+    iterating the 2x2 recursion elementwise. Eigenvalues above the stable bound are clipped to it (``clipped``
+    records the largest one seen)."""
+
+    def __init__(self, co: Coefficients, steps: int) -> None:
+        self.co = co
+        self.steps = steps
+        self.bound = co.bound()
+        self.largest = 0.0
+
+    def _run(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        co = self.co
+        values = values.to(torch.float64)
+        if values.numel():
+            self.largest = max(self.largest, float(values.max()))
+        if STABILITY != "off":
+            values = values.clamp(max=self.bound)
+        curvature = values + co.l2
+        a11, a12, a21, a22 = co.rho - co.a * curvature, torch.full_like(values, -co.b), co.c * curvature, None
+        a22 = torch.full_like(values, co.mu)
+        p11, p12, p21, p22 = torch.ones_like(values), torch.zeros_like(values), torch.zeros_like(values), None
+        p22 = torch.ones_like(values)
+        s_theta, s_moment = torch.zeros_like(values), torch.zeros_like(values)
+        for _ in range(self.steps):  # S <- A S + w; P <- A P
+            s_theta, s_moment = a11 * s_theta + a12 * s_moment - co.a, a21 * s_theta + a22 * s_moment + co.c
+            p11, p12, p21, p22 = (
+                a11 * p11 + a12 * p21,
+                a11 * p12 + a12 * p22,
+                a21 * p11 + a22 * p21,
+                a21 * p12 + a22 * p22,
+            )
+        return p11, p12, p21, p22, s_theta, s_moment
+
+    def entry(self, which: int):
+        """The spectral function of entry ``which`` (0-3: ``A^K`` row by row; 4, 5: ``S``)."""
+        return lambda values: self._run(values)[which]
+
+    @property
+    def clipped(self) -> bool:
+        return STABILITY != "off" and self.largest > self.bound

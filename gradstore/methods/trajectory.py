@@ -29,6 +29,7 @@ each stored row is read once. ``dvemb`` (:mod:`gradstore.methods.dvemb`) uses th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +39,8 @@ import pyarrow as pa
 import torch
 
 from gradstore.core import StoreCore, gradient_filter
-from gradstore.errors import InvalidArgumentError
-from gradstore.methods import ScoreOptions, resolve_method
+from gradstore.errors import InvalidArgumentError, UnstableStepWarning
+from gradstore.methods import ScoreOptions, dynamics, resolve_method
 from gradstore.methods.fitting import FitCache, Selection, fit_spec
 from gradstore.methods.queries import Queries, QueryInput, resolve_queries, stored_queries
 from gradstore.methods.rows import row_checkpoints
@@ -333,15 +334,43 @@ def source_entries(
     ``(I - E_l) F_l^-1 E_{l+1} ... E_L q`` scoring its checkpoint's training rows."""
     resolved = resolve_queries(store, queries, run, final_query_checkpoint(store, run, options.query_checkpoint))
     carried = _float64(resolved)
+    moment = None  # the momentum's row of the carried product, once a segment with momentum was recorded
+    recorded = dynamics.segment_coefficients(store, run, [(s.end - s.steps, s.end) for s in segments])
     entries: list[WeightedRows] = []
-    for segment in reversed(segments):
+    clipped: list[str] = []
+    for segment, co in zip(reversed(segments), reversed(recorded)):
         selection = Selection(run, segment.checkpoint, options.split, options.where)
         curvature = fits.get(fit_spec(store, selection, resolve_method(options.method), options.blocks))
-        horizon = segment.learning_rate * segment.steps
         examples = Selection(run, segment.checkpoint, options.split).count(store)  # N_l: one step's share is 1/N_l
-        prepared = curvature.apply_function(carried, _segment_term(horizon)) / examples
-        entries.append((selection.filter, prepared, None))
-        carried = curvature.apply_function(carried, lambda values, c=horizon: torch.exp(-c * values))
+        if co is None and moment is None:
+            horizon = segment.learning_rate * segment.steps
+            prepared = curvature.apply_function(carried, _segment_term(horizon)) / examples
+            entries.append((selection.filter, prepared, None))
+            carried = curvature.apply_function(carried, lambda values, c=horizon: torch.exp(-c * values))
+            continue
+        # the optimizer's discrete dynamics over the segment (gradstore.methods.dynamics.SegmentFunctions)
+        functions = dynamics.SegmentFunctions(co or dynamics.Coefficients.plain(segment.learning_rate), segment.steps)
+        prepared = -curvature.apply_function(carried, functions.entry(4))
+        following = curvature.apply_function(carried, functions.entry(0))
+        new_moment = curvature.apply_function(carried, functions.entry(1))
+        if moment is not None:
+            prepared -= curvature.apply_function(moment, functions.entry(5))
+            following += curvature.apply_function(moment, functions.entry(2))
+            new_moment += curvature.apply_function(moment, functions.entry(3))
+        entries.append((selection.filter, prepared / examples, None))
+        carried, moment = following, new_moment
+        if functions.clipped:
+            clipped.append(
+                f"{segment.checkpoint} (largest eigenvalue {functions.largest:.4g}, bound {functions.bound:.4g})"
+            )
+    if clipped:
+        warnings.warn(
+            f"source on run {run!r}: the curvature of segment(s) {clipped} makes the linearised recursion expand "
+            "beyond what training did (the step operator's eigenvalues leave the unit disc); those eigenvalues were "
+            "clipped to the stable bound (docs/concepts.md, 'Optimizer dynamics and stability')",
+            UnstableStepWarning,
+            stacklevel=2,
+        )
     return resolved.ids, entries[::-1]
 
 
