@@ -389,3 +389,65 @@ def test_source_carries_heavy_ball_dynamics(tmp_path, monkeypatch):
         f"Pearson {plain_correlation:.5f}"
     )
     assert relative < plain_relative
+
+
+# ---------------------------------------------------------------------------------------------- capture
+def expected_preconditioner(optimizer: torch.optim.Optimizer, layers: list[nn.Linear]) -> list[torch.Tensor]:
+    """Per layer ``1 / (sqrt(v_hat) + eps)`` as ``[d_out, d_in + 1]`` (the bias as the last column)."""
+    eps, beta2 = optimizer.param_groups[0]["eps"], optimizer.param_groups[0]["betas"][1]
+    out = []
+    for layer in layers:
+        parts = []
+        for param in (layer.weight, layer.bias):
+            state = optimizer.state[param]
+            v = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))
+            parts.append(1 / (v.sqrt() + eps))
+        out.append(torch.cat([parts[0], parts[1][:, None]], 1))
+    return out
+
+
+@pytest.mark.parametrize("projection", [None, "factorized"])
+def test_capture_records_adams_preconditioner_in_the_rows_space(tmp_path, projection):
+    """Unprojected rows: per coordinate, in the rows' layout; projected: one value per layer, the layer's
+    preconditioner weighted by ``v_hat``. dvemb scores over either."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    options = {"projection": projection} if projection is None else {"projection": projection, "k_in": 2, "k_out": 2}
+    with store.capture(model, RUN, optimizer=optimizer, **options) as cap:
+        for _ in range(3):
+            cap.set_ids([str(i) for i in range(6)])
+            (0.5 * ((model(x) - y) ** 2).sum(1)).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    rows = store.sql(f"select * from {S.OPTIMIZER_STEPS} order by step").to_arrow_table().to_pylist()
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["adam_step"] == 3
+    assert rows[-1]["momentum"] == 0.9 and rows[-1]["beta2"] == 0.999 and rows[-1]["optimizer"] == "adam"
+    recorded = torch.tensor(rows[-1]["preconditioner"], dtype=torch.float64)
+    expected = expected_preconditioner(optimizer, [model[0], model[2]])
+    if projection is None:
+        torch.testing.assert_close(recorded, torch.cat([e.reshape(-1) for e in expected]), rtol=1e-12, atol=0)
+    else:
+        v = [1 / (e - 1e-8) ** 2 for e in expected]  # v_hat back from 1 / (sqrt(v_hat) + eps)
+        means = torch.stack([(e * w).sum() / w.sum() for e, w in zip(expected, v)])
+        torch.testing.assert_close(recorded, means, rtol=1e-6, atol=0)
+    with store.capture(model, RUN, checkpoint="final", **options) as cap:
+        cap.set_step(3)
+        cap.set_split("query")
+        cap.set_ids(["qa"])
+        (0.5 * ((model(x[:1]) - y[:1]) ** 2).sum(1)).mean().backward()
+        model.zero_grad()
+    store.core.record_checkpoint(RUN, "final", step=3)
+    assert np.isfinite(store.score_matrix(["qa"], run=RUN, method="dvemb").scores).all()
+
+
+def test_source_clips_an_unstable_segment_with_a_warning(tmp_path):
+    """Heavy ball at ``lr lambda_max = 4.5 > 2 (1 + 0.9)``: the segments' modes beyond the bound are clipped."""
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    rate = 4.5 / largest_curvature()
+    heavy_ball_passes(store, rate, 0.9, 0.0, 20, every=10)
+    with pytest.warns(UnstableStepWarning, match=r"segment\(s\) \['c10 \(largest eigenvalue"):
+        scores = store.score_matrix(["qa", "qb"], run=RUN, method="source").scores
+    assert np.isfinite(scores).all()

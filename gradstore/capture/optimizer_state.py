@@ -9,9 +9,12 @@ layer's weight.
 Adam's preconditioner is elementwise over the parameters; a random projection does not commute with it. Where
 every captured layer is stored unprojected (``projection=None``) it is recorded per coordinate, in the rows'
 layout, and the trajectory methods' Adam dynamics are exact for a quadratic model. Otherwise it is recorded as
-one value per layer, the layer's mean of ``1 / (sqrt(v_hat) + eps)``: an isotropic approximation of the layer's
-preconditioner in its projected block (the per-row/column structure the ``normalizer="adam_*"`` rows fold in
-is lost; the rows themselves are the raw gradients).
+one value per layer: ``sum_i v_i d_i / sum_i v_i`` with ``d_i = 1 / (sqrt(v_hat_i) + eps)``, the layer's
+preconditioner averaged with the weights of a typical gradient's squared entries (``v_hat`` is their running
+mean), so coordinates that get no gradient (an embedding's unused rows, ``d = 1 / eps``) do not dominate it. An
+isotropic approximation of the layer's preconditioner in its projected block: the projected step ``R D g`` is
+taken as ``d_layer R g``; the per-row/column structure that the ``normalizer="adam_*"`` rows fold in is lost
+(the rows themselves are the raw gradients).
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def step_record(
 
 def preconditioner(optimizer: torch.optim.Optimizer, hooks: Sequence[Any], eps: float) -> list[float] | None:
     """``1 / (sqrt(v_hat) + eps)`` in the rows' space: per coordinate ``[dim]`` when every layer is stored
-    unprojected, else the per-layer mean ``[layers]``; ``None`` while the optimizer holds no state."""
+    unprojected, else the per-layer weighted mean ``[layers]`` (module doc); ``None`` while the optimizer holds
+    no state."""
     exact, means = [], []
     for hook in hooks:
         slot = hook.slot
@@ -86,8 +90,10 @@ def preconditioner(optimizer: torch.optim.Optimizer, hooks: Sequence[Any], eps: 
         v = adam_second_moment(optimizer, layer, slot.kind, slot.has_bias)
         if v is None:
             return None
-        factor = 1.0 / (v.double().clamp(min=0).sqrt() + eps)
-        means.append(float(factor.mean()))
+        v = v.double().clamp(min=0)
+        factor = 1.0 / (v.sqrt() + eps)
+        energy = float(v.sum())  # weights: a gradient's share of the layer's squared norm, v_hat on average
+        means.append(float((factor * v).sum()) / energy if energy > 0 else float(factor.mean()))
         if slot.mode == "exact" and slot.kind in EXACT_KINDS and factor.numel() == slot.size:
             exact.append(factor.reshape(-1).cpu())
     if hooks and len(exact) == len(hooks):

@@ -376,10 +376,10 @@ class SegmentFunctions:
         if STABILITY != "off":
             values = values.clamp(max=self.bound)
         curvature = values + co.l2
-        a11, a12, a21, a22 = co.rho - co.a * curvature, torch.full_like(values, -co.b), co.c * curvature, None
-        a22 = torch.full_like(values, co.mu)
-        p11, p12, p21, p22 = torch.ones_like(values), torch.zeros_like(values), torch.zeros_like(values), None
-        p22 = torch.ones_like(values)
+        a11, a21 = co.rho - co.a * curvature, co.c * curvature
+        a12, a22 = torch.full_like(values, -co.b), torch.full_like(values, co.mu)
+        p11, p22 = torch.ones_like(values), torch.ones_like(values)  # A^0 = I
+        p12, p21 = torch.zeros_like(values), torch.zeros_like(values)
         s_theta, s_moment = torch.zeros_like(values), torch.zeros_like(values)
         for _ in range(self.steps):  # S <- A S + w; P <- A P
             s_theta, s_moment = a11 * s_theta + a12 * s_moment - co.a, a21 * s_theta + a22 * s_moment + co.c

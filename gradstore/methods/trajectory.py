@@ -365,7 +365,7 @@ def source_entries(
             )
     if clipped:
         warnings.warn(
-            f"source on run {run!r}: the curvature of segment(s) {clipped} makes the linearised recursion expand "
+            f"source on run {run!r}: the curvature of segment(s) {clipped[::-1]} makes the linearised recursion expand "
             "beyond what training did (the step operator's eigenvalues leave the unit disc); those eigenvalues were "
             "clipped to the stable bound (docs/concepts.md, 'Optimizer dynamics and stability')",
             UnstableStepWarning,
