@@ -92,11 +92,11 @@ def preconditioner(optimizer: torch.optim.Optimizer, hooks: Sequence[Any], eps: 
             return None
         v = v.double().clamp(min=0)
         factor = 1.0 / (v.sqrt() + eps)
-        energy = float(v.sum())  # weights: a gradient's share of the layer's squared norm, v_hat on average
-        means.append(float((factor * v).sum()) / energy if energy > 0 else float(factor.mean()))
+        energy = v.sum()  # weights: a gradient's share of the layer's squared norm, v_hat on average
+        means.append(torch.where(energy > 0, (factor * v).sum() / energy.clamp(min=1e-300), factor.mean()))
         if slot.mode == "exact" and slot.kind in EXACT_KINDS and factor.numel() == slot.size:
-            exact.append(factor.reshape(-1).cpu())
+            exact.append(factor.reshape(-1))
     if hooks and len(exact) == len(hooks):
         order = sorted(range(len(hooks)), key=lambda i: hooks[i].slot.offset)
-        return torch.cat([exact[i] for i in order]).tolist()
-    return means
+        return torch.cat([exact[i] for i in order]).cpu().tolist()
+    return torch.stack(means).cpu().tolist() if means else None  # one transfer per step (no sync per layer)
