@@ -221,7 +221,7 @@ def warn_clipped(clipped: Sequence[Clipped], run: str, method: str = "dvemb") ->
 def check_finite(products: Sequence[torch.Tensor], step: int, run: str, first_large: list[int]) -> None:
     """``UnstableRecursionError`` naming ``step`` when the carried product is no longer finite; the first step
     whose product grew past :data:`LARGE` is kept in ``first_large``."""
-    worst = max(float(t.abs().max()) if t.numel() else 0.0 for t in products)
+    worst = max(float(torch.linalg.vector_norm(t, math.inf)) if t.numel() else 0.0 for t in products)
     if not math.isfinite(worst):
         raise UnstableRecursionError(
             f"dvemb on run {run!r}: the recursion over the recorded steps became non-finite at step {step} "
@@ -286,31 +286,40 @@ class JointProduct:
         co = coefficients_of(step)
         total = torch.zeros_like(rows)
         for _ in range(step.span):
-            parts, operators = [], []
+            parts, operators, scaled = [], [], []
             for i, theta in enumerate(self.theta):
                 p = self._split(co.p[None], i)[:, 0, :] if co.p is not None else None  # [g, s]
-                scaled = theta * p[:, None, :] if p is not None else theta
-                operator = co.a * scaled
+                scaled.append(theta * p[:, None, :] if p is not None else theta)  # R_theta P
+                operator = scaled[-1] * co.a  # K = a R_theta P - c R_n
                 if self.moment is not None:
-                    operator = operator - co.c * self.moment[i]
+                    operator.sub_(self.moment[i], alpha=co.c)
                 operators.append(operator)
                 parts.append(torch.bmm(self._split(rows, i), operator.transpose(1, 2)))
             total += self._join(parts, rows.shape[0])
-            self._carry(curvature, co, operators, step.step)
+            self._carry(curvature, co, operators, scaled, step.step)
         return total / step.rows
 
-    def _carry(self, curvature: torch.Tensor, co: Coefficients, operators: list[torch.Tensor], step: int) -> None:
+    def _carry(
+        self,
+        curvature: torch.Tensor,
+        co: Coefficients,
+        operators: list[torch.Tensor],
+        scaled: list[torch.Tensor],
+        step: int,
+    ) -> None:
+        """``R_n <- mu R_n - b R_theta P``, ``R_theta <- rho R_theta - K (H + l2 I)`` (in place)."""
         n = max(1, curvature.shape[0])
         for i, (theta, operator) in enumerate(zip(self.theta, operators)):
             p = self._split(co.p[None], i)[:, 0, :] if co.p is not None else None
             rows = stable_rows(self._split(curvature, i), co, p, step, self.clipped)  # [g, n, s]
-            curved = torch.bmm(torch.bmm(operator, rows.transpose(1, 2)), rows) / n
+            curved = torch.bmm(torch.bmm(operator, rows.transpose(1, 2) / n), rows)
             if co.l2:
-                curved = curved + co.l2 * operator
+                curved.add_(operator, alpha=co.l2)
             if self.moment is not None:
-                scaled = theta * p[:, None, :] if p is not None else theta
-                self.moment[i] = co.mu * self.moment[i] - co.b * scaled
-            self.theta[i] = co.rho * theta - curved
+                self.moment[i].mul_(co.mu).sub_(scaled[i], alpha=co.b)
+            if co.rho != 1:
+                theta.mul_(co.rho)
+            theta.sub_(curved)
         check_finite(self.theta + (self.moment or []), step, self.run, self.first_large)
 
 
