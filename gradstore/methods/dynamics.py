@@ -295,8 +295,11 @@ class JointProduct:
                     operator.sub_(self.moment[i], alpha=co.c)
                 operators.append(operator)
                 parts.append(torch.bmm(self._split(rows, i), operator.transpose(1, 2)))
-            total += self._join(parts, rows.shape[0])
+            terms = self._join(parts, rows.shape[0])
+            total += terms
             self._carry(curvature, co, operators, scaled, step.step)
+            # the step's terms read the whole product (K = a R_theta P - c R_n): an overflow shows in them
+            check_finite([terms], step.step, self.run, self.first_large)
         return total / step.rows
 
     def _carry(
@@ -312,15 +315,14 @@ class JointProduct:
         for i, (theta, operator) in enumerate(zip(self.theta, operators)):
             p = self._split(co.p[None], i)[:, 0, :] if co.p is not None else None
             rows = stable_rows(self._split(curvature, i), co, p, step, self.clipped)  # [g, n, s]
-            curved = torch.bmm(torch.bmm(operator, rows.transpose(1, 2) / n), rows)
-            if co.l2:
-                curved.add_(operator, alpha=co.l2)
             if self.moment is not None:
                 self.moment[i].mul_(co.mu).sub_(scaled[i], alpha=co.b)
-            if co.rho != 1:
-                theta.mul_(co.rho)
-            theta.sub_(curved)
-        check_finite(self.theta + (self.moment or []), step, self.run, self.first_large)
+            # R_theta <- rho R_theta - K C^T C / n (one pass), then - l2 K
+            self.theta[i] = torch.baddbmm(
+                theta, torch.bmm(operator, rows.transpose(1, 2)), rows, beta=co.rho, alpha=-1 / n
+            )
+            if co.l2:
+                self.theta[i].sub_(operator, alpha=co.l2)
 
 
 # ---------------------------------------------------------------------------------------------- source
