@@ -86,17 +86,40 @@ def preconditioner(optimizer: torch.optim.Optimizer, hooks: Sequence[Any], eps: 
         slot = hook.slot
         if hook.parameter is None:
             return None
-        layer = SimpleNamespace(weight=hook.parameter, bias=hook.bias)
-        v = adam_second_moment(optimizer, layer, slot.kind, slot.has_bias)
+        sharded = _sharded_moment(optimizer, hook.parameter, hook.bias if slot.has_bias else None)
+        if sharded is not None:  # FSDP2 (DTensor) state: this rank's shard, no collective per step
+            v = sharded
+        else:
+            layer = SimpleNamespace(weight=hook.parameter, bias=hook.bias)
+            v = adam_second_moment(optimizer, layer, slot.kind, slot.has_bias)
         if v is None:
             return None
         v = v.double().clamp(min=0)
         factor = 1.0 / (v.sqrt() + eps)
         energy = v.sum()  # weights: a gradient's share of the layer's squared norm, v_hat on average
         means.append(torch.where(energy > 0, (factor * v).sum() / energy.clamp(min=1e-300), factor.mean()))
-        if slot.mode == "exact" and slot.kind in EXACT_KINDS and factor.numel() == slot.size:
+        if sharded is None and slot.mode == "exact" and slot.kind in EXACT_KINDS and factor.numel() == slot.size:
             exact.append(factor.reshape(-1))
     if hooks and len(exact) == len(hooks):
         order = sorted(range(len(hooks)), key=lambda i: hooks[i].slot.offset)
         return torch.cat([exact[i] for i in order]).cpu().tolist()
     return torch.stack(means).cpu().tolist() if means else None  # one transfer per step (no sync per layer)
+
+
+def _sharded_moment(optimizer: torch.optim.Optimizer, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The bias-corrected ``v_hat`` entries of this rank's shards of a layer whose Adam state is sharded
+    (FSDP2 DTensors), flattened; ``None`` for unsharded state. Such a layer's preconditioner is its per-layer
+    weighted mean over the local shard (never per coordinate): reading the full state would be a collective
+    per layer and step."""
+    out = []
+    for param in (weight, bias):
+        if param is None:
+            continue
+        state = optimizer.state.get(param, {})
+        moment = state.get("exp_avg_sq")
+        if moment is None or not hasattr(moment, "to_local"):
+            return None
+        group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+        correction = 1.0 - group.get("betas", (0.9, 0.999))[1] ** max(float(state.get("step", 1)), 1.0)
+        out.append(moment.to_local().reshape(-1) / correction)
+    return torch.cat(out) if out else None
