@@ -27,7 +27,8 @@ block and runs backwards: ``K = a R_theta P - c R_n`` is the step's embedding op
 ``R_theta <- rho R_theta - K (H + l2 I)``, ``R_n <- -b R_theta P + mu R_n``. Exact for a quadratic model with
 unprojected rows and the exact batch Hessian (true-Fisher rows of a linear model). Without momentum ``R_n``
 is never formed (the recursion is the plain one, with weight decay and preconditioner). A step without a
-recorded optimizer (stores made before the table, or another optimizer) is ``lr x gradient``.
+recorded optimizer (stores made before the table, another optimizer, Adam whose state could not be read) is
+``lr x gradient``.
 
 **Stability.** One curvature mode ``lambda`` of ``P^1/2 H P^1/2`` gives the 2x2 step ``[[1 - a l, -b],
 [c l, mu]]``, stable while ``a lambda (1 + mu) - b c lambda < 2 (1 + mu)`` (plain SGD: ``lr lambda < 2``; heavy
@@ -48,10 +49,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-import pyarrow.compute as pc
 import torch
 
-from gradstore.core import StoreCore
+from gradstore.core import StoreCore, gradient_filter
 from gradstore.core import schema as S
 from gradstore.errors import UnstableRecursionError, UnstableStepWarning
 
@@ -138,9 +138,8 @@ def with_dynamics(store: StoreCore, run: str, label: str, steps: Sequence) -> li
     ``optimizer_steps`` table (``None`` for a step it does not list, or a store without it: ``lr x gradient``)."""
     if not steps or not store.has_table(S.OPTIMIZER_STEPS):
         return list(steps)
-    table = store.scan(S.OPTIMIZER_STEPS)
-    mask = pc.and_(pc.equal(table.column("run_id"), run), pc.equal(table.column("checkpoint"), label))
-    rows = {row["step"]: row for row in table.filter(mask).to_pylist()}  # ranks and resumed steps: the last
+    table = store.scan(S.OPTIMIZER_STEPS, None, gradient_filter(run, label))
+    rows = {row["step"]: row for row in table.to_pylist()}  # ranks and resumed steps: the last
     if not rows:
         return list(steps)
     dim = store.run_dim(run)
@@ -334,9 +333,7 @@ def segment_coefficients(store: StoreCore, run: str, ends: Sequence[tuple[int, i
     SOURCE's ``exp(-lr K F)`` form)."""
     if not ends or not store.has_table(S.OPTIMIZER_STEPS):
         return [None] * len(ends)
-    table = store.scan(S.OPTIMIZER_STEPS)
-    table = table.filter(pc.equal(table.column("run_id"), run))
-    rows = {row["step"]: row for row in table.to_pylist()}
+    rows = {row["step"]: row for row in store.scan(S.OPTIMIZER_STEPS, None, gradient_filter(run)).to_pylist()}
     dim = store.run_dim(run)
     spec = store.run(run)["projection"]
     layers = [(s.offset, s.size) for s in store.run_spec(run, "source").layers] if spec else [(0, dim)]
