@@ -33,7 +33,20 @@ OPTIMIZERS = {
     "sgd-nesterov-wd": (torch.optim.SGD, {"momentum": 0.8, "nesterov": True, "weight_decay": 0.02}, 0.1),
     "adam": (torch.optim.Adam, {"betas": (0.9, 0.99), "weight_decay": 0.01}, 0.05),
     "adamw": (torch.optim.AdamW, {"betas": (0.8, 0.95), "weight_decay": 0.1}, 0.05),
+    # parameter groups: no weight decay on the bias (recorded per coordinate)
+    "sgd-momentum-groups": (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.05, "bias_weight_decay": 0.0}, 0.1),
+    "adamw-groups": (torch.optim.AdamW, {"betas": (0.8, 0.95), "weight_decay": 0.1, "bias_weight_decay": 0.0}, 0.05),
 }
+
+
+def optimizer_for(model: nn.Linear, name: str) -> torch.optim.Optimizer:
+    cls, options, base = OPTIMIZERS[name]
+    options = dict(options)
+    bias_decay = options.pop("bias_weight_decay", None)
+    if bias_decay is None:
+        return cls(model.parameters(), lr=base, **options)
+    groups = [{"params": [model.weight]}, {"params": [model.bias], "weight_decay": bias_decay}]
+    return cls(groups, lr=base, **options)
 
 
 def problem(seed: int = 0):
@@ -58,9 +71,9 @@ def schedule(base: float) -> list[float]:
 def train_captured(store: gradstore.GradStore, name: str, steps: int = T) -> nn.Linear:
     """``steps`` optimizer steps inside one capture: per step, true-Fisher rows then the training rows."""
     x, y, _, _, batches = problem()
-    cls, options, base = OPTIMIZERS[name]
+    _, _, base = OPTIMIZERS[name]
     model = init_model()
-    optimizer = cls(model.parameters(), lr=base, **options)
+    optimizer = optimizer_for(model, name)
     rates = schedule(base)
     with store.capture(model, RUN, optimizer=optimizer, projection=None) as cap:
         for t in range(steps):
@@ -102,7 +115,8 @@ def replay(name: str, frozen: bool = True, steps: int = T) -> tuple[np.ndarray, 
     theta = torch.cat([model.weight.detach(), model.bias.detach()[:, None]], 1).clone().requires_grad_()
     xt = torch.cat([x, torch.ones(N, 1, dtype=torch.float64)], 1)
     qt = torch.cat([qx, torch.ones(2, 1, dtype=torch.float64)], 1)
-    wd = options.get("weight_decay", 0.0)
+    wd = torch.full_like(theta, options.get("weight_decay", 0.0))
+    wd[:, -1] = options.get("bias_weight_decay", options.get("weight_decay", 0.0))
     buffer, m, v = None, torch.zeros_like(theta), torch.zeros_like(theta)
     for t in range(steps):
         lr, batch = rates[t], batches[t]
@@ -149,7 +163,12 @@ def test_dvemb_equals_autograd_through_the_optimizers_unrolled_run(tmp_path, nam
     torch.testing.assert_close(final, trained, rtol=1e-10, atol=1e-12)  # the replay is the recorded run
     recorded = store.sql(f"select * from {S.OPTIMIZER_STEPS} order by step").to_arrow_table().to_pylist()
     assert [r["step"] for r in recorded] == list(range(T))
-    assert recorded[0]["optimizer"] == {"adam": "adam", "adamw": "adamw"}.get(name, "sgd")
+    assert recorded[0]["optimizer"] == name.split("-")[0]
+    if name.endswith("-groups"):  # per coordinate: the bias (each row's last entry) decays by 0
+        decays = np.array(recorded[0]["weight_decays"]).reshape(OUT, D + 1)
+        assert (decays[:, -1] == 0).all() and (decays[:, :-1] == OPTIMIZERS[name][1]["weight_decay"]).all()
+    else:
+        assert recorded[0]["weight_decays"] is None
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnstableStepWarning)
         scores = columns(store.score_matrix(["qa", "qb"], run=RUN, method="dvemb"))

@@ -4,7 +4,8 @@ Read from the optimizer in its step post-hook (no user action): the kind (``"sgd
 else the class name), the learning rate, momentum (Adam: ``beta1``), dampening, nesterov, weight decay, ``beta2``,
 ``eps``, Adam's step count and, for Adam/AdamW, the step's preconditioner ``1 / (sqrt(v_hat) + eps)`` in the
 space of the stored rows. The hyper-parameters are those of the parameter group holding the first captured
-layer's weight.
+layer's weight; where the captured parameters' groups differ in weight decay, each coordinate's (or layer's) is
+recorded too (``weight_decays``).
 
 Adam's preconditioner is elementwise over the parameters; a random projection does not commute with it. Where
 every captured layer is stored unprojected (``projection=None``) it is recorded per coordinate, in the rows'
@@ -73,6 +74,7 @@ def step_record(
         "eps": float(group["eps"]) if adam else None,
         "adam_step": int(float(adam_step)) if adam_step is not None else None,
         "preconditioner": preconditioner(optimizer, hooks, float(group["eps"])) if adam else None,
+        "weight_decays": weight_decays(optimizer, hooks),
         "created_at": datetime.now(timezone.utc),
     }
 
@@ -123,3 +125,26 @@ def _sharded_moment(optimizer: torch.optim.Optimizer, weight: torch.Tensor, bias
         correction = 1.0 - group.get("betas", (0.9, 0.999))[1] ** max(float(state.get("step", 1)), 1.0)
         out.append(moment.to_local().reshape(-1) / correction)
     return torch.cat(out) if out else None
+
+
+def weight_decays(optimizer: torch.optim.Optimizer, hooks: Sequence[Any]) -> list[float] | None:
+    """Each coordinate's weight decay where the captured parameters' groups differ (e.g. none on biases):
+    ``[dim]`` when every layer is stored unprojected (the bias as each row's last entry), else ``[layers]``, the
+    weight's group's; ``None`` when all are alike (the row's ``weight_decay`` holds it)."""
+    of = {id(p): float(g.get("weight_decay", 0.0) or 0.0) for g in optimizer.param_groups for p in g["params"]}
+    pairs = [
+        (of.get(id(h.parameter), 0.0), of.get(id(h.bias), 0.0) if h.slot.has_bias and h.bias is not None else None)
+        for h in hooks
+    ]
+    if len({v for pair in pairs for v in pair if v is not None}) <= 1:
+        return None
+    exact = all(h.slot.mode == "exact" and h.slot.kind in EXACT_KINDS for h in hooks)
+    if not exact:
+        return [weight for weight, _ in pairs]
+    out = []
+    for hook, (weight, bias) in sorted(zip(hooks, pairs), key=lambda item: item[0].slot.offset):
+        slot = hook.slot
+        columns = slot.size // max(1, slot.d_out)
+        row = [weight] * (columns - 1) + [bias] if bias is not None else [weight] * columns
+        out.extend(row * slot.d_out)
+    return out

@@ -206,6 +206,8 @@ OPTIMIZER_STEPS_SCHEMA = _tagged(
         pa.field("eps", pa.float64()),
         pa.field("adam_step", pa.int64()),  # Adam's step count after the step (its bias corrections)
         pa.field("preconditioner", pa.list_(pa.float64())),  # [dim] per coordinate, or [layers] per layer
+        # where parameter groups differ in weight decay: [dim] per coordinate, or [layers] (the weight's group)
+        pa.field("weight_decays", pa.list_(pa.float64())),
         pa.field("created_at", _TIMESTAMP),
     ]
 )

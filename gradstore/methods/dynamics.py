@@ -66,12 +66,12 @@ class Coefficients:
     """One step's linearised dynamics (module doc): ``dtheta' = rho dtheta - P (a dg + b dn)``,
     ``dn' = mu dn + c dg``, ``dg = (H + l2 I) dtheta + u``; ``p`` the diagonal of ``P`` (``None``: ``I``)."""
 
-    rho: float
+    rho: float | torch.Tensor  # [dim] where parameter groups differ in (decoupled) weight decay
     a: float
     b: float
     mu: float
     c: float
-    l2: float
+    l2: float | torch.Tensor  # likewise
     p: torch.Tensor | None = None
     optimizer: str = "lr"
 
@@ -82,7 +82,7 @@ class Coefficients:
 
     @property
     def is_plain(self) -> bool:
-        return self.mu == 0 and self.l2 == 0 and self.rho == 1 and self.p is None
+        return self.mu == 0 and _scalar(self.l2) == 0 and _scalar(self.rho) == 1 and self.p is None
 
     @property
     def has_momentum(self) -> bool:
@@ -93,14 +93,32 @@ class Coefficients:
         slope = self.a * (1 + self.mu) - self.b * self.c
         if slope <= 0:
             return math.inf
-        return max(0.0, 2 * (1 + self.mu) / slope - self.l2 * p_max)
+        return max(0.0, 2 * (1 + self.mu) / slope - _largest(self.l2) * p_max)
+
+
+def _scalar(value: float | torch.Tensor) -> float | None:
+    """A scalar as it is; a per-coordinate tensor as its value when constant, else ``None``."""
+    if isinstance(value, torch.Tensor):
+        return float(value[0]) if bool((value == value[0]).all()) else None
+    return value
+
+
+def _largest(value: float | torch.Tensor) -> float:
+    return float(value.max()) if isinstance(value, torch.Tensor) else value
+
+
+def _mean(value: float | torch.Tensor) -> float:
+    return float(value.mean()) if isinstance(value, torch.Tensor) else value
 
 
 def coefficients(row: dict, lr: float, dim: int, layers: Sequence[tuple[int, int]]) -> Coefficients:
     """The step's :class:`Coefficients` from its ``optimizer_steps`` row (``lr``: the rows' learning rate)."""
     kind = row.get("optimizer")
     mu = float(row.get("momentum") or 0.0)
-    wd = float(row.get("weight_decay") or 0.0)
+    wd: float | torch.Tensor = float(row.get("weight_decay") or 0.0)
+    if row.get("weight_decays") is not None and kind in ("sgd", "adam", "adamw"):
+        per = expand(row["weight_decays"], dim, layers)  # parameter groups with different weight decays
+        wd = per if per is not None else wd
     if kind == "sgd":
         if mu == 0:
             return Coefficients(1.0, lr, 0.0, 0.0, 1.0, wd, None, kind)
@@ -316,12 +334,17 @@ class JointProduct:
             rows = stable_rows(self._split(curvature, i), co, p, step, self.clipped)  # [g, n, s]
             if self.moment is not None:
                 self.moment[i].mul_(co.mu).sub_(scaled[i], alpha=co.b)
-            # R_theta <- rho R_theta - K C^T C / n (one pass), then - l2 K
+            # R_theta <- rho R_theta - K C^T C / n (one pass), then - l2 K (per-coordinate: scaling K's columns)
+            rho, l2 = co.rho, co.l2
+            if isinstance(rho, torch.Tensor):
+                theta, rho = theta * self._split(rho[None], i)[:, 0, None, :], 1.0
             self.theta[i] = torch.baddbmm(
-                theta, torch.bmm(operator, rows.transpose(1, 2)), rows, beta=co.rho, alpha=-1 / n
+                theta, torch.bmm(operator, rows.transpose(1, 2)), rows, beta=rho, alpha=-1 / n
             )
-            if co.l2:
-                self.theta[i].sub_(operator, alpha=co.l2)
+            if isinstance(l2, torch.Tensor):
+                self.theta[i].sub_(operator * self._split(l2[None], i)[:, 0, None, :])
+            elif l2:
+                self.theta[i].sub_(operator, alpha=l2)
 
 
 # ---------------------------------------------------------------------------------------------- source
@@ -350,12 +373,12 @@ def segment_coefficients(store: StoreCore, run: str, ends: Sequence[tuple[int, i
         scale = [float(c.p.mean()) if c.p is not None else 1.0 for c in every]
         out.append(
             Coefficients(
-                float(np.mean([c.rho for c in every])),
+                float(np.mean([_mean(c.rho) for c in every])),
                 float(np.mean([c.a * s for c, s in zip(every, scale)])),
                 float(np.mean([c.b * s for c, s in zip(every, scale)])),
                 float(np.mean([c.mu for c in every])),
                 float(np.mean([c.c for c in every])),
-                float(np.mean([c.l2 for c in every])),
+                float(np.mean([_mean(c.l2) for c in every])),
                 None,
                 every[-1].optimizer,
             )
