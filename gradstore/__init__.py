@@ -17,6 +17,7 @@ from gradstore.core.engine import LocalEngine, RayEngine
 from gradstore.errors import (
     CaptureUsageError,
     GradstoreError,
+    GradstoreWarning,
     IndexMismatchError,
     InvalidArgumentError,
     InvalidFilterError,
@@ -33,6 +34,8 @@ from gradstore.errors import (
     StorePermissionError,
     UnknownIndexError,
     UnknownRunError,
+    UnstableRecursionError,
+    UnstableStepWarning,
     WriterClosedError,
 )
 from gradstore.methods import ScoreOptions, queries
@@ -72,6 +75,7 @@ __all__ = [
     "GradientBlock",
     "GradientWriter",
     "GradstoreError",
+    "GradstoreWarning",
     "IndexMismatchError",
     "InvalidArgumentError",
     "InvalidFilterError",
@@ -95,6 +99,8 @@ __all__ = [
     "StorePermissionError",
     "UnknownIndexError",
     "UnknownRunError",
+    "UnstableRecursionError",
+    "UnstableStepWarning",
     "WriterClosedError",
     "WriterConfig",
     "connect",

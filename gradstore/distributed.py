@@ -272,6 +272,9 @@ class DistributedCapture(StoreCapture):
             else {}
         )
         gathered = self._committer.gather((self._seen, curvature))
+        if dist.get_rank() == 0:  # every rank steps the same optimizer: rank 0's optimizer_steps rows
+            self._write_optimizer_steps()
+        self._optimizer_rows = []
         if gathered is None:
             return
         seen: dict[str, dict[str, Any]] = {}

@@ -104,6 +104,21 @@ class IndexMismatchError(GradstoreError, indexers.IndexMismatchError):
     """A saved index was built from other data than the store holds now (another projection or dim)."""
 
 
+class UnstableRecursionError(GradstoreError, ArithmeticError):
+    """A trajectory method's linearised recursion over the recorded steps overflowed (NaN/Inf) at a named step:
+    the stored rows are finite, the product of the steps' operators is not (see docs/concepts.md, "Optimizer
+    dynamics and stability")."""
+
+
+class GradstoreWarning(UserWarning):
+    """Base class of the warnings gradstore issues on purpose."""
+
+
+class UnstableStepWarning(GradstoreWarning):
+    """A recorded step's curvature would make a trajectory method's linearised recursion expand (e.g.
+    ``lr * lambda_max(H) > 2`` for plain SGD): its eigenvalues were clipped to the stable range."""
+
+
 #: Lower-layer error class -> the gradstore class it is re-raised as.
 _TRANSLATED: dict[type[Exception], type[GradstoreError]] = {
     ingest.ProjectionMismatchError: ProjectionMismatchError,

@@ -190,6 +190,7 @@ class GradientCapture:
         self._skip_notice: str | None = None  # set by the sink thread, warned once by the training thread
         self._warned = False
         self._row_listeners: list[Callable[[ActiveBatch, torch.Tensor], None]] = []
+        self._step_listeners: list[Callable[[int, torch.optim.Optimizer], None]] = []
 
     # context -----------------------------------------------------------------------------------
 
@@ -279,6 +280,13 @@ class GradientCapture:
         (:mod:`ingest.online_selection`). Returns a function that removes the listener."""
         self._row_listeners.append(listener)
         return lambda: self._row_listeners.remove(listener) if listener in self._row_listeners else None
+
+    def add_step_listener(self, listener: Callable[[int, torch.optim.Optimizer], None]) -> Callable[[], None]:
+        """Call ``listener(step, optimizer)`` after every step of the capture's optimizer (its post-hook: the
+        optimizer's state is the one the step left), with the step recorded on that step's rows. Used to record
+        the optimizer's hyper-parameters and state per step. Returns a function that removes the listener."""
+        self._step_listeners.append(listener)
+        return lambda: self._step_listeners.remove(listener) if listener in self._step_listeners else None
 
     def flush(self) -> None:
         """Wait until every finished batch reached the sink (with a ``grad_scaler``, batches still waiting for
@@ -416,6 +424,8 @@ class GradientCapture:
         ):
             self.optimizer = optimizer
         if optimizer is self.optimizer:
+            for listener in self._step_listeners:
+                listener(self.step, optimizer)
             self.step += 1
             # refreshed by the next captured forward, so paused steps do not pay for it
             self._moments_stale = self.config.normalizer is not None

@@ -20,6 +20,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
+from gradstore.capture.optimizer_state import step_record
 from gradstore.capture.resume import CommittedRows
 from gradstore.core import GradientWriter, StoreCore, WriterConfig
 from gradstore.core import schema as S
@@ -172,6 +173,8 @@ class StoreCapture:
             "store.sql('select * from skipped_steps'))."
         )
         self.spec: ProjectionSpec = self.capture.spec
+        self._optimizer_rows: list[dict[str, Any]] = []  # optimizer_steps rows not written yet
+        self.capture.add_step_listener(self._record_optimizer_step)
         self._model = model
         self._writer_config = writer_config
         self._writer = None
@@ -231,6 +234,7 @@ class StoreCapture:
     def _record_run(self) -> None:
         """Record the checkpoints seen (step, epoch, learning rate) and their curvature statistics (of the training
         rows and, apart, of the true-Fisher rows)."""
+        self._write_optimizer_steps()
         for checkpoint, seen in self._seen.items():
             self.store.record_checkpoint(self.run_id, checkpoint, **seen)
         if self.capture.config.curvature:
@@ -239,6 +243,26 @@ class StoreCapture:
                     stats = self.capture.curvature(checkpoint, split)
                     if stats:
                         self.store.curvature.save(self.run_id, checkpoint, stats, split)
+
+    def _record_optimizer_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        """After each optimizer step: what it applied (:mod:`gradstore.capture.optimizer_state`), written with the
+        checkpoints (and on :meth:`flush`)."""
+        self._optimizer_rows.append(
+            step_record(
+                optimizer,
+                self.capture.layer_hooks,
+                self.run_id,
+                self.capture.checkpoint,
+                step,
+                self.capture.config.labels.rank,
+            )
+        )
+
+    def _write_optimizer_steps(self) -> None:
+        if self._optimizer_rows:
+            table = pa.Table.from_pylist(self._optimizer_rows, schema=S.OPTIMIZER_STEPS_SCHEMA)
+            self.store.results.append_table(S.OPTIMIZER_STEPS, table)
+            self._optimizer_rows = []
 
     def _record_coverage(self) -> None:
         """The capture's coverage: a row per trainable parameter in ``capture_coverage``."""
@@ -330,6 +354,7 @@ class StoreCapture:
         """Wait until every captured row is committed to the store."""
         self.capture.flush()
         self._writer.flush()
+        self._write_optimizer_steps()
 
     # ------------------------------------------------------------------ sink
     def _record_skip(self, batch: SkippedBatch) -> None:

@@ -184,11 +184,40 @@ COVERAGE_SCHEMA = _tagged(
     ]
 )
 
+OPTIMIZER_STEPS = "optimizer_steps"
+
+#: One row per optimizer step of a capture with an optimizer (:mod:`gradstore.capture.optimizer_state`): the
+#: hyper-parameters the step used and, for Adam, its frozen preconditioner ``1 / (sqrt(v_hat) + eps)`` in the
+#: projected space (per coordinate where the layer is stored unprojected, else one value per layer). Stores made
+#: before it lack the table: trajectory methods then model a step as ``lr x gradient``.
+OPTIMIZER_STEPS_SCHEMA = _tagged(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("checkpoint", pa.string()),
+        pa.field("step", pa.int64()),
+        pa.field("rank", pa.int32()),
+        pa.field("optimizer", pa.string()),  # "sgd", "adam", "adamw", else the class name (modelled as lr x grad)
+        pa.field("learning_rate", pa.float64()),
+        pa.field("momentum", pa.float64()),  # SGD's momentum; Adam's beta1
+        pa.field("dampening", pa.float64()),
+        pa.field("nesterov", pa.bool_()),
+        pa.field("weight_decay", pa.float64()),
+        pa.field("beta2", pa.float64()),
+        pa.field("eps", pa.float64()),
+        pa.field("adam_step", pa.int64()),  # Adam's step count after the step (its bias corrections)
+        pa.field("preconditioner", pa.list_(pa.float64())),  # [dim] per coordinate, or [layers] per layer
+        # where parameter groups differ in weight decay: [dim] per coordinate, or [layers] (the weight's group)
+        pa.field("weight_decays", pa.list_(pa.float64())),
+        pa.field("created_at", _TIMESTAMP),
+    ]
+)
+
 #: Tables created on first use that SQL always shows (empty until then).
 LAZY_SCHEMAS = {
     SKIPPED_STEPS: SKIPPED_STEPS_SCHEMA,
     ONLINE_SELECTION: ONLINE_SELECTION_SCHEMA,
     COVERAGE: COVERAGE_SCHEMA,
+    OPTIMIZER_STEPS: OPTIMIZER_STEPS_SCHEMA,
 }
 
 FIXED_SCHEMAS = {

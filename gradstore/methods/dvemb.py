@@ -40,6 +40,7 @@ import torch
 from gradstore.core import StoreCore, gradient_filter
 from gradstore.core.engine import Engine
 from gradstore.errors import InvalidArgumentError
+from gradstore.methods import dynamics
 from gradstore.methods.preconditioned import dense_matrix, index_top_k
 from gradstore.methods.queries import Queries, QueryInput, resolve_queries
 from gradstore.methods.registry import ONE_CHECKPOINT, TRUE_FISHER_SPLIT, ScoreOptions, check_blocks
@@ -129,7 +130,7 @@ def _built(store: StoreCore, run: str) -> tuple[int, int] | None:
 def _build(store: StoreCore, run: str, label: str, structure: str) -> None:
     """Fold the new steps into the stored embeddings when only later steps were appended, else recompute all."""
     stored = _read_state(store, run)
-    steps = recorded_steps(store, run, label)
+    steps = dynamics.with_dynamics(store, run, label, recorded_steps(store, run, label))
     spans = _spans(store, run, structure)
     source = _source_state(store, run, label)
     incremental = (
@@ -137,6 +138,7 @@ def _build(store: StoreCore, run: str, label: str, structure: str) -> None:
         and (stored.label, stored.blocks) == (label, structure)
         and stored.derived == _built(store, run)
         and _only_after(store, run, label, stored)
+        and not any(dynamics.coefficients_of(s).has_momentum for s in steps)  # momentum: the joint state, rebuilt
     )
     if incremental:
         new = [s for s in steps if s.step > stored.last_step]
@@ -178,7 +180,7 @@ def recursion(
 ) -> tuple[list[str], np.ndarray, BlockDiagonal]:
     """The embeddings of the examples of ``steps`` (ids sorted, float64 ``[n, dim]``) over these steps alone, and
     the per-block products ``prod (I - lr H)^s`` over them (what earlier embeddings are carried through)."""
-    carried = BlockDiagonal.identity(spans)
+    carried = carrier(spans, steps, run)
     position: dict[str, int] = {}
     dim = store.run_dim(run)
     sums = torch.zeros(0, dim, dtype=torch.float64)
@@ -192,28 +194,44 @@ def recursion(
                 grown = torch.zeros(max(len(position), 2 * sums.shape[0]), dim, dtype=torch.float64)
                 grown[: sums.shape[0]] = sums
                 sums = grown
-            sums.index_add_(0, torch.tensor(columns, dtype=torch.long), carried.apply(rows), alpha=record.weight)
-            carried.carry(curvature, record)
+            sums.index_add_(0, torch.tensor(columns, dtype=torch.long), carried.absorb(rows, curvature, record))
+    dynamics.warn_clipped(carried.clipped, run)
     ids = sorted(position)
     order = torch.tensor([position[i] for i in ids], dtype=torch.long)
-    return ids, sums[order].numpy() if ids else np.empty((0, dim)), carried
+    embeddings = sums[order].numpy() if ids else np.empty((0, dim))
+    dynamics.check_embeddings(embeddings, run, carried.first_large)
+    return ids, embeddings, carried
+
+
+def carrier(
+    spans: Sequence[tuple[int, int]], steps: Sequence[RecordedStep], run: str = ""
+) -> BlockDiagonal | dynamics.JointProduct:
+    """The product the recursion carries: :class:`BlockDiagonal` (``prod (I - lr H)``) when every step is plain
+    SGD (or has no recorded optimizer), else the joint parameter/momentum one of :mod:`gradstore.methods.dynamics`."""
+    recorded = [dynamics.coefficients_of(s) for s in steps]
+    if all(c.is_plain for c in recorded):
+        return BlockDiagonal.identity(spans, run)
+    return dynamics.JointProduct(spans, any(c.has_momentum for c in recorded), run)
 
 
 class BlockDiagonal:
     """One ``d_b x d_b`` float64 matrix per layer block of the projected vector (one batched tensor when the
     blocks are of one size, the usual case: a capture's per-layer sizes)."""
 
-    def __init__(self, spans: Sequence[tuple[int, int]], matrices: list[torch.Tensor]) -> None:
+    def __init__(self, spans: Sequence[tuple[int, int]], matrices: list[torch.Tensor], run: str = "") -> None:
         self.spans = list(spans)
+        self.run = run
+        self.clipped: list[dynamics.Clipped] = []  # steps whose curvature was clipped to the stable range
+        self.first_large: list[int] = []
         sizes = {size for _, size in self.spans}
         contiguous = all(offset == i * self.spans[0][1] for i, (offset, _) in enumerate(self.spans))
         self.batched = torch.stack(matrices) if len(sizes) == 1 and contiguous else None
         self.matrices = matrices
 
     @classmethod
-    def identity(cls, spans: Sequence[tuple[int, int]]) -> BlockDiagonal:
+    def identity(cls, spans: Sequence[tuple[int, int]], run: str = "") -> BlockDiagonal:
         """The identity (no steps yet)."""
-        return cls(spans, [torch.eye(size, dtype=torch.float64) for _, size in spans])
+        return cls(spans, [torch.eye(size, dtype=torch.float64) for _, size in spans], run)
 
     def _split(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [n, dim]`` as ``[blocks, n, size]`` (batched layout only)."""
@@ -229,16 +247,34 @@ class BlockDiagonal:
             out[:, offset : offset + size] = rows[:, offset : offset + size] @ matrix.T
         return out
 
+    def absorb(self, rows: torch.Tensor, curvature_rows: torch.Tensor, step: RecordedStep) -> torch.Tensor:
+        """The step's terms ``lr s / B M g`` of its training rows, then ``M`` carried through the step."""
+        terms = self.apply(rows) * step.weight
+        self.carry(curvature_rows, step)
+        return terms
+
     def carry(self, curvature_rows: torch.Tensor, step: RecordedStep) -> None:
-        """``M_b <- M_b (I - lr H_b)^span`` with ``H_b = C_b^T C_b / n`` of the step's curvature rows ``C``."""
+        """``M_b <- M_b (I - lr H_b)^span`` with ``H_b = C_b^T C_b / n`` of the step's curvature rows ``C`` (its
+        eigenvalues above ``2 / lr`` clipped there: :func:`dynamics.stable_rows`)."""
         rate = step.learning_rate / max(1, curvature_rows.shape[0])
+        plain = dynamics.Coefficients.plain(step.learning_rate)
         if self.batched is not None:
-            self.batched = _carried(self.batched, self._split(curvature_rows), rate, step.span)
+            rows = dynamics.stable_rows(self._split(curvature_rows), plain, None, step.step, self.clipped)
+            self.batched = _carried(self.batched, rows, rate, step.span)
+            dynamics.check_finite([self.batched], step.step, self.run, self.first_large)
             return
         self.matrices = [
-            _carried(matrix[None], curvature_rows[None, :, offset : offset + size], rate, step.span)[0]
+            _carried(
+                matrix[None],
+                dynamics.stable_rows(
+                    curvature_rows[None, :, offset : offset + size], plain, None, step.step, self.clipped
+                ),
+                rate,
+                step.span,
+            )[0]
             for matrix, (offset, size) in zip(self.matrices, self.spans)
         ]
+        dynamics.check_finite(self.matrices, step.step, self.run, self.first_large)
 
 
 def _carried(products: torch.Tensor, curvature: torch.Tensor, rate: float, span: int) -> torch.Tensor:

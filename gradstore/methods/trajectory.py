@@ -29,9 +29,10 @@ each stored row is read once. ``dvemb`` (:mod:`gradstore.methods.dvemb`) uses th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -39,7 +40,8 @@ import torch
 
 from gradstore.core import StoreCore, gradient_filter
 from gradstore.core.engine import Engine
-from gradstore.errors import InvalidArgumentError
+from gradstore.errors import InvalidArgumentError, UnstableStepWarning
+from gradstore.methods import dynamics
 from gradstore.methods.queries import Queries, QueryInput, resolve_queries, stored_queries
 from gradstore.methods.registry import Method, ScoreOptions, resolve_method
 from gradstore.methods.results import ScoreMatrix
@@ -79,6 +81,7 @@ class RecordedStep:
     rows: int  # B_t
     learning_rate: float
     span: int  # optimizer steps it stands for (until the next recorded step)
+    coefficients: Any = None  # its optimizer's linearised dynamics (gradstore.methods.dynamics), None: lr x grad
 
     @property
     def weight(self) -> float:
@@ -342,15 +345,43 @@ def source_entries(
     ``(I - E_l) F_l^-1 E_{l+1} ... E_L q`` scoring its checkpoint's training rows."""
     resolved = resolve_queries(store, queries, run, final_query_checkpoint(store, run, options.query_checkpoint))
     carried = _float64(resolved)
+    moment = None  # the momentum's row of the carried product, once a segment with momentum was recorded
+    recorded = dynamics.segment_coefficients(store, run, [(s.end - s.steps, s.end) for s in segments])
     entries: list[WeightedRows] = []
-    for segment in reversed(segments):
+    clipped: list[str] = []
+    for segment, co in zip(reversed(segments), reversed(recorded)):
         selection = Selection(run, segment.checkpoint, options.split, options.where)
         curvature = fits.get(fit_spec(store, selection, resolve_method(options.method), options.blocks))
-        horizon = segment.learning_rate * segment.steps
         examples = Selection(run, segment.checkpoint, options.split).count(store)  # N_l: one step's share is 1/N_l
-        prepared = curvature.apply_function(carried, _segment_term(horizon)) / examples
-        entries.append((selection.filter, prepared, None))
-        carried = curvature.apply_function(carried, lambda values, c=horizon: torch.exp(-c * values))
+        if co is None and moment is None:
+            horizon = segment.learning_rate * segment.steps
+            prepared = curvature.apply_function(carried, _segment_term(horizon)) / examples
+            entries.append((selection.filter, prepared, None))
+            carried = curvature.apply_function(carried, lambda values, c=horizon: torch.exp(-c * values))
+            continue
+        # the optimizer's discrete dynamics over the segment (gradstore.methods.dynamics.SegmentFunctions)
+        functions = dynamics.SegmentFunctions(co or dynamics.Coefficients.plain(segment.learning_rate), segment.steps)
+        prepared = -curvature.apply_function(carried, functions.entry(4))
+        following = curvature.apply_function(carried, functions.entry(0))
+        new_moment = curvature.apply_function(carried, functions.entry(1))
+        if moment is not None:
+            prepared -= curvature.apply_function(moment, functions.entry(5))
+            following += curvature.apply_function(moment, functions.entry(2))
+            new_moment += curvature.apply_function(moment, functions.entry(3))
+        entries.append((selection.filter, prepared / examples, None))
+        carried, moment = following, new_moment
+        if functions.clipped:
+            clipped.append(
+                f"{segment.checkpoint} (largest eigenvalue {functions.largest:.4g}, bound {functions.bound:.4g})"
+            )
+    if clipped:
+        warnings.warn(
+            f"source on run {run!r}: the curvature of segment(s) {clipped[::-1]} makes the linearised recursion expand "
+            "beyond what training did (the step operator's eigenvalues leave the unit disc); those eigenvalues were "
+            "clipped to the stable bound (docs/concepts.md, 'Optimizer dynamics and stability')",
+            UnstableStepWarning,
+            stacklevel=2,
+        )
     return resolved.ids, entries[::-1]
 
 

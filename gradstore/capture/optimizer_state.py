@@ -1,0 +1,150 @@
+"""What each optimizer step of a capture applied: a row of the store's ``optimizer_steps`` table per step.
+
+Read from the optimizer in its step post-hook (no user action): the kind (``"sgd"``, ``"adam"``, ``"adamw"``,
+else the class name), the learning rate, momentum (Adam: ``beta1``), dampening, nesterov, weight decay, ``beta2``,
+``eps``, Adam's step count and, for Adam/AdamW, the step's preconditioner ``1 / (sqrt(v_hat) + eps)`` in the
+space of the stored rows. The hyper-parameters are those of the parameter group holding the first captured
+layer's weight; where the captured parameters' groups differ in weight decay, each coordinate's (or layer's) is
+recorded too (``weight_decays``).
+
+Adam's preconditioner is elementwise over the parameters; a random projection does not commute with it. Where
+every captured layer is stored unprojected (``projection=None``) it is recorded per coordinate, in the rows'
+layout, and the trajectory methods' Adam dynamics are exact for a quadratic model. Otherwise it is recorded as
+one value per layer: ``sum_i v_i d_i / sum_i v_i`` with ``d_i = 1 / (sqrt(v_hat_i) + eps)``, the layer's
+preconditioner averaged with the weights of a typical gradient's squared entries (``v_hat`` is their running
+mean), so coordinates that get no gradient (an embedding's unused rows, ``d = 1 / eps``) do not dominate it. An
+isotropic approximation of the layer's preconditioner in its projected block: the projected step ``R D g`` is
+taken as ``d_layer R g``; the per-row/column structure that the ``normalizer="adam_*"`` rows fold in is lost
+(the rows themselves are the raw gradients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from ingest.normalizers import adam_second_moment
+
+#: Layer kinds whose unprojected block is the ``[d_out, d_in (+1)]`` gradient flattened row by row.
+EXACT_KINDS = ("linear", "conv")
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """``"sgd"``, ``"adam"`` or ``"adamw"`` (decoupled weight decay), else the optimizer's class name."""
+    if isinstance(optimizer, torch.optim.AdamW):
+        return "adamw"
+    if isinstance(optimizer, torch.optim.Adam):
+        return "adamw" if optimizer.param_groups[0].get("decoupled_weight_decay", False) else "adam"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    return type(optimizer).__name__
+
+
+def step_record(
+    optimizer: torch.optim.Optimizer, hooks: Sequence[Any], run: str, checkpoint: str, step: int, rank: int
+) -> dict[str, Any]:
+    """The ``optimizer_steps`` row of the step the optimizer just took (``hooks``: the capture's layer hooks,
+    each with ``parameter``, ``bias`` and ``slot``)."""
+    first = hooks[0].parameter if hooks else None
+    group = next(
+        (g for g in optimizer.param_groups if first is not None and any(p is first for p in g["params"])),
+        optimizer.param_groups[0],
+    )
+    kind = optimizer_kind(optimizer)
+    adam = kind in ("adam", "adamw")
+    betas = group.get("betas", (None, None))
+    state = optimizer.state.get(first, {}) if first is not None else {}
+    adam_step = state.get("step") if adam else None
+    return {
+        "run_id": run,
+        "checkpoint": checkpoint,
+        "step": int(step),
+        "rank": int(rank),
+        "optimizer": kind,
+        "learning_rate": float(group["lr"]),
+        "momentum": float(betas[0]) if adam else float(group.get("momentum", 0.0) or 0.0),
+        "dampening": float(group.get("dampening", 0.0) or 0.0),
+        "nesterov": bool(group.get("nesterov", False)),
+        "weight_decay": float(group.get("weight_decay", 0.0) or 0.0),
+        "beta2": float(betas[1]) if adam else None,
+        "eps": float(group["eps"]) if adam else None,
+        "adam_step": int(float(adam_step)) if adam_step is not None else None,
+        "preconditioner": preconditioner(optimizer, hooks, float(group["eps"])) if adam else None,
+        "weight_decays": weight_decays(optimizer, hooks),
+        "created_at": datetime.now(timezone.utc),
+    }
+
+
+def preconditioner(optimizer: torch.optim.Optimizer, hooks: Sequence[Any], eps: float) -> list[float] | None:
+    """``1 / (sqrt(v_hat) + eps)`` in the rows' space: per coordinate ``[dim]`` when every layer is stored
+    unprojected, else the per-layer weighted mean ``[layers]`` (module doc); ``None`` while the optimizer holds
+    no state."""
+    exact, means = [], []
+    for hook in hooks:
+        slot = hook.slot
+        if hook.parameter is None:
+            return None
+        sharded = _sharded_moment(optimizer, hook.parameter, hook.bias if slot.has_bias else None)
+        if sharded is not None:  # FSDP2 (DTensor) state: this rank's shard, no collective per step
+            v = sharded
+        else:
+            layer = SimpleNamespace(weight=hook.parameter, bias=hook.bias)
+            v = adam_second_moment(optimizer, layer, slot.kind, slot.has_bias)
+        if v is None:
+            return None
+        v = v.double().clamp(min=0)
+        factor = 1.0 / (v.sqrt() + eps)
+        energy = v.sum()  # weights: a gradient's share of the layer's squared norm, v_hat on average
+        means.append(torch.where(energy > 0, (factor * v).sum() / energy.clamp(min=1e-300), factor.mean()))
+        if sharded is None and slot.mode == "exact" and slot.kind in EXACT_KINDS and factor.numel() == slot.size:
+            exact.append(factor.reshape(-1))
+    if hooks and len(exact) == len(hooks):
+        order = sorted(range(len(hooks)), key=lambda i: hooks[i].slot.offset)
+        return torch.cat([exact[i] for i in order]).cpu().tolist()
+    return torch.stack(means).cpu().tolist() if means else None  # one transfer per step (no sync per layer)
+
+
+def _sharded_moment(optimizer: torch.optim.Optimizer, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The bias-corrected ``v_hat`` entries of this rank's shards of a layer whose Adam state is sharded
+    (FSDP2 DTensors), flattened; ``None`` for unsharded state. Such a layer's preconditioner is its per-layer
+    weighted mean over the local shard (never per coordinate): reading the full state would be a collective
+    per layer and step."""
+    out = []
+    for param in (weight, bias):
+        if param is None:
+            continue
+        state = optimizer.state.get(param, {})
+        moment = state.get("exp_avg_sq")
+        if moment is None or not hasattr(moment, "to_local"):
+            return None
+        group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+        correction = 1.0 - group.get("betas", (0.9, 0.999))[1] ** max(float(state.get("step", 1)), 1.0)
+        out.append(moment.to_local().reshape(-1) / correction)
+    return torch.cat(out) if out else None
+
+
+def weight_decays(optimizer: torch.optim.Optimizer, hooks: Sequence[Any]) -> list[float] | None:
+    """Each coordinate's weight decay where the captured parameters' groups differ (e.g. none on biases):
+    ``[dim]`` when every layer is stored unprojected (the bias as each row's last entry), else ``[layers]``, the
+    weight's group's; ``None`` when all are alike (the row's ``weight_decay`` holds it)."""
+    of = {id(p): float(g.get("weight_decay", 0.0) or 0.0) for g in optimizer.param_groups for p in g["params"]}
+    pairs = [
+        (of.get(id(h.parameter), 0.0), of.get(id(h.bias), 0.0) if h.slot.has_bias and h.bias is not None else None)
+        for h in hooks
+    ]
+    if len({v for pair in pairs for v in pair if v is not None}) <= 1:
+        return None
+    exact = all(h.slot.mode == "exact" and h.slot.kind in EXACT_KINDS for h in hooks)
+    if not exact:
+        return [weight for weight, _ in pairs]
+    out = []
+    for hook, (weight, bias) in sorted(zip(hooks, pairs), key=lambda item: item[0].slot.offset):
+        slot = hook.slot
+        columns = slot.size // max(1, slot.d_out)
+        row = [weight] * (columns - 1) + [bias] if bias is not None else [weight] * columns
+        out.extend(row * slot.d_out)
+    return out

@@ -1,0 +1,431 @@
+"""The linearised dynamics of the optimizer of each recorded step, for the trajectory methods.
+
+Capture records per optimizer step what the optimizer applied (the ``optimizer_steps`` table,
+:mod:`gradstore.capture.optimizer_state`). Up-weighting example ``z`` by ``eps`` adds ``eps g_z / B`` to the
+step's gradient; to first order the perturbation of the joint state (weights ``theta``, momentum buffer ``n``)
+then follows, per step (``H`` the step's batch curvature, ``P`` a diagonal preconditioner, ``u`` the injected
+gradient):
+
+    ``dg = (H + l2 I) dtheta + u``
+    ``dn' = mu dn + c dg``
+    ``dtheta' = rho dtheta - P (a dg + b dn)``
+
+with, for
+
+* SGD (``lr``, momentum ``mu``, dampening ``tau``, L2 weight decay ``wd``, PyTorch's convention
+  ``n <- mu n + (1 - tau) g``, ``theta <- theta - lr n``): ``c = 1 - tau``, ``a = lr c``, ``b = lr mu``,
+  ``l2 = wd``, ``rho = 1``, ``P = I``; Nesterov (``theta <- theta - lr (g + mu n')``): ``a = lr (1 + mu c)``,
+  ``b = lr mu^2``. Momentum 0: ``a = lr``, ``b = 0``: the plain ``I - lr H`` of a step.
+* Adam (``beta1``, bias corrections at its step count ``k``; ``P = diag(1 / (sqrt(v_hat) + eps))`` frozen at
+  the value the step used: the change of ``v`` with the weights is not modelled): ``mu = beta1``,
+  ``c = 1 - beta1``, ``a = lr c / (1 - beta1^k)``, ``b = lr beta1 / (1 - beta1^k)``; coupled L2 weight decay
+  ``l2 = wd`` (``torch.optim.Adam``), decoupled (AdamW) ``rho = 1 - lr wd``.
+
+The final weights' response to the step's injection is ``-(a R_theta P - c R_n) u`` where ``[R_theta, R_n]`` is
+the weights' row of the product of the later steps' operators; ``dvemb`` keeps ``[R_theta, R_n]`` per layer
+block and runs backwards: ``K = a R_theta P - c R_n`` is the step's embedding operator, then
+``R_theta <- rho R_theta - K (H + l2 I)``, ``R_n <- -b R_theta P + mu R_n``. Exact for a quadratic model with
+unprojected rows and the exact batch Hessian (true-Fisher rows of a linear model). Without momentum ``R_n``
+is never formed (the recursion is the plain one, with weight decay and preconditioner). A step without a
+recorded optimizer (stores made before the table, another optimizer, Adam whose state could not be read) is
+``lr x gradient``.
+
+**Stability.** One curvature mode ``lambda`` of ``P^1/2 H P^1/2`` gives the 2x2 step ``[[1 - a l, -b],
+[c l, mu]]``, stable while ``a lambda (1 + mu) - b c lambda < 2 (1 + mu)`` (plain SGD: ``lr lambda < 2``; heavy
+ball: ``lr lambda < 2 (1 + mu)``; Nesterov: ``lr lambda < 2 (1 + mu) / (1 + 2 mu)``). Training that stayed
+finite did not follow a mode beyond it (the step's curvature rows over-state its Hessian, or training sat at the
+edge of stability, where the nonlinearity keeps it bounded), while the linear recursion would grow it
+geometrically. Rule (``STABILITY = "clip"``): the step's curvature eigenvalues beyond the bound are clipped to
+it (such a mode neither grows nor decays), with one :class:`~gradstore.errors.UnstableStepWarning` per build
+naming the steps. A recursion that still overflows raises :class:`~gradstore.errors.UnstableRecursionError`
+naming the step.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from gradstore.core import StoreCore, gradient_filter
+from gradstore.core import schema as S
+from gradstore.errors import UnstableRecursionError, UnstableStepWarning
+
+#: ``"clip"``: clip a step's curvature to the stable range (warned); ``"off"``: use it as recorded.
+STABILITY = "clip"
+#: Entries of the carried product above this (float32 rows times it overflow) name the step in the error.
+LARGE = 1e30
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """One step's linearised dynamics (module doc): ``dtheta' = rho dtheta - P (a dg + b dn)``,
+    ``dn' = mu dn + c dg``, ``dg = (H + l2 I) dtheta + u``; ``p`` the diagonal of ``P`` (``None``: ``I``)."""
+
+    rho: float | torch.Tensor  # [dim] where parameter groups differ in (decoupled) weight decay
+    a: float
+    b: float
+    mu: float
+    c: float
+    l2: float | torch.Tensor  # likewise
+    p: torch.Tensor | None = None
+    optimizer: str = "lr"
+
+    @classmethod
+    def plain(cls, lr: float) -> Coefficients:
+        """``lr x gradient``: a step of plain SGD."""
+        return cls(1.0, lr, 0.0, 0.0, 1.0, 0.0)
+
+    @property
+    def is_plain(self) -> bool:
+        return self.mu == 0 and _scalar(self.l2) == 0 and _scalar(self.rho) == 1 and self.p is None
+
+    @property
+    def has_momentum(self) -> bool:
+        return self.mu != 0
+
+    def bound(self, p_max: float = 1.0) -> float:
+        """The largest stable eigenvalue of ``P^1/2 H P^1/2`` (module doc), less the weight decay's share."""
+        slope = self.a * (1 + self.mu) - self.b * self.c
+        if slope <= 0:
+            return math.inf
+        return max(0.0, 2 * (1 + self.mu) / slope - _largest(self.l2) * p_max)
+
+
+def _scalar(value: float | torch.Tensor) -> float | None:
+    """A scalar as it is; a per-coordinate tensor as its value when constant, else ``None``."""
+    if isinstance(value, torch.Tensor):
+        return float(value[0]) if bool((value == value[0]).all()) else None
+    return value
+
+
+def _largest(value: float | torch.Tensor) -> float:
+    return float(value.max()) if isinstance(value, torch.Tensor) else value
+
+
+def _mean(value: float | torch.Tensor) -> float:
+    return float(value.mean()) if isinstance(value, torch.Tensor) else value
+
+
+def coefficients(row: dict, lr: float, dim: int, layers: Sequence[tuple[int, int]]) -> Coefficients:
+    """The step's :class:`Coefficients` from its ``optimizer_steps`` row (``lr``: the rows' learning rate)."""
+    kind = row.get("optimizer")
+    mu = float(row.get("momentum") or 0.0)
+    wd: float | torch.Tensor = float(row.get("weight_decay") or 0.0)
+    if row.get("weight_decays") is not None and kind in ("sgd", "adam", "adamw"):
+        per = expand(row["weight_decays"], dim, layers)  # parameter groups with different weight decays
+        wd = per if per is not None else wd
+    if kind == "sgd":
+        if mu == 0:
+            return Coefficients(1.0, lr, 0.0, 0.0, 1.0, wd, None, kind)
+        c = 1.0 - float(row.get("dampening") or 0.0)
+        if row.get("nesterov"):
+            return Coefficients(1.0, lr * (1 + mu * c), lr * mu * mu, mu, c, wd, None, kind)
+        return Coefficients(1.0, lr * c, lr * mu, mu, c, wd, None, kind)
+    if kind in ("adam", "adamw") and row.get("preconditioner") is not None:
+        k = max(1, int(row.get("adam_step") or 1))
+        correction = 1.0 / (1.0 - mu**k) if mu > 0 else 1.0
+        p = expand(row["preconditioner"], dim, layers)
+        if p is None:
+            return Coefficients.plain(lr)
+        rho, l2 = (1.0 - lr * wd, 0.0) if kind == "adamw" else (1.0, wd)
+        return Coefficients(rho, lr * (1 - mu) * correction, lr * mu * correction, mu, 1 - mu, l2, p, kind)
+    return Coefficients.plain(lr)
+
+
+def expand(values: Sequence[float], dim: int, layers: Sequence[tuple[int, int]]) -> torch.Tensor | None:
+    """A recorded preconditioner as ``[dim]`` float64: per coordinate as it is, per layer spread over each
+    layer's block (``None`` when it matches neither)."""
+    values = torch.tensor(values, dtype=torch.float64)
+    if values.numel() == dim:
+        return values
+    if values.numel() != len(layers):
+        return None
+    out = torch.ones(dim, dtype=torch.float64)
+    for value, (offset, size) in zip(values, layers):
+        out[offset : offset + size] = value
+    return out
+
+
+def with_dynamics(store: StoreCore, run: str, label: str, steps: Sequence) -> list:
+    """``steps`` (:class:`~gradstore.methods.trajectory.RecordedStep`) with their ``coefficients`` from the
+    ``optimizer_steps`` table (``None`` for a step it does not list, or a store without it: ``lr x gradient``)."""
+    if not steps or not store.has_table(S.OPTIMIZER_STEPS):
+        return list(steps)
+    table = store.scan(S.OPTIMIZER_STEPS, None, gradient_filter(run, label))
+    rows = {row["step"]: row for row in table.to_pylist()}  # ranks and resumed steps: the last
+    if not rows:
+        return list(steps)
+    dim = store.run_dim(run)
+    spec = store.run(run)["projection"]
+    layers = [(s.offset, s.size) for s in store.run_spec(run, "dvemb").layers] if spec else [(0, dim)]
+    return [
+        replace(s, coefficients=coefficients(rows[s.step], s.learning_rate, dim, layers)) if s.step in rows else s
+        for s in steps
+    ]
+
+
+def coefficients_of(step) -> Coefficients:
+    """The step's recorded dynamics, else ``lr x gradient``."""
+    recorded = getattr(step, "coefficients", None)
+    return recorded if recorded is not None else Coefficients.plain(step.learning_rate)
+
+
+# ---------------------------------------------------------------------------------------------- stability
+@dataclass(frozen=True)
+class Clipped:
+    """A step whose curvature was clipped to the stable range: its largest eigenvalue against the bound."""
+
+    step: int
+    largest: float
+    bound: float
+
+
+def stable_rows(
+    curvature: torch.Tensor, co: Coefficients, p: torch.Tensor | None, step: int, clipped: list[Clipped]
+) -> torch.Tensor:
+    """The step's curvature rows ``C [blocks, n, s]`` (``H = C^T C / n`` per block) with the eigenvalues of
+    ``P^1/2 H P^1/2`` above :meth:`Coefficients.bound` clipped to it (``p [blocks, s]`` or ``None``); each block
+    clipped is listed in ``clipped``."""
+    if STABILITY == "off" or curvature.shape[1] == 0:
+        return curvature
+    n = curvature.shape[1]
+    root = p.sqrt()[:, None, :] if p is not None else None
+    scaled = curvature * root if root is not None else curvature
+    bounds = torch.tensor(
+        [co.bound(float(p[i].max()) if p is not None else 1.0) for i in range(curvature.shape[0])],
+        dtype=torch.float64,
+    )
+    left = n <= scaled.shape[2]
+    gram = (torch.bmm(scaled, scaled.transpose(1, 2)) if left else torch.bmm(scaled.transpose(1, 2), scaled)) / n
+    largest = torch.linalg.eigvalsh(gram)[:, -1]
+    over = largest > bounds
+    if not bool(over.any()):
+        return curvature
+    values, vectors = torch.linalg.eigh(gram)
+    limit = bounds[:, None].expand_as(values)
+    factor = torch.where(values > limit, (limit / values.clamp(min=1e-300)).sqrt(), torch.ones_like(values))
+    factor = torch.where(over[:, None], factor, torch.ones_like(factor))
+    projector = torch.bmm(vectors * factor[:, None, :], vectors.transpose(1, 2))
+    scaled = torch.bmm(projector, scaled) if left else torch.bmm(scaled, projector)
+    for block in torch.nonzero(over).flatten().tolist():
+        clipped.append(Clipped(step, float(largest[block]), float(bounds[block])))
+    return scaled / root if root is not None else scaled
+
+
+def warn_clipped(clipped: Sequence[Clipped], run: str, method: str = "dvemb") -> None:
+    """One :class:`UnstableStepWarning` naming the steps whose curvature was clipped."""
+    if not clipped:
+        return
+    steps = sorted({c.step for c in clipped})
+    worst = max(clipped, key=lambda c: c.largest / c.bound if c.bound > 0 else math.inf)
+    warnings.warn(
+        f"{method} on run {run!r}: the curvature of {len(steps)} recorded step(s) (steps {steps[:8]}"
+        f"{' ...' if len(steps) > 8 else ''}) makes the linearised recursion expand beyond what training did "
+        f"(the step operator's eigenvalues leave the unit disc: lr * lambda_max(H) > 2 for plain SGD, "
+        f"> 2 (1 + momentum) for heavy ball); worst at step {worst.step}: largest curvature eigenvalue "
+        f"{worst.largest:.4g} against the stable bound {worst.bound:.4g}. Those eigenvalues were clipped to the "
+        "bound (docs/concepts.md, 'Optimizer dynamics and stability')",
+        UnstableStepWarning,
+        stacklevel=2,
+    )
+
+
+def check_finite(products: Sequence[torch.Tensor], step: int, run: str, first_large: list[int]) -> None:
+    """``UnstableRecursionError`` naming ``step`` when the carried product is no longer finite; the first step
+    whose product grew past :data:`LARGE` is kept in ``first_large``."""
+    worst = max(float(torch.linalg.vector_norm(t, math.inf)) if t.numel() else 0.0 for t in products)
+    if not math.isfinite(worst):
+        raise UnstableRecursionError(
+            f"dvemb on run {run!r}: the recursion over the recorded steps became non-finite at step {step} "
+            f"(its product of step operators grew geometrically"
+            f"{f' past {LARGE:.0e} from step {first_large[0]}' if first_large else ''}): the linearised dynamics "
+            "are unstable there, not the stored rows. Keep the stability rule on "
+            "(gradstore.methods.dynamics.STABILITY = 'clip') or check the recorded learning rates"
+        )
+    if worst > LARGE and not first_large:
+        first_large.append(step)
+
+
+def check_embeddings(embeddings: np.ndarray, run: str, first_large: list[int]) -> None:
+    """``UnstableRecursionError`` when embeddings do not fit the store's float32 rows."""
+    if embeddings.size and not np.isfinite(embeddings.astype(np.float32)).all():
+        where = f" from step {first_large[0]}" if first_large else ""
+        raise UnstableRecursionError(
+            f"dvemb on run {run!r}: the data value embeddings overflow float32: the recursion over the recorded "
+            f"steps grew geometrically{where} (unstable linearised dynamics, not non-finite stored rows)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- the recursion
+class JointProduct:
+    """The weights' row ``[R_theta, R_n]`` of the product of the later steps' operators (module doc), per layer
+    block: one batched ``[blocks, s, s]`` tensor per group of equal, contiguous blocks (else one per block).
+    ``R_n`` only when some step has momentum."""
+
+    def __init__(self, spans: Sequence[tuple[int, int]], momentum: bool, run: str = "") -> None:
+        self.spans = list(spans)
+        sizes = {size for _, size in self.spans}
+        contiguous = all(offset == i * self.spans[0][1] for i, (offset, _) in enumerate(self.spans))
+        if len(sizes) == 1 and contiguous:
+            self.groups = [(0, len(self.spans), self.spans[0][1])]
+        else:
+            self.groups = [(offset, 1, size) for offset, size in self.spans]
+        eye = [torch.eye(size, dtype=torch.float64).expand(g, size, size).clone() for _, g, size in self.groups]
+        self.theta = eye
+        self.moment = [torch.zeros_like(t) for t in eye] if momentum else None
+        self.run = run
+        self.clipped: list[Clipped] = []
+        self.first_large: list[int] = []
+
+    def _split(self, rows: torch.Tensor, group: int) -> torch.Tensor:
+        start, g, size = self.groups[group]
+        return rows[:, start : start + g * size].reshape(rows.shape[0], g, size).transpose(0, 1)
+
+    def _join(self, parts: list[torch.Tensor], n: int) -> torch.Tensor:
+        out = torch.empty(n, sum(g * size for _, g, size in self.groups), dtype=torch.float64)
+        for (start, g, size), part in zip(self.groups, parts):
+            out[:, start : start + g * size] = part.transpose(0, 1).reshape(n, g * size)
+        return out
+
+    def apply(self, rows: torch.Tensor) -> torch.Tensor:
+        """``R_theta g`` per block for every row (folding earlier embeddings in: valid without momentum)."""
+        parts = [torch.bmm(self._split(rows, i), t.transpose(1, 2)) for i, t in enumerate(self.theta)]
+        return self._join(parts, rows.shape[0])
+
+    def absorb(self, rows: torch.Tensor, curvature: torch.Tensor, step) -> torch.Tensor:
+        """The step's terms ``K g / B`` of its training rows (summed over the steps it stands for), then the
+        product carried through it."""
+        co = coefficients_of(step)
+        total = torch.zeros_like(rows)
+        for _ in range(step.span):
+            parts, operators, scaled = [], [], []
+            for i, theta in enumerate(self.theta):
+                p = self._split(co.p[None], i)[:, 0, :] if co.p is not None else None  # [g, s]
+                scaled.append(theta * p[:, None, :] if p is not None else theta)  # R_theta P
+                operator = scaled[-1] * co.a  # K = a R_theta P - c R_n
+                if self.moment is not None:
+                    operator.sub_(self.moment[i], alpha=co.c)
+                operators.append(operator)
+                parts.append(torch.bmm(self._split(rows, i), operator.transpose(1, 2)))
+            terms = self._join(parts, rows.shape[0])
+            total += terms
+            self._carry(curvature, co, operators, scaled, step.step)
+            # the step's terms read the whole product (K = a R_theta P - c R_n): an overflow shows in them
+            check_finite([terms], step.step, self.run, self.first_large)
+        return total / step.rows
+
+    def _carry(
+        self,
+        curvature: torch.Tensor,
+        co: Coefficients,
+        operators: list[torch.Tensor],
+        scaled: list[torch.Tensor],
+        step: int,
+    ) -> None:
+        """``R_n <- mu R_n - b R_theta P``, ``R_theta <- rho R_theta - K (H + l2 I)`` (in place)."""
+        n = max(1, curvature.shape[0])
+        for i, (theta, operator) in enumerate(zip(self.theta, operators)):
+            p = self._split(co.p[None], i)[:, 0, :] if co.p is not None else None
+            rows = stable_rows(self._split(curvature, i), co, p, step, self.clipped)  # [g, n, s]
+            if self.moment is not None:
+                self.moment[i].mul_(co.mu).sub_(scaled[i], alpha=co.b)
+            # R_theta <- rho R_theta - K C^T C / n (one pass), then - l2 K (per-coordinate: scaling K's columns)
+            rho, l2 = co.rho, co.l2
+            if isinstance(rho, torch.Tensor):
+                theta, rho = theta * self._split(rho[None], i)[:, 0, None, :], 1.0
+            self.theta[i] = torch.baddbmm(
+                theta, torch.bmm(operator, rows.transpose(1, 2)), rows, beta=rho, alpha=-1 / n
+            )
+            if isinstance(l2, torch.Tensor):
+                self.theta[i].sub_(operator * self._split(l2[None], i)[:, 0, None, :])
+            elif l2:
+                self.theta[i].sub_(operator, alpha=l2)
+
+
+# ---------------------------------------------------------------------------------------------- source
+def segment_coefficients(store: StoreCore, run: str, ends: Sequence[tuple[int, int]]) -> list[Coefficients | None]:
+    """Per SOURCE segment ``(first step, end step)``: the mean of the recorded steps' :class:`Coefficients` over
+    its optimizer steps ``first <= step < end`` (any checkpoint label; Adam's preconditioner as its mean, a
+    scalar: the segment's curvature is one symmetric matrix, so only an isotropic preconditioner keeps SOURCE's
+    spectral closed form), ``None`` where no step is recorded or every one is plain SGD (the segment keeps
+    SOURCE's ``exp(-lr K F)`` form)."""
+    if not ends or not store.has_table(S.OPTIMIZER_STEPS):
+        return [None] * len(ends)
+    rows = {row["step"]: row for row in store.scan(S.OPTIMIZER_STEPS, None, gradient_filter(run)).to_pylist()}
+    dim = store.run_dim(run)
+    spec = store.run(run)["projection"]
+    layers = [(s.offset, s.size) for s in store.run_spec(run, "source").layers] if spec else [(0, dim)]
+    out: list[Coefficients | None] = []
+    for first, end in ends:
+        recorded = [rows[s] for s in range(first, end) if s in rows]
+        if not recorded:
+            out.append(None)
+            continue
+        every = [coefficients(r, float(r["learning_rate"]), dim, layers) for r in recorded]
+        if all(c.is_plain for c in every):
+            out.append(None)
+            continue
+        scale = [float(c.p.mean()) if c.p is not None else 1.0 for c in every]
+        out.append(
+            Coefficients(
+                float(np.mean([_mean(c.rho) for c in every])),
+                float(np.mean([c.a * s for c, s in zip(every, scale)])),
+                float(np.mean([c.b * s for c, s in zip(every, scale)])),
+                float(np.mean([c.mu for c in every])),
+                float(np.mean([c.c for c in every])),
+                float(np.mean([_mean(c.l2) for c in every])),
+                None,
+                every[-1].optimizer,
+            )
+        )
+    return out
+
+
+class SegmentFunctions:
+    """Spectral functions of a segment of ``steps`` optimizer steps with constant curvature ``F`` (eigenvalue
+    ``lambda``) and dynamics ``co``: the entries of ``A(lambda)^steps`` (``A`` the 2x2 step of the mode,
+    module doc) and of ``S = sum_{j < steps} A^j w`` (``w = [-a, c]``: one step's injection), computed by
+    iterating the 2x2 recursion elementwise. Eigenvalues above the stable bound are clipped to it (``clipped``
+    records the largest one seen)."""
+
+    def __init__(self, co: Coefficients, steps: int) -> None:
+        self.co = co
+        self.steps = steps
+        self.bound = co.bound()
+        self.largest = 0.0
+
+    def _run(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        co = self.co
+        values = values.to(torch.float64)
+        if values.numel():
+            self.largest = max(self.largest, float(values.max()))
+        if STABILITY != "off":
+            values = values.clamp(max=self.bound)
+        curvature = values + co.l2
+        a11, a21 = co.rho - co.a * curvature, co.c * curvature
+        a12, a22 = torch.full_like(values, -co.b), torch.full_like(values, co.mu)
+        p11, p22 = torch.ones_like(values), torch.ones_like(values)  # A^0 = I
+        p12, p21 = torch.zeros_like(values), torch.zeros_like(values)
+        s_theta, s_moment = torch.zeros_like(values), torch.zeros_like(values)
+        for _ in range(self.steps):  # S <- A S + w; P <- A P
+            s_theta, s_moment = a11 * s_theta + a12 * s_moment - co.a, a21 * s_theta + a22 * s_moment + co.c
+            p11, p12, p21, p22 = (
+                a11 * p11 + a12 * p21,
+                a11 * p12 + a12 * p22,
+                a21 * p11 + a22 * p21,
+                a21 * p12 + a22 * p22,
+            )
+        return p11, p12, p21, p22, s_theta, s_moment
+
+    def entry(self, which: int):
+        """The spectral function of entry ``which`` (0-3: ``A^K`` row by row; 4, 5: ``S``)."""
+        return lambda values: self._run(values)[which]
+
+    @property
+    def clipped(self) -> bool:
+        return STABILITY != "off" and self.largest > self.bound

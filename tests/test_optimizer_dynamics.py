@@ -1,0 +1,472 @@
+"""Optimizer-aware trajectory attribution (``dvemb`` over SGD with momentum / weight decay, Adam, AdamW) against
+autograd through the recorded unrolled run, and the stability rule.
+
+The model is a two-output linear regression with squared loss: quadratic in its weights, so the batch Hessian is
+exactly ``I_2 (x) mean x~ x~^T``, which the true-Fisher rows (``sqrt 2`` times the gradient of each output, split
+``"true-fisher"``) give exactly; rows are stored unprojected (``projection=None``), so Adam's per-coordinate
+preconditioner is recorded exactly. The reference differentiates the final query loss with respect to per-example
+loss weights through a functional replay of the optimizer (PyTorch's update rules), Adam's second moment held at
+its recorded values (the preconditioner is frozen per step: what the linearised dynamics model).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gradstore
+from gradstore.core import schema as S
+from gradstore.errors import UnstableRecursionError, UnstableStepWarning
+from gradstore.methods import TRUE_FISHER_SPLIT, dynamics
+
+N, D, OUT, B, T = 10, 3, 2, 4, 8
+RUN = "quad"
+
+OPTIMIZERS = {
+    "sgd-momentum": (torch.optim.SGD, {"momentum": 0.9}, 0.1),
+    "sgd-momentum-wd": (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.05}, 0.1),
+    "sgd-nesterov-wd": (torch.optim.SGD, {"momentum": 0.8, "nesterov": True, "weight_decay": 0.02}, 0.1),
+    "adam": (torch.optim.Adam, {"betas": (0.9, 0.99), "weight_decay": 0.01}, 0.05),
+    "adamw": (torch.optim.AdamW, {"betas": (0.8, 0.95), "weight_decay": 0.1}, 0.05),
+    # parameter groups: no weight decay on the bias (recorded per coordinate)
+    "sgd-momentum-groups": (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.05, "bias_weight_decay": 0.0}, 0.1),
+    "adamw-groups": (torch.optim.AdamW, {"betas": (0.8, 0.95), "weight_decay": 0.1, "bias_weight_decay": 0.0}, 0.05),
+}
+
+
+def optimizer_for(model: nn.Linear, name: str) -> torch.optim.Optimizer:
+    cls, options, base = OPTIMIZERS[name]
+    options = dict(options)
+    bias_decay = options.pop("bias_weight_decay", None)
+    if bias_decay is None:
+        return cls(model.parameters(), lr=base, **options)
+    groups = [{"params": [model.weight]}, {"params": [model.bias], "weight_decay": bias_decay}]
+    return cls(groups, lr=base, **options)
+
+
+def problem(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=generator, dtype=torch.float64)
+    y = torch.randn(N, OUT, generator=generator, dtype=torch.float64)
+    qx = torch.randn(2, D, generator=generator, dtype=torch.float64)
+    qy = torch.randn(2, OUT, generator=generator, dtype=torch.float64)
+    batches = [torch.randperm(N, generator=generator)[:B] for _ in range(T)]
+    return x, y, qx, qy, batches
+
+
+def init_model() -> nn.Linear:
+    torch.manual_seed(3)
+    return nn.Linear(D, OUT).double()
+
+
+def schedule(base: float) -> list[float]:
+    return [base * (1 - 0.05 * t) for t in range(T)]
+
+
+def train_captured(store: gradstore.GradStore, name: str, steps: int = T) -> nn.Linear:
+    """``steps`` optimizer steps inside one capture: per step, true-Fisher rows then the training rows."""
+    x, y, _, _, batches = problem()
+    _, _, base = OPTIMIZERS[name]
+    model = init_model()
+    optimizer = optimizer_for(model, name)
+    rates = schedule(base)
+    with store.capture(model, RUN, optimizer=optimizer, projection=None) as cap:
+        for t in range(steps):
+            for group in optimizer.param_groups:
+                group["lr"] = rates[t]
+            ids = [str(int(i)) for i in batches[t]]
+            cap.set_split(TRUE_FISHER_SPLIT)
+            for output in range(OUT):  # sqrt(OUT) x each output's gradient: C^T C / (OUT B) = the batch Hessian
+                cap.set_ids(ids)
+                (math.sqrt(OUT) * model(x[batches[t]])[:, output]).mean().backward()
+                optimizer.zero_grad()
+            cap.set_split("train")
+            cap.set_ids(ids)
+            (0.5 * ((model(x[batches[t]]) - y[batches[t]]) ** 2).sum(1)).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return model
+
+
+def capture_queries(store: gradstore.GradStore, model: nn.Linear, step: int = T) -> None:
+    _, _, qx, qy, _ = problem()
+    with store.capture(model, RUN, checkpoint="final", projection=None) as cap:
+        cap.set_step(step)
+        cap.set_split("query")
+        cap.set_ids(["qa", "qb"])
+        (0.5 * ((model(qx) - qy) ** 2).sum(1)).mean().backward()
+        model.zero_grad()
+    store.core.record_checkpoint(RUN, "final", step=step)
+
+
+def replay(name: str, frozen: bool = True, steps: int = T) -> tuple[np.ndarray, torch.Tensor]:
+    """``-d L_q(theta_T) / d w_z`` (float64 autograd) through a functional replay of the optimizer with
+    per-example loss weights ``w`` (all 1: the recorded run), and the replay's final weights ``[OUT, D + 1]``."""
+    x, y, qx, qy, batches = problem()
+    cls, options, base = OPTIMIZERS[name]
+    model = init_model()
+    rates = schedule(base)
+    weights = torch.ones(N, dtype=torch.float64, requires_grad=True)
+    theta = torch.cat([model.weight.detach(), model.bias.detach()[:, None]], 1).clone().requires_grad_()
+    xt = torch.cat([x, torch.ones(N, 1, dtype=torch.float64)], 1)
+    qt = torch.cat([qx, torch.ones(2, 1, dtype=torch.float64)], 1)
+    wd = torch.full_like(theta, options.get("weight_decay", 0.0))
+    wd[:, -1] = options.get("bias_weight_decay", options.get("weight_decay", 0.0))
+    buffer, m, v = None, torch.zeros_like(theta), torch.zeros_like(theta)
+    for t in range(steps):
+        lr, batch = rates[t], batches[t]
+        residual = xt[batch] @ theta.T - y[batch]
+        loss = (weights[batch] * 0.5 * (residual**2).sum(1)).mean()
+        (grad,) = torch.autograd.grad(loss, theta, create_graph=True)
+        if cls is torch.optim.SGD:
+            grad = grad + wd * theta
+            mu = options["momentum"]
+            buffer = grad if buffer is None else mu * buffer + grad
+            theta = theta - lr * ((grad + mu * buffer) if options.get("nesterov") else buffer)
+            continue
+        beta1, beta2 = options["betas"]
+        if cls is torch.optim.Adam:
+            grad = grad + wd * theta
+        else:
+            theta = theta * (1 - lr * wd)
+        m = beta1 * m + (1 - beta1) * grad
+        v = beta2 * v + (1 - beta2) * (grad.detach() if frozen else grad) ** 2
+        denominator = (v / (1 - beta2 ** (t + 1))).sqrt() + 1e-8
+        theta = theta - lr / (1 - beta1 ** (t + 1)) * m / denominator
+    effects = []
+    for query in range(2):
+        loss = 0.5 * ((qt[query] @ theta.T - qy[query]) ** 2).sum()
+        (grad_w,) = torch.autograd.grad(loss, weights, retain_graph=True)
+        effects.append(-grad_w.numpy())
+    return np.stack(effects), theta.detach()
+
+
+def columns(matrix: gradstore.ScoreMatrix) -> np.ndarray:
+    out = np.zeros((len(matrix.query_ids), N))
+    for column, example in enumerate(matrix.example_ids):
+        out[:, int(example)] = matrix.scores[:, column]
+    return out
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_dvemb_equals_autograd_through_the_optimizers_unrolled_run(tmp_path, name):
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    model = train_captured(store, name)
+    capture_queries(store, model)
+    truth, final = replay(name)
+    trained = torch.cat([model.weight.detach(), model.bias.detach()[:, None]], 1)
+    torch.testing.assert_close(final, trained, rtol=1e-10, atol=1e-12)  # the replay is the recorded run
+    recorded = store.sql(f"select * from {S.OPTIMIZER_STEPS} order by step").to_arrow_table().to_pylist()
+    assert [r["step"] for r in recorded] == list(range(T))
+    assert recorded[0]["optimizer"] == name.split("-")[0]
+    if name.endswith("-groups"):  # per coordinate: the bias (each row's last entry) decays by 0
+        decays = np.array(recorded[0]["weight_decays"]).reshape(OUT, D + 1)
+        assert (decays[:, -1] == 0).all() and (decays[:, :-1] == OPTIMIZERS[name][1]["weight_decay"]).all()
+    else:
+        assert recorded[0]["weight_decays"] is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnstableStepWarning)
+        scores = columns(store.score_matrix(["qa", "qb"], run=RUN, method="dvemb"))
+    error = np.abs(scores - truth).max()
+    print(f"{name}: max |dvemb - autograd| = {error:.3g} (scale {np.abs(truth).max():.3g})")
+    np.testing.assert_allclose(scores, truth, rtol=2e-4, atol=2e-6 * np.abs(truth).max())
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_the_frozen_preconditioner_is_close_to_adams_full_derivative(tmp_path, name):
+    """What freezing ``v`` per step leaves out: reported against autograd through ``v`` as well."""
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    model = train_captured(store, name)
+    capture_queries(store, model)
+    full, _ = replay(name, frozen=False)
+    scores = columns(store.score_matrix(["qa", "qb"], run=RUN, method="dvemb"))
+    correlation = np.corrcoef(scores.ravel(), full.ravel())[0, 1]
+    print(f"{name}: Pearson(dvemb, autograd through v too) = {correlation:.5f}")
+    assert correlation > 0.5
+
+
+def test_stores_without_recorded_optimizer_steps_score_with_the_plain_model(tmp_path):
+    """A run whose steps have no ``optimizer_steps`` rows (stores made before the table) is ``lr x gradient``:
+    what dvemb gave before, whatever optimizer trained it."""
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    model = train_captured(store, "sgd-momentum")
+    capture_queries(store, model)
+    steps = dvemb_steps(store)
+    assert all(s.coefficients is not None and s.coefficients.has_momentum for s in steps)
+    old = gradstore.open(tmp_path / "old", storage_dtype="float32")
+    copy_rows(store, old)
+    assert not old.core.has_table(S.OPTIMIZER_STEPS)
+    assert all(s.coefficients is None for s in dvemb_steps(old))
+    plain = columns(old.score_matrix(["qa", "qb"], run=RUN, method="dvemb"))
+    aware = columns(store.score_matrix(["qa", "qb"], run=RUN, method="dvemb"))
+    truth, _ = replay("sgd-momentum")
+    assert np.abs(aware - truth).max() < 1e-3 * np.abs(truth).max()
+    assert np.abs(plain - truth).max() > 0.1 * np.abs(truth).max()  # a step 10x too small
+
+
+def dvemb_steps(store: gradstore.GradStore):
+    from gradstore.methods.trajectory import recorded_steps
+
+    return dynamics.with_dynamics(store.core, RUN, "train", recorded_steps(store.core, RUN, "train"))
+
+
+def copy_rows(source: gradstore.GradStore, target: gradstore.GradStore) -> None:
+    """The run's rows and checkpoints into another store, without the ``optimizer_steps`` table."""
+    block = source.core.read_gradients(RUN, columns=("example_id", "checkpoint", "step", "split", "learning_rate"))
+    target.core.create_run(RUN, dim=source.core.run_dim(RUN))
+    meta = block.metadata
+    with target.writer(RUN) as writer:
+        writer.append(
+            block.vectors,
+            meta.column("example_id").to_pylist(),
+            checkpoint=meta.column("checkpoint").to_pylist(),
+            step=meta.column("step").to_pylist(),
+            split=meta.column("split").to_pylist(),
+            learning_rate=meta.column("learning_rate").to_pylist(),
+        )
+    target.core.record_checkpoint(RUN, "final", step=T)
+
+
+# ---------------------------------------------------------------------------------------------- stability
+def write_steps(store: gradstore.GradStore, rate: float, steps: int, momentum: float | None = None) -> None:
+    """Hand-written in-loop rows: ``steps`` steps of the same batch at learning rate ``rate`` whose curvature
+    (true-Fisher rows ``x~``) has largest eigenvalue ``lambda_max``; with ``momentum``, SGD rows of the
+    ``optimizer_steps`` table."""
+    x, _, qx, _, _ = problem()
+    rows = torch.cat([x, torch.ones(N, 1, dtype=torch.float64)], 1).numpy()
+    store.core.create_run(RUN, dim=D + 1)
+    with store.writer(RUN) as writer:
+        for t in range(steps):
+            ids = [str(i) for i in range(N)]
+            writer.append(rows, ids, checkpoint="train", step=t, split="train", learning_rate=rate)
+            writer.append(rows, ids, checkpoint="train", step=t, split=TRUE_FISHER_SPLIT, learning_rate=rate)
+        writer.append(rows[:2], ["qa", "qb"], checkpoint="final", step=steps, split="query")
+    store.core.record_checkpoint(RUN, "final", step=steps)
+    if momentum is not None:
+        import pyarrow as pa
+
+        records = [
+            {"run_id": RUN, "checkpoint": "train", "step": t, "optimizer": "sgd", "learning_rate": rate,
+             "momentum": momentum, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0}
+            for t in range(steps)
+        ]  # fmt: skip
+        store.core.results.append_table(
+            S.OPTIMIZER_STEPS, pa.Table.from_pylist(records, schema=S.OPTIMIZER_STEPS_SCHEMA)
+        )
+
+
+def largest_curvature() -> float:
+    x, *_ = problem()
+    rows = torch.cat([x, torch.ones(N, 1, dtype=torch.float64)], 1)
+    return float(torch.linalg.eigvalsh(rows.T @ rows / N)[-1])
+
+
+def test_an_unstable_step_is_clipped_with_a_warning_naming_it(tmp_path):
+    """``lr lambda_max = 3``: beyond plain SGD's bound 2 (clipped, warned, finite and bounded), within heavy
+    ball's ``2 (1 + 0.9)`` (no warning)."""
+    rate = 3.0 / largest_curvature()
+    store = gradstore.open(tmp_path / "plain", storage_dtype="float32")
+    write_steps(store, rate, 12)
+    with pytest.warns(UnstableStepWarning, match=r"12 recorded step\(s\) \(steps \[0, 1, 2"):
+        scores = store.score_matrix(["qa", "qb"], run=RUN, method="dvemb").scores
+    assert np.isfinite(scores).all()
+    assert np.abs(scores).max() < 12 * rate * 10 * largest_curvature()  # clipped modes do not grow
+    heavy = gradstore.open(tmp_path / "heavy", storage_dtype="float32")
+    write_steps(heavy, rate, 12, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnstableStepWarning)
+        assert np.isfinite(heavy.score_matrix(["qa", "qb"], run=RUN, method="dvemb").scores).all()
+
+
+@pytest.mark.parametrize("momentum", [None, 0.5])
+def test_an_overflowing_recursion_names_the_step_not_the_rows(tmp_path, monkeypatch, momentum):
+    monkeypatch.setattr(dynamics, "STABILITY", "off")
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    write_steps(store, 1e20, 20, momentum=momentum)
+    with pytest.raises(UnstableRecursionError, match=r"non-finite at step \d+") as raised:
+        store.score_matrix(["qa", "qb"], run=RUN, method="dvemb")
+    assert "nonfinite='drop'" not in str(raised.value)
+    monkeypatch.setattr(dynamics, "STABILITY", "clip")
+    with pytest.warns(UnstableStepWarning):
+        assert np.isfinite(store.score_matrix(["qa", "qb"], run=RUN, method="dvemb").scores).all()
+
+
+# ---------------------------------------------------------------------------------------------- source
+def heavy_ball_passes(store: gradstore.GradStore, rate: float, mu: float, wd: float, steps: int, every: int):
+    """Full-batch SGD with momentum ``mu`` and weight decay ``wd`` (its steps recorded by a paused capture with
+    the optimizer); a checkpoint pass (training rows, true-Fisher rows, queries) every ``every`` steps."""
+    x, y, qx, qy, _ = problem()
+    model = init_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=rate, momentum=mu, weight_decay=wd)
+    ids = [str(i) for i in range(N)]
+    plan = []
+    for start in range(0, steps, every):
+        with store.capture(model, RUN, optimizer=optimizer, checkpoint="steps", projection=None) as cap:
+            cap.set_step(start)
+            with cap.paused():
+                for _ in range(every):
+                    optimizer.zero_grad()
+                    (0.5 * ((model(x) - y) ** 2).sum(1)).mean().backward()
+                    optimizer.step()
+        name = f"c{start + every}"
+        with store.capture(model, RUN, checkpoint=name, learning_rate=rate, projection=None) as cap:
+            cap.set_step(start + every)
+            cap.set_ids(ids)
+            (0.5 * ((model(x) - y) ** 2).sum(1)).mean().backward()
+            cap.set_split(TRUE_FISHER_SPLIT)
+            for output in range(OUT):
+                cap.set_ids(ids)
+                (math.sqrt(OUT) * model(x)[:, output]).mean().backward()
+            cap.set_split("query")
+            cap.set_ids(["qa", "qb"])
+            (0.5 * ((model(qx) - qy) ** 2).sum(1)).mean().backward()
+            model.zero_grad()
+        plan.append((name, start + every))
+    optimizer.zero_grad()
+    return plan
+
+
+def heavy_ball_truth(rate: float, mu: float, wd: float, steps: int) -> np.ndarray:
+    x, y, qx, qy, _ = problem()
+    model = init_model()
+    weights = torch.ones(N, dtype=torch.float64, requires_grad=True)
+    theta = torch.cat([model.weight.detach(), model.bias.detach()[:, None]], 1).clone().requires_grad_()
+    xt = torch.cat([x, torch.ones(N, 1, dtype=torch.float64)], 1)
+    qt = torch.cat([qx, torch.ones(2, 1, dtype=torch.float64)], 1)
+    buffer = None
+    for _ in range(steps):
+        loss = (weights * 0.5 * ((xt @ theta.T - y) ** 2).sum(1)).mean()
+        (grad,) = torch.autograd.grad(loss, theta, create_graph=True)
+        grad = grad + wd * theta
+        buffer = grad if buffer is None else mu * buffer + grad
+        theta = theta - rate * buffer
+    return np.stack(
+        [
+            -torch.autograd.grad(0.5 * ((qt[q] @ theta.T - qy[q]) ** 2).sum(), weights, retain_graph=True)[0].numpy()
+            for q in range(2)
+        ]
+    )
+
+
+def heavy_ball_source_reference(store: gradstore.GradStore, plan, rate: float, mu: float, wd: float) -> np.ndarray:
+    """SOURCE over the heavy ball's discrete dynamics with numpy: per segment the joint ``2d x 2d`` step
+    ``A = [[I - lr (F + wd), -lr mu], [F + wd, mu]]``, ``S = sum_j A^j [-lr; 1]``, the final weights' row carried."""
+    core = store.core
+    dim = (D + 1) * OUT
+    queries = core.read_gradients(RUN, checkpoint=plan[-1][0], split="query").vectors.astype(np.float64)
+    total, previous, segments = np.zeros((2, N)), 0, []
+    for name, step in plan:
+        segments.append((name, step - previous))
+        previous = step
+    eye = np.eye(dim)
+    carried = np.hstack([eye, np.zeros((dim, dim))])
+    for name, steps in reversed(segments):
+        rows = core.read_gradients(RUN, checkpoint=name, split=TRUE_FISHER_SPLIT).vectors.astype(np.float64)
+        curvature = rows.T @ rows / len(rows) + wd * eye
+        step = np.block([[eye - rate * curvature, -rate * mu * eye], [curvature, mu * eye]])
+        inject, power, summed = np.vstack([-rate * eye, eye]), np.eye(2 * dim), np.zeros((2 * dim, dim))
+        for _ in range(steps):
+            summed += power @ inject
+            power = step @ power
+        block = core.read_gradients(RUN, checkpoint=name, split="train")
+        train = block.vectors.astype(np.float64)
+        prepared = -queries @ carried @ summed / len(train)
+        for column, example in enumerate(block.metadata.column("example_id").to_pylist()):
+            total[:, int(example)] += prepared @ train[column]
+        carried = carried @ power
+    return total
+
+
+def test_source_carries_heavy_ball_dynamics(tmp_path, monkeypatch):
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    rate, mu, wd, steps = 0.01, 0.9, 0.05, 60
+    plan = heavy_ball_passes(store, rate, mu, wd, steps, every=20)
+    recorded = store.sql(f"select step, momentum from {S.OPTIMIZER_STEPS}").to_arrow_table()
+    assert sorted(recorded.column("step").to_pylist()) == list(range(steps))
+    scores = columns(store.score_matrix(["qa", "qb"], run=RUN, method="source"))
+    reference = heavy_ball_source_reference(store, plan, rate, mu, wd)
+    error = np.abs(scores - reference).max()
+    print(f"source heavy ball: max |source - discrete closed form| = {error:.3g} (scale {np.abs(reference).max():.3g})")
+    np.testing.assert_allclose(scores, reference, rtol=1e-4, atol=1e-6 * np.abs(reference).max())
+    truth = heavy_ball_truth(rate, mu, wd, steps)
+    relative = np.abs(scores - truth).max() / np.abs(truth).max()
+    correlation = np.corrcoef(scores.ravel(), truth.ravel())[0, 1]
+    print(f"source heavy ball vs unrolled truth: relative max error {relative:.3g}, Pearson {correlation:.5f}")
+    assert correlation > 0.95
+    # without the recorded steps (a store made before them): SOURCE's lr x gradient flow, 10x too short a horizon
+    monkeypatch.setattr(dynamics, "segment_coefficients", lambda store, run, ends: [None] * len(ends))
+    plain = columns(store.score_matrix(["qa", "qb"], run=RUN, method="source"))
+    plain_relative = np.abs(plain - truth).max() / np.abs(truth).max()
+    plain_correlation = np.corrcoef(plain.ravel(), truth.ravel())[0, 1]
+    print(
+        f"source plain lr model vs unrolled truth: relative max error {plain_relative:.3g}, "
+        f"Pearson {plain_correlation:.5f}"
+    )
+    assert relative < plain_relative
+
+
+# ---------------------------------------------------------------------------------------------- capture
+def expected_preconditioner(optimizer: torch.optim.Optimizer, layers: list[nn.Linear]) -> list[torch.Tensor]:
+    """Per layer ``1 / (sqrt(v_hat) + eps)`` as ``[d_out, d_in + 1]`` (the bias as the last column)."""
+    eps, beta2 = optimizer.param_groups[0]["eps"], optimizer.param_groups[0]["betas"][1]
+    out = []
+    for layer in layers:
+        parts = []
+        for param in (layer.weight, layer.bias):
+            state = optimizer.state[param]
+            v = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))
+            parts.append(1 / (v.sqrt() + eps))
+        out.append(torch.cat([parts[0], parts[1][:, None]], 1))
+    return out
+
+
+@pytest.mark.parametrize("projection", [None, "factorized"])
+def test_capture_records_adams_preconditioner_in_the_rows_space(tmp_path, projection):
+    """Unprojected rows: per coordinate, in the rows' layout; projected: one value per layer, the layer's
+    preconditioner weighted by ``v_hat``. dvemb scores over either."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    options = {"projection": projection} if projection is None else {"projection": projection, "k_in": 2, "k_out": 2}
+    with store.capture(model, RUN, optimizer=optimizer, **options) as cap:
+        for _ in range(3):
+            cap.set_ids([str(i) for i in range(6)])
+            (0.5 * ((model(x) - y) ** 2).sum(1)).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    rows = store.sql(f"select * from {S.OPTIMIZER_STEPS} order by step").to_arrow_table().to_pylist()
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["adam_step"] == 3
+    assert rows[-1]["momentum"] == 0.9 and rows[-1]["beta2"] == 0.999 and rows[-1]["optimizer"] == "adam"
+    recorded = torch.tensor(rows[-1]["preconditioner"], dtype=torch.float64)
+    expected = expected_preconditioner(optimizer, [model[0], model[2]])
+    if projection is None:
+        torch.testing.assert_close(recorded, torch.cat([e.reshape(-1) for e in expected]), rtol=1e-12, atol=0)
+    else:
+        v = [1 / (e - 1e-8) ** 2 for e in expected]  # v_hat back from 1 / (sqrt(v_hat) + eps)
+        means = torch.stack([(e * w).sum() / w.sum() for e, w in zip(expected, v)])
+        torch.testing.assert_close(recorded, means, rtol=1e-6, atol=0)
+    with store.capture(model, RUN, checkpoint="final", **options) as cap:
+        cap.set_step(3)
+        cap.set_split("query")
+        cap.set_ids(["qa"])
+        (0.5 * ((model(x[:1]) - y[:1]) ** 2).sum(1)).mean().backward()
+        model.zero_grad()
+    store.core.record_checkpoint(RUN, "final", step=3)
+    assert np.isfinite(store.score_matrix(["qa"], run=RUN, method="dvemb").scores).all()
+
+
+def test_source_clips_an_unstable_segment_with_a_warning(tmp_path):
+    """Heavy ball at ``lr lambda_max = 4.5 > 2 (1 + 0.9)``: the segments' modes beyond the bound are clipped."""
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    rate = 4.5 / largest_curvature()
+    heavy_ball_passes(store, rate, 0.9, 0.0, 20, every=10)
+    with pytest.warns(UnstableStepWarning, match=r"segment\(s\) \['c10 \(largest eigenvalue"):
+        scores = store.score_matrix(["qa", "qb"], run=RUN, method="source").scores
+    assert np.isfinite(scores).all()
