@@ -185,16 +185,14 @@ def recursion(
     dim = store.run_dim(run)
     sums = torch.zeros(0, dim, dtype=torch.float64)
     by_step = {s.step: s for s in steps}
-    for chunk in _chunks(store, run, label, steps):
-        for step in sorted(chunk, reverse=True):
-            rows, example_ids, curvature = chunk[step]
-            record = by_step[step]
-            columns = [position.setdefault(example_id, len(position)) for example_id in example_ids]
-            if len(position) > sums.shape[0]:
-                grown = torch.zeros(max(len(position), 2 * sums.shape[0]), dim, dtype=torch.float64)
-                grown[: sums.shape[0]] = sums
-                sums = grown
-            sums.index_add_(0, torch.tensor(columns, dtype=torch.long), carried.absorb(rows, curvature, record))
+    for step, rows, example_ids, curvature in _steps(store, run, label, steps):
+        record = by_step[step]
+        columns = [position.setdefault(example_id, len(position)) for example_id in example_ids]
+        if len(position) > sums.shape[0]:
+            grown = torch.zeros(max(len(position), 2 * sums.shape[0]), dim, dtype=torch.float64)
+            grown[: sums.shape[0]] = sums
+            sums = grown
+        sums.index_add_(0, torch.tensor(columns, dtype=torch.long), carried.absorb(rows, curvature, record))
     dynamics.warn_clipped(carried.clipped, run)
     ids = sorted(position)
     order = torch.tensor([position[i] for i in ids], dtype=torch.long)
@@ -297,13 +295,14 @@ def _carried(products: torch.Tensor, curvature: torch.Tensor, rate: float, span:
     return torch.bmm(products, factor)
 
 
-def _chunks(
+def _steps(
     store: StoreCore, run: str, label: str, steps: Sequence[RecordedStep]
-) -> Iterator[dict[int, tuple[torch.Tensor, list[str], torch.Tensor]]]:
-    """The rows of ``steps`` in chunks of consecutive steps, last chunk first: ``step -> (training rows float64,
-    their example ids, curvature rows)`` (true-Fisher rows of the step where it has any). A chunk holds about
-    ``CHUNK_BYTES`` of float64 rows whatever the dimension (at least one step): memory does not grow with the
-    number of steps."""
+) -> Iterator[tuple[int, torch.Tensor, list[str], torch.Tensor]]:
+    """The rows of ``steps``, last step first: ``(step, training rows float64, their example ids, curvature
+    rows)`` (true-Fisher rows of the step where it has any). They are read in chunks of consecutive steps of about
+    ``CHUNK_BYTES`` of float64 rows whatever the dimension (at least one step), one chunk in memory at a time: each
+    step's rows are its own copy, and a chunk's read and its float64 rows are let go before the next is read, so
+    memory does not grow with the number of steps."""
     name = store.gradient_table_name(run)
     span = (steps[0].step, steps[-1].step) if steps else (None, None)
     fisher_rows = store.scan(name, ["step"], gradient_filter(run, label, [TRUE_FISHER_SPLIT], span)).num_rows
@@ -329,13 +328,13 @@ def _chunks(
         fisher = fisher[order]
         vectors = torch.from_numpy(block.vectors[order].astype(np.float64))
         ids = block.metadata.column("example_id").take(pa.array(order)).to_pylist()
-        chunk = {}
-        for record in group:
+        del block
+        for record in reversed(group):
             start, end = np.searchsorted(step_column, [record.step, record.step + 1])
             middle = start + int(np.count_nonzero(~fisher[start:end]))  # training rows first, then true-Fisher rows
-            rows = vectors[start:middle]
-            chunk[record.step] = (rows, ids[start:middle], vectors[middle:end] if end > middle else rows)
-        yield chunk
+            rows = vectors[start:middle].clone()
+            yield record.step, rows, ids[start:middle], vectors[middle:end].clone() if end > middle else rows
+        del vectors, rows
 
 
 # ---------------------------------------------------------------------------------------------- storage
