@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from tiny_models import tiny_mlp
 from torch import nn
 
 import gradstore
@@ -18,11 +19,6 @@ N_TRAIN, N_QUERY = 48, 5
 LEARNING_RATES = {"c0": 0.3, "c1": 0.1}
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
 def _loss(model, batch):
     return nn.functional.cross_entropy(model(batch["x"]), batch["y"])
 
@@ -31,7 +27,7 @@ def _loss(model, batch):
 def captured(tmp_path_factory):
     """Two checkpoint passes over 48 training and 5 query examples, exact gradients, float32 storage."""
     store = gradstore.open(tmp_path_factory.mktemp("attr") / "store", storage_dtype="float32")
-    model = _model()
+    model = tiny_mlp()
     generator = torch.Generator().manual_seed(1)
     x, y = torch.randn(N_TRAIN, 6, generator=generator), torch.randint(0, 3, (N_TRAIN,), generator=generator)
     xq, yq = torch.randn(N_QUERY, 6, generator=generator), torch.randint(0, 3, (N_QUERY,), generator=generator)

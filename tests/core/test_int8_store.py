@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import torch
+from tiny_models import tiny_mlp
 from torch import nn
 
 import gradstore
@@ -123,7 +124,7 @@ def test_int8_store_exact_topk_recall_bytes_and_every_reader(tmp_path) -> None:
 def test_kfac_and_ekfac_on_an_int8_store_score_the_decoded_rows(tmp_path) -> None:
     """A captured run on an int8 store: kfac/ekfac scores equal the preconditioner fitted on the decoded rows."""
     store = gradstore.open(tmp_path / "s", storage_dtype="int8")
-    _capture(store, _model())
+    _capture(store, tiny_mlp())
     block = store.read_gradients("run", checkpoint="c0", split="train")
     g = block.vectors.astype(np.float64)
     queries = store.read_gradients("run", checkpoint="c0", split="query")
@@ -138,11 +139,6 @@ def test_kfac_and_ekfac_on_an_int8_store_score_the_decoded_rows(tmp_path) -> Non
         want = expected.apply_query(torch.from_numpy(q)).numpy() @ g.T
         np.testing.assert_allclose(matrix.scores, want, rtol=1e-4, atol=1e-6)
     assert store.verify().problems == []
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
 def _capture(store: gradstore.GradStore, model: nn.Module) -> None:

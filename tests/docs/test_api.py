@@ -3,6 +3,7 @@ they do, dense score matrices, and the package's layer contract."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pyarrow as pa
 import pytest
 import tomllib
 import torch
+from tiny_models import tiny_mlp
 from torch import nn
 
 import gradstore
@@ -21,11 +23,6 @@ from indexers import make_preconditioner
 
 N_TRAIN, N_QUERY = 32, 4
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
 def _loss(model, x, y):
@@ -52,12 +49,15 @@ def _capture(store, model, run="run", checkpoint="c0", **options):
     return cap
 
 
+def _filled(path) -> None:
+    _capture(gradstore.open(path, storage_dtype="float32"), tiny_mlp())
+
+
 @pytest.fixture
-def filled(store_path):
-    store = gradstore.open(store_path, storage_dtype="float32")
-    model = _model()
-    _capture(store, model)
-    return store, model
+def filled(built_store, store_path):
+    """A copy of a captured float32 store (built once per session), and the model it was captured from."""
+    shutil.copytree(built_store("api-filled", _filled), store_path)
+    return gradstore.open(store_path), tiny_mlp()
 
 
 def _rows(store, split):
@@ -156,7 +156,7 @@ def test_curvature_counts_training_rows_only(filled):
 
 
 def test_run_remembers_its_loss_reduction(store):
-    model = _model()
+    model = tiny_mlp()
     first = _capture(store, model, loss_reduction="sum")
     assert first.capture.config.loss_reduction == "sum"
     later = _capture(store, model, checkpoint="c1")
@@ -167,7 +167,7 @@ def test_run_remembers_its_loss_reduction(store):
 
 
 def test_non_finite_rows_raise_from_capture_when_asked_to(store):
-    model = _model()
+    model = tiny_mlp()
     _capture(store, model)
     with torch.no_grad():
         model[0].weight[0, 0] = float("nan")
@@ -180,7 +180,7 @@ def test_non_finite_rows_raise_from_capture_when_asked_to(store):
 
 
 def test_empty_batch_is_a_no_op(store):
-    model = _model()
+    model = tiny_mlp()
     with store.capture(model, "run", k_in=3, k_out=3) as cap:
         x, y = _data(4, 0)
         model(x).sum().backward()
@@ -233,7 +233,7 @@ def test_a_scores_table_from_before_call_ids_gets_the_column(store):
     old = pa.schema([f for f in S.SCORES_SCHEMA if f.name != "call_id"], metadata=S.SCORES_SCHEMA.metadata)
     lance.write_dataset(old.empty_table(), f"{store.uri}/{S.SCORES}.lance", schema=old, mode="overwrite")
     reopened = gradstore.open(store.uri)
-    model = _model()
+    model = tiny_mlp()
     _capture(reopened, model)
     table = reopened.attribute(run="run", k=2, method="grad-dot")
     assert "call_id" in reopened.core.table(S.SCORES).schema.names

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import typer.main
+from tiny_models import tiny_mlp
 from torch import nn
 
 import gradstore
@@ -130,8 +131,7 @@ def test_the_cli_offers_each_scoring_option_with_the_declared_default_and_help(c
 
 
 def _train(store, run: str, **capture):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = tiny_mlp()
     x, y = torch.randn(16, 6, generator=torch.Generator().manual_seed(1)), torch.arange(16) % 3
     with store.capture(model, run, **capture) as session:
         session.set_ids([f"x{i}" for i in range(16)])

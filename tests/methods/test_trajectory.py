@@ -8,10 +8,12 @@ up-weighting an example on each query's final loss.
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
-from quadratic import INIT, RUN, B, D, N, T, capture_queries, model_at, problem, train_captured
+from quadratic import INIT, RUN, B, D, N, T, capture_queries, model_at, problem, train_captured, trained_store
 
 import gradstore
 from gradstore.errors import InvalidArgumentError
@@ -58,18 +60,15 @@ def columns(matrix: gradstore.ScoreMatrix) -> np.ndarray:
 
 
 @pytest.fixture
-def trained(tmp_path):
-    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
-    model = model_at(INIT)
-    train_captured(store, range(T), model)
-    capture_queries(store, model, "final", T)
-    store.core.record_checkpoint(RUN, "final", step=T)
-    return store, model
+def trained(built_store, tmp_path):
+    """A copy of the trained store (built once per session: :func:`quadratic.trained_store`)."""
+    shutil.copytree(built_store("quadratic", trained_store), tmp_path / "store")
+    return gradstore.open(tmp_path / "store")
 
 
 @pytest.mark.parametrize("chunk_bytes", [None, 1])  # the default; a chunk per step (memory bounded by one step)
 def test_dvemb_equals_the_unrolled_effect_of_up_weighting(trained, monkeypatch, chunk_bytes):
-    store, _ = trained
+    store = trained
     if chunk_bytes is not None:
         monkeypatch.setattr("gradstore.methods.dvemb.CHUNK_BYTES", chunk_bytes)
     truth, _ = true_effects()
@@ -84,7 +83,7 @@ def test_dvemb_equals_the_unrolled_effect_of_up_weighting(trained, monkeypatch, 
 
 
 def test_tracin_steps_equals_the_per_step_sum(trained):
-    store, _ = trained
+    store = trained
     _, reference = true_effects()
     matrix = store.score_matrix(["qa", "qb"], run=RUN, method="tracin-steps")
     np.testing.assert_allclose(columns(matrix), reference, rtol=2e-4, atol=1e-6)

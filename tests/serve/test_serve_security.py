@@ -429,15 +429,14 @@ AT = {"run": "quad", "checkpoint": "train"}  # the trajectory store's training r
 
 
 @pytest.fixture
-def trajectory_store(tmp_path):
-    from quadratic import INIT, T, capture_queries, model_at, train_captured
+def trajectory_store(built_store, tmp_path):
+    """A copy of tests/methods/test_trajectory.py's trained store (built once per session)."""
+    import shutil
 
-    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
-    model = model_at(INIT)
-    train_captured(store, range(T), model)
-    capture_queries(store, model, "final", T)
-    store.core.record_checkpoint("quad", "final", step=T)
-    return store
+    from quadratic import trained_store
+
+    shutil.copytree(built_store("quadratic", trained_store), tmp_path / "store")
+    return gradstore.open(tmp_path / "store")
 
 
 def test_a_read_only_server_never_writes_the_store(trajectory_store):

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import tiny_mlp
 from torch import nn
 from typer.testing import CliRunner
 
@@ -28,11 +29,6 @@ N_TRAIN, N_QUERY, RUN = 24, 3, "run"
 SETTINGS = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True
 )
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
 def _data(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +54,7 @@ def _train(store: gradstore.GradStore, model: nn.Module, run: str = RUN) -> None
 @pytest.fixture(scope="module")
 def filled(tmp_path_factory) -> gradstore.GradStore:
     store = gradstore.open(tmp_path_factory.mktemp("user-errors") / "store")
-    _train(store, _model())
+    _train(store, tiny_mlp())
     store.add_examples([{"example_id": f"x{i}", "text": f"example {i}"} for i in range(N_TRAIN)])
     return store
 
@@ -258,8 +254,8 @@ class _NoLayers(nn.Module):
 )
 def test_capture_raises_only_gradstore_errors(tmp_path_factory, arguments, model_kind, ids):
     store = gradstore.open(tmp_path_factory.mktemp("capture") / "store")
-    _train(store, _model())
-    model = _model() if model_kind == "mlp" else _NoLayers()
+    _train(store, tiny_mlp())
+    model = tiny_mlp() if model_kind == "mlp" else _NoLayers()
     x, y = _data(3, 8)
 
     def run() -> None:
@@ -372,7 +368,7 @@ def test_queries_captured_on_the_final_model_are_attributed_against_training_row
 
 def test_query_rows_at_several_checkpoints_need_query_checkpoint(tmp_path: Path):
     store = gradstore.open(tmp_path / "store")
-    model = _model()
+    model = tiny_mlp()
     _train(store, model)
     xq, yq = _data(4, 2)
     with store.capture(model, RUN, split="query", checkpoint="later") as cap:

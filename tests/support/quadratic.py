@@ -68,3 +68,13 @@ def capture_queries(store: gradstore.GradStore, model: nn.Linear, checkpoint: st
         cap.set_ids(["qa", "qb"])
         (0.5 * ((model(qx).squeeze(-1) - qy) ** 2).mean()).backward()
         model.zero_grad()
+
+
+def trained_store(path) -> None:
+    """A float32 store at ``path`` holding the whole schedule's training (and true-Fisher) rows from ``INIT`` and
+    the two queries at checkpoint ``"final"`` (step ``T``)."""
+    store = gradstore.open(path, storage_dtype="float32")
+    model = model_at(INIT)
+    train_captured(store, range(T), model)
+    capture_queries(store, model, "final", T)
+    store.core.record_checkpoint(RUN, "final", step=T)

@@ -3,6 +3,11 @@ in run ``r``, examples with text and source, one attribution; the tokens they se
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -15,6 +20,20 @@ WRITE = "write-token-0123456789abcdef"
 
 
 def make_store(path):
+    """The store at ``path`` (a new directory): a copy of the one this process built first."""
+    global _BUILT
+    if _BUILT is None:
+        _BUILT = Path(tempfile.mkdtemp(prefix="gradstore-served-")) / "store"
+        atexit.register(shutil.rmtree, _BUILT.parent, ignore_errors=True)
+        _build(_BUILT)
+    shutil.copytree(_BUILT, path)
+    return gradstore.open(path)
+
+
+_BUILT: Path | None = None
+
+
+def _build(path) -> None:
     rng = np.random.default_rng(0)
     store = gradstore.open(path)
     store.create_run(RUN, dim=DIM)
@@ -36,7 +55,6 @@ def make_store(path):
         )
     )
     store.attribute(run=RUN, k=5, method="grad-dot")
-    return store
 
 
 def same_table(remote: pa.Table, expected: pa.Table, sort=None) -> None:

@@ -42,3 +42,12 @@ def collate(features: list[dict]):
     import torch
 
     return {k: torch.tensor([f[k] for f in features]) for k in ("input_ids", "labels")}
+
+
+def tiny_mlp():
+    """A 6 -> 8 -> 3 MLP (Linear, Tanh, Linear) initialised from seed 0: the small classifier many tests capture."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
