@@ -21,16 +21,6 @@ RATES = {"c0": 0.5, "c1": 0.25, "c2": 0.125}  # powers of two: TracIn sums of in
 
 
 @pytest.fixture(scope="module")
-def ray_engine():
-    """A local Ray cluster of 2 CPUs for this module, shut down afterwards."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield RayEngine()
-    finally:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def integers(tmp_path_factory):
     """Small-integer rows (exact float32 scores, many ties) over 3 checkpoints in many fragments; several
     rows per example per checkpoint; 4 query rows per checkpoint."""

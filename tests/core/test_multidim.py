@@ -288,22 +288,15 @@ def test_shards_cover_the_runs_own_table_only(stores):
             assert {block.vectors.shape[1] for block in blocks} == {RUNS[run][0]}
 
 
-def test_the_ray_engine_reads_the_runs_own_table(stores):
-    ray = pytest.importorskip("ray")
-    from gradstore.core.engine import RayEngine
-
+def test_the_ray_engine_reads_the_runs_own_table(stores, ray_engine):
     multi, _ = stores
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        engine = RayEngine()
-        for run in ("b64", "hand"):
-            options = dict(run=run, k=4, method="fisher", opponents=True, write=False)
-            _same(multi.attribute(**options, engine=engine), multi.attribute(**options))
-            got = multi.self_influence(run=run, method="grad-dot", write=False, engine=engine)
-            expected = multi.self_influence(run=run, method="grad-dot", write=False)
-            np.testing.assert_allclose(got.column("self_influence"), expected.column("self_influence"), rtol=1e-6)
-    finally:
-        ray.shutdown()
+    engine = ray_engine
+    for run in ("b64", "hand"):
+        options = dict(run=run, k=4, method="fisher", opponents=True, write=False)
+        _same(multi.attribute(**options, engine=engine), multi.attribute(**options))
+        got = multi.self_influence(run=run, method="grad-dot", write=False, engine=engine)
+        expected = multi.self_influence(run=run, method="grad-dot", write=False)
+        np.testing.assert_allclose(got.column("self_influence"), expected.column("self_influence"), rtol=1e-6)
 
 
 def test_runs_of_several_dims_on_object_storage(s3_bucket, tmp_path):

@@ -277,9 +277,8 @@ def test_trajectory_methods_say_what_they_need(tmp_path):
         in_loop_only.attribute(np.ones((1, D + 1), np.float32), run=RUN, method="source", write=False)
 
 
-def test_trajectory_methods_on_ray_equal_in_process(tmp_path):
+def test_trajectory_methods_on_ray_equal_in_process(tmp_path, ray_engine):
     """tracin-steps, source and dvemb on a local Ray cluster (2 CPUs) give the in-process results."""
-    ray = pytest.importorskip("ray")
     store = gradstore.open(tmp_path / "store", storage_dtype="float32")
     model = model_at(INIT)
     train_captured(store, range(T), model)
@@ -293,16 +292,12 @@ def test_trajectory_methods_on_ray_equal_in_process(tmp_path):
             cap.set_ids(["qa", "qb"])
             (0.5 * ((model(qx).squeeze(-1) - qy) ** 2).mean()).backward()
             model.zero_grad()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        engine = gradstore.RayEngine()
-        for method in ("tracin-steps", "source", "dvemb"):
-            local = store.attribute(run=RUN, method=method, k=4, opponents=True, write=False)
-            remote = store.attribute(run=RUN, method=method, k=4, opponents=True, write=False, engine=engine)
-            assert remote.column("example_id").to_pylist() == local.column("example_id").to_pylist(), method
-            np.testing.assert_allclose(remote.column("score").to_numpy(), local.column("score").to_numpy(), rtol=1e-6)
-    finally:
-        ray.shutdown()
+    engine = ray_engine
+    for method in ("tracin-steps", "source", "dvemb"):
+        local = store.attribute(run=RUN, method=method, k=4, opponents=True, write=False)
+        remote = store.attribute(run=RUN, method=method, k=4, opponents=True, write=False, engine=engine)
+        assert remote.column("example_id").to_pylist() == local.column("example_id").to_pylist(), method
+        np.testing.assert_allclose(remote.column("score").to_numpy(), local.column("score").to_numpy(), rtol=1e-6)
 
 
 def test_trajectory_self_influence_and_selection_equal_their_score_matrices(tmp_path):
