@@ -64,7 +64,7 @@ has faiss && "$PYTHON" -c "import faiss, sys; sys.exit(not hasattr(faiss, 'Stand
 if [ "$STORE_OK" = 1 ]; then
     step pytest_gpu "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider
 else # the other test modules import the store at collection
-    step pytest_gpu "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_indexers_faiss.py
+    step pytest_gpu "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests/integrations/test_gpu.py tests/search/test_indexers_faiss.py
 fi
 if [ "$STORE_OK" = 1 ] && has faiss; then
     step query_cuda "$PYTHON" bench/query.py --device cuda

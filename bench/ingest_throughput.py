@@ -37,7 +37,7 @@ import gradstore
 from gradstore.core import schema as S
 from gradstore.core.vectors import encode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' local S3 server (moto)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # the tests' local S3 server (moto)
 from local_s3 import moto_server, new_bucket
 
 

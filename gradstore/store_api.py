@@ -1,6 +1,6 @@
 """``StoreAPI``: the calls a store answers wherever it is, in this process (:class:`gradstore.GradStore`) or behind
 ``gradstore serve`` (:class:`gradstore.serve.client.RemoteStore`). Both implement it with the same signatures
-(names, kinds, defaults, annotations; tests/test_store_api.py compares them), so code written against one runs
+(names, kinds, defaults, annotations; tests/store/test_store_api.py compares them), so code written against one runs
 against the other. The scoring calls take their options as keywords or as one
 :class:`~gradstore.methods.ScoreOptions` (``options=``).
 

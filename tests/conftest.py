@@ -27,6 +27,36 @@ def disk_full(monkeypatch):
     return fill
 
 
+@pytest.fixture(scope="session")
+def built_store(tmp_path_factory):
+    """``built_store(name, build)``: the directory of a store ``build(path)`` made once per test session (the first
+    test asking for ``name`` builds it); a test that writes to it copies it first (``shutil.copytree``)."""
+    built: dict[str, object] = {}
+
+    def get(name: str, build):
+        if name not in built:
+            path = tmp_path_factory.mktemp(f"built-{name}") / "store"
+            build(path)
+            built[name] = path
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def ray_engine():
+    """A ``RayEngine`` on a local Ray cluster of 2 CPUs, started once per session (a start costs seconds) by the
+    first test that asks for it and shut down at the end (skipped where ray is not installed)."""
+    ray = pytest.importorskip("ray")
+    from gradstore.core.engine import RayEngine
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield RayEngine()
+    finally:
+        ray.shutdown()
+
+
 @pytest.fixture
 def store_path(tmp_path):
     """A path for a new store (not created yet)."""

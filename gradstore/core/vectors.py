@@ -26,7 +26,7 @@ Storage dtypes
     max|u_b| / 127 ||a|| ||b||`` in the worst case (a query aligned with the rounding errors); for spread-out rows
     ``max|u| ~ 4/sqrt(d)`` this is about ``4/127 = 0.03``, and for a query unrelated to the errors they cancel
     to ``~max|u| / (127 sqrt(3))``, about 1e-3 at d = 256 and 1.6e-4 at d = 4,096 (checked in
-    tests/test_int8_store.py). int8 values convert to bf16 exactly, so the exact kernel's bf16 screen is exact on
+    tests/core/test_int8_store.py). int8 values convert to bf16 exactly, so the exact kernel's bf16 screen is exact on
     the stored values and float32 rescoring decides: exact top-k on what is stored. Measured (2026-12-05,
     docs/benchmarks.md): 4,119 bytes per row on disk at 4,096 dims (float16 8,215: 0.501x); recall@10 against a
     float32 scan on decaying-spectrum rows 0.9875 (float16 1.0, bfloat16 0.998), short of the issue's 0.999;

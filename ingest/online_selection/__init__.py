@@ -15,7 +15,7 @@ is refused with :class:`ExactRemovalError`: its examples' terms cannot be remove
 ``renormalize=True`` (the default) then scales the step's gradient so it equals the loop's loss *over the kept
 examples only*: for a batch mean, ``B / |kept|``; for the causal-LM token mean, ``N_tokens / N_kept_tokens``;
 for a sum, 1 (a sum over the kept examples). With it, a selected step equals a step on the kept examples alone
-(the exactness guarantee tested in ``tests/test_online_selection.py``); without it, dropped examples simply
+(the exactness guarantee tested in ``tests/capture/test_online_selection.py``); without it, dropped examples simply
 contribute nothing and the gradient stays ``1/B``-scaled.
 
 >>> selector = OnlineSelector(capture, KeepTopFraction(0.5), target=query_mean)

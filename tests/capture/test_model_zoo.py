@@ -1,0 +1,60 @@
+"""Model zoo: on every model people fine-tune (tiny, built in code), every captured row is the example's exact
+gradient (projection=None, float32), checked against torch.func per-example gradients (see
+tests/support/model_zoo.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from model_zoo import ZOO, capture, compare, per_example_grads, reference_check, silent_gaps
+
+NAMES = list(ZOO)
+_REFERENCES: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def references(name: str) -> dict[str, torch.Tensor]:
+    if name not in _REFERENCES:
+        _REFERENCES[name] = per_example_grads(ZOO[name]())
+    return _REFERENCES[name]
+
+
+@pytest.mark.parametrize("name", NAMES, ids=NAMES)
+def test_reference_sums_to_the_batch_gradient(name):
+    """The reference itself: its per-example gradients, weighted as the batch loss weighs the examples and
+    summed over each parameter's uses, are the ordinary ``.grad`` of the batch loss."""
+    case = ZOO[name]()
+    assert reference_check(case, references(name)) == []
+
+
+@pytest.mark.parametrize("name", NAMES, ids=NAMES)
+def test_rows_equal_per_example_gradients(name):
+    case = ZOO[name]()
+    grads = references(name)
+    got = capture(case)
+    assert got.batches == 1
+    assert got.rows.shape[0] == case.batch_size
+    assert got.rows.dtype == torch.float32
+    lines, failures = compare(case, got, grads)
+    print(f"\n{name}: {case.note}\n" + "\n".join(lines) + f"\n  coverage: {got.coverage}")
+    if name.startswith("mixtral"):
+        # COVERAGE (issue 35): the 3-D expert weights (`mlp.experts.gate_up_proj` / `down_proj`) must be either
+        # exact slots (checked above) or a recorded, loud non-capture: assert it here once the coverage API is
+        # settled, e.g. that every expert parameter is captured or listed in `got.coverage` with a reason and
+        # that a CoverageWarning was raised.
+        pass
+    assert not failures, f"{name}: " + "; ".join(failures)
+
+
+@pytest.mark.parametrize("name", NAMES, ids=NAMES)
+def test_every_trainable_parameter_is_captured_or_recorded(name):
+    """Never blind without a word: a trainable parameter with a gradient is in a slot, or the capture's coverage
+    records it as not captured (with why)."""
+    case = ZOO[name]()
+    got = capture(case)
+    gaps = silent_gaps(case, got, references(name))
+    print(f"\n{name}: coverage: {got.coverage}")
+    record = "" if got.uncaptured is not None else " (the capture keeps no coverage record)"
+    assert gaps == [] and got.uncaptured is not None, f"{name}: not captured and not recorded{record}: {gaps}"
