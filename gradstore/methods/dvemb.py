@@ -67,7 +67,7 @@ SIDE_FILES = "derived"
 STATE_FILE = "dvemb.json"
 #: Rows read per chunk of steps during the recursion (about; a step is never split).
 CHUNK_ROWS = 65536  # embeddings written per batch
-CHUNK_BYTES = 64 * 2**20  # float64 training and true-Fisher rows read per chunk of steps by the recursion
+CHUNK_BYTES = 32 * 2**20  # float32 training and true-Fisher rows read per chunk of steps by the recursion
 
 
 def derived_run(run: str) -> str:
@@ -300,14 +300,14 @@ def _steps(
 ) -> Iterator[tuple[int, torch.Tensor, list[str], torch.Tensor]]:
     """The rows of ``steps``, last step first: ``(step, training rows float64, their example ids, curvature
     rows)`` (true-Fisher rows of the step where it has any). They are read in chunks of consecutive steps of about
-    ``CHUNK_BYTES`` of float64 rows whatever the dimension (at least one step), one chunk in memory at a time: each
-    step's rows are its own copy, and a chunk's read and its float64 rows are let go before the next is read, so
+    ``CHUNK_BYTES`` of float32 rows whatever the dimension (at least one step), one chunk in memory at a time (each
+    step's rows are taken from it in float64 as the step comes, and a chunk is let go before the next is read), so
     memory does not grow with the number of steps."""
     name = store.gradient_table_name(run)
     span = (steps[0].step, steps[-1].step) if steps else (None, None)
     fisher_rows = store.scan(name, ["step"], gradient_filter(run, label, [TRUE_FISHER_SPLIT], span)).num_rows
-    # float64 bytes a training row brings into a chunk: itself and its share of the steps' true-Fisher rows
-    row_bytes = 8 * store.run_dim(run) * (1 + fisher_rows / max(1, sum(s.rows for s in steps)))
+    # float32 bytes a training row brings into a chunk: itself and its share of the steps' true-Fisher rows
+    row_bytes = 4 * store.run_dim(run) * (1 + fisher_rows / max(1, sum(s.rows for s in steps)))
     budget = max(1, int(CHUNK_BYTES // row_bytes))
     groups: list[list[RecordedStep]] = [[]]
     for step in steps:
@@ -326,15 +326,14 @@ def _steps(
         order = np.lexsort((fisher, block.metadata.column("step").to_numpy(zero_copy_only=False)))
         step_column = block.metadata.column("step").to_numpy(zero_copy_only=False)[order]
         fisher = fisher[order]
-        vectors = torch.from_numpy(block.vectors[order].astype(np.float64))
         ids = block.metadata.column("example_id").take(pa.array(order)).to_pylist()
-        del block
         for record in reversed(group):
             start, end = np.searchsorted(step_column, [record.step, record.step + 1])
             middle = start + int(np.count_nonzero(~fisher[start:end]))  # training rows first, then true-Fisher rows
-            rows = vectors[start:middle].clone()
-            yield record.step, rows, ids[start:middle], vectors[middle:end].clone() if end > middle else rows
-        del vectors, rows
+            rows = torch.from_numpy(block.vectors[order[start:middle]].astype(np.float64))
+            curvature = torch.from_numpy(block.vectors[order[middle:end]].astype(np.float64)) if end > middle else rows
+            yield record.step, rows, ids[start:middle], curvature
+        del block
 
 
 # ---------------------------------------------------------------------------------------------- storage
