@@ -45,10 +45,17 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
 
 
 def step_record(
-    optimizer: torch.optim.Optimizer, hooks: Sequence[Any], run: str, checkpoint: str, step: int, rank: int
+    optimizer: torch.optim.Optimizer,
+    hooks: Sequence[Any],
+    run: str,
+    checkpoint: str,
+    step: int,
+    rank: int,
+    rows_normalizer: str | None = None,
 ) -> dict[str, Any]:
     """The ``optimizer_steps`` row of the step the optimizer just took (``hooks``: the capture's layer hooks,
-    each with ``parameter``, ``bias`` and ``slot``)."""
+    each with ``parameter``, ``bias`` and ``slot``; ``rows_normalizer``: the capture's normalizer, when its rows
+    are in Adam's geometry already)."""
     first = hooks[0].parameter if hooks else None
     group = next(
         (g for g in optimizer.param_groups if first is not None and any(p is first for p in g["params"])),
@@ -74,6 +81,7 @@ def step_record(
         "eps": float(group["eps"]) if adam else None,
         "adam_step": int(float(adam_step)) if adam_step is not None else None,
         "preconditioner": preconditioner(optimizer, hooks, float(group["eps"])) if adam else None,
+        "rows_normalizer": rows_normalizer,
         "weight_decays": weight_decays(optimizer, hooks),
         "created_at": datetime.now(timezone.utc),
     }

@@ -255,6 +255,7 @@ class StoreCapture:
                 self.capture.checkpoint,
                 step,
                 self.capture.config.labels.rank,
+                self.capture.config.normalizer,
             )
         )
 

@@ -206,6 +206,9 @@ OPTIMIZER_STEPS_SCHEMA = _tagged(
         pa.field("eps", pa.float64()),
         pa.field("adam_step", pa.int64()),  # Adam's step count after the step (its bias corrections)
         pa.field("preconditioner", pa.list_(pa.float64())),  # [dim] per coordinate, or [layers] per layer
+        # the capture's normalizer when the step's rows were captured in Adam's geometry ("adam_sqrt", ...): the
+        # preconditioner is then in the rows already and the dynamics do not apply it again
+        pa.field("rows_normalizer", pa.string()),
         # where parameter groups differ in weight decay: [dim] per coordinate, or [layers] (the weight's group)
         pa.field("weight_decays", pa.list_(pa.float64())),
         pa.field("created_at", _TIMESTAMP),

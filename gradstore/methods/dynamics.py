@@ -129,9 +129,12 @@ def coefficients(row: dict, lr: float, dim: int, layers: Sequence[tuple[int, int
     if kind in ("adam", "adamw") and row.get("preconditioner") is not None:
         k = max(1, int(row.get("adam_step") or 1))
         correction = 1.0 / (1.0 - mu**k) if mu > 0 else 1.0
-        p = expand(row["preconditioner"], dim, layers)
-        if p is None:
-            return Coefficients.plain(lr)
+        if row.get("rows_normalizer"):  # rows in Adam's geometry: its preconditioner is in them already
+            p = None
+        else:
+            p = expand(row["preconditioner"], dim, layers)
+            if p is None:
+                return Coefficients.plain(lr)
         rho, l2 = (1.0 - lr * wd, 0.0) if kind == "adamw" else (1.0, wd)
         return Coefficients(rho, lr * (1 - mu) * correction, lr * mu * correction, mu, 1 - mu, l2, p, kind)
     return Coefficients.plain(lr)

@@ -470,3 +470,29 @@ def test_source_clips_an_unstable_segment_with_a_warning(tmp_path):
     with pytest.warns(UnstableStepWarning, match=r"segment\(s\) \['c10 \(largest eigenvalue"):
         scores = store.score_matrix(["qa", "qb"], run=RUN, method="source").scores
     assert np.isfinite(scores).all()
+
+
+def test_rows_in_adams_geometry_are_not_preconditioned_again(tmp_path):
+    """A capture with ``normalizer="adam_sqrt"`` records it on each step: its rows carry Adam's preconditioner, so
+    the step's dynamics keep Adam's momentum and bias correction with ``P = I`` (not ``P`` twice)."""
+    from gradstore.methods import dynamics
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    with store.capture(model, RUN, optimizer=optimizer, projection=None, normalizer="adam_sqrt") as cap:
+        for _ in range(3):
+            cap.set_ids([str(i) for i in range(6)])
+            (0.5 * ((model(x) - y) ** 2).sum(1)).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    rows = store.sql(f"select * from {S.OPTIMIZER_STEPS} order by step").to_arrow_table().to_pylist()
+    assert [r["rows_normalizer"] for r in rows] == ["adam_sqrt"] * 3
+    dim = store.core.run_dim(RUN)
+    normalised = dynamics.coefficients(rows[-1], 0.01, dim, [(0, dim)])
+    raw = dynamics.coefficients({**rows[-1], "rows_normalizer": None}, 0.01, dim, [(0, dim)])
+    assert normalised.p is None and raw.p is not None
+    assert normalised.mu == raw.mu == 0.9 and (normalised.a, normalised.b) == (raw.a, raw.b)
+    assert not normalised.is_plain  # momentum and decoupled weight decay stay modelled
