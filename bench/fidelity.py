@@ -97,6 +97,7 @@ from torch import nn
 
 import gradstore
 from gradstore.answers import evaluate
+from gradstore.answers.replay import Optimizer
 from gradstore.methods import METHODS, TRUE_FISHER_SPLIT
 from ingest.basis import estimate_basis
 from ingest.capture import ProjectionConfig
@@ -605,6 +606,62 @@ def hessian_row(
     return evaluate.lds_of_scores(scores, truth.test, tests, "exact-Hessian IF")
 
 
+# ---------------------------------------------------------------------------------------------- exact replay
+REPLAY = Variant("replay", "replay", "factorized", in_loop=True)
+REPLAY_SPEC = MethodSpec("replay (exact)", {"method": "replay"})
+
+
+def replay_row(config: ModelConfig, data: Data, truth: Truth, seed: int, workdir: Path, reference: list) -> Row:
+    """``method="replay"``: the training under capture again, every step recorded (order and learning rate; rows
+    of 1x1 per layer, the replay reads no row), then ``store.replay`` of the test queries through all its steps
+    (full-batch Adam, the objective's ``wd/2 ||theta||^2`` as Adam's L2 ``weight_decay``: the same gradient) and
+    their test LDS. Nothing is chosen, so no validation queries are replayed."""
+    began = time.perf_counter()
+    store = gradstore.open(workdir / f"{config.name}-replay", storage_dtype="float32")
+    initial = [p[0] for p in config.initial(1, seed)]
+    options = {"projection": "factorized", "k_in": 1, "k_out": 1, "seed": 0}
+    snapshots = train_under_capture(store, config, data, seed, {"final": (config.steps, 0.0)}, options, every=1)
+    difference = max(float((a - b).abs().max()) for a, b in zip(snapshots["final"].params, reference))
+    if difference > WEIGHT_TOLERANCE:
+        raise AssertionError(f"{config.name} replay: the captured training differs from the reference by {difference}")
+    x, y = torch.cat([data.x_train, data.x_test]), torch.cat([data.y_train, data.y_test])
+    position = {i: n for n, i in enumerate(train_ids(len(data.x_train)) + test_ids(len(data.x_test)))}
+
+    def model_fn() -> nn.Module:
+        module = config.module()
+        load_into(module, initial)
+        return module
+
+    def batch_fn(ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.tensor([position[i] for i in ids])
+        return x[rows], y[rows]
+
+    def loss_fn(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(module(batch[0]), batch[1], reduction="none")
+
+    captured = time.perf_counter()
+    tests, ids = test_ids(len(data.x_test)), train_ids(len(data.x_train))
+    replayed = store.replay(
+        tests,
+        run=RUN,
+        model_fn=model_fn,
+        batch_fn=batch_fn,
+        loss_fn=loss_fn,
+        optimizer=Optimizer("adam", weight_decay=config.weight_decay),
+        checkpoint=IN_LOOP,
+    )
+    final = max(float((replayed.final[n] - p).abs().max()) for n, p in zip(replayed.final, snapshots["final"].params))
+    scores = score_rows(store, {"method": "replay"}, tests, ids)
+    test = evaluate.lds_of_scores(scores, truth.test, tests, REPLAY_SPEC.label)
+    note = (
+        f"{config.steps} steps replayed in {replayed.segments} segments ({replayed.peak_states} states held), "
+        f"capture {captured - began:.0f}s, replay {time.perf_counter() - captured:.0f}s, final weights within "
+        f"{final:.1e} of the captured run; nothing chosen (no validation)"
+    )
+    log(f"{config.name} replay: test LDS {test.value:.3f} ({note})")
+    return Row(config.name, REPLAY, REPLAY_SPEC, float("nan"), test, scores.astype(np.float32), note)
+
+
 # ---------------------------------------------------------------------------------------------- one model
 def evaluate_model(
     config: ModelConfig,
@@ -614,8 +671,10 @@ def evaluate_model(
     subsets: int,
     seed: int,
     workdir: Path,
+    replay: bool = False,
 ) -> tuple[list[Row], list[tuple[str, evaluate.LDSResult]], Truth]:
-    """Every (variant, method) row of one model family, the sanity rows, and the retrainings."""
+    """Every (variant, method) row of one model family, the sanity rows, and the retrainings (and with ``replay``
+    the exact replay's row)."""
     plan = checkpoint_plan(config)
     start = time.perf_counter()
     data = data.to(config.dtype)
@@ -649,6 +708,8 @@ def evaluate_model(
             f"{config.name} {variant.name} ({time.perf_counter() - began:.0f}s): "
             + ", ".join(f"{r.method.label} {r.val:.3f}/{r.test.value:.3f}" for r in rows if r.variant == variant)
         )
+    if replay:
+        rows.append(replay_row(config, data, truth, seed, workdir, reference))
     return rows, sanity, truth
 
 
@@ -764,6 +825,15 @@ def print_results(rows: list[Row]) -> None:
         )
         target, value = TARGETS["logreg"], logreg.test.value
         print(f"RESULT lds_logreg_320={value:.3f} target>={target:.2f} {verdict(value, target)}")
+    replayed = [r for r in rows if r.variant == REPLAY]
+    if replayed:
+        best = chosen(rows, lambda r: r.model == "mlp" and r.variant.family not in ("exact", "replay"))
+        target = best.test.value if best is not None else float("nan")
+        value = replayed[0].test.value
+        print(
+            f"RESULT lds_replay_mlp={value:.3f} target>={target:.3f} (the approximate method chosen on validation"
+            f"{'' if best is None else f': {best.method.label} {best.variant.name}'}) {verdict(value, target)}"
+        )
     targets = TARGETS["curvature"]
     values = [curvature.get(m, float("nan")) for m in targets]
     ok = all(curvature.get(m, -1.0) >= t for m, t in targets.items())
@@ -796,6 +866,7 @@ def main() -> None:
         "--threads", type=int, default=2, help="torch threads (1 is faster when the cores are shared with other jobs)"
     )
     parser.add_argument("--no-vision", action="store_true", help="skip the CNN's row (bench/fidelity_vision.py)")
+    parser.add_argument("--no-replay", action="store_true", help="skip the MLP's exact replay row (store.replay)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     began, cpu = time.perf_counter(), time.process_time()
@@ -807,8 +878,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gradstore-fidelity-") as workdir:
         for name in args.models.split(","):
             config = CONFIGS[name]
+            replay = not args.no_replay and config.hidden is not None
             model_rows, sanity[name], _ = evaluate_model(
-                config, data, variants, methods, args.subsets, args.seed, Path(workdir)
+                config, data, variants, methods, args.subsets, args.seed, Path(workdir), replay
             )
             started = time.perf_counter()
             add_qld(list(per_method(model_rows).values()), config, data, args.qld_queries, args.seed)

@@ -154,6 +154,18 @@ def test_replay_equals_autograd_through_the_unrolled_run(store, name):
     assert replayed.segments == math.ceil(T / math.ceil(T / math.ceil(math.sqrt(T))))
 
 
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_one_query_at_a_time_equals_the_vectorised_pass(store, monkeypatch, name):
+    """Where an operation has no batching rule the adjoints go back one query at a time: the same scores."""
+    train(store, name)
+    common = {"run": RUN, "model_fn": model_fn, "batch_fn": batch_fn, "loss_fn": loss_fn, "write": False}
+    optimizer = Optimizer.of(*OPTIMIZERS[name][:1], **OPTIMIZERS[name][1])
+    vectorised = store.replay(QUERIES, optimizer=optimizer, **common)
+    monkeypatch.setattr("gradstore.answers.replay._Adjoint.vectorised", False)
+    looped = store.replay(QUERIES, optimizer=optimizer, **common)
+    np.testing.assert_allclose(looped.scores, vectorised.scores, rtol=0, atol=1e-13)
+
+
 def test_the_optimizer_instance_of_the_run_and_names_give_the_same_replay(store):
     train(store, "sgd-momentum")
     kind, hyper = OPTIMIZERS["sgd-momentum"]

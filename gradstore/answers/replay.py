@@ -19,9 +19,11 @@ the start of each of ``segments`` segments (default ``ceil(sqrt(T))``); the back
 last to first, recomputes each one's states from its checkpoint, and runs one vector-Jacobian product per step and
 query (:func:`torch.func.vjp` of the step ``(theta_t, state_t, eps_batch) -> (theta_{t+1}, state_{t+1})``, whose
 inner gradient is :func:`torch.func.grad`: second order), accumulating ``d L_q / d eps_b`` into the examples'
-entries. The step's graph is built once per step and shared by the queries (one reverse pass per query, the
-recomputation shared). States held at once: ``segments + ceil(T / segments)`` (about ``2 sqrt(T)``; reported as
-:attr:`Replay.peak_states`), each the model's parameters and the optimizer's state.
+entries. The step's graph is built once per step and shared by the queries: the adjoints of all queries go back
+together, the product vectorised over them with :func:`torch.func.vmap` (one query after another where an
+operation of the model has no batching rule). States held at once: ``segments + ceil(T / segments)`` (about
+``2 sqrt(T)``; reported as :attr:`Replay.peak_states`), each the model's parameters and the optimizer's state;
+besides them the adjoints, one parameters-and-state per query.
 
 Exact up to float rounding when the loss is a deterministic function of the parameters and the batch (no dropout,
 no BatchNorm running statistics that change during training: buffers are taken as the model's, constant) and
@@ -325,7 +327,10 @@ def replay(
     query_batch = data.get(query_ids, "the queries")
     query_losses, query_vjp = torch.func.vjp(lambda p: losses(p, query_batch, len(query_ids), "the queries"), final)
     eye = torch.eye(len(query_ids), dtype=query_losses.dtype, device=device)
-    adjoints = [(query_vjp(eye[q])[0], tuple(torch.zeros_like(s) for s in state)) for q in range(len(query_ids))]
+    adjoint = _Adjoint(
+        torch.func.vmap(query_vjp)(eye)[0],
+        tuple(torch.zeros((len(query_ids), *s.shape), dtype=s.dtype, device=device) for s in state),
+    )
     meta = torch.zeros(len(query_ids), len(example_ids), dtype=dtype, device=device)
     for start in reversed(starts):  # backward: segment by segment, last first
         end = min(start + length, steps)
@@ -338,10 +343,7 @@ def replay(
         for t in reversed(range(start, end)):
             params, state = kept.pop(t)
             _, vjp = torch.func.vjp(lambda p, s, w, t=t: step(t, p, s, w), params, state, ones[t])
-            for q, (d_params, d_state) in enumerate(adjoints):
-                d_params, d_state, d_weights = vjp((d_params, d_state))
-                adjoints[q] = (d_params, d_state)
-                meta[q].index_add_(0, columns[t], d_weights)
+            meta.index_add_(1, columns[t], adjoint.back(vjp))
     scores = (-meta).detach().cpu().numpy().astype(np.float64)
     result = Replay(
         query_ids,
@@ -372,6 +374,32 @@ def replay(
             ),
         )
     return result
+
+
+class _Adjoint:
+    """The queries' adjoints ``d L_q / d (theta_t, state_t)``, stacked ``[queries, ...]``, carried back one step at
+    a time: the step's vector-Jacobian product vectorised over the queries (:func:`torch.func.vmap`), or one query
+    after another where an operation of the model has no batching rule."""
+
+    vectorised = True  # until an operation has no batching rule
+
+    def __init__(self, params: Tensors, state: Tensors) -> None:
+        self.params, self.state = params, state
+
+    def back(self, vjp: Callable[..., Any]) -> torch.Tensor:
+        """Carry the adjoints through one step's ``vjp``; the step's ``d L_q / d eps_b`` ``[queries, B]``."""
+        if self.vectorised:
+            try:
+                self.params, self.state, weights = torch.func.vmap(vjp)((self.params, self.state))
+                return weights
+            except (RuntimeError, NotImplementedError):  # no batching rule: one query at a time from now on
+                self.vectorised = False
+        out = [
+            vjp((tuple(p[q] for p in self.params), tuple(s[q] for s in self.state))) for q in range(len(self.params[0]))
+        ]
+        self.params = tuple(torch.stack([o[0][i] for o in out]) for i in range(len(self.params)))
+        self.state = tuple(torch.stack([o[1][i] for o in out]) for i in range(len(self.state)))
+        return torch.stack([o[2] for o in out])
 
 
 def _query_ids(queries: Sequence[str]) -> list[str]:
