@@ -666,8 +666,63 @@ def replay_row(config: ModelConfig, data: Data, truth: Truth, seed: int, workdir
         f"capture {captured - began:.0f}s, replay {time.perf_counter() - captured:.0f}s, final weights within "
         f"{final:.1e} of the captured run; nothing chosen (no validation)"
     )
+    column = {e: i for i, e in enumerate(ids)}
+    exact = np.zeros(len(ids))  # the first query's float64 scores (the matrix's are float32)
+    exact[[column[e] for e in replayed.example_ids]] = replayed.scores[0]
+    unrolled, differences = replay_checks(config, data, initial, exact, ids)
+    note += (
+        f"; q0: max |replay - unrolled autograd| {unrolled:.1e}, finite differences of its top example {differences}"
+    )
     log(f"{config.name} replay: test LDS {test.value:.3f} ({note})")
     return Row(config.name, REPLAY, REPLAY_SPEC, float("nan"), test, scores.astype(np.float32), note)
+
+
+def replay_checks(
+    config: ModelConfig, data: Data, initial: list[torch.Tensor], scores: np.ndarray, ids: list[str]
+) -> tuple[float, str]:
+    """For the first test query: the largest difference between the replay's scores and autograd through the
+    whole unrolled training (no checkpointing; Adam written out once more), and the central finite differences
+    ``-(L(eps_z + h) - L(eps_z - h)) / 2h`` of its top example at ``h`` = 1e-3, 1e-5, 1e-7 (do they agree with
+    the derivative: is the training smooth in the example weights?)."""
+
+    def train(weights: torch.Tensor) -> list[torch.Tensor]:
+        params = [p.clone().requires_grad_() for p in initial]
+        first, second = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+        beta1, beta2 = 0.9, 0.999
+        for step in range(config.steps):
+            rate = lr_at(config, step)
+            logits = config.stacked_logits([p[None] for p in params], data.x_train[None])[0]
+            loss = (weights * F.cross_entropy(logits, data.y_train, reduction="none")).mean()
+            grads = torch.autograd.grad(loss, params, create_graph=weights.requires_grad)
+            updated = []
+            for i, (p, g) in enumerate(zip(params, grads)):
+                g = g + config.weight_decay * p
+                first[i] = beta1 * first[i] + (1 - beta1) * g
+                second[i] = beta2 * second[i] + (1 - beta2) * g * g
+                root = second[i].sqrt() / (1 - beta2 ** (step + 1)) ** 0.5 + 1e-8
+                updated.append(p - rate / (1 - beta1 ** (step + 1)) * first[i] / root)
+            if not weights.requires_grad:  # finite differences: no graph across steps
+                updated = [p.detach().requires_grad_() for p in updated]
+                first, second = [m.detach() for m in first], [v.detach() for v in second]
+            params = updated
+        return params
+
+    def query_loss(params: list[torch.Tensor]) -> torch.Tensor:
+        logits = config.stacked_logits([p[None] for p in params], data.x_test[:1][None])[0]
+        return F.cross_entropy(logits, data.y_test[:1])
+
+    weights = torch.ones(len(ids), dtype=config.dtype, requires_grad=True)
+    (grad,) = torch.autograd.grad(query_loss(train(weights)), weights)
+    unrolled = float(np.abs(scores - (-grad.numpy())).max())
+    top = int(np.argmax(np.abs(scores)))
+    found = []
+    for h in (1e-3, 1e-5, 1e-7):
+        shifted = [torch.ones(len(ids), dtype=config.dtype) for _ in range(2)]
+        shifted[0][top] += h
+        shifted[1][top] -= h
+        losses = [float(query_loss(train(w))) for w in shifted]
+        found.append(f"{-(losses[0] - losses[1]) / (2 * h):+.2e}")
+    return unrolled, f"{' / '.join(found)} against the replay's {scores[top]:+.2e}"
 
 
 # ---------------------------------------------------------------------------------------------- one model
