@@ -720,7 +720,7 @@ def replay_checks(
         shifted = [torch.ones(len(ids), dtype=config.dtype) for _ in range(2)]
         shifted[0][top] += h
         shifted[1][top] -= h
-        losses = [float(query_loss(train(w))) for w in shifted]
+        losses = [float(query_loss(train(w)).detach()) for w in shifted]
         found.append(f"{-(losses[0] - losses[1]) / (2 * h):+.2e}")
     return unrolled, f"{' / '.join(found)} against the replay's {scores[top]:+.2e}"
 
