@@ -65,6 +65,14 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
   minus its mean loss after removing three random sets of the same size (higher is better, 0 is chance). Each
   QLD query costs one retraining per method, which is why it uses fewer queries than the LDS.
 
+* Exact replay (MLP; ``--no-replay`` skips it): the training under capture once more with every step recorded
+  (rows of 1x1 per layer: the replay reads only the order and the learning rates), then ``store.replay`` of the
+  200 test queries through all 1,000 steps (full-batch Adam; the objective's ``wd/2 ||theta||^2`` as Adam's L2
+  ``weight_decay``, the same gradient), checkpointed in ``ceil(sqrt(steps))`` segments, scored by
+  ``method="replay"``: the exact metagradient of each test query's loss with respect to every training example's
+  weight. Nothing is chosen, so no validation query is replayed (its val LDS prints as nan) and it is no candidate
+  of the targets below; its RESULT line compares it with the approximate MLP method chosen on validation.
+
 Ends with three RESULT lines, each figure the test LDS of the candidate with the best validation LDS:
 ``lds_trajectory_mlp_416`` (the MLP at 416 dims, among the methods that use more than the final model: ``tracin``,
 ``tracin-steps``, ``dvemb``, ``source`` with either Fisher and, as issue 29 counts it, ``fisher`` on the true
@@ -97,6 +105,7 @@ from torch import nn
 
 import gradstore
 from gradstore.answers import evaluate
+from gradstore.answers.replay import Optimizer
 from gradstore.methods import METHODS, TRUE_FISHER_SPLIT
 from ingest.basis import estimate_basis
 from ingest.capture import ProjectionConfig
@@ -512,7 +521,7 @@ class MethodSpec:
 
     @property
     def damped(self) -> bool:
-        return METHODS[self.options["method"]].damped
+        return getattr(METHODS[self.options["method"]], "damped", False)  # families without damping: none
 
 
 def method_specs(plan: dict[str, tuple[int, float]]) -> list[MethodSpec]:
@@ -605,6 +614,117 @@ def hessian_row(
     return evaluate.lds_of_scores(scores, truth.test, tests, "exact-Hessian IF")
 
 
+# ---------------------------------------------------------------------------------------------- exact replay
+REPLAY = Variant("replay", "replay", "factorized", in_loop=True)
+REPLAY_SPEC = MethodSpec("replay (exact)", {"method": "replay"})
+
+
+def replay_row(config: ModelConfig, data: Data, truth: Truth, seed: int, workdir: Path, reference: list) -> Row:
+    """``method="replay"``: the training under capture again, every step recorded (order and learning rate; rows
+    of 1x1 per layer, the replay reads no row), then ``store.replay`` of the test queries through all its steps
+    (full-batch Adam, the objective's ``wd/2 ||theta||^2`` as Adam's L2 ``weight_decay``: the same gradient) and
+    their test LDS. Nothing is chosen, so no validation queries are replayed."""
+    began = time.perf_counter()
+    store = gradstore.open(workdir / f"{config.name}-replay", storage_dtype="float32")
+    initial = [p[0] for p in config.initial(1, seed)]
+    options = {"projection": "factorized", "k_in": 1, "k_out": 1, "seed": 0}
+    snapshots = train_under_capture(store, config, data, seed, {"final": (config.steps, 0.0)}, options, every=1)
+    difference = max(float((a - b).abs().max()) for a, b in zip(snapshots["final"].params, reference))
+    if difference > WEIGHT_TOLERANCE:
+        raise AssertionError(f"{config.name} replay: the captured training differs from the reference by {difference}")
+    x, y = torch.cat([data.x_train, data.x_test]), torch.cat([data.y_train, data.y_test])
+    position = {i: n for n, i in enumerate(train_ids(len(data.x_train)) + test_ids(len(data.x_test)))}
+
+    def model_fn() -> nn.Module:
+        module = config.module()
+        load_into(module, initial)
+        return module
+
+    def batch_fn(ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.tensor([position[i] for i in ids])
+        return x[rows], y[rows]
+
+    def loss_fn(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(module(batch[0]), batch[1], reduction="none")
+
+    captured = time.perf_counter()
+    tests, ids = test_ids(len(data.x_test)), train_ids(len(data.x_train))
+    replayed = store.replay(
+        tests,
+        run=RUN,
+        model_fn=model_fn,
+        batch_fn=batch_fn,
+        loss_fn=loss_fn,
+        optimizer=Optimizer("adam", weight_decay=config.weight_decay),
+        checkpoint=IN_LOOP,
+    )
+    final = max(float((replayed.final[n] - p).abs().max()) for n, p in zip(replayed.final, snapshots["final"].params))
+    scores = score_rows(store, {"method": "replay"}, tests, ids)
+    test = evaluate.lds_of_scores(scores, truth.test, tests, REPLAY_SPEC.label)
+    note = (
+        f"{config.steps} steps replayed in {replayed.segments} segments ({replayed.peak_states} states held), "
+        f"capture {captured - began:.0f}s, replay {time.perf_counter() - captured:.0f}s, final weights within "
+        f"{final:.1e} of the captured run; nothing chosen (no validation)"
+    )
+    column = {e: i for i, e in enumerate(ids)}
+    exact = np.zeros(len(ids))  # the first query's float64 scores (the matrix's are float32)
+    exact[[column[e] for e in replayed.example_ids]] = replayed.scores[0]
+    unrolled, differences = replay_checks(config, data, initial, exact, ids)
+    note += (
+        f"; q0: max |replay - unrolled autograd| {unrolled:.1e}, finite differences of its top example {differences}"
+    )
+    log(f"{config.name} replay: test LDS {test.value:.3f} ({note})")
+    return Row(config.name, REPLAY, REPLAY_SPEC, float("nan"), test, scores.astype(np.float32), note)
+
+
+def replay_checks(
+    config: ModelConfig, data: Data, initial: list[torch.Tensor], scores: np.ndarray, ids: list[str]
+) -> tuple[float, str]:
+    """For the first test query: the largest difference between the replay's scores and autograd through the
+    whole unrolled training (no checkpointing; Adam written out once more), and the central finite differences
+    ``-(L(eps_z + h) - L(eps_z - h)) / 2h`` of its top example at ``h`` = 1e-3, 1e-5, 1e-7 (do they agree with
+    the derivative: is the training smooth in the example weights?)."""
+
+    def train(weights: torch.Tensor) -> list[torch.Tensor]:
+        params = [p.clone().requires_grad_() for p in initial]
+        first, second = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+        beta1, beta2 = 0.9, 0.999
+        for step in range(config.steps):
+            rate = lr_at(config, step)
+            logits = config.stacked_logits([p[None] for p in params], data.x_train[None])[0]
+            loss = (weights * F.cross_entropy(logits, data.y_train, reduction="none")).mean()
+            grads = torch.autograd.grad(loss, params, create_graph=weights.requires_grad)
+            updated = []
+            for i, (p, g) in enumerate(zip(params, grads)):
+                g = g + config.weight_decay * p
+                first[i] = beta1 * first[i] + (1 - beta1) * g
+                second[i] = beta2 * second[i] + (1 - beta2) * g * g
+                root = second[i].sqrt() / (1 - beta2 ** (step + 1)) ** 0.5 + 1e-8
+                updated.append(p - rate / (1 - beta1 ** (step + 1)) * first[i] / root)
+            if not weights.requires_grad:  # finite differences: no graph across steps
+                updated = [p.detach().requires_grad_() for p in updated]
+                first, second = [m.detach() for m in first], [v.detach() for v in second]
+            params = updated
+        return params
+
+    def query_loss(params: list[torch.Tensor]) -> torch.Tensor:
+        logits = config.stacked_logits([p[None] for p in params], data.x_test[:1][None])[0]
+        return F.cross_entropy(logits, data.y_test[:1])
+
+    weights = torch.ones(len(ids), dtype=config.dtype, requires_grad=True)
+    (grad,) = torch.autograd.grad(query_loss(train(weights)), weights)
+    unrolled = float(np.abs(scores - (-grad.numpy())).max())
+    top = int(np.argmax(np.abs(scores)))
+    found = []
+    for h in (1e-3, 1e-5, 1e-7):
+        shifted = [torch.ones(len(ids), dtype=config.dtype) for _ in range(2)]
+        shifted[0][top] += h
+        shifted[1][top] -= h
+        losses = [float(query_loss(train(w)).detach()) for w in shifted]
+        found.append(f"{-(losses[0] - losses[1]) / (2 * h):+.2e}")
+    return unrolled, f"{' / '.join(found)} against the replay's {scores[top]:+.2e}"
+
+
 # ---------------------------------------------------------------------------------------------- one model
 def evaluate_model(
     config: ModelConfig,
@@ -614,8 +734,10 @@ def evaluate_model(
     subsets: int,
     seed: int,
     workdir: Path,
+    replay: bool = False,
 ) -> tuple[list[Row], list[tuple[str, evaluate.LDSResult]], Truth]:
-    """Every (variant, method) row of one model family, the sanity rows, and the retrainings."""
+    """Every (variant, method) row of one model family, the sanity rows, and the retrainings (and with ``replay``
+    the exact replay's row)."""
     plan = checkpoint_plan(config)
     start = time.perf_counter()
     data = data.to(config.dtype)
@@ -649,6 +771,8 @@ def evaluate_model(
             f"{config.name} {variant.name} ({time.perf_counter() - began:.0f}s): "
             + ", ".join(f"{r.method.label} {r.val:.3f}/{r.test.value:.3f}" for r in rows if r.variant == variant)
         )
+    if replay:
+        rows.append(replay_row(config, data, truth, seed, workdir, reference))
     return rows, sanity, truth
 
 
@@ -764,6 +888,18 @@ def print_results(rows: list[Row]) -> None:
         )
         target, value = TARGETS["logreg"], logreg.test.value
         print(f"RESULT lds_logreg_320={value:.3f} target>={target:.2f} {verdict(value, target)}")
+    replayed = [r for r in rows if r.variant == REPLAY]
+    if replayed:
+        best = chosen(rows, lambda r: r.model == "mlp" and r.variant.family not in ("exact", "replay"))
+        value = replayed[0].test.value
+        if best is None:
+            print(f"RESULT lds_replay_mlp={value:.3f} (no approximate MLP method ran to compare with)")
+        else:
+            target = best.test.value
+            print(
+                f"RESULT lds_replay_mlp={value:.3f} target>={target:.3f} (the approximate method chosen on "
+                f"validation: {best.method.label} {best.variant.name}) {verdict(value, target)}"
+            )
     targets = TARGETS["curvature"]
     values = [curvature.get(m, float("nan")) for m in targets]
     ok = all(curvature.get(m, -1.0) >= t for m, t in targets.items())
@@ -796,6 +932,7 @@ def main() -> None:
         "--threads", type=int, default=2, help="torch threads (1 is faster when the cores are shared with other jobs)"
     )
     parser.add_argument("--no-vision", action="store_true", help="skip the CNN's row (bench/fidelity_vision.py)")
+    parser.add_argument("--no-replay", action="store_true", help="skip the MLP's exact replay row (store.replay)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     began, cpu = time.perf_counter(), time.process_time()
@@ -807,8 +944,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gradstore-fidelity-") as workdir:
         for name in args.models.split(","):
             config = CONFIGS[name]
+            replay = not args.no_replay and config.hidden is not None
             model_rows, sanity[name], _ = evaluate_model(
-                config, data, variants, methods, args.subsets, args.seed, Path(workdir)
+                config, data, variants, methods, args.subsets, args.seed, Path(workdir), replay
             )
             started = time.perf_counter()
             add_qld(list(per_method(model_rows).values()), config, data, args.qld_queries, args.seed)

@@ -79,6 +79,11 @@ class MissingCurvatureError(GradstoreError, FileNotFoundError):
     """Kronecker curvature statistics that were never captured (capture with ``curvature=True``)."""
 
 
+class MissingReplayError(_Readable, GradstoreError, LookupError):
+    """``method="replay"`` asked for queries that no exact replay of the run computed (or the run's recorded
+    steps changed since): compute it first with ``store.replay(...)``."""
+
+
 class SQLError(GradstoreError, ValueError):
     """A SQL query failed (DuckDB's message) or tried to modify the store."""
 

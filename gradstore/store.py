@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from gradstore.answers.attribution import ScoreMatrix, attribute, score_matrix, self_influence
+from gradstore.answers.replay import Reduction, Replay, replay
 from gradstore.answers.report import ReportOptions, write_report
 from gradstore.answers.selection import Aggregate, select
 from gradstore.answers.token_scores import ExampleBatches, TokenText, token_scores
@@ -518,6 +519,46 @@ class GradStore:
             token_text=token_text,
             batch_size=batch_size,
             write=write,
+        )
+
+    @surface
+    def replay(
+        self,
+        queries: Sequence[str],
+        *,
+        run: str,
+        model_fn: Callable[[], nn.Module],
+        batch_fn: Callable[[list[str]], Any],
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+        optimizer: Any,
+        checkpoint: str | None = None,
+        segments: int | None = None,
+        reduction: Reduction = "mean",
+        write: bool | None = None,
+    ) -> Replay:
+        """Exact metagradients (MAGIC-style) of the final losses of ``queries`` (query example ids) with respect
+        to every training example's weight, by replaying ``run``'s recorded training (its order and learning rates,
+        from the rows captured during training under ``checkpoint``, default the in-loop label) and
+        differentiating through it (:mod:`gradstore.answers.replay`). ``model_fn()``: the model at its initial
+        weights; ``batch_fn(ids)``: the batch of those example ids (training and query ids); ``loss_fn(model,
+        batch)``: per-example losses ``[B]``, reduced by ``reduction`` as the training loop did; ``optimizer``:
+        ``"sgd"``/``"adam"``/``"adamw"``, a :class:`~gradstore.answers.replay.Optimizer`, or the torch.optim
+        optimizer (class or instance) of the run; ``segments``: checkpoints of the backward pass (default
+        ``ceil(sqrt(steps))``: memory about ``2 sqrt(steps)`` states). Returns a
+        :class:`~gradstore.answers.replay.Replay` (``scores[q, z] = -dL_q/deps_z``), kept in the store for
+        ``attribute(method="replay")`` and ``score_matrix(method="replay")`` unless ``write=False``."""
+        return replay(
+            self.core,
+            queries,
+            run=run,
+            model_fn=model_fn,
+            batch_fn=batch_fn,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            checkpoint=checkpoint,
+            segments=segments,
+            reduction=reduction,
+            write=True if write is None else write,
         )
 
     # ------------------------------------------------------------------ report

@@ -231,10 +231,13 @@ def eigen_sides(basis: ProjectionBasis, seed: int) -> int:
 
 def _where(method: Method, final: str, passes: list[str]) -> dict[str, Any]:
     """The checkpoint arguments of ``method``: every checkpoint pass (TracIn, SOURCE's segments), the in-loop
-    rows (step TracIn, data value embeddings) or the final checkpoint (the single-checkpoint methods)."""
+    rows (step TracIn, data value embeddings), the final checkpoint (the single-checkpoint methods) or none (an exact
+    replay: the rows it replayed)."""
     if not method.reads_history:
         return {"checkpoint": final}
-    return {"checkpoints": passes} if "checkpoints" in method.uses else {"checkpoint": TRAIN_CHECKPOINT}
+    if "checkpoints" in method.uses:
+        return {"checkpoints": passes}
+    return {"checkpoint": TRAIN_CHECKPOINT} if "checkpoint" in method.uses else {}  # replay: what it replayed
 
 
 def _top(table: Any) -> dict[str, list[str]]:

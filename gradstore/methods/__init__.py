@@ -14,6 +14,7 @@
 | ``source``   | ``sum_l q^T (prod_{l'>l} E_l') (I - E_l) F_l^-1 g_l``, ``E_l = exp(-lr_l K_l F_l)`` | Fisher/segment |
 | ``source-ekfac`` | as ``source`` with ``F_l`` the checkpoint's EK-FAC                 | EK-FAC per segment   |
 | ``dvemb``    | ``q . e_z``, ``e_z = sum_t lr_t / B_t prod_{s>t} (I - lr_s H_s) g_t``  | batch curvature per step |
+| ``replay``   | ``-d L_q(theta_T) / d eps_z`` through the replayed run (exact)      | none: the run itself      |
 
 ``influence`` is an alias of ``fisher``. Damping is relative to the mean eigenvalue (default 0.1).
 ``kfac``/``ekfac`` use the factors a capture with ``curvature=True`` recorded (:data:`KRONECKER_FACTORS`); rows
@@ -23,7 +24,7 @@ captured without it get factors estimated from the rows themselves
 (optimizer-aware: Adam second-moment normalisation): both sides are whitened by the Fisher of the stored rows
 and unit-normalised, so the score is a cosine in the whitened space.
 
-A method is an object: an instance of one of four families, each a module of this package, that declares what it
+A method is an object: an instance of one of five families, each a module of this package, that declares what it
 uses and needs and implements the calls that take it (:class:`Method`: ``attribute``, ``matrix`` for
 ``score_matrix``, ``self_influence``, ``select``, ``build_index``); the calls dispatch to it, they do not branch
 on its name:
@@ -34,7 +35,9 @@ on its name:
 * :class:`~gradstore.methods.checkpoint_sum.CheckpointSum` (:mod:`~gradstore.methods.checkpoint_sum`): ``tracin``;
 * :class:`~gradstore.methods.trajectory.Trajectory` (:mod:`~gradstore.methods.trajectory`): ``tracin-steps``,
   ``source``, ``source-ekfac``;
-* :class:`~gradstore.methods.dvemb.Embeddings` (:mod:`~gradstore.methods.dvemb`): ``dvemb``.
+* :class:`~gradstore.methods.dvemb.Embeddings` (:mod:`~gradstore.methods.dvemb`): ``dvemb``;
+* :class:`~gradstore.methods.replay.Replayed` (:mod:`~gradstore.methods.replay`): ``replay``, the exact
+  metagradients :func:`gradstore.answers.replay.replay` (``store.replay(...)``) computed and kept.
 
 The trajectory methods (:mod:`gradstore.methods.trajectory`, :mod:`gradstore.methods.dvemb`) use the store's training
 history:
@@ -85,10 +88,11 @@ from gradstore.methods.registry import (
     options_table,
     resolve_method,
 )
+from gradstore.methods.replay import Replayed
 from gradstore.methods.trajectory import Trajectory
 
 #: The families: one module each, the classes :data:`METHODS` holds instances of.
-FAMILIES = (Preconditioned, CheckpointSum, Trajectory, Embeddings)
+FAMILIES = (Preconditioned, CheckpointSum, Trajectory, Embeddings, Replayed)
 _ONE_CHECKPOINT_CALLS = frozenset({"attribute", "score_matrix", "build_index"})
 _HISTORY_REQUIRES = "training rows captured during training (one checkpoint label, many steps, a learning rate)"
 
@@ -199,6 +203,13 @@ BUILT_IN: tuple[Method, ...] = (
         "kept as the derived run <run>.dvemb",
         requires=_HISTORY_REQUIRES,
     ),
+    Replayed(
+        "replay",
+        "exact metagradient -dL_q(theta_T)/deps_z through the whole recorded run (its order, learning rates and "
+        "optimizer replayed and differentiated: MAGIC), as store.replay(...) computed it",
+        requires="a replay of the queries by store.replay(...): rows captured at every training step; the model, a "
+        "batch function, the loss and the optimizer from the caller",
+    ),
 )
 METHODS.update((method.name, method) for method in BUILT_IN)
 
@@ -223,6 +234,7 @@ __all__ = [
     "MethodName",
     "Operation",
     "Preconditioned",
+    "Replayed",
     "ScoreOptions",
     "Trajectory",
     "check_arguments",

@@ -41,6 +41,7 @@ MethodName = Literal[
     "source",
     "source-ekfac",
     "dvemb",
+    "replay",
     "influence",
 ]
 """Names :func:`resolve_method` accepts (``influence`` is ``fisher``)."""

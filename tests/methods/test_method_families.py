@@ -1,4 +1,4 @@
-"""A method is an object (issue 37 item 1): every registry entry is an instance of one of four families, each
+"""A method is an object (issue 37 item 1): every registry entry is an instance of one of the families, each
 implements the calls its ``operations`` name, each family's operations called directly give the closed forms the
 flag-era tests checked, and no module outside ``gradstore/methods`` branches on a method's name or family."""
 
@@ -27,6 +27,7 @@ from gradstore.methods.checkpoint_sum import CheckpointSum
 from gradstore.methods.dvemb import Embeddings
 from gradstore.methods.extension import register, register_method, scoped_registry
 from gradstore.methods.preconditioned import Preconditioned
+from gradstore.methods.replay import Replayed
 from gradstore.methods.trajectory import Trajectory
 
 #: The call each operation name dispatches to on the method object.
@@ -51,6 +52,7 @@ FLAG_ERA = {
     "source": (Trajectory, {"blocks", "checkpoints", "query_checkpoint"}),
     "source-ekfac": (Trajectory, {"checkpoints", "query_checkpoint"}),
     "dvemb": (Embeddings, {"blocks", "checkpoint", "kind", "rerank", "query_checkpoint", "device"}),
+    "replay": (Replayed, set()),  # issue 38 item 5: reads the replay store.replay(...) kept
 }
 
 
@@ -243,6 +245,8 @@ def test_the_demo_and_the_read_only_server_see_the_flag_era_kinds():
             expected = {"checkpoints": passes}
         elif name in ("tracin-steps", "dvemb"):  # trajectory in ("steps", "embeddings")
             expected = {"checkpoint": TRAIN_CHECKPOINT}
+        elif name == "replay":  # the rows it replayed: no checkpoint argument
+            expected = {}
         else:
             expected = {"checkpoint": "epoch-2"}
         assert _where(method, "epoch-2", passes) == expected, name

@@ -1,0 +1,286 @@
+"""Exact replay (``store.replay``, ``method="replay"``) against autograd through the full unrolled run.
+
+A 2-layer tanh MLP on 16 examples, batches of 4, 12 steps, float64, trained under capture (projection off) with
+torch.optim's SGD, SGD with momentum (and weight decay, Nesterov), Adam and AdamW. The reference differentiates the
+final query losses with respect to a vector of all examples' loss weights through the whole unrolled run (no
+checkpointing, the optimizers' update formulas written out here once more); the replay, checkpointed in segments,
+must equal it to float64 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gradstore
+from gradstore.answers.replay import Optimizer
+from gradstore.errors import GradstoreError, InvalidArgumentError, MissingIdsError, MissingReplayError
+
+N, D, H, B, T = 16, 3, 4, 4, 12
+RUN = "mlp"
+QUERIES = ["q0", "q1", "q2"]
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.3}),
+    "sgd-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-2}),
+    "sgd-nesterov": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.8, "nesterov": True}),
+    "sgd-dampening": (torch.optim.SGD, {"lr": 0.2, "momentum": 0.5, "dampening": 0.3}),
+    "adam": (torch.optim.Adam, {"lr": 0.05}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1, "betas": (0.8, 0.99)}),
+}
+
+
+def data():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(N + len(QUERIES), D, generator=generator, dtype=torch.float64)
+    y = torch.sin(x.sum(1)) + 0.1 * torch.randn(N + len(QUERIES), generator=generator, dtype=torch.float64)
+    batches = [torch.randperm(N, generator=generator)[:B].tolist() for _ in range(T)]
+    rates = [1.0 - 0.04 * t for t in range(T)]  # a schedule: multiplies the optimizer's lr
+    ids = [str(i) for i in range(N)] + QUERIES
+    return x, y, batches, rates, {name: i for i, name in enumerate(ids)}
+
+
+def model_fn() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, 1)).double()
+
+
+def batch_fn(ids):
+    x, y, _, _, index = data()
+    rows = [index[i] for i in ids]  # KeyError for an id it does not know
+    return x[rows], y[rows]
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return 0.5 * (model(x).squeeze(-1) - y) ** 2
+
+
+def train(store: gradstore.GradStore, name: str, steps: int = T) -> nn.Module:
+    """Train under capture with the torch.optim optimizer ``name``; every step's rows recorded."""
+    x, y, batches, rates, _ = data()
+    model = model_fn()
+    kind, hyper = OPTIMIZERS[name]
+    optimizer = kind(model.parameters(), **hyper)
+    with store.capture(model, RUN, optimizer=optimizer, projection=None) as cap:
+        cap.set_step(0)
+        for t in range(steps):
+            for group in optimizer.param_groups:
+                group["lr"] = hyper["lr"] * rates[t % T]
+            batch = batches[t % T]
+            cap.set_ids([str(i) for i in batch])
+            loss_fn(model, (x[batch], y[batch])).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return model
+
+
+def unrolled(name: str, steps: int = T) -> np.ndarray:
+    """``-d L_q(theta_T) / d eps`` for every example through the whole unrolled run (autograd, create_graph)."""
+    x, y, batches, rates, _ = data()
+    kind, hyper = OPTIMIZERS[name]
+    model = model_fn()
+    names = [n for n, _ in model.named_parameters()]
+    params = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    weights = torch.ones(N, dtype=torch.float64, requires_grad=True)
+    momentum, decay = hyper.get("momentum", 0.0), hyper.get("weight_decay", 1e-2 if kind is torch.optim.AdamW else 0)
+    beta1, beta2 = hyper.get("betas", (0.9, 0.999))
+    first = [torch.zeros_like(p) for p in params]
+    second = [torch.zeros_like(p) for p in params]
+    for t in range(steps):
+        lr = hyper["lr"] * rates[t % T]
+        batch = batches[t % T]
+        out = torch.func.functional_call(model, dict(zip(names, params)), (x[batch],)).squeeze(-1)
+        loss = (weights[batch] * 0.5 * (out - y[batch]) ** 2).mean()
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        updated = []
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if kind is torch.optim.SGD:
+                g = g + decay * p
+                if momentum:
+                    first[i] = g if t == 0 else momentum * first[i] + (1 - hyper.get("dampening", 0.0)) * g
+                    g = g + momentum * first[i] if hyper.get("nesterov") else first[i]
+                updated.append(p - lr * g)
+                continue
+            if kind is torch.optim.AdamW:
+                p = p * (1 - lr * decay)
+            first[i] = beta1 * first[i] + (1 - beta1) * g
+            second[i] = beta2 * second[i] + (1 - beta2) * g * g
+            hat_m = first[i] / (1 - beta1 ** (t + 1))
+            hat_v = second[i] / (1 - beta2 ** (t + 1))
+            updated.append(p - lr * hat_m / (hat_v.sqrt() + hyper.get("eps", 1e-8)))
+        params = updated
+    qx, qy = batch_fn(QUERIES)
+    out = torch.func.functional_call(model, dict(zip(names, params)), (qx,)).squeeze(-1)
+    losses = 0.5 * (out - qy) ** 2
+    return np.stack(
+        [-torch.autograd.grad(losses[q], weights, retain_graph=True)[0].numpy() for q in range(len(QUERIES))]
+    )
+
+
+def by_example(replayed) -> np.ndarray:
+    out = np.zeros((len(replayed.query_ids), N))
+    for column, example in enumerate(replayed.example_ids):
+        out[:, int(example)] = replayed.scores[:, column]
+    return out
+
+
+@pytest.fixture
+def store(tmp_path):
+    return gradstore.open(tmp_path / "store", storage_dtype="float32", row_files=False)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_replay_equals_autograd_through_the_unrolled_run(store, name):
+    trained = train(store, name)
+    kind, hyper = OPTIMIZERS[name]
+    replayed = store.replay(
+        QUERIES,
+        run=RUN,
+        model_fn=model_fn,
+        batch_fn=batch_fn,
+        loss_fn=loss_fn,
+        optimizer=Optimizer.of(kind, **hyper),
+    )
+    truth = unrolled(name)
+    assert np.abs(truth).max() > 1e-3  # the effects are not trivially zero
+    np.testing.assert_allclose(by_example(replayed), truth, rtol=0, atol=1e-10 * np.abs(truth).max())
+    for n, p in trained.named_parameters():  # the replay retraced the recorded run
+        torch.testing.assert_close(replayed.final[n], p.detach(), rtol=0, atol=1e-12)
+    assert replayed.segments == math.ceil(T / math.ceil(T / math.ceil(math.sqrt(T))))
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_one_query_at_a_time_equals_the_vectorised_pass(store, monkeypatch, name):
+    """Where an operation has no batching rule the adjoints go back one query at a time: the same scores."""
+    train(store, name)
+    common = {"run": RUN, "model_fn": model_fn, "batch_fn": batch_fn, "loss_fn": loss_fn, "write": False}
+    optimizer = Optimizer.of(*OPTIMIZERS[name][:1], **OPTIMIZERS[name][1])
+    vectorised = store.replay(QUERIES, optimizer=optimizer, **common)
+    monkeypatch.setattr("gradstore.answers.replay._Adjoint.vectorised", False)
+    looped = store.replay(QUERIES, optimizer=optimizer, **common)
+    np.testing.assert_allclose(looped.scores, vectorised.scores, rtol=0, atol=1e-13)
+
+
+def test_the_optimizer_instance_of_the_run_and_names_give_the_same_replay(store):
+    train(store, "sgd-momentum")
+    kind, hyper = OPTIMIZERS["sgd-momentum"]
+    common = {"run": RUN, "model_fn": model_fn, "batch_fn": batch_fn, "loss_fn": loss_fn, "write": False}
+    instance = store.replay(QUERIES, optimizer=kind(model_fn().parameters(), **hyper), **common)
+    named = store.replay(QUERIES, optimizer=Optimizer("sgd", momentum=0.9, weight_decay=1e-2), **common)
+    np.testing.assert_array_equal(instance.scores, named.scores)
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum", "sgd-nesterov", "sgd-dampening", "adam", "adamw"])
+def test_the_functional_step_equals_torch_optim(name):
+    """Same gradients, several steps: the functional update equals torch.optim's step to rounding."""
+    kind, hyper = OPTIMIZERS[name]
+    generator = torch.Generator().manual_seed(3)
+    params = [
+        torch.randn(3, 2, generator=generator, dtype=torch.float64),
+        torch.randn(2, generator=generator, dtype=torch.float64),
+    ]
+    params[1][0] = 0.0
+    torch_params = [nn.Parameter(p.clone()) for p in params]
+    optimizer = kind(torch_params, **hyper)
+    spec = Optimizer.of(optimizer)
+    mine, state = tuple(p.clone() for p in params), spec.init(tuple(params))
+    for t in range(5):
+        grads = [torch.randn(p.shape, generator=generator, dtype=torch.float64) for p in params]
+        grads[1][0] = 0.0  # a coordinate without gradient (Adam: v = 0)
+        for p, g in zip(torch_params, grads):
+            p.grad = g.clone()
+        optimizer.step()
+        mine, state = spec.step(mine, state, tuple(grads), hyper["lr"], t)
+        for a, b in zip(mine, torch_params):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-14, atol=1e-15)
+
+
+def test_checkpointed_replay_holds_about_two_sqrt_steps_states(store):
+    steps = 64
+    train(store, "adam", steps=steps)
+    kind, hyper = OPTIMIZERS["adam"]
+    common = {"run": RUN, "model_fn": model_fn, "batch_fn": batch_fn, "loss_fn": loss_fn, "write": False}
+    optimizer = Optimizer.of(kind, **hyper)
+    default = store.replay(QUERIES[:1], optimizer=optimizer, **common)
+    assert default.segments == 8 and default.peak_states <= 2 * 8 + 1, default.peak_states
+    unchecked = store.replay(QUERIES[:1], optimizer=optimizer, segments=1, **common)
+    assert unchecked.peak_states == steps  # one segment: every state of the run at once
+    np.testing.assert_allclose(default.scores, unchecked.scores, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(by_example(default), unrolled("adam", steps)[:1], rtol=0, atol=1e-9)
+    for segments in (3, 20):
+        other = store.replay(QUERIES[:1], optimizer=optimizer, segments=segments, **common)
+        assert other.peak_states <= segments + math.ceil(steps / segments)
+        np.testing.assert_allclose(other.scores, default.scores, rtol=0, atol=1e-12)
+
+
+def test_attribute_ranks_the_replayed_metagradients(store):
+    train(store, "sgd")
+    with pytest.raises(MissingReplayError, match="store.replay"):
+        store.attribute(["q0"], run=RUN, method="replay", write=False)
+    replayed = store.replay(
+        QUERIES[:2], run=RUN, model_fn=model_fn, batch_fn=batch_fn, loss_fn=loss_fn, optimizer="sgd"
+    )
+    store.replay(QUERIES[2:], run=RUN, model_fn=model_fn, batch_fn=batch_fn, loss_fn=loss_fn, optimizer="sgd")
+    top = store.attribute(["q2", "q0"], run=RUN, method="replay", k=3, opponents=True)
+    truth = unrolled("sgd")
+    for q, query in ((2, "q2"), (0, "q0")):
+        rows = [r for r in top.to_pylist() if r["query_id"] == query]
+        best = [r["example_id"] for r in sorted(rows, key=lambda r: r["rank"]) if r["rank"] > 0]
+        worst = [r["example_id"] for r in sorted(rows, key=lambda r: -r["rank"]) if r["rank"] < 0]
+        assert best == [str(i) for i in np.argsort(-truth[q], kind="stable")[:3]]
+        assert worst == [str(i) for i in np.argsort(truth[q], kind="stable")[:3]]
+        np.testing.assert_allclose([r["score"] for r in rows if r["rank"] > 0], np.sort(truth[q])[::-1][:3], rtol=1e-9)
+    assert set(top.column("method").to_pylist()) == {"replay"}
+    assert store.sql("SELECT count(*) FROM scores WHERE method = 'replay'").fetchall() == [(12,)]
+    matrix = store.score_matrix(None, run=RUN, method="replay")
+    assert matrix.query_ids == QUERIES and matrix.example_ids == replayed.example_ids
+    np.testing.assert_allclose(matrix.scores[:2], replayed.scores, rtol=1e-6)
+    with pytest.raises(MissingReplayError, match="were not replayed"):
+        store.attribute(["q9"], run=RUN, method="replay")
+    with pytest.raises(InvalidArgumentError, match="list of query ids"):
+        store.attribute(np.zeros((1, 3)), run=RUN, method="replay")
+    with pytest.raises(InvalidArgumentError, match="does not use damping"):
+        store.attribute(["q0"], run=RUN, method="replay", damping=0.1)
+    train_more = model_fn()  # the run goes on: the replay is stale
+    with store.capture(train_more, RUN, optimizer=torch.optim.SGD(train_more.parameters(), lr=0.1),
+                       projection=None) as cap:  # fmt: skip
+        cap.set_step(T)
+        cap.set_ids(["0", "1"])
+        loss_fn(train_more, batch_fn(["0", "1"])).mean().backward()
+    with pytest.raises(MissingReplayError, match="again"):
+        store.attribute(["q0"], run=RUN, method="replay")
+
+
+def test_misuse_is_a_gradstore_error(store):
+    train(store, "sgd")
+    common = {"run": RUN, "model_fn": model_fn, "batch_fn": batch_fn, "loss_fn": loss_fn, "optimizer": "sgd"}
+
+    def other_model():
+        return nn.Sequential(nn.Linear(D, H + 1), nn.Tanh(), nn.Linear(H + 1, 1)).double()
+
+    def partial_batches(ids):
+        if "7" in ids:
+            raise KeyError("7")
+        return batch_fn(ids)
+
+    cases = [
+        (MissingIdsError, "batch_fn could not build", {"batch_fn": partial_batches}),
+        (MissingIdsError, "the queries", {"queries": ["nope"]}),
+        (InvalidArgumentError, "another architecture", {"model_fn": other_model}),
+        (InvalidArgumentError, "per-example losses", {"loss_fn": lambda m, b: loss_fn(m, b).mean()}),
+        (InvalidArgumentError, "replay optimizers", {"optimizer": "rmsprop"}),
+        (InvalidArgumentError, "amsgrad", {"optimizer": torch.optim.Adam(model_fn().parameters(), amsgrad=True)}),
+        (InvalidArgumentError, "segments", {"segments": 0}),
+        (InvalidArgumentError, "non-empty list", {"queries": "q0"}),
+    ]
+    for error, message, change in cases:
+        arguments = {**common, **change}
+        queries = arguments.pop("queries", QUERIES)
+        with pytest.raises(error, match=message) as raised:
+            store.replay(queries, write=False, **arguments)
+        assert isinstance(raised.value, GradstoreError)
