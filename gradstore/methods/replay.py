@@ -28,7 +28,7 @@ from gradstore.core.engine import Engine
 from gradstore.errors import InvalidArgumentError, MissingReplayError
 from gradstore.methods.queries import QueryInput, stored_queries
 from gradstore.methods.registry import Method, ScoreOptions
-from gradstore.methods.results import ScoreMatrix
+from gradstore.methods.results import ScoreMatrix, example_table
 from gradstore.preconditioning.fitting import FitCache, Selection
 
 SIDE_FILES = "replay"
@@ -234,28 +234,12 @@ class Replayed(Method):
 def top_k_table(rows: ReplayScores, *, k: int, opponents: bool, method: str, run: str) -> pa.Table:
     """The top-k (ranks 1..k) and with ``opponents`` bottom-k (-1..-k) examples of each query as a ``scores``
     table (ties: the smaller example id first)."""
-    columns: dict[str, list] = {name: [] for name in ("query_id", "example_id", "score", "rank")}
     ids = np.asarray(rows.example_ids, dtype=object)
     by_id = np.argsort(ids, kind="stable")
-    for side in (True, False) if opponents else (True,):
-        for row, query_id in enumerate(rows.query_ids):
-            values = rows.scores[row][by_id]
-            order = by_id[np.argsort(-values if side else values, kind="stable")[:k]]
-            columns["query_id"] += [query_id] * len(order)
-            columns["example_id"] += ids[order].tolist()
-            columns["score"] += rows.scores[row][order].tolist()
-            columns["rank"] += [(r + 1) * (1 if side else -1) for r in range(len(order))]
-    n = len(columns["rank"])
-    return pa.table(
-        {
-            "query_id": pa.array(columns["query_id"], pa.string()),
-            "example_id": pa.array(columns["example_id"], pa.string()),
-            "grad_id": pa.nulls(n, pa.int64()),
-            "score": pa.array(columns["score"], pa.float64()),
-            "rank": pa.array(columns["rank"], pa.int32()),
-            "method": pa.array([method] * n, pa.string()),
-            "run_id": pa.array([run] * n, pa.string()),
-            "checkpoint": pa.array([rows.label] * n, pa.string()),
-            "index_name": pa.nulls(n, pa.string()),
-        }
-    )
+    sides = (True, False) if opponents else (True,)
+    found = {}
+    for side in sides:
+        values = rows.scores[:, by_id]
+        order = by_id[np.argsort(-values if side else values, axis=1, kind="stable")[:, :k]]
+        found[side] = (np.take_along_axis(rows.scores, order, axis=1), ids[order])
+    return example_table(found, list(rows.query_ids), sides, method=method, run=run, checkpoint=rows.label)
