@@ -447,6 +447,12 @@ VARIANTS = (
 )
 
 
+def has_in_loop(config: ModelConfig, variant: Variant) -> bool:
+    """Whether the variant's store gets in-loop rows: the exact variant only under mini-batch training, whose
+    recorded steps hold 64 rows each (a full-batch step's 1,000 exact rows made ``dvemb`` the run's slowest part)."""
+    return variant.in_loop or config.batch is not None
+
+
 def checkpoint_plan(config: ModelConfig, count: int = 5) -> dict[str, tuple[int, float]]:
     """``name -> (step, lr)``: ``count`` evenly spaced checkpoints, the last named ``final``; each lr is the
     mean learning rate of the optimizer steps since the previous checkpoint (TracIn-CP's and SOURCE's)."""
@@ -586,7 +592,7 @@ def build_store(
     if variant.family == "curvature-aware":
         basis = fisher_basis(config, data.x_train, reference, variant.split)
     options = variant.capture_options(config, basis)
-    every = config.every if variant.in_loop else None
+    every = config.every if has_in_loop(config, variant) else None
     snapshots = train_under_capture(store, config, data, seed, plan, options, every)
     difference = max(float((a - b).abs().max()) for a, b in zip(snapshots["final"].params, reference))
     if difference > WEIGHT_TOLERANCE:
@@ -869,7 +875,7 @@ def evaluate_model(
             if true_fisher:
                 checkpoint_passes(store, config, data, snapshots, plan, options, true_fisher=True)
             for spec in (s for s in specs if (s.curvature == "true") == true_fisher):
-                if spec.options.get("checkpoint") == IN_LOOP and not variant.in_loop:
+                if spec.options.get("checkpoint") == IN_LOOP and not has_in_loop(config, variant):
                     continue
                 rows.append(evaluate_method(store, spec, truth, data, config.name, variant, note))
         if config.hidden is None and variant.projection is None:
@@ -1028,6 +1034,8 @@ def print_results(rows: list[Row]) -> None:
                 f"validation: {best.method.label} {best.variant.name}) {verdict(value, target)}"
             )
     targets = TARGETS["curvature"]
+    if not any(r.model in targets for r in rows):
+        return
     values = [curvature.get(m, float("nan")) for m in targets]
     ok = all(curvature.get(m, -1.0) >= t for m, t in targets.items())
     print(
