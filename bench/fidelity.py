@@ -14,17 +14,17 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
   inputs are float32 for logistic regression and float64 for the MLP: in float32 the module's GEMMs and the
   stacked training's sum in different orders (4e-8 apart in the first step's gradient) and Adam amplifies that to
   2.7e-4 in the MLP's final weights, where float64 keeps the two equal to 1e-15.
-* A third config, ``mlp-sgdm`` (``--models mlp-sgdm``; not in the default ``logreg,mlp``, whose run with the
-  replay row and the vision row already takes about 10 minutes): the same MLP (same init, float64) trained by
-  **mini-batch SGD with momentum 0.9** (``torch.optim.SGD``, batch 64, ``weight_decay=1e-3`` in the optimizer,
-  where capture's ``optimizer_steps`` records it for the optimizer-aware ``dvemb``/``source`` dynamics; the same
-  gradient as the objective's ``wd/2 ||theta||^2``), cosine schedule from lr 0.03, 1,000 steps (about 67 epochs: each
-  epoch one seeded permutation cut into 15 batches, the last 40 examples skipped). lr and steps were picked from
-  the full-set training loss alone, before any LDS was computed (see ``CONFIGS``). Its in-loop rows are every 10th
-  step (100 recorded steps of 64 rows: each example in about 6). Its retrained subsets follow **the same optimizer
-  and the same batches**: step ``t`` of a subset model minimises ``sum_{i in B_t, i in S} CE_i / 64`` over the
-  full run's batch ``B_t``, the recorded run with the removed examples' weights set to 0 (as MAGIC's LDS; exactly
-  the weights ``store.replay`` differentiates), so retraining is deterministic given the subset. The
+* A third config, ``mlp-sgdm`` (``--models mlp-sgdm``; not in the default ``logreg,mlp``, whose run with the replay
+  row and the vision row already takes over 10 minutes): the same MLP (same init, float64) trained by **mini-batch
+  SGD with momentum 0.9** (``torch.optim.SGD``, batch 64, ``weight_decay=1e-3`` in the optimizer, where capture's
+  ``optimizer_steps`` records it for the optimizer-aware ``dvemb``/``source`` dynamics; the same gradient as the
+  objective's ``wd/2 ||theta||^2``), cosine schedule from lr 0.03, 1,000 steps (about 67 epochs: each epoch one seeded
+  permutation cut into 15 batches, the last 40 examples skipped). lr and steps were picked from the full-set training
+  loss alone, before any LDS was computed (see ``CONFIGS``). Its in-loop rows are every 10th step (100 recorded steps
+  of 64 rows: each example in about 6), on every variant, the exact one included. Its retrained subsets follow **the
+  same optimizer and the same batches**: step ``t`` of a subset model minimises ``sum_{i in B_t, i in S} CE_i / 64``
+  over the full run's batch ``B_t``, the recorded run with the removed examples' weights set to 0 (as MAGIC's LDS;
+  exactly the weights ``store.replay`` differentiates), so retraining is deterministic given the subset. The
   Adam-geometry variants are skipped (they need Adam's second moments).
 * Ground truth, two independent retrainings through ``gradstore.answers.evaluate.retrain``: 100 random subsets of 50%
   of the training set for the **validation** queries (subset seed ``seed + 1``) and another 100 for the
@@ -33,18 +33,17 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
   per-coordinate and the stacked loss is a sum of per-model losses, so this equals independent runs). Outcome:
   each subset model's cross-entropy on its own queries. Validation LDS uses only the validation retraining, test
   LDS only the test retraining: no choice ever sees a test subset or a test query.
-* The attributed model is trained **under capture**: the full model is the ``nn.Sequential`` module trained
-  by ``torch.optim.Adam`` inside ``store.capture(module, RUN, optimizer=..., checkpoint="train")`` with the
-  same full-batch Adam and cosine schedule, capturing every 10th (logistic regression) / 20th (MLP) step (50
-  recorded steps; the other steps run paused), each captured step recording its learning rate: the in-loop rows
-  of ``tracin-steps`` and ``dvemb``, which weight a recorded step by the optimizer steps until the next one. The
-  exact variant records none (its rows are the widest: ``dvemb``'s per-step 2,080 x 2,080 matrix powers alone
-  took 59 s on the MLP), so its trajectory rows are ``tracin`` and ``source`` over the checkpoint passes. The
-  final weights of the training under capture are checked to equal (1e-5) the stacked training's copy trained on
-  the full set. Checkpoint passes at five points of that run
-  (``c1``..``c4``, ``final``, each recorded with its step and the mean learning rate of the steps since the
-  previous one) capture per-example training rows and the query rows (``loss_reduction="mean"``, float32
-  storage).
+* The attributed model is trained **under capture**: the full model is the ``nn.Sequential`` module trained by
+  ``torch.optim.Adam`` inside ``store.capture(module, RUN, optimizer=..., checkpoint="train")`` with the same
+  full-batch Adam and cosine schedule, capturing every 10th (logistic regression) / 20th (MLP) step (50 recorded
+  steps; the other steps run paused), each captured step recording its learning rate: the in-loop rows of
+  ``tracin-steps`` and ``dvemb``, which weight a recorded step by the optimizer steps until the next one. The exact
+  variant records none under full-batch training (its rows are the widest: ``dvemb``'s per-step 2,080 x 2,080 matrix
+  powers alone took 59 s on the MLP), so its trajectory rows are ``tracin`` and ``source`` over the checkpoint passes.
+  The final weights of the training under capture are checked to equal (1e-5) the stacked training's copy trained on
+  the full set. Checkpoint passes at five points of that run (``c1``..``c4``, ``final``, each recorded with its step
+  and the mean learning rate of the steps since the previous one) capture per-example training rows and the query rows
+  (``loss_reduction="mean"``, float32 storage).
 * Curvature rows: after the empirical-Fisher rows are scored, the same checkpoint passes add rows of split
   ``"true-fisher"``: every example once per class ``c``, its loss on label ``c`` weighted by
   ``sqrt(10 p_c)`` with ``p`` the model's predicted distribution (no gradient through the weight). Their mean
