@@ -95,7 +95,7 @@ def _moment(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[torc
     state = optimizer.state.get(param, {})
     if "exp_avg_sq" not in state:
         return None
-    return _full(state["exp_avg_sq"]).detach(), _bias_correction(optimizer, param, state)
+    return _full(state["exp_avg_sq"]).detach(), bias_correction(optimizer, param, state)
 
 
 def adam_second_moment(
@@ -107,14 +107,14 @@ def adam_second_moment(
     state = optimizer.state.get(weight, {})
     if "exp_avg_sq" not in state:
         return None
-    v = _full(state["exp_avg_sq"]) / _bias_correction(optimizer, weight, state)
+    v = _full(state["exp_avg_sq"]) / bias_correction(optimizer, weight, state)
     v = as_matrix(v, kind)
     v = v.T if kind in ("conv1d", "embedding") else v  # Conv1D weights are [in, out]; embeddings [num, dim]
     if has_bias:
         bias_state = optimizer.state.get(module.bias, {})
         if "exp_avg_sq" not in bias_state:
             return None
-        v_b = _full(bias_state["exp_avg_sq"]) / _bias_correction(optimizer, module.bias, bias_state)
+        v_b = _full(bias_state["exp_avg_sq"]) / bias_correction(optimizer, module.bias, bias_state)
         v = torch.cat([v, v_b.reshape(-1, 1)], dim=1)
     return v
 
@@ -123,7 +123,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 DTensor state (collective)
 
 
-def _bias_correction(optimizer: torch.optim.Optimizer, param: torch.Tensor, state: dict[str, Any]) -> float:
+def bias_correction(optimizer: torch.optim.Optimizer, param: torch.Tensor, state: dict[str, Any]) -> float:
+    """Adam's bias correction ``1 - beta2^step`` of ``param``'s second moment (``state``: its optimizer state)."""
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
     beta2 = group.get("betas", (0.9, 0.999))[1]
     step = float(state.get("step", 1))

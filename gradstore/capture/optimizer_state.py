@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ingest.normalizers import adam_second_moment
+from ingest.normalizers import adam_second_moment, bias_correction
 
 #: Layer kinds whose unprojected block is the ``[d_out, d_in (+1)]`` gradient flattened row by row.
 EXACT_KINDS = ("linear", "conv")
@@ -90,30 +90,59 @@ def step_record(
 def preconditioner(optimizer: torch.optim.Optimizer, hooks: Sequence[Any], eps: float) -> list[float] | None:
     """``1 / (sqrt(v_hat) + eps)`` in the rows' space: per coordinate ``[dim]`` when every layer is stored
     unprojected, else the per-layer weighted mean ``[layers]`` (module doc); ``None`` while the optimizer holds
-    no state."""
-    exact, means = [], []
-    for hook in hooks:
-        slot = hook.slot
-        if hook.parameter is None:
+    no state. Runs after every optimizer step: the per-layer means read each moment once more in its own dtype
+    (no float64 copy of the optimizer's state), and the step's values come to the host in one transfer."""
+    if not hooks or any(hook.parameter is None for hook in hooks):
+        return None
+    sharded = [_sharded_moment(optimizer, h.parameter, h.bias if h.slot.has_bias else None) for h in hooks]
+    if all(s is None and h.slot.mode == "exact" and h.slot.kind in EXACT_KINDS for s, h in zip(sharded, hooks)):
+        exact = _per_coordinate(optimizer, hooks, eps)
+        if exact is not None:
+            return exact
+    means = []
+    for hook, v in zip(hooks, sharded):
+        mean = _weighted_mean(v, eps) if v is not None else _layer_mean(optimizer, hook, eps)
+        if mean is None:
             return None
-        sharded = _sharded_moment(optimizer, hook.parameter, hook.bias if slot.has_bias else None)
-        if sharded is not None:  # FSDP2 (DTensor) state: this rank's shard, no collective per step
-            v = sharded
-        else:
-            layer = SimpleNamespace(weight=hook.parameter, bias=hook.bias)
-            v = adam_second_moment(optimizer, layer, slot.kind, slot.has_bias)
-        if v is None:
+        means.append(mean)
+    return torch.stack(means).cpu().tolist()
+
+
+def _weighted_mean(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """``sum v d / sum v`` with ``d = 1 / (sqrt(v) + eps)`` over bias-corrected ``v`` (``1 / eps`` where ``v = 0``)."""
+    v = v.double().clamp(min=0)
+    energy = v.sum()
+    return torch.where(energy > 0, (v / (v.sqrt() + eps)).sum() / energy.clamp(min=1e-300), 1.0 / eps)
+
+
+def _layer_mean(optimizer: torch.optim.Optimizer, hook: Any, eps: float) -> torch.Tensor | None:
+    """:func:`_weighted_mean` of a layer's ``v_hat`` computed from the raw moments ``m`` (``v_hat = m / c``):
+    ``sum_p sum(m / (sqrt(m) + eps sqrt(c_p))) / sqrt(c_p)`` over ``sum_p sum(m) / c_p``, sums in float64."""
+    weighted, energy = 0.0, 0.0
+    for param in (hook.parameter, hook.bias if hook.slot.has_bias else None):
+        if param is None:
+            continue
+        state = optimizer.state.get(param, {})
+        moment = state.get("exp_avg_sq")
+        if moment is None:
             return None
-        v = v.double().clamp(min=0)
-        factor = 1.0 / (v.sqrt() + eps)
-        energy = v.sum()  # weights: a gradient's share of the layer's squared norm, v_hat on average
-        means.append(torch.where(energy > 0, (factor * v).sum() / energy.clamp(min=1e-300), factor.mean()))
-        if sharded is None and slot.mode == "exact" and slot.kind in EXACT_KINDS and factor.numel() == slot.size:
-            exact.append(factor.reshape(-1))
-    if hooks and len(exact) == len(hooks):
-        order = sorted(range(len(hooks)), key=lambda i: hooks[i].slot.offset)
-        return torch.cat([exact[i] for i in order]).cpu().tolist()
-    return torch.stack(means).cpu().tolist() if means else None  # one transfer per step (no sync per layer)
+        root = bias_correction(optimizer, param, state) ** 0.5
+        denominator = moment.sqrt().add_(eps * root)
+        weighted = weighted + torch.div(moment, denominator, out=denominator).sum(dtype=torch.float64) / root
+        energy = energy + moment.sum(dtype=torch.float64) / root**2
+    return torch.where(energy > 0, weighted / energy.clamp(min=1e-300), 1.0 / eps)
+
+
+def _per_coordinate(optimizer: torch.optim.Optimizer, hooks: Sequence[Any], eps: float) -> list[float] | None:
+    """Every layer unprojected: the preconditioner per coordinate, in the rows' layout."""
+    exact = []
+    for hook in sorted(hooks, key=lambda h: h.slot.offset):
+        layer = SimpleNamespace(weight=hook.parameter, bias=hook.bias)
+        v = adam_second_moment(optimizer, layer, hook.slot.kind, hook.slot.has_bias)
+        if v is None or v.numel() != hook.slot.size:
+            return None
+        exact.append((1.0 / (v.double().clamp(min=0).sqrt() + eps)).reshape(-1))
+    return torch.cat(exact).cpu().tolist()
 
 
 def _sharded_moment(optimizer: torch.optim.Optimizer, weight: torch.Tensor, bias: torch.Tensor | None):
