@@ -12,9 +12,16 @@ float16 unit rows + norms (the store's default encoding, as the row cache holds 
   the prepared rows;
 
 for ``gauss`` rows (N(0,1)) and ``clustered`` rows (64 centres of norm ~8 sqrt(d) plus N(0, 3^2) noise per
-entry; queries are centres plus the same noise). Results are checked equal to the float32 kernel's. The last line
-is ``RESULT screen_worst_vs_torch_fp32=<x> target<=1.2 PASS|MISS``: the larger median paired ratio of the two
-row kinds (the screen must never cost much more than the scan it replaces).
+entry; queries are centres plus the same noise). Results are checked equal to the float32 kernel's.
+
+An int8 screen (measured, not adopted; issue 39 item 2): rows and unit queries quantised per vector
+(``h round(v / h)``, ``h = max|v| / 127``), multiplied by torch's int8 GEMM (exact int32 accumulation), with the
+same kind of bound as the bf16 screen's (``||du|| ||v|| + ||u~|| ||dv||`` plus the float32 roundings). The bench
+times that GEMM against the bf16 GEMM (paired) and counts the rows each screen's bound cannot rule out for some
+query (against the true k-th best scores): the share of rows it would rescore.
+
+The last line is ``RESULT screen_worst_vs_torch_fp32=<x> target<=1.2 PASS|MISS``: the larger median paired
+ratio of the two row kinds (the screen must never cost much more than the scan it replaces).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -43,6 +51,65 @@ def rows_of(kind: str, n: int, d: int, q: int, seed: int) -> tuple[np.ndarray, n
     return rows, queries
 
 
+def alternated(arms: dict[str, Callable[[], object]], steps: int) -> dict[str, list[float]]:
+    """Seconds of each arm per step, the arms alternated (order rotating each step) after one warm-up call each."""
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for arm in arms.values():
+        arm()
+    names = list(arms)
+    for step in range(steps):
+        for name in names[step % len(names) :] + names[: step % len(names)]:
+            start = time.perf_counter()
+            arms[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def quantised(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(levels int8 [n, d], steps [n])``: each float32 row as ``step * levels`` (``step = max|row| / 127``)."""
+    steps = rows.abs().amax(dim=1).div_(127).clamp_(min=1e-30)
+    return (rows / steps[:, None]).round_().to(torch.int8), steps
+
+
+def rescored_shares(decoded: torch.Tensor, queries: torch.Tensor, k: int) -> dict[str, float]:
+    """Share of the rows that the bf16 and the int8 screen's bound cannot rule out for some query."""
+    unit = queries / queries.norm(dim=1, keepdim=True)
+    floor = torch.topk(decoded @ unit.T, k, dim=0).values[-1]  # each unit query's true k-th best score
+    norms = decoded.norm(dim=1)
+    bf16_rows, bf16_queries = decoded.bfloat16(), unit.bfloat16()
+    screens = {"bf16": (bf16_rows @ bf16_queries.T).float()}
+    residual_rows = (bf16_rows.float() - decoded).norm(dim=1)
+    residual_query = float((bf16_queries.float() - unit).norm(dim=1).max())
+    out_term = screens["bf16"].abs().amax(dim=1) * 2.0**-8
+    bounds = {"bf16": norms * residual_query + residual_rows * 1.01 + out_term}
+    levels, steps = quantised(decoded)
+    query_levels, query_steps = quantised(unit)
+    products = torch._int_mm(levels, query_levels.T.contiguous()).float()
+    screens["int8"] = products * steps[:, None] * query_steps
+    residual_rows = (levels.float() * steps[:, None] - decoded).norm(dim=1)
+    residual_query = float((query_levels.float() * query_steps[:, None] - unit).norm(dim=1).max())
+    bounds["int8"] = norms * residual_query + residual_rows * 1.01
+    return {
+        name: float(((screens[name] + bounds[name][:, None]) >= floor).any(dim=1).float().mean()) for name in screens
+    }
+
+
+def int8_screen(kind: str, decoded: torch.Tensor, queries: torch.Tensor, args: argparse.Namespace) -> None:
+    """The int8 screen's GEMM against the bf16 one (paired) and the rows each screen would rescore."""
+    levels, _ = quantised(decoded)
+    query_levels = quantised(queries)[0].T.contiguous()
+    bf16_rows, bf16_queries = decoded.bfloat16(), queries.T.contiguous().bfloat16()
+    times = alternated(
+        {"int8": lambda: torch._int_mm(levels, query_levels), "bf16": lambda: bf16_rows @ bf16_queries}, args.steps
+    )
+    ratio = statistics.median(i / b for i, b in zip(times["int8"], times["bf16"], strict=True))
+    shares = rescored_shares(decoded, queries, args.k)
+    print(
+        f"{kind}: int8 screen (not adopted): its GEMM {ratio:.2f}x the bf16 GEMM (median paired); rows its bound "
+        f"keeps for rescoring {shares['int8']:.1%} (bf16 screen: {shares['bf16']:.1%})"
+    )
+
+
 def paired(kind: str, args: argparse.Namespace) -> float:
     """Median paired ratio store kernel / torch fp32 on rows of ``kind``; prints both arms' medians."""
     rows, queries = rows_of(kind, args.rows, args.dims, args.queries, args.seed)
@@ -60,18 +127,12 @@ def paired(kind: str, args: argparse.Namespace) -> float:
         "torch fp32": lambda: torch.topk(decoded @ q.T, args.k, dim=0),
         "store kernel": lambda: index.search(q, prepared, args.k),
     }
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    for arm in arms.values():  # warm-up
-        arm()
-    for step in range(args.steps):
-        names = list(arms)
-        for name in names[step % 2 :] + names[: step % 2]:
-            start = time.perf_counter()
-            arms[name]()
-            times[name].append(time.perf_counter() - start)
+    times = alternated(arms, args.steps)
     ratio = statistics.median(s / t for s, t in zip(times["store kernel"], times["torch fp32"], strict=True))
     medians = ", ".join(f"{name} {statistics.median(t):.3f} s" for name, t in times.items())
     print(f"{kind}: {medians}; store kernel ({index.kernel}) / torch fp32 = {ratio:.3f} (median paired)")
+    if args.int8:
+        int8_screen(kind, decoded, q, args)
     return ratio
 
 
@@ -84,6 +145,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7, help="paired steps per row kind")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-int8", dest="int8", action="store_false", help="skip the int8 screen's measurement")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{args.rows} x {args.dims} float16 unit rows, {args.queries} queries, top-{args.k}, {args.threads} threads")
