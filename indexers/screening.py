@@ -10,9 +10,9 @@ result and ``gamma = d 2**-24`` the worst-case float32 accumulation error (count
 the float32 score it is compared with), all times a 1% safety factor. Taking the largest query-side factors
 and the row's largest ``|out|`` gives one bound per row, valid for every query. A row (times its scale ``s``)
 is rescored in float32 when, for some query, its upper bound reaches that query's floor: the k-th best float32
-score known so far (from earlier blocks, and from rescoring each query's top-k rows of this block on the screen,
-looked for among the rows best for any query). Only per-row passes (the screen's row minimum and maximum) run
-over the whole ``[rows, queries]`` screen; the per-query test runs on the few rows that pass the per-row one. No row
+score known so far (from earlier blocks, and from rescoring each query's top-k rows of this block on the screen).
+Besides that per-query top-k, only per-row passes (the screen's row minimum and maximum) run over the whole
+``[rows, queries]`` screen; the per-query test runs on the few rows that pass the per-row one. No row
 of the float32 top-k, ties included, can be dropped, so the result equals the float32 kernel's (scores and
 ids, ties broken by the smaller id), at close to the cost of the bf16 GEMM when candidates are few. Where they
 are many (more than :data:`DENSE_SHARE` of a block: rows whose scores lie within the screen's error of each
@@ -236,11 +236,10 @@ class ScreenedQueries:
 
 OUT = SAFETY * BF16_ROUNDOFF / (1 - BF16_ROUNDOFF)  # the bf16 result's rounding, relative to |result|
 FLOOR_MARGIN = 2.0**-22  # the float32 division of a floor by a query norm, relative
-POOL = 4  # rows per query and per k searched for the queries' best rows on the screen
+QUERY_CHUNK = 64  # queries whose screen columns are taken to float32 at a time for their top-k
 #: Beyond this share of a block's rows to rescore, every row is scored in float32 as stored (tiles upcast in
-#: order, no gather): measured on clustered rows (50,000 x 4,096, 64 clusters, each query's top-10 within the
-#: screen's error of hundreds of its cluster's rows; 93% of the rows reach some query), rescoring the gathered
-#: candidates cost 3.2x torch fp32, scoring every row 1.04x.
+#: order, no gather): rows whose scores lie within the screen's error of each other for many queries (bench/screen.py's
+#: clustered rows, before each query had its own floor: 10.7x torch fp32 gathering, 1.9x scoring every row).
 DENSE_SHARE = 0.5
 
 
@@ -250,11 +249,12 @@ def candidate_scores(
     """Float32 scores ``[q, m]`` of the block's rows ``ids [m]`` that can reach some query's top-k.
 
     ``floor [q]`` is a lower bound of each query's final k-th best float32 score (``-inf`` when unknown). The
-    screen works in units of each query's norm: ``out_ij ~ v_i . q_j / ||q_j||``. Only per-row passes touch the
-    whole ``[n, q]`` screen (its row minimum and maximum); the per-query test runs on the rows that pass the
-    per-row one (see :func:`_reaching`). Those passes run on one thread: dozens of small operations, each a
-    barrier for every thread, cost more in waits than they gain on a busy machine; the rescoring GEMM runs on
-    every thread, over the candidates or, beyond :data:`DENSE_SHARE` of the block, over every row."""
+    screen works in units of each query's norm: ``out_ij ~ v_i . q_j / ||q_j||``. Besides each query's top-k on
+    the screen (its floor), only per-row passes touch the whole ``[n, q]`` screen (its row minimum and maximum);
+    the per-query test runs on the rows that pass the per-row one (see :func:`_reaching`). Those passes run on
+    one thread: dozens of small operations, each a barrier for every thread, cost more in waits than they gain on
+    a busy machine; the rescoring GEMM runs on every thread, over the candidates or, beyond :data:`DENSE_SHARE`
+    of the block, over every row."""
     out = _screen_products(block.screen, queries.screen_t)  # [n, q] bf16
     low, high = torch.aminmax(out, dim=1)
     with one_thread():
@@ -295,7 +295,7 @@ def _candidates(
     first = torch.empty(0, dtype=torch.int64, device=out.device)
     first_scores = torch.empty(0, queries.exact_t.shape[1], dtype=torch.float32, device=out.device)
     if len(block) >= k:  # the float32 scores of each query's best rows on the screen give a tight floor
-        first = _screen_top_k(out, block.scales, best, k)
+        first = _screen_top_k(out, block.scales, k)
         first_scores = _rescored(block, first, queries.exact_t)
         floor = torch.maximum(floor, first_scores.topk(k, dim=0).values[k - 1])
     unit_floor = floor / queries.norms
@@ -303,15 +303,18 @@ def _candidates(
     return first, first_scores, _reaching(out, block.scales, best, bound, unit_floor, first)
 
 
-def _screen_top_k(out: torch.Tensor, scales: torch.Tensor | None, best: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows among each query's ``k`` best on the (scaled) screen, looked for in a pool of the rows whose best
-    value is among the ``POOL * k * q`` largest (the top-k of a query can only miss the pool when others' rows
-    crowd it out; then its floor is merely less tight)."""
-    pool = best.topk(min(len(best), POOL * k * out.shape[1])).indices
-    values = out[pool].to(torch.float32)
-    if scales is not None:
-        values.mul_(scales[pool, None])
-    return pool[values.topk(k, dim=0).indices.flatten().unique()]
+def _screen_top_k(out: torch.Tensor, scales: torch.Tensor | None, k: int) -> torch.Tensor:
+    """The rows among some query's ``k`` best on the (scaled) screen, :data:`QUERY_CHUNK` queries' columns at a
+    time. Every query's own top-k gives every query a tight floor: a pool of the rows best for any query (the
+    kernel's first form) let clustered queries crowd each other out, and the loose floors left most rows to
+    rescore (bench/screen.py, clustered rows: 10.7x torch fp32, now below 1x)."""
+    found = []
+    for start in range(0, out.shape[1], QUERY_CHUNK):
+        values = out[:, start : start + QUERY_CHUNK].to(torch.float32)
+        if scales is not None:
+            values.mul_(scales[:, None])
+        found.append(values.topk(k, dim=0).indices.flatten())
+    return torch.cat(found).unique()
 
 
 def _reaching(

@@ -188,9 +188,9 @@ def test_bfloat16_kernel_ranks_what_a_bf16_gemm_cannot(largest: bool) -> None:
 
 
 @pytest.mark.parametrize("largest", [True, False])
-def test_bfloat16_kernel_exact_when_one_query_crowds_the_screen_pool(largest: bool) -> None:
-    """One query scores far higher than the others on every row, so the pool of rows best for some query holds
-    only its rows and the other queries' floors start loose: the result must still be the float32 one."""
+def test_bfloat16_kernel_exact_when_one_query_dominates_the_screen(largest: bool) -> None:
+    """One query scores far higher than the others on every row (its rows would fill a pool of the rows best for
+    any query): each query's floor comes from its own top-k on the screen; the result is the float32 one."""
     rng = np.random.default_rng(11)
     vectors = rng.standard_normal((3000, 64)).astype(np.float32)
     direction = np.eye(64, dtype=np.float32)[0]
