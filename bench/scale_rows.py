@@ -14,15 +14,16 @@ through ``store.writer`` (its background thread encodes and commits one data fil
   process (one streaming scan) and on Ray with 2 local workers (:class:`~gradstore.core.engine.RayEngine`, 2
   tasks per CPU), alternated for ``--rounds`` rounds after a warm-up: median seconds, seconds per million rows,
   and whether both engines found the same ids;
-* an ANN index (``--index``, default ``IVF256,SQ8`` from 65k rows, probing 8 lists: ``bench/ann_recall.py``'s
-  partition, 1 byte a dim), built over the rows in this process: build time, recall@10 of FAISS alone and of
-  the two-stage search (100 FAISS candidates re-ranked exactly from the store) against the exact scan, and the
-  two-stage search time. Not on Ray: each shard's part of the index (2.5 GB at 10M rows) would come back
-  through Ray's object store, two copies of 10 GB at once on a 23 GB machine. Not product-quantised: training
-  ``PQ64`` at 1,024 dims took 210 s and it added 4,900 rows/s here (34 minutes for 10M). Not HNSW: at 10M x
-  1,024 an ``HNSW32,SQ8`` graph holds ~13 GB (10 GB of codes + 32 links a row) and added ~2,100 rows/s on this
-  2-core machine (40k rows; slower as the graph grows): over 80 minutes in one process, since graphs cannot be
-  built per shard and merged;
+* an ANN index (``--index``, default ``IVF256,SQ4`` from 65k rows, probing 8 lists: ``bench/ann_recall.py``'s
+  partition with 4-bit codes, 512 bytes a row at 1,024 dims), built over the rows in this process: build time,
+  recall@10 of FAISS alone and of the two-stage search (100 FAISS candidates re-ranked exactly from the store)
+  against the exact scan, and the two-stage search time. Not ``SQ8``: at 10M rows its 10 GB index, with the
+  rest of this process, was killed for memory (17 GB resident) on this 23 GB machine shared with other work.
+  Not on Ray: each shard's part of the index comes back through Ray's object store (a second copy). Not
+  product-quantised: training ``PQ64`` at 1,024 dims took 210 s and it added 4,900 rows/s here (34 minutes for
+  10M). Not HNSW: at 10M x 1,024 an ``HNSW32,SQ8`` graph holds ~13 GB (10 GB of codes + 32 links a row) and
+  added ~2,100 rows/s on this 2-core machine (40k rows; slower as the graph grows): over 80 minutes in one
+  process, since graphs cannot be built per shard and merged;
 * peak RSS (``VmHWM``, reset before each phase through ``/proc/<pid>/clear_refs``) of every process: this one
   and each process Ray started (raylet, GCS, workers...), for the ingest, the scans and the index build.
 
@@ -45,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -157,10 +158,11 @@ def grow(store: gradstore.GradStore, path: Path, rows: int, dims: int, dtype: st
 
 
 def first_stage(kind: str, rows: int) -> FirstStage:
-    """``--index`` (``auto``: :func:`ann_recall.ivf_kind`, ``IVF256,SQ8`` probing 8 lists from 65k rows on), its
+    """``--index`` (``auto``: :func:`ann_recall.ivf_kind`'s partition with 4-bit codes, ``IVF256,SQ4`` probing 8 lists
+    from 65k rows on), its
     ``10 k`` candidates re-ranked exactly."""
     if kind == "auto":
-        return ivf_kind(rows)
+        return replace(ivf_kind(rows), factory=ivf_kind(rows).factory.replace("SQ8", "SQ4"))
     nlist = int(kind[3:].split(",")[0]) if kind.startswith("IVF") else 0
     return FirstStage(kind, max(4, nlist // 32))
 
@@ -173,11 +175,11 @@ def measure(store, path: Path, ray_engine: RayEngine, args, dtype: str, rows: in
     local_shards = fragment_shards(store, RUN, where, 1)
     ray_shards = fragment_shards(store, RUN, where, ray_engine.parallelism)
     reset_peaks()
-    paired(local_shards, ray_shards, ray_engine, space, prepared, 1)  # warm-up
+    exact_ids = scan(LocalEngine(), local_shards, space, prepared)[1]  # warm-up, and the ids to recall
+    scan(ray_engine, ray_shards, space, prepared)
     local_s, ray_s, same = paired(local_shards, ray_shards, ray_engine, space, prepared, args.rounds)
     size = Size(rows, *grown, directory_bytes(path) / rows, local_s, ray_s, same)
     size.notes.append(peak_line("exact scans"))
-    exact_ids = scan(LocalEngine(), local_shards, space, prepared)[1]
 
     if args.index != "none":
         kind = first_stage(args.index, rows)
@@ -204,27 +206,35 @@ def measure(store, path: Path, ray_engine: RayEngine, args, dtype: str, rows: in
     return size
 
 
-def report(dtype: str, dims: int, sizes: list[Size]) -> dict[str, float]:
-    """Print one dtype's table; return its flatness ratios (last size / first)."""
+def header(dtype: str, dims: int) -> None:
+    """The head of one dtype's table (:func:`row` prints a size as soon as it is measured)."""
     print(f"{dtype}, {dims} dims, grad-dot exact top-{K} of 64 queries, medians of the alternated rounds:")
     print(
         f"  {'rows':>11s} {'ingest MB/s':>11s} {'(disk MB/s)':>11s} {'gen s':>6s} {'bytes/row':>9s} "
         f"{'in-proc s':>9s} {'s/1M':>6s} {'ray s':>7s} {'s/1M':>6s} same"
     )
-    for s in sizes:
-        ingest = (
-            f"{s.vector_mb / s.ingest_seconds:11.1f} {s.disk_mb / s.ingest_seconds:11.1f}"
-            if s.ingest_seconds
-            else f"{'cached':>23s}"
-        )
-        print(
-            f"  {s.rows:>11,d} {ingest} {s.generate_seconds:6.1f} {s.bytes_per_row:9.1f} {s.local_s:9.2f} "
-            f"{s.per_million(s.local_s):6.2f} {s.ray_s:7.2f} {s.per_million(s.ray_s):6.2f} {s.same_ids}"
-        )
-        if s.index:
-            print(f"    {s.index}")
-        for note in s.notes:
-            print(f"  {note}")
+
+
+def row(s: Size) -> None:
+    """One size's line, its index and its peak RSS lines (flushed: a run killed later keeps them)."""
+    ingest = (
+        f"{s.vector_mb / s.ingest_seconds:11.1f} {s.disk_mb / s.ingest_seconds:11.1f}"
+        if s.ingest_seconds
+        else f"{'cached':>23s}"
+    )
+    print(
+        f"  {s.rows:>11,d} {ingest} {s.generate_seconds:6.1f} {s.bytes_per_row:9.1f} {s.local_s:9.2f} "
+        f"{s.per_million(s.local_s):6.2f} {s.ray_s:7.2f} {s.per_million(s.ray_s):6.2f} {s.same_ids}"
+    )
+    if s.index:
+        print(f"    {s.index}")
+    for note in s.notes:
+        print(f"  {note}")
+    sys.stdout.flush()
+
+
+def report(sizes: list[Size]) -> dict[str, float]:
+    """Print one dtype's cost-per-row ratios (last size / first) and return them."""
     first, last = sizes[0], sizes[-1]
     ratios = {
         "in-process scan": last.local_s / last.rows / (first.local_s / first.rows),
@@ -246,6 +256,7 @@ def run_dtype(dtype: str, ray_engine: RayEngine, args) -> dict[str, float]:
     store = gradstore.open(path, storage_dtype=dtype, row_files=False)
     store.core.catalog.ensure_run(RUN, spec(args.dims))
     sizes = []
+    header(dtype, args.dims)
     try:
         for rows in args.sizes:
             log(f"{dtype}: growing the store to {rows:,} rows")
@@ -256,7 +267,8 @@ def run_dtype(dtype: str, ray_engine: RayEngine, args) -> dict[str, float]:
             size = measure(store, path, ray_engine, args, dtype, rows, grown)
             size.notes.insert(0, ingest_peak)
             sizes.append(size)
-        return report(dtype, args.dims, sizes)
+            row(size)
+        return report(sizes)
     finally:
         if not args.keep:
             shutil.rmtree(path, ignore_errors=True)
