@@ -132,6 +132,7 @@ from torch import nn
 import gradstore
 from gradstore.answers import evaluate
 from gradstore.answers.replay import Optimizer
+from gradstore.core.vectors import STORAGE_DTYPES
 from gradstore.methods import METHODS, TRUE_FISHER_SPLIT
 from ingest.basis import estimate_basis
 from ingest.capture import ProjectionConfig
@@ -584,10 +585,12 @@ def build_store(
     seed: int,
     plan: dict[str, tuple[int, float]],
     reference: list[torch.Tensor],
+    storage_dtype: str = "float32",
 ) -> tuple[gradstore.GradStore, dict[str, Snapshot], dict[str, Any], str]:
-    """A store of one variant: training under capture (checked against ``reference``) and the checkpoint
-    passes' training and query rows. Returns it, the checkpoint weights, the capture options and a dims note."""
-    store = gradstore.open(workdir / f"{config.name}-{variant.name}", storage_dtype="float32")
+    """A store of one variant (rows stored as ``storage_dtype``): training under capture (checked against
+    ``reference``) and the checkpoint passes' training and query rows. Returns it, the checkpoint weights, the
+    capture options and a dims note."""
+    store = gradstore.open(workdir / f"{config.name}-{variant.name}", storage_dtype=storage_dtype)
     basis = None
     if variant.family == "curvature-aware":
         basis = fisher_basis(config, data.x_train, reference, variant.split)
@@ -845,9 +848,10 @@ def evaluate_model(
     seed: int,
     workdir: Path,
     replay: bool = False,
+    storage_dtype: str = "float32",
 ) -> tuple[list[Row], list[tuple[str, evaluate.LDSResult]], Truth]:
     """Every (variant, method) row of one model family, the sanity rows, and the retrainings (and with ``replay``
-    the exact replay's row)."""
+    the exact replay's row), the rows stored as ``storage_dtype``."""
     plan = checkpoint_plan(config)
     start = time.perf_counter()
     data = data.to(config.dtype)
@@ -870,7 +874,9 @@ def evaluate_model(
         if variant.normalizer == "adam_sqrt" and config.optimizer != "adam":
             continue  # Adam's geometry needs Adam's second moments
         began = time.perf_counter()
-        store, snapshots, options, note = build_store(workdir, config, data, variant, seed, plan, reference)
+        store, snapshots, options, note = build_store(
+            workdir, config, data, variant, seed, plan, reference, storage_dtype
+        )
         for true_fisher in (False, True):  # the empirical-Fisher methods before the true-Fisher rows exist
             if true_fisher:
                 checkpoint_passes(store, config, data, snapshots, plan, options, true_fisher=True)
@@ -1086,6 +1092,12 @@ def main() -> None:
     )
     parser.add_argument("--no-vision", action="store_true", help="skip the CNN's row (bench/fidelity_vision.py)")
     parser.add_argument("--replay", action="store_true", help="add the MLPs' exact replay rows (store.replay)")
+    parser.add_argument(
+        "--storage-dtype",
+        default="float32",
+        choices=STORAGE_DTYPES,
+        help="how the stores hold the rows (default float32: the figures of record; int8/float16 measure the encoding)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     began, cpu = time.perf_counter(), time.process_time()
@@ -1099,7 +1111,7 @@ def main() -> None:
             config = CONFIGS[name]
             replay = args.replay and config.hidden is not None
             model_rows, sanity[name], _ = evaluate_model(
-                config, data, variants, methods, args.subsets, args.seed, Path(workdir), replay
+                config, data, variants, methods, args.subsets, args.seed, Path(workdir), replay, args.storage_dtype
             )
             started = time.perf_counter()
             add_qld(list(per_method(model_rows).values()), config, data, args.qld_queries, args.seed)

@@ -32,9 +32,11 @@ Storage dtypes
     float32 scan on decaying-spectrum rows 0.9875 (float16 1.0, bfloat16 0.998), short of the issue's 0.999;
     ``gradstore demo`` best/BM25 2.205 (float16 2.349) but fisher's recall@10 0.496 (float16 0.623) and the
     curvature-aware fisher's 0.500 (0.796): preconditioning amplifies the quantisation error. The scan of
-    prepared rows is no faster than float16's (the bf16 kernel screens a bf16 copy). Not the default: the
-    demo's fisher rows and the 0.999 recall fail, and bench/fidelity.py was not run. 1 byte per dimension + 4
-    bytes.
+    prepared rows is no faster than float16's (the bf16 kernel screens a bf16 copy; an int8 screen, whose bound is
+    wider, rescores more rows than it saves: bench/screen.py). bench/fidelity.py's MLP (``--storage-dtype``): the
+    best method at full dims and at 416 dims within 0.001 LDS of float16 (s.e. 0.006-0.008), every 416-dim method
+    within 0.001, but ``source`` on full-dim true-Fisher rows 0.535 against 0.557. Not the default: the demo's
+    fisher rows and the 0.999 recall fail. 1 byte per dimension + 4 bytes.
 ``"float32"``
     The raw vector in float32 (``grad_norm`` is still stored, for cosine and audits). 4 bytes per dimension.
 

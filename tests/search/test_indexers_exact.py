@@ -11,7 +11,7 @@ from brute_force import brute_force, integer_data
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from indexers import UNIT_BF16_NORM, CosinePreconditioner, ExactIndex, blocks_from_arrays
+from indexers import UNIT_BF16_NORM, CosinePreconditioner, ExactIndex, blocks_from_arrays, screening
 from indexers.screening import RowPieces, fast_bfloat16_matmul, row_tiles
 
 
@@ -203,6 +203,34 @@ def test_bfloat16_kernel_exact_when_one_query_crowds_the_screen_pool(largest: bo
     float32 = ExactIndex(device="cpu", kernel="float32", block_rows=1000).search(queries, (ids, vectors), 5, largest)
     np.testing.assert_array_equal(found, float32[1])
     np.testing.assert_allclose(scores, float32[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dense_share", [0.0, 0.5, 1.0])
+def test_bfloat16_kernel_exact_on_clustered_rows_whichever_way_it_rescores(monkeypatch, dense_share: float) -> None:
+    """Rows in tight clusters: each query's top-k lies within the screen's error of most of its cluster, so the
+    screen keeps most rows. Rescoring the gathered candidates (``DENSE_SHARE`` 1) and scoring every row of the
+    block (0; the default 0.5 takes this path here) give the float32 result, ties included."""
+    rng = np.random.default_rng(12)
+    centres = 40 * rng.standard_normal((4, 96)).astype(np.float32)
+    vectors = centres[rng.integers(0, 4, 2000)] + rng.standard_normal((2000, 96)).astype(np.float32)
+    vectors[1000:1010] = vectors[0]  # exact ties across the block boundary
+    queries = centres + rng.standard_normal((4, 96)).astype(np.float32)
+    ids = rng.permutation(10**6)[:2000].astype(np.int64)
+    monkeypatch.setattr("indexers.screening.DENSE_SHARE", dense_share)
+    rescored = []
+    real = screening._rescored
+    monkeypatch.setattr("indexers.screening._rescored", lambda *a: rescored.append(len(a[1])) or real(*a))
+    index = ExactIndex(device="cpu", kernel="bfloat16", block_rows=1000)
+    expected = ExactIndex(device="cpu", kernel="float32", block_rows=1000).search(queries, (ids, vectors), 12)
+    for source in (index.prepare(ids, vectors), (ids, torch.from_numpy(vectors).to(torch.bfloat16))):
+        scores, found = index.search(queries, source, 12)
+        if isinstance(source, tuple):
+            expected = ExactIndex(device="cpu", kernel="float32").search(
+                queries, (ids, source[1].to(torch.float32)), 12
+            )
+        np.testing.assert_array_equal(found, expected[1])
+        np.testing.assert_allclose(scores, expected[0], rtol=1e-6)
+    assert (sum(rescored) > 2000) == (dense_share == 1.0), rescored  # rows gathered for rescoring, 4 blocks
 
 
 def test_scores_within_tolerance_of_float32_on_store_rows(kernel: str) -> None:
