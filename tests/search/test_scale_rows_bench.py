@@ -1,5 +1,5 @@
 """``bench/scale_rows.py`` end to end at a tiny size: both storage dtypes grown through two sizes (the second
-resuming the first's generated block), scanned in process and on Ray, indexed (IVF-SQ8) and reported, its store
+resuming the first's generated block), scanned in process and on Ray, indexed (IVF) and reported, its store
 deleted after. The figures themselves are the bench's (docs/benchmarks.md), not checked here."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_scale_rows_bench_runs_both_dtypes(tmp_path):
         assert f"{dtype}, 64 dims" in out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("2,048", "4,096"))]
     assert len(rows) == 4 and all(row[-1] == "True" for row in rows)  # in-process and Ray found the same ids
-    assert out.count(",SQ8 (nprobe ") == 4 and "recall@10 two-stage" in out  # the index at every size
+    assert out.count("recall@10 two-stage") == 4  # the index at every size, both dtypes
     assert "peak RSS, exact scans" in out and "ray::" in out
     assert out.strip().splitlines()[-1].startswith("RESULT scale_rows_cost_flatness=")
     assert not list(tmp_path.glob("gradstore-scale-rows-*"))  # the stores are deleted
