@@ -31,8 +31,9 @@ Flatness: the cost per row at the last size over the first, for the ingest and b
 scale_rows_cost_flatness=<the largest of them, every dtype>`` (target <= 1.15). The store lives under
 ``--dir`` (the temp directory) and is deleted at the end unless ``--keep`` (10M float16 rows: ~21 GB); the run
 refuses to start a size that would leave under 10 GB free. The default (``--rows 1000000 --sizes
-100000,1000000``, float16) runs in a few minutes on 2 cores; the record run: ``--rows 10000000 --sizes
-1000000,10000000 --dtype both``.
+100000,1000000``, float16) runs in a few minutes on 2 cores; the runs on record (docs/benchmarks.md): ``--rows
+10000000 --sizes 1M,10M --rounds 1 --dtype float16`` (24 minutes on the shared machine), then ``--dtype int8``
+(11 minutes).
 """
 
 from __future__ import annotations
