@@ -61,23 +61,29 @@ def structured_rows(generator: torch.Generator, n: int, centres: torch.Tensor, s
     """``n`` rows: a random cluster centre + a shared rank-32 component + noise (float32)."""
     assignment = torch.randint(0, len(centres), (n,), generator=generator)
     mixing = torch.randn(n, len(shared), generator=generator) * 0.5
-    return centres[assignment] + mixing @ shared + 0.3 * torch.randn(n, DIM, generator=generator)
+    return centres[assignment] + mixing @ shared + 0.3 * torch.randn(n, centres.shape[1], generator=generator)
 
 
-def spec() -> ProjectionSpec:
-    size = DIM // LAYERS
+def spec(dims: int = DIM) -> ProjectionSpec:
+    """``LAYERS`` factorized layers of ``k x k`` dims each summing to ``dims`` (16 x 16 at 4,096, 8 x 8 at 1,024)."""
+    size = dims // LAYERS
+    side = int(size**0.5)
+    if side * side * LAYERS != dims:
+        raise ValueError(f"dims must be {LAYERS} squares, got {dims}")
     layers = tuple(
-        LayerSlot(f"h{i}.mlp", "linear", 256, 256, 16, 16, "factorized", i * size, size, True) for i in range(LAYERS)
+        LayerSlot(f"h{i}.mlp", "linear", 256, 256, side, side, "factorized", i * size, size, True)
+        for i in range(LAYERS)
     )
     return ProjectionSpec(seed=0, kind="factorized", layers=layers)
 
 
-def structure() -> tuple[torch.Generator, torch.Tensor, torch.Tensor, np.ndarray]:
-    """The generator (after drawing the structure), cluster centres, shared component and the 64 queries."""
+def structure(dims: int = DIM) -> tuple[torch.Generator, torch.Tensor, torch.Tensor, np.ndarray]:
+    """The generator (after drawing the structure), cluster centres, shared component and the 64 queries, at
+    ``dims`` dims."""
     generator = torch.Generator().manual_seed(0)
-    basis = torch.randn(64, DIM, generator=generator) / 8
+    basis = torch.randn(64, dims, generator=generator) / 8
     centres = torch.randn(64, 64, generator=generator) @ basis
-    shared = torch.randn(32, DIM, generator=generator) / 16
+    shared = torch.randn(32, dims, generator=generator) / 16
     return generator, centres, shared, structured_rows(generator, QUERIES, centres, shared).numpy()
 
 
