@@ -12,6 +12,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 import typer.core
 
+from gradstore.cli.allocator import limit_malloc_arenas
 from gradstore.core.engine import resolve_engine
 from gradstore.errors import GradstoreError
 from gradstore.methods import OPTION_HELP, method_names
@@ -47,6 +48,13 @@ app = typer.Typer(
     cls=_Commands,
     pretty_exceptions_enable=False,
 )
+
+
+@app.callback()
+def _process() -> None:
+    # before any command: this process's allocator settings (gradstore.cli.allocator)
+    limit_malloc_arenas()
+
 
 StoreArg = Annotated[Path, typer.Argument(help="Store directory (or object-store URI).")]
 

@@ -15,7 +15,8 @@ small matrix per layer block.
 ``H_s = C^T C / n`` over the step's rows of split ``"true-fisher"`` (labels sampled from the model: a GGN) when
 it has any, else over its training rows (the batch's empirical Fisher). The recursion runs backwards over the
 recorded steps, ``M <- M (I - lr_s H_s)^{s_s}`` per block, reading the rows in chunks of steps (memory: the
-embeddings ``[examples, dim]`` and one ``d_b x d_b`` matrix per block, never all rows).
+embeddings ``[examples, dim]`` and one ``d_b x d_b`` matrix per block, three with a recorded optimizer's dynamics:
+:class:`~gradstore.methods.dynamics.JointProduct`; never all rows).
 
 The embeddings are stored as the run ``<run>.dvemb`` (same projection spec and dim: its rows are searched like
 any run's, by every index kind, the SQL macros and the report), one row per example under checkpoint ``dvemb``.
@@ -224,7 +225,7 @@ class BlockDiagonal:
         sizes = {size for _, size in self.spans}
         contiguous = all(offset == i * self.spans[0][1] for i, (offset, _) in enumerate(self.spans))
         self.batched = torch.stack(matrices) if len(sizes) == 1 and contiguous else None
-        self.matrices = matrices
+        self.matrices = matrices if self.batched is None else []  # not both: a full block is dim^2 float64
 
     @classmethod
     def identity(cls, spans: Sequence[tuple[int, int]], run: str = "") -> BlockDiagonal:
@@ -279,9 +280,10 @@ def _carried(products: torch.Tensor, curvature: torch.Tensor, rate: float, span:
     """``P (I - rate C^T C)^span`` for batched ``P [b, s, s]`` and ``C [b, n, s]``. One step: two products. More:
     through the eigendecomposition of the smaller Gram matrix, ``C C^T = U diag(mu) U^T`` (``n x n``), as
     ``P + (P C^T U) diag(((1 - rate mu)^span - 1) / mu) (U^T C)`` (the factor is the identity off ``C``'s rows),
-    or of ``C^T C`` itself when it is the smaller one."""
+    or of ``C^T C`` itself when it is the smaller one. ``P`` is updated in place where the result is ``P`` plus a
+    low-rank term (no second ``s x s`` matrix per block: at full dimension one is hundreds of MB)."""
     if span == 1:
-        return torch.baddbmm(products, torch.bmm(products, curvature.transpose(1, 2)), curvature, alpha=-rate)
+        return products.baddbmm_(torch.bmm(products, curvature.transpose(1, 2)), curvature, alpha=-rate)
     if curvature.shape[1] < curvature.shape[2]:
         values, vectors = torch.linalg.eigh(torch.bmm(curvature, curvature.transpose(1, 2)))
         safe = torch.where(values > 0, values, torch.ones_like(values))
@@ -289,7 +291,7 @@ def _carried(products: torch.Tensor, curvature: torch.Tensor, rate: float, span:
             values > 0, ((1 - rate * values) ** span - 1) / safe, -rate * span * torch.ones_like(values)
         )
         rows = torch.bmm(vectors.transpose(1, 2), curvature)  # U^T C: [b, n, s]
-        return torch.baddbmm(products, torch.bmm(products, rows.transpose(1, 2)) * weights[:, None, :], rows)
+        return products.baddbmm_(torch.bmm(products, rows.transpose(1, 2)) * weights[:, None, :], rows)
     values, vectors = torch.linalg.eigh(torch.bmm(curvature.transpose(1, 2), curvature))
     factor = torch.bmm(vectors * ((1 - rate * values) ** span)[:, None, :], vectors.transpose(1, 2))
     return torch.bmm(products, factor)
