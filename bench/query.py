@@ -213,7 +213,7 @@ def paired_arms(
         return attribute()
 
     def first() -> object:
-        without_files.row_cache.clear()
+        without_files.core.row_cache.clear()
         return without_files.attribute(q, run="bench", k=K, write=False, method="grad-dot")
 
     arms: dict[str, Callable[[], object]] = {
