@@ -131,7 +131,7 @@ def _built(store: StoreCore, run: str) -> tuple[int, int] | None:
 def _build(store: StoreCore, run: str, label: str, structure: str) -> None:
     """Fold the new steps into the stored embeddings when only later steps were appended, else recompute all."""
     stored = _read_state(store, run)
-    steps = dynamics.with_dynamics(store, run, label, recorded_steps(store, run, label))
+    steps = recorded_steps(store, run, label)  # their dynamics are read chunk by chunk, as their rows
     spans = _spans(store, run, structure)
     source = _source_state(store, run, label)
     incremental = (
@@ -139,7 +139,7 @@ def _build(store: StoreCore, run: str, label: str, structure: str) -> None:
         and (stored.label, stored.blocks) == (label, structure)
         and stored.derived == _built(store, run)
         and _only_after(store, run, label, stored)
-        and not any(dynamics.coefficients_of(s).has_momentum for s in steps)  # momentum: the joint state, rebuilt
+        and not dynamics.summary(store, run, label, steps)[1]  # momentum: the joint state, rebuilt
     )
     if incremental:
         new = [s for s in steps if s.step > stored.last_step]
@@ -153,7 +153,7 @@ def _build(store: StoreCore, run: str, label: str, structure: str) -> None:
         embeddings = np.stack([embeddings_by_id[i] for i in ids]) if ids else np.empty((0, store.run_dim(run)))
         log.info("dvemb: folded %d new step(s) of run %r into %d embeddings", len(new), run, len(ids))
     else:
-        ids, embeddings, _ = recursion(store, run, label, steps, spans)
+        ids, embeddings = recursion(store, run, label, steps, spans)[:2]  # the product let go before the write
     written = _write(store, run, ids, embeddings, steps[-1].step)
     _write_state(store, run, EmbeddingState(label, structure, source, steps[-1].step, written))
 
@@ -181,14 +181,13 @@ def recursion(
 ) -> tuple[list[str], np.ndarray, BlockDiagonal]:
     """The embeddings of the examples of ``steps`` (ids sorted, float64 ``[n, dim]``) over these steps alone, and
     the per-block products ``prod (I - lr H)^s`` over them (what earlier embeddings are carried through)."""
-    carried = carrier(spans, steps, run)
+    carried = carrier(spans, *dynamics.summary(store, run, label, steps), run)
     ids = _example_ids(store, run, label, steps)
     position = {example_id: i for i, example_id in enumerate(ids)}
     sums = torch.zeros(len(ids), store.run_dim(run), dtype=torch.float64)  # the result, in place: never regrown
-    by_step = {s.step: s for s in steps}
     for step, rows, example_ids, curvature in _steps(store, run, label, steps):
         columns = torch.tensor([position[example_id] for example_id in example_ids], dtype=torch.long)
-        sums.index_add_(0, columns, carried.absorb(rows, curvature, by_step[step]))
+        sums.index_add_(0, columns, carried.absorb(rows, curvature, step))
     dynamics.warn_clipped(carried.clipped, run)
     embeddings = sums.numpy()
     dynamics.check_embeddings(embeddings, run, carried.first_large)
@@ -210,34 +209,35 @@ def _example_ids(store: StoreCore, run: str, label: str, steps: Sequence[Recorde
 
 
 def carrier(
-    spans: Sequence[tuple[int, int]], steps: Sequence[RecordedStep], run: str = ""
+    spans: Sequence[tuple[int, int]], plain: bool, momentum: bool, run: str = ""
 ) -> BlockDiagonal | dynamics.JointProduct:
     """The product the recursion carries: :class:`BlockDiagonal` (``prod (I - lr H)``) when every step is plain
-    SGD (or has no recorded optimizer), else the joint parameter/momentum one of :mod:`gradstore.methods.dynamics`."""
-    recorded = [dynamics.coefficients_of(s) for s in steps]
-    if all(c.is_plain for c in recorded):
-        return BlockDiagonal.identity(spans, run)
-    return dynamics.JointProduct(spans, any(c.has_momentum for c in recorded), run)
+    SGD (or has no recorded optimizer), else the joint parameter/momentum one of :mod:`gradstore.methods.dynamics`
+    (``R_n`` only with ``momentum``): :func:`dynamics.summary` of the steps."""
+    if plain:
+        return BlockDiagonal(spans, run)
+    return dynamics.JointProduct(spans, momentum, run)
 
 
 class BlockDiagonal:
     """One ``d_b x d_b`` float64 matrix per layer block of the projected vector (one batched tensor when the
     blocks are of one size, the usual case: a capture's per-layer sizes)."""
 
-    def __init__(self, spans: Sequence[tuple[int, int]], matrices: list[torch.Tensor], run: str = "") -> None:
+    def __init__(self, spans: Sequence[tuple[int, int]], run: str = "") -> None:
+        """The identity (no steps yet)."""
         self.spans = list(spans)
         self.run = run
         self.clipped: list[dynamics.Clipped] = []  # steps whose curvature was clipped to the stable range
         self.first_large: list[int] = []
         sizes = {size for _, size in self.spans}
         contiguous = all(offset == i * self.spans[0][1] for i, (offset, _) in enumerate(self.spans))
-        self.batched = torch.stack(matrices) if len(sizes) == 1 and contiguous else None
-        self.matrices = matrices if self.batched is None else []  # not both: a full block is dim^2 float64
-
-    @classmethod
-    def identity(cls, spans: Sequence[tuple[int, int]], run: str = "") -> BlockDiagonal:
-        """The identity (no steps yet)."""
-        return cls(spans, [torch.eye(size, dtype=torch.float64) for _, size in spans], run)
+        self.batched: torch.Tensor | None = None
+        self.matrices: list[torch.Tensor] = []  # not both: a full block is dim^2 float64
+        if len(sizes) == 1 and contiguous:
+            self.batched = torch.zeros(len(self.spans), self.spans[0][1], self.spans[0][1], dtype=torch.float64)
+            self.batched.diagonal(dim1=1, dim2=2).fill_(1.0)
+        else:
+            self.matrices = [torch.eye(size, dtype=torch.float64) for _, size in self.spans]
 
     def _split(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [n, dim]`` as ``[blocks, n, size]`` (batched layout only)."""
@@ -306,12 +306,12 @@ def _carried(products: torch.Tensor, curvature: torch.Tensor, rate: float, span:
 
 def _steps(
     store: StoreCore, run: str, label: str, steps: Sequence[RecordedStep]
-) -> Iterator[tuple[int, torch.Tensor, list[str], torch.Tensor]]:
-    """The rows of ``steps``, last step first: ``(step, training rows float64, their example ids, curvature
-    rows)`` (true-Fisher rows of the step where it has any). They are read in chunks of consecutive steps of about
-    ``CHUNK_BYTES`` of float32 rows whatever the dimension (at least one step), one chunk in memory at a time (each
-    step's rows are taken from it in float64 as the step comes, and a chunk is let go before the next is read), so
-    memory does not grow with the number of steps."""
+) -> Iterator[tuple[RecordedStep, torch.Tensor, list[str], torch.Tensor]]:
+    """The rows of ``steps``, last step first: ``(step with its dynamics, training rows float64, their example
+    ids, curvature rows)`` (true-Fisher rows of the step where it has any). They are read in chunks of consecutive
+    steps of about ``CHUNK_BYTES`` of float32 rows whatever the dimension (at least one step), with the chunk's
+    recorded dynamics, one chunk in memory at a time (each step's rows are taken from it in float64 as the step
+    comes, and a chunk is let go before the next is read), so memory does not grow with the number of steps."""
     name = store.gradient_table_name(run)
     span = (steps[0].step, steps[-1].step) if steps else (None, None)
     fisher_rows = store.scan(name, ["step"], gradient_filter(run, label, [TRUE_FISHER_SPLIT], span)).num_rows
@@ -336,12 +336,12 @@ def _steps(
         step_column = block.metadata.column("step").to_numpy(zero_copy_only=False)[order]
         fisher = fisher[order]
         ids = block.metadata.column("example_id").take(pa.array(order)).to_pylist()
-        for record in reversed(group):
+        for record in reversed(dynamics.with_dynamics(store, run, label, group)):
             start, end = np.searchsorted(step_column, [record.step, record.step + 1])
             middle = start + int(np.count_nonzero(~fisher[start:end]))  # training rows first, then true-Fisher rows
             rows = torch.from_numpy(block.vectors[order[start:middle]].astype(np.float64))
             curvature = torch.from_numpy(block.vectors[order[middle:end]].astype(np.float64)) if end > middle else rows
-            yield record.step, rows, ids[start:middle], curvature
+            yield record, rows, ids[start:middle], curvature
         del block
 
 

@@ -156,11 +156,14 @@ def expand(values: Sequence[float], dim: int, layers: Sequence[tuple[int, int]])
 
 
 def with_dynamics(store: StoreCore, run: str, label: str, steps: Sequence) -> list:
-    """``steps`` (:class:`~gradstore.methods.trajectory.RecordedStep`) with their ``coefficients`` from the
-    ``optimizer_steps`` table (``None`` for a step it does not list, or a store without it: ``lr x gradient``)."""
+    """``steps`` (:class:`~gradstore.methods.trajectory.RecordedStep`, in step order) with their ``coefficients``
+    from the ``optimizer_steps`` table (``None`` for a step it does not list, or a store without it: ``lr x
+    gradient``). Only the rows of ``steps``' range are read: a caller streaming over the steps passes a chunk of
+    them at a time, so the per-coordinate preconditioners in memory do not grow with the run."""
     if not steps or not store.has_table(S.OPTIMIZER_STEPS):
         return list(steps)
-    table = store.scan(S.OPTIMIZER_STEPS, None, gradient_filter(run, label))
+    span = (steps[0].step, steps[-1].step)
+    table = store.scan(S.OPTIMIZER_STEPS, None, gradient_filter(run, label, None, span))
     rows = {row["step"]: row for row in _rows(table)}  # ranks and resumed steps: the last
     if not rows:
         return list(steps)
@@ -171,6 +174,21 @@ def with_dynamics(store: StoreCore, run: str, label: str, steps: Sequence) -> li
         replace(s, coefficients=coefficients(rows[s.step], s.learning_rate, dim, layers)) if s.step in rows else s
         for s in steps
     ]
+
+
+#: Recorded steps whose dynamics :func:`summary` reads at a time.
+SUMMARY_STEPS = 256
+
+
+def summary(store: StoreCore, run: str, label: str, steps: Sequence) -> tuple[bool, bool]:
+    """Whether every one of ``steps`` is plain SGD (``lr x gradient``), and whether some step has momentum: read
+    :data:`SUMMARY_STEPS` steps at a time."""
+    plain, momentum = True, False
+    for start in range(0, len(steps), SUMMARY_STEPS):
+        for step in with_dynamics(store, run, label, steps[start : start + SUMMARY_STEPS]):
+            co = coefficients_of(step)
+            plain, momentum = plain and co.is_plain, momentum or co.has_momentum
+    return plain, momentum
 
 
 def _rows(table: pa.Table) -> list[dict]:
@@ -291,9 +309,10 @@ class JointProduct:
             self.groups = [(0, len(self.spans), self.spans[0][1])]
         else:
             self.groups = [(offset, 1, size) for offset, size in self.spans]
-        eye = [torch.eye(size, dtype=torch.float64).expand(g, size, size).clone() for _, g, size in self.groups]
-        self.theta = eye
-        self.moment = [torch.zeros_like(t) for t in eye] if momentum else None
+        self.theta = [torch.zeros(g, size, size, dtype=torch.float64) for _, g, size in self.groups]
+        for theta in self.theta:
+            theta.diagonal(dim1=1, dim2=2).fill_(1.0)  # the identity, with no second s x s matrix alongside
+        self.moment = [torch.zeros_like(t) for t in self.theta] if momentum else None
         self.run = run
         self.clipped: list[Clipped] = []
         self.first_large: list[int] = []
@@ -308,10 +327,23 @@ class JointProduct:
             out[:, start : start + g * size] = part.transpose(0, 1).reshape(n, g * size)
         return out
 
+    def _columns(self, values: float | torch.Tensor | None, group: int) -> torch.Tensor | None:
+        """A per-coordinate ``[dim]`` vector as the group's ``[g, 1, s]`` column factors (``None`` for a scalar)."""
+        return self._split(values[None], group)[:, 0, None, :] if isinstance(values, torch.Tensor) else None
+
     def apply(self, rows: torch.Tensor) -> torch.Tensor:
         """``R_theta g`` per block for every row (folding earlier embeddings in: valid without momentum)."""
         parts = [torch.bmm(self._split(rows, i), t.transpose(1, 2)) for i, t in enumerate(self.theta)]
         return self._join(parts, rows.shape[0])
+
+    def _times_operator(self, rows: torch.Tensor, co: Coefficients, group: int) -> torch.Tensor:
+        """``rows K^T`` for the group's rows ``[g, n, s]``, ``K = a R_theta P - c R_n`` the step's embedding
+        operator, as ``a (rows P) R_theta^T - c rows R_n^T``: ``K`` itself (an ``s x s`` matrix) is never formed."""
+        p = self._columns(co.p, group)
+        out = torch.bmm(rows * p if p is not None else rows, self.theta[group].transpose(1, 2)).mul_(co.a)
+        if self.moment is not None:
+            out.baddbmm_(rows, self.moment[group].transpose(1, 2), alpha=-co.c)
+        return out
 
     def absorb(self, rows: torch.Tensor, curvature: torch.Tensor, step) -> torch.Tensor:
         """The step's terms ``K g / B`` of its training rows (summed over the steps it stands for), then the
@@ -319,54 +351,51 @@ class JointProduct:
         co = coefficients_of(step)
         total = torch.zeros_like(rows)
         for _ in range(step.span):
-            parts, operators = [], []
-            for i, theta in enumerate(self.theta):
-                p = self._split(co.p[None], i)[:, 0, :] if co.p is not None else None  # [g, s]
-                operator = theta * p[:, None, :] if p is not None else theta.clone()  # R_theta P
-                operator.mul_(co.a)  # K = a R_theta P - c R_n
-                if self.moment is not None:
-                    operator.sub_(self.moment[i], alpha=co.c)
-                operators.append(operator)
-                parts.append(torch.bmm(self._split(rows, i), operator.transpose(1, 2)))
-            terms = self._join(parts, rows.shape[0])
+            terms = self._join(
+                [self._times_operator(self._split(rows, i), co, i) for i in range(len(self.theta))], rows.shape[0]
+            )
             total += terms
-            self._carry(curvature, co, operators, step.step)
+            self._carry(curvature, co, step.step)
             # the step's terms read the whole product (K = a R_theta P - c R_n): an overflow shows in them
             check_finite([terms], step.step, self.run, self.first_large)
         return total / step.rows
 
-    def _carry(self, curvature: torch.Tensor, co: Coefficients, operators: list[torch.Tensor], step: int) -> None:
-        """``R_n <- mu R_n - b R_theta P``, ``R_theta <- rho R_theta - K (H + l2 I)`` (in place: besides the two
-        products and the operators ``K``, only slices of ``SLICE_BYTES`` are allocated, so a full-dimension block
-        costs three ``s x s`` float64 matrices, not six)."""
+    def _carry(self, curvature: torch.Tensor, co: Coefficients, step: int) -> None:
+        """``R_n <- mu R_n - b R_theta P``, ``R_theta <- rho R_theta - K (H + l2 I)`` in place, one slice of
+        :data:`SLICE_BYTES` of rows at a time through two reused buffers (``K C^T`` is formed from the old
+        product first; ``K``'s rows only per slice, where ``l2`` needs them): a full-dimension block costs two
+        ``s x s`` float64 matrices with momentum, one without."""
         n = max(1, curvature.shape[0])
-        for i, (theta, operator) in enumerate(zip(self.theta, operators)):
-            p = self._split(co.p[None], i)[:, 0, :] if co.p is not None else None
-            rows = stable_rows(self._split(curvature, i), co, p, step, self.clipped)  # [g, n, s]
-            rho, l2 = co.rho, co.l2
-            rho_columns = self._split(rho[None], i)[:, 0, None, :] if isinstance(rho, torch.Tensor) else None
-            l2_columns = self._split(l2[None], i)[:, 0, None, :] if isinstance(l2, torch.Tensor) else None
-            for lines in _row_slices(theta):  # R_n first: it reads R_theta before the update
+        for i, theta in enumerate(self.theta):
+            p = self._columns(co.p, i)
+            rows = stable_rows(self._split(curvature, i), co, None if p is None else p[:, 0, :], step, self.clipped)
+            pulled = self._times_operator(rows, co, i).transpose(1, 2)  # K C^T: [g, s, n], from the old product
+            rho, l2 = self._columns(co.rho, i), self._columns(co.l2, i)
+            decoupled = co.rho if rho is None else 1.0  # scalars; per-coordinate factors scale columns below
+            coupled = co.l2 if l2 is None else 0.0
+            slices = _row_slices(theta)
+            scaled_buffer = torch.empty_like(theta[:, slices[0]])
+            operator_buffer = torch.empty_like(scaled_buffer) if l2 is not None or coupled else None
+            for lines in slices:
+                block = theta[:, lines]
+                count = lines.stop - lines.start
+                scaled = torch.mul(block, p, out=scaled_buffer[:, :count]) if p is not None else block  # R_theta P
+                if operator_buffer is not None:  # K's rows: a R_theta P - c R_n (the old R_n)
+                    operator = torch.mul(scaled, co.a, out=operator_buffer[:, :count])
+                    if self.moment is not None:
+                        operator.sub_(self.moment[i][:, lines], alpha=co.c)
                 if self.moment is not None:
-                    scaled = theta[:, lines] * p[:, None, :] if p is not None else theta[:, lines]
                     self.moment[i][:, lines].mul_(co.mu).sub_(scaled, alpha=co.b)
-                if rho_columns is not None:  # per-coordinate decay: scale R_theta's columns
-                    theta[:, lines].mul_(rho_columns)
-            # R_theta <- rho R_theta - K C^T C / n (one pass), then - l2 K (per-coordinate: scaling K's columns)
-            theta.baddbmm_(
-                torch.bmm(operator, rows.transpose(1, 2)),
-                rows,
-                beta=1.0 if rho_columns is not None else rho,
-                alpha=-1 / n,
-            )
-            if l2_columns is not None:
-                for lines in _row_slices(theta):
-                    theta[:, lines].sub_(operator[:, lines] * l2_columns)
-            elif l2:
-                theta.sub_(operator, alpha=l2)
+                if rho is not None:  # per-coordinate decay: scale R_theta's columns
+                    block.mul_(rho)
+                block.baddbmm_(pulled[:, lines], rows, beta=decoupled, alpha=-1 / n)
+                if l2 is not None:
+                    block.sub_(operator.mul_(l2))
+                elif coupled:
+                    block.sub_(operator, alpha=coupled)
 
 
-#: Bytes of the temporaries :meth:`JointProduct._carry` takes a product's rows in.
+#: Bytes of the slices :meth:`JointProduct._carry` takes a product's rows in.
 SLICE_BYTES = 16 * 2**20
 
 

@@ -153,8 +153,13 @@ def columns(matrix: gradstore.ScoreMatrix) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_dvemb_equals_autograd_through_the_optimizers_unrolled_run(tmp_path, name):
+def test_dvemb_equals_autograd_through_the_optimizers_unrolled_run(tmp_path, monkeypatch, name, streamed):
+    if streamed:  # one step's rows and dynamics read at a time; the product updated one row at a time (buffers)
+        monkeypatch.setattr("gradstore.methods.dvemb.CHUNK_BYTES", 1)
+        monkeypatch.setattr("gradstore.methods.dynamics.SUMMARY_STEPS", 1)
+        monkeypatch.setattr("gradstore.methods.dynamics.SLICE_BYTES", 1)
     store = gradstore.open(tmp_path / "store", storage_dtype="float32")
     model = train_captured(store, name)
     capture_queries(store, model)
