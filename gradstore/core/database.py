@@ -148,10 +148,17 @@ class StoreCore:
         return self.tables.dataset(name)
 
     def scan(
-        self, name: str, columns: Sequence[str] | None = None, where: str | None = None, row_address: bool = False
+        self,
+        name: str,
+        columns: Sequence[str] | None = None,
+        where: str | None = None,
+        row_address: bool = False,
+        *,
+        cache: bool = True,
     ) -> pa.Table:
-        """A small metadata read, cached (:meth:`Tables.scan <gradstore.core.tables.Tables.scan>`)."""
-        return self.tables.scan(name, columns, where, row_address)
+        """A small metadata read, cached unless ``cache=False`` (:meth:`Tables.scan
+        <gradstore.core.tables.Tables.scan>`)."""
+        return self.tables.scan(name, columns, where, row_address, cache=cache)
 
     def reading(self, name: str) -> AbstractContextManager[None]:
         """Reads of table ``name`` (:meth:`Tables.reading <gradstore.core.tables.Tables.reading>`)."""

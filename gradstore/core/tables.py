@@ -211,13 +211,24 @@ class Tables:
         return dataset
 
     def scan(
-        self, name: str, columns: Sequence[str] | None = None, where: str | None = None, row_address: bool = False
+        self,
+        name: str,
+        columns: Sequence[str] | None = None,
+        where: str | None = None,
+        row_address: bool = False,
+        *,
+        cache: bool = True,
     ) -> pa.Table:
         """Table ``name``'s ``columns`` (all: ``None``) of the rows matching ``where`` (with ``_rowaddr`` when
         ``row_address``), as :meth:`dataset` gives the table. For small metadata reads: kept per table version in
-        the row cache and, for the next process, in a scan file (:mod:`gradstore.core.row_cache`)."""
+        the row cache and, for the next process, in a scan file (:mod:`gradstore.core.row_cache`); ``cache=False``
+        for a read that streams over a table a part at a time and will not repeat (kept, such parts would add up
+        to the whole table in memory)."""
         dataset = self.dataset(name)
         columns = None if columns is None else list(columns)
+        if not cache:
+            with self.reading(name):
+                return dataset.to_table(columns=columns, filter=where, with_row_address=row_address)
         identity = {
             "store": self.location,
             "table": name,

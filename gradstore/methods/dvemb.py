@@ -202,7 +202,7 @@ def _example_ids(store: StoreCore, run: str, label: str, steps: Sequence[Recorde
         return []
     span = (steps[0].step, steps[-1].step)
     table = store.scan(
-        store.gradient_table_name(run), ["example_id", "step"], gradient_filter(run, label, "train", span)
+        store.gradient_table_name(run), ["example_id", "step"], gradient_filter(run, label, "train", span), cache=False
     )
     wanted = np.isin(table.column("step").to_numpy(zero_copy_only=False), [s.step for s in steps])
     return sorted(set(table.column("example_id").filter(pa.array(wanted)).to_pylist()))
@@ -314,7 +314,9 @@ def _steps(
     comes, and a chunk is let go before the next is read), so memory does not grow with the number of steps."""
     name = store.gradient_table_name(run)
     span = (steps[0].step, steps[-1].step) if steps else (None, None)
-    fisher_rows = store.scan(name, ["step"], gradient_filter(run, label, [TRUE_FISHER_SPLIT], span)).num_rows
+    fisher_rows = store.scan(
+        name, ["step"], gradient_filter(run, label, [TRUE_FISHER_SPLIT], span), cache=False
+    ).num_rows
     # float32 bytes a training row brings into a chunk: itself and its share of the steps' true-Fisher rows
     row_bytes = 4 * store.run_dim(run) * (1 + fisher_rows / max(1, sum(s.rows for s in steps)))
     budget = max(1, int(CHUNK_BYTES // row_bytes))

@@ -163,7 +163,7 @@ def with_dynamics(store: StoreCore, run: str, label: str, steps: Sequence) -> li
     if not steps or not store.has_table(S.OPTIMIZER_STEPS):
         return list(steps)
     span = (steps[0].step, steps[-1].step)
-    table = store.scan(S.OPTIMIZER_STEPS, None, gradient_filter(run, label, None, span))
+    table = store.scan(S.OPTIMIZER_STEPS, None, gradient_filter(run, label, None, span), cache=False)
     rows = {row["step"]: row for row in _rows(table)}  # ranks and resumed steps: the last
     if not rows:
         return list(steps)
@@ -415,7 +415,7 @@ def segment_coefficients(store: StoreCore, run: str, ends: Sequence[tuple[int, i
     SOURCE's ``exp(-lr K F)`` form)."""
     if not ends or not store.has_table(S.OPTIMIZER_STEPS):
         return [None] * len(ends)
-    rows = {row["step"]: row for row in store.scan(S.OPTIMIZER_STEPS, None, gradient_filter(run)).to_pylist()}
+    rows = {row["step"]: row for row in _rows(store.scan(S.OPTIMIZER_STEPS, None, gradient_filter(run), cache=False))}
     dim = store.run_dim(run)
     spec = store.run(run)["projection"]
     layers = [(s.offset, s.size) for s in store.run_spec(run, "source").layers] if spec else [(0, dim)]
