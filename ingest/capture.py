@@ -618,13 +618,17 @@ class GradientCapture:
 
 
 def nonfinite_rows(grads: torch.Tensor) -> torch.Tensor:
-    """``[n]`` bool: the rows of ``grads`` (``[n, dim]``) holding NaN/Inf, or whose float32 norm overflows."""
+    """``[n]`` bool: the rows of ``grads`` (``[n, dim]``, on the host) holding NaN/Inf, or whose float32 norm
+    overflows. In numpy, single-threaded: on the sink thread, torch's reductions would start a second OpenMP team
+    that competes with the training thread's for the same cores (on 2 cores that doubled a captured step)."""
     if grads.numel() == 0:
         return torch.zeros(grads.shape[0], dtype=torch.bool)
-    peaks = torch.maximum(grads.amax(dim=1), -grads.amin(dim=1)).double()
-    bad = ~torch.isfinite(peaks)
-    limit = torch.finfo(torch.float32).max
-    suspect = ~bad & (peaks * math.sqrt(grads.shape[1]) > limit)
-    if bool(suspect.any()):
-        bad |= suspect & (torch.linalg.vector_norm(grads.double(), dim=1) > limit)
-    return bad
+    grads = grads.detach().cpu()
+    values = (grads if grads.dtype in (torch.float16, torch.float32, torch.float64) else grads.float()).numpy()
+    peaks = np.maximum(values.max(axis=1), -values.min(axis=1)).astype(np.float64)
+    bad = ~np.isfinite(peaks)
+    limit = float(np.finfo(np.float32).max)
+    suspect = ~bad & (peaks * math.sqrt(values.shape[1]) > limit)
+    if suspect.any():
+        bad |= suspect & (np.linalg.norm(values.astype(np.float64), axis=1) > limit)
+    return torch.from_numpy(bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 
@@ -12,7 +13,8 @@ from exact_grads import SEQS, lm_batch
 from tiny_models import tiny_gpt2
 from torch import nn
 
-from ingest.capture import CaptureConfig, GradientCapture
+from ingest.capture import CaptureConfig, GradientCapture, nonfinite_rows
+from ingest.ids import content_hashes
 from ingest.losses import causal_lm_loss
 from ingest.projection import projection_matrix
 
@@ -113,6 +115,34 @@ def test_ids_from_kwarg_set_ids_and_hash():
     assert out[2].example_ids == out[2].example_hash and out[2].example_ids[0].startswith("h:")
     assert out[2].example_ids[0] != out[2].example_ids[1]
     assert out[3].example_ids == ["p", "q"] and len(out) == 4
+
+
+def test_content_hashes_are_sha256_of_the_dtype_and_the_kept_positions_bytes():
+    def expected(dtype: str, values: np.ndarray) -> str:
+        return "h:" + hashlib.sha256(dtype.encode() + values.tobytes()).hexdigest()[:32]
+
+    tokens = torch.tensor([[5, 6, 7, 0, 0], [5, 6, 7, 8, 9]])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    hashes = content_hashes(tokens, mask)
+    assert hashes == [expected("torch.int64", np.array(r, np.int64)) for r in ([5, 6, 7], [5, 6, 7, 8, 9])]
+    assert content_hashes(tokens[:1, :3], None) == hashes[:1]  # the same tokens, unpadded: the same id
+    features = torch.randn(3, 4, 2)[:, ::2]  # non-contiguous float rows
+    assert content_hashes(features, None) == [expected("torch.float32", r.contiguous().numpy()) for r in features]
+    half = torch.randn(2, 3).bfloat16()  # no numpy dtype: its bytes
+    assert content_hashes(half, None) == [expected("torch.bfloat16", r.view(torch.int16).numpy()) for r in half]
+
+
+def test_nonfinite_rows_flags_nan_inf_and_overflowing_norms():
+    rows = torch.randn(6, 50)
+    rows[1, 3] = float("nan")
+    rows[2, 0] = float("inf")
+    rows[3, 7] = -float("inf")
+    rows[4] = 3e38  # every entry finite, its float32 norm is not
+    rows[5, :2] = 1e38  # large, norm still finite
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        flagged = nonfinite_rows(rows.to(dtype))
+        assert flagged.tolist() == [False, True, True, True, True, False], dtype
+    assert nonfinite_rows(torch.empty(0, 4)).shape == (0,)
 
 
 def test_bad_ids_raise_clear_errors():
