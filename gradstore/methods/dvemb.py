@@ -14,9 +14,9 @@ small matrix per layer block.
 
 ``H_s = C^T C / n`` over the step's rows of split ``"true-fisher"`` (labels sampled from the model: a GGN) when
 it has any, else over its training rows (the batch's empirical Fisher). The recursion runs backwards over the
-recorded steps, ``M <- M (I - lr_s H_s)^{s_s}`` per block, reading the rows in chunks of steps (memory: the
-embeddings ``[examples, dim]`` and one ``d_b x d_b`` matrix per block, three with a recorded optimizer's dynamics:
-:class:`~gradstore.methods.dynamics.JointProduct`; never all rows).
+recorded steps, ``M <- M (I - lr_s H_s)^{s_s}`` per block, reading the rows and the recorded dynamics in chunks
+of steps (memory: the embeddings ``[examples, dim]`` and one ``d_b x d_b`` matrix per block, two with momentum:
+:class:`~gradstore.methods.dynamics.JointProduct`; never all rows, and nothing that grows with the steps).
 
 The embeddings are stored as the run ``<run>.dvemb`` (same projection spec and dim: its rows are searched like
 any run's, by every index kind, the SQL macros and the report), one row per example under checkpoint ``dvemb``.
