@@ -109,6 +109,7 @@ class OnlineSelector:
         self._handles: list[Any] = []
         self.last_decision: StepDecision | None = None
         self._target_cache: torch.Tensor | None = None
+        self._ones_cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.steps_decided = 0
         self.examples_seen = 0
         self.examples_kept = 0
@@ -221,15 +222,16 @@ class OnlineSelector:
             raise CaptureUsageError(f"the policy returned {decided.shape[0]} weights for {n_all} examples")
         if decided.dtype != torch.bool and not bool((torch.isfinite(decided) & (decided >= 0)).all()):
             raise CaptureUsageError("the policy returned a negative or non-finite weight")
+        keep_or_drop = decided.dtype == torch.bool  # a mask: every changed example is dropped
         decided = decided.to(torch.float64)
         start = group.offset(rows.shape[0])
         local = decided[start : start + rows.shape[0]].to(rows.device)
         factor = 1.0
         if self.renormalize and self.capture.config.loss_reduction != "sum":
             total = float(all_weights.sum())
-            kept = float((all_weights.cpu() * decided).sum())
+            kept = float(all_weights.cpu() @ decided)
             factor = total / kept if kept > 0 else 1.0
-        scaled = self._remove(pending, local, group, factor)
+        scaled = self._remove(pending, local, group, factor, keep_or_drop)
         if factor != 1.0:
             for p in self._params:
                 if p.grad is not None and id(p) not in scaled:
@@ -247,7 +249,7 @@ class OnlineSelector:
         self.last_decision = decision
         self.steps_decided += 1
         self.examples_seen += int(local.shape[0])
-        self.examples_kept += int(decision.kept.sum())
+        self.examples_kept += int(torch.count_nonzero(local))
         if self.on_decision is not None:
             self.on_decision(decision)
         return decision
@@ -270,7 +272,9 @@ class OnlineSelector:
             raise CaptureUsageError(f"the target function returned {scores.shape[0]} scores for {rows.shape[0]} rows")
         return scores
 
-    def _remove(self, pending: list[_Pending], weights: torch.Tensor, group: Group, factor: float) -> set[int]:
+    def _remove(
+        self, pending: list[_Pending], weights: torch.Tensor, group: Group, factor: float, keep_or_drop: bool
+    ) -> set[int]:
         """Add ``(w_b - 1)`` times each changed example's term to the gradients (all-reduced when collective);
         the gradients a pure drop subtracts from in place are also multiplied by the renormalisation ``factor`` in
         the same call: their ids are returned (the caller scales the others)."""
@@ -281,10 +285,10 @@ class OnlineSelector:
             size = p.rows.shape[0]
             w = weights[offset : offset + size]
             offset += size
-            changed = torch.nonzero(w != 1).flatten()
+            changed = torch.nonzero(w == 0 if keep_or_drop else w != 1).flatten()
             if changed.numel() == 0 and not self.collective:
                 continue
-            dropping = not self.collective and bool((w[changed] == 0).all())
+            dropping = not self.collective and (keep_or_drop or bool((w[changed] == 0).all()))
             for module, kind, x, dy in p.uses:
                 idx = changed.to(x.device)
                 if (
@@ -323,8 +327,8 @@ class OnlineSelector:
                 param.grad.add_(term, alpha=factor if id(param) in scaled else 1.0)
         return scaled
 
-    @staticmethod
     def _subtract_in_place(
+        self,
         module: nn.Module,
         kind: str,
         x: torch.Tensor,
@@ -352,10 +356,20 @@ class OnlineSelector:
             weight.grad.addmm_(xs.T, d, beta=beta, alpha=-factor)
         scaled.add(id(weight))
         if bias_grad:
-            ones = torch.ones(d.shape[0], dtype=d.dtype, device=d.device)
+            ones = self._ones(d.shape[0], d.dtype, d.device)
             bias.grad.addmv_(d.T, ones, beta=1.0 if id(bias) in scaled else factor, alpha=-factor)
             scaled.add(id(bias))
         return True
+
+    def _ones(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``n`` ones: a view of one kept vector per dtype and device, regrown when a step needs more (the biases'
+        row sums take one per step and layer)."""
+        ones = self._ones_cache.get((dtype, device))
+        if ones is None or ones.shape[0] < n:
+            ones = self._ones_cache[(dtype, device)] = torch.ones(
+                max(n, 2 * (0 if ones is None else ones.shape[0])), dtype=dtype, device=device
+            )
+        return ones[:n]
 
     def _order(self, param: torch.Tensor) -> int:
         if not hasattr(self, "_param_order"):
