@@ -390,6 +390,17 @@ def heavy_ball_source_reference(store: gradstore.GradStore, plan, rate: float, m
     return total
 
 
+def test_sources_isotropic_preconditioner_weights_adams_by_its_second_moment():
+    eps = 1e-8
+    v = np.array([4.0, 1.0, 0.25, 0.0, 0.0, 0.0])  # three coordinates that never saw a gradient: p = 1 / eps there
+    p = 1.0 / (np.sqrt(v) + eps)
+    co = dynamics.Coefficients(1.0, 1e-3, 0.0, 0.9, 0.1, 0.0, torch.from_numpy(p), "adam")
+    scale = dynamics.isotropic_preconditioner(co, {"eps": eps})
+    assert scale == pytest.approx(float((p * v).sum() / v.sum()), rel=1e-12)  # (2 + 1 + 0.5) / 5.25
+    assert scale < 2.0 < float(p.mean())  # the plain mean, ~5e7, is the coordinates without gradients
+    assert dynamics.isotropic_preconditioner(dynamics.Coefficients.plain(1e-3), {}) == 1.0
+
+
 def test_source_carries_heavy_ball_dynamics(tmp_path, monkeypatch):
     store = gradstore.open(tmp_path / "store", storage_dtype="float32")
     rate, mu, wd, steps = 0.01, 0.9, 0.05, 60
