@@ -446,15 +446,20 @@ def segment_coefficients(store: StoreCore, run: str, ends: Sequence[tuple[int, i
 
 
 def isotropic_preconditioner(co: Coefficients, row: dict) -> float:
-    """Adam's per-coordinate preconditioner ``p = 1 / (sqrt(v_hat) + eps)`` of one step as the one scalar SOURCE's
-    closed form takes: its mean weighted by the second moment it came from, ``sum p v_hat / sum v_hat`` (``v_hat``
-    recovered from ``p`` and the step's ``eps``): the preconditioning where the gradients are. The plain mean is
-    dominated by the coordinates whose gradients are ~0 (``p ~ 1 / eps``), which overstated the step by orders of
-    magnitude on unprojected rows (bench/fidelity.py's Adam MLP, ``source`` on true-Fisher rows: validation LDS
-    0.544 -> 0.735, test 0.557 -> 0.736; at 416 dims within 0.003 either way; on empirical-Fisher rows 0.015-0.03
-    lower)."""
+    """Adam's preconditioner ``p = 1 / (sqrt(v_hat) + eps)`` of one step as the one scalar SOURCE's closed form
+    takes. Recorded per coordinate (unprojected layers): its mean weighted by the second moment it came from,
+    ``sum p v_hat / sum v_hat`` (``v_hat`` recovered from ``p`` and the step's ``eps``), the preconditioning where the
+    gradients are; the plain mean is dominated by the coordinates whose gradients are ~0 (``p ~ 1 / eps``), which
+    overstated the step by orders of magnitude (bench/fidelity.py's Adam MLP, ``source`` on exact true-Fisher rows:
+    validation LDS 0.544 -> 0.735, test 0.557 -> 0.736). Recorded per layer (projected rows: each value already the
+    layer's ``v_hat``-weighted preconditioner, no such outliers): the plain mean over the coordinates (weighting
+    the layers by ``v_hat`` as well moved bench/fidelity.py's 416-dim variants by <= 0.003 and cost the demo's
+    ``source`` row 0.10 recall@10)."""
     if co.p is None:
         return 1.0
+    recorded = row.get("preconditioner")
+    if recorded is None or len(recorded) != co.p.numel():  # per layer, spread over each layer's block
+        return float(co.p.mean())
     eps = float(row.get("eps") or 0.0)
     second = (1.0 / co.p - eps).clamp(min=0.0) ** 2
     total = float(second.sum())

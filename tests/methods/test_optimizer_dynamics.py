@@ -395,9 +395,11 @@ def test_sources_isotropic_preconditioner_weights_adams_by_its_second_moment():
     v = np.array([4.0, 1.0, 0.25, 0.0, 0.0, 0.0])  # three coordinates that never saw a gradient: p = 1 / eps there
     p = 1.0 / (np.sqrt(v) + eps)
     co = dynamics.Coefficients(1.0, 1e-3, 0.0, 0.9, 0.1, 0.0, torch.from_numpy(p), "adam")
-    scale = dynamics.isotropic_preconditioner(co, {"eps": eps})
+    scale = dynamics.isotropic_preconditioner(co, {"eps": eps, "preconditioner": p})  # recorded per coordinate
     assert scale == pytest.approx(float((p * v).sum() / v.sum()), rel=1e-12)  # (2 + 1 + 0.5) / 5.25
     assert scale < 2.0 < float(p.mean())  # the plain mean, ~5e7, is the coordinates without gradients
+    per_layer = dynamics.Coefficients(1.0, 1e-3, 0.0, 0.9, 0.1, 0.0, torch.tensor([2.0, 2.0, 2.0, 8.0]), "adam")
+    assert dynamics.isotropic_preconditioner(per_layer, {"eps": eps, "preconditioner": [2.0, 8.0]}) == 3.5
     assert dynamics.isotropic_preconditioner(dynamics.Coefficients.plain(1e-3), {}) == 1.0
 
 
