@@ -132,6 +132,7 @@ def _build(store: StoreCore, run: str, label: str, structure: str) -> None:
     """Fold the new steps into the stored embeddings when only later steps were appended, else recompute all."""
     stored = _read_state(store, run)
     steps = recorded_steps(store, run, label)  # their dynamics are read chunk by chunk, as their rows
+    kinds = dynamics.summary(store, run, label, steps)  # (every step plain SGD, some step with momentum)
     spans = _spans(store, run, structure)
     source = _source_state(store, run, label)
     incremental = (
@@ -139,11 +140,11 @@ def _build(store: StoreCore, run: str, label: str, structure: str) -> None:
         and (stored.label, stored.blocks) == (label, structure)
         and stored.derived == _built(store, run)
         and _only_after(store, run, label, stored)
-        and not dynamics.summary(store, run, label, steps)[1]  # momentum: the joint state, rebuilt
+        and not kinds[1]  # momentum: the joint state, rebuilt
     )
     if incremental:
         new = [s for s in steps if s.step > stored.last_step]
-        ids, embeddings, carried = recursion(store, run, label, new, spans)
+        ids, embeddings, carried = recursion(store, run, label, new, spans, kinds)
         old = store.read_gradients(derived_run(run), checkpoint=LABEL, split="train")
         embeddings_by_id = dict(zip(ids, embeddings))
         previous = carried.apply(torch.from_numpy(old.vectors.astype(np.float64))).numpy()
@@ -153,7 +154,7 @@ def _build(store: StoreCore, run: str, label: str, structure: str) -> None:
         embeddings = np.stack([embeddings_by_id[i] for i in ids]) if ids else np.empty((0, store.run_dim(run)))
         log.info("dvemb: folded %d new step(s) of run %r into %d embeddings", len(new), run, len(ids))
     else:
-        ids, embeddings = recursion(store, run, label, steps, spans)[:2]  # the product let go before the write
+        ids, embeddings = recursion(store, run, label, steps, spans, kinds)[:2]  # the product let go before the write
     written = _write(store, run, ids, embeddings, steps[-1].step)
     _write_state(store, run, EmbeddingState(label, structure, source, steps[-1].step, written))
 
@@ -177,11 +178,17 @@ def history(store: StoreCore, queries: QueryInput, options: ScoreOptions, run: s
 
 # ---------------------------------------------------------------------------------------------- the recursion
 def recursion(
-    store: StoreCore, run: str, label: str, steps: Sequence[RecordedStep], spans: Sequence[tuple[int, int]]
-) -> tuple[list[str], np.ndarray, BlockDiagonal]:
+    store: StoreCore,
+    run: str,
+    label: str,
+    steps: Sequence[RecordedStep],
+    spans: Sequence[tuple[int, int]],
+    kinds: tuple[bool, bool],
+) -> tuple[list[str], np.ndarray, BlockDiagonal | dynamics.JointProduct]:
     """The embeddings of the examples of ``steps`` (ids sorted, float64 ``[n, dim]``) over these steps alone, and
-    the per-block products ``prod (I - lr H)^s`` over them (what earlier embeddings are carried through)."""
-    carried = carrier(spans, *dynamics.summary(store, run, label, steps), run)
+    the per-block products ``prod (I - lr H)^s`` over them (what earlier embeddings are carried through).
+    ``kinds``: :func:`dynamics.summary` of the run's recorded steps, which picks the product carried."""
+    carried = carrier(spans, *kinds, run)
     ids = _example_ids(store, run, label, steps)
     position = {example_id: i for i, example_id in enumerate(ids)}
     sums = torch.zeros(len(ids), store.run_dim(run), dtype=torch.float64)  # the result, in place: never regrown
