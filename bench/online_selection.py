@@ -1,6 +1,7 @@
 """Online data selection in the step (issue 31, item 1): held-out loss at equal examples consumed and added step time.
 
-Task: a synthetic 10-class problem (Gaussian class centres in 64 dims, an MLP 64 -> 256 -> 256 -> 10) whose
+Task: a synthetic 10-class problem (Gaussian class centres in 64 dims, an MLP 64 -> H -> H -> 10, ``--hidden`` H
+256 for the figures of record) whose
 training labels are replaced by random ones for ``--noise`` of the examples. Every run consumes the same
 batches (same order, ``--batch`` examples per step, ``--steps`` steps) and differs only in what each step keeps:
 
@@ -18,7 +19,10 @@ separate clean test split. RESULT lines:
   reaches random dropping's final test loss (target <= 0.8);
 * ``online_selection_step_overhead``: median time of a selected step over a captured step without selection
   (forward, backward, selection, optimizer step), measured interleaved on two model copies; the target refresh, a
-  separate captured pass every ``--refresh`` steps, is reported on its own line (target <= 1.1).
+  separate captured pass every ``--refresh`` steps, is reported on its own line (target <= 1.1). At the default
+  width a captured step takes ~3 ms, so the selection's fixed cost per step (~25 small torch ops: scoring, the
+  policy, forming the kept examples' weight gradients) weighs most; ``--hidden 1536`` (a ~25 ms step, GEMM-bound)
+  shows the cost at a width where the layers' GEMMs dominate.
 
 Run: ``python bench/online_selection.py`` (about 2-4 minutes on 2 cores).
 """
@@ -36,7 +40,7 @@ from torch import nn
 from ingest import CaptureConfig, GradientCapture, ProjectionConfig
 from ingest.online_selection import KeepTopFraction, LossBased, OnlineSelector, RandomSelection
 
-D, C, HIDDEN = 64, 10, 256
+D, C = 64, 10
 
 
 def make_data(n_train: int, noise: float, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -53,9 +57,9 @@ def make_data(n_train: int, noise: float, seed: int) -> dict[str, tuple[torch.Te
     return {"train": (x, y_train), "trusted": draw(256), "val": draw(2000), "test": draw(4000), "noisy": noisy}
 
 
-def make_model(seed: int) -> nn.Module:
+def make_model(seed: int, hidden: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(D, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, C))
+    return nn.Sequential(nn.Linear(D, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, C))
 
 
 def score(rows: torch.Tensor, target: torch.Tensor, similarity: str) -> torch.Tensor:
@@ -73,7 +77,7 @@ def held_out_loss(model: nn.Module, split: tuple[torch.Tensor, torch.Tensor]) ->
 
 def train(method: str, fraction: float, data: dict, args: argparse.Namespace) -> dict:
     """One run; returns the held-out curves, step times and the share of noisy examples kept."""
-    model = make_model(args.seed)
+    model = make_model(args.seed, args.hidden)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     x, y = data["train"]
     order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(args.seed + 1))
@@ -153,7 +157,7 @@ def step_overhead(fraction: float, data: dict, args: argparse.Namespace) -> tupl
     """Median captured step and median selected step (ms), measured interleaved (one step of each in turn, so a
     busy machine's load drift hits both alike) on two copies of the model with the same batches."""
     projection = CaptureConfig(projection=ProjectionConfig(k_in=args.k, k_out=args.k))
-    models = [make_model(args.seed), make_model(args.seed)]
+    models = [make_model(args.seed, args.hidden), make_model(args.seed, args.hidden)]
     opts = [torch.optim.Adam(m.parameters(), lr=args.lr) for m in models]
     caps = [GradientCapture(m, lambda b: None, projection, optimizer=o) for m, o in zip(models, opts)]
     target = torch.randn(caps[1].spec.dim, dtype=torch.float64)
@@ -179,6 +183,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--hidden", type=int, default=256, help="the MLP's width (256: the figures of record, a 3 ms step)"
+    )
     parser.add_argument("--k", type=int, default=16)
     parser.add_argument("--refresh", type=int, default=5)
     parser.add_argument("--trusted-batch", type=int, default=64)

@@ -143,8 +143,11 @@ def widening_is_exact(
     return True
 
 
-def fusable(module: nn.Module, kind: str, x: torch.Tensor, route: str, k_in: int, k_out: int) -> bool:
-    """Whether a call of ``module`` on ``x`` can run fused with its outputs bit-identical to its own forward."""
+def plain_gemm(module: nn.Module, kind: str, x: torch.Tensor) -> bool:
+    """Whether a call of the Linear or Conv1D ``module`` on ``x`` is one plain float GEMM a custom autograd
+    function can take over with the module's own operands: no tensor-subclass weights, one float dtype, no
+    autocast, one device, a batch with rows, no functorch transform, and (``nn.Linear``) a layout ``F.linear``
+    folds into one ``addmm``/``mm``."""
     weight, bias = module.weight, module.bias
     plain = (torch.Tensor, nn.Parameter)
     if type(weight) not in plain or (bias is not None and type(bias) not in plain):
@@ -158,9 +161,15 @@ def fusable(module: nn.Module, kind: str, x: torch.Tensor, route: str, k_in: int
     d_in = weight.shape[1] if kind == "linear" else weight.shape[0]
     if x.shape[-1] != d_in:
         return False
-    if kind == "linear" and not (x.dim() == 2 or (x.dim() == 3 and x.is_contiguous())):
-        return False  # F.linear folds only these into one addmm / mm
-    d_out = weight.shape[0] if kind == "linear" else weight.shape[1]
+    return kind != "linear" or x.dim() == 2 or (x.dim() == 3 and x.is_contiguous())  # F.linear's one addmm / mm
+
+
+def fusable(module: nn.Module, kind: str, x: torch.Tensor, route: str, k_in: int, k_out: int) -> bool:
+    """Whether a call of ``module`` on ``x`` can run fused with its outputs bit-identical to its own forward."""
+    if not plain_gemm(module, kind, x):
+        return False
+    weight, bias = module.weight, module.bias
+    d_in, d_out = (weight.shape[1], weight.shape[0]) if kind == "linear" else weight.shape
     if route == "auto":
         route = choose_route(x[0].numel() // d_in, d_in + (bias is not None), d_out, k_in, k_out)
     return route == "project"

@@ -17,6 +17,13 @@ from ingest.hooks import ActiveBatch, in_backward
 from ingest.misuse import CaptureUsageError
 from ingest.online_selection.collective import Group, is_ddp
 from ingest.online_selection.decision import StepDecision
+from ingest.online_selection.deferred import (
+    DEFERRED_MARK,
+    DeferredForward,
+    add_weighted_product,
+    deferrable,
+    zero_missing,
+)
 from ingest.online_selection.policies import SelectionPolicy
 from ingest.online_selection.removable import refuse_sharded, removable_modules
 from ingest.online_selection.target import Target
@@ -24,12 +31,13 @@ from ingest.online_selection.target import Target
 
 @dataclass
 class _Pending:
-    """One captured backward of the current step: its rows and every use of every trainable module."""
+    """One captured backward of the current step: its rows and every use of every trainable module (``[module, kind,
+    inputs, output gradients, deferred]``: whether the use's weight gradients are left to the decision)."""
 
     rows: torch.Tensor | None = None
     meta: dict[str, Any] | None = None
     scales: torch.Tensor | None = None
-    uses: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor | None]] | None = None
+    uses: list[list[Any]] | None = None
 
 
 class OnlineSelector:
@@ -47,6 +55,9 @@ class OnlineSelector:
     ``collective``: decide over every rank's examples together and remove the dropped terms from DDP's all-reduced
     (averaged) gradient (default: ``True`` whenever ``torch.distributed`` runs more than one rank; pass ``False``
     for ranks that train independently). FSDP (sharded gradients) is refused.
+
+    On one process the Linear and Conv1D weight gradients of a selected step are formed at the decision, over the
+    kept examples only (:mod:`ingest.online_selection.deferred`): until then their ``.grad`` is ``None``.
     """
 
     def __init__(
@@ -119,6 +130,8 @@ class OnlineSelector:
         self._handles = [self.capture.add_row_listener(self._rows_arrived)]
         for module, kind in self.modules:
             self._handles.append(module.register_forward_hook(self._make_forward_hook(kind)))
+            if kind != "embedding" and not self.collective and not self.capture.fused and deferrable(module):
+                self._handles.append(DeferredForward(module, kind, self._defers))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._before_step))
         else:
@@ -137,6 +150,18 @@ class OnlineSelector:
         self._pending = {}
 
     # ------------------------------------------------------------------ hooks
+    def _defers(self, x: torch.Tensor) -> bool:
+        """Whether a layer's call on ``x`` leaves its weight gradients to the decision: a captured, selected batch's
+        forward (what the forward hook records as a use)."""
+        batch = self.capture.batch
+        return (
+            batch is not None
+            and not self.capture.is_paused
+            and torch.is_grad_enabled()
+            and not in_backward()
+            and x.shape[0] == batch.size
+        )
+
     def _make_forward_hook(self, kind: str) -> Callable[..., torch.Tensor | None]:
         def hook(module: nn.Module, args: tuple, output: Any) -> torch.Tensor | None:
             batch = self.capture.batch
@@ -159,7 +184,7 @@ class OnlineSelector:
                         f"{batch.size} examples; it needs batch-first inputs"
                     )
             pending = self._pending.setdefault(batch.generation, _Pending(uses=[]))
-            use = [module, kind, x, None]
+            use = [module, kind, x, None, getattr(output, DEFERRED_MARK, False)]
             pending.uses.append(use)
 
             def grad_hook(dy: torch.Tensor) -> None:
@@ -204,8 +229,11 @@ class OnlineSelector:
                     "online selection: a captured forward's output got no gradient before the optimizer step "
                     "(backward not run on it, or a second forward without backward)"
                 )
-        rows = pending[0].rows if len(pending) == 1 else torch.cat([p.rows for p in pending])
-        scales = torch.cat([p.scales for p in pending]).to(rows.device, torch.float64)
+        if len(pending) == 1:
+            rows, scales = pending[0].rows, pending[0].scales
+        else:
+            rows, scales = torch.cat([p.rows for p in pending]), torch.cat([p.scales for p in pending])
+        scales = scales.to(rows.device, torch.float64)
         losses = None
         if all(p.meta.get("loss") is not None for p in pending):
             losses = torch.cat([p.meta["loss"].to(rows.device) for p in pending])
@@ -236,6 +264,7 @@ class OnlineSelector:
             for p in self._params:
                 if p.grad is not None and id(p) not in scaled:
                     p.grad.mul_(factor)
+        self._form_deferred(pending, local, factor, keep_or_drop)
         sources = [p.meta["ids"] if p.meta.get("ids") is not None else p.meta["hash_source"] for p in pending]
         decision = StepDecision(
             step=int(pending[0].meta.get("step", self.capture.step)),
@@ -265,7 +294,7 @@ class OnlineSelector:
                 self._target_cache = target.to(rows.dtype)
             scores = rows @ self._target_cache
             if self.similarity == "cosine":
-                scores = scores / rows.norm(dim=1).clamp(min=1e-30)
+                scores = scores / torch.linalg.vector_norm(rows, dim=1).clamp_(min=1e-30)
             return scores.double()
         scores = torch.as_tensor(self.target(rows, losses)).to(torch.float64).reshape(-1)
         if scores.shape[0] != rows.shape[0]:
@@ -285,11 +314,15 @@ class OnlineSelector:
             size = p.rows.shape[0]
             w = weights[offset : offset + size]
             offset += size
+            if all(use[4] for use in p.uses) and not self.collective:
+                continue  # every use's weight gradients are formed at the decision (_form_deferred)
             changed = torch.nonzero(w == 0 if keep_or_drop else w != 1).flatten()
             if changed.numel() == 0 and not self.collective:
                 continue
             dropping = not self.collective and (keep_or_drop or bool((w[changed] == 0).all()))
-            for module, kind, x, dy in p.uses:
+            for module, kind, x, dy, deferred in p.uses:
+                if deferred:
+                    continue
                 idx = changed.to(x.device)
                 if (
                     dropping
@@ -326,6 +359,28 @@ class OnlineSelector:
             else:  # a gradient scaled already takes its term scaled too
                 param.grad.add_(term, alpha=factor if id(param) in scaled else 1.0)
         return scaled
+
+    @staticmethod
+    def _form_deferred(pending: list[_Pending], weights: torch.Tensor, factor: float, keep_or_drop: bool) -> None:
+        """Add the deferred uses' weight gradients over their kept examples, each weighted by its decided weight
+        times the renormalisation ``factor`` (after the other gradients are scaled by it)."""
+        offset = 0
+        for p in pending:
+            size = p.rows.shape[0]
+            w = weights[offset : offset + size]
+            offset += size
+            deferred = [use for use in p.uses if use[4]]
+            if not deferred:
+                continue
+            kept = torch.nonzero(w).flatten() if keep_or_drop else None
+            for module, kind, x, dy, _ in deferred:
+                if kept is not None and kept.numel() == 0:
+                    zero_missing(module)
+                elif kept is not None:
+                    rows = None if kept.numel() == size else kept.to(x.device)
+                    add_weighted_product(module, kind, x, dy, rows, factor)
+                else:
+                    add_weighted_product(module, kind, x, dy, None, w * factor)
 
     def _subtract_in_place(
         self,

@@ -146,6 +146,9 @@ class ParameterUses(UseRules, TorchFunctionMode):
         operands = list(tensors_in(args)) + list(tensors_in(kwargs.values()))
         first = batch_operand(operands)
         used = [t for t in operands if id(t) in self.slots and t.requires_grad]
+        own = self._own_forward(used) if used else False
+        if own is not False and _hook_owns(own, batch.size):
+            used = []  # a hooked module's own op inside a custom Function of its forward: its hook captures it
         if used and first is not None:  # e.g. the forward of reentrant checkpointing: recomputed unseen later
             self.owner.uncovered(self._names(used), f"{op_name(func)} under torch.no_grad (reentrant checkpointing?)")
         result = func(*args, **kwargs)

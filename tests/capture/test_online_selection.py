@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,80 @@ def test_embeddings_and_a_shared_layer_are_removed_exactly():
     with GradientCapture(model, lambda b: None, CaptureConfig(projection=ProjectionConfig(k_in=4, k_out=4))) as cap:
         dim = cap.spec.dim
     decisions = selected_steps(model, batches, KeepTopFraction(0.25), target=torch.randn(dim, dtype=torch.float64))
+    reference_steps(twin, batches, decisions)
+    assert_same(model, twin)
+
+
+class Checkpointed(nn.Module):
+    """An MLP whose first block runs under non-reentrant gradient checkpointing (recomputed in the backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 7), nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=False)
+        return self.b(h)
+
+
+def test_deferred_weight_gradients_are_formed_at_the_decision():
+    torch.manual_seed(9)
+    model = mlp().double()
+    twin = copy.deepcopy(model)
+    x, y = data(70, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cap = GradientCapture(model, lambda b: None, CaptureConfig(projection=ProjectionConfig(k_in=4, k_out=4)), opt)
+    with cap, OnlineSelector(cap, KeepTopFraction(0.5), torch.randn(28, dtype=torch.float64)) as selector:
+        assert all("forward" in m.__dict__ for m in (model[0], model[2]))
+        F.cross_entropy(model(x), y).backward()
+        assert all(p.grad is None for p in model.parameters())  # left to the decision
+        decision = selector.apply()
+        full = [p.grad.clone() for p in model.parameters()]
+        assert opt.step() is None  # the step pre-hook finds nothing left to decide
+        assert selector.steps_decided == 1
+        opt.zero_grad()
+        with cap.paused():  # a forward the selector does not decide: torch's own weight gradients
+            F.cross_entropy(model(x), y).backward()
+        paused = [p.grad.clone() for p in model.parameters()]
+        opt.zero_grad()
+    assert all("forward" not in m.__dict__ for m in (model[0], model[2]))  # the modules' own forwards again
+    w = decision.weights.double()
+    (w * example_losses(twin, x, y)).sum().div(w.sum()).backward()
+    for got, p in zip(full, twin.parameters()):
+        torch.testing.assert_close(got, p.grad, rtol=1e-12, atol=1e-12)
+    twin.zero_grad()
+    with torch.no_grad():
+        for p, q in zip(twin.parameters(), model.parameters()):
+            p.copy_(q)
+    F.cross_entropy(twin(x), y).backward()
+    for got, p in zip(paused, twin.parameters()):
+        torch.testing.assert_close(got, p.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_a_step_that_drops_every_example_steps_on_zero_gradients():
+    torch.manual_seed(10)
+    model = mlp().double()
+    twin = copy.deepcopy(model)
+    batches = [[data(80 + s, 6)] for s in range(2)]
+    decisions = selected_steps(
+        model,
+        batches,
+        DropBelowThreshold(math.inf),
+        target=torch.randn(28, dtype=torch.float64),
+        opt_cls=torch.optim.Adam,
+        renormalize=False,
+    )
+    assert all(int(d.kept.sum()) == 0 for d in decisions)
+    reference_steps(twin, batches, decisions, opt_cls=torch.optim.Adam, renormalize=False)
+    assert_same(model, twin)  # Adam stepped on zero gradients (its moments decay), as a step on no examples
+
+
+def test_selection_under_gradient_checkpointing_is_exact():
+    torch.manual_seed(11)
+    model = Checkpointed().double()
+    twin = copy.deepcopy(model)
+    batches = [[data(90 + s, 8)] for s in range(2)]
+    decisions = selected_steps(model, batches, RandomSelection(0.5))
     reference_steps(twin, batches, decisions)
     assert_same(model, twin)
 
