@@ -184,7 +184,7 @@ def vision_rows(
     """Run the CNN under ``bench/fidelity.py``'s protocol; print its table, the choice and the RESULT line."""
     config = CONFIG
     began = time.perf_counter()
-    data = fidelity.load_data(1000, 200, 200, seed)
+    data = fidelity.load_data(seed)
     chosen_variants = [v for v in fidelity.VARIANTS if v.name in (variants or VARIANTS)]
     with tempfile.TemporaryDirectory(prefix="gradstore-fidelity-vision-") as scratch:
         root = Path(workdir or scratch)
