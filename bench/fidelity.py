@@ -105,7 +105,8 @@ RESULT line, ``lds_vision_cnn_496`` (about 2.5 of the run's minutes; ``--no-visi
 The best method per optimizer, every choice (method, damping, variant) on validation, test LDS:
 ``lds_best_mlp_full`` / ``lds_best_mlp_sgdm_full`` (the exact-gradient variant: ``grad-dot``, ``fisher``,
 ``tracin``, ``source``; no in-loop rows) and ``lds_best_mlp_16x16`` / ``lds_best_mlp_sgdm_16x16`` (every method
-on every projected variant at 416 dims). The Adam lines carry no target (they are the reference); the SGD
+on every projected variant at 416 dims; ``mlp-ft``'s the same, without targets). The Adam lines carry no target
+(they are the reference); the SGD
 targets, fixed before the first ``mlp-sgdm`` run, are the Adam MLP's figures at the same dims (0.74: ``fisher`` on
 the true Fisher with exact gradients, 0.743 on 2026-12-04; 0.68: its best at 416 dims, 0.678): a smooth
 mini-batch SGD training of the same network should be no harder to attribute than the full-batch Adam one.
