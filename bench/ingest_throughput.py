@@ -49,8 +49,7 @@ def _warm_up(root: Path, dim: int, dtype: str) -> None:
     store.create_run("warm-up", dim=dim)
     with store.writer("warm-up") as writer:
         writer.append(rows, [str(i) for i in range(64)])
-    grad, norm = encode(rows, dtype)
-    lance.write_dataset(pa.table({"grad": grad, "grad_norm": norm}), root / "warm-up.lance")
+    lance.write_dataset(pa.table(encode(rows, dtype)), root / "warm-up.lance")
 
 
 def _stream(
@@ -76,7 +75,6 @@ def _bulk(root: Path, vectors: np.ndarray, ids: list[str], dtype: str) -> tuple[
     """Seconds to encode the same rows in one go and write them in one Lance write; and the write alone."""
     n = len(ids)
     start = time.perf_counter()
-    grad, norm = encode(vectors, dtype)
     table = pa.table(
         {
             "grad_id": np.arange(n),
@@ -84,8 +82,7 @@ def _bulk(root: Path, vectors: np.ndarray, ids: list[str], dtype: str) -> tuple[
             "example_id": ids,
             "step": np.arange(n),
             "split": ["train"] * n,
-            "grad": grad,
-            "grad_norm": norm,
+            **encode(vectors, dtype),
         }
     )
     encoded = time.perf_counter()

@@ -87,7 +87,7 @@ def standard_normal(rows: int, dim: int, seed: int, chunk: int = 16384) -> np.nd
 def as_stored(x: np.ndarray, dtype: str, chunk: int = 16384) -> None:
     """Overwrite ``x`` with what the store's float32 reader returns for it when stored as ``dtype``."""
     for start in range(0, len(x), chunk):
-        x[start : start + chunk] = decode(*encode(x[start : start + chunk], dtype), dtype)
+        x[start : start + chunk] = decode(encode(x[start : start + chunk], dtype), dtype)
 
 
 def write_store(root: Path, x: np.ndarray, dtype: str, chunk: int = 8192) -> gradstore.GradStore:

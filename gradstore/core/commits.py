@@ -144,11 +144,16 @@ def compact(table: Any, what: str = "compaction") -> None:
 
 
 class InertTable:
-    """A LanceDB table as the streaming writer sees it (``add``, ``count_rows``, ``to_lance``), whose
+    """A LanceDB table as the streaming writer sees it (``add``, ``count_rows``, ``to_lance``, ``schema``), whose
     ``add`` is :func:`append`."""
 
     def __init__(self, table: Any) -> None:
         self.table = table
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The table's Arrow schema."""
+        return self.table.schema
 
     def add(self, data: pa.Table) -> None:
         """Append ``data`` (retried on conflicts, no LanceDB preprocessing)."""

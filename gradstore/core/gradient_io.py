@@ -11,13 +11,12 @@ import numpy as np
 import pyarrow as pa
 
 from gradstore.core import commits
-from gradstore.core import schema as S
 from gradstore.core.catalog import RunCatalog
 from gradstore.core.filters import StepRange, gradient_filter
 from gradstore.core.gradient_tables import table_dim
 from gradstore.core.tables import READ_ERRORS, Tables, writes
 from gradstore.core.vector_scanner import late_materialization, vector_scanner
-from gradstore.core.vectors import decode
+from gradstore.core.vectors import decode, vector_columns
 from gradstore.core.writer import GradientWriter, WriterConfig
 from gradstore.errors import InvalidArgumentError, SchemaMismatchError
 
@@ -40,7 +39,7 @@ class GradientBlock:
         """A block from a scanned record batch of ``grad_id``, metadata and the stored vector columns."""
         return cls(
             grad_ids=np.array(batch.column("grad_id").to_numpy()),
-            vectors=decode(batch.column(S.VECTOR_COLUMN), batch.column(S.NORM_COLUMN), storage_dtype),
+            vectors=decode(batch, storage_dtype),
             metadata=pa.Table.from_batches([batch.select(list(metadata_columns))]),
         )
 
@@ -98,8 +97,8 @@ class GradientIO:
         name = self._table_of_runs(run)
         if name is None:
             return
-        wanted = ["grad_id", *[c for c in columns if c != "grad_id"], S.VECTOR_COLUMN, S.NORM_COLUMN]
         dataset = self.tables.dataset(name)
+        wanted = ["grad_id", *[c for c in columns if c != "grad_id"], *vector_columns(dataset.schema)]
         unknown = set(wanted) - set(dataset.schema.names)
         if unknown:
             raise SchemaMismatchError(f"gradients table has no column(s) {sorted(unknown)}")

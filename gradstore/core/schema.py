@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from gradstore.core.vectors import vector_field
+from gradstore.core.vectors import EXPONENT_COLUMN as EXPONENT_COLUMN  # the row columns, named by their codec
+from gradstore.core.vectors import NORM_COLUMN, VECTOR_COLUMN, exponent_field, vector_field
 from ingest import CaptureLabels
 
 FORMAT_KEY = b"gradstore.format"
@@ -29,8 +30,6 @@ SKIPPED_STEPS = "skipped_steps"
 #: captured rows are selected alike.
 DEFAULT_CHECKPOINT: str = CaptureLabels.checkpoint
 
-VECTOR_COLUMN = "grad"
-NORM_COLUMN = "grad_norm"
 
 _TIMESTAMP = pa.timestamp("us", tz="UTC")
 
@@ -86,13 +85,16 @@ GRADIENT_METADATA_FIELDS = [
 GRADIENT_METADATA_NAMES = [f.name for f in GRADIENT_METADATA_FIELDS]
 
 
-def gradients_schema(dim: int, dtype: str) -> pa.Schema:
-    """Schema of the gradients table for vectors of ``dim`` stored as ``dtype``."""
+def gradients_schema(dim: int, dtype: str, *, int8_blocks: bool = True) -> pa.Schema:
+    """Schema of the gradients table for vectors of ``dim`` stored as ``dtype`` (int8: with the block exponents'
+    column, unless ``int8_blocks=False``, the per-row format of tables made before it)."""
+    blocked = [exponent_field(dim)] if dtype == "int8" and int8_blocks else []
     return _tagged(
         GRADIENT_METADATA_FIELDS
         + [
             vector_field(VECTOR_COLUMN, dim, dtype),
             pa.field(NORM_COLUMN, pa.float32(), nullable=False),
+            *blocked,
         ]
     )
 

@@ -16,7 +16,7 @@ Two ways of splitting a selection:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import lance
@@ -24,9 +24,9 @@ import numpy as np
 import pyarrow as pa
 
 from gradstore.core import GradientBlock, StoreCore, sql_literal
-from gradstore.core import schema as S
 from gradstore.core.stored_rows import stored_block, stored_columns
 from gradstore.core.vector_scanner import vector_scanner
+from gradstore.core.vectors import vector_columns
 from indexers import VectorBlocks
 
 DEFAULT_BLOCK_ROWS = 65536
@@ -64,21 +64,22 @@ class Shard:
 
     def blocks(self) -> Iterator[GradientBlock]:
         """The shard's rows as float32 blocks of at most ``block_rows`` rows, in dataset order."""
-        wanted = ["grad_id", *[c for c in self.columns if c != "grad_id"], S.VECTOR_COLUMN, S.NORM_COLUMN]
-        for batch in self._batches(wanted):
-            yield GradientBlock.from_batch(batch, wanted[1:-2], self.storage_dtype)
+        metadata = [c for c in self.columns if c != "grad_id"]
+        for batch in self._batches(lambda schema: ["grad_id", *metadata, *vector_columns(schema)]):
+            yield GradientBlock.from_batch(batch, metadata, self.storage_dtype)
 
     def stored_blocks(self) -> Iterator[tuple]:
         """The shard's rows as stored (:func:`~gradstore.core.stored_rows.stored_block`: no float32 decoding), in
         blocks of at most ``block_rows`` rows, in dataset order; the metadata columns are not read."""
-        for batch in self._batches(stored_columns(self.storage_dtype)):
+        for batch in self._batches(lambda schema: stored_columns(self.storage_dtype, schema)):
             yield stored_block(batch, self.storage_dtype)
 
-    def _batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
-        """The shard's non-empty batches of ``columns``."""
+    def _batches(self, columns_of: Callable[[pa.Schema], list[str]]) -> Iterator[pa.RecordBatch]:
+        """The shard's non-empty batches of the columns ``columns_of(the dataset's schema)`` names."""
         if not self.fragments:
             return
         dataset = lance.dataset(self.uri, version=self.version, storage_options=self.storage_options)
+        columns = columns_of(dataset.schema)
         fragments = [dataset.get_fragment(i) for i in self.fragments]
         scanner = vector_scanner(dataset, columns, self.filter, self.block_rows, self.late_materialization, fragments)
         yield from (batch for batch in scanner.to_batches() if batch.num_rows)

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import torch
 
 from gradstore.core import schema as S
 from gradstore.core.filters import gradient_filter
 from gradstore.core.vector_scanner import late_materialization, vector_scanner
-from gradstore.core.vectors import UNIT_DTYPES, int8_scales, stored_values
+from gradstore.core.vectors import UNIT_DTYPES, int8_scales, stored_unit_rows, vector_columns
 
 if TYPE_CHECKING:
     from gradstore.core.database import StoreCore
@@ -44,8 +45,8 @@ def stored_blocks(
 
     def source() -> Iterator[tuple]:
         dtype = store.storage_dtype
-        columns = stored_columns(dtype)
         read = dataset if dataset is not None else store.gradient_dataset(run)
+        columns = stored_columns(dtype, read.schema)
         late = selected_rows is None or late_materialization(selected_rows, read.count_rows())
         scanner = vector_scanner(read, columns, gradient_filter(run, checkpoint, split, None, where), block_rows, late)
         for batch in scanner.to_reader():
@@ -55,18 +56,26 @@ def stored_blocks(
     return source
 
 
-def stored_columns(dtype: str) -> list[str]:
-    """The columns :func:`stored_block` reads for rows stored as ``dtype``."""
-    return ["grad_id", S.VECTOR_COLUMN] + ([S.NORM_COLUMN] if dtype in UNIT_DTYPES else [])
+def stored_columns(dtype: str, schema: pa.Schema) -> list[str]:
+    """The columns :func:`stored_block` reads for rows stored as ``dtype`` in a table of ``schema``."""
+    if dtype not in UNIT_DTYPES:
+        return ["grad_id", S.VECTOR_COLUMN]
+    return ["grad_id", *vector_columns(schema)]
 
 
 def stored_block(batch: pa.RecordBatch, dtype: str) -> tuple:
     """A scanned batch of :func:`stored_columns` as a :data:`indexers.VectorBlocks` block: ``(grad_ids, rows as
     stored, norms)`` for unit-row encodings (the row is ``norm * unit row``; int8 rows come with their per-row
-    scales ``norm / ||q||`` instead, :func:`~gradstore.core.vectors.int8_scales`), ``(grad_ids, rows)`` for float32."""
+    scales ``norm / ||v||`` instead, :func:`~gradstore.core.vectors.int8_scales`, and int8 rows in blocks as their
+    unit rows in bf16, exact), ``(grad_ids, rows)`` for float32."""
     ids = np.array(batch.column("grad_id").to_numpy())  # small copies: writable, unlike Arrow's buffers
-    rows = stored_values(batch.column(S.VECTOR_COLUMN), dtype)
+    rows = stored_unit_rows(batch, dtype)
     if dtype not in UNIT_DTYPES:
         return ids, rows
     norms = np.array(batch.column(S.NORM_COLUMN).to_numpy())
-    return ids, rows, int8_scales(rows, norms) if dtype == "int8" else norms
+    if dtype != "int8":
+        return ids, rows, norms
+    scales = int8_scales(rows, norms)
+    if isinstance(rows, torch.Tensor):  # a blocked int8 table's unit rows: exact in bf16, the kernel's screen
+        rows = rows.to(torch.bfloat16)
+    return ids, rows, scales

@@ -17,26 +17,27 @@ Storage dtypes
     16). So the 1e-3 rule holds for spread-out gradients of a few hundred dims and more, not for every pair.
     2 bytes per dimension + 4 bytes.
 ``"int8"``
-    One byte per dimension: the unit vector ``u = g / ||g||`` quantised per row as ``q = round(127 u / max|u|)``
-    (``|q| <= 127``, the row's largest entry exactly +-127) plus the float32 norm in ``grad_norm``. The row
-    decodes as ``||g|| q / ||q||``: its per-row scale ``||g|| / ||q||`` is derived from the stored values and the
-    norm (no scale column: every reader of unit rows reads the same two columns), and the decoded row keeps the
-    true norm exactly. Each entry of ``127 u / max|u|`` is rounded by at most 1/2, so the direction's error is
-    ``||q/||q|| - u|| <= sqrt(d) / ||q||`` (``<= sqrt(d) max|u| / 127``), i.e. ``|a . b~ - a . b| <= sqrt(d)
-    max|u_b| / 127 ||a|| ||b||`` in the worst case (a query aligned with the rounding errors); for spread-out rows
-    ``max|u| ~ 4/sqrt(d)`` this is about ``4/127 = 0.03``, and for a query unrelated to the errors they cancel
-    to ``~max|u| / (127 sqrt(3))``, about 1e-3 at d = 256 and 1.6e-4 at d = 4,096 (checked in
-    tests/core/test_int8_store.py). int8 values convert to bf16 exactly, so the exact kernel's bf16 screen is exact on
-    the stored values and float32 rescoring decides: exact top-k on what is stored. Measured (2026-12-05,
-    docs/benchmarks.md): 4,119 bytes per row on disk at 4,096 dims (float16 8,215: 0.501x); recall@10 against a
-    float32 scan on decaying-spectrum rows 0.9875 (float16 1.0, bfloat16 0.998), short of the issue's 0.999;
-    ``gradstore demo`` best/BM25 2.205 (float16 2.349) but fisher's recall@10 0.496 (float16 0.623) and the
-    curvature-aware fisher's 0.500 (0.796): preconditioning amplifies the quantisation error. The scan of
-    prepared rows is no faster than float16's (the bf16 kernel screens a bf16 copy; an int8 screen, whose bound is
-    wider, rescores more rows than it saves: bench/screen.py). bench/fidelity.py's MLP (``--storage-dtype``): the
-    best method at full dims and at 416 dims within 0.001 LDS of float16 (s.e. 0.006-0.008), every 416-dim method
-    within 0.001, but ``source`` on full-dim true-Fisher rows 0.535 against 0.557. Not the default: the demo's
-    fisher rows and the 0.999 recall fail. 1 byte per dimension + 4 bytes.
+    One byte per dimension, in blocks: the unit vector ``u = g / ||g||`` is cut into blocks of
+    :data:`INT8_BLOCK` (32) consecutive entries, each block ``b`` stored as ``q_b = round(u_b / 2^e_b)`` with one
+    shared power-of-two exponent ``e_b = ceil(log2(max|u_b| / 127))`` (so ``|q| <= 127``; the OCP microscaling
+    MXINT8 layout), the exponents in an int8 column ``grad_exponents`` (``ceil(d / 32)`` bytes a row), plus the
+    float32 norm in ``grad_norm``. A block's entries are rounded at its own scale, so a layer (or an eigen-direction
+    range) whose entries are 100x smaller than the row's largest keeps the same ~1% relative error as the largest:
+    with one scale per row (the format before, still read: a table without ``grad_exponents``) those blocks were
+    rounded at the row's scale, 40-96% off on the demo's curvature-aware rows, and preconditioning amplified that
+    (the demo's curvature-aware fisher recall@10 fell from 0.796 to 0.500). The unit row decodes as
+    ``v = q_b 2^e_b`` (exact in bf16 and float32: at most 7 significant bits times a power of two) and the row as
+    ``||g|| v / ||v||``: its per-row scale ``||g|| / ||v||`` is derived from the stored values and the norm, so the
+    decoded row keeps the true norm exactly. Each entry is off by at most ``2^(e_b - 1) <= max|u_b| / 127`` (a
+    block's scale is within 2x of its peak's), so ``|a . b~ - a . b| <= sqrt(d) max|u| / 127 ||a|| ||b||`` in the
+    worst case and ``~max|u_b| / (127 sqrt(3))`` per block for a query unrelated to the errors (checked in
+    tests/core/test_int8_store.py). The exact kernel takes the decoded unit rows as bf16 (exact) with the per-row
+    scale: its bf16 screen is exact on the stored values and float32 rescoring decides, so top-k is exact on what
+    is stored, with 2 bytes per dimension prepared (float16's 4). Measured (2026-12-06, docs/benchmarks.md):
+    ``gradstore demo`` best/BM25 2.361 (float16 2.349; the per-row format 2.205), fisher recall@10 0.629 (float16
+    0.623), curvature-aware fisher 0.798 (0.796); recall@10 against a float32 scan on dense decaying-spectrum
+    rows (4,000 x 256, no block structure to exploit) 0.986 (per-row 0.9875, bfloat16 0.998, float16 1.0), short
+    of issue 39's 0.999. 1 byte per dimension + 1 byte per 32 + 4 bytes.
 ``"float32"``
     The raw vector in float32 (``grad_norm`` is still stored, for cosine and audits). 4 bytes per dimension.
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -69,6 +71,13 @@ UNIT_DTYPES = ("float16", "bfloat16", "int8")
 ENCODE_CHUNK_VALUES = 32768
 #: Values per float32 tile when measuring int8 rows' norms (:func:`int8_scales`): cache-sized, few kernel calls.
 SCALE_TILE_VALUES = 1 << 18
+#: Entries of an int8 row sharing one power-of-two exponent (the ``grad_exponents`` column).
+INT8_BLOCK = 32
+#: The columns of a gradient table's rows: the stored values, the norm, and an int8 table's block exponents
+#: (absent in int8 tables of the per-row format).
+VECTOR_COLUMN = "grad"
+NORM_COLUMN = "grad_norm"
+EXPONENT_COLUMN = "grad_exponents"
 DEFAULT_STORAGE_DTYPE = "float16"
 #: The largest row norm a store holds (``grad_norm`` is float32): larger rows would be stored as ``inf``.
 MAX_NORM = float(np.finfo(np.float32).max)
@@ -149,8 +158,19 @@ def too_large_rows(vectors: np.ndarray, peaks: np.ndarray) -> np.ndarray:
     return suspect[row_norms(vectors[suspect]) > MAX_NORM]
 
 
-def encode_rows(vectors: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """Encode float32 rows ``[n, dim]`` for storage: ``(values [n, dim], norms float64 [n])``.
+def int8_blocks(dim: int) -> int:
+    """Exponents per int8 row of ``dim`` entries."""
+    return -(-dim // INT8_BLOCK)
+
+
+def exponent_field(dim: int) -> pa.Field:
+    """The ``grad_exponents`` field of a new int8 table of ``dim``-entry rows."""
+    return pa.field(EXPONENT_COLUMN, pa.list_(pa.int8(), int8_blocks(dim)), nullable=False)
+
+
+def encode_rows(vectors: np.ndarray, dtype: str) -> tuple[np.ndarray, ...]:
+    """Encode float32 rows ``[n, dim]`` for storage: ``(values [n, dim], norms float64 [n])``, and for int8
+    ``(values, norms, exponents int8 [n, ceil(dim / 32)])``.
 
     Never modifies ``vectors`` and never returns a view of it. A row holding NaN/Inf gets a non-finite norm.
     Runs on torch's vectorised CPU kernels (numpy's float16 cast is several times slower), chunk by chunk on
@@ -160,11 +180,12 @@ def encode_rows(vectors: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray
     norms = row_norms(vectors)
     if check_storage_dtype(dtype) == "float32":
         return vectors.copy(), norms
-    if dtype == "int8":
-        return _quantised(vectors), norms
     scale = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
     scale = torch.from_numpy(scale.astype(np.float32))[:, None]
     source = torch.from_numpy(vectors)
+    if dtype == "int8":
+        values, exponents = _quantised(source, scale)
+        return values, norms, exponents
     values = torch.empty(source.shape, dtype=torch.float16 if dtype == "float16" else torch.bfloat16)
     for rows in _row_chunks(*source.shape):
         torch.mul(source[rows], scale[rows], out=values[rows])  # rounded to nearest (even) once
@@ -173,9 +194,34 @@ def encode_rows(vectors: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray
     return values.view(torch.int16).numpy().view(np.uint16), norms  # bfloat16's bit patterns
 
 
-def _quantised(vectors: np.ndarray) -> np.ndarray:
-    """``round(127 v / max|v|)`` of each row as int8 (equal to the unit row's; zero rows and rows holding NaN/Inf
-    are stored as zeros: their norm, 0 or non-finite, decodes them as 0 or NaN)."""
+def _quantised(source: torch.Tensor, scale: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The unit rows ``source * scale`` in int8 blocks (see the module docstring): ``(q [n, d], exponents [n,
+    ceil(d / 32)])``, ``q = round(u_b / 2^e_b)`` clamped to +-127 (a peak just above a power-of-two boundary in
+    float32 rounding). Zero blocks get exponent 0; rows holding NaN/Inf (scale 0 or NaN) are stored as zeros, their
+    non-finite norm decoding them as NaN."""
+    n, dim = source.shape
+    blocks = int8_blocks(dim)
+    values = torch.empty((n, dim), dtype=torch.int8)
+    exponents = torch.empty((n, blocks), dtype=torch.int8)
+    padded = blocks * INT8_BLOCK
+    for rows in _row_chunks(n, padded):
+        unit = torch.zeros((rows.stop - rows.start, padded))
+        torch.mul(source[rows], scale[rows], out=unit[:, :dim])
+        unit.nan_to_num_(0.0, 0.0, 0.0)
+        tiles = unit.view(len(unit), blocks, INT8_BLOCK)
+        mantissa, exponent = torch.frexp(tiles.abs().amax(2) / 127)  # peak / 127 = m 2^x, m in [0.5, 1)
+        exponent -= (mantissa == 0.5).to(exponent.dtype)  # ceil(log2(peak / 127)); 0 for a zero block
+        exponent.clamp_(-128, 127)
+        tiles.copy_(torch.ldexp(tiles, -exponent.unsqueeze(2))).round_().clamp_(-127, 127)
+        values[rows].copy_(unit[:, :dim])
+        exponents[rows].copy_(exponent)
+    return values.numpy(), exponents.numpy()
+
+
+def _quantised_per_row(vectors: np.ndarray) -> np.ndarray:
+    """The int8 format of tables without ``grad_exponents`` (one scale per row): ``round(127 v / max|v|)`` of each
+    row (equal to the unit row's; zero rows and rows holding NaN/Inf are stored as zeros: their norm, 0 or
+    non-finite, decodes them as 0 or NaN). Written only to such tables, so each table keeps one format."""
     peaks = row_peaks(vectors).astype(np.float64)
     usable = np.isfinite(peaks) & (peaks > 0)
     factor = np.divide(127.0, peaks, out=np.zeros_like(peaks), where=usable)
@@ -191,13 +237,31 @@ def _quantised(vectors: np.ndarray) -> np.ndarray:
     return values.numpy()
 
 
-def int8_scales(rows: np.ndarray, norms: np.ndarray) -> np.ndarray:
-    """Per-row float32 scales of int8 rows: ``norm / ||q||`` (a row is ``scale * q``); a zero row's scale is
-    ``0 * norm`` (0, or NaN for a row stored with a non-finite norm)."""
-    q_norms = np.empty(len(rows), dtype=np.float32)
+def int8_unit_rows(values: np.ndarray, exponents: np.ndarray) -> torch.Tensor:
+    """The stored unit rows ``q_b 2^e_b`` of int8 rows in blocks, float32 ``[n, d]`` (exact)."""
+    n, dim = values.shape
+    blocks = exponents.shape[1]
     with warnings.catch_warnings():  # shared read-only: only read
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        source = torch.from_numpy(np.ascontiguousarray(rows))
+        q, e = torch.from_numpy(np.ascontiguousarray(values)), torch.from_numpy(np.ascontiguousarray(exponents))
+    unit = torch.zeros((n, blocks * INT8_BLOCK))
+    unit[:, :dim] = q
+    tiles = unit.view(n, blocks, INT8_BLOCK)
+    tiles.copy_(torch.ldexp(tiles, e.to(torch.int32).unsqueeze(2)))
+    return unit[:, :dim]
+
+
+def int8_scales(rows: np.ndarray | torch.Tensor, norms: np.ndarray) -> np.ndarray:
+    """Per-row float32 scales of int8 rows: ``norm / ||v||`` (a row is ``scale * v``, ``v`` the stored unit row:
+    the int8 values of a per-row table, :func:`int8_unit_rows` of a blocked one); a zero row's scale is ``0 *
+    norm`` (0, or NaN for a row stored with a non-finite norm)."""
+    q_norms = np.empty(len(rows), dtype=np.float32)
+    if isinstance(rows, torch.Tensor):
+        source = rows
+    else:
+        with warnings.catch_warnings():  # shared read-only: only read
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            source = torch.from_numpy(np.ascontiguousarray(rows))
     tile_rows = max(1, SCALE_TILE_VALUES // max(rows.shape[1], 1))
     tile = torch.empty(min(len(rows), tile_rows), rows.shape[1])
     out = torch.from_numpy(q_norms)
@@ -210,11 +274,24 @@ def int8_scales(rows: np.ndarray, norms: np.ndarray) -> np.ndarray:
         return np.where(q_norms > 0, norms / np.where(q_norms > 0, q_norms, 1), norms * 0).astype(np.float32)
 
 
-def encode(vectors: np.ndarray, dtype: str) -> tuple[pa.FixedSizeListArray, pa.Array]:
-    """Encode float32 rows ``[n, dim]`` as the ``grad`` column and the ``grad_norm`` column."""
-    values, norms = encode_rows(vectors, dtype)
-    column = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
-    return column, pa.array(norms.astype(np.float32))
+def encode(vectors: np.ndarray, dtype: str, *, blocks: bool = True) -> dict[str, pa.Array]:
+    """Encode float32 rows ``[n, dim]`` as the ``grad`` and ``grad_norm`` columns (and, int8, ``grad_exponents``),
+    by column name; ``blocks=False``: int8 in the per-row format of tables made before the blocks."""
+    if dtype == "int8" and not blocks:
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        encoded: tuple[np.ndarray, ...] = (_quantised_per_row(vectors), row_norms(vectors))
+    else:
+        encoded = encode_rows(vectors, dtype)
+    values, norms = encoded[0], encoded[1]
+    columns = {
+        VECTOR_COLUMN: pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1]),
+        NORM_COLUMN: pa.array(norms.astype(np.float32)),
+    }
+    if len(encoded) == 3:
+        columns[EXPONENT_COLUMN] = pa.FixedSizeListArray.from_arrays(
+            pa.array(encoded[2].reshape(-1)), encoded[2].shape[1]
+        )
+    return columns
 
 
 def stored_values(column: pa.Array | pa.ChunkedArray, dtype: str) -> np.ndarray | torch.Tensor:
@@ -230,14 +307,44 @@ def stored_values(column: pa.Array | pa.ChunkedArray, dtype: str) -> np.ndarray 
         return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
 
 
-def decode(column: pa.Array | pa.ChunkedArray, norms: pa.Array | pa.ChunkedArray, dtype: str) -> np.ndarray:
-    """Decode a ``grad`` column (and its ``grad_norm``) back to float32 rows ``[n, dim]``."""
-    rows = stored_values(column, dtype)
-    if dtype in UNIT_DTYPES:
-        norm = np.asarray(norms.to_numpy(zero_copy_only=False), dtype=np.float32)
-        decoded = rows.to(torch.float32).numpy() if isinstance(rows, torch.Tensor) else rows.astype(np.float32)
-        if dtype == "int8":
-            norm = int8_scales(rows, norm)
-        decoded *= norm[:, None]  # in place: one float32 copy of the block, not two
-        return decoded
-    return rows if rows.flags.writeable else rows.copy()  # Arrow buffers are read-only
+def vector_columns(schema: pa.Schema) -> list[str]:
+    """The columns that hold a gradient table's rows (``grad``, ``grad_norm``, and an int8 table's exponents)."""
+    return [VECTOR_COLUMN, NORM_COLUMN] + ([EXPONENT_COLUMN] if EXPONENT_COLUMN in schema.names else [])
+
+
+def stored_unit_rows(columns: Any, dtype: str) -> np.ndarray | torch.Tensor:
+    """The stored rows of :func:`vector_columns` (a record batch, table, or :func:`encode`'s dict), as
+    :func:`stored_values` gives them, except int8 rows in blocks: their unit rows, float32 (:func:`int8_unit_rows`)."""
+    rows = stored_values(_column(columns, VECTOR_COLUMN), dtype)
+    if dtype == "int8" and _has(columns, EXPONENT_COLUMN):
+        exponents = _column(columns, EXPONENT_COLUMN)
+        if isinstance(exponents, pa.ChunkedArray):
+            exponents = exponents.combine_chunks()
+        blocks = exponents.flatten().to_numpy(zero_copy_only=False).reshape(-1, exponents.type.list_size)
+        return int8_unit_rows(rows, blocks)
+    return rows
+
+
+def decode(columns: Any, dtype: str) -> np.ndarray:
+    """Decode the row columns of :func:`vector_columns` (a record batch, table, or :func:`encode`'s dict) back to
+    float32 rows ``[n, dim]``."""
+    rows = stored_unit_rows(columns, dtype)
+    if dtype not in UNIT_DTYPES:
+        return rows if rows.flags.writeable else rows.copy()  # Arrow buffers are read-only
+    norm = np.asarray(_column(columns, NORM_COLUMN).to_numpy(zero_copy_only=False), dtype=np.float32)
+    if dtype == "int8":
+        norm = int8_scales(rows, norm)
+    if isinstance(rows, torch.Tensor):  # bfloat16 values, or a blocked int8 table's fresh float32 unit rows
+        decoded = rows.numpy() if rows.dtype == torch.float32 else rows.to(torch.float32).numpy()
+    else:
+        decoded = rows.astype(np.float32)
+    decoded *= norm[:, None]  # in place: one float32 copy of the block, not two
+    return decoded
+
+
+def _column(columns: Any, name: str) -> Any:
+    return columns[name] if isinstance(columns, dict) else columns.column(name)
+
+
+def _has(columns: Any, name: str) -> bool:
+    return name in columns if isinstance(columns, dict) else name in columns.schema.names

@@ -69,7 +69,7 @@ def _scan(name: str, dataset: Any, block_rows: int, catalog: RunCatalog, report:
             continue
         grad_ids.append(batch.column("grad_id").to_numpy())
         runs.update(batch.column("run_id").unique().to_pylist())
-        vectors = decode(batch.column(S.VECTOR_COLUMN), batch.column(S.NORM_COLUMN), dtype)
+        vectors = decode(batch, dtype)
         bad = np.flatnonzero(~np.isfinite(vectors).all(axis=1))
         if len(bad):
             ids = batch.column("example_id").take(pa.array(bad[:5])).to_pylist()

@@ -102,7 +102,13 @@ class GradientWriter:
         self.dim = dim
         self.storage_dtype = storage_dtype
         self.config = config or WriterConfig()
-        self._schema = S.gradients_schema(dim, storage_dtype)
+        # an int8 table made before the block format keeps its per-row format
+        self._int8_blocks = storage_dtype != "int8" or S.EXPONENT_COLUMN in table.schema.names
+        self._schema = (
+            S.gradients_schema(dim, storage_dtype)
+            if self._int8_blocks
+            else S.gradients_schema(dim, storage_dtype, int8_blocks=False)
+        )
         self._prefix = new_id_block(self._prefix_taken)
         self._counter = 0
         self._lock = threading.Lock()
@@ -237,7 +243,7 @@ class GradientWriter:
                 columns[field.name] = metadata_column(
                     field, [c.metadata.get(field.name) for c in chunks], [len(c.example_ids) for c in chunks]
                 )
-        columns[S.VECTOR_COLUMN], columns[S.NORM_COLUMN] = encode(buffer.vectors[:n], self.storage_dtype)
+        columns.update(encode(buffer.vectors[:n], self.storage_dtype, blocks=self._int8_blocks))
         return pa.Table.from_arrays([columns[name] for name in self._schema.names], schema=self._schema)
 
     def _block(self, rows: int) -> np.ndarray:

@@ -14,8 +14,7 @@ import numpy as np
 import torch
 
 from gradstore.core import StoreCore
-from gradstore.core import schema as S
-from gradstore.core.vectors import decode
+from gradstore.core.vectors import decode, vector_columns
 from gradstore.errors import StoreCorruptError
 from gradstore.preconditioning.scoring import ScoringSpace
 from indexers import RunningTopK
@@ -46,13 +45,13 @@ class RowLocator:
             found = self._ids[positions] == grad_ids if len(self._ids) else np.zeros(len(grad_ids), bool)
             offsets = self._offsets[positions[found]]  # ascending with the ids? not after compaction: sort
             order = np.argsort(offsets, kind="stable")
-            table = dataset.take(offsets[order], columns=["grad_id", S.VECTOR_COLUMN, S.NORM_COLUMN])
+            table = dataset.take(offsets[order], columns=["grad_id", *vector_columns(dataset.schema)])
         got = table.column("grad_id").to_numpy()
         if not np.array_equal(got, grad_ids[found][order]):
             raise StoreCorruptError(
                 f"the gradient table of run {run!r} in {store.uri} returned other rows than asked for"
             )
-        rows = decode(table.column(S.VECTOR_COLUMN), table.column(S.NORM_COLUMN), store.storage_dtype)
+        rows = decode(table, store.storage_dtype)
         rows[order] = rows.copy()
         return found, rows
 

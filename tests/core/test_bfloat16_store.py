@@ -51,9 +51,10 @@ def test_bfloat16_rows_are_rounded_unit_rows_stored_as_their_bits() -> None:
     assert values.dtype == np.uint16 and values.shape == vectors.shape
     unit = torch.from_numpy(vectors / np.where(norms > 0, norms, 1)[:, None].astype(np.float32))
     np.testing.assert_array_equal(values, unit.bfloat16().view(torch.int16).numpy().view(np.uint16))
-    column, norm_column = encode(vectors, "bfloat16")
-    assert column.type == pa.list_(pa.uint16(), 33)
-    decoded = decode(column, norm_column, "bfloat16")
+    encoded = encode(vectors, "bfloat16")
+    column = encoded[S.VECTOR_COLUMN]
+    assert column.type == pa.list_(pa.uint16(), 33) and set(encoded) == {S.VECTOR_COLUMN, S.NORM_COLUMN}
+    decoded = decode(encoded, "bfloat16")
     assert decoded.dtype == np.float32 and not decoded[3].any()
     np.testing.assert_allclose(decoded, vectors, rtol=2**-8, atol=0)
     shared = stored_values(column, "bfloat16")
@@ -69,7 +70,7 @@ def test_unit_encodings_keep_inner_products_of_tiny_gradients(dtype: str) -> Non
     c = _rows(64, DIM, seed=3, scale=1e-8)
     for left, right in ((a, b), (a, c)):
         exact = np.sum(left.astype(np.float64) * right, axis=1)
-        got = np.sum(decode(*encode(left, dtype), dtype).astype(np.float64) * decode(*encode(right, dtype), dtype), 1)
+        got = np.sum(decode(encode(left, dtype), dtype).astype(np.float64) * decode(encode(right, dtype), dtype), 1)
         bound = 1e-3 * np.linalg.norm(left.astype(np.float64), axis=1) * np.linalg.norm(right.astype(np.float64), 1)
         assert (np.abs(got - exact) <= bound).all()
 

@@ -61,8 +61,8 @@ def test_default_dtype_keeps_inner_products_of_tiny_gradients():
     a = _rows(64, 4096, seed=1, scale=1e-8)
     b = a + _rows(64, 4096, seed=2, scale=5e-9)
     exact = np.sum(a.astype(np.float64) * b, axis=1)
-    decoded_a = decode(*encode(a, "float16"), "float16").astype(np.float64)
-    decoded_b = decode(*encode(b, "float16"), "float16").astype(np.float64)
+    decoded_a = decode(encode(a, "float16"), "float16").astype(np.float64)
+    decoded_b = decode(encode(b, "float16"), "float16").astype(np.float64)
     relative = np.abs(np.sum(decoded_a * decoded_b, axis=1) - exact) / np.abs(exact)
     assert relative.max() <= 1e-3
     naive = np.sum(a.astype(np.float16).astype(np.float64) * b.astype(np.float16), axis=1)

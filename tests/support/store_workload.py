@@ -55,7 +55,7 @@ def vectors_for(run: str, ids: Sequence[str]) -> np.ndarray:
 
 def as_stored(vectors: np.ndarray, storage_dtype: str) -> np.ndarray:
     """What reading ``vectors`` back from a store of ``storage_dtype`` returns (exactly)."""
-    return decode(*encode(vectors, storage_dtype), storage_dtype)
+    return decode(encode(vectors, storage_dtype), storage_dtype)
 
 
 class Progress:
