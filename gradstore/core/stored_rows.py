@@ -69,13 +69,8 @@ def stored_block(batch: pa.RecordBatch, dtype: str) -> tuple:
     scales ``norm / ||v||`` instead, :func:`~gradstore.core.vectors.int8_scales`, and int8 rows in blocks as their
     unit rows in bf16, exact), ``(grad_ids, rows)`` for float32."""
     ids = np.array(batch.column("grad_id").to_numpy())  # small copies: writable, unlike Arrow's buffers
-    rows = stored_unit_rows(batch, dtype)
+    rows, unit_norms = stored_unit_rows(batch, dtype, torch.bfloat16)  # blocked int8: exact in bf16
     if dtype not in UNIT_DTYPES:
         return ids, rows
     norms = np.array(batch.column(S.NORM_COLUMN).to_numpy())
-    if dtype != "int8":
-        return ids, rows, norms
-    scales = int8_scales(rows, norms)
-    if isinstance(rows, torch.Tensor):  # a blocked int8 table's unit rows: exact in bf16, the kernel's screen
-        rows = rows.to(torch.bfloat16)
-    return ids, rows, scales
+    return ids, rows, int8_scales(rows, norms, unit_norms) if dtype == "int8" else norms

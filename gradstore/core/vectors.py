@@ -211,8 +211,8 @@ def _quantised(source: torch.Tensor, scale: torch.Tensor) -> tuple[np.ndarray, n
         tiles = unit.view(len(unit), blocks, INT8_BLOCK)
         mantissa, exponent = torch.frexp(tiles.abs().amax(2) / 127)  # peak / 127 = m 2^x, m in [0.5, 1)
         exponent -= (mantissa == 0.5).to(exponent.dtype)  # ceil(log2(peak / 127)); 0 for a zero block
-        exponent.clamp_(-128, 127)
-        tiles.copy_(torch.ldexp(tiles, -exponent.unsqueeze(2))).round_().clamp_(-127, 127)
+        exponent.clamp_(-127, 127)  # 2^-e finite in float32 (a block below 2^-120 keeps fewer bits)
+        tiles.mul_(torch.exp2(-exponent.float()).unsqueeze(2)).round_().clamp_(-127, 127)  # exact powers of 2
         values[rows].copy_(unit[:, :dim])
         exponents[rows].copy_(exponent)
     return values.numpy(), exponents.numpy()
@@ -237,41 +237,50 @@ def _quantised_per_row(vectors: np.ndarray) -> np.ndarray:
     return values.numpy()
 
 
-def int8_unit_rows(values: np.ndarray, exponents: np.ndarray) -> torch.Tensor:
-    """The stored unit rows ``q_b 2^e_b`` of int8 rows in blocks, float32 ``[n, d]`` (exact)."""
+def int8_unit_rows(
+    values: np.ndarray, exponents: np.ndarray, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, np.ndarray]:
+    """The stored unit rows ``q_b 2^e_b`` of int8 rows in blocks as ``dtype`` ``[n, d]`` (exact in float32 and
+    bfloat16), and their float32 norms ``||v||``; decoded a cache-sized tile at a time (no float32 copy of the
+    whole block)."""
     n, dim = values.shape
     blocks = exponents.shape[1]
     with warnings.catch_warnings():  # shared read-only: only read
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         q, e = torch.from_numpy(np.ascontiguousarray(values)), torch.from_numpy(np.ascontiguousarray(exponents))
-    unit = torch.zeros((n, blocks * INT8_BLOCK))
-    unit[:, :dim] = q
-    tiles = unit.view(n, blocks, INT8_BLOCK)
-    tiles.copy_(torch.ldexp(tiles, e.to(torch.int32).unsqueeze(2)))
-    return unit[:, :dim]
+    rows = torch.empty((n, dim), dtype=dtype)
+    norms = torch.empty(n)
+    tile_rows = max(1, SCALE_TILE_VALUES // (blocks * INT8_BLOCK))
+    tile = torch.zeros((min(n, tile_rows), blocks * INT8_BLOCK))  # the padding past ``dim`` stays 0
+    for start in range(0, n, tile_rows):
+        part = slice(start, start + tile_rows)
+        unit = tile[: len(q[part])]
+        unit[:, :dim].copy_(q[part])
+        unit.view(len(unit), blocks, INT8_BLOCK).mul_(torch.exp2(e[part].float()).unsqueeze(2))  # exact powers of 2
+        rows[part].copy_(unit[:, :dim])
+        torch.linalg.vector_norm(unit, dim=1, out=norms[part])
+    return rows, norms.numpy()
 
 
-def int8_scales(rows: np.ndarray | torch.Tensor, norms: np.ndarray) -> np.ndarray:
+def int8_scales(rows: np.ndarray, norms: np.ndarray, unit_norms: np.ndarray | None = None) -> np.ndarray:
     """Per-row float32 scales of int8 rows: ``norm / ||v||`` (a row is ``scale * v``, ``v`` the stored unit row:
-    the int8 values of a per-row table, :func:`int8_unit_rows` of a blocked one); a zero row's scale is ``0 *
-    norm`` (0, or NaN for a row stored with a non-finite norm)."""
-    q_norms = np.empty(len(rows), dtype=np.float32)
-    if isinstance(rows, torch.Tensor):
-        source = rows
-    else:
+    the int8 values of a per-row table, measured here; a blocked table's, whose norms :func:`int8_unit_rows` gives
+    as ``unit_norms``); a zero row's scale is ``0 * norm`` (0, or NaN for a row stored with a non-finite norm)."""
+    if unit_norms is None:
+        unit_norms = np.empty(len(rows), dtype=np.float32)
         with warnings.catch_warnings():  # shared read-only: only read
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             source = torch.from_numpy(np.ascontiguousarray(rows))
-    tile_rows = max(1, SCALE_TILE_VALUES // max(rows.shape[1], 1))
-    tile = torch.empty(min(len(rows), tile_rows), rows.shape[1])
-    out = torch.from_numpy(q_norms)
-    for start in range(0, len(rows), tile_rows):
-        part = slice(start, start + tile_rows)
-        stored = source[part]
-        torch.linalg.vector_norm(tile[: len(stored)].copy_(stored), dim=1, out=out[part])
+        tile_rows = max(1, SCALE_TILE_VALUES // max(rows.shape[1], 1))
+        tile = torch.empty(min(len(rows), tile_rows), rows.shape[1])
+        out = torch.from_numpy(unit_norms)
+        for start in range(0, len(rows), tile_rows):
+            part = slice(start, start + tile_rows)
+            stored = source[part]
+            torch.linalg.vector_norm(tile[: len(stored)].copy_(stored), dim=1, out=out[part])
     norms = np.asarray(norms, dtype=np.float32)
     with np.errstate(invalid="ignore"):
-        return np.where(q_norms > 0, norms / np.where(q_norms > 0, q_norms, 1), norms * 0).astype(np.float32)
+        return np.where(unit_norms > 0, norms / np.where(unit_norms > 0, unit_norms, 1), norms * 0).astype(np.float32)
 
 
 def encode(vectors: np.ndarray, dtype: str, *, blocks: bool = True) -> dict[str, pa.Array]:
@@ -312,28 +321,31 @@ def vector_columns(schema: pa.Schema) -> list[str]:
     return [VECTOR_COLUMN, NORM_COLUMN] + ([EXPONENT_COLUMN] if EXPONENT_COLUMN in schema.names else [])
 
 
-def stored_unit_rows(columns: Any, dtype: str) -> np.ndarray | torch.Tensor:
+def stored_unit_rows(
+    columns: Any, dtype: str, blocked_dtype: torch.dtype = torch.float32
+) -> tuple[np.ndarray | torch.Tensor, np.ndarray | None]:
     """The stored rows of :func:`vector_columns` (a record batch, table, or :func:`encode`'s dict), as
-    :func:`stored_values` gives them, except int8 rows in blocks: their unit rows, float32 (:func:`int8_unit_rows`)."""
+    :func:`stored_values` gives them, except int8 rows in blocks: their unit rows as ``blocked_dtype``
+    (:func:`int8_unit_rows`); with the unit rows' norms where those were decoded (else ``None``)."""
     rows = stored_values(_column(columns, VECTOR_COLUMN), dtype)
     if dtype == "int8" and _has(columns, EXPONENT_COLUMN):
         exponents = _column(columns, EXPONENT_COLUMN)
         if isinstance(exponents, pa.ChunkedArray):
             exponents = exponents.combine_chunks()
         blocks = exponents.flatten().to_numpy(zero_copy_only=False).reshape(-1, exponents.type.list_size)
-        return int8_unit_rows(rows, blocks)
-    return rows
+        return int8_unit_rows(rows, blocks, blocked_dtype)
+    return rows, None
 
 
 def decode(columns: Any, dtype: str) -> np.ndarray:
     """Decode the row columns of :func:`vector_columns` (a record batch, table, or :func:`encode`'s dict) back to
     float32 rows ``[n, dim]``."""
-    rows = stored_unit_rows(columns, dtype)
+    rows, unit_norms = stored_unit_rows(columns, dtype)
     if dtype not in UNIT_DTYPES:
         return rows if rows.flags.writeable else rows.copy()  # Arrow buffers are read-only
     norm = np.asarray(_column(columns, NORM_COLUMN).to_numpy(zero_copy_only=False), dtype=np.float32)
     if dtype == "int8":
-        norm = int8_scales(rows, norm)
+        norm = int8_scales(rows, norm, unit_norms)
     if isinstance(rows, torch.Tensor):  # bfloat16 values, or a blocked int8 table's fresh float32 unit rows
         decoded = rows.numpy() if rows.dtype == torch.float32 else rows.to(torch.float32).numpy()
     else:

@@ -61,7 +61,11 @@ def test_int8_round_trip_within_the_documented_bound() -> None:
     assert decoded.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(decoded, axis=1), norms, rtol=1e-5)  # the true norm is kept
     unit = vectors / norms[:, None]
-    stored = int8_unit_rows(values, exponents).double().numpy()
+    stored_rows, unit_norms = int8_unit_rows(values, exponents)
+    stored = stored_rows.double().numpy()
+    np.testing.assert_allclose(unit_norms, np.linalg.norm(stored, axis=1), rtol=1e-6)
+    half, _ = int8_unit_rows(values, exponents, torch.bfloat16)
+    assert torch.equal(half.float(), stored_rows)  # exact in bf16
     block_peaks = np.abs(unit).reshape(40, 8, 32).max(axis=2)
     assert (np.abs(stored - unit).reshape(40, 8, 32) <= block_peaks[:, :, None] / 127 + 1e-12).all()
     error = np.linalg.norm(decoded / norms[:, None] - unit, axis=1)
@@ -71,9 +75,11 @@ def test_int8_round_trip_within_the_documented_bound() -> None:
     got = queries.astype(np.float64) @ (decoded / norms[:, None]).T
     relative = np.abs(got - exact) / np.linalg.norm(queries, axis=1)[:, None]
     assert relative.max() <= 8e-3  # unrelated queries: the errors mostly cancel
-    shared = stored_unit_rows(encoded, "int8")
-    assert torch.equal(shared, torch.from_numpy(stored).float()) and torch.equal(shared.bfloat16().float(), shared)
-    np.testing.assert_allclose(shared.numpy() * int8_scales(shared, norms.astype(np.float32))[:, None], decoded)
+    shared, shared_norms = stored_unit_rows(encoded, "int8")
+    assert torch.equal(shared, stored_rows) and np.array_equal(shared_norms, unit_norms)
+    scales = int8_scales(shared.numpy(), norms.astype(np.float32), shared_norms)
+    np.testing.assert_allclose(shared.numpy() * scales[:, None], decoded)
+    np.testing.assert_allclose(int8_scales(shared.numpy(), norms.astype(np.float32)), scales, rtol=1e-6)
 
 
 def test_a_small_block_keeps_its_own_precision() -> None:
@@ -84,6 +90,12 @@ def test_a_small_block_keeps_its_own_precision() -> None:
     decoded = decode(encode(vectors, "int8"), "int8")
     small = np.linalg.norm(decoded[:, 64:] - vectors[:, 64:], axis=1) / np.linalg.norm(vectors[:, 64:], axis=1)
     assert small.max() < 0.02, small
+    tiny = vectors[:2].copy()
+    tiny[:, 96:] *= 1e-35  # blocks below float32's normal range, relative to the row
+    back = decode(encode(tiny, "int8"), "int8")
+    assert np.isfinite(back).all() and np.abs(back[:, 96:]).max() <= 2 * np.abs(tiny[:, 96:]).max()
+    for part in (slice(0, 64), slice(64, 96)):  # the other blocks within their own bound
+        np.testing.assert_allclose(back[:, part], tiny[:, part], atol=np.abs(tiny[:, part]).max() / 60)
     per_row = decode(encode(vectors, "int8", blocks=False), "int8")
     lost = np.linalg.norm(per_row[:, 64:] - vectors[:, 64:], axis=1) / np.linalg.norm(vectors[:, 64:], axis=1)
     assert lost.min() > 0.5, lost  # the per-row format's error there, for contrast
