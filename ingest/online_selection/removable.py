@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ingest.layers import _conv1d_class
+from ingest.layers import _conv1d_class, _stock_forward
 from ingest.misuse import CaptureUsageError
 
 
@@ -16,14 +16,15 @@ class ExactRemovalError(CaptureUsageError):
 
 def removal_kind(module: nn.Module) -> str | None:
     """How a module's per-example contributions are removed (``"linear"``, ``"conv1d"``, ``"embedding"``), or
-    ``None`` when they cannot be removed exactly."""
+    ``None`` when they cannot be removed exactly: another module type, or a subclass with a forward of its own
+    (its weight gradient need not be ``dy^T x``)."""
     if isinstance(module, nn.Linear):
-        return "linear"
+        return "linear" if _stock_forward(module, nn.Linear) else None
     if isinstance(module, nn.Embedding) and not module.sparse and module.max_norm is None:
-        return "embedding"
+        return "embedding" if _stock_forward(module, nn.Embedding) else None
     conv1d = _conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
-        return "conv1d"
+        return "conv1d" if _stock_forward(module, conv1d) else None
     return None
 
 
@@ -43,7 +44,8 @@ def removable_modules(model: nn.Module) -> list[tuple[nn.Module, str]]:
     if refused:
         raise ExactRemovalError(
             "online selection removes dropped examples' exact contributions from Linear, Embedding (dense, no "
-            f"max_norm) and Conv1D layers only; these modules have other trainable parameters: {refused[:8]}"
+            "max_norm) and Conv1D layers (with their own forward, not a subclass's) only; these modules with "
+            f"trainable parameters are not such layers: {refused[:8]}"
             f"{' ...' if len(refused) > 8 else ''}. Freeze them (requires_grad_(False)) or select offline"
         )
     if not found:

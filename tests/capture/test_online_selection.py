@@ -295,6 +295,20 @@ def test_unsupported_layers_are_refused():
     OnlineSelector(cap, RandomSelection(0.5))
 
 
+class DoubledLinear(nn.Linear):
+    """A Linear subclass with a forward of its own: its weight gradient is 2 dy^T x, not dy^T x."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_a_linear_subclass_with_its_own_forward_is_refused():
+    model = nn.Sequential(DoubledLinear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    cap = GradientCapture(model, lambda b: None)
+    with pytest.raises(ExactRemovalError, match=r"own forward, not a subclass's.*0 \(DoubledLinear\)"):
+        OnlineSelector(cap, RandomSelection(0.5))
+
+
 def test_misuse_is_refused_with_what_to_do():
     model = mlp()
     cap = GradientCapture(model, lambda b: None)
