@@ -121,7 +121,9 @@ def add_weighted_product(
     d, xs = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
     weight, bias = module.weight, module.bias
     a, b = (d.t(), xs) if kind == "linear" else (xs.t(), d)
-    if weight.grad is None:  # beta 0: the new gradient is alpha a b, whatever the empty buffer holds
+    if not weight.requires_grad:  # frozen (e.g. only the bias trains): no gradient, as the backward forms none
+        pass
+    elif weight.grad is None:  # beta 0: the new gradient is alpha a b, whatever the empty buffer holds
         weight.grad = torch.empty_like(weight).addmm_(a, b, beta=0.0, alpha=alpha)
     else:
         weight.grad.addmm_(a, b, alpha=alpha)

@@ -343,8 +343,9 @@ class OnlineSelector:
                     self._accumulate(corrections, module.weight, term)
                     continue
                 xs = xs.reshape(-1, xs.shape[-1]).to(d.dtype)
-                term = d.T @ xs if kind == "linear" else xs.T @ d
-                self._accumulate(corrections, module.weight, term.to(module.weight.dtype))
+                if module.weight.requires_grad:
+                    term = d.T @ xs if kind == "linear" else xs.T @ d
+                    self._accumulate(corrections, module.weight, term.to(module.weight.dtype))
                 if module.bias is not None and module.bias.requires_grad:
                     self._accumulate(corrections, module.bias, d.sum(0).to(module.bias.dtype))
         if self.collective:

@@ -264,6 +264,28 @@ def test_a_policy_may_reweight_examples():
     assert_same(model, twin)
 
 
+@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "subtracted"])
+@pytest.mark.parametrize("policy", [KeepTopFraction(0.5), Reweight()], ids=["drop", "reweight"])
+def test_frozen_weights_with_trainable_biases_get_no_gradient(policy, deferred, monkeypatch):
+    """BitFit-style: the embedding's and the shared layer's weights frozen, that layer's bias and the head trained:
+    the selected steps equal steps on the kept examples and no frozen weight gets a gradient (an optimizer holding
+    it would step it)."""
+    torch.manual_seed(12)
+    model = TokenModel().double()
+    for module in (model.emb, model.hidden):
+        module.weight.requires_grad_(False)
+    if not deferred:  # the backward forms every gradient; the selector subtracts the dropped terms
+        monkeypatch.setattr("ingest.online_selection.selector.deferrable", lambda module: False)
+    twin = copy.deepcopy(model)
+    batches = [[data(130 + s, 8, tokens=True)] for s in range(2)]
+    with GradientCapture(model, lambda b: None, CaptureConfig(projection=ProjectionConfig(k_in=4, k_out=4))) as cap:
+        dim = cap.spec.dim
+    decisions = selected_steps(model, batches, policy, target=torch.randn(dim, dtype=torch.float64))
+    assert model.emb.weight.grad is None and model.hidden.weight.grad is None
+    reference_steps(twin, batches, decisions)
+    assert_same(model, twin)
+
+
 def test_loss_based_keeps_the_lowest_losses():
     torch.manual_seed(6)
     model = mlp().double()
