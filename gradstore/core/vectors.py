@@ -37,7 +37,8 @@ Storage dtypes
     ``gradstore demo`` best/BM25 2.361 (float16 2.349; the per-row format 2.205), fisher recall@10 0.629 (float16
     0.623), curvature-aware fisher 0.798 (0.796); recall@10 against a float32 scan on dense decaying-spectrum
     rows (4,000 x 256, no block structure to exploit) 0.986 (per-row 0.9875, bfloat16 0.998, float16 1.0), short
-    of issue 39's 0.999. 1 byte per dimension + 1 byte per 32 + 4 bytes.
+    of issue 39's 0.999; bench/fidelity.py's MLP: all 70 method x variant LDS within 0.001 of float16's. Not the
+    default for that recall. 1 byte per dimension + 1 byte per 32 + 4 bytes.
 ``"float32"``
     The raw vector in float32 (``grad_norm`` is still stored, for cosine and audits). 4 bytes per dimension.
 
