@@ -92,7 +92,7 @@ def gradients_schema(dim: int, dtype: str, *, int8_blocks: bool = True) -> pa.Sc
     return _tagged(
         GRADIENT_METADATA_FIELDS
         + [
-            vector_field(VECTOR_COLUMN, dim, dtype),
+            vector_field(VECTOR_COLUMN, dim, dtype, int8_blocks=int8_blocks),
             pa.field(NORM_COLUMN, pa.float32(), nullable=False),
             *blocked,
         ]

@@ -44,7 +44,10 @@ Storage dtypes
 
 Every gradient table made since the bfloat16 encoding exists tags its ``grad`` field with
 ``gradstore.encoding`` (:data:`ENCODING_KEY`); a table without the tag is read by its value type (float16 or
-float32, all a store could hold before), and a tag or type this version does not know is refused.
+float32, all a store could hold before), and a tag or type this version does not know is refused. int8 rows in
+blocks are tagged ``"int8-blocks"`` (:data:`INT8_BLOCKS_TAG`), so a version that knows only the per-row ``"int8"``
+refuses them rather than decoding them at the wrong scales; a layout that contradicts its tag (blocks without
+``grad_exponents``, or per-row rows beside it) is refused as corrupt.
 """
 
 from __future__ import annotations
@@ -60,8 +63,11 @@ import torch
 from gradstore.errors import InvalidArgumentError, StoreCorruptError
 
 STORAGE_DTYPES = ("float16", "bfloat16", "float32", "int8")
-#: Field metadata key of the ``grad`` column naming its storage dtype (one of :data:`STORAGE_DTYPES`).
+#: Field metadata key of the ``grad`` column naming its storage dtype (one of :data:`STORAGE_DTYPES`, or
+#: :data:`INT8_BLOCKS_TAG`).
 ENCODING_KEY = b"gradstore.encoding"
+#: The encoding tag of int8 rows in blocks (the plain ``"int8"`` tag: the per-row format before them).
+INT8_BLOCKS_TAG = "int8-blocks"
 #: Arrow value type of each storage dtype's ``grad`` column.
 VALUE_TYPES = {"float16": pa.float16(), "bfloat16": pa.uint16(), "float32": pa.float32(), "int8": pa.int8()}
 #: Storage dtypes whose rows are unit vectors scaled by ``grad_norm`` (the others store the raw vector).
@@ -96,9 +102,11 @@ def vector_type(dim: int, dtype: str) -> pa.DataType:
     return pa.list_(VALUE_TYPES[check_storage_dtype(dtype)], dim)
 
 
-def vector_field(name: str, dim: int, dtype: str) -> pa.Field:
-    """The ``grad`` field of a new table: :func:`vector_type`, tagged with its storage dtype."""
-    return pa.field(name, vector_type(dim, dtype), nullable=False, metadata={ENCODING_KEY: dtype.encode()})
+def vector_field(name: str, dim: int, dtype: str, *, int8_blocks: bool = True) -> pa.Field:
+    """The ``grad`` field of a new table: :func:`vector_type`, tagged with its storage dtype (int8 in blocks:
+    :data:`INT8_BLOCKS_TAG`, which versions before the blocks refuse instead of misreading)."""
+    tag = INT8_BLOCKS_TAG if dtype == "int8" and int8_blocks else dtype
+    return pa.field(name, vector_type(dim, dtype), nullable=False, metadata={ENCODING_KEY: tag.encode()})
 
 
 def storage_dtype_of(field: pa.Field) -> str:
@@ -113,6 +121,8 @@ def storage_dtype_of(field: pa.Field) -> str:
             raise StoreCorruptError(f"vector column {field.name!r} of type {field.type} has no known encoding")
         return untagged[value]
     dtype = tag.decode(errors="replace")
+    if dtype == INT8_BLOCKS_TAG:
+        dtype = "int8"
     if dtype not in STORAGE_DTYPES:
         raise StoreCorruptError(
             f"vector column {field.name!r} is stored as {dtype!r}, which this version of gradstore cannot read "
@@ -159,14 +169,14 @@ def too_large_rows(vectors: np.ndarray, peaks: np.ndarray) -> np.ndarray:
     return suspect[row_norms(vectors[suspect]) > MAX_NORM]
 
 
-def int8_blocks(dim: int) -> int:
+def exponent_count(dim: int) -> int:
     """Exponents per int8 row of ``dim`` entries."""
     return -(-dim // INT8_BLOCK)
 
 
 def exponent_field(dim: int) -> pa.Field:
     """The ``grad_exponents`` field of a new int8 table of ``dim``-entry rows."""
-    return pa.field(EXPONENT_COLUMN, pa.list_(pa.int8(), int8_blocks(dim)), nullable=False)
+    return pa.field(EXPONENT_COLUMN, pa.list_(pa.int8(), exponent_count(dim)), nullable=False)
 
 
 def encode_rows(vectors: np.ndarray, dtype: str) -> tuple[np.ndarray, ...]:
@@ -201,7 +211,7 @@ def _quantised(source: torch.Tensor, scale: torch.Tensor) -> tuple[np.ndarray, n
     float32 rounding). Zero blocks get exponent 0; rows holding NaN/Inf (scale 0 or NaN) are stored as zeros, their
     non-finite norm decoding them as NaN."""
     n, dim = source.shape
-    blocks = int8_blocks(dim)
+    blocks = exponent_count(dim)
     values = torch.empty((n, dim), dtype=torch.int8)
     exponents = torch.empty((n, blocks), dtype=torch.int8)
     padded = blocks * INT8_BLOCK
@@ -329,6 +339,13 @@ def stored_unit_rows(
     :func:`stored_values` gives them, except int8 rows in blocks: their unit rows as ``blocked_dtype``
     (:func:`int8_unit_rows`); with the unit rows' norms where those were decoded (else ``None``)."""
     rows = stored_values(_column(columns, VECTOR_COLUMN), dtype)
+    if dtype == "int8" and not isinstance(columns, dict):
+        tag = (columns.schema.field(VECTOR_COLUMN).metadata or {}).get(ENCODING_KEY, b"").decode(errors="replace")
+        if (tag == INT8_BLOCKS_TAG) != _has(columns, EXPONENT_COLUMN):
+            raise StoreCorruptError(
+                f"int8 rows tagged {tag!r} {'without' if tag == INT8_BLOCKS_TAG else 'with'} a {EXPONENT_COLUMN!r} "
+                "column: the table's layout contradicts its encoding; its vectors cannot be read"
+            )
     if dtype == "int8" and _has(columns, EXPONENT_COLUMN):
         exponents = _column(columns, EXPONENT_COLUMN)
         if isinstance(exponents, pa.ChunkedArray):

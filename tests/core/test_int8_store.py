@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pytest
 import torch
 from tiny_models import tiny_mlp
 from torch import nn
@@ -24,6 +25,7 @@ from gradstore.core.vectors import (
     storage_dtype_of,
     stored_unit_rows,
 )
+from gradstore.errors import StoreCorruptError
 from indexers import make_preconditioner
 
 
@@ -99,6 +101,21 @@ def test_a_small_block_keeps_its_own_precision() -> None:
     per_row = decode(encode(vectors, "int8", blocks=False), "int8")
     lost = np.linalg.norm(per_row[:, 64:] - vectors[:, 64:], axis=1) / np.linalg.norm(vectors[:, 64:], axis=1)
     assert lost.min() > 0.5, lost  # the per-row format's error there, for contrast
+
+
+def test_an_int8_layout_contradicting_its_tag_is_refused_not_misread() -> None:
+    """Rows tagged as blocks without their exponents (or per-row rows beside exponents) would decode at the wrong
+    scales: a StoreCorruptError, never wrong vectors."""
+    vectors = _rows(4, 64, seed=7)
+    blocked = pa.table(encode(vectors, "int8"), schema=pa.schema(list(S.gradients_schema(64, "int8"))[-3:]))
+    assert blocked.schema.field(S.VECTOR_COLUMN).metadata[b"gradstore.encoding"] == b"int8-blocks"
+    np.testing.assert_allclose(decode(blocked, "int8"), decode(encode(vectors, "int8"), "int8"))
+    with pytest.raises(StoreCorruptError, match="contradicts its encoding"):
+        decode(blocked.drop_columns([S.EXPONENT_COLUMN]), "int8")
+    per_row = S.gradients_schema(64, "int8", int8_blocks=False)
+    tagged = pa.table(encode(vectors, "int8", blocks=False), schema=pa.schema(list(per_row)[-2:]))
+    with pytest.raises(StoreCorruptError, match="contradicts its encoding"):
+        decode(tagged.append_column(blocked.schema.field(S.EXPONENT_COLUMN), blocked[S.EXPONENT_COLUMN]), "int8")
 
 
 def test_an_int8_table_of_the_per_row_format_keeps_reading_and_appending(tmp_path, monkeypatch) -> None:
