@@ -87,10 +87,13 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
   (rows of 1x1 per layer: the replay reads only the order and the learning rates), then ``store.replay`` of the
   200 test queries through all 1,000 steps (full-batch Adam; the objective's ``wd/2 ||theta||^2`` as Adam's L2
   ``weight_decay``, the same gradient), checkpointed in ``ceil(sqrt(steps))`` segments, scored by
-  ``method="replay"``: the exact metagradient of each test query's loss with respect to every training example's
-  weight. Nothing is chosen, so no validation query is replayed (its val LDS prints as nan) and it is no candidate
-  of the targets below; its RESULT line compares it with the approximate MLP method chosen on validation. On
-  ``mlp-sgdm`` the same with ``torch.optim.SGD``'s momentum and weight decay over its 1,000 mini-batches.
+  ``method="replay"``: the exact metagradient of each query's loss with respect to every training example's
+  weight, taken at two points: every weight 1 (the recorded run, MAGIC's) and every weight at the share the
+  retrained subsets keep (``--fraction``, the mean of their weights: a first-order prediction taken there is exact
+  to second order over the subsets). The validation and the test queries are replayed together at each; the point
+  with the better validation LDS gives the test LDS. The row is no candidate of the targets below; its RESULT line
+  is its own. On ``mlp-sgdm`` the same with ``torch.optim.SGD``'s momentum and weight decay over its 1,000
+  mini-batches.
 
 Ends with three RESULT lines, each figure the test LDS of the candidate with the best validation LDS:
 ``lds_trajectory_mlp_416`` (the MLP at 416 dims, among the methods that use more than the final model: ``tracin``,
@@ -781,11 +784,15 @@ REPLAY = Variant("replay", "replay", "factorized", in_loop=True)
 REPLAY_SPEC = MethodSpec("replay (exact)", {"method": "replay"})
 
 
-def replay_row(config: ModelConfig, data: Data, truth: Truth, seed: int, workdir: Path, reference: list) -> Row:
+def replay_row(
+    config: ModelConfig, data: Data, truth: Truth, seed: int, workdir: Path, reference: list, fraction: float
+) -> Row:
     """``method="replay"``: the training under capture again, every step recorded (order and learning rate; rows
-    of 1x1 per layer, the replay reads no row), then ``store.replay`` of the test queries through all its steps
-    (full-batch Adam, the objective's ``wd/2 ||theta||^2`` as Adam's L2 ``weight_decay``: the same gradient) and
-    their test LDS. Nothing is chosen, so no validation queries are replayed."""
+    of 1x1 per layer, the replay reads no row), then ``store.replay`` of the validation and test queries through
+    all its steps (full-batch Adam: the objective's ``wd/2 ||theta||^2`` as Adam's L2 ``weight_decay``, the same
+    gradient) at two points of expansion, ``weight`` 1 (the recorded run, MAGIC's) and the share of the examples
+    the retrained subsets keep (the mean of their weights); the one with the better validation LDS gives the test
+    LDS."""
     began = time.perf_counter()
     store = gradstore.open(workdir / f"{config.name}-replay", storage_dtype="float32")
     initial = [p[0] for p in config.initial(1, seed)]
@@ -794,8 +801,9 @@ def replay_row(config: ModelConfig, data: Data, truth: Truth, seed: int, workdir
     difference = max(float((a - b).abs().max()) for a, b in zip(snapshots["final"].params, reference))
     if difference > WEIGHT_TOLERANCE:
         raise AssertionError(f"{config.name} replay: the captured training differs from the reference by {difference}")
-    x, y = torch.cat([data.x_train, data.x_test]), torch.cat([data.y_train, data.y_test])
-    position = {i: n for n, i in enumerate(train_ids(len(data.x_train)) + test_ids(len(data.x_test)))}
+    x, y = torch.cat([data.x_train, data.x_val, data.x_test]), torch.cat([data.y_train, data.y_val, data.y_test])
+    vals, tests, ids = val_ids(len(data.x_val)), test_ids(len(data.x_test)), train_ids(len(data.x_train))
+    position = {i: n for n, i in enumerate(ids + vals + tests)}
 
     def model_fn() -> nn.Module:
         module = config.module()
@@ -810,42 +818,60 @@ def replay_row(config: ModelConfig, data: Data, truth: Truth, seed: int, workdir
         return F.cross_entropy(module(batch[0]), batch[1], reduction="none")
 
     captured = time.perf_counter()
-    tests, ids = test_ids(len(data.x_test)), train_ids(len(data.x_train))
-    replayed = store.replay(
-        tests,
-        run=RUN,
-        model_fn=model_fn,
-        batch_fn=batch_fn,
-        loss_fn=loss_fn,
-        optimizer=replay_optimizer(config),
-        checkpoint=IN_LOOP,
-    )
-    final = max(float((replayed.final[n] - p).abs().max()) for n, p in zip(replayed.final, snapshots["final"].params))
-    scores = score_rows(store, {"method": "replay"}, tests, ids)
-    test = evaluate.lds_of_scores(scores, truth.test, tests, REPLAY_SPEC.label)
+    found = {}
+    for weight in sorted({1.0, fraction}, reverse=True):
+        replayed = store.replay(
+            vals + tests,
+            run=RUN,
+            model_fn=model_fn,
+            batch_fn=batch_fn,
+            loss_fn=loss_fn,
+            optimizer=replay_optimizer(config),
+            checkpoint=IN_LOOP,
+            weight=weight,
+        )
+        if weight == 1.0:  # the recorded run retraced
+            final = max(
+                float((replayed.final[n] - p).abs().max()) for n, p in zip(replayed.final, snapshots["final"].params)
+            )
+        val = evaluate.lds_of_scores(score_rows(store, {"method": "replay"}, vals, ids), truth.val, vals)
+        scores = score_rows(store, {"method": "replay"}, tests, ids)
+        found[weight] = (val, scores, evaluate.lds_of_scores(scores, truth.test, tests, REPLAY_SPEC.label), replayed)
+    weight = max(found, key=lambda w: found[w][0].value)
+    val, scores, test, replayed = found[weight]
     note = (
         f"{config.steps} steps replayed in {replayed.segments} segments ({replayed.peak_states} states held), "
-        f"capture {captured - began:.0f}s, replay {time.perf_counter() - captured:.0f}s, final weights within "
-        f"{final:.1e} of the captured run; nothing chosen (no validation)"
+        f"capture {captured - began:.0f}s, replays {time.perf_counter() - captured:.0f}s, final weights at weight 1 "
+        f"within {final:.1e} of the captured run; weight {weight:g} chosen on validation ("
+        + ", ".join(f"weight {w:g}: val {v.value:.3f} / test {t.value:.3f}" for w, (v, _, t, _) in found.items())
+        + ")"
     )
     column = {e: i for i, e in enumerate(ids)}
-    exact = np.zeros(len(ids))  # the first query's float64 scores (the matrix's are float32)
-    exact[[column[e] for e in replayed.example_ids]] = replayed.scores[0]
-    unrolled, differences = replay_checks(config, data, initial, exact, ids, seed)
+    exact = np.zeros(len(ids))  # the first test query's float64 scores (the matrix's are float32)
+    exact[[column[e] for e in replayed.example_ids]] = replayed.scores[replayed.query_ids.index(tests[0])]
+    unrolled, differences = replay_checks(config, data, initial, exact, ids, seed, weight)
     note += (
         f"; q0: max |replay - unrolled autograd| {unrolled:.1e}, finite differences of its top example {differences}"
     )
     log(f"{config.name} replay: test LDS {test.value:.3f} ({note})")
-    return Row(config.name, REPLAY, REPLAY_SPEC, float("nan"), test, scores.astype(np.float32), note)
+    return Row(
+        config.name, REPLAY, REPLAY_SPEC, val.value, test, scores.astype(np.float32), note, val_stderr=val.stderr
+    )
 
 
 def replay_checks(
-    config: ModelConfig, data: Data, initial: list[torch.Tensor], scores: np.ndarray, ids: list[str], seed: int
+    config: ModelConfig,
+    data: Data,
+    initial: list[torch.Tensor],
+    scores: np.ndarray,
+    ids: list[str],
+    seed: int,
+    weight: float,
 ) -> tuple[float, str]:
-    """For the first test query: the largest difference between the replay's scores and autograd through the
-    whole unrolled training (no checkpointing; Adam written out once more), and the central finite differences
-    ``-(L(eps_z + h) - L(eps_z - h)) / 2h`` of its top example at ``h`` = 1e-3, 1e-5, 1e-7 (do they agree with
-    the derivative: is the training smooth in the example weights?)."""
+    """For the first test query, every example at ``weight``: the largest difference between the replay's scores
+    and autograd through the whole unrolled training (no checkpointing; Adam written out once more), and the central
+    finite differences ``-(L(eps_z + h) - L(eps_z - h)) / 2h`` of its top example at ``h`` = 1e-3, 1e-5, 1e-7 (do
+    they agree with the derivative: is the training smooth in the example weights?)."""
 
     def train(weights: torch.Tensor) -> list[torch.Tensor]:
         params = [p.clone().requires_grad_() for p in initial]
@@ -878,13 +904,13 @@ def replay_checks(
         logits = config.stacked_logits([p[None] for p in params], data.x_test[:1][None])[0]
         return F.cross_entropy(logits, data.y_test[:1])
 
-    weights = torch.ones(len(ids), dtype=config.dtype, requires_grad=True)
+    weights = torch.full((len(ids),), weight, dtype=config.dtype, requires_grad=True)
     (grad,) = torch.autograd.grad(query_loss(train(weights)), weights)
     unrolled = float(np.abs(scores - (-grad.numpy())).max())
     top = int(np.argmax(np.abs(scores)))
     found = []
     for h in (1e-3, 1e-5, 1e-7):
-        shifted = [torch.ones(len(ids), dtype=config.dtype) for _ in range(2)]
+        shifted = [torch.full((len(ids),), weight, dtype=config.dtype) for _ in range(2)]
         shifted[0][top] += h
         shifted[1][top] -= h
         losses = [float(query_loss(train(w)).detach()) for w in shifted]
@@ -946,7 +972,7 @@ def evaluate_model(
             + ", ".join(f"{r.method.label} {r.val:.3f}/{r.test.value:.3f}" for r in rows if r.variant == variant)
         )
     if replay:
-        rows.append(replay_row(config, data, truth, seed, workdir, reference))
+        rows.append(replay_row(config, data, truth, seed, workdir, reference, fraction))
     return rows, sanity, truth
 
 

@@ -534,6 +534,7 @@ class GradStore:
         checkpoint: str | None = None,
         segments: int | None = None,
         reduction: Reduction = "mean",
+        weight: float = 1.0,
         write: bool | None = None,
     ) -> Replay:
         """Exact metagradients (MAGIC-style) of the final losses of ``queries`` (query example ids) with respect
@@ -544,7 +545,9 @@ class GradStore:
         batch)``: per-example losses ``[B]``, reduced by ``reduction`` as the training loop did; ``optimizer``:
         ``"sgd"``/``"adam"``/``"adamw"``, a :class:`~gradstore.answers.replay.Optimizer`, or the torch.optim
         optimizer (class or instance) of the run; ``segments``: checkpoints of the backward pass (default
-        ``ceil(sqrt(steps))``: memory about ``2 sqrt(steps)`` states). Returns a
+        ``ceil(sqrt(steps))``: memory about ``2 sqrt(steps)`` states); ``weight``: every example's weight where the
+        derivative is taken (1, the recorded run; to predict removing a random share of the data, the share kept,
+        e.g. 0.5: exact to second order there). Returns a
         :class:`~gradstore.answers.replay.Replay` (``scores[q, z] = -dL_q/deps_z``), kept in the store for
         ``attribute(method="replay")`` and ``score_matrix(method="replay")`` unless ``write=False``."""
         return replay(
@@ -558,6 +561,7 @@ class GradStore:
             checkpoint=checkpoint,
             segments=segments,
             reduction=reduction,
+            weight=weight,
             write=True if write is None else write,
         )
 

@@ -14,6 +14,14 @@ training loop's ``loss.mean()``, or ``"sum"``) with every ``eps = 1``: the recor
 ``q`` is ``d L_q(theta_T) / d eps_z`` for every example ``z`` (one weight per example, shared by every step that
 drew it), the score ``-d L_q / d eps_z`` (positive: up-weighting ``z`` lowers the query's loss).
 
+``weight`` moves the point where the derivative is taken: every ``eps = weight`` (the run replayed with each
+example's loss scaled by it; ``reduction="mean"`` still divides by the batch's size). A first-order prediction of
+the runs that leave out a random share of the data is exact to second order when taken at the mean of their weights
+(the share kept, e.g. 0.5 for halves), where the derivative at ``eps = 1`` carries the curvature between the full
+run and the removals as an error; where a run is nonlinear in the weights (long training from scratch) this is
+what decides a counterfactual prediction's quality (bench/fidelity.py, docs/benchmarks.md). At 1 (the default) the
+replay is the recorded run and its final weights are the training's; elsewhere they are the reweighted run's.
+
 Reverse mode through the unrolled run, checkpointed: the forward replay keeps the parameters and optimizer state at
 the start of each of ``segments`` segments (default ``ceil(sqrt(T))``); the backward pass goes over the segments
 last to first, recomputes each one's states from its checkpoint, and runs one vector-Jacobian product per step and
@@ -45,6 +53,7 @@ from torch import nn
 
 from gradstore.capture.session import model_fingerprint
 from gradstore.core import StoreCore, gradient_filter
+from gradstore.core import schema as S
 from gradstore.errors import GradstoreError, InvalidArgumentError, MissingIdsError
 from gradstore.methods import replay as stored
 from gradstore.methods.trajectory import in_loop_checkpoint, recorded_steps
@@ -219,6 +228,7 @@ class Replay:
     checkpoint: str
     optimizer: Optimizer
     learning_rates: list[float] = field(default_factory=list)
+    weight: float = 1.0  # every example's weight where the derivative was taken (1: the recorded run)
 
 
 class _States:
@@ -260,6 +270,7 @@ def replay(
     checkpoint: str | None = None,
     segments: int | None = None,
     reduction: Reduction = "mean",
+    weight: float = 1.0,
     write: bool = True,
 ) -> Replay:
     """Replay ``run``'s recorded training and compute the exact metagradients of ``queries``' final losses (see
@@ -269,8 +280,10 @@ def replay(
         raise InvalidArgumentError(
             f"reduction is 'mean' or 'sum' (how the training loss reduced its batch), got {reduction!r}"
         )
+    weight = _example_weight(weight)
     spec = Optimizer.of(optimizer)
     label = in_loop_checkpoint(store, run, checkpoint)
+    _check_recorded_optimizer(store, run, label, spec)
     batches, rates = _recorded_batches(store, run, label)
     steps = len(batches)
     if segments is None:
@@ -317,12 +330,12 @@ def replay(
     starts = list(range(0, steps, length))
     kept = _States()
     params, state = initial, spec.init(initial)
-    ones = [torch.ones(len(b), dtype=dtype, device=device) for b in batches]
+    at = [torch.full((len(b),), weight, dtype=dtype, device=device) for b in batches]  # every eps where taken
     with torch.no_grad():
         for t in range(steps):  # forward replay: keep each segment's first state
             if t in starts:
                 kept.keep(t, params, state)
-            params, state = step(t, params, state, ones[t])
+            params, state = step(t, params, state, at[t])
     final = params
     query_batch = data.get(query_ids, "the queries")
     query_losses, query_vjp = torch.func.vjp(lambda p: losses(p, query_batch, len(query_ids), "the queries"), final)
@@ -339,10 +352,10 @@ def replay(
             for t in range(start, end):  # recompute the segment's states from its checkpoint
                 kept.keep(t, params, state)
                 if t + 1 < end:
-                    params, state = step(t, params, state, ones[t])
+                    params, state = step(t, params, state, at[t])
         for t in reversed(range(start, end)):
             params, state = kept.pop(t)
-            _, vjp = torch.func.vjp(lambda p, s, w, t=t: step(t, p, s, w), params, state, ones[t])
+            _, vjp = torch.func.vjp(lambda p, s, w, t=t: step(t, p, s, w), params, state, at[t])
             meta.index_add_(1, columns[t], adjoint.back(vjp))
     scores = (-meta).detach().cpu().numpy().astype(np.float64)
     result = Replay(
@@ -357,6 +370,7 @@ def replay(
         label,
         spec,
         rates,
+        weight,
     )
     if write:
         stored.save(
@@ -371,6 +385,7 @@ def replay(
                 steps,
                 spec.describe(),
                 result.losses.tolist(),
+                weight,
             ),
         )
     return result
@@ -400,6 +415,71 @@ class _Adjoint:
         self.params = tuple(torch.stack([o[0][i] for o in out]) for i in range(len(self.params)))
         self.state = tuple(torch.stack([o[1][i] for o in out]) for i in range(len(self.state)))
         return torch.stack([o[2] for o in out])
+
+
+#: The ``optimizer_steps`` columns a replay's optimizer must agree with.
+_RECORDED = ("optimizer", "momentum", "dampening", "nesterov", "weight_decay", "beta2", "eps", "weight_decays")
+
+
+def _check_recorded_optimizer(store: StoreCore, run: str, label: str, spec: Optimizer) -> None:
+    """Refuse an optimizer that contradicts the one capture recorded for the run's steps (``optimizer_steps``:
+    kind and hyper-parameters, read from the training's optimizer); a store without the table is not checked.
+    One exception: a weight decay where none was recorded, for SGD and Adam, whose L2 term is the gradient of an
+    objective's ``wd/2 ||theta||^2`` (a penalty of the training loss that ``loss_fn``'s per-example losses
+    cannot carry)."""
+    if not store.has_table(S.OPTIMIZER_STEPS):
+        return
+    table = store.scan(S.OPTIMIZER_STEPS, list(_RECORDED), gradient_filter(run, label, None), cache=False)
+    if table.num_rows == 0:
+        return
+    given = f"the replay was given {spec.describe()}"
+    if table.column("weight_decays").null_count != table.num_rows:
+        raise InvalidArgumentError(
+            f"run {run!r}'s optimizer applied different weight decays to its parameter groups; the replay applies "
+            "one to every parameter: replay a run trained with one weight decay"
+        )
+    recorded = {tuple(row.values()) for row in table.drop_columns(["weight_decays"]).to_pylist()}
+    if len(recorded) > 1:
+        raise InvalidArgumentError(
+            f"run {run!r}'s optimizer changed its hyper-parameters (other than the learning rate) during the "
+            f"recorded steps ({len(recorded)} different sets); the replay applies one set"
+        )
+    kind, momentum, dampening, nesterov, decay, beta2, eps = next(iter(recorded))
+    if kind not in ("sgd", "adam", "adamw"):
+        raise InvalidArgumentError(
+            f"run {run!r} was trained with {kind}; the replay implements torch.optim's SGD, Adam and AdamW only"
+        )
+
+    def close(a: float, b: float) -> bool:
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-15)
+
+    objective_l2 = decay == 0 and spec.kind in ("sgd", "adam") and kind == spec.kind
+    same_decay = close(decay, spec.weight_decay) or objective_l2
+    adam_alike = {kind, spec.kind} <= {"adam", "adamw"} and decay == 0 and spec.weight_decay == 0
+    if kind != spec.kind and not adam_alike:
+        raise InvalidArgumentError(f"run {run!r} was trained with {kind} but {given}: pass the run's optimizer")
+    if kind == "sgd":
+        found = (momentum, dampening, bool(nesterov))
+        wanted = (spec.momentum, spec.dampening, spec.nesterov)
+        same = close(found[0], wanted[0]) and close(found[1], wanted[1]) and found[2] == wanted[2]
+        recorded_as = f"sgd(momentum={momentum}, dampening={dampening}, nesterov={bool(nesterov)}, "
+    else:
+        same = close(momentum, spec.betas[0]) and close(beta2, spec.betas[1]) and close(eps, spec.eps)
+        recorded_as = f"{kind}(betas=({momentum}, {beta2}), eps={eps}, "
+    if not (same and same_decay):
+        raise InvalidArgumentError(
+            f"run {run!r}'s optimizer was recorded as {recorded_as}weight_decay={decay}) but {given}: pass the "
+            "run's optimizer (its torch.optim instance gives the same hyper-parameters)"
+        )
+
+
+def _example_weight(weight: Any) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+        raise InvalidArgumentError(
+            "weight is every training example's weight where the metagradient is taken: a positive finite number "
+            f"(1 the recorded run; the share of the data kept to predict random removals, e.g. 0.5), got {weight!r}"
+        )
+    return float(weight)
 
 
 def _query_ids(queries: Sequence[str]) -> list[str]:
@@ -435,7 +515,15 @@ def _recorded_batches(store: StoreCore, run: str, label: str) -> tuple[list[list
 
 
 def _model(store: StoreCore, run: str, model_fn: Callable[[], nn.Module]) -> nn.Module:
-    model = model_fn()
+    try:
+        model = model_fn()
+    except GradstoreError:
+        raise
+    except Exception as error:
+        raise InvalidArgumentError(
+            f"model_fn() failed ({type(error).__name__}: {error}): give a function of no arguments that returns the "
+            "run's model at the weights of its first recorded step"
+        ) from error
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"model_fn() must return the model (an nn.Module), got {type(model).__name__}")
     recorded = store.run(run).get("model_fingerprint")

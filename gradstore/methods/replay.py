@@ -6,7 +6,8 @@ A replay writes, per run, the matrix ``scores[q, z] = -d L_q(theta_T) / d eps_z`
 query's final loss, the sign of every other method) with its query and example ids, as two side files under
 ``replay/<hash of the run>/``: ``replay.json`` (ids, the in-loop rows it replayed, how) and ``scores.npy`` (float64,
 written and read with ``allow_pickle=False``: no code in the store). A later replay of other queries adds its rows
-(a query replayed again replaces its row); one over other recorded rows (the run went on) replaces them all.
+(a query replayed again replaces its row); one over other recorded rows (the run went on) or at another ``weight``
+replaces them all.
 
 :class:`Replayed` is the family of ``method="replay"``: ``attribute`` and ``score_matrix`` read the stored matrix
 (queries: ``None`` for every replayed query, or a list of their ids); asking for queries no replay computed, or
@@ -50,6 +51,7 @@ class ReplayScores:
     steps: int
     optimizer: str
     losses: list[float] = field(default_factory=list)
+    weight: float = 1.0  # every example's weight where the derivative was taken (1: the recorded run)
 
     def rows(self, query_ids: list[str]) -> ReplayScores:
         """The rows of ``query_ids`` (each replayed)."""
@@ -65,6 +67,7 @@ class ReplayScores:
             self.steps,
             self.optimizer,
             losses,
+            self.weight,
         )
 
 
@@ -79,11 +82,12 @@ def save(store: StoreCore, run: str, replayed: ReplayScores) -> ReplayScores:
     store.require_writable("replay: keep the replayed metagradients")
     with store.files.writing(SIDE_FILES, _key(run)):
         stored = _read(store, run)
-        if stored is not None and (stored.label, stored.source, stored.example_ids, stored.steps) == (
+        if stored is not None and (stored.label, stored.source, stored.example_ids, stored.steps, stored.weight) == (
             replayed.label,
             replayed.source,
             replayed.example_ids,
             replayed.steps,
+            replayed.weight,
         ):
             kept = [q for q in stored.query_ids if q not in set(replayed.query_ids)]
             if kept:
@@ -98,6 +102,7 @@ def save(store: StoreCore, run: str, replayed: ReplayScores) -> ReplayScores:
                     replayed.steps,
                     replayed.optimizer,
                     losses,
+                    replayed.weight,
                 )
         buffer = io.BytesIO()
         np.save(buffer, np.ascontiguousarray(replayed.scores, np.float64), allow_pickle=False)
@@ -109,6 +114,7 @@ def save(store: StoreCore, run: str, replayed: ReplayScores) -> ReplayScores:
             "steps": replayed.steps,
             "optimizer": replayed.optimizer,
             "losses": replayed.losses,
+            "weight": replayed.weight,
         }
         store.files.write_bytes(buffer.getvalue(), SIDE_FILES, _key(run), SCORES_FILE)
         store.files.write_bytes(json.dumps(state).encode(), SIDE_FILES, _key(run), STATE_FILE)
@@ -149,6 +155,7 @@ def _read(store: StoreCore, run: str) -> ReplayScores | None:
         int(state["steps"]),
         str(state["optimizer"]),
         [float(x) for x in state.get("losses", [])],
+        float(state.get("weight", 1.0)),
     )
 
 
@@ -216,6 +223,11 @@ class Replayed(Method):
         opponents: bool,
         engine: Engine,
     ) -> pa.Table:
+        if engine.name != "local":
+            raise InvalidArgumentError(
+                f"attribute(method='replay') reads the scores store.replay(...) kept; it runs no search on an "
+                f"engine: leave engine= at 'local' (got {engine.name!r})"
+            )
         rows = self._rows(store, queries, options, run)
         return top_k_table(rows, k=k, opponents=opponents, method=self.name, run=run)
 

@@ -79,14 +79,15 @@ def train(store: gradstore.GradStore, name: str, steps: int = T) -> nn.Module:
     return model
 
 
-def unrolled(name: str, steps: int = T) -> np.ndarray:
-    """``-d L_q(theta_T) / d eps`` for every example through the whole unrolled run (autograd, create_graph)."""
+def unrolled(name: str, steps: int = T, weight: float = 1.0) -> np.ndarray:
+    """``-d L_q(theta_T) / d eps`` for every example through the whole unrolled run (autograd, create_graph), taken
+    where every ``eps = weight``."""
     x, y, batches, rates, _ = data()
     kind, hyper = OPTIMIZERS[name]
     model = model_fn()
     names = [n for n, _ in model.named_parameters()]
     params = [p.detach().clone().requires_grad_() for p in model.parameters()]
-    weights = torch.ones(N, dtype=torch.float64, requires_grad=True)
+    weights = torch.full((N,), weight, dtype=torch.float64, requires_grad=True)
     momentum, decay = hyper.get("momentum", 0.0), hyper.get("weight_decay", 1e-2 if kind is torch.optim.AdamW else 0)
     beta1, beta2 = hyper.get("betas", (0.9, 0.999))
     first = [torch.zeros_like(p) for p in params]
@@ -152,6 +153,27 @@ def test_replay_equals_autograd_through_the_unrolled_run(store, name):
     for n, p in trained.named_parameters():  # the replay retraced the recorded run
         torch.testing.assert_close(replayed.final[n], p.detach(), rtol=0, atol=1e-12)
     assert replayed.segments == math.ceil(T / math.ceil(T / math.ceil(math.sqrt(T))))
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum", "adamw"])
+def test_replay_at_another_weight_equals_autograd_there(store, name):
+    """``weight=0.5``: the derivative where every example's loss carries half its weight (the middle of random
+    halves), equal to autograd through the run unrolled at those weights; it differs from the derivative at 1."""
+    train(store, name)
+    kind, hyper = OPTIMIZERS[name]
+    common = {"run": RUN, "model_fn": model_fn, "batch_fn": batch_fn, "loss_fn": loss_fn}
+    replayed = store.replay(QUERIES, optimizer=Optimizer.of(kind, **hyper), weight=0.5, **common)
+    truth = unrolled(name, weight=0.5)
+    np.testing.assert_allclose(by_example(replayed), truth, rtol=0, atol=1e-10 * np.abs(truth).max())
+    assert replayed.weight == 0.5
+    assert np.abs(truth - unrolled(name)).max() > 1e-3 * np.abs(truth).max()
+    matrix = store.score_matrix(None, run=RUN, method="replay")
+    np.testing.assert_allclose(matrix.scores, replayed.scores, rtol=1e-6)
+    # a replay at another weight replaces the stored one: no matrix mixes two points of expansion
+    store.replay(QUERIES[:1], optimizer=Optimizer.of(kind, **hyper), **common)
+    assert store.score_matrix(None, run=RUN, method="replay").query_ids == QUERIES[:1]
+    with pytest.raises(MissingReplayError, match="were not replayed"):
+        store.attribute(["q1"], run=RUN, method="replay")
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])
@@ -246,6 +268,8 @@ def test_attribute_ranks_the_replayed_metagradients(store):
         store.attribute(np.zeros((1, 3)), run=RUN, method="replay")
     with pytest.raises(InvalidArgumentError, match="does not use damping"):
         store.attribute(["q0"], run=RUN, method="replay", damping=0.1)
+    with pytest.raises(InvalidArgumentError, match="engine"):
+        store.attribute(["q0"], run=RUN, method="replay", engine="ray")
     train_more = model_fn()  # the run goes on: the replay is stale
     with store.capture(train_more, RUN, optimizer=torch.optim.SGD(train_more.parameters(), lr=0.1),
                        projection=None) as cap:  # fmt: skip
@@ -277,6 +301,11 @@ def test_misuse_is_a_gradstore_error(store):
         (InvalidArgumentError, "amsgrad", {"optimizer": torch.optim.Adam(model_fn().parameters(), amsgrad=True)}),
         (InvalidArgumentError, "segments", {"segments": 0}),
         (InvalidArgumentError, "non-empty list", {"queries": "q0"}),
+        *[(InvalidArgumentError, "positive finite", {"weight": w}) for w in (0, -0.5, math.nan, math.inf, True, "1")],
+        (InvalidArgumentError, "model_fn\\(\\) failed", {"model_fn": nn.Linear}),
+        (InvalidArgumentError, "trained with sgd", {"optimizer": "adam"}),
+        (InvalidArgumentError, "recorded as sgd\\(momentum=0.0", {"optimizer": Optimizer("sgd", momentum=0.9)}),
+        (InvalidArgumentError, "recorded as sgd", {"optimizer": Optimizer("sgd", nesterov=True, momentum=0.5)}),
     ]
     for error, message, change in cases:
         arguments = {**common, **change}
@@ -284,3 +313,18 @@ def test_misuse_is_a_gradstore_error(store):
         with pytest.raises(error, match=message) as raised:
             store.replay(queries, write=False, **arguments)
         assert isinstance(raised.value, GradstoreError)
+
+
+def test_an_optimizer_contradicting_the_recorded_one_is_refused(store):
+    """Capture recorded the run's optimizer (SGD, momentum 0.9, weight decay 1e-2): a replay with other
+    hyper-parameters would differentiate another training, so it is refused; an L2 weight decay where none was
+    recorded stands for an objective's penalty (the same gradient) and is taken."""
+    train(store, "sgd-momentum")
+    common = {"run": RUN, "model_fn": model_fn, "batch_fn": batch_fn, "loss_fn": loss_fn, "write": False}
+    for wrong in ("sgd", Optimizer("sgd", momentum=0.9), Optimizer("sgd", momentum=0.9, weight_decay=0.1), "adamw"):
+        with pytest.raises(InvalidArgumentError, match="pass the run's optimizer"):
+            store.replay(QUERIES, optimizer=wrong, **common)
+    other = gradstore.open(store.uri.rstrip("/") + "-plain", storage_dtype="float32", row_files=False)
+    train(other, "sgd")
+    replayed = other.replay(QUERIES, optimizer=Optimizer("sgd", weight_decay=0.1), **common)
+    assert np.isfinite(replayed.scores).all()
