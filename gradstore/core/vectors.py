@@ -179,6 +179,10 @@ def exponent_field(dim: int) -> pa.Field:
     return pa.field(EXPONENT_COLUMN, pa.list_(pa.int8(), exponent_count(dim)), nullable=False)
 
 
+#: The largest finite float32: a row scale above it would be infinite.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def encode_rows(vectors: np.ndarray, dtype: str) -> tuple[np.ndarray, ...]:
     """Encode float32 rows ``[n, dim]`` for storage: ``(values [n, dim], norms float64 [n])``, and for int8
     ``(values, norms, exponents int8 [n, ceil(dim / 32)])``.
@@ -192,6 +196,11 @@ def encode_rows(vectors: np.ndarray, dtype: str) -> tuple[np.ndarray, ...]:
     if check_storage_dtype(dtype) == "float32":
         return vectors.copy(), norms
     scale = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
+    tiny = scale > FLOAT32_MAX  # 1 / norm overflows float32 (norm below ~2.9e-39: subnormal entries)
+    if tiny.any():  # those rows made unit in float64 first (a copy: the caller's rows stay as they are)
+        vectors = vectors.copy()
+        vectors[tiny] = (vectors[tiny].astype(np.float64) * scale[tiny, None]).astype(np.float32)
+        scale[tiny] = 1.0
     scale = torch.from_numpy(scale.astype(np.float32))[:, None]
     source = torch.from_numpy(vectors)
     if dtype == "int8":

@@ -80,3 +80,21 @@ def test_capture_refuses_a_non_string_checkpoint_or_split_and_keeps_its_rows(sto
         model(torch.randn(1, 3)).sum().backward()
     assert sorted(store.read_gradients("r").metadata.column("example_id").to_pylist()) == ["a", "b", "c"]
     assert store.core.default_checkpoint("r") == "train"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8", "float32"])
+def test_rows_of_subnormal_entries_are_stored_as_they_are(store_path, dtype):
+    """A finite row whose norm is below ~2.9e-39 (subnormal float32 entries: a confidently fitted example) has a
+    unit vector whose float32 scale would be infinite: it is made unit in float64 and stored, not written as inf
+    (float16) or zeros (int8)."""
+    store = gradstore.open(store_path, storage_dtype=dtype)
+    store.create_run("r", dim=40)
+    rows = np.random.default_rng(3).normal(size=(3, 40)).astype(np.float32)
+    rows[0] = np.sign(rows[0]) * np.float32(1e-40)
+    rows[1] *= np.float32(1e-41)
+    with store.writer("r") as writer:
+        writer.append(rows, ["tiny", "tinier", "plain"], split="train")
+    stored = store.read_gradients("r").vectors.astype(np.float64)
+    assert np.isfinite(stored).all() and store.verify().ok
+    for got, want in zip(stored, rows.astype(np.float64)):  # each row within its encoding's relative error
+        assert np.linalg.norm(got - want) <= 0.02 * np.linalg.norm(want)
