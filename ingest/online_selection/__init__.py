@@ -11,6 +11,8 @@ module. ``dy`` already carries the loop's loss reduction (``1/B`` of the example
 so the removal needs no knowledge of it. Embeddings (a scatter of ``dy`` at the token ids) and Hugging Face
 ``Conv1D`` work alike; a model with any other trainable parameter (LayerNorm, Conv2d, a bare ``nn.Parameter``)
 is refused with :class:`ExactRemovalError`: its examples' terms cannot be removed exactly from the saved factors.
+So is a forward that also uses such a layer's parameter outside the layer's own forward (``F.linear(h,
+self.emb.weight)``; :class:`~ingest.online_selection.removable.OutsideUses`); weights tied across layers are exact.
 
 ``renormalize=True`` (the default) then scales the step's gradient so it equals the loop's loss *over the kept
 examples only*: for a batch mean, ``B / |kept|``; for the causal-LM token mean, ``N_tokens / N_kept_tokens``;

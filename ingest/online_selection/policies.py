@@ -3,6 +3,7 @@ their scores or losses (keep the top fraction, drop below a threshold, keep by l
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,11 +59,24 @@ class KeepTopFraction:
 
 @dataclass(frozen=True)
 class DropBelowThreshold:
-    """Drop the examples whose score is below ``threshold`` (all may be dropped: the step's gradient is then 0)."""
+    """Drop the examples whose score is below ``threshold`` (all may be dropped: the step's gradient is then 0).
+    ``threshold``: a number, not NaN (every comparison with NaN is false: everything would be dropped); ``-inf``
+    keeps every example, ``+inf`` drops every one."""
 
     threshold: float
     needs_scores: bool = True
     needs_loss: bool = False
+
+    def __post_init__(self) -> None:
+        value = self.threshold
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise CaptureUsageError(
+                f"DropBelowThreshold.threshold must be a number, not NaN (NaN compares false with every score, so "
+                f"every example would be dropped), got {self.threshold!r}: pass a finite threshold (or -inf to keep "
+                "every example, +inf to drop every one)"
+            )
 
     def decide(
         self, n: int, scores: torch.Tensor | None, losses: torch.Tensor | None, generator: torch.Generator

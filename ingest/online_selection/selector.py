@@ -25,7 +25,7 @@ from ingest.online_selection.deferred import (
     zero_missing,
 )
 from ingest.online_selection.policies import SelectionPolicy
-from ingest.online_selection.removable import refuse_sharded, removable_modules
+from ingest.online_selection.removable import OutsideUses, refuse_sharded, removable_modules
 from ingest.online_selection.target import Target
 
 
@@ -90,6 +90,11 @@ class OnlineSelector:
                     f"target must be a [dim] = [{capture.spec.dim}] vector in the capture's projected space, got "
                     f"shape {tuple(target.shape)}"
                 )
+            if target.is_floating_point() and not bool(torch.isfinite(target).all()):
+                raise CaptureUsageError(
+                    "target has NaN or infinite entries (scores against it would keep an arbitrary subset): pass a "
+                    "finite [dim] vector, e.g. the mean of finite stored query rows"
+                )
         elif target is not None and not callable(target):
             raise CaptureUsageError(f"target must be a tensor, a function or None, got {type(target).__name__}")
         if getattr(policy, "needs_loss", False) and capture.per_example_loss is None:
@@ -116,6 +121,7 @@ class OnlineSelector:
         self.modules = removable_modules(self.model)
         self._params = list({id(p): p for m, _ in self.modules for p in m.parameters(recurse=False)}.values())
         self._param_ids = {id(p) for p in self._params}  # a tied weight (embedding and LM head) counted once
+        self._outside = OutsideUses(self.model, self._params)
         self._pending: dict[int, _Pending] = {}
         self._handles: list[Any] = []
         self.last_decision: StepDecision | None = None
@@ -128,6 +134,7 @@ class OnlineSelector:
     # ------------------------------------------------------------------ context
     def __enter__(self) -> OnlineSelector:
         self._handles = [self.capture.add_row_listener(self._rows_arrived)]
+        self._handles.append(self.model.register_forward_hook(self._forward_done, always_call=True))
         for module, kind in self.modules:
             self._handles.append(module.register_forward_hook(self._make_forward_hook(kind)))
             if kind != "embedding" and not self.collective and not self.capture.fused and deferrable(module):
@@ -148,6 +155,7 @@ class OnlineSelector:
                 handle()
         self._handles = []
         self._pending = {}
+        self._outside.clear()
 
     # ------------------------------------------------------------------ hooks
     def _defers(self, x: torch.Tensor) -> bool:
@@ -169,6 +177,7 @@ class OnlineSelector:
                 return
             if not isinstance(output, torch.Tensor) or not output.requires_grad or not args:
                 return
+            self._outside.module_ran(module, args, output)
             x = args[0].detach()
             replaced = None
             if x.shape[0] != batch.size:
@@ -194,6 +203,15 @@ class OnlineSelector:
             return replaced
 
         return hook
+
+    def _forward_done(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """End of a forward of the model: a captured one must use every selected parameter through its module only
+        (:class:`~ingest.online_selection.removable.OutsideUses`)."""
+        batch = self.capture.batch
+        if batch is None or self.capture.is_paused or not torch.is_grad_enabled() or in_backward():
+            self._outside.clear()
+            return
+        self._outside.check(output)
 
     def _rows_arrived(self, batch: ActiveBatch, rows: torch.Tensor) -> None:
         pending = self._pending.setdefault(batch.generation, _Pending(uses=[]))

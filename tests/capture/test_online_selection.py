@@ -331,6 +331,164 @@ def test_a_linear_subclass_with_its_own_forward_is_refused():
         OnlineSelector(cap, RandomSelection(0.5))
 
 
+class LinearReuse(nn.Module):
+    """A Linear whose weight the forward also reads outside the module (``F.linear`` on other rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + F.linear(x.flip(1), self.fc.weight)
+
+
+class BiasReuse(LinearReuse):
+    """The Linear's bias added once more outside the module."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.fc.bias
+
+
+class ScaledReuse(LinearReuse):
+    """The weight scaled first (a tensor computed from the parameter alone), then used with the batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + x.flip(1) @ (2 * self.fc.weight).T
+
+
+class TiedByLinear(nn.Module):
+    """An LM head tied to the embedding by ``F.linear(h, emb.weight)`` instead of a Linear module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.emb(tokens).mean(dim=1)), self.emb.weight)[:, :3]
+
+
+class TiedHead(nn.Module):
+    """An LM head tied to the embedding through two modules (the same Parameter, each used by its own forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.hidden = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.emb(tokens).mean(dim=1))))[:, :3]
+
+
+def no_deferral(monkeypatch) -> None:
+    """The backward forms every gradient; the selector subtracts the dropped terms (as under DDP or fused=True)."""
+    monkeypatch.setattr("ingest.online_selection.selector.deferrable", lambda module: False)
+
+
+@pytest.mark.filterwarnings("ignore::ingest.coverage.CoverageWarning")  # capture's own report of the other use
+@pytest.mark.parametrize("autocast", [False, True], ids=["float64", "autocast"])
+@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "subtracted"])
+@pytest.mark.parametrize(
+    ("model_cls", "name"),
+    [(LinearReuse, "fc.weight"), (BiasReuse, "fc.bias"), (ScaledReuse, "fc.weight"), (TiedByLinear, "emb.weight")],
+)
+def test_a_parameter_used_outside_its_module_is_refused(model_cls, name, deferred, autocast, monkeypatch):
+    """Exact or loud: the other use's per-example terms cannot be removed, so the first captured forward is refused
+    (before any step) instead of a step that differs from one on the kept examples."""
+    torch.manual_seed(13)
+    if not deferred:
+        no_deferral(monkeypatch)
+    model = model_cls() if autocast else model_cls().double()
+    before = copy.deepcopy(model)
+    x, y = data(140, 8, tokens=model_cls is TiedByLinear)
+    if autocast and x.is_floating_point():
+        x = x.float()
+    refused = pytest.raises(ExactRemovalError, match=rf"{name} is also used outside.*requires_grad_\(False\)")
+    with refused, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        selected_steps(model, [[(x, y)]], RandomSelection(0.5))
+    assert_same(model, before)
+
+
+@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "subtracted"])
+def test_a_frozen_reused_weight_is_not_refused(deferred, monkeypatch):
+    """The refusal's remedy: frozen, the weight's other use gives it no gradient (its bias still trains exactly)."""
+    torch.manual_seed(14)
+    if not deferred:
+        no_deferral(monkeypatch)
+    model = nn.Sequential(LinearReuse(), nn.Tanh(), nn.Linear(3, 3)).double()
+    model[0].fc.weight.requires_grad_(False)
+    twin = copy.deepcopy(model)
+    batches = [[data(150 + s, 8)] for s in range(2)]
+    decisions = selected_steps(model, batches, RandomSelection(0.5))
+    reference_steps(twin, batches, decisions)
+    assert_same(model, twin)
+
+
+@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "subtracted"])
+def test_tied_embedding_and_head_weights_are_removed_exactly(deferred, monkeypatch):
+    torch.manual_seed(15)
+    if not deferred:
+        no_deferral(monkeypatch)
+    model = TiedHead().double()
+    twin = copy.deepcopy(model)
+    batches = [[data(160 + s, 8, tokens=True)] for s in range(3)]
+    decisions = selected_steps(model, batches, RandomSelection(0.5))
+    reference_steps(twin, batches, decisions)
+    assert model.head.weight is model.emb.weight
+    assert_same(model, twin)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "subtracted"])
+def test_an_l2_penalty_in_the_loss_is_kept(deferred, renormalize, monkeypatch):
+    """A penalty on the weight alone, in the loss outside the model's forward, is no per-example use: it is kept
+    (and, renormalised, scaled by the renormalisation like the rest of the step's gradient)."""
+    torch.manual_seed(16)
+    if not deferred:
+        no_deferral(monkeypatch)
+    model = mlp().double()
+    twin = copy.deepcopy(model)
+    batches = [data(170 + s, 8) for s in range(2)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    decisions = []
+    cap = GradientCapture(model, lambda b: None, CaptureConfig(projection=ProjectionConfig(k_in=4, k_out=4)), opt)
+    with cap, OnlineSelector(cap, RandomSelection(0.5), renormalize=renormalize, on_decision=decisions.append):
+        for x, y in batches:
+            (F.cross_entropy(model(x), y) + 0.3 * model[0].weight.pow(2).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for (x, y), decision in zip(batches, decisions):
+        w = decision.weights.to(torch.float64)
+        loss = (w * example_losses(twin, x, y)).sum() / (w.sum() if renormalize else len(w))
+        (loss + decision.renormalization * 0.3 * twin[0].weight.pow(2).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert [d.renormalization for d in decisions] == ([2.0, 2.0] if renormalize else [1.0, 1.0])
+    assert_same(model, twin)
+
+
+def test_a_non_finite_target_or_threshold_is_refused():
+    model = mlp()
+    cap = GradientCapture(model, lambda b: None, CaptureConfig(projection=ProjectionConfig(k_in=4, k_out=4)))
+    for bad in (math.nan, math.inf):
+        target = torch.randn(28)
+        target[3] = bad
+        with pytest.raises(ValueError, match="pass a finite"):
+            OnlineSelector(cap, KeepTopFraction(0.5), target)
+    with pytest.raises(ValueError, match="pass a finite threshold"):
+        DropBelowThreshold(math.nan)
+    with pytest.raises(ValueError, match="pass a finite threshold"):
+        DropBelowThreshold(torch.tensor(math.nan))
+    with pytest.raises(ValueError, match="must be a number"):
+        DropBelowThreshold("0.5")
+    scores = torch.tensor([-1.0, 0.0, 2.0], dtype=torch.float64)
+    assert DropBelowThreshold(-math.inf).decide(3, scores, None, torch.Generator()).all()
+    assert not DropBelowThreshold(math.inf).decide(3, scores, None, torch.Generator()).any()
+    assert DropBelowThreshold(0).decide(3, scores, None, torch.Generator()).tolist() == [False, True, True]
+
+
 def test_misuse_is_refused_with_what_to_do():
     model = mlp()
     cap = GradientCapture(model, lambda b: None)
