@@ -23,6 +23,15 @@ any run's, by every index kind, the SQL macros and the report), one row per exam
 The state it was built from (rows and largest ``grad_id`` of the source rows, last step) is a side file; rows
 appended since are folded in incrementally when all their steps come after the last one
 (``e_z <- P e_z + new terms`` with ``P`` the product over the new steps), else the run is rebuilt.
+
+``where`` selects the in-loop training rows whose terms are summed: ``e_z`` over the selected ``(z, t)`` rows
+only, while every recorded step keeps its whole batch curvature ``H_s`` and batch size ``B_t`` (the trajectory
+is the one training took, whatever the filter). Any subset of rows is valid: ``where="step >= 8"`` is the effect
+on the final weights of up-weighting the examples at steps 8 on only, an example filter leaves the other
+examples' embeddings as they are. The filtered embeddings are the derived run's rows under a checkpoint label of
+their own (:func:`variant`; the run keeps the last filter's besides the unfiltered ones). ``split`` is refused:
+the in-loop rows are split ``"train"`` (a step's ``"true-fisher"`` rows are its curvature, used without asking).
+A ``where`` that selects none of the in-loop rows is an ``InvalidArgumentError``.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from gradstore.core import StoreCore, gradient_filter
+from gradstore.core import StoreCore, gradient_filter, sql_literal
 from gradstore.core.engine import Engine
 from gradstore.errors import InvalidArgumentError
 from gradstore.methods import dynamics
@@ -46,14 +55,18 @@ from gradstore.methods.preconditioned import dense_matrix, index_top_k
 from gradstore.methods.queries import Queries, QueryInput, resolve_queries
 from gradstore.methods.registry import ONE_CHECKPOINT, TRUE_FISHER_SPLIT, ScoreOptions, check_blocks
 from gradstore.methods.results import ScoreMatrix
-from gradstore.methods.rows import require_rows
+from gradstore.methods.rows import check_where, require_rows
+from gradstore.methods.summed import history_self_influence
 from gradstore.methods.trajectory import (
     History,
     HistorySum,
     RecordedStep,
     final_query_checkpoint,
+    final_training_checkpoint,
     in_loop_checkpoint,
     recorded_steps,
+    refuse_split,
+    require_in_loop_rows,
 )
 from gradstore.preconditioning import GRAD_DOT
 from gradstore.preconditioning.fitting import FitCache, Selection, auto_blocks
@@ -76,6 +89,12 @@ def derived_run(run: str) -> str:
     return f"{run}.dvemb"
 
 
+def variant(where: str | None) -> str:
+    """The derived run's checkpoint label holding the embeddings summed over the in-loop rows ``where`` selects
+    (:data:`LABEL`: every row; the run keeps one filtered variant besides, the last one built)."""
+    return LABEL if where is None else f"{LABEL}-where-{hashlib.sha256(where.encode()).hexdigest()[:16]}"
+
+
 @dataclass(frozen=True)
 class EmbeddingState:
     """What the derived run was built from: the in-loop rows (label, block structure, their ``(rows, largest
@@ -86,66 +105,72 @@ class EmbeddingState:
     source: tuple[int, int, int, int]
     last_step: int
     derived: tuple[int, int]
+    where: str | None = None  # the filter on the in-loop rows whose terms were summed (None: every row)
 
 
 def ensure(store: StoreCore, run: str, options: ScoreOptions) -> Selection:
-    """The derived run's rows for ``run`` (``options``: the in-loop ``checkpoint`` label, ``blocks``, ``where``),
-    built or extended first when the in-loop rows changed since (past the caller's snapshot: its later reads see
-    the derived rows)."""
+    """The derived run's rows for ``run`` (``options``: the in-loop ``checkpoint`` label, ``blocks``, ``where``:
+    the in-loop training rows whose terms are summed), built or extended first when the in-loop rows changed since
+    (past the caller's snapshot: its later reads see the derived rows). ``InvalidArgumentError`` for a ``split``
+    other than ``"train"`` or a ``where`` that matches none of the in-loop rows."""
+    refuse_split("dvemb", options.split)
+    check_where(store, run, options.where)
     with store.past_snapshot():
         return _ensure(store, run, options)
 
 
 def _ensure(store: StoreCore, run: str, options: ScoreOptions) -> Selection:
     label = in_loop_checkpoint(store, run, options.checkpoint)
+    where = options.where
+    require_in_loop_rows(store, "dvemb", Selection(run, label, "train", where))
     structure = check_blocks(options.blocks)
     structure = auto_blocks(store, run) if structure == "auto" else structure
     derived = derived_run(run)
     _check_derived(store, run, derived)
-    selection = Selection(derived, LABEL, "train", options.where)
-    if _fresh(store, run, label, structure) is not None:
+    selection = Selection(derived, variant(where), "train")
+    if _fresh(store, run, label, structure, where) is not None:
         return selection
     store.require_writable(f"dvemb: build the derived run {derived!r} of data value embeddings")
     with store.files.writing(SIDE_FILES, _key(run)):  # one builder at a time; another may have built it meanwhile
-        stored = _fresh(store, run, label, structure)
+        stored = _fresh(store, run, label, structure, where)
         if stored is None:
-            _build(store, run, label, structure)
+            _build(store, run, label, structure, where)
     return selection
 
 
-def _fresh(store: StoreCore, run: str, label: str, structure: str) -> EmbeddingState | None:
-    """The stored state when the derived run is up to date with the in-loop rows, else ``None``."""
-    stored = _read_state(store, run)
-    if stored is None:
+def _fresh(store: StoreCore, run: str, label: str, structure: str, where: str | None) -> EmbeddingState | None:
+    """The stored state when the derived rows of ``where`` are up to date with the in-loop rows, else ``None``."""
+    stored = _read_state(store, run, where)
+    if stored is None or stored.where != where:
         return None
-    built = _built(store, run)
+    built = _built(store, run, where)
     current = (label, structure, _source_state(store, run, label), built)
     return stored if (stored.label, stored.blocks, stored.source, stored.derived) == current else None
 
 
-def _built(store: StoreCore, run: str) -> tuple[int, int] | None:
+def _built(store: StoreCore, run: str, where: str | None = None) -> tuple[int, int] | None:
     derived = derived_run(run)
-    return Selection(derived, LABEL).state(store) if store.has_run(derived) else None
+    return Selection(derived, variant(where)).state(store) if store.has_run(derived) else None
 
 
-def _build(store: StoreCore, run: str, label: str, structure: str) -> None:
+def _build(store: StoreCore, run: str, label: str, structure: str, where: str | None = None) -> None:
     """Fold the new steps into the stored embeddings when only later steps were appended, else recompute all."""
-    stored = _read_state(store, run)
+    stored = _read_state(store, run, where)
     steps = recorded_steps(store, run, label)  # their dynamics are read chunk by chunk, as their rows
     kinds = dynamics.summary(store, run, label, steps)  # (every step plain SGD, some step with momentum)
     spans = _spans(store, run, structure)
     source = _source_state(store, run, label)
     incremental = (
         stored is not None
-        and (stored.label, stored.blocks) == (label, structure)
-        and stored.derived == _built(store, run)
+        and (stored.label, stored.blocks, stored.where) == (label, structure, where)
+        and stored.derived == _built(store, run, where)
         and _only_after(store, run, label, stored)
         and not kinds[1]  # momentum: the joint state, rebuilt
     )
     if incremental:
         new = [s for s in steps if s.step > stored.last_step]
-        ids, embeddings, carried = recursion(store, run, label, new, spans, kinds)
-        old = store.read_gradients(derived_run(run), checkpoint=LABEL, split="train")
+        ids, embeddings, carried = recursion(store, run, label, new, spans, kinds, where)
+        old = store.read_gradients(derived_run(run), checkpoint=variant(where), split="train")
         embeddings_by_id = dict(zip(ids, embeddings))
         previous = carried.apply(torch.from_numpy(old.vectors.astype(np.float64))).numpy()
         for example_id, vector in zip(old.metadata.column("example_id").to_pylist(), previous):
@@ -154,9 +179,10 @@ def _build(store: StoreCore, run: str, label: str, structure: str) -> None:
         embeddings = np.stack([embeddings_by_id[i] for i in ids]) if ids else np.empty((0, store.run_dim(run)))
         log.info("dvemb: folded %d new step(s) of run %r into %d embeddings", len(new), run, len(ids))
     else:
-        ids, embeddings = recursion(store, run, label, steps, spans, kinds)[:2]  # the product let go before the write
-    written = _write(store, run, ids, embeddings, steps[-1].step)
-    _write_state(store, run, EmbeddingState(label, structure, source, steps[-1].step, written))
+        # the product let go before the write
+        ids, embeddings = recursion(store, run, label, steps, spans, kinds, where)[:2]
+    written = _write(store, run, ids, embeddings, steps[-1].step, where)
+    _write_state(store, run, EmbeddingState(label, structure, source, steps[-1].step, written, where))
 
 
 def _check_derived(store: StoreCore, run: str, derived: str) -> None:
@@ -168,10 +194,13 @@ def _check_derived(store: StoreCore, run: str, derived: str) -> None:
         )
 
 
-def history(store: StoreCore, queries: QueryInput, options: ScoreOptions, run: str) -> History:
-    """``dvemb`` as a per-example sum: final-model queries against the derived run's embeddings."""
+def history(
+    store: StoreCore, queries: QueryInput, options: ScoreOptions, run: str, selection: Selection | None = None
+) -> History:
+    """``dvemb`` as a per-example sum: final-model queries against the derived run's embeddings (``selection``:
+    those rows, else :func:`ensure`'s for ``options``)."""
     resolved = resolve_queries(store, queries, run, final_query_checkpoint(store, run, options.query_checkpoint))
-    selection = ensure(store, run, options)
+    selection = ensure(store, run, options) if selection is None else selection
     vectors = torch.from_numpy(np.asarray(resolved.vectors, np.float64))
     return History(resolved.ids, [(selection.filter, vectors, None)], selection, ("example_id",), [LABEL])
 
@@ -184,15 +213,23 @@ def recursion(
     steps: Sequence[RecordedStep],
     spans: Sequence[tuple[int, int]],
     kinds: tuple[bool, bool],
+    where: str | None = None,
 ) -> tuple[list[str], np.ndarray, BlockDiagonal | dynamics.JointProduct]:
     """The embeddings of the examples of ``steps`` (ids sorted, float64 ``[n, dim]``) over these steps alone, and
     the per-block products ``prod (I - lr H)^s`` over them (what earlier embeddings are carried through).
-    ``kinds``: :func:`dynamics.summary` of the run's recorded steps, which picks the product carried."""
+    ``kinds``: :func:`dynamics.summary` of the run's recorded steps, which picks the product carried. ``where``:
+    only the training rows it selects add their terms; every step's curvature and batch size stay the whole
+    step's, so the embeddings are the effect of the selected rows' loss weights through the recorded trajectory."""
     carried = carrier(spans, *kinds, run)
-    ids = _example_ids(store, run, label, steps)
+    ids = _example_ids(store, run, label, steps, where)
+    chosen = None if where is None else Selection(run, label, "train", where).grad_ids(store)
     position = {example_id: i for i, example_id in enumerate(ids)}
     sums = torch.zeros(len(ids), store.run_dim(run), dtype=torch.float64)  # the result, in place: never regrown
-    for step, rows, example_ids, curvature in _steps(store, run, label, steps):
+    for step, rows, example_ids, grad_ids, curvature in _steps(store, run, label, steps):
+        if chosen is not None:  # the curvature rows are the step's own, whatever the filter
+            keep = np.isin(grad_ids, chosen)
+            rows = rows[torch.from_numpy(keep)]
+            example_ids = [example_id for example_id, kept in zip(example_ids, keep) if kept]
         columns = torch.tensor([position[example_id] for example_id in example_ids], dtype=torch.long)
         sums.index_add_(0, columns, carried.absorb(rows, curvature, step))
     dynamics.warn_clipped(carried.clipped, run)
@@ -201,15 +238,21 @@ def recursion(
     return ids, embeddings, carried
 
 
-def _example_ids(store: StoreCore, run: str, label: str, steps: Sequence[RecordedStep]) -> list[str]:
-    """The ids of the examples with training rows in ``steps``, sorted: read from the metadata alone first, so
+def _example_ids(
+    store: StoreCore, run: str, label: str, steps: Sequence[RecordedStep], where: str | None = None
+) -> list[str]:
+    """The ids of the examples with training rows in ``steps`` (of those ``where`` selects), sorted: read from the
+    metadata alone first, so
     the ``[examples, dim]`` float64 sums are allocated once at their final size and in their final order (growing
     them by doubling, then sorting, held up to 2.5x their size at once)."""
     if not steps:
         return []
     span = (steps[0].step, steps[-1].step)
     table = store.scan(
-        store.gradient_table_name(run), ["example_id", "step"], gradient_filter(run, label, "train", span), cache=False
+        store.gradient_table_name(run),
+        ["example_id", "step"],
+        gradient_filter(run, label, "train", span, where),
+        cache=False,
     )
     wanted = np.isin(table.column("step").to_numpy(zero_copy_only=False), [s.step for s in steps])
     return sorted(set(table.column("example_id").filter(pa.array(wanted)).to_pylist()))
@@ -313,9 +356,10 @@ def _carried(products: torch.Tensor, curvature: torch.Tensor, rate: float, span:
 
 def _steps(
     store: StoreCore, run: str, label: str, steps: Sequence[RecordedStep]
-) -> Iterator[tuple[RecordedStep, torch.Tensor, list[str], torch.Tensor]]:
+) -> Iterator[tuple[RecordedStep, torch.Tensor, list[str], np.ndarray, torch.Tensor]]:
     """The rows of ``steps``, last step first: ``(step with its dynamics, training rows float64, their example
-    ids, curvature rows)`` (true-Fisher rows of the step where it has any). They are read in chunks of consecutive
+    ids, their grad_ids, curvature rows)`` (true-Fisher rows of the step where it has any, else all its training
+    rows). They are read in chunks of consecutive
     steps of about ``CHUNK_BYTES`` of float32 rows whatever the dimension (at least one step), with the chunk's
     recorded dynamics, one chunk in memory at a time (each step's rows are taken from it in float64 as the step
     comes, and a chunk is let go before the next is read), so memory does not grow with the number of steps."""
@@ -350,7 +394,7 @@ def _steps(
             middle = start + int(np.count_nonzero(~fisher[start:end]))  # training rows first, then true-Fisher rows
             rows = torch.from_numpy(block.vectors[order[start:middle]].astype(np.float64))
             curvature = torch.from_numpy(block.vectors[order[middle:end]].astype(np.float64)) if end > middle else rows
-            yield record, rows, ids[start:middle], curvature
+            yield record, rows, ids[start:middle], block.grad_ids[order[start:middle]], curvature
         del block
 
 
@@ -375,9 +419,14 @@ def _only_after(store: StoreCore, run: str, label: str, stored: EmbeddingState) 
     return covered == stored.source[0] + stored.source[2] and later > 0
 
 
-def _write(store: StoreCore, run: str, ids: list[str], embeddings: np.ndarray, last_step: int) -> tuple[int, int]:
-    """Replace the derived run's rows with ``embeddings``; its new ``(rows, largest grad_id)``."""
+def _write(
+    store: StoreCore, run: str, ids: list[str], embeddings: np.ndarray, last_step: int, where: str | None = None
+) -> tuple[int, int]:
+    """Replace the derived run's rows of ``where`` (:func:`variant`) with ``embeddings``: a filtered variant
+    replaces the previous one (one is kept besides the unfiltered rows); the variant's new ``(rows, largest
+    grad_id)``."""
     derived = derived_run(run)
+    label = variant(where)
     source = store.run(run)
     projection = json.loads(source["projection"]) if source["projection"] else None
     store.create_run(
@@ -389,29 +438,42 @@ def _write(store: StoreCore, run: str, ids: list[str], embeddings: np.ndarray, l
         exist_ok=True,
     )
     table = store.gradient_table(derived)
-    table.delete(gradient_filter(derived))
+    if where is None:
+        table.delete(gradient_filter(derived, LABEL))
+    else:
+        table.delete(f"{gradient_filter(derived)} AND checkpoint <> {sql_literal(LABEL)}")
     with store.writer(derived) as writer:
         for start in range(0, len(ids), CHUNK_ROWS):
             writer.append(
                 embeddings[start : start + CHUNK_ROWS].astype(np.float32),
                 ids[start : start + CHUNK_ROWS],
-                checkpoint=LABEL,
+                checkpoint=label,
                 split="train",
                 step=last_step,
             )
-    store.record_checkpoint(derived, LABEL, step=last_step)
-    return Selection(derived, LABEL).state(store)
+    if where is None:  # a filtered variant is no checkpoint of the derived run's own (its latest stays dvemb)
+        store.record_checkpoint(derived, LABEL, step=last_step)
+    return Selection(derived, label).state(store)
 
 
 def _key(run: str) -> str:
     return hashlib.sha256(run.encode()).hexdigest()[:32]
 
 
-def _read_state(store: StoreCore, run: str) -> EmbeddingState | None:
+def _state_file(where: str | None) -> str:
+    return STATE_FILE if where is None else f"{variant(where)}.json"
+
+
+def _read_state(store: StoreCore, run: str, where: str | None = None) -> EmbeddingState | None:
     try:
-        data = json.loads(store.files.read_bytes(SIDE_FILES, _key(run), STATE_FILE))
+        data = json.loads(store.files.read_bytes(SIDE_FILES, _key(run), _state_file(where)))
         return EmbeddingState(
-            data["label"], data["blocks"], tuple(data["source"]), int(data["last_step"]), tuple(data["derived"])
+            data["label"],
+            data["blocks"],
+            tuple(data["source"]),
+            int(data["last_step"]),
+            tuple(data["derived"]),
+            data.get("where"),
         )
     except FileNotFoundError:
         return None
@@ -421,8 +483,8 @@ def _read_state(store: StoreCore, run: str) -> EmbeddingState | None:
 
 
 def _write_state(store: StoreCore, run: str, state: EmbeddingState) -> None:
-    """Write the state (the caller holds the key's writers' lock)."""
-    store.files.write_bytes(json.dumps(asdict(state)).encode(), SIDE_FILES, _key(run), STATE_FILE)
+    """Write the state, in the file of its ``where`` (the caller holds the key's writers' lock)."""
+    store.files.write_bytes(json.dumps(asdict(state)).encode(), SIDE_FILES, _key(run), _state_file(state.where))
 
 
 # ---------------------------------------------------------------------------------------------- the family
@@ -447,13 +509,40 @@ class Embeddings(HistorySum):
         return (
             f"method={self.name!r} reads the derived run {derived_run(run)}, which is not built (or not up to date) "
             f"and this server is read-only: the operator builds it with `gradstore attribute STORE --run {run} "
-            f"--method {self.name} -k 1 --no-write` (or serves with --allow-writes)"
+            f"--method {self.name} -k 1 --no-write`, with the call's --where if it has one (or serves with "
+            "--allow-writes)"
         )
+
+    def check_selection(self, store: StoreCore, options: ScoreOptions, run: str) -> None:
+        refuse_split(self.name, options.split)
+        check_where(store, run, options.where)
 
     def history(
         self, store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, run: str
     ) -> History:
         return history(store, queries, options, run)
+
+    def self_influence(
+        self, store: StoreCore, fits: FitCache, options: ScoreOptions, *, run: str, engine: Engine
+    ) -> pa.Table:
+        """Each example's final-model row against its embedding: ``where`` picks the final rows and the in-loop
+        rows summed into the embeddings (built once), the chunks of examples only the embeddings' rows."""
+        embeddings = ensure(store, run, options)
+
+        def chunk_history(store: StoreCore, queries: QueryInput, narrowed: ScoreOptions, run: str) -> History:
+            rows = Selection(embeddings.run, embeddings.checkpoint, "train", narrowed.where)
+            return history(store, queries, narrowed, run, rows)
+
+        return history_self_influence(
+            store,
+            chunk_history,
+            options,
+            final=final_training_checkpoint(store, run, options.split),
+            method=self.name,
+            run=run,
+            engine=engine,
+            narrow=lambda chunk: chunk,  # the embeddings hold the example ids only; where was summed in already
+        )
 
     def _queries_and_rows(
         self, store: StoreCore, queries: QueryInput, options: ScoreOptions, run: str

@@ -148,11 +148,13 @@ def history_self_influence(
     method: str,
     run: str,
     engine: Engine,
+    narrow: Callable[[str], str] | None = None,
 ) -> pa.Table:
     """A trajectory method's self-influence: the first-order effect of up-weighting each example on its own final
     loss, ``score(g_z(final), z)`` with ``g_z(final)`` its row at checkpoint ``final`` (the last checkpoint pass);
     computed for chunks of :data:`SELF_INFLUENCE_CHUNK` examples at a time (the diagonal of each chunk's dense score
-    matrix)."""
+    matrix). ``history`` gets ``options`` with ``where`` narrowed to the chunk's examples: ``narrow(chunk)``, else
+    ``options.where`` and the chunk's ``example_id`` clause."""
     space = grad_dot_space()
     example_ids: list[str] = []
     values: list[float] = []
@@ -163,7 +165,11 @@ def history_self_influence(
     for block in blocks:
         ids = block.metadata.column("example_id").to_pylist()
         chunk = sql_in("example_id", ids)
-        narrowed = replace(options, where=chunk if options.where is None else f"({options.where}) AND {chunk}")
+        if narrow is not None:
+            chunk = narrow(chunk)
+        elif options.where is not None:
+            chunk = f"({options.where}) AND {chunk}"
+        narrowed = replace(options, where=chunk)
         summed = history(store, block.vectors, narrowed, run)
         shards = per_example_shards(store, engine, [summed.selection], summed.columns)
         scores, scored_ids = scan_tasks.example_score_matrix(engine, shards, space, summed.entries)

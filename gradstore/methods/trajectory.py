@@ -21,6 +21,12 @@ step, with the step's learning rate, and checkpoint passes along the way. Two me
   ``source-ekfac`` takes each checkpoint's EK-FAC (Kronecker eigenbasis, eigenvalues refitted on its rows) as
   ``F_l`` instead.
 
+``where`` selects the rows scored: ``tracin-steps``'s in-loop rows (``B_t`` stays the step's batch), SOURCE's
+checkpoint-pass rows (``F_l`` and ``N_l`` stay the whole pass's, so a filter leaving a pass without rows still
+scores); one that selects none of them is an ``InvalidArgumentError``. ``tracin-steps`` reads split ``"train"``
+only (any other ``split`` is refused); ``source`` scores the passes' rows of ``split`` but never
+``"true-fisher"`` rows, its curvature rows (refused).
+
 Both are sums over several rows of an example, computed as per-example scans on an engine (in this process or
 on Ray, :func:`gradstore.search.scan_tasks.tracin_top_k`): the query side is prepared once per checkpoint (SOURCE's
 segment terms are spectral functions of the fitted Fisher, :meth:`indexers.FisherPreconditioner.apply_function`),
@@ -43,7 +49,7 @@ from gradstore.core.engine import Engine
 from gradstore.errors import InvalidArgumentError, UnstableStepWarning
 from gradstore.methods import dynamics
 from gradstore.methods.queries import Queries, QueryInput, resolve_queries, stored_queries
-from gradstore.methods.registry import Method, ScoreOptions, resolve_method
+from gradstore.methods.registry import TRUE_FISHER_SPLIT, Method, ScoreOptions, resolve_method
 from gradstore.methods.results import ScoreMatrix
 from gradstore.methods.rows import check_where, row_checkpoints
 from gradstore.methods.summed import (
@@ -192,6 +198,37 @@ def final_training_checkpoint(store: StoreCore, run: str, split: str) -> str:
     return max(with_steps, key=lambda c: (recorded[c][0], c))
 
 
+def refuse_split(method: str, split: str) -> None:
+    """``InvalidArgumentError`` unless ``split`` is ``"train"``: ``method`` (``tracin-steps``, ``dvemb``) sums the
+    rows captured during training, which are the run's ``"train"`` rows (the steps, their batch sizes and learning
+    rates come from them; a step's true-Fisher rows are its curvature, used without asking)."""
+    if split == "train":
+        return
+    fisher = (
+        f"; {TRUE_FISHER_SPLIT!r} rows are curvature rows, which it reads for each step's curvature where a step "
+        "has them, without split="
+        if method == "dvemb"
+        else f"; {TRUE_FISHER_SPLIT!r} rows are curvature rows, never scored"
+    )
+    raise InvalidArgumentError(
+        f"method={method!r} scores the training rows captured during training, split 'train', and does not use "
+        f"split={split!r}{fisher}: drop split= (to score other rows, use a single-checkpoint method such as "
+        "'fisher' with split=...)"
+    )
+
+
+def require_in_loop_rows(store: StoreCore, method: str, selection: Selection) -> None:
+    """``InvalidArgumentError`` naming the user's run, label and filter when the in-loop rows ``selection`` (of
+    ``method``'s sum) match nothing: an empty selection is refused, never an empty answer."""
+    if selection.where is None or selection.count(store):
+        return
+    raise InvalidArgumentError(
+        f"where={selection.where!r} matches none of the {selection.split!r} rows of run {selection.run!r} captured "
+        f"during training (checkpoint label {selection.checkpoint!r}), the rows method={method!r} sums: widen the "
+        "filter or drop where="
+    )
+
+
 def _in_loop_labels(store: StoreCore, run: str) -> set[str]:
     """Checkpoint labels whose training rows span two or more steps (rows captured during training)."""
     return {c for c, n in _step_counts(store, run).items() if n > 1}
@@ -311,6 +348,15 @@ def source_segments(store: StoreCore, run: str, checkpoints: Sequence[str] | Non
             if step is not None and rate is not None and c in with_rows and c not in in_loop
         ]
         if not chosen:
+            passes = [
+                c for c, (step, rate) in recorded.items() if step is not None and rate is not None and c not in in_loop
+            ]
+            if passes:
+                raise InvalidArgumentError(
+                    f"run {run!r} holds no {split!r} rows at its checkpoint passes {sorted(passes)}: source scores "
+                    f"each pass's rows of split={split!r} (they hold {_splits_at(store, run, passes)}); pass one of "
+                    "those splits (the default, 'train': the training examples)"
+                )
             raise InvalidArgumentError(
                 f"run {run!r} has no checkpoint pass with a recorded step and learning rate: capture checkpoint "
                 "passes (store.capture(model, run, checkpoint=..., learning_rate=...) with cap.set_step(step)) or "
@@ -333,6 +379,12 @@ def source_segments(store: StoreCore, run: str, checkpoints: Sequence[str] | Non
     return segments
 
 
+def _splits_at(store: StoreCore, run: str, checkpoints: Sequence[str]) -> list[str]:
+    """The splits of the rows run ``run`` holds at ``checkpoints``."""
+    table = store.scan(store.gradient_table_name(run), ["split"], gradient_filter(run, list(checkpoints)))
+    return sorted(str(s) for s in table.column(0).unique().to_pylist())
+
+
 def source_entries(
     store: StoreCore,
     fits: FitCache,
@@ -351,8 +403,9 @@ def source_entries(
     clipped: list[str] = []
     for segment, co in zip(reversed(segments), reversed(recorded)):
         selection = Selection(run, segment.checkpoint, options.split, options.where)
-        curvature = fits.get(fit_spec(store, selection, resolve_method(options.method), options.blocks))
-        examples = Selection(run, segment.checkpoint, options.split).count(store)  # N_l: one step's share is 1/N_l
+        whole = Selection(run, segment.checkpoint, options.split)  # where picks the scored rows, not the dynamics
+        curvature = fits.get(fit_spec(store, whole, resolve_method(options.method), options.blocks))
+        examples = whole.count(store)  # N_l: one step's share is 1/N_l
         if co is None and moment is None:
             horizon = segment.learning_rate * segment.steps
             prepared = curvature.apply_function(carried, _segment_term(horizon)) / examples
@@ -409,6 +462,11 @@ class HistorySum(Method):
     def reads_history(self) -> bool:
         return True
 
+    def check_selection(self, store: StoreCore, options: ScoreOptions, run: str) -> None:
+        """``InvalidArgumentError`` for a ``split`` the method does not read or a ``where`` that selects none of
+        the rows it sums (checked once per call, on the caller's selection: not per chunk of a scan)."""
+        check_where(store, run, options.where)
+
     def history(
         self, store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, run: str
     ) -> History:
@@ -418,7 +476,7 @@ class HistorySum(Method):
     def self_influence(
         self, store: StoreCore, fits: FitCache, options: ScoreOptions, *, run: str, engine: Engine
     ) -> pa.Table:
-        check_where(store, run, options.where)
+        self.check_selection(store, options, run)
         return history_self_influence(
             store,
             lambda store, queries, options, run: self.history(store, fits, queries, options, run),
@@ -441,6 +499,7 @@ class HistorySum(Method):
         engine: Engine,
     ) -> tuple[np.ndarray, np.ndarray]:
         refuse_checkpoints(self, options)
+        self.check_selection(store, options, run)
         return history_aggregates(store, self.history(store, fits, target, options, run), aggregate, engine)
 
 
@@ -465,6 +524,29 @@ class Trajectory(Preconditioning, HistorySum):
             used.add("blocks")
         return frozenset(used)
 
+    def check_selection(self, store: StoreCore, options: ScoreOptions, run: str) -> None:
+        check_where(store, run, options.where)
+        if self.trajectory == "steps":
+            refuse_split(self.name, options.split)
+            label = in_loop_checkpoint(store, run, options.checkpoint)
+            require_in_loop_rows(store, self.name, Selection(run, label, options.split, options.where))
+            return
+        if options.split == TRUE_FISHER_SPLIT:
+            raise InvalidArgumentError(
+                f"method={self.name!r} does not score split={TRUE_FISHER_SPLIT!r}: those rows (labels sampled from "
+                "the model) are curvature rows, which it fits each segment's curvature on where a checkpoint pass "
+                "has them, without split=; drop split= to score the training rows ('train')"
+            )
+        segments = source_segments(store, run, options.checkpoints, options.split)
+        if options.where is None:
+            return
+        if not any(Selection(run, s.checkpoint, options.split, options.where).count(store) for s in segments):
+            raise InvalidArgumentError(
+                f"where={options.where!r} matches none of the {options.split!r} rows of run {run!r} at its checkpoint "
+                f"passes {[s.checkpoint for s in segments]}, the rows method={self.name!r} scores: widen the filter "
+                "or drop where="
+            )
+
     def history(
         self, store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, run: str
     ) -> History:
@@ -482,12 +564,12 @@ class Trajectory(Preconditioning, HistorySum):
         opponents: bool,
         engine: Engine,
     ) -> pa.Table:
-        check_where(store, run, options.where)
+        self.check_selection(store, options, run)
         summed = history(store, fits, queries, options, run)
         return history_top_k(store, summed, method=self.name, run=run, k=k, opponents=opponents, engine=engine)
 
     def matrix(
         self, store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, *, run: str
     ) -> ScoreMatrix:
-        check_where(store, run, options.where)
+        self.check_selection(store, options, run)
         return history_matrix(store, history(store, fits, queries, options, run))
