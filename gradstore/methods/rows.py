@@ -35,6 +35,15 @@ def row_checkpoints(store: StoreCore, run: str, split: str) -> list[str | None]:
     return sorted(found, key=str)
 
 
+def _splits(store: StoreCore, run: str) -> list[str | None]:
+    """The splits of the rows run ``run`` holds (``None`` for rows stored without one)."""
+    name = store.gradient_table_name(run)
+    if not store.has_table(name):
+        return []
+    found = store.scan(name, ["split"], gradient_filter(run)).column(0).unique().to_pylist()
+    return sorted(found, key=lambda s: (s is not None, str(s)))
+
+
 def require_rows(store: StoreCore, selection: Selection) -> None:
     """``InvalidArgumentError`` saying what to pass when ``selection`` holds no rows."""
     check_where(store, selection.run, selection.where)
@@ -43,8 +52,19 @@ def require_rows(store: StoreCore, selection: Selection) -> None:
     run, split, checkpoint = selection.run, selection.split, selection.checkpoint
     found = row_checkpoints(store, run, split)
     if not found:
+        held = _splits(store, run)
+        if not held:
+            raise InvalidArgumentError(
+                f"run {run!r} holds no {split!r} rows: capture them first (store.capture(model, run={run!r}))"
+            )
+        if held == [None]:
+            raise InvalidArgumentError(
+                f"run {run!r} holds no {split!r} rows: its rows were written without a split; label them when "
+                "writing (writer.append(..., split='train') for training rows, split='query' for queries)"
+            )
         raise InvalidArgumentError(
-            f"run {run!r} holds no {split!r} rows: capture them first (store.capture(model, run={run!r}))"
+            f"run {run!r} holds no {split!r} rows; its rows have splits {held} (None: written without one): pass "
+            "split= to score one of them"
         )
     if checkpoint not in found:
         raise InvalidArgumentError(

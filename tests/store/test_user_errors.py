@@ -404,3 +404,21 @@ def test_the_cli_method_choices_are_the_registry():
 
     assert [m.value for m in Method] == method_names()
     assert [m.value for m in SelectSpace] == method_names("select")
+
+
+def test_rows_written_without_a_split_are_named_as_such(tmp_path):
+    """Rows a writer stored without ``split=`` are not training rows: attributing says so and how to label them,
+    not "capture them first"; rows of another split are named with the split= that scores them."""
+    store = gradstore.open(tmp_path / "s")
+    store.create_run("r", dim=8)
+    rows = np.random.default_rng(0).normal(size=(6, 8)).astype(np.float32)
+    with store.writer("r") as writer:
+        writer.append(rows, [f"e{i}" for i in range(6)])
+    with pytest.raises(gradstore.InvalidArgumentError, match="written without a split.*split='train'"):
+        store.attribute(rows[:1], run="r", method="grad-dot", write=False)
+    store.create_run("v", dim=8)
+    with store.writer("v") as writer:
+        writer.append(rows, [f"e{i}" for i in range(6)], split="val")
+    with pytest.raises(gradstore.InvalidArgumentError, match=r"splits \['val'\].*pass split="):
+        store.attribute(rows[:1], run="v", method="grad-dot", write=False)
+    assert store.attribute(rows[:1], run="v", method="grad-dot", split="val", k=2, write=False).num_rows == 2
