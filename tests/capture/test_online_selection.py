@@ -410,32 +410,31 @@ def test_a_parameter_used_outside_its_module_is_refused(model_cls, name, deferre
     assert_same(model, before)
 
 
+def frozen_reuse() -> nn.Module:
+    model = nn.Sequential(LinearReuse(), nn.Tanh(), nn.Linear(3, 3)).double()
+    model[0].fc.weight.requires_grad_(False)
+    return model
+
+
 @pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "subtracted"])
-def test_a_frozen_reused_weight_is_not_refused(deferred, monkeypatch):
-    """The refusal's remedy: frozen, the weight's other use gives it no gradient (its bias still trains exactly)."""
+@pytest.mark.parametrize(
+    ("make", "tokens"),
+    [(frozen_reuse, False), (lambda: TiedHead().double(), True)],
+    ids=["frozen-reused-weight", "tied-embedding-head"],
+)
+def test_frozen_reused_and_tied_weights_are_not_refused_and_stay_exact(make, tokens, deferred, monkeypatch):
+    """The refusal's remedy, frozen: the weight's other use gives it no gradient (its bias still trains exactly);
+    and a weight tied between an embedding and a head is used through both modules' own forwards."""
     torch.manual_seed(14)
     if not deferred:
         no_deferral(monkeypatch)
-    model = nn.Sequential(LinearReuse(), nn.Tanh(), nn.Linear(3, 3)).double()
-    model[0].fc.weight.requires_grad_(False)
+    model = make()
     twin = copy.deepcopy(model)
-    batches = [[data(150 + s, 8)] for s in range(2)]
+    batches = [[data(150 + s, 8, tokens=tokens)] for s in range(3)]
     decisions = selected_steps(model, batches, RandomSelection(0.5))
     reference_steps(twin, batches, decisions)
-    assert_same(model, twin)
-
-
-@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "subtracted"])
-def test_tied_embedding_and_head_weights_are_removed_exactly(deferred, monkeypatch):
-    torch.manual_seed(15)
-    if not deferred:
-        no_deferral(monkeypatch)
-    model = TiedHead().double()
-    twin = copy.deepcopy(model)
-    batches = [[data(160 + s, 8, tokens=True)] for s in range(3)]
-    decisions = selected_steps(model, batches, RandomSelection(0.5))
-    reference_steps(twin, batches, decisions)
-    assert model.head.weight is model.emb.weight
+    if tokens:
+        assert model.head.weight is model.emb.weight
     assert_same(model, twin)
 
 

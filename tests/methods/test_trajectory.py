@@ -22,6 +22,7 @@ from quadratic import (
     capture_queries,
     columns,
     model_at,
+    passes_store,
     problem,
     train_captured,
     trained_store,
@@ -277,19 +278,7 @@ def test_trajectory_methods_on_ray_equal_in_process(tmp_path, ray_engine):
 def test_trajectory_self_influence_and_selection_equal_their_score_matrices(tmp_path):
     """Self-influence scores each example's final-model gradient against its own history (the diagonal of the
     score matrix of those gradients); selection ranks examples by the max/mean of their scores over the target."""
-    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
-    model = model_at(INIT)
-    train_captured(store, range(T), model)
-    x, y, qx, qy, _, _ = problem()
-    for name, step in (("mid", 4), ("final", T)):
-        with store.capture(model, RUN, checkpoint=name, learning_rate=0.1, projection=None) as cap:
-            cap.set_step(step)
-            cap.set_ids([str(i) for i in range(N)])
-            (0.5 * ((model(x).squeeze(-1) - y) ** 2).mean()).backward()
-            cap.set_split("query")
-            cap.set_ids(["qa", "qb"])
-            (0.5 * ((model(qx).squeeze(-1) - qy) ** 2).mean()).backward()
-            model.zero_grad()
+    store = passes_store(tmp_path / "store")
     final = store.core.read_gradients(RUN, checkpoint="final", split="train")
     own = final.metadata.column("example_id").to_pylist()
     for method in ("tracin-steps", "source", "dvemb"):

@@ -11,9 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from quadratic import INIT, RUN, N, T, columns, model_at, problem, train_captured, true_effects
+from quadratic import INIT, RUN, N, T, columns, passes_store, problem, true_effects
 
-import gradstore
 from gradstore.errors import InvalidArgumentError
 from gradstore.methods import dvemb
 
@@ -36,25 +35,6 @@ def effects_of_steps(first: int) -> np.ndarray:
         (grad_w,) = torch.autograd.grad(0.5 * (qt[query] @ theta - qy[query]) ** 2, weights, retain_graph=True)
         effects.append(-grad_w[first:].sum(0).numpy())
     return np.stack(effects)
-
-
-def passes_store(path, true_fisher: bool = True) -> gradstore.GradStore:
-    """In-loop rows of the whole schedule, then checkpoint passes (training and query rows, a step and learning
-    rate each) at steps 4 and ``T`` of the same model (SOURCE's segments; the final one for self-influence)."""
-    store = gradstore.open(path, storage_dtype="float32")
-    model = model_at(INIT)
-    train_captured(store, range(T), model, true_fisher=true_fisher)
-    x, y, qx, qy, _, _ = problem()
-    for name, step in (("mid", 4), ("final", T)):
-        with store.capture(model, RUN, checkpoint=name, learning_rate=0.1, projection=None) as cap:
-            cap.set_step(step)
-            cap.set_ids([str(i) for i in range(N)])
-            (0.5 * ((model(x).squeeze(-1) - y) ** 2).mean()).backward()
-            cap.set_split("query")
-            cap.set_ids(["qa", "qb"])
-            (0.5 * ((model(qx).squeeze(-1) - qy) ** 2).mean()).backward()
-            model.zero_grad()
-    return store
 
 
 @pytest.fixture

@@ -118,3 +118,22 @@ def columns(matrix: gradstore.ScoreMatrix) -> np.ndarray:
     for column, example in enumerate(matrix.example_ids):
         out[:, int(example)] = matrix.scores[:, column]
     return out
+
+
+def passes_store(path, true_fisher: bool = True) -> gradstore.GradStore:
+    """In-loop rows of the whole schedule, then checkpoint passes (training and query rows, a step and learning
+    rate each) at steps 4 and ``T`` of the same model (SOURCE's segments; the final one for self-influence)."""
+    store = gradstore.open(path, storage_dtype="float32")
+    model = model_at(INIT)
+    train_captured(store, range(T), model, true_fisher=true_fisher)
+    x, y, qx, qy, _, _ = problem()
+    for name, step in (("mid", 4), ("final", T)):
+        with store.capture(model, RUN, checkpoint=name, learning_rate=0.1, projection=None) as cap:
+            cap.set_step(step)
+            cap.set_ids([str(i) for i in range(N)])
+            (0.5 * ((model(x).squeeze(-1) - y) ** 2).mean()).backward()
+            cap.set_split("query")
+            cap.set_ids(["qa", "qb"])
+            (0.5 * ((model(qx).squeeze(-1) - qy) ** 2).mean()).backward()
+            model.zero_grad()
+    return store
