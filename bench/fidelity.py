@@ -82,10 +82,11 @@ Protocol (TRAK-style LDS, everything on CPU, nothing downloaded):
   minus its mean loss after removing three random sets of the same size (higher is better, 0 is chance). Each
   QLD query costs one retraining per method, which is why it uses fewer queries than the LDS.
 
-* Exact replay (MLPs, with ``--replay``: about 3.5 minutes of the MLP's run, which keeps the default run near ten
-  minutes without it): the training under capture once more with every step recorded
-  (rows of 1x1 per layer: the replay reads only the order and the learning rates), then ``store.replay`` of the
-  200 test queries through all 1,000 steps (full-batch Adam; the objective's ``wd/2 ||theta||^2`` as Adam's L2
+* Exact replay (MLPs, with ``--replay``: the Adam MLP's two replays of its 400 validation and test queries through
+  1,000 full-batch steps took 1,409 s beside a test suite, which is why the default run leaves them out;
+  ``mlp-sgdm``'s took 53 s): the training under capture once more with every step recorded (rows of 1x1 per
+  layer: the replay reads only the order and the learning rates), then ``store.replay`` of the validation and
+  test queries through all 1,000 steps (full-batch Adam; the objective's ``wd/2 ||theta||^2`` as Adam's L2
   ``weight_decay``, the same gradient), checkpointed in ``ceil(sqrt(steps))`` segments, scored by
   ``method="replay"``: the exact metagradient of each query's loss with respect to every training example's
   weight, taken at two points: every weight 1 (the recorded run, MAGIC's) and every weight at the share the
