@@ -514,8 +514,7 @@ class Embeddings(HistorySum):
         )
 
     def check_selection(self, store: StoreCore, options: ScoreOptions, run: str) -> None:
-        refuse_split(self.name, options.split)
-        check_where(store, run, options.where)
+        """Checked where every call reads the embeddings (:func:`ensure`), once."""
 
     def history(
         self, store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, run: str
@@ -541,7 +540,7 @@ class Embeddings(HistorySum):
             method=self.name,
             run=run,
             engine=engine,
-            narrow=lambda chunk: chunk,  # the embeddings hold the example ids only; where was summed in already
+            chunk_only=True,  # the embeddings hold the example ids only; where was summed into them already
         )
 
     def _queries_and_rows(

@@ -148,13 +148,13 @@ def history_self_influence(
     method: str,
     run: str,
     engine: Engine,
-    narrow: Callable[[str], str] | None = None,
+    chunk_only: bool = False,
 ) -> pa.Table:
     """A trajectory method's self-influence: the first-order effect of up-weighting each example on its own final
     loss, ``score(g_z(final), z)`` with ``g_z(final)`` its row at checkpoint ``final`` (the last checkpoint pass);
     computed for chunks of :data:`SELF_INFLUENCE_CHUNK` examples at a time (the diagonal of each chunk's dense score
-    matrix). ``history`` gets ``options`` with ``where`` narrowed to the chunk's examples: ``narrow(chunk)``, else
-    ``options.where`` and the chunk's ``example_id`` clause."""
+    matrix). ``history`` gets ``options`` with ``where`` narrowed to the chunk's examples: ``options.where`` and the
+    chunk's ``example_id`` clause, or (``chunk_only``: ``where`` is applied inside ``history``) the clause alone."""
     space = grad_dot_space()
     example_ids: list[str] = []
     values: list[float] = []
@@ -165,9 +165,7 @@ def history_self_influence(
     for block in blocks:
         ids = block.metadata.column("example_id").to_pylist()
         chunk = sql_in("example_id", ids)
-        if narrow is not None:
-            chunk = narrow(chunk)
-        elif options.where is not None:
+        if options.where is not None and not chunk_only:
             chunk = f"({options.where}) AND {chunk}"
         narrowed = replace(options, where=chunk)
         summed = history(store, block.vectors, narrowed, run)
