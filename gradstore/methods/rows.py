@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gradstore.core import StoreCore, gradient_filter
 from gradstore.errors import InvalidArgumentError, InvalidFilterError
 from gradstore.preconditioning.fitting import Selection
@@ -26,22 +28,21 @@ def check_where(store: StoreCore, run: str, where: str | None) -> None:
         ) from error
 
 
+def row_values(
+    store: StoreCore, run: str, column: str, checkpoints: Sequence[str] | None = None, split: str | None = None
+) -> list:
+    """The distinct values of metadata ``column`` among run ``run``'s rows (at ``checkpoints``, of ``split``),
+    sorted by their text (``None``: rows stored without one)."""
+    name = store.gradient_table_name(run)
+    if not store.has_table(name):
+        return []
+    where = gradient_filter(run, None if checkpoints is None else list(checkpoints), split)
+    return sorted(store.scan(name, [column], where).column(0).unique().to_pylist(), key=str)
+
+
 def row_checkpoints(store: StoreCore, run: str, split: str) -> list[str | None]:
     """The checkpoints run ``run`` holds ``split`` rows at."""
-    name = store.gradient_table_name(run)
-    if not store.has_table(name):
-        return []
-    found = store.scan(name, ["checkpoint"], gradient_filter(run, None, split)).column(0).unique().to_pylist()
-    return sorted(found, key=str)
-
-
-def _splits(store: StoreCore, run: str) -> list[str | None]:
-    """The splits of the rows run ``run`` holds (``None`` for rows stored without one)."""
-    name = store.gradient_table_name(run)
-    if not store.has_table(name):
-        return []
-    found = store.scan(name, ["split"], gradient_filter(run)).column(0).unique().to_pylist()
-    return sorted(found, key=lambda s: (s is not None, str(s)))
+    return row_values(store, run, "checkpoint", split=split)
 
 
 def require_rows(store: StoreCore, selection: Selection) -> None:
@@ -52,7 +53,7 @@ def require_rows(store: StoreCore, selection: Selection) -> None:
     run, split, checkpoint = selection.run, selection.split, selection.checkpoint
     found = row_checkpoints(store, run, split)
     if not found:
-        held = _splits(store, run)
+        held = row_values(store, run, "split")
         if not held:
             raise InvalidArgumentError(
                 f"run {run!r} holds no {split!r} rows: capture them first (store.capture(model, run={run!r}))"

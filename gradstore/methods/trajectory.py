@@ -51,7 +51,7 @@ from gradstore.methods import dynamics
 from gradstore.methods.queries import Queries, QueryInput, resolve_queries, stored_queries
 from gradstore.methods.registry import TRUE_FISHER_SPLIT, Method, ScoreOptions, resolve_method
 from gradstore.methods.results import ScoreMatrix
-from gradstore.methods.rows import check_where, row_checkpoints
+from gradstore.methods.rows import check_where, row_checkpoints, row_values
 from gradstore.methods.summed import (
     history_aggregates,
     history_matrix,
@@ -352,10 +352,11 @@ def source_segments(store: StoreCore, run: str, checkpoints: Sequence[str] | Non
                 c for c, (step, rate) in recorded.items() if step is not None and rate is not None and c not in in_loop
             ]
             if passes:
+                held = row_values(store, run, "split", passes)
                 raise InvalidArgumentError(
                     f"run {run!r} holds no {split!r} rows at its checkpoint passes {sorted(passes)}: source scores "
-                    f"each pass's rows of split={split!r} (they hold {_splits_at(store, run, passes)}); pass one of "
-                    "those splits (the default, 'train': the training examples)"
+                    f"each pass's rows of split={split!r} (they hold {held}); pass one of those splits (the default, "
+                    "'train': the training examples)"
                 )
             raise InvalidArgumentError(
                 f"run {run!r} has no checkpoint pass with a recorded step and learning rate: capture checkpoint "
@@ -377,12 +378,6 @@ def source_segments(store: StoreCore, run: str, checkpoints: Sequence[str] | Non
         segments.append(Segment(name, end, max(0, end - previous), float(recorded[name][1])))
         previous = end
     return segments
-
-
-def _splits_at(store: StoreCore, run: str, checkpoints: Sequence[str]) -> list[str]:
-    """The splits of the rows run ``run`` holds at ``checkpoints``."""
-    table = store.scan(store.gradient_table_name(run), ["split"], gradient_filter(run, list(checkpoints)))
-    return sorted(str(s) for s in table.column(0).unique().to_pylist())
 
 
 def source_entries(
