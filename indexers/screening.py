@@ -10,9 +10,10 @@ result and ``gamma = d 2**-24`` the worst-case float32 accumulation error (count
 the float32 score it is compared with), all times a 1% safety factor. Taking the largest query-side factors
 and the row's largest ``|out|`` gives one bound per row, valid for every query. A row (times its scale ``s``)
 is rescored in float32 when, for some query, its upper bound reaches that query's floor: the k-th best float32
-score known so far (from earlier blocks, and from rescoring each query's top-k rows of this block on the screen).
-Besides that per-query top-k, only per-row passes (the screen's row minimum and maximum) run over the whole
-``[rows, queries]`` screen; the per-query test runs on the few rows that pass the per-row one. No row
+score known so far (from earlier blocks, and from one dot product each with its ``2k`` best rows of this block on
+the screen among the best rows of strided groups). Besides the groups' maxima, only per-row passes (the screen's
+row minimum and maximum) run over the whole ``[rows, queries]`` screen; the per-query test runs on the few rows
+that pass the per-row one. No row
 of the float32 top-k, ties included, can be dropped, so the result equals the float32 kernel's (scores and
 ids, ties broken by the smaller id), at close to the cost of the bf16 GEMM when candidates are few. Where they
 are many (more than :data:`DENSE_SHARE` of a block: rows whose scores lie within the screen's error of each
@@ -107,16 +108,35 @@ class RowPieces:
     def products(self, rows: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
         """``self[rows] @ matrix`` in float32 (``rows`` an int64 tensor of positions, any order), one GEMM per
         piece on the rows it holds: the rows are never gathered into one tensor."""
+        products = torch.empty(len(rows), matrix.shape[1], dtype=torch.float32, device=self.device)
+        for where, taken in self._taken(rows):
+            products.index_copy_(0, where, taken @ matrix)
+        return products
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        """``self[rows]`` as one float32 tensor ``[len(rows), d]`` (``rows`` in any order, repeats allowed)."""
+        taken = torch.empty(len(rows), self.shape[1], dtype=torch.float32, device=self.device)
+        for where, part in self._taken(rows):
+            taken.index_copy_(0, where, part)
+        return taken
+
+    def _taken(self, rows: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(where, part)`` per piece holding some of ``rows``: ``part`` (float32) is ``self[rows[where]]``."""
         ordered, order = rows.sort()
         bounds = torch.searchsorted(ordered, torch.tensor(self.starts, device=rows.device)).tolist()
-        products = torch.empty(len(rows), matrix.shape[1], dtype=torch.float32, device=self.device)
         for piece, start, low, high in zip(self.pieces, self.starts, bounds, bounds[1:]):
-            if high > low:
-                products[order[low:high]] = piece[ordered[low:high] - start].to(torch.float32) @ matrix
-        return products
+            if high > low:  # index_select: several times faster than indexing with a tensor
+                yield order[low:high], piece.index_select(0, ordered[low:high] - start).to(torch.float32)
 
 
 Rows = torch.Tensor | RowPieces
+
+
+def gathered(rows: Rows, positions: torch.Tensor) -> torch.Tensor:
+    """``rows[positions]`` as float32 ``[len(positions), d]`` (positions in any order, repeats allowed)."""
+    if isinstance(rows, RowPieces):
+        return rows.take(positions)
+    return rows.index_select(0, positions).to(torch.float32)  # several times faster than rows[positions]
 
 
 def row_tiles(rows: Rows, tile_rows: int) -> Iterator[tuple[slice, torch.Tensor]]:
@@ -218,6 +238,7 @@ class ScreenedQueries:
             self._prepare(queries)
 
     def _prepare(self, queries: torch.Tensor) -> None:
+        self.exact = queries.contiguous()
         self.exact_t = queries.T.contiguous()
         exact = queries.double()
         norms = torch.linalg.vector_norm(exact, dim=1)
@@ -236,7 +257,9 @@ class ScreenedQueries:
 
 OUT = SAFETY * BF16_ROUNDOFF / (1 - BF16_ROUNDOFF)  # the bf16 result's rounding, relative to |result|
 FLOOR_MARGIN = 2.0**-22  # the float32 division of a floor by a query norm, relative
-QUERY_CHUNK = 64  # queries whose screen columns are taken to float32 at a time for their top-k
+#: Rows per strided group whose best row per query on the screen may be scored for the query's floor
+#: (:func:`_floor_pairs`).
+FLOOR_GROUP = 64
 #: Beyond this share of a block's rows to rescore, every row is scored in float32 as stored (tiles upcast in
 #: order, no gather): rows whose scores lie within the screen's error of each other for many queries (bench/screen.py's
 #: clustered rows, before each query had its own floor: 10.7x torch fp32 gathering, 1.9x scoring every row).
@@ -246,23 +269,30 @@ DENSE_SHARE = 0.5
 def candidate_scores(
     block: ScreenedBlock, queries: ScreenedQueries, floor: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 scores ``[q, m]`` of the block's rows ``ids [m]`` that can reach some query's top-k.
+    """Float32 scores ``[q, m]`` of the rows ``ids`` (``[m]``, or ``[q, m]`` one list per query) of the block that
+    can reach some query's top-k; a pair scored ``-inf`` is one of no interest (it is in the query's list twice).
 
     ``floor [q]`` is a lower bound of each query's final k-th best float32 score (``-inf`` when unknown). The
-    screen works in units of each query's norm: ``out_ij ~ v_i . q_j / ||q_j||``. Besides each query's top-k on
-    the screen (its floor), only per-row passes touch the whole ``[n, q]`` screen (its row minimum and maximum);
-    the per-query test runs on the rows that pass the per-row one (see :func:`_reaching`). Those passes run on
-    one thread: dozens of small operations, each a barrier for every thread, cost more in waits than they gain on
-    a busy machine; the rescoring GEMM runs on every thread, over the candidates or, beyond :data:`DENSE_SHARE`
-    of the block, over every row."""
+    screen works in units of each query's norm: ``out_ij ~ v_i . q_j / ||q_j||``. Each query's floor is raised to
+    the k-th best float32 score of its ``2k`` best rows among the winners of strided groups of rows on the screen
+    (:func:`_floor_pairs`: one elementwise pass over the screen, then ``2k`` dot products per query). Besides
+    that pass only per-row passes (the screen's row minimum and maximum) touch the whole ``[n, q]`` screen; the
+    per-query test runs on the rows that pass the per-row one (see :func:`_reaching`). Those passes run on one
+    thread: dozens of small operations, each a barrier for every thread, cost more in waits than they gain on a
+    busy machine; the rescoring GEMM runs on every thread, over the candidates or, beyond :data:`DENSE_SHARE` of
+    the block, over every row."""
     out = _screen_products(block.screen, queries.screen_t)  # [n, q] bf16
     low, high = torch.aminmax(out, dim=1)
     with one_thread():
-        first, first_scores, keep = _candidates(block, queries, floor, k, out, low.float(), high.float())
-    if len(first) + len(keep) > DENSE_SHARE * len(block):  # the screen pruned little: score every row as stored
+        pairs, pair_scores, rows = _candidates(block, queries, floor, k, out, low.float(), high.float())
+    if len(rows) > DENSE_SHARE * len(block):  # the screen pruned little: score every row as stored
         return float32_products(block.exact, queries.exact_t, block.scales).T, block.ids
-    scores = torch.cat([first_scores, _rescored(block, keep, queries.exact_t)])  # on every thread: a GEMM
-    return scores.T, block.ids[torch.cat([first, keep])]
+    scores = _rescored(block, rows, queries.exact_t).T  # on every thread: a GEMM
+    if pairs is None:
+        return scores, block.ids[rows]
+    _drop_pairs(scores, rows, pairs)
+    ids = torch.cat([block.ids[pairs], block.ids[rows].expand(len(pairs), -1)], dim=1)
+    return torch.cat([pair_scores, scores], dim=1), ids
 
 
 def _screen_products(screen: Rows, queries_t: torch.Tensor) -> torch.Tensor:
@@ -283,59 +313,73 @@ def _candidates(
     out: torch.Tensor,
     low: torch.Tensor,
     high: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`candidate_scores` after the screen and its row minimum ``low`` and maximum ``high``: the rows
-    rescored for the floor, their float32 scores ``[f, q]``, and the other rows that can reach some query's top-k."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """:func:`candidate_scores` after the screen and its row minimum ``low`` and maximum ``high``: the rows each
+    query's floor was scored on (``[q, f]``, ``None`` for a block of fewer than ``k`` rows) and their float32
+    scores, and the rows that can reach some query's top-k."""
     bound = torch.maximum(high, low.neg()).mul_(OUT)
     bound.add_(block.norms, alpha=queries.on_norms).add_(block.residuals, alpha=queries.on_residuals)
     best = high  # each row's largest (scaled) screen value over the queries
     if block.scales is not None:
         best = torch.where(block.scales >= 0, high * block.scales, low * block.scales)
         bound.mul_(block.scales.abs())
-    first = torch.empty(0, dtype=torch.int64, device=out.device)
-    first_scores = torch.empty(0, queries.exact_t.shape[1], dtype=torch.float32, device=out.device)
+    pairs = pair_scores = None
     if len(block) >= k:  # the float32 scores of each query's best rows on the screen give a tight floor
-        first = _screen_top_k(out, block.scales, k)
-        first_scores = _rescored(block, first, queries.exact_t)
-        floor = torch.maximum(floor, first_scores.topk(k, dim=0).values[k - 1])
+        pairs = _floor_pairs(out, block.scales, k)
+        pair_scores = _pair_products(block, pairs, queries.exact)
+        floor = torch.maximum(floor, pair_scores.topk(k, dim=1).values[:, k - 1])
     unit_floor = floor / queries.norms
     unit_floor -= unit_floor.abs() * FLOOR_MARGIN
-    return first, first_scores, _reaching(out, block.scales, best, bound, unit_floor, first)
+    return pairs, pair_scores, _reaching(out, block.scales, best, bound, unit_floor)
 
 
-def _screen_top_k(out: torch.Tensor, scales: torch.Tensor | None, k: int) -> torch.Tensor:
-    """The rows among some query's ``2k`` best on the (scaled) screen, :data:`QUERY_CHUNK` queries' columns at a
-    time. Every query's own top-k gives every query a tight floor: a pool of the rows best for any query (the
-    kernel's first form) let clustered queries crowd each other out, and the loose floors left most rows to
-    rescore (bench/screen.py, clustered rows: 10.7x torch fp32, now below 1x). Ranked in the screen's bf16 on
-    the transposed screen (each query's values contiguous: half the time of a float32 copy's column top-k), each
-    query's best ``2k`` so that bf16's ties and the rounding of the scaled values cost the floor nothing (with
-    ``k``, clustered rows rescored 1.15x torch fp32 against 0.96x). Which rows it picks only sets how tight the
-    floor is, never whether it holds (their float32 scores are exact)."""
-    found = []
-    factors = None if scales is None else scales.to(out.dtype)
-    for start in range(0, out.shape[1], QUERY_CHUNK):
-        values = out[:, start : start + QUERY_CHUNK].T.contiguous()  # [q, n]: each query's row contiguous
-        if factors is not None:
-            values.mul_(factors)
-        found.append(values.topk(min(2 * k, values.shape[1]), dim=1).indices.flatten())
-    return torch.cat(found).unique()
+def _floor_pairs(out: torch.Tensor, scales: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Rows ``[q, f]`` (``f = min(2k, groups)``, distinct per query) among each query's best on the (scaled)
+    screen, whose float32 scores give its floor: the rows are cut into strided groups of about
+    :data:`FLOOR_GROUP` (rows ``g``, ``g + m``, ``g + 2m``, ... for ``m`` groups: neighbouring similar rows fall
+    into different groups), each group's best row per query is found in one elementwise pass over the screen, and
+    each query keeps its ``2k`` best groups' rows (a query's top rows are in distinct groups but for chance
+    collisions). ``2k`` so that bf16's ties and the rounding of the scaled values cost the floor little (with
+    ``k``, bench/screen.py's clustered rows rescored 1.15x torch fp32 against 0.96x). Which rows it picks only
+    sets how tight the floor is, never whether it holds (their float32 scores are exact). A per-query top-2k over
+    the transposed screen found slightly better rows at four times the cost."""
+    groups = max(k, len(out) // FLOOR_GROUP)
+    members = len(out) // groups
+    screen = out[: members * groups]
+    if scales is not None:
+        screen = screen * scales[: len(screen), None].to(out.dtype)
+    grid = screen.view(members, groups, -1)  # grid[m, g] is row m * groups + g
+    chosen = grid.amax(dim=0).topk(min(2 * k, groups), dim=0).indices  # [f, q]: each query's best groups
+    # which member holds a chosen group's best, from the members of the chosen (group, query) pairs alone
+    member = grid.gather(1, chosen.expand(members, -1, -1)).argmax(dim=0)  # [f, q]
+    return member.mul_(groups).add_(chosen).T.contiguous()
+
+
+def _pair_products(block: ScreenedBlock, pairs: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """Float32 scores ``[q, f]`` of row ``pairs[j, i]`` with query ``j`` (``queries [q, d]``): one dot product
+    per pair (``f`` rows per query, not every query's rows with every query)."""
+    rows = gathered(block.exact, pairs.flatten()).view(*pairs.shape, -1)  # [q, f, d]
+    scores = torch.bmm(rows, queries[:, :, None])[:, :, 0]
+    return scores if block.scales is None else scores.mul_(block.scales[pairs])
+
+
+def _drop_pairs(scores: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor) -> None:
+    """Set ``scores[j, i]`` (of ``rows [m]``, sorted) to ``-inf`` where ``rows[i]`` is one of ``pairs[j]``: the
+    pair is already scored among the floor's pairs (each id once per query)."""
+    if not len(rows):
+        return
+    at = torch.searchsorted(rows, pairs).clamp_(max=len(rows) - 1)
+    present = rows[at] == pairs
+    scores[present.nonzero()[:, 0], at[present]] = -torch.inf
 
 
 def _reaching(
-    out: torch.Tensor,
-    scales: torch.Tensor | None,
-    best: torch.Tensor,
-    bound: torch.Tensor,
-    unit_floor: torch.Tensor,
-    done: torch.Tensor,
+    out: torch.Tensor, scales: torch.Tensor | None, best: torch.Tensor, bound: torch.Tensor, unit_floor: torch.Tensor
 ) -> torch.Tensor:
-    """Rows (not in ``done``) whose upper bound ``scales * out_ij + bound_i`` reaches ``unit_floor_j`` for some
-    query ``j``. A row whose best value misses the lowest floor misses every query's (float32 rounding is
-    monotone, so this per-row test never drops a row the per-query one keeps); the rest are tested per query."""
-    maybe = best.sub(unit_floor.min()).add_(bound) >= 0
-    maybe[done] = False
-    rows = maybe.nonzero().flatten()
+    """Rows (sorted) whose upper bound ``scales * out_ij + bound_i`` reaches ``unit_floor_j`` for some query
+    ``j``. A row whose best value misses the lowest floor misses every query's (float32 rounding is monotone, so
+    this per-row test never drops a row the per-query one keeps); the rest are tested per query."""
+    rows = (best.sub(unit_floor.min()).add_(bound) >= 0).nonzero().flatten()
     values = out[rows].to(torch.float32)
     if scales is not None:
         values.mul_(scales[rows, None])
@@ -348,7 +392,7 @@ def _rescored(block: ScreenedBlock, rows: torch.Tensor, queries_t: torch.Tensor)
     if isinstance(block.exact, RowPieces):
         scores = block.exact.products(rows, queries_t)
     else:
-        scores = block.exact[rows].to(torch.float32) @ queries_t
+        scores = gathered(block.exact, rows) @ queries_t
     return scores if block.scales is None else scores.mul_(block.scales[rows, None])
 
 

@@ -233,6 +233,34 @@ def test_bfloat16_kernel_exact_on_clustered_rows_whichever_way_it_rescores(monke
     assert (sum(rescored) > 2000) == (dense_share == 1.0), rescored  # rows gathered for rescoring, 4 blocks
 
 
+@pytest.mark.parametrize("largest", [True, False])
+def test_bfloat16_kernel_exact_on_runs_of_similar_neighbouring_rows_in_pieces(largest: bool) -> None:
+    """Each query's best rows sit next to each other (runs of near-copies, as a store holds one step's examples),
+    the rows are scaled unit rows kept in pieces (as the row cache holds them): the floor's strided groups, its
+    per-query pairs and the rows rescored for every query give the float32 result, each id once per query."""
+    rng = np.random.default_rng(13)
+    n, d = 4000, 128
+    vectors = rng.standard_normal((n, d)).astype(np.float32)
+    queries = rng.standard_normal((5, d)).astype(np.float32)
+    for j, start in enumerate(range(100, 600, 100)):  # query j's run: 40 neighbours within bf16's error
+        vectors[start : start + 40] = 4 * queries[j] + 1e-3 * rng.standard_normal((40, d)).astype(np.float32)
+    norms = np.linalg.norm(vectors, axis=1).astype(np.float32) * rng.uniform(0.5, 2.0, n).astype(np.float32)
+    unit16 = torch.from_numpy(vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).to(torch.float16)
+    ids = np.arange(n, dtype=np.int64)
+    index = ExactIndex(device="cpu", kernel="bfloat16", block_rows=n)
+    starts = range(0, n, 700)  # read in pieces, screened as one block of pieces
+    prepared = index.prepare_blocks(
+        lambda: iter([(ids[a : a + 700], unit16[a : a + 700], norms[a : a + 700]) for a in starts])
+    )
+    scores, found = index.search(queries, prepared, 10, largest)
+    assert isinstance(next(iter(prepared)).exact, RowPieces)
+    scaled = unit16.to(torch.float32).numpy() * norms[:, None]
+    expected = ExactIndex(device="cpu", kernel="float32").search(queries, (ids, scaled), 10, largest)
+    np.testing.assert_array_equal(found, expected[1])
+    np.testing.assert_allclose(scores, expected[0], rtol=1e-6)
+    assert all(len(set(row)) == len(row) for row in found.tolist())
+
+
 def test_scores_within_tolerance_of_float32_on_store_rows(kernel: str) -> None:
     """The store's float16 unit rows x norm at W-query's dimension: every score within 1e-3 |q| |g| of the
     float64 one, and every found row's true score within that tolerance of the true k-th best."""
