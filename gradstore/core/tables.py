@@ -78,6 +78,7 @@ class Tables:
         self.row_cache = row_cache
         self.scan_files = scan_files
         self._opened: dict[str, Any] = {}
+        self._datasets: dict[str, lance.LanceDataset] = {}  # see _latest
         self.gradient_tables = GradientTables(self.has_table, self.table, self.create, self.stored_names)
         self._writable: bool | None = None  # see writable
         self._stand_ins: tempfile.TemporaryDirectory | None = None  # see ensure_fixed
@@ -203,11 +204,22 @@ class Tables:
         the block saw first."""
         pins = _SNAPSHOT.get()
         if pins is None:
-            return self.table(name).to_lance()
+            return self._latest(name)
         key = (self.uri, name)
         dataset = pins.get(key)
         if dataset is None:
-            dataset = pins.setdefault(key, self.table(name).to_lance())
+            dataset = pins.setdefault(key, self._latest(name))
+        return dataset
+
+    def _latest(self, name: str) -> lance.LanceDataset:
+        """Table ``name``'s Lance dataset at its latest version: the one this process opened last while nobody has
+        committed since (one look at the version listing: ~5 us on a local store against ~0.4 ms to open the
+        dataset anew, a fixed cost of every call on the store)."""
+        known = self._datasets.get(name)
+        if known is not None and known.latest_version == known.version:
+            return known
+        dataset = self.table(name).to_lance()
+        self._datasets[name] = dataset
         return dataset
 
     def scan(

@@ -10,6 +10,7 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import lance
+import lancedb
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
@@ -164,6 +165,23 @@ def test_a_snapshot_sees_each_table_at_its_first_read(tmp_path) -> None:
             assert store.core.gradient_dataset("r").version == version
     assert store.core.gradient_dataset("r").version > version
     assert len(store.read_gradients("r").grad_ids) == 40
+
+
+def test_repeated_calls_open_each_table_once_until_another_writer_commits(tmp_path, monkeypatch) -> None:
+    """A call on an unchanged store reuses the datasets the last one opened (a store call's fixed cost); a commit
+    by another handle is seen by the next call, as a new dataset."""
+    store = _open(tmp_path / "s", tmp_path / "cache")
+    _write(store, 30, seed=0)
+    expected = _attribute(store)
+    opened: list[str] = []
+    original = lancedb.table.LanceTable.to_lance
+    monkeypatch.setattr(lancedb.table.LanceTable, "to_lance", lambda t: opened.append(t.name) or original(t))
+    for _ in range(3):
+        assert _attribute(store).equals(expected)
+    assert opened == []
+    _write(_open(tmp_path / "s", tmp_path / "cache"), 10, seed=1)  # another writer of the same store
+    assert _attribute(store).column("example_id").to_pylist() == _reference(store)
+    assert store.count() == 40 and opened and set(opened) <= set(store.core.tables.stored_names())
 
 
 def test_a_snapshot_is_shared_with_threads_run_in_its_context(tmp_path) -> None:
