@@ -72,6 +72,8 @@ class Tables:
         scan_files: ScanFiles,
     ) -> None:
         self.uri = uri
+        #: The store's URI, a local path made absolute when opened (what names the store in cache files).
+        self.location = uri if "://" in uri else str(Path(uri).resolve())
         self.db = db
         self.storage_options = storage_options
         self.files = files
@@ -113,11 +115,6 @@ class Tables:
             if refused is None:
                 raise
             raise refused from error
-
-    @property
-    def location(self) -> str:
-        """The store's URI, a local path made absolute (what names the store in cache files)."""
-        return self.uri if "://" in self.uri else str(Path(self.uri).resolve())
 
     # ------------------------------------------------------------------ tables
     def has_table(self, name: str) -> bool:
