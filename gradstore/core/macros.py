@@ -4,12 +4,17 @@ The ``scores`` macros read ``latest_scores()``: of each (run, query, method), th
 attribute call only (every call stamps its rows with one ``created_at`` and a ``call_id``), so repeating a
 call does not list its results twice; the ``scores`` table itself keeps every call.
 
-- ``top_proponents(query, k)``: the top-k proponents of a query with the example's columns.
+- ``top_proponents(query, k)``: the top-k proponents of a query with the example's columns (``examples``; its
+  ``example_id`` alone in a store without that table).
 - ``top_opponents(query, k)``: the top-k opponents likewise.
 - ``influential_examples(k, min_queries)``: examples in the top-k of at least ``min_queries`` queries,
   with how many queries and their mean score.
 - ``influence_by(column_name)``: proponent scores aggregated by an ``examples`` column (e.g. ``'source'``).
-- ``most_self_influential(n)``: the ``n`` training rows with the largest self-influence, with their columns.
+- ``most_self_influential(n)``: the ``n`` training rows with the largest self-influence, with their columns
+  (likewise).
+
+Each macro is defined when the tables it reads exist; :func:`missing_macro` says which table a store lacks for
+one that is not.
 - ``top_tokens(query, k)``: the ``k`` highest-scoring training tokens of the query's scored proponents
   (``token_scores``), with the proponent's rank, the token's rank within its example and the token after it
   (the one a causal LM predicts from it).
@@ -19,38 +24,56 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-SCORES_MACROS = [
-    """CREATE MACRO latest_scores() AS TABLE
-       SELECT * EXCLUDE (latest_at) FROM (
-           SELECT *, max(created_at) OVER (PARTITION BY run_id, query_id, method) AS latest_at FROM scores)
-       WHERE created_at = latest_at""",
-    """CREATE MACRO top_proponents(q, k) AS TABLE
-       SELECT s.query_id, s.rank, s.score, s.method, e.*
-       FROM latest_scores() s JOIN examples e USING (example_id)
-       WHERE s.query_id = q AND s.rank BETWEEN 1 AND k ORDER BY s.rank""",
-    """CREATE MACRO top_opponents(q, k) AS TABLE
-       SELECT s.query_id, -s.rank AS rank, s.score, s.method, e.*
-       FROM latest_scores() s JOIN examples e USING (example_id)
-       WHERE s.query_id = q AND s.rank BETWEEN -k AND -1 ORDER BY s.rank DESC""",
-    """CREATE MACRO influential_examples(k, min_queries) AS TABLE
-       SELECT * FROM (
-           SELECT example_id, count(DISTINCT query_id) AS queries, avg(score) AS mean_score
-           FROM latest_scores() WHERE rank BETWEEN 1 AND k GROUP BY example_id)
-       WHERE queries >= min_queries
-       ORDER BY queries DESC, mean_score DESC, example_id""",
-    """CREATE MACRO influence_by(column_name) AS TABLE
-       SELECT e[column_name] AS "group", count(*) AS hits, count(DISTINCT s.query_id) AS queries,
-              sum(s.score) AS total_score, avg(s.score) AS mean_score
-       FROM latest_scores() s JOIN (SELECT example_id, struct_pack(*COLUMNS(*)) AS e FROM examples)
-            USING (example_id)
-       WHERE s.rank >= 1 GROUP BY 1 ORDER BY total_score DESC""",
-]
-SELF_INFLUENCE_MACROS = [
-    """CREATE MACRO most_self_influential(n) AS TABLE
-       SELECT s.self_influence, s.method, s.checkpoint, e.*
-       FROM self_influence s JOIN examples e USING (example_id)
-       ORDER BY s.self_influence DESC LIMIT n""",
-]
+LATEST_SCORES = """CREATE MACRO latest_scores() AS TABLE
+   SELECT * EXCLUDE (latest_at) FROM (
+       SELECT *, max(created_at) OVER (PARTITION BY run_id, query_id, method) AS latest_at FROM scores)
+   WHERE created_at = latest_at"""
+INFLUENTIAL_EXAMPLES = """CREATE MACRO influential_examples(k, min_queries) AS TABLE
+   SELECT * FROM (
+       SELECT example_id, count(DISTINCT query_id) AS queries, avg(score) AS mean_score
+       FROM latest_scores() WHERE rank BETWEEN 1 AND k GROUP BY example_id)
+   WHERE queries >= min_queries
+   ORDER BY queries DESC, mean_score DESC, example_id"""
+INFLUENCE_BY = """CREATE MACRO influence_by(column_name) AS TABLE
+   SELECT e[column_name] AS "group", count(*) AS hits, count(DISTINCT s.query_id) AS queries,
+          sum(s.score) AS total_score, avg(s.score) AS mean_score
+   FROM latest_scores() s JOIN (SELECT example_id, struct_pack(*COLUMNS(*)) AS e FROM examples)
+        USING (example_id)
+   WHERE s.rank >= 1 GROUP BY 1 ORDER BY total_score DESC"""
+
+
+def _with_examples(columns: str, source: str, examples: bool) -> str:
+    """``SELECT columns`` from ``source`` (as ``s``) followed by every ``examples`` column, joined on
+    ``example_id``; without an ``examples`` table (``examples`` false), by ``s.example_id`` alone."""
+    if examples:
+        return f"SELECT {columns}, e.* FROM {source} s JOIN examples e USING (example_id)"
+    return f"SELECT {columns}, s.example_id FROM {source} s"
+
+
+def scores_macros(examples: bool) -> list[str]:
+    """The macros over ``scores``: ``top_proponents``/``top_opponents`` with the ``examples`` columns when
+    ``examples`` (the store holds that table), else with ``example_id`` only; ``influence_by`` only with them."""
+    return [
+        LATEST_SCORES,
+        f"""CREATE MACRO top_proponents(q, k) AS TABLE
+   {_with_examples("s.query_id, s.rank, s.score, s.method", "latest_scores()", examples)}
+   WHERE s.query_id = q AND s.rank BETWEEN 1 AND k ORDER BY s.rank""",
+        f"""CREATE MACRO top_opponents(q, k) AS TABLE
+   {_with_examples("s.query_id, -s.rank AS rank, s.score, s.method", "latest_scores()", examples)}
+   WHERE s.query_id = q AND s.rank BETWEEN -k AND -1 ORDER BY s.rank DESC""",
+        INFLUENTIAL_EXAMPLES,
+        *([INFLUENCE_BY] if examples else []),
+    ]
+
+
+def self_influence_macros(examples: bool) -> list[str]:
+    """``most_self_influential``, with the ``examples`` columns when ``examples``, else with ``example_id`` only."""
+    return [
+        f"""CREATE MACRO most_self_influential(n) AS TABLE
+   {_with_examples("s.self_influence, s.method, s.checkpoint", "self_influence", examples)}
+   ORDER BY s.self_influence DESC LIMIT n"""
+    ]
+
 
 TOKEN_SCORES_COLUMNS = {
     "query_id",
@@ -77,13 +100,44 @@ TOKEN_MACROS = [
 
 
 def macros_for(tables: Mapping[str, Collection[str]]) -> list[str]:
-    """The macro definitions whose tables exist (``tables``: name -> column names); ``top_tokens`` only over a
-    ``token_scores`` table with the columns ``store.token_scores`` writes (others may hold their own)."""
-    tokens = TOKEN_MACROS if set(tables.get("token_scores", ())) >= TOKEN_SCORES_COLUMNS else []
-    if "examples" not in tables:
-        return tokens
+    """The macro definitions whose tables exist (``tables``: name -> column names): those joining ``examples``
+    list its columns when the store holds it, else ``example_id`` only (``influence_by`` needs it);
+    ``top_tokens`` only over a ``token_scores`` table with the columns ``store.token_scores`` writes (others may
+    hold their own)."""
+    examples = "examples" in tables
     return (
-        (SCORES_MACROS if "scores" in tables else [])
-        + (SELF_INFLUENCE_MACROS if "self_influence" in tables else [])
-        + tokens
+        (scores_macros(examples) if "scores" in tables else [])
+        + (self_influence_macros(examples) if "self_influence" in tables else [])
+        + (TOKEN_MACROS if set(tables.get("token_scores", ())) >= TOKEN_SCORES_COLUMNS else [])
+    )
+
+
+#: What each macro reads (the tables it is defined over) and how a store comes to hold each of them.
+MACRO_TABLES = {
+    "latest_scores": ("scores",),
+    "top_proponents": ("scores",),
+    "top_opponents": ("scores",),
+    "influential_examples": ("scores",),
+    "influence_by": ("scores", "examples"),
+    "most_self_influential": ("self_influence",),
+    "top_tokens": ("token_scores",),
+}
+TABLE_SOURCES = {
+    "scores": "attribute first (store.attribute(...) or `gradstore attribute STORE --run RUN`)",
+    "examples": "add your examples' columns first (store.add_examples(data, id_column=...))",
+    "self_influence": "score self-influence first (store.self_influence(...) or `gradstore self-influence`)",
+    "token_scores": "score tokens first (store.token_scores(...))",
+}
+
+
+def missing_macro(name: str, tables: Collection[str]) -> str | None:
+    """Why macro ``name`` is not defined over a store holding ``tables`` (table names) and what to do; ``None``
+    if ``name`` is no shipped macro or every table it reads exists."""
+    needed = MACRO_TABLES.get(name.lower(), ())
+    missing = [table for table in needed if table not in tables]
+    if not missing:
+        return None
+    tables_needed = " and ".join(f"the {table} table" for table in missing)
+    return f"{name}() needs {tables_needed}, which this store lacks: " + "; ".join(
+        TABLE_SOURCES[table] for table in missing
     )
