@@ -8,6 +8,22 @@ package registers them all on :data:`app`."""
 from __future__ import annotations
 
 from gradstore.cli import evaluation, scoring, service, store_commands  # noqa: F401 (importing registers the commands)
-from gradstore.cli.common import NOT_ON_THE_COMMAND_LINE, SCORING_COMMANDS, Method, SelectSpace, app
+from gradstore.cli.common import (
+    NOT_ON_THE_COMMAND_LINE,
+    SCORING_COMMANDS,
+    AttributeMethod,
+    BuildIndexMethod,
+    SelectSpace,
+    SelfInfluenceMethod,
+    app,
+)
 
-__all__ = ["NOT_ON_THE_COMMAND_LINE", "SCORING_COMMANDS", "Method", "SelectSpace", "app"]
+__all__ = [
+    "NOT_ON_THE_COMMAND_LINE",
+    "SCORING_COMMANDS",
+    "AttributeMethod",
+    "BuildIndexMethod",
+    "SelectSpace",
+    "SelfInfluenceMethod",
+    "app",
+]

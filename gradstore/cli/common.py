@@ -60,8 +60,28 @@ StoreArg = Annotated[Path, typer.Argument(help="Store directory (or object-store
 
 
 load_plugins()  # user methods (GRADSTORE_PLUGINS, entry points) join the registry before its choices are read
-Method = Enum("Method", {name: name for name in method_names()}, type=str)  # the registry's methods
-SelectSpace = Enum("SelectSpace", {name: name for name in method_names("select")}, type=str)
+
+
+def method_choices(name: str, call: str) -> type[Enum]:
+    """The methods the store API's ``call`` takes (:func:`~gradstore.methods.method_names`, in the registry's
+    order) as the choices of a command's option: its help lists those, and Typer refuses any other."""
+    return Enum(name, {method: method for method in method_names(call)}, type=str)
+
+
+AttributeMethod = method_choices("AttributeMethod", "attribute")
+BuildIndexMethod = method_choices("BuildIndexMethod", "build_index")
+SelfInfluenceMethod = method_choices("SelfInfluenceMethod", "self_influence")
+SelectSpace = method_choices("SelectSpace", "select")
+
+
+def method_option(choices: type[Enum]) -> Any:
+    """``--method`` with ``choices`` (:func:`method_choices`) and the declared help."""
+    return Annotated[choices, typer.Option(help=OPTION_HELP["method"])]
+
+
+AttributeMethodOption = method_option(AttributeMethod)
+BuildIndexMethodOption = method_option(BuildIndexMethod)
+SelfInfluenceMethodOption = method_option(SelfInfluenceMethod)
 
 
 class Blocks(str, Enum):
@@ -75,7 +95,6 @@ class EngineChoice(str, Enum):
     ray = "ray"
 
 
-MethodOption = Annotated[Method, typer.Option(help=OPTION_HELP["method"])]
 CheckpointOption = Annotated[str | None, typer.Option(help=OPTION_HELP["checkpoint"])]
 DampingOption = Annotated[float | None, typer.Option(help=OPTION_HELP["damping"])]
 KindOption = Annotated[str, typer.Option(help=OPTION_HELP["kind"])]

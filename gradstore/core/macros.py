@@ -13,7 +13,7 @@ call does not list its results twice; the ``scores`` table itself keeps every ca
 - ``most_self_influential(n)``: the ``n`` training rows with the largest self-influence, with their columns
   (likewise).
 
-Each macro is defined when the tables it reads exist; :func:`missing_macro` says which table a store lacks for
+Each macro is defined when the tables it reads exist; :data:`UNDEFINED_MACROS` says what to do when a query calls
 one that is not.
 - ``top_tokens(query, k)``: the ``k`` highest-scoring training tokens of the query's scored proponents
   (``token_scores``), with the proponent's rank, the token's rank within its example and the token after it
@@ -112,32 +112,11 @@ def macros_for(tables: Mapping[str, Collection[str]]) -> list[str]:
     )
 
 
-#: What each macro reads (the tables it is defined over) and how a store comes to hold each of them.
-MACRO_TABLES = {
-    "latest_scores": ("scores",),
-    "top_proponents": ("scores",),
-    "top_opponents": ("scores",),
-    "influential_examples": ("scores",),
-    "influence_by": ("scores", "examples"),
-    "most_self_influential": ("self_influence",),
-    "top_tokens": ("token_scores",),
+#: The macros a store may lack (``scores`` and ``self_influence`` are in every store, so the others are always
+#: defined), by name: what a query calling one is told.
+UNDEFINED_MACROS = {
+    "influence_by": "influence_by() groups by a column of the examples table, which this store lacks: add your "
+    "examples first (store.add_examples(data, id_column=...))",
+    "top_tokens": "top_tokens() reads the token_scores table that store.token_scores(...) writes, which this store "
+    "lacks (or holds with other columns): score tokens first",
 }
-TABLE_SOURCES = {
-    "scores": "attribute first (store.attribute(...) or `gradstore attribute STORE --run RUN`)",
-    "examples": "add your examples' columns first (store.add_examples(data, id_column=...))",
-    "self_influence": "score self-influence first (store.self_influence(...) or `gradstore self-influence`)",
-    "token_scores": "score tokens first (store.token_scores(...))",
-}
-
-
-def missing_macro(name: str, tables: Collection[str]) -> str | None:
-    """Why macro ``name`` is not defined over a store holding ``tables`` (table names) and what to do; ``None``
-    if ``name`` is no shipped macro or every table it reads exists."""
-    needed = MACRO_TABLES.get(name.lower(), ())
-    missing = [table for table in needed if table not in tables]
-    if not missing:
-        return None
-    tables_needed = " and ".join(f"the {table} table" for table in missing)
-    return f"{name}() needs {tables_needed}, which this store lacks: " + "; ".join(
-        TABLE_SOURCES[table] for table in missing
-    )

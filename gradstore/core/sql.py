@@ -7,11 +7,13 @@ filters on ``large_string``/``large_binary`` columns (what pandas 3 produces in 
 holding such columns a filter is applied by Arrow to Lance's projected scan instead. Only read
 statements are accepted: a query cannot modify, drop or export store tables. A query runs to completion
 inside :func:`run_query` (its result is materialized as Arrow), so every failure, also one that only
-shows while rows are produced (``CAST('abc' AS INTEGER)``), is a ``SQLError`` with DuckDB's message.
+shows while rows are produced (``CAST('abc' AS INTEGER)``), is a ``SQLError`` with DuckDB's message (or, for a
+shipped macro the store does not define, what it needs: :func:`undefined_macro`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 import duckdb
@@ -20,13 +22,14 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 
 from gradstore.core.gradient_tables import is_gradient_table
-from gradstore.core.macros import macros_for
+from gradstore.core.macros import UNDEFINED_MACROS, macros_for
 from gradstore.core.schema import GRADIENTS, LAZY_SCHEMAS
 from gradstore.core.tables import Tables
 from gradstore.errors import SQLError
 
 _READ_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 _HIDDEN_COLUMNS: tuple[str, ...] = ("grad",)
+_UNKNOWN_TABLE_FUNCTION = re.compile(r"Table Function with name (\w+) does not exist")
 
 
 class VectorlessLanceView(lance.LanceDataset):
@@ -96,7 +99,14 @@ def run_query(con: duckdb.DuckDBPyConnection, query: str) -> duckdb.DuckDBPyRela
     try:
         return con.from_arrow(con.sql(query).to_arrow_table())
     except (duckdb.Error, pa.ArrowException) as error:
-        raise SQLError(str(error)) from None
+        raise SQLError(undefined_macro(str(error)) or str(error)) from None
+
+
+def undefined_macro(message: str) -> str | None:
+    """What to do when DuckDB's error ``message`` is a call of a shipped macro the store does not define (its
+    tables are missing, :data:`~gradstore.core.macros.UNDEFINED_MACROS`); ``None`` for any other error."""
+    unknown = _UNKNOWN_TABLE_FUNCTION.search(message)
+    return UNDEFINED_MACROS.get(unknown.group(1).lower()) if unknown else None
 
 
 def store_views(tables: Tables) -> tuple[dict[str, lance.LanceDataset], dict[str, list[str]], list[str]]:

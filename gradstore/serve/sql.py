@@ -30,6 +30,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
+from gradstore.core.macros import UNDEFINED_MACROS
 from gradstore.core.schema import LAZY_SCHEMAS
 from gradstore.core.sql import VectorlessLanceView
 from gradstore.errors import GradstoreError, InvalidArgumentError, SQLError
@@ -270,7 +271,8 @@ def _check_tree(tree: Any, tables: set[str], functions: frozenset[str] | set[str
             name = str(function.get("function_name", "")).lower() if isinstance(function, dict) else ""
             if name not in functions:
                 raise SQLError(
-                    f"table function {name}() is not available in served SQL: use the store's tables, its macros, "
+                    UNDEFINED_MACROS.get(name)
+                    or f"table function {name}() is not available in served SQL: use the store's tables, its macros, "
                     f"or {sorted(TABLE_FUNCTIONS)}"
                 )
         elif node.get("type") in ("BASE_TABLE", "SHOW_REF"):

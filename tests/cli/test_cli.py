@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import pytest
 from typer.testing import CliRunner
 
 import gradstore
@@ -162,3 +163,43 @@ def test_attribute_defaults_to_fisher_and_user_errors_are_one_line(tmp_path):
         assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
     fractional = runner.invoke(app, ["select", str(path), "--run", "demo", "--budget", "2.5"])
     assert fractional.exit_code == 1 and "whole number" in fractional.output
+
+
+def test_sql_macros_without_an_examples_table(store_path):
+    """``gradstore sql`` on a store holding scores but no examples: ``top_proponents`` lists example ids, and a
+    macro that needs the examples table says how to add it, in one line."""
+    store = gradstore.open(store_path)
+    store.create_run("r", dim=4)
+    with store.writer("r") as writer:
+        writer.append(np.eye(4)[[0, 1, 2, 0]], ["t0", "t1", "t2", "t3"], split="train")
+        writer.append(np.eye(4)[[0]], ["q0"], split="query")
+    store.attribute(run="r", k=2, method="grad-dot")
+    top = runner.invoke(app, ["sql", str(store_path), "select * from top_proponents('q0', 2)", "-f", "csv"])
+    assert top.exit_code == 0, top.output
+    assert top.output.splitlines()[0] == "query_id,rank,score,method,example_id"
+    assert sorted(line.split(",")[-1] for line in top.output.splitlines()[1:]) == ["t0", "t3"]
+    grouped = runner.invoke(app, ["sql", str(store_path), "select * from influence_by('source')"])
+    assert grouped.exit_code == 1 and "Traceback" not in grouped.output
+    assert len(grouped.output.strip().splitlines()) == 1 and "store.add_examples" in grouped.output
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "call", "refused"),
+    [
+        ("self-influence", "method", "self_influence", ["cosine", "tracin", "trackstar", "replay"]),
+        ("build-index", "method", "build_index", ["tracin", "tracin-steps", "source", "replay"]),
+        ("attribute", "method", "attribute", []),
+        ("select", "preconditioner", "select", ["cosine", "tracin"]),
+    ],
+)
+def test_method_choices_are_the_methods_each_command_takes(store_path, command, option, call, refused):
+    """Each scoring command offers (in its help) and accepts exactly the registry's methods its call takes."""
+    from gradstore.methods import method_names
+
+    _filled(store_path)
+    help_text = runner.invoke(app, [command, "--help"], env={"COLUMNS": "400"}).output
+    (line,) = [line for line in help_text.splitlines() if f"--{option} " in line]
+    assert f"<{'|'.join(method_names(call))}>" in line
+    for method in refused:
+        result = runner.invoke(app, [command, str(store_path), "--run", "r", f"--{option}", method])
+        assert result.exit_code == 2 and "is not one of" in result.output, result.output

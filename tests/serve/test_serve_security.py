@@ -305,6 +305,13 @@ def test_sql_still_reads_the_store_tables_and_macros(http, local):
         assert http.post("/api/sql", json={"query": query}).json()["rows"] == expected, query
 
 
+def test_sql_says_what_a_macro_whose_table_is_missing_needs(http, local):
+    assert not local.core.has_table("token_scores")
+    response = http.post("/api/sql", json={"query": "SELECT * FROM top_tokens('q-0', 3)"})
+    assert (response.status_code, response.json()["error"]) == (400, "SQLError")
+    assert "token_scores" in response.json()["message"], response.text
+
+
 def test_the_request_slots_queue_then_refuse(server, http):
     admission = server.service.admission
     held = [admission.acquire(GUARD_S) for _ in range(admission.running)]  # every slot taken

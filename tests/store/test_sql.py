@@ -125,3 +125,29 @@ def test_execution_time_errors_are_sql_errors(filled, query):
     with pytest.raises(gradstore.SQLError) as raised:
         filled.sql(query)
     assert "Error" in str(raised.value) and raised.value.__cause__ is None
+
+
+def test_the_macros_work_before_examples_are_added(store):
+    """A store with attribution results but no ``examples`` table: the ranking macros list ``example_id``s (and
+    every ``examples`` column once added); ``influence_by``, which groups by one of them, says to add examples."""
+    rng = np.random.default_rng(0)
+    store.create_run("r", dim=4)
+    with store.writer("r") as writer:
+        writer.append(rng.standard_normal((6, 4)), [f"t{i}" for i in range(6)], split="train")
+        writer.append(rng.standard_normal((1, 4)), ["q0"], split="query")
+    scores = store.attribute(run="r", k=3, method="grad-dot", opponents=True).to_pandas()
+    store.self_influence(run="r", method="grad-dot")
+    proponents = store.sql("select * from top_proponents('q0', 3)").df()
+    assert list(proponents.columns) == ["query_id", "rank", "score", "method", "example_id"]
+    expected = scores[scores["rank"] > 0].sort_values("rank")["example_id"].tolist()
+    assert proponents["example_id"].tolist() == expected
+    opponents = store.sql("select example_id from top_opponents('q0', 3)").df()["example_id"].tolist()
+    assert opponents == scores[scores["rank"] < 0].sort_values("rank", ascending=False)["example_id"].tolist()
+    assert store.sql("select count(*) from most_self_influential(4)").fetchall() == [(4,)]
+    with pytest.raises(gradstore.SQLError, match=r"influence_by\(\) .*examples table.*store\.add_examples"):
+        store.sql("select * from influence_by('source')")
+    store.add_examples(pd.DataFrame({"example_id": [f"t{i}" for i in range(6)], "source": ["a", "b"] * 3}))
+    joined = store.sql("select example_id, source from top_proponents('q0', 3)").df()
+    assert joined["example_id"].tolist() == expected and joined["source"].notna().all()
+    assert store.sql("select sum(hits) from influence_by('source')").fetchall() == [(3,)]
+    assert "source" in store.sql("select * from most_self_influential(1)").columns

@@ -399,10 +399,12 @@ def test_the_docs_tables_are_the_registry(name):
 
 
 def test_the_cli_method_choices_are_the_registry():
-    from gradstore.cli import Method, SelectSpace
+    from gradstore.cli import AttributeMethod, BuildIndexMethod, SelectSpace, SelfInfluenceMethod
     from gradstore.methods import method_names
 
-    assert [m.value for m in Method] == method_names()
+    assert [m.value for m in AttributeMethod] == method_names("attribute")
+    assert [m.value for m in BuildIndexMethod] == method_names("build_index")
+    assert [m.value for m in SelfInfluenceMethod] == method_names("self_influence")
     assert [m.value for m in SelectSpace] == method_names("select")
 
 
