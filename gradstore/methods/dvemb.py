@@ -20,9 +20,11 @@ of steps (memory: the embeddings ``[examples, dim]`` and one ``d_b x d_b`` matri
 
 The embeddings are stored as the run ``<run>.dvemb`` (same projection spec and dim: its rows are searched like
 any run's, by every index kind, the SQL macros and the report), one row per example under checkpoint ``dvemb``.
-The state it was built from (rows and largest ``grad_id`` of the source rows, last step) is a side file; rows
+The state it was built from (rows and largest ``grad_id`` of the source rows, last step, the stability rule
+:data:`dynamics.STABILITY` and the steps that rule clipped, warned again on every use) is a side file; rows
 appended since are folded in incrementally when all their steps come after the last one
-(``e_z <- P e_z + new terms`` with ``P`` the product over the new steps), else the run is rebuilt.
+(``e_z <- P e_z + new terms`` with ``P`` the product over the new steps), else (or under another stability rule)
+the run is rebuilt.
 
 ``where`` selects the in-loop training rows whose terms are summed: ``e_z`` over the selected ``(z, t)`` rows
 only, while every recorded step keeps its whole batch curvature ``H_s`` and batch size ``B_t`` (the trajectory
@@ -52,7 +54,7 @@ from gradstore.core.engine import Engine
 from gradstore.errors import InvalidArgumentError
 from gradstore.methods import dynamics
 from gradstore.methods.preconditioned import dense_matrix, index_top_k
-from gradstore.methods.queries import Queries, QueryInput, resolve_queries
+from gradstore.methods.queries import Queries, QueryInput
 from gradstore.methods.registry import ONE_CHECKPOINT, TRUE_FISHER_SPLIT, ScoreOptions, check_blocks
 from gradstore.methods.results import ScoreMatrix
 from gradstore.methods.rows import check_where, require_rows
@@ -61,7 +63,7 @@ from gradstore.methods.trajectory import (
     History,
     HistorySum,
     RecordedStep,
-    final_query_checkpoint,
+    final_queries,
     final_training_checkpoint,
     in_loop_checkpoint,
     recorded_steps,
@@ -98,21 +100,27 @@ def variant(where: str | None) -> str:
 @dataclass(frozen=True)
 class EmbeddingState:
     """What the derived run was built from: the in-loop rows (label, block structure, their ``(rows, largest
-    grad_id)`` with the true-Fisher rows'), the last step folded in, and the derived rows it wrote."""
+    grad_id)`` with the true-Fisher rows'), the last step folded in, the derived rows it wrote, the stability rule
+    it was built under (:data:`dynamics.STABILITY`) and the steps whose curvature that rule clipped (one entry a
+    step: warned again whenever the embeddings are used)."""
 
     label: str
     blocks: str
     source: tuple[int, int, int, int]
     last_step: int
     derived: tuple[int, int]
-    where: str | None = None  # the filter on the in-loop rows whose terms were summed (None: every row)
+    where: str | None  # the filter on the in-loop rows whose terms were summed (None: every row)
+    stability: str
+    clipped: tuple[dynamics.Clipped, ...]
 
 
 def ensure(store: StoreCore, run: str, options: ScoreOptions) -> Selection:
     """The derived run's rows for ``run`` (``options``: the in-loop ``checkpoint`` label, ``blocks``, ``where``:
-    the in-loop training rows whose terms are summed), built or extended first when the in-loop rows changed since
-    (past the caller's snapshot: its later reads see the derived rows). ``InvalidArgumentError`` for a ``split``
-    other than ``"train"`` or a ``where`` that matches none of the in-loop rows."""
+    the in-loop training rows whose terms are summed), built or extended first when the in-loop rows or the
+    stability rule changed since (past the caller's snapshot: its later reads see the derived rows); an
+    :class:`~gradstore.errors.UnstableStepWarning` when steps' curvature was clipped in them, built now or before.
+    ``InvalidArgumentError`` for a ``split`` other than ``"train"`` or a ``where`` that matches none of the in-loop
+    rows."""
     refuse_split("dvemb", options.split)
     check_where(store, run, options.where)
     with store.past_snapshot():
@@ -127,25 +135,24 @@ def _ensure(store: StoreCore, run: str, options: ScoreOptions) -> Selection:
     structure = auto_blocks(store, run) if structure == "auto" else structure
     derived = derived_run(run)
     _check_derived(store, run, derived)
-    selection = Selection(derived, variant(where), "train")
-    if _fresh(store, run, label, structure, where) is not None:
-        return selection
-    store.require_writable(f"dvemb: build the derived run {derived!r} of data value embeddings")
-    with store.files.writing(SIDE_FILES, _key(run)):  # one builder at a time; another may have built it meanwhile
-        stored = _fresh(store, run, label, structure, where)
-        if stored is None:
-            _build(store, run, label, structure, where)
-    return selection
+    stored = _fresh(store, run, label, structure, where)
+    if stored is None:
+        store.require_writable(f"dvemb: build the derived run {derived!r} of data value embeddings")
+        with store.files.writing(SIDE_FILES, _key(run)):  # one builder at a time; another may have built it meanwhile
+            stored = _fresh(store, run, label, structure, where) or _build(store, run, label, structure, where)
+    dynamics.warn_clipped(stored.clipped, run)
+    return Selection(derived, variant(where), "train")
 
 
 def _fresh(store: StoreCore, run: str, label: str, structure: str, where: str | None) -> EmbeddingState | None:
-    """The stored state when the derived rows of ``where`` are up to date with the in-loop rows, else ``None``."""
+    """The stored state when the derived rows of ``where`` are up to date with the in-loop rows and were built under
+    the current stability rule, else ``None``."""
     stored = _read_state(store, run, where)
     if stored is None or stored.where != where:
         return None
     built = _built(store, run, where)
-    current = (label, structure, _source_state(store, run, label), built)
-    return stored if (stored.label, stored.blocks, stored.source, stored.derived) == current else None
+    current = (label, structure, _source_state(store, run, label), built, dynamics.stability_rule())
+    return stored if (stored.label, stored.blocks, stored.source, stored.derived, stored.stability) == current else None
 
 
 def _built(store: StoreCore, run: str, where: str | None = None) -> tuple[int, int] | None:
@@ -153,16 +160,18 @@ def _built(store: StoreCore, run: str, where: str | None = None) -> tuple[int, i
     return Selection(derived, variant(where)).state(store) if store.has_run(derived) else None
 
 
-def _build(store: StoreCore, run: str, label: str, structure: str, where: str | None = None) -> None:
-    """Fold the new steps into the stored embeddings when only later steps were appended, else recompute all."""
+def _build(store: StoreCore, run: str, label: str, structure: str, where: str | None = None) -> EmbeddingState:
+    """Fold the new steps into the stored embeddings when only later steps were appended (under the same stability
+    rule), else recompute all; the state written."""
     stored = _read_state(store, run, where)
+    stability = dynamics.stability_rule()
     steps = recorded_steps(store, run, label)  # their dynamics are read chunk by chunk, as their rows
     kinds = dynamics.summary(store, run, label, steps)  # (every step plain SGD, some step with momentum)
     spans = _spans(store, run, structure)
     source = _source_state(store, run, label)
     incremental = (
         stored is not None
-        and (stored.label, stored.blocks, stored.where) == (label, structure, where)
+        and (stored.label, stored.blocks, stored.where, stored.stability) == (label, structure, where, stability)
         and stored.derived == _built(store, run, where)
         and _only_after(store, run, label, stored)
         and not kinds[1]  # momentum: the joint state, rebuilt
@@ -170,6 +179,7 @@ def _build(store: StoreCore, run: str, label: str, structure: str, where: str | 
     if incremental:
         new = [s for s in steps if s.step > stored.last_step]
         ids, embeddings, carried = recursion(store, run, label, new, spans, kinds, where)
+        clipped = (*stored.clipped, *dynamics.per_step(carried.clipped))
         old = store.read_gradients(derived_run(run), checkpoint=variant(where), split="train")
         embeddings_by_id = dict(zip(ids, embeddings))
         previous = carried.apply(torch.from_numpy(old.vectors.astype(np.float64))).numpy()
@@ -179,10 +189,13 @@ def _build(store: StoreCore, run: str, label: str, structure: str, where: str | 
         embeddings = np.stack([embeddings_by_id[i] for i in ids]) if ids else np.empty((0, store.run_dim(run)))
         log.info("dvemb: folded %d new step(s) of run %r into %d embeddings", len(new), run, len(ids))
     else:
-        # the product let go before the write
-        ids, embeddings = recursion(store, run, label, steps, spans, kinds, where)[:2]
+        ids, embeddings, carried = recursion(store, run, label, steps, spans, kinds, where)
+        clipped = tuple(dynamics.per_step(carried.clipped))
+    del carried  # the product let go before the write
     written = _write(store, run, ids, embeddings, steps[-1].step, where)
-    _write_state(store, run, EmbeddingState(label, structure, source, steps[-1].step, written, where))
+    state = EmbeddingState(label, structure, source, steps[-1].step, written, where, stability, clipped)
+    _write_state(store, run, state)
+    return state
 
 
 def _check_derived(store: StoreCore, run: str, derived: str) -> None:
@@ -199,7 +212,7 @@ def history(
 ) -> History:
     """``dvemb`` as a per-example sum: final-model queries against the derived run's embeddings (``selection``:
     those rows, else :func:`ensure`'s for ``options``)."""
-    resolved = resolve_queries(store, queries, run, final_query_checkpoint(store, run, options.query_checkpoint))
+    resolved = final_queries(store, queries, run, options.query_checkpoint)
     selection = ensure(store, run, options) if selection is None else selection
     vectors = torch.from_numpy(np.asarray(resolved.vectors, np.float64))
     return History(resolved.ids, [(selection.filter, vectors, None)], selection, ("example_id",), [LABEL])
@@ -219,7 +232,8 @@ def recursion(
     the per-block products ``prod (I - lr H)^s`` over them (what earlier embeddings are carried through).
     ``kinds``: :func:`dynamics.summary` of the run's recorded steps, which picks the product carried. ``where``:
     only the training rows it selects add their terms; every step's curvature and batch size stay the whole
-    step's, so the embeddings are the effect of the selected rows' loss weights through the recorded trajectory."""
+    step's, so the embeddings are the effect of the selected rows' loss weights through the recorded trajectory.
+    The steps whose curvature was clipped are the product's ``clipped`` (the caller keeps and warns them)."""
     carried = carrier(spans, *kinds, run)
     ids = _example_ids(store, run, label, steps, where)
     chosen = None if where is None else Selection(run, label, "train", where).grad_ids(store)
@@ -232,7 +246,6 @@ def recursion(
             example_ids = [example_id for example_id, kept in zip(example_ids, keep) if kept]
         columns = torch.tensor([position[example_id] for example_id in example_ids], dtype=torch.long)
         sums.index_add_(0, columns, carried.absorb(rows, curvature, step))
-    dynamics.warn_clipped(carried.clipped, run)
     embeddings = sums.numpy()
     dynamics.check_embeddings(embeddings, run, carried.first_large)
     return ids, embeddings, carried
@@ -473,12 +486,14 @@ def _read_state(store: StoreCore, run: str, where: str | None = None) -> Embeddi
             tuple(data["source"]),
             int(data["last_step"]),
             tuple(data["derived"]),
-            data.get("where"),
+            data["where"],
+            data["stability"],
+            tuple(dynamics.Clipped(**entry) for entry in data["clipped"]),
         )
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        log.warning("dvemb state of run %r is damaged; rebuilding its embeddings", run)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):  # also a state written before a field it now has
+        log.warning("dvemb state of run %r is damaged or outdated; rebuilding its embeddings", run)
         return None
 
 
@@ -546,9 +561,7 @@ class Embeddings(HistorySum):
     def _queries_and_rows(
         self, store: StoreCore, queries: QueryInput, options: ScoreOptions, run: str
     ) -> tuple[Queries, Selection]:
-        checkpoint = final_query_checkpoint(store, run, options.query_checkpoint)
-        resolved = resolve_queries(store, queries, run, checkpoint)
-        return resolved, ensure(store, run, options)
+        return final_queries(store, queries, run, options.query_checkpoint), ensure(store, run, options)
 
     def attribute(
         self,

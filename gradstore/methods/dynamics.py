@@ -36,9 +36,10 @@ ball: ``lr lambda < 2 (1 + mu)``; Nesterov: ``lr lambda < 2 (1 + mu) / (1 + 2 mu
 finite did not follow a mode beyond it (the step's curvature rows over-state its Hessian, or training sat at the
 edge of stability, where the nonlinearity keeps it bounded), while the linear recursion would grow it
 geometrically. Rule (``STABILITY = "clip"``): the step's curvature eigenvalues beyond the bound are clipped to
-it (such a mode neither grows nor decays), with one :class:`~gradstore.errors.UnstableStepWarning` per build
-naming the steps. A recursion that still overflows raises :class:`~gradstore.errors.UnstableRecursionError`
-naming the step.
+it (such a mode neither grows nor decays), with one :class:`~gradstore.errors.UnstableStepWarning` per call
+naming the steps (``dvemb`` keeps what its build clipped with the embeddings and warns it whenever it reads them).
+A recursion that still overflows raises :class:`~gradstore.errors.UnstableRecursionError` naming the step and
+what to do.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import torch
 
 from gradstore.core import StoreCore, gradient_filter
 from gradstore.core import schema as S
-from gradstore.errors import UnstableRecursionError, UnstableStepWarning
+from gradstore.errors import InvalidArgumentError, UnstableRecursionError, UnstableStepWarning
 
 #: ``"clip"``: clip a step's curvature to the stable range (warned); ``"off"``: use it as recorded.
 STABILITY = "clip"
@@ -251,12 +252,27 @@ def stable_rows(
     return scaled / root if root is not None else scaled
 
 
+def per_step(clipped: Sequence[Clipped]) -> list[Clipped]:
+    """``clipped`` with one entry per step, its worst block (largest eigenvalue against its bound), in step order:
+    what a build keeps to warn again whenever its result is used (:func:`warn_clipped`)."""
+    worst: dict[int, Clipped] = {}
+    for entry in clipped:
+        kept = worst.get(entry.step)
+        if kept is None or _excess(entry) > _excess(kept):
+            worst[entry.step] = entry
+    return [worst[step] for step in sorted(worst)]
+
+
+def _excess(clipped: Clipped) -> float:
+    return clipped.largest / clipped.bound if clipped.bound > 0 else math.inf
+
+
 def warn_clipped(clipped: Sequence[Clipped], run: str, method: str = "dvemb") -> None:
     """One :class:`UnstableStepWarning` naming the steps whose curvature was clipped."""
     if not clipped:
         return
     steps = sorted({c.step for c in clipped})
-    worst = max(clipped, key=lambda c: c.largest / c.bound if c.bound > 0 else math.inf)
+    worst = max(clipped, key=_excess)
     warnings.warn(
         f"{method} on run {run!r}: the curvature of {len(steps)} recorded step(s) (steps {steps[:8]}"
         f"{' ...' if len(steps) > 8 else ''}) makes the linearised recursion expand beyond what training did "
@@ -269,6 +285,30 @@ def warn_clipped(clipped: Sequence[Clipped], run: str, method: str = "dvemb") ->
     )
 
 
+def stability_rule() -> str:
+    """:data:`STABILITY`, checked: ``InvalidArgumentError`` for a value other than ``"clip"`` and ``"off"``."""
+    if STABILITY not in ("clip", "off"):
+        raise InvalidArgumentError(
+            f"gradstore.methods.dynamics.STABILITY is {STABILITY!r}: set it to 'clip' (the default: clip unstable "
+            "steps' curvature to the stable bound, with a warning) or 'off' (use it as recorded)"
+        )
+    return STABILITY
+
+
+def _unstable_remedy() -> str:
+    """What to do about an overflowing recursion under the current stability rule."""
+    if STABILITY == "off":
+        return (
+            "turn the stability rule back on (gradstore.methods.dynamics.STABILITY = 'clip', the default: unstable "
+            "steps' curvature is clipped to the stable bound, with an UnstableStepWarning)"
+        )
+    return (
+        "check the recorded learning rates and optimizer of those steps (store.sql('select step, learning_rate, "
+        "optimizer from optimizer_steps')), or score with a method that does not unroll the steps "
+        "(method='tracin-steps')"
+    )
+
+
 def check_finite(products: Sequence[torch.Tensor], step: int, run: str, first_large: list[int]) -> None:
     """``UnstableRecursionError`` naming ``step`` when the carried product is no longer finite; the first step
     whose product grew past :data:`LARGE` is kept in ``first_large``."""
@@ -278,8 +318,7 @@ def check_finite(products: Sequence[torch.Tensor], step: int, run: str, first_la
             f"dvemb on run {run!r}: the recursion over the recorded steps became non-finite at step {step} "
             f"(its product of step operators grew geometrically"
             f"{f' past {LARGE:.0e} from step {first_large[0]}' if first_large else ''}): the linearised dynamics "
-            "are unstable there, not the stored rows. Keep the stability rule on "
-            "(gradstore.methods.dynamics.STABILITY = 'clip') or check the recorded learning rates"
+            f"are unstable there, not the stored rows: {_unstable_remedy()}"
         )
     if worst > LARGE and not first_large:
         first_large.append(step)
@@ -287,11 +326,14 @@ def check_finite(products: Sequence[torch.Tensor], step: int, run: str, first_la
 
 def check_embeddings(embeddings: np.ndarray, run: str, first_large: list[int]) -> None:
     """``UnstableRecursionError`` when embeddings do not fit the store's float32 rows."""
-    if embeddings.size and not np.isfinite(embeddings.astype(np.float32)).all():
+    with np.errstate(over="ignore"):  # the overflow is what is checked
+        fits = np.isfinite(embeddings.astype(np.float32)).all()
+    if embeddings.size and not fits:
         where = f" from step {first_large[0]}" if first_large else ""
         raise UnstableRecursionError(
             f"dvemb on run {run!r}: the data value embeddings overflow float32: the recursion over the recorded "
-            f"steps grew geometrically{where} (unstable linearised dynamics, not non-finite stored rows)"
+            f"steps grew geometrically{where} (unstable linearised dynamics, not non-finite stored rows): "
+            f"{_unstable_remedy()}"
         )
 
 

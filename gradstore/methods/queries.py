@@ -117,9 +117,11 @@ def resolve_queries(
         found = block.metadata.column("example_id").to_pylist()
         missing = sorted(set(wanted) - set(found))
         if missing:
+            held = [c for c in row_checkpoints(store, run, "query") if c != checkpoint]
+            elsewhere = f"pass query_checkpoint= (the run holds query rows at {held}) or " if held else ""
             raise MissingIdsError(
                 f"no query rows for example ids {missing[:10]} in run {run!r} at checkpoint "
-                f"{checkpoint!r}: capture them with split='query'"
+                f"{checkpoint!r}: {elsewhere}capture them with split='query'"
             )
         position = {qid: i for i, qid in enumerate(found)}
         order = [position[q] for q in wanted]

@@ -162,40 +162,83 @@ def checkpoint_steps(store: StoreCore, run: str) -> dict[str, tuple[int | None, 
     }
 
 
-def final_query_checkpoint(store: StoreCore, run: str, query_checkpoint: str | None) -> str | None:
-    """The checkpoint final-model queries are read at: ``query_checkpoint``, else the checkpoint holding query
-    rows with the largest recorded step (``None`` when the run has no query rows: queries must be vectors)."""
-    if query_checkpoint is not None:
-        return query_checkpoint
+def checkpoint_step_of(store: StoreCore, run: str, checkpoints: Sequence[str]) -> dict[str, int | None]:
+    """Each of ``checkpoints``' step: the one recorded in the ``checkpoints`` table, else the one step its rows
+    carry (a capture of query rows only, ``cap.set_step(step)`` given, records no checkpoint), else ``None``
+    (rows of no step, or of several)."""
+    recorded = {c: s for c, (s, _) in checkpoint_steps(store, run).items() if s is not None}
+    missing = [c for c in checkpoints if c not in recorded]
+    name = store.gradient_table_name(run)
+    if missing and store.has_table(name):
+        pairs = store.scan(name, ["checkpoint", "step"], gradient_filter(run, missing)).group_by(["checkpoint", "step"])
+        carried: dict[str, set[int | None]] = {}
+        for row in pairs.aggregate([]).to_pylist():
+            carried.setdefault(row["checkpoint"], set()).add(row["step"])
+        recorded.update({c: steps.pop() for c, steps in carried.items() if len(steps) == 1 and None not in steps})
+    return {c: recorded.get(c) for c in checkpoints}
+
+
+def record_steps_hint(run: str, checkpoints: Sequence[str]) -> str:
+    """What to do about ``checkpoints`` of ``run`` that have no step (:func:`checkpoint_step_of`)."""
+    return (
+        f"record the step of each of {list(checkpoints)} with store.record_checkpoint({run!r}, checkpoint, "
+        "step=...) (their rows carry no step, or several)"
+    )
+
+
+def final_query_checkpoint(store: StoreCore, run: str) -> str | None:
+    """The checkpoint final-model queries are read at when no ``query_checkpoint`` is given: the checkpoint
+    holding query rows with the largest step (``None`` when the run has no query rows: queries must be vectors)."""
     found = [c for c in row_checkpoints(store, run, "query") if c is not None]
-    if not found:
-        return None
-    steps = checkpoint_steps(store, run)
-    if len(found) > 1 and any(steps.get(c, (None,))[0] is None for c in found):
+    if len(found) < 2:
+        return found[0] if found else None
+    steps = _query_steps(store, run, found)
+    return max(found, key=lambda c: (steps[c], c))
+
+
+def _query_steps(store: StoreCore, run: str, stored: list[str]) -> dict[str, int]:
+    """The step of each of the checkpoints ``stored`` holding query rows (:func:`checkpoint_step_of`);
+    ``InvalidArgumentError`` naming those without one."""
+    steps = checkpoint_step_of(store, run, stored)
+    unknown = [c for c in stored if steps[c] is None]
+    if unknown:
         raise InvalidArgumentError(
-            f"run {run!r} holds query rows at {found}, not all with a recorded step: pass query_checkpoint= "
-            "(the final model's)"
+            f"run {run!r} holds query rows at {stored}, {unknown} with no step: pass query_checkpoint= (the final "
+            f"model's) or {record_steps_hint(run, unknown)}"
         )
-    return max(found, key=lambda c: (steps.get(c, (None,))[0] or 0, c))
+    return {c: int(s) for c, s in steps.items() if s is not None}
+
+
+def final_queries(store: StoreCore, queries: QueryInput, run: str, query_checkpoint: str | None) -> Queries:
+    """The final-model queries of a trajectory method: stored queries at ``query_checkpoint`` when given (refused,
+    as by every method, when it selects no stored query rows or the queries are vectors), else at
+    :func:`final_query_checkpoint`."""
+    if query_checkpoint is not None:
+        return resolve_queries(store, queries, run, None, query_checkpoint)
+    return resolve_queries(store, queries, run, final_query_checkpoint(store, run))
 
 
 def final_training_checkpoint(store: StoreCore, run: str, split: str) -> str:
-    """The checkpoint pass holding ``split`` rows with the largest recorded step (the only one, recorded step or
-    not): the final model's gradients of the training examples, what trajectory self-influence scores."""
-    recorded = checkpoint_steps(store, run)
+    """The checkpoint pass holding ``split`` rows with the largest step (the only one, step or not): the final
+    model's gradients of the training examples, what trajectory self-influence scores."""
     in_loop = _in_loop_labels(store, run)
     passes = [c for c in row_checkpoints(store, run, split) if c is not None and c not in in_loop]
     if len(passes) == 1:
         return passes[0]
-    with_steps = [c for c in passes if recorded.get(c, (None,))[0] is not None]
-    if not passes or len(with_steps) < len(passes):
-        found = f"checkpoint passes {passes}, not all with a recorded step," if passes else "no checkpoint pass"
+    if not passes:
         raise InvalidArgumentError(
-            f"run {run!r} has {found} of {split!r} rows: trajectory self-influence scores each example's "
+            f"run {run!r} has no checkpoint pass of {split!r} rows: trajectory self-influence scores each example's "
             "final-model gradient; capture a checkpoint pass of the training set at the end of training "
             "(store.capture(model, run, checkpoint='final') with cap.set_step(step))"
         )
-    return max(with_steps, key=lambda c: (recorded[c][0], c))
+    steps = checkpoint_step_of(store, run, passes)
+    unknown = [c for c in passes if steps[c] is None]
+    if unknown:
+        raise InvalidArgumentError(
+            f"run {run!r} has checkpoint passes {passes} of {split!r} rows, {unknown} with no step: trajectory "
+            f"self-influence scores each example's row at the last one; {record_steps_hint(run, unknown)}"
+        )
+    return max(passes, key=lambda c: (steps[c], c))
 
 
 def refuse_split(method: str, split: str) -> None:
@@ -277,7 +320,7 @@ def tracin_steps_entries(
     where = selection.filter
     stored = [c for c in row_checkpoints(store, run, "query") if c is not None]
     if query_checkpoint is not None or len(stored) < 2 or not stored_queries(queries):
-        resolved = resolve_queries(store, queries, run, final_query_checkpoint(store, run, query_checkpoint))
+        resolved = final_queries(store, queries, run, query_checkpoint)
         return resolved.ids, [(where, _float64(resolved), _weights(steps))]
     bounds = _query_checkpoints(store, run, stored)
     entries, ids, low = [], None, None
@@ -295,15 +338,9 @@ def tracin_steps_entries(
 
 
 def _query_checkpoints(store: StoreCore, run: str, stored: list[str]) -> list[tuple[str, int]]:
-    """Checkpoints holding query rows, by their recorded step (the last one scores every later step)."""
-    steps = checkpoint_steps(store, run)
-    with_steps = sorted((steps[c][0], c) for c in stored if steps.get(c, (None,))[0] is not None)
-    if len(with_steps) < len(stored):
-        raise InvalidArgumentError(
-            f"run {run!r} holds query rows at {stored}, not all with a recorded step: pass query_checkpoint= "
-            "(the final model's) or record each checkpoint's step (cap.set_step(step) in its capture)"
-        )
-    return [(c, s) for s, c in with_steps]
+    """Checkpoints holding query rows, by their step (the last one scores every later step)."""
+    steps = _query_steps(store, run, stored)
+    return [(c, steps[c]) for c in sorted(stored, key=lambda c: (steps[c], c))]
 
 
 def _same_order(resolved: Queries, ids: list[str] | None) -> Queries:
@@ -390,7 +427,7 @@ def source_entries(
 ) -> tuple[list[str], list[WeightedRows]]:
     """SOURCE's per-example sum: query ids and, per segment, the prepared queries
     ``(I - E_l) F_l^-1 E_{l+1} ... E_L q`` scoring its checkpoint's training rows."""
-    resolved = resolve_queries(store, queries, run, final_query_checkpoint(store, run, options.query_checkpoint))
+    resolved = final_queries(store, queries, run, options.query_checkpoint)
     carried = _float64(resolved)
     moment = None  # the momentum's row of the carried product, once a segment with momentum was recorded
     recorded = dynamics.segment_coefficients(store, run, [(s.end - s.steps, s.end) for s in segments])

@@ -21,8 +21,8 @@ from torch import nn
 
 import gradstore
 from gradstore.core import schema as S
-from gradstore.errors import UnstableRecursionError, UnstableStepWarning
-from gradstore.methods import TRUE_FISHER_SPLIT, dynamics
+from gradstore.errors import InvalidArgumentError, UnstableRecursionError, UnstableStepWarning
+from gradstore.methods import TRUE_FISHER_SPLIT, dvemb, dynamics
 
 N, D, OUT, B, T = 10, 3, 2, 4, 8
 RUN = "quad"
@@ -299,9 +299,54 @@ def test_an_overflowing_recursion_names_the_step_not_the_rows(tmp_path, monkeypa
     with pytest.raises(UnstableRecursionError, match=r"non-finite at step \d+") as raised:
         store.score_matrix(["qa", "qb"], run=RUN, method="dvemb")
     assert "nonfinite='drop'" not in str(raised.value)
+    assert "STABILITY = 'clip'" in str(raised.value)  # what to do
     monkeypatch.setattr(dynamics, "STABILITY", "clip")
     with pytest.warns(UnstableStepWarning):
         assert np.isfinite(store.score_matrix(["qa", "qb"], run=RUN, method="dvemb").scores).all()
+
+
+def test_embeddings_overflowing_float32_say_what_to_do(tmp_path, monkeypatch):
+    """A recursion finite in float64 whose embeddings overflow the store's float32 rows (``|1 - lr lambda| = 100``
+    over 20 steps): the error says to turn the stability rule back on."""
+    monkeypatch.setattr(dynamics, "STABILITY", "off")
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    write_steps(store, 101.0 / largest_curvature(), 20)
+    with pytest.raises(UnstableRecursionError, match="overflow float32") as raised:
+        store.score_matrix(["qa", "qb"], run=RUN, method="dvemb")
+    assert "turn the stability rule back on (gradstore.methods.dynamics.STABILITY = 'clip'" in str(raised.value)
+
+
+def test_cached_embeddings_keep_their_stability_rule_and_warn_what_it_clipped(tmp_path, monkeypatch):
+    """The derived run keeps the rule it was built under and the steps that rule clipped: every later use of the
+    cached embeddings (a store opened again: another process) warns them again, and another rule rebuilds them
+    (what a fresh build under that rule gives); a rule other than 'clip' and 'off' is refused."""
+    rate = 3.0 / largest_curvature()  # beyond plain SGD's bound: every step clipped under 'clip'
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    write_steps(store, rate, 12)
+    with pytest.warns(UnstableStepWarning, match=r"12 recorded step\(s\) \(steps \[0, 1, 2"):
+        clipped = store.score_matrix(["qa", "qb"], run=RUN, method="dvemb").scores
+    builds = []
+    recursion = dvemb.recursion
+    monkeypatch.setattr(dvemb, "recursion", lambda *args: builds.append(args) or recursion(*args))
+    reopened = gradstore.open(tmp_path / "store")
+    for _ in range(2):
+        with pytest.warns(UnstableStepWarning, match=r"12 recorded step\(s\) \(steps \[0, 1, 2"):
+            np.testing.assert_array_equal(reopened.score_matrix(["qa", "qb"], run=RUN, method="dvemb").scores, clipped)
+    with pytest.warns(UnstableStepWarning, match=r"12 recorded step\(s\)"):
+        reopened.attribute(["qa"], run=RUN, method="dvemb", k=2, write=False)
+    assert not builds  # read from the cache each time
+    monkeypatch.setattr(dynamics, "STABILITY", "off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnstableStepWarning)
+        unclipped = reopened.score_matrix(["qa", "qb"], run=RUN, method="dvemb").scores
+        fresh = gradstore.open(tmp_path / "fresh", storage_dtype="float32")
+        write_steps(fresh, rate, 12)
+        np.testing.assert_allclose(unclipped, fresh.score_matrix(["qa", "qb"], run=RUN, method="dvemb").scores)
+    assert len(builds) == 2  # rebuilt under the new rule
+    assert np.abs(unclipped).max() > 10 * np.abs(clipped).max()  # unclipped modes grow: not the cached numbers
+    monkeypatch.setattr(dynamics, "STABILITY", "clipped")
+    with pytest.raises(InvalidArgumentError, match="set it to 'clip'"):
+        reopened.score_matrix(["qa", "qb"], run=RUN, method="dvemb")
 
 
 # ---------------------------------------------------------------------------------------------- source

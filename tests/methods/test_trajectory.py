@@ -30,7 +30,7 @@ from quadratic import (
 )
 
 import gradstore
-from gradstore.errors import InvalidArgumentError
+from gradstore.errors import InvalidArgumentError, MissingIdsError
 from gradstore.methods import TRUE_FISHER_SPLIT, dvemb
 
 
@@ -367,3 +367,68 @@ def test_dvemb_carries_a_recorded_step_for_its_span(rows, size, span):
     factor = torch.eye(size, dtype=torch.float64) - 0.05 * curvature.transpose(1, 2) @ curvature
     expected = products @ torch.linalg.matrix_power(factor, span)
     torch.testing.assert_close(dvemb._carried(products, curvature, 0.05, span), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_trajectory_methods_refuse_a_query_checkpoint_without_query_rows(tmp_path):
+    """``query_checkpoint=`` naming a checkpoint without query rows is refused as ``fisher`` refuses it, naming the
+    checkpoints that hold query rows, whether the run holds them at one checkpoint or several; with query vectors
+    it is refused too (they are not stored rows)."""
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    model = model_at(INIT)
+    train_captured(store, range(T), model)
+    x, y, qx, qy, _, _ = problem()
+    with store.capture(model, RUN, checkpoint="final", learning_rate=0.1, projection=None) as cap:
+        cap.set_step(T)
+        cap.set_ids([str(i) for i in range(N)])
+        (0.5 * ((model(x).squeeze(-1) - y) ** 2).mean()).backward()
+        cap.set_split("query")
+        cap.set_ids(["qa", "qb"])
+        (0.5 * ((model(qx).squeeze(-1) - qy) ** 2).mean()).backward()
+        model.zero_grad()
+    methods = ("fisher", "tracin-steps", "source", "dvemb")
+    for method in methods:
+        with pytest.raises(MissingIdsError, match=r"at checkpoint 'nope': .*query rows at \['final'\]"):
+            store.attribute(["qa"], run=RUN, method=method, query_checkpoint="nope", write=False)
+        with pytest.raises(InvalidArgumentError, match=r"query rows exist at checkpoints \['final'\]"):
+            store.score_matrix(run=RUN, method=method, query_checkpoint="nope")
+        with pytest.raises(InvalidArgumentError, match="vectors or a QueryBatch have none"):
+            store.score_matrix(np.ones((1, D + 1), np.float32), run=RUN, method=method, query_checkpoint="final")
+    capture_queries(store, model, "other", T)
+    for method in methods[1:]:
+        with pytest.raises(MissingIdsError, match=r"query rows at \['final', 'other'\]") as raised:
+            store.attribute(["qa"], run=RUN, method=method, query_checkpoint="nope", write=False)
+        assert "training rows' checkpoint" not in str(raised.value)
+
+
+def test_query_checkpoints_take_their_step_from_their_rows(tmp_path):
+    """Queries captured at checkpoints of their own with ``cap.set_step(step)`` (capture records no checkpoint for
+    query rows): the trajectory methods take each one's step from its rows, as if recorded; a checkpoint whose
+    rows carry several steps is refused with the call that records one."""
+
+    def build(path, record: bool) -> gradstore.GradStore:
+        store = gradstore.open(path, storage_dtype="float32")
+        model = model_at(INIT)
+        train_captured(store, range(5), model)
+        capture_queries(store, model, "mid", 5)
+        train_captured(store, range(5, T), model)
+        capture_queries(store, model, "final", T)
+        if record:
+            store.core.record_checkpoint(RUN, "mid", step=5)
+            store.core.record_checkpoint(RUN, "final", step=T)
+        return store
+
+    recorded, from_rows = build(tmp_path / "recorded", True), build(tmp_path / "rows", False)
+    assert not {"mid", "final"} & set(from_rows.core.checkpoints(RUN).column("checkpoint").to_pylist())
+    for method in ("tracin-steps", "dvemb"):  # tracin-steps: each step's queries; dvemb: the final ones
+        expected = recorded.score_matrix(["qa", "qb"], run=RUN, method=method)
+        np.testing.assert_array_equal(
+            columns(from_rows.score_matrix(["qa", "qb"], run=RUN, method=method)), columns(expected)
+        )
+    truth, _ = true_effects()
+    np.testing.assert_allclose(columns(from_rows.score_matrix(run=RUN, method="dvemb")), truth, rtol=5e-4, atol=1e-6)
+    capture_queries(from_rows, model_at(INIT), "mid", 6)  # "mid" now holds query rows of steps 5 and 6
+    for method in ("tracin-steps", "dvemb"):
+        with pytest.raises(InvalidArgumentError, match=r"\['mid'\] with no step.*store.record_checkpoint\('quad'"):
+            from_rows.score_matrix(run=RUN, method=method)
+    from_rows.core.record_checkpoint(RUN, "mid", step=5)  # the call the error names
+    from_rows.score_matrix(run=RUN, method="tracin-steps")
