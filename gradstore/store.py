@@ -26,7 +26,7 @@ from gradstore.answers.replay import Reduction, Replay, replay
 from gradstore.answers.report import ReportOptions, write_report
 from gradstore.answers.selection import Aggregate, select
 from gradstore.answers.token_scores import ExampleBatches, TokenText, token_scores
-from gradstore.capture.session import RUN_DEFAULT, StoreCapture, capture_config
+from gradstore.capture.session import RUN_DEFAULT, StoreCapture, capture_config, explicit_options
 from gradstore.core import StoreCore, WriterConfig, connect
 from gradstore.core.catalog import RunCatalog
 from gradstore.core.engine import Engine, EngineName, resolve_engine
@@ -230,6 +230,7 @@ class GradStore:
             model,
             run,
             capture_config(self.core, run, config, options),
+            explicit=explicit_options(config, options),
             optimizer=optimizer,
             per_example_loss=per_example_loss,
             grad_scaler=grad_scaler,
@@ -533,7 +534,7 @@ class GradStore:
         optimizer: Any,
         checkpoint: str | None = None,
         segments: int | None = None,
-        reduction: Reduction = "mean",
+        reduction: Reduction | None = None,
         weight: float = 1.0,
         write: bool | None = None,
     ) -> Replay:
@@ -542,7 +543,9 @@ class GradStore:
         from the rows captured during training under ``checkpoint``, default the in-loop label) and
         differentiating through it (:mod:`gradstore.answers.replay`). ``model_fn()``: the model at its initial
         weights; ``batch_fn(ids)``: the batch of those example ids (training and query ids); ``loss_fn(model,
-        batch)``: per-example losses ``[B]``, reduced by ``reduction`` as the training loop did; ``optimizer``:
+        batch)``: per-example losses ``[B]``, reduced by ``reduction`` (``"mean"``/``"sum"``) as the training loop did
+        (default: the ``loss_reduction`` the run's capture was given, else ``"mean"``; one contradicting it is
+        refused); ``optimizer``:
         ``"sgd"``/``"adam"``/``"adamw"``, a :class:`~gradstore.answers.replay.Optimizer`, or the torch.optim
         optimizer (class or instance) of the run; ``segments``: checkpoints of the backward pass (default
         ``ceil(sqrt(steps))``: memory about ``2 sqrt(steps)`` states); ``weight``: every example's weight where the

@@ -36,7 +36,11 @@ besides them the adjoints, one parameters-and-state per query.
 Exact up to float rounding when the loss is a deterministic function of the parameters and the batch (no dropout,
 no BatchNorm running statistics that change during training: buffers are taken as the model's, constant) and
 every optimizer step was captured (``span`` 1). The query losses ``loss_fn(model, batch_fn(query_ids))`` are taken
-at the final weights of the replay.
+at the final weights of the replay. What the replay cannot reproduce, capture's record of the steps
+(``optimizer_steps``) makes it refuse: parameter groups that differ in a hyper-parameter (the learning rate
+included), and gradients changed between the backward and the optimizer step (clipping that cut the norm, other
+rescaling; a GradScaler's unscaling only is the backward's gradient); see
+:class:`gradstore.capture.optimizer_state.StepGradients`.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import pyarrow.compute as pc
 import torch
 from torch import nn
 
+from gradstore.capture.optimizer_state import group_differences
 from gradstore.capture.session import model_fingerprint
 from gradstore.core import StoreCore, gradient_filter
 from gradstore.core import schema as S
@@ -89,9 +94,28 @@ class Optimizer:
     def __post_init__(self) -> None:
         if self.kind not in ("sgd", "adam", "adamw"):
             raise InvalidArgumentError(f"replay optimizers are 'sgd', 'adam' and 'adamw', got {self.kind!r}")
+        if not isinstance(self.nesterov, bool):
+            raise InvalidArgumentError(f"nesterov is True or False, got {self.nesterov!r}")
+        betas = self.betas
+        if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2:
+            raise InvalidArgumentError(f"betas is a pair (beta1, beta2), each in [0, 1), got {betas!r}")
+        ranges = {  # as torch.optim checks them, and finite
+            "momentum": (self.momentum, 0.0, math.inf, "a finite number >= 0"),
+            "dampening": (self.dampening, -math.inf, math.inf, "a finite number"),
+            "weight_decay": (self.weight_decay, 0.0, math.inf, "a finite number >= 0"),
+            "eps": (self.eps, 0.0, math.inf, "a finite number >= 0"),
+            "betas[0]": (betas[0], 0.0, 1.0, "in [0, 1)"),
+            "betas[1]": (betas[1], 0.0, 1.0, "in [0, 1)"),
+        }
+        for name, (value, low, high, valid) in ranges.items():
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not (low <= value < high and math.isfinite(value)):
+                raise InvalidArgumentError(f"the replay optimizer's {name} must be {valid}, got {value!r}")
         if self.kind == "sgd" and self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise InvalidArgumentError("nesterov momentum requires a momentum and zero dampening (as torch.optim.SGD)")
-        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        for name in ("momentum", "dampening", "weight_decay", "eps"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "betas", tuple(float(b) for b in betas))
 
     @classmethod
     def of(cls, optimizer: Any, **hyper: Any) -> Optimizer:
@@ -104,12 +128,16 @@ class Optimizer:
                 raise InvalidArgumentError("an Optimizer carries its hyper-parameters: give no keywords with it")
             return optimizer
         if isinstance(optimizer, torch.optim.Optimizer):
-            groups = [
-                {k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups
-            ]
-            if any(g != groups[0] for g in groups[1:]):
-                raise InvalidArgumentError("replay takes one set of hyper-parameters: the optimizer's groups differ")
-            return cls.of(type(optimizer), **{**groups[0], **hyper})
+            differ = group_differences(optimizer)
+            if differ is not None:
+                raise InvalidArgumentError(
+                    f"the optimizer's parameter groups differ in {differ}; the replay applies one learning rate (each "
+                    "step's recorded one) and one set of hyper-parameters to every parameter, so it cannot reproduce "
+                    "this training: replay a run whose optimizer has one parameter group (or groups with the same "
+                    "hyper-parameters)"
+                )
+            group = {k: v for k, v in optimizer.param_groups[0].items() if k not in ("params", "lr", "initial_lr")}
+            return cls.of(type(optimizer), **{**group, **hyper})
         if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
             names = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
             if optimizer not in names:
@@ -269,17 +297,19 @@ def replay(
     optimizer: Any,
     checkpoint: str | None = None,
     segments: int | None = None,
-    reduction: Reduction = "mean",
+    reduction: Reduction | None = None,
     weight: float = 1.0,
     write: bool = True,
 ) -> Replay:
     """Replay ``run``'s recorded training and compute the exact metagradients of ``queries``' final losses (see
-    the module docstring); kept in the store for ``attribute(method="replay")`` unless ``write=False``."""
+    the module docstring); kept in the store for ``attribute(method="replay")`` unless ``write=False``.
+    ``reduction`` ``None``: the ``loss_reduction`` the run's capture was given, else ``"mean"``."""
     query_ids = _query_ids(queries)
-    if reduction not in ("mean", "sum"):
+    if reduction is not None and reduction not in ("mean", "sum"):
         raise InvalidArgumentError(
             f"reduction is 'mean' or 'sum' (how the training loss reduced its batch), got {reduction!r}"
         )
+    reduction = _run_reduction(store, run, reduction)
     weight = _example_weight(weight)
     spec = Optimizer.of(optimizer)
     label = in_loop_checkpoint(store, run, checkpoint)
@@ -306,7 +336,16 @@ def replay(
     data = _Batches(batch_fn)
 
     def losses(params: Tensors, batch: Any, size: int, what: str) -> torch.Tensor:
-        out = torch.func.functional_call(objective, dict(zip(wrapped, params)), (batch,), strict=False)
+        try:
+            out = torch.func.functional_call(objective, dict(zip(wrapped, params)), (batch,), strict=False)
+        except GradstoreError:
+            raise
+        except Exception as error:
+            raise InvalidArgumentError(
+                f"loss_fn(model, batch) (or the model's forward inside it) failed on {what} "
+                f"({type(error).__name__}: {error}): it must return the per-example losses [B] of the batch that "
+                "batch_fn(ids) builds, with the model_fn() model (the same dtype and device)"
+            ) from error
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != (size,):
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise InvalidArgumentError(
@@ -419,19 +458,26 @@ class _Adjoint:
 
 #: The ``optimizer_steps`` columns a replay's optimizer must agree with.
 _RECORDED = ("optimizer", "momentum", "dampening", "nesterov", "weight_decay", "beta2", "eps", "weight_decays")
+#: What capture recorded of each step that the replay cannot reproduce (absent in stores of earlier versions).
+_STEP_NOTES = ("group_differences", "gradients")
 
 
 def _check_recorded_optimizer(store: StoreCore, run: str, label: str, spec: Optimizer) -> None:
     """Refuse an optimizer that contradicts the one capture recorded for the run's steps (``optimizer_steps``:
-    kind and hyper-parameters, read from the training's optimizer); a store without the table is not checked.
-    One exception: a weight decay where none was recorded, for SGD and Adam, whose L2 term is the gradient of an
-    objective's ``wd/2 ||theta||^2`` (a penalty of the training loss that ``loss_fn``'s per-example losses
-    cannot carry)."""
+    kind and hyper-parameters, read from the training's optimizer), and a run whose steps the replay cannot
+    reproduce (parameter groups that differ, gradients changed between the backward and the step: :func:`_check_steps`);
+    a store without the table is not checked. One exception: a weight decay where none was recorded, for SGD and
+    Adam, whose L2 term is the gradient of an objective's ``wd/2 ||theta||^2`` (a penalty of the training loss that
+    ``loss_fn``'s per-example losses cannot carry)."""
     if not store.has_table(S.OPTIMIZER_STEPS):
         return
-    table = store.scan(S.OPTIMIZER_STEPS, list(_RECORDED), gradient_filter(run, label, None), cache=False)
+    notes = [c for c in _STEP_NOTES if c in store.dataset(S.OPTIMIZER_STEPS).schema.names]
+    columns = [*_RECORDED, *notes, "step"]
+    table = store.scan(S.OPTIMIZER_STEPS, columns, gradient_filter(run, label, None), cache=False)
     if table.num_rows == 0:
         return
+    _check_steps(run, table.sort_by("step"))
+    table = table.drop_columns([*notes, "step"])
     given = f"the replay was given {spec.describe()}"
     if table.column("weight_decays").null_count != table.num_rows:
         raise InvalidArgumentError(
@@ -471,6 +517,64 @@ def _check_recorded_optimizer(store: StoreCore, run: str, label: str, spec: Opti
             f"run {run!r}'s optimizer was recorded as {recorded_as}weight_decay={decay}) but {given}: pass the "
             "run's optimizer (its torch.optim instance gives the same hyper-parameters)"
         )
+
+
+def _check_steps(run: str, table: Any) -> None:
+    """Refuse a run whose recorded steps the replay cannot reproduce: an optimizer whose parameter groups differ
+    (``group_differences``), or steps whose gradients were changed between the backward and the step
+    (``gradients == "modified"``: clipping, rescaling). Gradients only unscaled by the capture's GradScaler are
+    the backward's."""
+    names = table.column_names
+    if "group_differences" in names:
+        differ = sorted({d for d in table.column("group_differences").to_pylist() if d})
+        if differ:
+            raise InvalidArgumentError(
+                f"run {run!r}'s optimizer had parameter groups that differ in {'; '.join(differ)}; the replay applies "
+                "one learning rate (each step's recorded one) and one set of hyper-parameters to every parameter, so "
+                "it cannot reproduce this training: replay a run whose optimizer has one parameter group (or groups "
+                "with the same hyper-parameters)"
+            )
+    if "gradients" in names:
+        steps = table.column("step").to_pylist()
+        outcomes = table.column("gradients").to_pylist()
+        modified = [step for step, outcome in zip(steps, outcomes) if outcome == "modified"]
+        if modified:
+            which = f" (steps {modified[:5]}{', ...' if len(modified) > 5 else ''})"
+            raise InvalidArgumentError(
+                f"run {run!r}'s optimizer stepped on other gradients than the backward produced in {len(modified)} of "
+                f"its {len(outcomes)} recorded steps{which}: gradient clipping that cut the norm (clip_grad_norm_, "
+                "the HF Trainer's max_grad_norm), or another rescaling between loss.backward() and optimizer.step() "
+                "(a GradScaler not given to capture as grad_scaler=), which the replay cannot reproduce exactly: "
+                "replay a run trained without them (e.g. max_grad_norm=None)"
+            )
+
+
+def _run_reduction(store: StoreCore, run: str, reduction: Reduction | None) -> Reduction:
+    """The reduction of the replay's steps: ``reduction`` when given, else the ``loss_reduction`` the run's capture
+    was explicitly given (``"mean"``, the library's default, otherwise). A ``reduction`` that contradicts the run's
+    explicit one is an ``InvalidArgumentError``; a run whose loss was ``"token_mean"`` takes ``"sum"`` only, with
+    ``loss_fn`` dividing by the batch's token count."""
+    config = store.run_config(run)
+    recorded = (config.get("capture") or {}).get("loss_reduction")
+    set_options = config.get("explicit_options")  # absent in stores of earlier versions: a non-default was set
+    explicit = recorded is not None and (recorded != "mean" if set_options is None else "loss_reduction" in set_options)
+    if not explicit or reduction == recorded:
+        return reduction or "mean"
+    if recorded == "token_mean":
+        if reduction == "sum":
+            return reduction
+        raise InvalidArgumentError(
+            f"run {run!r} was captured with loss_reduction='token_mean' (each step's loss the mean over its batch's "
+            "tokens), which the replay's 'mean' does not form: return from loss_fn each example's summed token "
+            "losses divided by the batch's token count, and pass reduction='sum'"
+        )
+    if reduction is None:
+        return recorded
+    raise InvalidArgumentError(
+        f"run {run!r} was captured with loss_reduction={recorded!r} (its loop reduced each batch's losses by their "
+        f"{recorded}) but the replay was given reduction={reduction!r}, another training: leave reduction= out "
+        "(the run's is taken) or pass the run's"
+    )
 
 
 def _example_weight(weight: Any) -> float:

@@ -5,7 +5,8 @@ else the class name), the learning rate, momentum (Adam: ``beta1``), dampening, 
 ``eps``, Adam's step count and, for Adam/AdamW, the step's preconditioner ``1 / (sqrt(v_hat) + eps)`` in the
 space of the stored rows. The hyper-parameters are those of the parameter group holding the first captured
 layer's weight; where the captured parameters' groups differ in weight decay, each coordinate's (or layer's) is
-recorded too (``weight_decays``).
+recorded too (``weight_decays``), and where the optimizer's groups differ in any hyper-parameter (the learning rate
+included) the names of those that differ (``group_differences``, e.g. ``"lr, weight_decay"``).
 
 Adam's preconditioner is elementwise over the parameters; a random projection does not commute with it. Where
 every captured layer is stored unprojected (``projection=None``) it is recorded per coordinate, in the rows'
@@ -83,8 +84,108 @@ def step_record(
         "preconditioner": preconditioner(optimizer, hooks, float(group["eps"])) if adam else None,
         "rows_normalizer": rows_normalizer,
         "weight_decays": weight_decays(optimizer, hooks),
+        "group_differences": group_differences(optimizer),
         "created_at": datetime.now(timezone.utc),
     }
+
+
+class StepGradients:
+    """Whether each optimizer step applied the gradients the backward produced (``optimizer_steps.gradients``).
+
+    A fingerprint: the sum of one small trainable parameter's ``.grad``, taken by a post-accumulate-grad hook after
+    every backward (with gradient accumulation, the last one's is the accumulated gradient's) and again before the
+    optimizer step (:meth:`before_step`, from its step pre-hook). Equal: ``"backward"``; equal once multiplied by
+    the ``grad_scaler``'s scale (the scaler unscaled the gradients, exactly for its power-of-two scales):
+    ``"unscaled"``; else ``"modified"`` (clipping such as ``clip_grad_norm_`` that cut the norm, any rescaling
+    between the backward and the step, non-finite gradients); ``None`` where no backward reached the parameter
+    since the last step.
+    Clipping that did not change the gradients (a norm under the limit) leaves them ``"backward"``. Two reductions
+    of a small tensor per step and no host sync: the outcomes stay on the device until :meth:`resolve`."""
+
+    NAMES = ("backward", "unscaled", "modified")
+
+    def __init__(self, parameter: torch.Tensor, grad_scaler: Any | None) -> None:
+        self.parameter = parameter
+        enabled = grad_scaler is not None and bool(getattr(grad_scaler, "is_enabled", lambda: True)())
+        self.grad_scaler = grad_scaler if enabled else None
+        self._backward: torch.Tensor | None = None
+        self._outcome: torch.Tensor | None = None
+        self._pending: list[tuple[dict[str, Any], torch.Tensor]] = []
+        self._handle = parameter.register_post_accumulate_grad_hook(self._after_backward)
+
+    def remove(self) -> None:
+        """Remove the parameter's hook."""
+        self._handle.remove()
+
+    def _after_backward(self, parameter: torch.Tensor) -> None:
+        if parameter.grad is not None:
+            self._backward = parameter.grad.detach().sum()
+
+    def before_step(self) -> None:
+        """Compare the gradient the optimizer is about to apply with the last backward's."""
+        backward, self._backward = self._backward, None
+        grad = self.parameter.grad
+        if backward is None or grad is None:
+            self._outcome = None
+            return
+        now = grad.detach().sum()
+        if self.grad_scaler is None:
+            self._outcome = torch.ne(now, backward)  # True: "modified"
+            return
+        scale = getattr(self.grad_scaler, "_scale", None)
+        scale = scale.to(now.device) if isinstance(scale, torch.Tensor) else float(self.grad_scaler.get_scale())
+        self._outcome = torch.where(now == backward, 0, torch.where(now * scale == backward, 1, 2))
+
+    def mark(self, row: dict[str, Any]) -> None:
+        """Give ``row`` (the ``optimizer_steps`` row of the step just taken) the step's outcome, read at
+        :meth:`resolve`; every 256 steps the outcomes held so far are read (one transfer)."""
+        outcome, self._outcome = self._outcome, None
+        row["gradients"] = None
+        if outcome is not None:
+            self._pending.append((row, outcome))
+            if len(self._pending) >= 256:
+                self.resolve()
+
+    def resolve(self) -> None:
+        """Write the held outcomes into their rows (one device-to-host transfer)."""
+        if self._pending:
+            codes = torch.stack([outcome for _, outcome in self._pending]).tolist()
+            for (row, _), code in zip(self._pending, codes):
+                row["gradients"] = self.NAMES[code if self.grad_scaler is not None else 2 * code]
+            self._pending = []
+
+
+def check_parameter(hooks: Sequence[Any]) -> torch.Tensor | None:
+    """The smallest trainable parameter of the captured layers (``hooks``), whose gradient :class:`StepGradients`
+    fingerprints; ``None`` where there is none (or it is sharded)."""
+    candidates = [
+        tensor
+        for hook in hooks
+        for tensor in (hook.parameter, hook.bias if hook.slot.has_bias else None)
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad and not hasattr(tensor, "to_local")
+    ]
+    return min(candidates, key=lambda tensor: tensor.numel()) if candidates else None
+
+
+#: Parameter-group entries that are no hyper-parameter of the update (``initial_lr``: a scheduler's base ``lr``).
+_NOT_HYPER = frozenset({"params", "initial_lr", "name", "foreach", "fused", "capturable", "differentiable"})
+
+
+def group_differences(optimizer: torch.optim.Optimizer) -> str | None:
+    """The names of the hyper-parameters (learning rate included) whose values differ between the optimizer's
+    parameter groups, sorted and comma-separated (``"lr, weight_decay"``); ``None`` with one group or where every
+    group has the same values."""
+    groups = optimizer.param_groups
+    if len(groups) < 2:
+        return None
+    first = groups[0]
+    differ = {
+        key
+        for group in groups[1:]
+        for key in first.keys() | group.keys()
+        if key not in _NOT_HYPER and first.get(key) != group.get(key)
+    }
+    return ", ".join(sorted(differ)) or None
 
 
 def preconditioner(optimizer: torch.optim.Optimizer, hooks: Sequence[Any], eps: float) -> list[float] | None:

@@ -19,8 +19,9 @@ from typing import Any
 import pyarrow as pa
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from gradstore.capture.optimizer_state import step_record
+from gradstore.capture.optimizer_state import StepGradients, check_parameter, step_record
 from gradstore.capture.resume import CommittedRows
 from gradstore.core import GradientWriter, StoreCore, WriterConfig
 from gradstore.core import schema as S
@@ -121,6 +122,16 @@ def capture_config(store: StoreCore, run: str, config: CaptureConfig | None, key
     return config
 
 
+def explicit_options(config: CaptureConfig | None, keywords: dict[str, Any]) -> list[str]:
+    """The :data:`RUN_OPTIONS` a capture's caller set (recorded with a new run: a later reader such as
+    ``store.replay`` tells them from the library's defaults): the flat ``keywords`` not left at
+    :data:`RUN_DEFAULT`, or, with a ``config`` built whole, those it holds away from ``CaptureConfig()``'s."""
+    if config is None:
+        return sorted(name for name in RUN_OPTIONS if keywords.get(name, RUN_DEFAULT) is not RUN_DEFAULT)
+    held, defaults = config.options(), CaptureConfig().options()
+    return sorted(name for name in RUN_OPTIONS if name in held and held[name] != defaults.get(name))
+
+
 def check_learning_rate(learning_rate: float | None) -> float | None:
     """``learning_rate`` if it is ``None`` or a finite number >= 0."""
     if learning_rate is None:
@@ -133,7 +144,8 @@ def check_learning_rate(learning_rate: float | None) -> float | None:
 
 
 class StoreCapture:
-    """Context manager returned by :meth:`GradStore.capture`; forwards the controls of
+    """Context manager returned by :meth:`GradStore.capture` (``explicit``: the run options its caller set,
+    :func:`explicit_options`, recorded with a new run); forwards the controls of
     :class:`ingest.GradientCapture` (``set_ids``, ``set_epoch``, ``set_step``, ``set_checkpoint``,
     ``set_split``, ``pause``/``resume``/``paused``, ``flush``).
 
@@ -155,8 +167,10 @@ class StoreCapture:
         learning_rate: float | None = None,
         writer_config: WriterConfig | None = None,
         resume: bool = False,
+        explicit: Sequence[str] | None = None,
     ) -> None:
         self.store = store
+        self._explicit = None if explicit is None else sorted(explicit)
         self.run_id = check_run_name(run)
         self.learning_rate = check_learning_rate(learning_rate)
         self.capture = GradientCapture(
@@ -175,6 +189,11 @@ class StoreCapture:
         self.spec: ProjectionSpec = self.capture.spec
         self._optimizer_rows: list[dict[str, Any]] = []  # optimizer_steps rows not written yet
         self.capture.add_step_listener(self._record_optimizer_step)
+        self._grad_scaler = grad_scaler
+        self._gradients: StepGradients | None = None  # checks each step's gradients (from the first step seen)
+        self._step_hook: Any = None
+        self._checked_parameter: torch.Tensor | None = None
+        self._checked_optimizer: torch.optim.Optimizer | None = None
         self._model = model
         self._writer_config = writer_config
         self._writer = None
@@ -199,18 +218,54 @@ class StoreCapture:
         basis = self.capture.config.projection.basis
         if basis is not None:
             save_basis(self.store, self.spec, basis)
-        self.store.catalog.ensure_run(
-            self.run_id, self.spec, model_fingerprint(self._model), {"capture": self.capture.config.options()}
-        )
+        config: dict[str, Any] = {"capture": self.capture.config.options()}
+        if self._explicit is not None:
+            config["explicit_options"] = self._explicit
+        self.store.catalog.ensure_run(self.run_id, self.spec, model_fingerprint(self._model), config)
         self._writer = self._open_writer()
         try:
             self.capture.__enter__()
         except BaseException:
             self._writer.close()
             raise
+        self._watch_steps()
         return self
 
+    def _watch_steps(self) -> None:
+        """Check each optimizer step's gradients against the backward's (:class:`StepGradients`), from a step
+        pre-hook: the capture's optimizer's, or, without one, every optimizer's until one steps over the checked
+        parameter (that first step is not checked: the parameter's hook is set then). Not in a distributed capture
+        (the optimizer steps on the ranks' averaged gradients)."""
+        parameter = check_parameter(self.capture.layer_hooks)
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if parameter is None or (distributed and torch.distributed.get_world_size() > 1):
+            return
+        self._checked_parameter = parameter
+        optimizer = self.capture.optimizer
+        if optimizer is None:
+            self._step_hook = register_optimizer_step_pre_hook(self._before_step)
+            return
+        self._gradients = StepGradients(parameter, self._grad_scaler)
+        self._checked_optimizer = optimizer
+        self._step_hook = optimizer.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._gradients is not None:
+            if optimizer is self._checked_optimizer:
+                self._gradients.before_step()
+        elif any(p is self._checked_parameter for group in optimizer.param_groups for p in group["params"]):
+            self._gradients = StepGradients(self._checked_parameter, self._grad_scaler)
+            self._checked_optimizer = optimizer
+
+    def _unwatch_steps(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        if self._gradients is not None:
+            self._gradients.remove()
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._unwatch_steps()
         try:
             try:
                 self.capture.__exit__(exc_type, exc, tb)  # drains every finished batch into the writer
@@ -245,21 +300,24 @@ class StoreCapture:
                         self.store.curvature.save(self.run_id, checkpoint, stats, split)
 
     def _record_optimizer_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
-        """After each optimizer step: what it applied (:mod:`gradstore.capture.optimizer_state`), written with the
-        checkpoints (and on :meth:`flush`)."""
-        self._optimizer_rows.append(
-            step_record(
-                optimizer,
-                self.capture.layer_hooks,
-                self.run_id,
-                self.capture.checkpoint,
-                step,
-                self.capture.config.labels.rank,
-                self.capture.config.normalizer,
-            )
+        """After each optimizer step: what it applied (:mod:`gradstore.capture.optimizer_state`; whether its
+        gradients were the backward's, :class:`StepGradients`), written with the checkpoints (and on :meth:`flush`)."""
+        row = step_record(
+            optimizer,
+            self.capture.layer_hooks,
+            self.run_id,
+            self.capture.checkpoint,
+            step,
+            self.capture.config.labels.rank,
+            self.capture.config.normalizer,
         )
+        if self._gradients is not None:
+            self._gradients.mark(row)
+        self._optimizer_rows.append(row)
 
     def _write_optimizer_steps(self) -> None:
+        if self._gradients is not None:
+            self._gradients.resolve()
         if self._optimizer_rows:
             table = pa.Table.from_pylist(self._optimizer_rows, schema=S.OPTIMIZER_STEPS_SCHEMA)
             self.store.results.append_table(S.OPTIMIZER_STEPS, table)

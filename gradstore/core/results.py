@@ -85,11 +85,15 @@ class Results:
     @writes("append rows to a table")
     def append_table(self, name: str, rows: pa.Table) -> None:
         """Append ``rows`` to table ``name``, creating it with their schema on first use (for tables of the
-        layers above, such as ``evaluations``)."""
+        layers above, such as ``evaluations``); a table of :data:`~gradstore.core.schema.LAZY_SCHEMAS` made by an
+        earlier version gets the string columns it lacks (nulls) first."""
         if is_gradient_table(name):
             raise InvalidNameError(f"table {name!r} is a gradient table's name; write gradients with store.writer")
         if not self.tables.has_table(name):
             self.tables.create(name, rows.schema.with_metadata({S.FORMAT_KEY: S.FORMAT_VERSION}))
+        elif name in S.LAZY_SCHEMAS:
+            strings = [field for field in S.LAZY_SCHEMAS[name] if field.type == pa.string()]
+            self._add_missing_string_columns(name, pa.schema(strings))
         existing = self.tables.table(name).schema
         try:
             rows = rows.select(existing.names).cast(existing)

@@ -213,6 +213,11 @@ OPTIMIZER_STEPS_SCHEMA = _tagged(
         pa.field("rows_normalizer", pa.string()),
         # where parameter groups differ in weight decay: [dim] per coordinate, or [layers] (the weight's group)
         pa.field("weight_decays", pa.list_(pa.float64())),
+        # where the optimizer's parameter groups differ: the hyper-parameters that do ("lr, weight_decay")
+        pa.field("group_differences", pa.string()),
+        # the gradients the step applied: "backward" (as the last backward left them), "unscaled" (divided by the
+        # capture's GradScaler's scale only), "modified" (changed otherwise: clipped, rescaled), null: not checked
+        pa.field("gradients", pa.string()),
         pa.field("created_at", _TIMESTAMP),
     ]
 )

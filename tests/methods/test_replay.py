@@ -79,11 +79,21 @@ def train(store: gradstore.GradStore, name: str, steps: int = T) -> nn.Module:
     return model
 
 
-def unrolled(name: str, steps: int = T, weight: float = 1.0) -> np.ndarray:
+def unrolled(
+    name: str,
+    steps: int = T,
+    weight: float = 1.0,
+    *,
+    schedule: bool = True,
+    reduction: str = "mean",
+    lr: float | None = None,
+) -> np.ndarray:
     """``-d L_q(theta_T) / d eps`` for every example through the whole unrolled run (autograd, create_graph), taken
-    where every ``eps = weight``."""
+    where every ``eps = weight`` (``schedule``: the learning rates of :func:`train`, else the optimizer's
+    throughout; ``reduction``: of each batch's losses; ``lr``: instead of the optimizer's)."""
     x, y, batches, rates, _ = data()
     kind, hyper = OPTIMIZERS[name]
+    hyper = {**hyper, "lr": hyper["lr"] if lr is None else lr}
     model = model_fn()
     names = [n for n, _ in model.named_parameters()]
     params = [p.detach().clone().requires_grad_() for p in model.parameters()]
@@ -93,10 +103,11 @@ def unrolled(name: str, steps: int = T, weight: float = 1.0) -> np.ndarray:
     first = [torch.zeros_like(p) for p in params]
     second = [torch.zeros_like(p) for p in params]
     for t in range(steps):
-        lr = hyper["lr"] * rates[t % T]
+        lr = hyper["lr"] * (rates[t % T] if schedule else 1.0)
         batch = batches[t % T]
         out = torch.func.functional_call(model, dict(zip(names, params)), (x[batch],)).squeeze(-1)
-        loss = (weights[batch] * 0.5 * (out - y[batch]) ** 2).mean()
+        weighted = weights[batch] * 0.5 * (out - y[batch]) ** 2
+        loss = weighted.mean() if reduction == "mean" else weighted.sum()
         grads = torch.autograd.grad(loss, params, create_graph=True)
         updated = []
         for i, (p, g) in enumerate(zip(params, grads)):
@@ -328,3 +339,176 @@ def test_an_optimizer_contradicting_the_recorded_one_is_refused(store):
     train(other, "sgd")
     replayed = other.replay(QUERIES, optimizer=Optimizer("sgd", weight_decay=0.1), **common)
     assert np.isfinite(replayed.scores).all()
+
+
+def train_loop(store, run, make_optimizer, *, step=None, backward=None, reduction="mean", **capture):
+    """Train under capture (every step's rows recorded) with ``make_optimizer(model)``, no schedule;
+    ``backward(loss)`` replaces ``loss.backward()``, ``step(model, optimizer)`` the ``optimizer.step()``."""
+    x, y, batches, _, _ = data()
+    model = model_fn()
+    optimizer = make_optimizer(model)
+    with store.capture(model, run, optimizer=optimizer, projection=None, **capture) as cap:
+        for t in range(T):
+            batch = batches[t]
+            cap.set_ids([str(i) for i in batch])
+            losses = loss_fn(model, (x[batch], y[batch]))
+            loss = losses.mean() if reduction == "mean" else losses.sum()
+            (backward or torch.Tensor.backward)(loss)
+            (step or (lambda _, optimizer: optimizer.step()))(model, optimizer)
+            optimizer.zero_grad()
+    return model, optimizer
+
+
+def recorded_gradients(store, run):
+    query = f"select gradients from optimizer_steps where run_id = '{run}' order by step"
+    return [row[0] for row in store.sql(query).fetchall()]
+
+
+def test_parameter_groups_that_differ_are_refused(store):
+    """The replay applies one learning rate and one set of hyper-parameters to every parameter: an optimizer
+    whose groups differ (in the learning rate too) is refused, given as the instance or only recorded by capture;
+    groups with the same hyper-parameters replay as one."""
+    common = {"model_fn": model_fn, "batch_fn": batch_fn, "loss_fn": loss_fn, "write": False}
+    groups = {
+        "lr": lambda m: [{"params": m[0].parameters(), "lr": 0.1}, {"params": m[2].parameters(), "lr": 0.02}],
+        "weight_decay": lambda m: [
+            {"params": [m[0].weight, m[2].weight], "weight_decay": 0.5},
+            {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0},
+        ],
+    }
+    for differing, split in groups.items():
+        run = f"groups-{differing}"
+        _, optimizer = train_loop(store, run, lambda m, split=split: torch.optim.SGD(split(m), lr=0.1, momentum=0.5))
+        recorded = store.sql(f"select distinct group_differences from optimizer_steps where run_id = '{run}'")
+        assert recorded.fetchall() == [(differing,)]
+        for given in (optimizer, Optimizer("sgd", momentum=0.5)):
+            with pytest.raises(InvalidArgumentError, match=f"differ in {differing}.*one parameter group"):
+                store.replay(QUERIES, run=run, optimizer=given, **common)
+    _, optimizer = train_loop(
+        store,
+        "groups-same",
+        lambda m: torch.optim.SGD([{"params": m[0].parameters()}, {"params": m[2].parameters()}], lr=0.3),
+    )
+    replayed = store.replay(QUERIES, run="groups-same", optimizer=optimizer, **common)
+    np.testing.assert_allclose(by_example(replayed), unrolled("sgd", schedule=False), rtol=1e-9, atol=1e-12)
+
+
+def test_steps_on_other_gradients_than_the_backwards_are_refused(store):
+    """Capture records whether each step applied the backward's gradients: clipping that cut the norm is
+    refused (the replay would differentiate the unclipped run), as is a GradScaler capture was not told of;
+    clipping under its bound, gradient accumulation and a GradScaler given to capture (it only unscales) replay
+    exactly."""
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.3)  # noqa: E731
+    common = {"model_fn": model_fn, "batch_fn": batch_fn, "loss_fn": loss_fn, "optimizer": "sgd", "write": False}
+    exact = unrolled("sgd", schedule=False)
+
+    def clipped(bound):
+        def step(model, optimizer):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), bound)
+            optimizer.step()
+
+        return step
+
+    train_loop(store, "clipped", sgd, step=clipped(0.05))
+    assert recorded_gradients(store, "clipped") == ["modified"] * T
+    with pytest.raises(InvalidArgumentError, match=f"in {T} of its {T} recorded steps.*clip_grad_norm_"):
+        store.replay(QUERIES, run="clipped", **common)
+    train_loop(store, "under-bound", sgd, step=clipped(1e6))
+    assert recorded_gradients(store, "under-bound") == ["backward"] * T
+    np.testing.assert_allclose(by_example(store.replay(QUERIES, run="under-bound", **common)), exact, rtol=1e-9)
+
+    def halves(loss):  # the step's gradient accumulated over two backwards
+        (loss / 2).backward(retain_graph=True)
+        (loss / 2).backward()
+
+    train_loop(store, "accumulated", sgd, backward=halves)
+    assert recorded_gradients(store, "accumulated") == ["backward"] * T
+    np.testing.assert_allclose(by_example(store.replay(QUERIES, run="accumulated", **common)), exact, rtol=1e-9)
+
+    for run, clip, told in (("amp", False, True), ("amp-untold", False, False), ("amp-clipped", True, True)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+
+        def step(model, optimizer, scaler=scaler, clip=clip):
+            if clip:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            scaler.step(optimizer)
+            scaler.update()
+
+        train_loop(store, run, sgd, backward=lambda loss, s=scaler: s.scale(loss).backward(), step=step,
+                   grad_scaler=scaler if told else None)  # fmt: skip
+        assert recorded_gradients(store, run) == ["modified" if clip or not told else "unscaled"] * T
+    np.testing.assert_allclose(by_example(store.replay(QUERIES, run="amp", **common)), exact, rtol=1e-9)
+    for run in ("amp-untold", "amp-clipped"):
+        with pytest.raises(InvalidArgumentError, match="GradScaler not given to capture"):
+            store.replay(QUERIES, run=run, **common)
+
+
+def test_the_replay_reduces_as_the_runs_capture_was_told(store):
+    """A run captured with an explicit ``loss_reduction`` replays with it by default, and a replay reduction that
+    contradicts it is refused; a run left at the library's default takes either."""
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)  # noqa: E731
+    common = {"model_fn": model_fn, "batch_fn": batch_fn, "loss_fn": loss_fn, "optimizer": "sgd", "write": False}
+    train_loop(store, "sum", sgd, reduction="sum", loss_reduction="sum")
+    exact = unrolled("sgd", schedule=False, reduction="sum", lr=0.05)
+    np.testing.assert_allclose(by_example(store.replay(QUERIES, run="sum", **common)), exact, rtol=1e-9)
+    with pytest.raises(InvalidArgumentError, match="loss_reduction='sum'.*reduction='mean'"):
+        store.replay(QUERIES, run="sum", reduction="mean", **common)
+    train_loop(store, "explicit-mean", sgd, loss_reduction="mean")
+    with pytest.raises(InvalidArgumentError, match="loss_reduction='mean'.*reduction='sum'"):
+        store.replay(QUERIES, run="explicit-mean", reduction="sum", **common)
+    train_loop(store, "default", sgd, reduction="sum")  # the capture was not told: its default is no evidence
+    replayed = store.replay(QUERIES, run="default", reduction="sum", **common)
+    np.testing.assert_allclose(by_example(replayed), exact, rtol=1e-9)
+
+
+def test_a_failing_loss_fn_is_an_invalid_argument_naming_it(store):
+    """An error raised in ``loss_fn`` (or the model's forward inside it) is an ``InvalidArgumentError`` naming
+    ``loss_fn`` and the original message, chained to the original error."""
+    train(store, "sgd")
+
+    def wrong_dtype(model, batch):
+        return loss_fn(model, (batch[0].float(), batch[1]))
+
+    def wrong_targets(model, batch):
+        return loss_fn(model, (batch[0], batch[1][:, None].expand(-1, 3)))
+
+    for bad, original in ((wrong_dtype, "dtype"), (wrong_targets, "size of tensor")):
+        with pytest.raises(InvalidArgumentError, match=f"loss_fn\\(model, batch\\).*failed.*{original}") as raised:
+            store.replay(QUERIES, run=RUN, model_fn=model_fn, batch_fn=batch_fn, loss_fn=bad, optimizer="sgd")
+        assert isinstance(raised.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize(
+    "hyper, named",
+    [
+        ({"kind": "sgd", "momentum": -1.0}, "momentum"),
+        ({"kind": "sgd", "momentum": math.inf}, "momentum"),
+        ({"kind": "sgd", "dampening": math.nan, "momentum": 0.5}, "dampening"),
+        ({"kind": "sgd", "weight_decay": math.nan}, "weight_decay"),
+        ({"kind": "adamw", "weight_decay": -0.1}, "weight_decay"),
+        ({"kind": "adam", "betas": (1.5, 0.999)}, "betas\\[0\\]"),
+        ({"kind": "adam", "betas": (0.9, 1.0)}, "betas\\[1\\]"),
+        ({"kind": "adam", "betas": (0.9,)}, "betas"),
+        ({"kind": "adam", "eps": -1.0}, "eps"),
+        ({"kind": "sgd", "nesterov": "yes", "momentum": 0.5}, "nesterov"),
+    ],
+)
+def test_an_optimizer_out_of_range_is_refused_when_built(hyper, named):
+    with pytest.raises(InvalidArgumentError, match=named):
+        Optimizer(**hyper)
+
+
+def test_a_token_mean_run_replays_with_sum_only():
+    """``loss_reduction="token_mean"`` (the batch's token mean) is no replay reduction: ``"sum"`` with a
+    ``loss_fn`` that divides by the batch's token count forms it; anything else is refused, saying so."""
+    from gradstore.answers.replay import _run_reduction
+
+    class TokenMeanRun:
+        def run_config(self, run):
+            return {"capture": {"loss_reduction": "token_mean"}, "explicit_options": ["loss_reduction"]}
+
+    assert _run_reduction(TokenMeanRun(), "lm", "sum") == "sum"
+    for reduction in (None, "mean"):
+        with pytest.raises(InvalidArgumentError, match="token count, and pass reduction='sum'"):
+            _run_reduction(TokenMeanRun(), "lm", reduction)
