@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from indexers import UNIT_BF16_NORM, CosinePreconditioner, ExactIndex, blocks_from_arrays, screening
-from indexers.screening import RowPieces, fast_bfloat16_matmul, row_tiles
+from indexers.screening import RowPieces, fast_bfloat16_matmul, gathered_tiles, row_tiles
 
 
 @pytest.fixture(params=["float32", "bfloat16"])
@@ -451,16 +451,18 @@ def test_prepared_rows_fill_once_when_searched_from_two_threads() -> None:
     assert reads == list(range(0, 500, 50)) and len(prepared.blocks) == 5
 
 
-def test_row_pieces_multiply_rows_in_any_order() -> None:
+def test_row_pieces_gather_rows_in_any_order() -> None:
     rows = torch.arange(60, dtype=torch.float32).view(20, 3).to(torch.float16)
     pieces = RowPieces([rows[:1], rows[1:9], rows[9:20]])
     assert pieces.shape == (20, 3) and len(pieces) == 20 and pieces.dtype == torch.float16
     wanted = torch.tensor([19, 0, 8, 9, 3, 3, 10], dtype=torch.int64)
-    matrix = torch.tensor([[1.0, 0.5], [-2.0, 0.25], [3.0, 1.0]])
-    products = pieces.products(wanted, matrix)
-    assert products.dtype == torch.float32
-    torch.testing.assert_close(products, rows[wanted].float() @ matrix, rtol=0, atol=0)
-    assert pieces.products(torch.empty(0, dtype=torch.int64), matrix).shape == (0, 2)
+    for source in (rows, pieces):  # tiles of at most 2 rows; every position once
+        gathered = torch.full((7, 3), torch.nan)
+        for where, tile in gathered_tiles(source, wanted, 2):
+            assert len(tile) <= 2 and tile.dtype == torch.float32 and torch.isnan(gathered[where]).all()
+            gathered[where] = tile
+        torch.testing.assert_close(gathered, rows[wanted].float(), rtol=0, atol=0)
+        assert list(gathered_tiles(source, torch.empty(0, dtype=torch.int64), 2)) == []
     assert [(part.start, part.stop, len(tile)) for part, tile in row_tiles(pieces, 4)] == [
         (0, 1, 1),
         (1, 5, 4),
