@@ -57,7 +57,7 @@ from torch import nn
 
 from gradstore.capture.optimizer_state import group_differences
 from gradstore.capture.session import model_fingerprint
-from gradstore.core import StoreCore, gradient_filter
+from gradstore.core import StoreCore, gradient_filter, sql_literal
 from gradstore.core import schema as S
 from gradstore.errors import GradstoreError, InvalidArgumentError, MissingIdsError
 from gradstore.methods import replay as stored
@@ -313,6 +313,7 @@ def replay(
     weight = _example_weight(weight)
     spec = Optimizer.of(optimizer)
     label = in_loop_checkpoint(store, run, checkpoint)
+    _check_not_selected(store, run)
     _check_recorded_optimizer(store, run, label, spec)
     batches, rates = _recorded_batches(store, run, label)
     steps = len(batches)
@@ -460,6 +461,23 @@ class _Adjoint:
 _RECORDED = ("optimizer", "momentum", "dampening", "nesterov", "weight_decay", "beta2", "eps", "weight_decays")
 #: What capture recorded of each step that the replay cannot reproduce (absent in stores of earlier versions).
 _STEP_NOTES = ("group_differences", "gradients")
+
+
+def _check_not_selected(store: StoreCore, run: str) -> None:
+    """Refuse a run trained with online data selection (:mod:`gradstore.capture.online`) that dropped or reweighted
+    some example: the replay takes every example of every recorded batch at the same weight."""
+    if not store.has_table(S.ONLINE_SELECTION):
+        return
+    where = f"run_id = {sql_literal(run)} AND (weight != 1 OR renormalization != 1)"
+    changed = store.scan(S.ONLINE_SELECTION, ["step"], where, cache=False).column("step")
+    if len(changed):
+        steps = sorted(set(changed.to_pylist()))
+        raise InvalidArgumentError(
+            f"run {run!r} was trained with online data selection, which dropped or reweighted examples in "
+            f"{len(steps)} step(s) (the online_selection table, e.g. step {steps[0]}); the replay takes every example "
+            "of every recorded batch at one weight, so it cannot reproduce this training: replay a run trained "
+            "without selection"
+        )
 
 
 def _check_recorded_optimizer(store: StoreCore, run: str, label: str, spec: Optimizer) -> None:

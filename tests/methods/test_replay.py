@@ -18,6 +18,7 @@ from torch import nn
 
 import gradstore
 from gradstore.answers.replay import Optimizer
+from gradstore.capture.online import RandomSelection, select_online
 from gradstore.errors import GradstoreError, InvalidArgumentError, MissingIdsError, MissingReplayError
 
 N, D, H, B, T = 16, 3, 4, 4, 12
@@ -512,3 +513,20 @@ def test_a_token_mean_run_replays_with_sum_only():
     for reduction in (None, "mean"):
         with pytest.raises(InvalidArgumentError, match="token count, and pass reduction='sum'"):
             _run_reduction(TokenMeanRun(), "lm", reduction)
+
+
+def test_a_run_trained_with_online_selection_is_refused(store):
+    x, y, batches, _, _ = data()
+    model = model_fn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        store.capture(model, RUN, optimizer=optimizer, projection=None) as cap,
+        select_online(cap, RandomSelection(0.5)),
+    ):
+        for batch in batches:
+            cap.set_ids([str(i) for i in batch])
+            loss_fn(model, (x[batch], y[batch])).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    with pytest.raises(InvalidArgumentError, match="online data selection"):
+        store.replay(QUERIES, run=RUN, model_fn=model_fn, batch_fn=batch_fn, loss_fn=loss_fn, optimizer="sgd")
