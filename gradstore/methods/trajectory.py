@@ -196,17 +196,22 @@ def final_query_checkpoint(store: StoreCore, run: str) -> str | None:
     return max(found, key=lambda c: (steps[c], c))
 
 
-def _query_steps(store: StoreCore, run: str, stored: list[str]) -> dict[str, int]:
-    """The step of each of the checkpoints ``stored`` holding query rows (:func:`checkpoint_step_of`);
-    ``InvalidArgumentError`` naming those without one."""
-    steps = checkpoint_step_of(store, run, stored)
-    unknown = [c for c in stored if steps[c] is None]
+def _known_steps(store: StoreCore, run: str, checkpoints: list[str], holding: str, why: str) -> dict[str, int]:
+    """The step of each of ``checkpoints`` (:func:`checkpoint_step_of`); ``InvalidArgumentError`` naming those
+    without one: the run ``holding`` them, ``why`` a step is needed and what else to do."""
+    steps = checkpoint_step_of(store, run, checkpoints)
+    unknown = [c for c in checkpoints if steps[c] is None]
     if unknown:
         raise InvalidArgumentError(
-            f"run {run!r} holds query rows at {stored}, {unknown} with no step: pass query_checkpoint= (the final "
-            f"model's) or {record_steps_hint(run, unknown)}"
+            f"run {run!r} holds {holding} at {checkpoints}, {unknown} with no step: {why}"
+            f"{record_steps_hint(run, unknown)}"
         )
     return {c: int(s) for c, s in steps.items() if s is not None}
+
+
+def _query_steps(store: StoreCore, run: str, stored: list[str]) -> dict[str, int]:
+    """The step of each of the checkpoints ``stored`` holding query rows (:func:`_known_steps`)."""
+    return _known_steps(store, run, stored, "query rows", "pass query_checkpoint= (the final model's) or ")
 
 
 def final_queries(store: StoreCore, queries: QueryInput, run: str, query_checkpoint: str | None) -> Queries:
@@ -231,13 +236,8 @@ def final_training_checkpoint(store: StoreCore, run: str, split: str) -> str:
             "final-model gradient; capture a checkpoint pass of the training set at the end of training "
             "(store.capture(model, run, checkpoint='final') with cap.set_step(step))"
         )
-    steps = checkpoint_step_of(store, run, passes)
-    unknown = [c for c in passes if steps[c] is None]
-    if unknown:
-        raise InvalidArgumentError(
-            f"run {run!r} has checkpoint passes {passes} of {split!r} rows, {unknown} with no step: trajectory "
-            f"self-influence scores each example's row at the last one; {record_steps_hint(run, unknown)}"
-        )
+    why = "trajectory self-influence scores each example's row at the last one; "
+    steps = _known_steps(store, run, passes, f"checkpoint passes of {split!r} rows", why)
     return max(passes, key=lambda c: (steps[c], c))
 
 

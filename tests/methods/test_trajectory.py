@@ -373,18 +373,8 @@ def test_trajectory_methods_refuse_a_query_checkpoint_without_query_rows(tmp_pat
     """``query_checkpoint=`` naming a checkpoint without query rows is refused as ``fisher`` refuses it, naming the
     checkpoints that hold query rows, whether the run holds them at one checkpoint or several; with query vectors
     it is refused too (they are not stored rows)."""
-    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    store = passes_store(tmp_path / "store", passes=(("final", T),))
     model = model_at(INIT)
-    train_captured(store, range(T), model)
-    x, y, qx, qy, _, _ = problem()
-    with store.capture(model, RUN, checkpoint="final", learning_rate=0.1, projection=None) as cap:
-        cap.set_step(T)
-        cap.set_ids([str(i) for i in range(N)])
-        (0.5 * ((model(x).squeeze(-1) - y) ** 2).mean()).backward()
-        cap.set_split("query")
-        cap.set_ids(["qa", "qb"])
-        (0.5 * ((model(qx).squeeze(-1) - qy) ** 2).mean()).backward()
-        model.zero_grad()
     methods = ("fisher", "tracin-steps", "source", "dvemb")
     for method in methods:
         with pytest.raises(MissingIdsError, match=r"at checkpoint 'nope': .*query rows at \['final'\]"):

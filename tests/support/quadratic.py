@@ -120,14 +120,17 @@ def columns(matrix: gradstore.ScoreMatrix) -> np.ndarray:
     return out
 
 
-def passes_store(path, true_fisher: bool = True) -> gradstore.GradStore:
+def passes_store(
+    path, true_fisher: bool = True, passes: tuple[tuple[str, int], ...] = (("mid", 4), ("final", T))
+) -> gradstore.GradStore:
     """In-loop rows of the whole schedule, then checkpoint passes (training and query rows, a step and learning
-    rate each) at steps 4 and ``T`` of the same model (SOURCE's segments; the final one for self-influence)."""
+    rate each) at ``passes`` ``(checkpoint, step)`` of the same model (by default steps 4 and ``T``: SOURCE's
+    segments; the final one for self-influence)."""
     store = gradstore.open(path, storage_dtype="float32")
     model = model_at(INIT)
     train_captured(store, range(T), model, true_fisher=true_fisher)
     x, y, qx, qy, _, _ = problem()
-    for name, step in (("mid", 4), ("final", T)):
+    for name, step in passes:
         with store.capture(model, RUN, checkpoint=name, learning_rate=0.1, projection=None) as cap:
             cap.set_step(step)
             cap.set_ids([str(i) for i in range(N)])
