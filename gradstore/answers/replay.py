@@ -9,6 +9,12 @@ training and query ids alike), ``loss_fn(model, batch)`` (the per-example losses
 (:class:`Optimizer`: SGD with momentum, dampening, Nesterov and weight decay; Adam; AdamW; written out below as
 pure tensor updates equal to ``torch.optim``'s formulas, so autograd differentiates through them).
 
+Parameter groups are replayed as capture recorded them (``optimizer_steps.group_parameters``: each group's
+parameters by the model's names; ``group_hyperparameters``: each group's hyper-parameters and learning rate per
+step): each parameter of ``model_fn()`` is matched by name and updated with its group's; parameters in no group
+stay as they are. Where capture's first step is the replay's first, ``model_fn()``'s weights are checked against
+the fingerprint it took before that step (``initial_weights``).
+
 Step ``t`` of the replay minimises ``reduce_b(eps_b * loss_b)`` over its batch (``reduction`` ``"mean"``, as a
 training loop's ``loss.mean()``, or ``"sum"``) with every ``eps = 1``: the recorded run. The metagradient of query
 ``q`` is ``d L_q(theta_T) / d eps_z`` for every example ``z`` (one weight per example, shared by every step that
@@ -37,17 +43,19 @@ Exact up to float rounding when the loss is a deterministic function of the para
 no BatchNorm running statistics that change during training: buffers are taken as the model's, constant) and
 every optimizer step was captured (``span`` 1). The query losses ``loss_fn(model, batch_fn(query_ids))`` are taken
 at the final weights of the replay. What the replay cannot reproduce, capture's record of the steps
-(``optimizer_steps``) makes it refuse: parameter groups that differ in a hyper-parameter (the learning rate
-included), and gradients changed between the backward and the optimizer step (clipping that cut the norm, other
+(``optimizer_steps``) makes it refuse: parameter groups it cannot map by name or whose settings its step does not
+implement (or that differ where capture recorded no groups: stores of earlier versions), and gradients changed
+between the backward and the optimizer step (clipping that cut the norm, other
 rescaling; a GradScaler's unscaling only is the backward's gradient); see
 :class:`gradstore.capture.optimizer_state.StepGradients`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -55,7 +63,7 @@ import pyarrow.compute as pc
 import torch
 from torch import nn
 
-from gradstore.capture.optimizer_state import group_differences
+from gradstore.capture.optimizer_state import NOT_HYPER, group_differences, weights_fingerprint
 from gradstore.capture.session import model_fingerprint
 from gradstore.core import StoreCore, gradient_filter, sql_literal
 from gradstore.core import schema as S
@@ -81,7 +89,10 @@ class Optimizer:
       root's derivative is taken as 0 where ``v = 0`` (a coordinate with no gradient yet).
 
     The learning rate of each step is the recorded one. Build one with its keywords, or from the
-    ``torch.optim`` optimizer of the run (:meth:`of`)."""
+    ``torch.optim`` optimizer of the run (:meth:`of`). ``groups``: where the run's optimizer had parameter groups
+    that differ, each group's hyper-parameters (an :class:`Optimizer` of the same kind each, in the optimizer's
+    order; this one's own fields are the first group's); the replay checks them against the groups capture
+    recorded."""
 
     kind: Literal["sgd", "adam", "adamw"] = "sgd"
     momentum: float = 0.0
@@ -90,6 +101,7 @@ class Optimizer:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    groups: tuple[Optimizer, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ("sgd", "adam", "adamw"):
@@ -116,28 +128,31 @@ class Optimizer:
         for name in ("momentum", "dampening", "weight_decay", "eps"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "betas", tuple(float(b) for b in betas))
+        object.__setattr__(self, "groups", tuple(self.groups))
+        if any(not isinstance(g, Optimizer) or g.kind != self.kind or g.groups for g in self.groups):
+            raise InvalidArgumentError(
+                f"an Optimizer's groups are Optimizers of its kind ({self.kind!r}) without groups of their own"
+            )
 
     @classmethod
     def of(cls, optimizer: Any, **hyper: Any) -> Optimizer:
         """The :class:`Optimizer` of ``optimizer``: an :class:`Optimizer`, a name (``"sgd"``, ``"adam"``,
         ``"adamw"``) with ``hyper``-parameters, a ``torch.optim`` class (``SGD``, ``Adam``, ``AdamW``) with
         ``hyper``-parameters (its own defaults otherwise), or an instance of one (its hyper-parameters, one
-        parameter group). ``lr`` is ignored (each step's is the recorded one)."""
+        parameter group; where its groups differ, each group's as :attr:`groups`). ``lr`` is ignored (each step's
+        is the recorded one)."""
         if isinstance(optimizer, cls):
             if hyper:
                 raise InvalidArgumentError("an Optimizer carries its hyper-parameters: give no keywords with it")
             return optimizer
         if isinstance(optimizer, torch.optim.Optimizer):
-            differ = group_differences(optimizer)
-            if differ is not None:
-                raise InvalidArgumentError(
-                    f"the optimizer's parameter groups differ in {differ}; the replay applies one learning rate (each "
-                    "step's recorded one) and one set of hyper-parameters to every parameter, so it cannot reproduce "
-                    "this training: replay a run whose optimizer has one parameter group (or groups with the same "
-                    "hyper-parameters)"
-                )
-            group = {k: v for k, v in optimizer.param_groups[0].items() if k not in ("params", "lr", "initial_lr")}
-            return cls.of(type(optimizer), **{**group, **hyper})
+            specs = [
+                cls.of(type(optimizer), **{**{k: v for k, v in group.items() if k not in NOT_HYPER}, **hyper})
+                for group in optimizer.param_groups
+            ]
+            if group_differences(optimizer) is None:
+                return specs[0]
+            return replace(specs[0], groups=tuple(specs))
         if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
             names = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
             if optimizer not in names:
@@ -158,6 +173,8 @@ class Optimizer:
 
     def describe(self) -> str:
         """A one-line description (kept with the stored replay)."""
+        if self.groups:
+            return f"{len(self.groups)} parameter groups: " + "; ".join(g.describe() for g in self.groups)
         if self.kind == "sgd":
             return (
                 f"sgd(momentum={self.momentum}, dampening={self.dampening}, nesterov={self.nesterov}, "
@@ -167,48 +184,56 @@ class Optimizer:
 
     def init(self, params: Tensors) -> Tensors:
         """The optimizer's state before the first step (one flat tuple of tensors)."""
-        if self.kind == "sgd":
-            return tuple(torch.zeros_like(p) for p in params) if self.momentum else ()
-        return tuple(torch.zeros_like(p) for p in params) + tuple(torch.zeros_like(p) for p in params)  # m, v
+        return _init((self,) * len(params), params)
 
     def step(self, params: Tensors, state: Tensors, grads: Tensors, lr: float, index: int) -> tuple[Tensors, Tensors]:
         """The parameters and state after the step of 0-based ``index`` with gradients ``grads``."""
-        if self.kind == "sgd":
-            return self._sgd(params, state, grads, lr, index)
-        return self._adam(params, state, grads, lr, index)
+        return _step((self,) * len(params), params, state, grads, (lr,) * len(params), index)
 
-    def _sgd(self, params: Tensors, state: Tensors, grads: Tensors, lr: float, index: int) -> tuple[Tensors, Tensors]:
+
+def _init(specs: Sequence[Optimizer], params: Tensors) -> Tensors:
+    """The state before the first step of parameters ``params``, each updated by its ``specs`` entry (one kind):
+    SGD's momentum buffers (where any parameter has momentum), Adam's ``m`` then ``v``."""
+    if specs and specs[0].kind == "sgd":
+        return tuple(torch.zeros_like(p) for p in params) if any(s.momentum for s in specs) else ()
+    return tuple(torch.zeros_like(p) for p in params) + tuple(torch.zeros_like(p) for p in params)  # m, v
+
+
+def _step(
+    specs: Sequence[Optimizer], params: Tensors, state: Tensors, grads: Tensors, rates: Sequence[float], index: int
+) -> tuple[Tensors, Tensors]:
+    """The parameters and state (:func:`_init`'s layout) after the step of 0-based ``index``: parameter ``i``
+    updated by ``specs[i]``'s hyper-parameters at learning rate ``rates[i]`` (its parameter group's)."""
+    if specs and specs[0].kind == "sgd":
         new_params, buffers = [], []
-        for i, (p, g) in enumerate(zip(params, grads)):
-            if self.weight_decay:
-                g = g + self.weight_decay * p
-            if self.momentum:
-                b = g if index == 0 else self.momentum * state[i] + (1 - self.dampening) * g
+        for i, (spec, p, g, lr) in enumerate(zip(specs, params, grads, rates)):
+            if spec.weight_decay:
+                g = g + spec.weight_decay * p
+            if spec.momentum:
+                b = g if index == 0 else spec.momentum * state[i] + (1 - spec.dampening) * g
                 buffers.append(b)
-                g = g + self.momentum * b if self.nesterov else b
+                g = g + spec.momentum * b if spec.nesterov else b
+            elif state:  # another group's momentum: this parameter's buffer stays unused
+                buffers.append(state[i])
             new_params.append(p - lr * g)
         return tuple(new_params), tuple(buffers)
-
-    def _adam(self, params: Tensors, state: Tensors, grads: Tensors, lr: float, index: int) -> tuple[Tensors, Tensors]:
-        n = len(params)
-        beta1, beta2 = self.betas
-        count = float(index + 1)
-        step_size = lr / (1 - beta1**count)
-        root = (1 - beta2**count) ** 0.5
-        new_params, ms, vs = [], [], []
-        for p, g, m, v in zip(params, grads, state[:n], state[n:]):
-            if self.weight_decay:
-                if self.kind == "adamw":
-                    p = p * (1 - lr * self.weight_decay)
-                else:
-                    g = g + self.weight_decay * p
-            m = m + (1 - beta1) * (g - m)
-            v = beta2 * v + (1 - beta2) * g * g
-            denom = _sqrt(v) / root + self.eps
-            new_params.append(p - step_size * (m / denom))
-            ms.append(m)
-            vs.append(v)
-        return tuple(new_params), tuple(ms) + tuple(vs)
+    n = len(params)
+    count = float(index + 1)
+    new_params, ms, vs = [], [], []
+    for spec, p, g, m, v, lr in zip(specs, params, grads, state[:n], state[n:], rates):
+        beta1, beta2 = spec.betas
+        if spec.weight_decay:
+            if spec.kind == "adamw":
+                p = p * (1 - lr * spec.weight_decay)
+            else:
+                g = g + spec.weight_decay * p
+        m = m + (1 - beta1) * (g - m)
+        v = beta2 * v + (1 - beta2) * g * g
+        denom = _sqrt(v) / (1 - beta2**count) ** 0.5 + spec.eps
+        new_params.append(p - lr / (1 - beta1**count) * (m / denom))
+        ms.append(m)
+        vs.append(v)
+    return tuple(new_params), tuple(ms) + tuple(vs)
 
 
 def _hyper(kind: str, hyper: dict[str, Any]) -> dict[str, Any]:
@@ -242,8 +267,9 @@ def _sqrt(v: torch.Tensor) -> torch.Tensor:
 class Replay:
     """What :func:`replay` computed: ``scores[q, z] = -d L_q(theta_T) / d eps_z`` (float64 numpy ``[queries,
     examples]``, examples in ``example_ids`` order), the query losses at the replay's final weights, the final
-    parameters (by name), the segments it was checkpointed in, and the most states (parameters and optimizer
-    state, one per step) it held at once."""
+    parameters (by name), the segments it was checkpointed in, the most states (parameters and optimizer state,
+    one per step) it held at once, the optimizer it applied (with the run's parameter groups where they differ),
+    each step's recorded learning rate and each step's learning rate per parameter group."""
 
     query_ids: list[str]
     example_ids: list[str]
@@ -257,6 +283,7 @@ class Replay:
     optimizer: Optimizer
     learning_rates: list[float] = field(default_factory=list)
     weight: float = 1.0  # every example's weight where the derivative was taken (1: the recorded run)
+    group_learning_rates: list[list[float]] = field(default_factory=list)  # per step, each parameter group's
 
 
 class _States:
@@ -314,8 +341,8 @@ def replay(
     spec = Optimizer.of(optimizer)
     label = in_loop_checkpoint(store, run, checkpoint)
     _check_not_selected(store, run)
-    _check_recorded_optimizer(store, run, label, spec)
-    batches, rates = _recorded_batches(store, run, label)
+    record = _check_recorded_optimizer(store, run, label, spec)
+    batches, step_numbers, rates = _recorded_batches(store, run, label)
     steps = len(batches)
     if segments is None:
         segments = math.ceil(math.sqrt(steps))
@@ -325,8 +352,10 @@ def replay(
         )
     if write:
         store.require_writable("replay with write=True")
-    model = _model(store, run, model_fn)
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    model = _model(store, run, model_fn, record)
+    _check_initial_weights(run, model, record, step_numbers[0])
+    plan, applied = _plan(run, model, spec, record, step_numbers, rates)
+    names = plan.names
     objective = _Objective(model, loss_fn)
     wrapped = [f"model.{name}" for name in names]
     example_ids = sorted({z for batch in batches for z in batch})
@@ -363,13 +392,13 @@ def replay(
             return weighted.mean() if reduction == "mean" else weighted.sum()
 
         grads = torch.func.grad(objective_loss)(params)
-        return spec.step(params, state, grads, rates[t], t)
+        return plan.step(t, params, state, grads)
 
     initial = tuple(dict(model.named_parameters())[n].detach().clone() for n in names)
     length = math.ceil(steps / segments)
     starts = list(range(0, steps, length))
     kept = _States()
-    params, state = initial, spec.init(initial)
+    params, state = initial, plan.init(initial)
     at = [torch.full((len(b),), weight, dtype=dtype, device=device) for b in batches]  # every eps where taken
     with torch.no_grad():
         for t in range(steps):  # forward replay: keep each segment's first state
@@ -408,9 +437,10 @@ def replay(
         len(starts),
         kept.peak,
         label,
-        spec,
+        applied,
         rates,
         weight,
+        plan.rates,
     )
     if write:
         stored.save(
@@ -423,7 +453,7 @@ def replay(
                 label,
                 stored.source_state(store, run, label),
                 steps,
-                spec.describe(),
+                applied.describe(),
                 result.losses.tolist(),
                 weight,
             ),
@@ -461,6 +491,21 @@ class _Adjoint:
 _RECORDED = ("optimizer", "momentum", "dampening", "nesterov", "weight_decay", "beta2", "eps", "weight_decays")
 #: What capture recorded of each step that the replay cannot reproduce (absent in stores of earlier versions).
 _STEP_NOTES = ("group_differences", "gradients")
+#: Capture's record of the parameter groups and the initial weights (absent in stores of earlier versions).
+_GROUP_COLUMNS = ("group_parameters", "group_hyperparameters", "initial_weights")
+
+
+@dataclass
+class _Record:
+    """What capture recorded of the replayed steps' parameter groups: each group's trainable parameters by name
+    (``members``), each group's hyper-parameters (``groups``, one set for the run) and learning rate per step
+    (``rates``, step -> per group), and the weights' fingerprint before the first step a capture recorded
+    (``initial``: its step and ``{name: [sum, sum of squares]}``); ``None`` (empty) where not recorded."""
+
+    members: list[list[str]] | None = None
+    groups: list[Optimizer] | None = None
+    rates: dict[int, list[float]] = field(default_factory=dict)
+    initial: tuple[int, dict[str, list[float]]] | None = None
 
 
 def _check_not_selected(store: StoreCore, run: str) -> None:
@@ -480,29 +525,32 @@ def _check_not_selected(store: StoreCore, run: str) -> None:
         )
 
 
-def _check_recorded_optimizer(store: StoreCore, run: str, label: str, spec: Optimizer) -> None:
+def _check_recorded_optimizer(store: StoreCore, run: str, label: str, spec: Optimizer) -> _Record:
     """Refuse an optimizer that contradicts the one capture recorded for the run's steps (``optimizer_steps``:
-    kind and hyper-parameters, read from the training's optimizer), and a run whose steps the replay cannot
-    reproduce (parameter groups that differ, gradients changed between the backward and the step: :func:`_check_steps`);
-    a store without the table is not checked. One exception: a weight decay where none was recorded, for SGD and
-    Adam, whose L2 term is the gradient of an objective's ``wd/2 ||theta||^2`` (a penalty of the training loss that
-    ``loss_fn``'s per-example losses cannot carry)."""
-    if not store.has_table(S.OPTIMIZER_STEPS):
-        return
-    notes = [c for c in _STEP_NOTES if c in store.dataset(S.OPTIMIZER_STEPS).schema.names]
-    columns = [*_RECORDED, *notes, "step"]
-    table = store.scan(S.OPTIMIZER_STEPS, columns, gradient_filter(run, label, None), cache=False)
-    if table.num_rows == 0:
-        return
-    _check_steps(run, table.sort_by("step"))
-    table = table.drop_columns([*notes, "step"])
-    given = f"the replay was given {spec.describe()}"
-    if table.column("weight_decays").null_count != table.num_rows:
-        raise InvalidArgumentError(
-            f"run {run!r}'s optimizer applied different weight decays to its parameter groups; the replay applies "
-            "one to every parameter: replay a run trained with one weight decay"
-        )
-    recorded = {tuple(row.values()) for row in table.drop_columns(["weight_decays"]).to_pylist()}
+    kind and hyper-parameters, read from the training's optimizer; a ``spec`` with :attr:`Optimizer.groups`
+    is checked group by group, else against the group of the first captured layer's weight), and a run whose
+    steps the replay cannot reproduce (:func:`_check_steps`, :func:`_groups_record`); the record of the groups.
+    A store without the table is not checked. One exception: a weight decay where none was recorded (in any
+    group), for SGD and Adam, whose L2 term is the gradient of an objective's ``wd/2 ||theta||^2`` (a penalty of
+    the training loss that ``loss_fn``'s per-example losses cannot carry): every group takes it."""
+    names = store.dataset(S.OPTIMIZER_STEPS).schema.names if store.has_table(S.OPTIMIZER_STEPS) else []
+    notes = [c for c in _STEP_NOTES if c in names]
+    kept = [c for c in _GROUP_COLUMNS if c in names]
+    table = None
+    if names:
+        columns = [*_RECORDED, *notes, *kept, "step"]
+        table = store.scan(S.OPTIMIZER_STEPS, columns, gradient_filter(run, label, None), cache=False)
+    if table is None or table.num_rows == 0:
+        if spec.groups:
+            raise InvalidArgumentError(
+                f"the replay was given an optimizer whose parameter groups differ, but run {run!r} has no record of "
+                "its optimizer's groups (which parameters each held): capture the run with this version of "
+                "gradstore, or replay a run whose optimizer has one parameter group"
+            )
+        return _Record()
+    table = table.sort_by("step")
+    hyper = table.select(_RECORDED).drop_columns(["weight_decays"])
+    recorded = {tuple(row.values()) for row in hyper.to_pylist()}
     if len(recorded) > 1:
         raise InvalidArgumentError(
             f"run {run!r}'s optimizer changed its hyper-parameters (other than the learning rate) during the "
@@ -513,16 +561,26 @@ def _check_recorded_optimizer(store: StoreCore, run: str, label: str, spec: Opti
         raise InvalidArgumentError(
             f"run {run!r} was trained with {kind}; the replay implements torch.optim's SGD, Adam and AdamW only"
         )
+    record = _groups_record(run, kind, table)
+    _check_steps(run, table, grouped=record.groups is not None)
+    if table.column("weight_decays").null_count != table.num_rows and record.groups is None:
+        raise InvalidArgumentError(
+            f"run {run!r}'s optimizer applied different weight decays to its parameter groups; the replay applies "
+            "one to every parameter: replay a run trained with one weight decay"
+        )
+    given = f"the replay was given {spec.describe()}"
 
     def close(a: float, b: float) -> bool:
         return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-15)
 
-    objective_l2 = decay == 0 and spec.kind in ("sgd", "adam") and kind == spec.kind
-    same_decay = close(decay, spec.weight_decay) or objective_l2
-    adam_alike = {kind, spec.kind} <= {"adam", "adamw"} and decay == 0 and spec.weight_decay == 0
+    undecayed = decay == 0 and all(g.weight_decay == 0 for g in record.groups or ())
+    objective_l2 = undecayed and spec.kind in ("sgd", "adam") and kind == spec.kind
+    adam_alike = {kind, spec.kind} <= {"adam", "adamw"} and undecayed and spec.weight_decay == 0
     if kind != spec.kind and not adam_alike:
         raise InvalidArgumentError(f"run {run!r} was trained with {kind} but {given}: pass the run's optimizer")
-    if kind == "sgd":
+    if spec.groups:
+        _check_groups(run, record, spec, objective_l2)
+    elif kind == "sgd":
         found = (momentum, dampening, bool(nesterov))
         wanted = (spec.momentum, spec.dampening, spec.nesterov)
         same = close(found[0], wanted[0]) and close(found[1], wanted[1]) and found[2] == wanted[2]
@@ -530,27 +588,113 @@ def _check_recorded_optimizer(store: StoreCore, run: str, label: str, spec: Opti
     else:
         same = close(momentum, spec.betas[0]) and close(beta2, spec.betas[1]) and close(eps, spec.eps)
         recorded_as = f"{kind}(betas=({momentum}, {beta2}), eps={eps}, "
-    if not (same and same_decay):
+    if not spec.groups and not (same and (close(decay, spec.weight_decay) or objective_l2)):
+        which = " (the parameter group of the first captured layer's weight)" if len(record.groups or ()) > 1 else ""
         raise InvalidArgumentError(
-            f"run {run!r}'s optimizer was recorded as {recorded_as}weight_decay={decay}) but {given}: pass the "
-            "run's optimizer (its torch.optim instance gives the same hyper-parameters)"
+            f"run {run!r}'s optimizer was recorded as {recorded_as}weight_decay={decay}){which} but {given}: pass "
+            "the run's optimizer (its torch.optim instance gives the same hyper-parameters)"
         )
+    if objective_l2 and record.groups is not None:
+        decays = [g.weight_decay for g in spec.groups] if spec.groups else [spec.weight_decay] * len(record.groups)
+        record.groups = [replace(g, weight_decay=wd) for g, wd in zip(record.groups, decays)]
+    return record
 
 
-def _check_steps(run: str, table: Any) -> None:
-    """Refuse a run whose recorded steps the replay cannot reproduce: an optimizer whose parameter groups differ
-    (``group_differences``), or steps whose gradients were changed between the backward and the step
-    (``gradients == "modified"``: clipping, rescaling). Gradients only unscaled by the capture's GradScaler are
-    the backward's."""
+def _groups_record(run: str, kind: str, table: Any) -> _Record:
+    """The record of the parameter groups in ``table`` (the label's ``optimizer_steps`` rows in step order, of
+    optimizer ``kind``): refuses groups whose parameters changed during the run, that hold tensors of no name,
+    or whose hyper-parameters (other than the learning rate) changed or the replay does not implement. ``groups``
+    only where every row recorded them (else stores of earlier versions' rules hold)."""
     names = table.column_names
-    if "group_differences" in names:
+    record = _Record()
+    if "group_parameters" in names:
+        members = list(dict.fromkeys(m for m in table.column("group_parameters").to_pylist() if m is not None))
+        if len(members) > 1:
+            raise InvalidArgumentError(
+                f"run {run!r}'s optimizer changed which parameters its groups hold during the recorded steps "
+                "(add_param_group, or parameters frozen or unfrozen); the replay keeps each parameter in one group "
+                "throughout: replay a run whose groups stay as they start"
+            )
+        if members:
+            record.members = json.loads(members[0])
+            if any(name is None for group in record.members for name in group):
+                raise InvalidArgumentError(
+                    f"run {run!r}'s optimizer trained tensors that are no parameters of the captured model; the "
+                    "replay updates the model's parameters only: replay a run whose optimizer holds only them"
+                )
+    if "initial_weights" in names:
+        record.initial = _initial(table)
+    hyper = table.column("group_hyperparameters").to_pylist() if "group_hyperparameters" in names else [None]
+    if record.members is None or any(h is None for h in hyper):
+        return record
+    steps = table.column("step").to_pylist()
+    sets = [json.loads(h) for h in hyper]
+    record.rates = {step: [float(g["lr"]) for g in groups] for step, groups in zip(steps, sets)}
+    fixed = {json.dumps([{k: v for k, v in g.items() if k != "lr"} for g in groups], sort_keys=True) for groups in sets}
+    if len(fixed) > 1 or len(sets[0]) != len(record.members):
+        raise InvalidArgumentError(
+            f"run {run!r}'s optimizer changed its groups' hyper-parameters (other than the learning rate) during "
+            "the recorded steps; the replay applies one set per group: replay a run whose groups keep theirs"
+        )
+    record.groups = []
+    for i, group in enumerate(sets[0]):
+        try:
+            record.groups.append(Optimizer.of(kind, **{k: v for k, v in group.items() if k != "lr"}))
+        except InvalidArgumentError as error:
+            raise InvalidArgumentError(
+                f"run {run!r}'s optimizer's parameter group {i} cannot be replayed ({error}); the replay implements "
+                "torch.optim's SGD (momentum, dampening, nesterov, weight_decay) and Adam/AdamW (betas, eps, "
+                "weight_decay) per group, without amsgrad, maximize or other settings"
+            ) from error
+    return record
+
+
+def _initial(table: Any) -> tuple[int, dict[str, list[float]]] | None:
+    """The weights' fingerprint of the earliest step in ``table`` that carries one, with that step."""
+    for step, fingerprint in zip(table.column("step").to_pylist(), table.column("initial_weights").to_pylist()):
+        if fingerprint is not None:
+            return int(step), json.loads(fingerprint)
+    return None
+
+
+def _check_groups(run: str, record: _Record, spec: Optimizer, objective_l2: bool) -> None:
+    """Refuse a ``spec`` whose groups (:attr:`Optimizer.groups`) differ from the recorded ones in number or in a
+    hyper-parameter other than the learning rate (a weight decay where none was recorded: an objective's L2)."""
+    if record.groups is None:
+        raise InvalidArgumentError(
+            f"the replay was given an optimizer whose parameter groups differ, but run {run!r} has no record of its "
+            "optimizer's groups (which parameters each held): capture the run with this version of gradstore"
+        )
+    if len(spec.groups) != len(record.groups):
+        raise InvalidArgumentError(
+            f"run {run!r}'s optimizer had {len(record.groups)} parameter groups but the replay was given one with "
+            f"{len(spec.groups)}: pass the run's optimizer (built with the same groups)"
+        )
+    for i, (given, recorded) in enumerate(zip(spec.groups, record.groups)):
+        if objective_l2:
+            given = replace(given, weight_decay=0.0)
+        if given != recorded:
+            raise InvalidArgumentError(
+                f"run {run!r}'s optimizer's parameter group {i} was recorded as {recorded.describe()} but the "
+                f"replay was given {given.describe()}: pass the run's optimizer (built with the same groups)"
+            )
+
+
+def _check_steps(run: str, table: Any, grouped: bool) -> None:
+    """Refuse a run whose recorded steps the replay cannot reproduce: an optimizer whose parameter groups differ
+    (``group_differences``) where capture did not record the groups (``grouped`` false: a store of an earlier
+    version), or steps whose gradients were changed between the backward and the step (``gradients ==
+    "modified"``: clipping, rescaling). Gradients only unscaled by the capture's GradScaler are the backward's."""
+    names = table.column_names
+    if "group_differences" in names and not grouped:
         differ = sorted({d for d in table.column("group_differences").to_pylist() if d})
         if differ:
             raise InvalidArgumentError(
                 f"run {run!r}'s optimizer had parameter groups that differ in {'; '.join(differ)}; the replay applies "
                 "one learning rate (each step's recorded one) and one set of hyper-parameters to every parameter, so "
-                "it cannot reproduce this training: replay a run whose optimizer has one parameter group (or groups "
-                "with the same hyper-parameters)"
+                "it cannot reproduce this training (capture recorded no groups: an earlier version of gradstore): "
+                "capture the run again with this version, or replay a run whose optimizer has one parameter group "
+                "(or groups with the same hyper-parameters)"
             )
     if "gradients" in names:
         steps = table.column("step").to_pylist()
@@ -616,9 +760,9 @@ def _query_ids(queries: Sequence[str]) -> list[str]:
     return ids
 
 
-def _recorded_batches(store: StoreCore, run: str, label: str) -> tuple[list[list[str]], list[float]]:
-    """Each recorded step's example ids (in the order captured) and learning rate; every optimizer step must
-    have been captured."""
+def _recorded_batches(store: StoreCore, run: str, label: str) -> tuple[list[list[str]], list[int], list[float]]:
+    """Each recorded step's example ids (in the order captured), step and learning rate; every optimizer step
+    must have been captured."""
     steps = recorded_steps(store, run, label)
     skipped = [s.step for s in steps[:-1] if s.span != 1]
     if skipped:
@@ -633,10 +777,13 @@ def _recorded_batches(store: StoreCore, run: str, label: str) -> tuple[list[list
     step_column = table.column("step").to_numpy()
     ids = pc.cast(table.column("example_id"), "string").to_pylist()
     bounds = np.searchsorted(step_column, [s.step for s in steps] + [steps[-1].step + 1])
-    return [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])], [s.learning_rate for s in steps]
+    batches = [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    return batches, [s.step for s in steps], [s.learning_rate for s in steps]
 
 
-def _model(store: StoreCore, run: str, model_fn: Callable[[], nn.Module]) -> nn.Module:
+def _model(store: StoreCore, run: str, model_fn: Callable[[], nn.Module], record: _Record) -> nn.Module:
+    """``model_fn()``'s model, checked against the run's: the parameter names its optimizer's groups held, the
+    architecture (:func:`model_fingerprint`), some trainable parameter."""
     try:
         model = model_fn()
     except GradstoreError:
@@ -648,6 +795,15 @@ def _model(store: StoreCore, run: str, model_fn: Callable[[], nn.Module]) -> nn.
         ) from error
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"model_fn() must return the model (an nn.Module), got {type(model).__name__}")
+    names = [name for name, _ in model.named_parameters()]
+    missing = [n for group in record.members or () for n in group if n not in set(names)]
+    if missing:
+        raise InvalidArgumentError(
+            f"model_fn()'s model has no parameters named {missing[:5]}, which run {run!r}'s optimizer trained (the "
+            f"model's are named {names[:5]}{', ...' if len(names) > 5 else ''}): the replay maps the optimizer's "
+            "parameter groups by name, so model_fn() must return the run's model with the parameter names capture "
+            "saw (model.named_parameters(); wrapped as in training, e.g. in DDP or torch.compile, or unwrapped in both)"
+        )
     recorded = store.run(run).get("model_fingerprint")
     found = model_fingerprint(model)
     if recorded and found != recorded:
@@ -658,6 +814,80 @@ def _model(store: StoreCore, run: str, model_fn: Callable[[], nn.Module]) -> nn.
     if not any(p.requires_grad for p in model.parameters()):
         raise InvalidArgumentError("model_fn() returned a model with no trainable parameter")
     return model
+
+
+def _check_initial_weights(run: str, model: nn.Module, record: _Record, first: int) -> None:
+    """Refuse a ``model`` whose weights are not those the run started from: the fingerprint capture took before
+    its first step (:func:`~gradstore.capture.optimizer_state.weights_fingerprint`), where that step is the
+    replay's ``first``. Sums in float64 of the same float32/float64 numbers agree to ~1e-12 of their scale; a
+    relative 1e-7 tells any training step apart."""
+    if record.initial is None or record.initial[0] != first:
+        return
+    found = json.loads(weights_fingerprint(model))
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    for name, (total, squares) in record.initial[1].items():
+        if name not in found:
+            continue
+        mine, my_squares = found[name]
+        scale = max(squares, my_squares)
+        if abs(mine - total) > 1e-7 * math.sqrt(sizes[name] * scale) or abs(my_squares - squares) > 1e-7 * scale:
+            raise InvalidArgumentError(
+                f"model_fn() returned other weights than run {run!r} started from at its first recorded step {first} "
+                f"(parameter {name!r}: sum {mine:.9g}, sum of squares {my_squares:.9g}; recorded {total:.9g}, "
+                f"{squares:.9g}): the replay starts from model_fn()'s weights, so they must be the run's before its "
+                "first step (the same seed and initialisation, or a copy saved before training), not e.g. the "
+                "trained model"
+            )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the replay updates and how: the trained parameters' ``names`` (the model's order), each one's
+    hyper-parameters (``specs``, its parameter group's) and group (``group_of``), and per step each group's
+    learning rate (``rates``)."""
+
+    names: list[str]
+    group_of: list[int]
+    specs: list[Optimizer]
+    rates: list[list[float]]
+
+    def init(self, params: Tensors) -> Tensors:
+        """The optimizer's state before the first step."""
+        return _init(self.specs, params)
+
+    def step(self, t: int, params: Tensors, state: Tensors, grads: Tensors) -> tuple[Tensors, Tensors]:
+        """The parameters and state after step ``t`` (0-based)."""
+        return _step(self.specs, params, state, grads, [self.rates[t][g] for g in self.group_of], t)
+
+
+def _plan(
+    run: str, model: nn.Module, spec: Optimizer, record: _Record, steps: list[int], rates: list[float]
+) -> tuple[_Plan, Optimizer]:
+    """The replay's :class:`_Plan` and the optimizer it applies: each recorded group's parameters (by name; the
+    model's trainable ones where capture recorded none) at its recorded hyper-parameters and learning rates (one
+    group: each step's rows' learning rate where no step was recorded); parameters in no group stay as they are."""
+    if record.members is None:
+        names = [name for name, p in model.named_parameters() if p.requires_grad]
+        return _Plan(names, [0] * len(names), [spec] * len(names), [[r] for r in rates]), spec
+    group = {name: i for i, members in enumerate(record.members) for name in members}
+    names = [name for name, _ in model.named_parameters() if name in group]
+    if not names:
+        raise InvalidArgumentError(
+            f"run {run!r}'s optimizer held no trainable parameter of the model: nothing to replay"
+        )
+    groups = record.groups or [spec] * len(record.members)
+    if len(groups) > 1:
+        absent = [step for step in steps if step not in record.rates]
+        if absent:
+            raise InvalidArgumentError(
+                f"run {run!r}'s recorded steps {absent[:5]} have no record of their optimizer step (optimizer_steps) "
+                "and so no learning rate per parameter group: replay a run whose every recorded step the optimizer "
+                "took under capture"
+            )
+    per_step = [record.rates.get(step, [rate] * len(groups)) for step, rate in zip(steps, rates)]
+    group_of = [group[name] for name in names]
+    applied = spec if len(groups) == 1 else replace(spec, groups=tuple(groups))
+    return _Plan(names, group_of, [groups[g] for g in group_of], per_step), applied
 
 
 class _Batches:

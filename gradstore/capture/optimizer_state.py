@@ -6,7 +6,11 @@ else the class name), the learning rate, momentum (Adam: ``beta1``), dampening, 
 space of the stored rows. The hyper-parameters are those of the parameter group holding the first captured
 layer's weight; where the captured parameters' groups differ in weight decay, each coordinate's (or layer's) is
 recorded too (``weight_decays``), and where the optimizer's groups differ in any hyper-parameter (the learning rate
-included) the names of those that differ (``group_differences``, e.g. ``"lr, weight_decay"``).
+included) the names of those that differ (``group_differences``, e.g. ``"lr, weight_decay"``). Which of the
+model's parameters each group holds is recorded by name (``group_parameters``, :class:`ParameterGroups`) and every
+group's hyper-parameters at each step (``group_hyperparameters``): what an exact replay of
+the run applies per parameter. Before the first step a capture records, a fingerprint of the model's weights
+(``initial_weights``, :func:`weights_fingerprint`) lets a replay check that it starts from them.
 
 Adam's preconditioner is elementwise over the parameters; a random projection does not commute with it. Where
 every captured layer is stored unprojected (``projection=None``) it is recorded per coordinate, in the rows'
@@ -21,6 +25,7 @@ taken as ``d_layer R g``; the per-row/column structure that the ``normalizer="ad
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from types import SimpleNamespace
@@ -167,8 +172,11 @@ def check_parameter(hooks: Sequence[Any]) -> torch.Tensor | None:
     return min(candidates, key=lambda tensor: tensor.numel()) if candidates else None
 
 
-#: Parameter-group entries that are no hyper-parameter of the update (``initial_lr``: a scheduler's base ``lr``).
-_NOT_HYPER = frozenset({"params", "initial_lr", "name", "foreach", "fused", "capturable", "differentiable"})
+#: Parameter-group entries that are no hyper-parameter of the update (``initial_lr``: a scheduler's base ``lr``;
+#: ``param_names``: the names of an optimizer built from ``named_parameters()``).
+NOT_HYPER = frozenset(
+    {"params", "param_names", "initial_lr", "name", "foreach", "fused", "capturable", "differentiable"}
+)
 
 
 def group_differences(optimizer: torch.optim.Optimizer) -> str | None:
@@ -183,9 +191,63 @@ def group_differences(optimizer: torch.optim.Optimizer) -> str | None:
         key
         for group in groups[1:]
         for key in first.keys() | group.keys()
-        if key not in _NOT_HYPER and first.get(key) != group.get(key)
+        if key not in NOT_HYPER and first.get(key) != group.get(key)
     }
     return ", ".join(sorted(differ)) or None
+
+
+class ParameterGroups:
+    """Which of ``model``'s parameters each parameter group of the optimizer holds, by name, and each group's
+    hyper-parameters: :meth:`mark` gives a step's ``optimizer_steps`` row ``group_parameters`` (JSON, each group's
+    trainable parameters' names, ``null`` for a tensor that is no parameter of the model) on the first step it sees
+    under a checkpoint and where the groups change (a group added or its parameter list replaced; which parameters
+    are trainable is read then), and ``group_hyperparameters`` (JSON, each group's hyper-parameters, the learning
+    rate included) on every step. Per step: a few dictionary reads and one
+    ``json.dumps`` of the groups' scalars."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._names = {id(p): name for name, p in model.named_parameters()}
+        self._recorded: dict[str, tuple[tuple[int, int], ...]] = {}  # checkpoint -> the groups last recorded
+
+    def trains(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` steps some of the model's parameters."""
+        return any(id(p) in self._names for group in optimizer.param_groups for p in group["params"])
+
+    def mark(self, row: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        """Give ``row`` (the step's, with its ``checkpoint``) the groups' columns."""
+        groups = optimizer.param_groups
+        key = tuple((id(group["params"]), len(group["params"])) for group in groups)
+        row["group_parameters"] = None
+        if self._recorded.get(row["checkpoint"]) != key:
+            self._recorded[row["checkpoint"]] = key
+            members = [[self._names.get(id(p)) for p in group["params"] if p.requires_grad] for group in groups]
+            row["group_parameters"] = json.dumps(members)
+        hyper = [{k: v for k, v in group.items() if k not in NOT_HYPER} for group in groups]
+        row["group_hyperparameters"] = json.dumps(hyper, default=_number)
+
+
+def _number(value: Any) -> Any:
+    """A group's value that JSON does not take as it is: a tensor (a learning rate) as its number, else its text."""
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else str(value)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """JSON ``{name: [sum, sum of squares]}`` of ``model``'s parameters, in float64, read in chunks of 2**24
+    entries (no float64 copy of a large parameter) and brought to the host in one transfer; sharded parameters
+    (DTensors) are left out. Taken once per capture, before its first optimizer step."""
+    names, sums = [], []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if hasattr(p, "to_local"):
+                continue
+            total = torch.zeros(2, dtype=torch.float64, device=p.device)
+            for chunk in p.detach().reshape(-1).split(1 << 24):
+                wide = chunk.double()
+                total += torch.stack([wide.sum(), wide.square().sum()])
+            names.append(name)
+            sums.append(total)
+    values = torch.stack([total.to(sums[0].device) for total in sums]).tolist() if sums else []
+    return json.dumps(dict(zip(names, values)))
 
 
 def preconditioner(optimizer: torch.optim.Optimizer, hooks: Sequence[Any], eps: float) -> list[float] | None:

@@ -21,7 +21,13 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from gradstore.capture.optimizer_state import StepGradients, check_parameter, step_record
+from gradstore.capture.optimizer_state import (
+    ParameterGroups,
+    StepGradients,
+    check_parameter,
+    step_record,
+    weights_fingerprint,
+)
 from gradstore.capture.resume import CommittedRows
 from gradstore.core import GradientWriter, StoreCore, WriterConfig
 from gradstore.core import schema as S
@@ -195,6 +201,9 @@ class StoreCapture:
         self._checked_parameter: torch.Tensor | None = None
         self._checked_optimizer: torch.optim.Optimizer | None = None
         self._model = model
+        self._groups = ParameterGroups(model)
+        self._first_step_hook: Any = None
+        self._initial_weights: str | None = None  # the weights' fingerprint before the first step, until recorded
         self._writer_config = writer_config
         self._writer = None
         self._seen: dict[str, dict[str, Any]] = {}  # checkpoint -> last step/epoch/lr of its training rows
@@ -229,7 +238,17 @@ class StoreCapture:
             self._writer.close()
             raise
         self._watch_steps()
+        self._first_step_hook = register_optimizer_step_pre_hook(self._before_first_step)
         return self
+
+    def _before_first_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before the first step of an optimizer of the model's parameters: the weights' fingerprint
+        (:func:`~gradstore.capture.optimizer_state.weights_fingerprint`), recorded with the step's row."""
+        ours = self.capture.optimizer
+        if optimizer is ours or (ours is None and self._groups.trains(optimizer)):
+            self._initial_weights = weights_fingerprint(self._model)
+            self._first_step_hook.remove()
+            self._first_step_hook = None
 
     def _watch_steps(self) -> None:
         """Check each optimizer step's gradients against the backward's (:class:`StepGradients`), from a step
@@ -258,6 +277,9 @@ class StoreCapture:
             self._checked_optimizer = optimizer
 
     def _unwatch_steps(self) -> None:
+        if self._first_step_hook is not None:
+            self._first_step_hook.remove()
+            self._first_step_hook = None
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
@@ -313,6 +335,8 @@ class StoreCapture:
         )
         if self._gradients is not None:
             self._gradients.mark(row)
+        self._groups.mark(row, optimizer)
+        row["initial_weights"], self._initial_weights = self._initial_weights, None
         self._optimizer_rows.append(row)
 
     def _write_optimizer_steps(self) -> None:

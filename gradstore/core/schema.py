@@ -218,6 +218,13 @@ OPTIMIZER_STEPS_SCHEMA = _tagged(
         # the gradients the step applied: "backward" (as the last backward left them), "unscaled" (divided by the
         # capture's GradScaler's scale only), "modified" (changed otherwise: clipped, rescaled), null: not checked
         pa.field("gradients", pa.string()),
+        # JSON: each parameter group's trainable parameters by the model's names (null: a tensor that is no
+        # parameter of the model), on the first step a capture records under a checkpoint and where the groups change
+        pa.field("group_parameters", pa.string()),
+        # JSON: each parameter group's hyper-parameters at the step ([{"lr": ..., ...}, ...])
+        pa.field("group_hyperparameters", pa.string()),
+        # JSON: {name: [float64 sum, sum of squares]} of the model's parameters before the first step a capture records
+        pa.field("initial_weights", pa.string()),
         pa.field("created_at", _TIMESTAMP),
     ]
 )

@@ -10,6 +10,7 @@ must equal it to float64 rounding.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -88,23 +89,23 @@ def unrolled(
     schedule: bool = True,
     reduction: str = "mean",
     lr: float | None = None,
+    groups=None,
 ) -> np.ndarray:
     """``-d L_q(theta_T) / d eps`` for every example through the whole unrolled run (autograd, create_graph), taken
     where every ``eps = weight`` (``schedule``: the learning rates of :func:`train`, else the optimizer's
-    throughout; ``reduction``: of each batch's losses; ``lr``: instead of the optimizer's)."""
+    throughout; ``reduction``: of each batch's losses; ``lr``: instead of the optimizer's; ``groups(i, t)``: the
+    hyper-parameters, ``lr`` included, of parameter ``i`` (in the model's order) at step ``t`` instead of the
+    optimizer's, ``None`` for a parameter the run does not update)."""
     x, y, batches, rates, _ = data()
-    kind, hyper = OPTIMIZERS[name]
-    hyper = {**hyper, "lr": hyper["lr"] if lr is None else lr}
+    kind, base = OPTIMIZERS[name]
+    base = {**base, "lr": base["lr"] if lr is None else lr}
     model = model_fn()
     names = [n for n, _ in model.named_parameters()]
     params = [p.detach().clone().requires_grad_() for p in model.parameters()]
     weights = torch.full((N,), weight, dtype=torch.float64, requires_grad=True)
-    momentum, decay = hyper.get("momentum", 0.0), hyper.get("weight_decay", 1e-2 if kind is torch.optim.AdamW else 0)
-    beta1, beta2 = hyper.get("betas", (0.9, 0.999))
     first = [torch.zeros_like(p) for p in params]
     second = [torch.zeros_like(p) for p in params]
     for t in range(steps):
-        lr = hyper["lr"] * (rates[t % T] if schedule else 1.0)
         batch = batches[t % T]
         out = torch.func.functional_call(model, dict(zip(names, params)), (x[batch],)).squeeze(-1)
         weighted = weights[batch] * 0.5 * (out - y[batch]) ** 2
@@ -112,6 +113,14 @@ def unrolled(
         grads = torch.autograd.grad(loss, params, create_graph=True)
         updated = []
         for i, (p, g) in enumerate(zip(params, grads)):
+            hyper = {**base, "lr": base["lr"] * (rates[t % T] if schedule else 1.0)}
+            hyper = groups(i, t) if groups else hyper
+            if hyper is None:
+                updated.append(p)
+                continue
+            lr, momentum = hyper["lr"], hyper.get("momentum", 0.0)
+            decay = hyper.get("weight_decay", 1e-2 if kind is torch.optim.AdamW else 0)
+            beta1, beta2 = hyper.get("betas", (0.9, 0.999))
             if kind is torch.optim.SGD:
                 g = g + decay * p
                 if momentum:
@@ -365,33 +374,171 @@ def recorded_gradients(store, run):
     return [row[0] for row in store.sql(query).fetchall()]
 
 
-def test_parameter_groups_that_differ_are_refused(store):
-    """The replay applies one learning rate and one set of hyper-parameters to every parameter: an optimizer
-    whose groups differ (in the learning rate too) is refused, given as the instance or only recorded by capture;
-    groups with the same hyper-parameters replay as one."""
+#: Parameters of the MLP in the model's order: 0.weight, 0.bias, 2.weight, 2.bias.
+WEIGHTS, BIASES = (0, 2), (1, 3)
+
+
+def body_and_head(m, body: dict, head: dict) -> list[dict]:
+    """Two parameter groups: the first layer (``body``'s hyper-parameters) and the last (``head``'s)."""
+    return [{"params": m[0].parameters(), **body}, {"params": m[2].parameters(), **head}]
+
+
+def decay_and_no_decay(m, decay: float) -> list[dict]:
+    """The HF Trainer's groups: weights with weight decay, biases without."""
+    return [
+        {"params": [m[0].weight, m[2].weight], "weight_decay": decay},
+        {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0},
+    ]
+
+
+def test_parameter_groups_that_differ_replay_exactly(store):
+    """SGD with momentum, the body at another learning rate and weight decay than the head; AdamW with the biases
+    in a group without weight decay: each parameter gets its group's hyper-parameters, equal to autograd through
+    the unrolled run, given the run's torch.optim instance or only the first captured layer's group's settings."""
     common = {"model_fn": model_fn, "batch_fn": batch_fn, "loss_fn": loss_fn, "write": False}
-    groups = {
-        "lr": lambda m: [{"params": m[0].parameters(), "lr": 0.1}, {"params": m[2].parameters(), "lr": 0.02}],
-        "weight_decay": lambda m: [
-            {"params": [m[0].weight, m[2].weight], "weight_decay": 0.5},
-            {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0},
-        ],
-    }
-    for differing, split in groups.items():
-        run = f"groups-{differing}"
-        _, optimizer = train_loop(store, run, lambda m, split=split: torch.optim.SGD(split(m), lr=0.1, momentum=0.5))
-        recorded = store.sql(f"select distinct group_differences from optimizer_steps where run_id = '{run}'")
-        assert recorded.fetchall() == [(differing,)]
-        for given in (optimizer, Optimizer("sgd", momentum=0.5)):
-            with pytest.raises(InvalidArgumentError, match=f"differ in {differing}.*one parameter group"):
-                store.replay(QUERIES, run=run, optimizer=given, **common)
+    body, head = {"lr": 0.05, "weight_decay": 0.1}, {"lr": 0.3, "weight_decay": 0.0}
+
+    def sgd(m):
+        return torch.optim.SGD(body_and_head(m, body, head), lr=0.1, momentum=0.9)
+
+    trained, optimizer = train_loop(store, "sgd-groups", sgd)
+    recorded = store.sql("select distinct group_differences from optimizer_steps where run_id = 'sgd-groups'")
+    assert recorded.fetchall() == [("lr, weight_decay",)]
+    truth = unrolled("sgd-momentum", groups=lambda i, t: {**(body if i < 2 else head), "momentum": 0.9})
+    assert np.abs(truth - unrolled("sgd-momentum", schedule=False)).max() > 1e-2 * np.abs(truth).max()
+    for given in (optimizer, sgd(model_fn()), Optimizer("sgd", momentum=0.9, weight_decay=0.1)):
+        replayed = store.replay(QUERIES, run="sgd-groups", optimizer=given, **common)
+        np.testing.assert_allclose(by_example(replayed), truth, rtol=0, atol=1e-10 * np.abs(truth).max())
+    for n, p in trained.named_parameters():
+        torch.testing.assert_close(replayed.final[n], p.detach(), rtol=0, atol=1e-12)
+    assert len(replayed.optimizer.groups) == 2 and replayed.group_learning_rates == [[0.05, 0.3]] * T
+
+    def adamw(m):
+        return torch.optim.AdamW(decay_and_no_decay(m, 0.5), lr=0.05, betas=(0.8, 0.99))
+
+    trained, optimizer = train_loop(store, "adamw-groups", adamw)
+    hyper = {"lr": 0.05, "betas": (0.8, 0.99)}
+    truth = unrolled("adamw", groups=lambda i, t: {**hyper, "weight_decay": 0.5 if i in WEIGHTS else 0.0})
+    for given in (optimizer, Optimizer("adamw", betas=(0.8, 0.99), weight_decay=0.5)):
+        replayed = store.replay(QUERIES, run="adamw-groups", optimizer=given, **common)
+        np.testing.assert_allclose(by_example(replayed), truth, rtol=0, atol=1e-10 * np.abs(truth).max())
+    for n, p in trained.named_parameters():
+        torch.testing.assert_close(replayed.final[n], p.detach(), rtol=0, atol=1e-12)
+
+
+def test_a_scheduler_changing_each_groups_learning_rate_is_replayed(store):
+    """A LambdaLR with one schedule per group: each step's learning rate of each group, as recorded."""
+    schedules = [lambda t: 1.0 - 0.05 * t, lambda t: 0.5 + 0.1 * (t % 3)]
+    x, y, batches, _, _ = data()
+    model = model_fn()
+    optimizer = torch.optim.SGD(body_and_head(model, {"lr": 0.2}, {"lr": 0.1}), lr=0.1, momentum=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
+    with store.capture(model, RUN, optimizer=optimizer, projection=None) as cap:
+        for t in range(T):
+            cap.set_ids([str(i) for i in batches[t]])
+            loss_fn(model, (x[batches[t]], y[batches[t]])).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+    rates = [[0.2 * schedules[0](t), 0.1 * schedules[1](t)] for t in range(T)]
+    replayed = store.replay(
+        QUERIES, run=RUN, model_fn=model_fn, batch_fn=batch_fn, loss_fn=loss_fn, optimizer=optimizer, write=False
+    )
+    np.testing.assert_allclose(replayed.group_learning_rates, rates, rtol=1e-15)
+    truth = unrolled("sgd-momentum", groups=lambda i, t: {"lr": rates[t][i // 2], "momentum": 0.5})
+    np.testing.assert_allclose(by_example(replayed), truth, rtol=0, atol=1e-10 * np.abs(truth).max())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(replayed.final[n], p.detach(), rtol=0, atol=1e-12)
+
+
+def test_parameters_in_no_group_are_not_updated(store):
+    """A trainable parameter the optimizer does not hold stays as it is in the run, and in the replay."""
+    trained, _ = train_loop(store, "head-only", lambda m: torch.optim.SGD(m[2].parameters(), lr=0.3))
+    replayed = store.replay(QUERIES, run="head-only", model_fn=model_fn, batch_fn=batch_fn, loss_fn=loss_fn,
+                            optimizer="sgd", write=False)  # fmt: skip
+    truth = unrolled("sgd", schedule=False, groups=lambda i, t: {"lr": 0.3} if i >= 2 else None)
+    np.testing.assert_allclose(by_example(replayed), truth, rtol=0, atol=1e-10 * np.abs(truth).max())
+    assert sorted(replayed.final) == ["2.bias", "2.weight"]
+    torch.testing.assert_close(trained[0].weight.detach(), model_fn()[0].weight.detach(), rtol=0, atol=0)
+
+
+def test_what_the_groups_cannot_replay_is_refused(store, monkeypatch):
+    """A model whose parameter names are not the run's, a replay optimizer with other groups than the run's, a
+    group with a setting the functional step does not implement, and (a capture of an earlier version, which
+    recorded no groups) groups that differ: each refused saying what to do."""
+    common = {"batch_fn": batch_fn, "loss_fn": loss_fn, "write": False}
+    body, head = {"lr": 0.05, "weight_decay": 0.1}, {"lr": 0.3}
+    _, optimizer = train_loop(store, "groups", lambda m: torch.optim.SGD(body_and_head(m, body, head), lr=0.1))
+
+    def renamed():
+        torch.manual_seed(1)
+        layers = [("hidden", nn.Linear(D, H)), ("act", nn.Tanh()), ("out", nn.Linear(H, 1))]
+        return nn.Sequential(OrderedDict(layers)).double()
+
+    with pytest.raises(InvalidArgumentError, match=r"no parameters named \['0.weight'.*by name.*named_parameters"):
+        store.replay(QUERIES, run="groups", model_fn=renamed, optimizer=optimizer, **common)
+    other = torch.optim.SGD(body_and_head(model_fn(), {**body, "weight_decay": 0.2}, head), lr=0.1)
+    with pytest.raises(InvalidArgumentError, match="group 0 was recorded as sgd.*weight_decay=0.1.*weight_decay=0.2"):
+        store.replay(QUERIES, run="groups", model_fn=model_fn, optimizer=other, **common)
+    three = torch.optim.SGD([{"params": [p], "lr": 0.1 * (i + 1)} for i, p in enumerate(model_fn().parameters())])
+    with pytest.raises(InvalidArgumentError, match="had 2 parameter groups but.*4"):
+        store.replay(QUERIES, run="groups", model_fn=model_fn, optimizer=three, **common)
+
+    def amsgrad(m):
+        return torch.optim.Adam([{"params": m[0].parameters()}, {"params": m[2].parameters(), "amsgrad": True}])
+
+    train_loop(store, "amsgrad", amsgrad)
+    with pytest.raises(InvalidArgumentError, match="group 1 cannot be replayed.*amsgrad=True"):
+        store.replay(QUERIES, run="amsgrad", model_fn=model_fn, optimizer="adam", **common)
+
+    def unrecorded(self, row, optimizer):  # a capture of an earlier version: no groups recorded
+        row["group_parameters"] = row["group_hyperparameters"] = None
+
+    monkeypatch.setattr("gradstore.capture.optimizer_state.ParameterGroups.mark", unrecorded)
+    _, optimizer = train_loop(store, "earlier", lambda m: torch.optim.SGD(body_and_head(m, body, head), lr=0.1))
+    for given in (optimizer, Optimizer("sgd", weight_decay=0.1)):
+        with pytest.raises(InvalidArgumentError, match="differ in lr, weight_decay.*capture the run again"):
+            store.replay(QUERIES, run="earlier", model_fn=model_fn, optimizer=given, **common)
     _, optimizer = train_loop(
         store,
         "groups-same",
         lambda m: torch.optim.SGD([{"params": m[0].parameters()}, {"params": m[2].parameters()}], lr=0.3),
     )
-    replayed = store.replay(QUERIES, run="groups-same", optimizer=optimizer, **common)
+    replayed = store.replay(QUERIES, run="groups-same", model_fn=model_fn, optimizer=optimizer, **common)
     np.testing.assert_allclose(by_example(replayed), unrolled("sgd", schedule=False), rtol=1e-9, atol=1e-12)
+
+
+def test_a_model_fn_at_other_weights_than_the_run_started_from_is_refused(store, monkeypatch):
+    """Capture fingerprints the weights before its first step: a model_fn() returning the trained model (or
+    another initialisation) is refused; the run's initial weights replay; a capture that began later in the run
+    (resumed) is not compared."""
+    trained = train(store, "sgd")
+    common = {"run": RUN, "batch_fn": batch_fn, "loss_fn": loss_fn, "optimizer": "sgd", "write": False}
+    for wrong in (lambda: trained, lambda: nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, 1)).double()):
+        with pytest.raises(InvalidArgumentError, match="other weights than run 'mlp' started from.*step 0"):
+            store.replay(QUERIES, model_fn=wrong, **common)
+    nudged = model_fn()
+    with torch.no_grad():
+        nudged[2].bias.add_(1e-5)
+    with pytest.raises(InvalidArgumentError, match="parameter '2.bias'"):
+        store.replay(QUERIES, model_fn=lambda: nudged, **common)
+    store.replay(QUERIES, model_fn=model_fn, **common)
+    fingerprints = store.sql("select step from optimizer_steps where initial_weights is not null").fetchall()
+    assert fingerprints == [(0,)]
+    resumed = gradstore.open(store.uri.rstrip("/") + "-resumed", storage_dtype="float32", row_files=False)
+    monkeypatch.setattr("gradstore.capture.session.weights_fingerprint", lambda model: None)  # as earlier versions
+    train(resumed, "sgd", steps=T // 2)
+    monkeypatch.undo()
+    x, y, batches, _, _ = data()
+    model = model_fn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    with resumed.capture(model, RUN, optimizer=optimizer, projection=None) as cap:  # goes on at step T / 2
+        cap.set_step(T // 2)
+        cap.set_ids([str(i) for i in batches[0]])
+        loss_fn(model, (x[batches[0]], y[batches[0]])).mean().backward()
+        optimizer.step()
+    assert resumed.sql("select step from optimizer_steps where initial_weights is not null").fetchall() == [(T // 2,)]
+    resumed.replay(QUERIES, model_fn=model_fn, **common)  # its fingerprint is of step T / 2, not the replay's first
 
 
 def test_steps_on_other_gradients_than_the_backwards_are_refused(store):
