@@ -13,6 +13,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import numpy as np
+
 import indexers
 import ingest
 
@@ -172,15 +174,21 @@ def surface_error(error: BaseException) -> GradstoreError | None:
 
 def surface(function: _Function) -> _Function:
     """Decorate a public entry point: keywords it does not take raise :class:`InvalidArgumentError` naming the
-    ones it does (and a removed keyword's replacement), and errors escaping it go through :func:`surface_error`."""
+    ones it does (and a removed keyword's replacement), a flag (a parameter annotated ``bool``, or ``bool | None``)
+    given anything but ``True``/``False`` (or ``None``) raises one naming the flag, and errors escaping it go
+    through :func:`surface_error`."""
     signature = inspect.signature(function)
+    flags = _flags(signature)
 
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
-            signature.bind(*args, **kwargs)
+            given = signature.bind(*args, **kwargs).arguments
         except TypeError as error:
             raise _argument_error(function.__name__, signature, kwargs, error) from error
+        for name, optional in flags.items():
+            if name in given:
+                _check_flag(function.__name__, name, given[name], optional)
         try:
             return function(*args, **kwargs)
         except GradstoreError:
@@ -192,6 +200,27 @@ def surface(function: _Function) -> _Function:
             raise ours from error
 
     return call  # type: ignore[return-value]
+
+
+def _flags(signature: inspect.Signature) -> dict[str, bool]:
+    """The flags of ``signature``: its parameters annotated ``bool`` (-> ``False``) or ``bool | None`` (-> ``True``:
+    ``None`` is a value too)."""
+    flags = {}
+    for parameter in signature.parameters.values():
+        annotation = parameter.annotation
+        spelled = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+        if spelled in ("bool", "bool | None"):
+            flags[parameter.name] = spelled != "bool"
+    return flags
+
+
+def _check_flag(call: str, name: str, value: Any, optional: bool) -> None:
+    """Refuse flag ``name`` of ``call`` given ``value``, anything but ``True``/``False`` (numpy's too; or ``None``
+    when ``optional``): ``"no"`` or ``0`` would otherwise pass as a truth value."""
+    if isinstance(value, (bool, np.bool_)) or (optional and value is None):
+        return
+    choices = "True, False or None (the default)" if optional else "True or False"
+    raise InvalidArgumentError(f"{call}(): {name}= takes {choices}, got {value!r}")
 
 
 def _argument_error(

@@ -35,9 +35,9 @@ from gradstore.core.results import Results
 from gradstore.core.row_cache import RowFiles
 from gradstore.core.tables import Tables
 from gradstore.errors import InvalidArgumentError, surface
-from gradstore.methods import DEFAULT_METHOD, BlockStructure, MethodName, ScoreOptions, check_count, check_k
+from gradstore.methods import DEFAULT_METHOD, BlockStructure, MethodName, ScoreOptions, check_count
 from gradstore.methods.preconditioned import indexed
-from gradstore.methods.queries import QueryBatch, QueryInput
+from gradstore.methods.queries import QueryBatch, QueryInput, check_queries
 from gradstore.preconditioning.fitting import FitCache
 from gradstore.search.index import AttributionIndex
 from gradstore.search.loading import load_index
@@ -349,7 +349,7 @@ class GradStore:
         return attribute(
             self.core,
             self.fits,
-            queries,
+            check_queries(queries),
             options,
             run=run,
             k=k,
@@ -389,7 +389,7 @@ class GradStore:
             split=split,
             where=where,
         )
-        return score_matrix(self.core, self.fits, queries, options, run=run)
+        return score_matrix(self.core, self.fits, check_queries(queries), options, run=run)
 
     @surface
     def self_influence(
@@ -463,7 +463,16 @@ class GradStore:
             split=split,
             where=where,
         )
-        return select(self.core, self.fits, target, options, run=run, budget=budget, aggregate=aggregate, engine=engine)
+        return select(
+            self.core,
+            self.fits,
+            check_queries(target, "target"),
+            options,
+            run=run,
+            budget=budget,
+            aggregate=aggregate,
+            engine=engine,
+        )
 
     @surface
     def token_scores(
@@ -581,7 +590,9 @@ class GradStore:
     ) -> Path:
         """Write a self-contained HTML attribution report (opens offline) to ``out`` (its folder is created);
         see :mod:`gradstore.answers.report`."""
-        options = ReportOptions(run=run, max_queries=check_count("max_queries", max_queries), top=check_k(top))
+        options = ReportOptions(
+            run=run, max_queries=check_count("max_queries", max_queries), top=check_count("top", top)
+        )
         out = Path(out)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,14 +7,14 @@ import functools
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, overload
 
 import typer
 import typer.core
 
 from gradstore.cli.allocator import limit_malloc_arenas
 from gradstore.core.engine import resolve_engine
-from gradstore.errors import GradstoreError
+from gradstore.errors import GradstoreError, InvalidArgumentError
 from gradstore.methods import OPTION_HELP, method_names
 from gradstore.methods.extension import load_plugins
 
@@ -170,5 +170,18 @@ def print_table(table, limit: int = 50) -> None:
     typer.echo(table.to_pandas().to_string(index=False, max_rows=limit))
 
 
-def csv_list(value: str | None) -> list[str] | None:
-    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+@overload
+def csv_list(option: str, value: str) -> list[str]: ...
+@overload
+def csv_list(option: str, value: str | None) -> list[str] | None: ...
+def csv_list(option: str, value: str | None) -> list[str] | None:
+    """The comma-separated values of ``option`` (``None``: not given); given but naming nothing (``""``, ``","``)
+    is an ``InvalidArgumentError`` (not read as "not given")."""
+    if value is None:
+        return None
+    values = [v.strip() for v in value.split(",") if v.strip()]
+    if not values:
+        raise InvalidArgumentError(
+            f"{option} {value!r} names nothing: give comma-separated values, or leave {option} out for its default"
+        )
+    return values

@@ -19,7 +19,7 @@ from gradstore.cli.common import (
     print_table,
 )
 from gradstore.errors import InvalidArgumentError
-from gradstore.methods import method_names, resolve_method
+from gradstore.methods import resolve_method
 
 evaluate_app = typer.Typer(help="Check attribution scores against retraining.", no_args_is_help=True)
 app.add_typer(evaluate_app, name="evaluate")
@@ -68,7 +68,7 @@ def _evaluation_inputs(
     opened = open_store(store)
     train_fn = _import_function(train)
     chosen: dict[str, dict[str, Any]] = {}
-    for name in csv_list(methods) or []:
+    for name in csv_list("--methods", methods):
         uses = resolve_method(name).uses
         options: dict[str, Any] = {"method": name}
         if checkpoint and "checkpoint" in uses:
@@ -76,9 +76,7 @@ def _evaluation_inputs(
         if damping is not None and "damping" in uses:
             options["damping"] = damping
         chosen[name] = options
-    if not chosen:
-        raise InvalidArgumentError(f"--methods names no method; pass some of {method_names()}")
-    ids = csv_list(queries) or query_ids(opened, run)
+    ids = csv_list("--queries", queries) or query_ids(opened, run)
     if not ids:
         raise InvalidArgumentError(f"run {run!r} has no query rows: pass --queries, or capture rows with split='query'")
     return opened, train_fn, ids, chosen
@@ -86,7 +84,7 @@ def _evaluation_inputs(
 
 def _int_list(option: str, value: str) -> list[int]:
     try:
-        return [int(v) for v in csv_list(value) or []]
+        return [int(v) for v in csv_list(option, value)]
     except ValueError:
         raise InvalidArgumentError(f"{option} must be comma-separated integers, got {value!r}") from None
 

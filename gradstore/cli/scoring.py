@@ -37,6 +37,7 @@ from gradstore.cli.common import (
     open_store,
     print_table,
 )
+from gradstore.errors import InvalidArgumentError
 from gradstore.methods import DEFAULT_METHOD, OPTION_HELP, ScoreOptions
 from gradstore.search.index import index_summary
 
@@ -105,12 +106,16 @@ def attribute(
 ) -> None:
     """Top-k proponents (and opponents) of query examples; results are appended to the scores table unless
     --no-write (a store this process cannot write answers with --no-write)."""
-    selected = csv_list(queries) if queries else where
+    if queries is not None and where is not None:
+        raise InvalidArgumentError(
+            "--queries and --where both select the query rows: give one (ids with --queries, a filter with --where)"
+        )
+    selected = csv_list("--queries", queries) or where
     options = ScoreOptions(
         method=method.value,
         checkpoint=checkpoint,
         query_checkpoint=query_checkpoint,
-        checkpoints=csv_list(checkpoints),
+        checkpoints=csv_list("--checkpoints", checkpoints),
         damping=damping,
         blocks=blocks.value,
         kind=kind,
@@ -161,14 +166,14 @@ def select(
     count_or_fraction = int(budget) if budget > 1 and budget.is_integer() else budget
     options = ScoreOptions(
         method=preconditioner.value,
-        checkpoints=csv_list(checkpoints),
+        checkpoints=csv_list("--checkpoints", checkpoints),
         damping=damping,
         blocks=blocks.value,
         split=split,
         where=where,
     )
     table = open_store(store).select(
-        csv_list(target),
+        csv_list("--target", target),
         run=run,
         budget=count_or_fraction,
         aggregate=aggregate,
@@ -188,7 +193,7 @@ def self_influence_command(
     run: Annotated[str, typer.Option(help="Run whose training rows are scored.")],
     method: SelfInfluenceMethodOption = SelfInfluenceMethod[DEFAULT_METHOD],
     checkpoint: CheckpointOption = None,
-    top: Annotated[int, typer.Option(help="Rows shown.")] = 20,
+    top: Annotated[int, typer.Option(min=1, help="Rows shown.")] = 20,
     damping: DampingOption = None,
     blocks: BlocksOption = Blocks.auto,
     write: Annotated[bool, typer.Option(help="Append the values to the store's self_influence table.")] = True,

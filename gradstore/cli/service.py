@@ -86,8 +86,8 @@ def serve(
         batch_window_s=batch_window_ms / 1000,
         tls_cert=tls_cert,
         tls_key=tls_key,
-        warm=csv_list(warm),
-        warm_kinds=tuple(csv_list(warm_kinds) or ("exact",)),
+        warm=csv_list("--warm", warm),
+        warm_kinds=tuple(csv_list("--warm-kinds", warm_kinds)),
         model=model,
         limits=Limits.parse(limit),
     )

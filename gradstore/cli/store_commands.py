@@ -88,7 +88,7 @@ def sql(
 def compact(
     store: StoreArg,
     cleanup_days: Annotated[
-        float | None, typer.Option(help="Also delete table versions older than this many days.")
+        float | None, typer.Option(min=0, help="Also delete table versions older than this many days.")
     ] = None,
 ) -> None:
     """Compact every table's fragments (and optionally delete old versions)."""
@@ -146,8 +146,8 @@ def report(
     store: StoreArg,
     run: Annotated[str | None, typer.Option(help="Only this run (default: every run).")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="HTML file to write.")] = Path("report.html"),
-    max_queries: Annotated[int, typer.Option(help="Queries listed (the rest are counted).")] = 1000,
-    top: Annotated[int, typer.Option(help="Proponents and opponents shown per query and method.")] = 10,
+    max_queries: Annotated[int, typer.Option(min=1, help="Queries listed (the rest are counted).")] = 1000,
+    top: Annotated[int, typer.Option(min=1, help="Proponents and opponents shown per query and method.")] = 10,
     selection: Annotated[
         Path | None,
         typer.Option(exists=True, dir_okay=False, help="A selection parquet file (from select --out) to break down."),

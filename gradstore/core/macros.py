@@ -11,7 +11,7 @@ call does not list its results twice; the ``scores`` table itself keeps every ca
   with how many queries and their mean score.
 - ``influence_by(column_name)``: proponent scores aggregated by an ``examples`` column (e.g. ``'source'``).
 - ``most_self_influential(n)``: the ``n`` training rows with the largest self-influence, with their columns
-  (likewise).
+  (likewise); of each (run, example, method), the rows of the latest self_influence call only.
 
 Each macro is defined when the tables it reads exist; :data:`UNDEFINED_MACROS` says what to do when a query calls
 one that is not.
@@ -24,10 +24,21 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-LATEST_SCORES = """CREATE MACRO latest_scores() AS TABLE
-   SELECT * EXCLUDE (latest_at) FROM (
-       SELECT *, max(created_at) OVER (PARTITION BY run_id, query_id, method) AS latest_at FROM scores)
+
+def _latest_rows(table: str, key: str) -> str:
+    """The rows of ``table`` stamped by the latest call of each ``key`` (a comma-separated column list): every
+    call stamps its rows with one ``created_at``, so the rows of that call whose ``created_at`` is the largest of
+    the key's."""
+    return f"""SELECT * EXCLUDE (latest_at) FROM (
+       SELECT *, max(created_at) OVER (PARTITION BY {key}) AS latest_at FROM {table})
    WHERE created_at = latest_at"""
+
+
+LATEST_SCORES = f"""CREATE MACRO latest_scores() AS TABLE
+   {_latest_rows("scores", "run_id, query_id, method")}"""
+#: Of each (run, example, method), the ``self_influence`` rows of the latest call (``most_self_influential`` reads
+#: these: repeating a call does not list an example twice).
+LATEST_SELF_INFLUENCE = f"({_latest_rows('self_influence', 'run_id, example_id, method')})"
 INFLUENTIAL_EXAMPLES = """CREATE MACRO influential_examples(k, min_queries) AS TABLE
    SELECT * FROM (
        SELECT example_id, count(DISTINCT query_id) AS queries, avg(score) AS mean_score
@@ -70,7 +81,7 @@ def self_influence_macros(examples: bool) -> list[str]:
     """``most_self_influential``, with the ``examples`` columns when ``examples``, else with ``example_id`` only."""
     return [
         f"""CREATE MACRO most_self_influential(n) AS TABLE
-   {_with_examples("s.self_influence, s.method, s.checkpoint", "self_influence", examples)}
+   {_with_examples("s.self_influence, s.method, s.checkpoint", LATEST_SELF_INFLUENCE, examples)}
    ORDER BY s.self_influence DESC LIMIT n"""
     ]
 

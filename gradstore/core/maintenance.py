@@ -11,6 +11,7 @@ from gradstore.core.catalog import RunCatalog
 from gradstore.core.coverage import run_coverage
 from gradstore.core.tables import Tables, writes
 from gradstore.core.verify import VerifyReport, verify_store
+from gradstore.errors import InvalidArgumentError
 
 
 class Maintenance:
@@ -26,6 +27,13 @@ class Maintenance:
 
         Returns the fragment count of each table after compaction.
         """
+        if cleanup_older_than is not None and (
+            not isinstance(cleanup_older_than, timedelta) or cleanup_older_than < timedelta(0)
+        ):
+            raise InvalidArgumentError(
+                f"cleanup_older_than must be a timedelta >= 0 (versions older than it are deleted), "
+                f"got {cleanup_older_than!r}"
+            )
         counts = {}
         for name in self.tables.db.list_tables().tables:
             if len(self.tables.table(name).to_lance().get_fragments()) > 1:

@@ -16,7 +16,7 @@ training). Query rows at several other checkpoints and none at the training rows
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -58,6 +58,30 @@ class Queries:
 
     ids: list[str]
     vectors: np.ndarray  # float32 [q, dim]
+
+
+def check_queries(queries: QueryInput, name: str = "queries") -> QueryInput:
+    """``queries`` (argument ``name`` of a scoring call) if it is one of the accepted forms (the module docstring;
+    ids given as any iterable come back as a list, read once): an ``InvalidArgumentError`` listing the forms
+    otherwise (a number, bytes, an array of strings, a list of vectors)."""
+    if queries is None or isinstance(queries, (str, QueryBatch, torch.Tensor)):
+        return queries
+    if isinstance(queries, np.ndarray):
+        if np.issubdtype(queries.dtype, np.number):
+            return queries
+        problem = f"an array of {queries.dtype} (query ids go in a list: {name}=array.tolist())"
+    elif isinstance(queries, Iterable) and not isinstance(queries, (bytes, bytearray, Mapping)):
+        queries = list(queries)
+        odd = [q for q in queries if not isinstance(q, str) and isinstance(q, (bool, float, bytes, Iterable))]
+        if not odd:
+            return queries
+        problem = f"a list holding {type(odd[0]).__name__} {odd[0]!r} (vectors go in one array [q, dim])"
+    else:
+        problem = f"{type(queries).__name__} {queries!r}"
+    raise InvalidArgumentError(
+        f"{name}= takes None (every stored query row), a SQL filter string, a list of query example ids, a "
+        f"QueryBatch or query vectors [q, dim]; got {problem}"
+    )
 
 
 def stored_queries(queries: QueryInput) -> bool:

@@ -504,7 +504,7 @@ def test_cli_evaluate_qld_end_to_end(store, tmp_path, monkeypatch):
         (["--fraction", "1.5"], "fraction must be a number in (0, 1)"),
         (["--seeds", "0,x"], "--seeds must be comma-separated integers"),
         (["--methods", "nope"], "unknown attribution method 'nope'"),
-        (["--methods", ","], "--methods names no method"),
+        (["--methods", ","], "--methods ',' names nothing"),
         (["--queries", "q0,nope"], "nope"),
         (["--draws", "0"], "draws must be a whole number >= 1"),
     ):

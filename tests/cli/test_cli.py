@@ -203,3 +203,76 @@ def test_method_choices_are_the_methods_each_command_takes(store_path, command, 
     for method in refused:
         result = runner.invoke(app, [command, str(store_path), "--run", "r", f"--{option}", method])
         assert result.exit_code == 2 and "is not one of" in result.output, result.output
+
+
+def _with_queries(path):
+    """A store of run ``r``: training rows t0..t3 and query rows q0, q1 (dim 4)."""
+    store = gradstore.open(path)
+    store.create_run("r", dim=4)
+    with store.writer("r") as writer:
+        writer.append(np.eye(4)[[0, 1, 2, 3]], ["t0", "t1", "t2", "t3"], split="train")
+        writer.append(np.eye(4)[[0, 1]], ["q0", "q1"], split="query")
+    return store
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["attribute", "--queries", ""], "--queries '' names nothing"),
+        (["attribute", "--queries", ","], "--queries ',' names nothing"),
+        (["attribute", "--queries", "q0", "--where", "example_id = 'q1'"], "--queries and --where both select"),
+        (["attribute", "--checkpoints", "", "--method", "tracin"], "--checkpoints '' names nothing"),
+        (["select", "--target", ""], "--target '' names nothing"),
+    ],
+)
+def test_query_options_that_select_nothing_or_twice_are_refused(store_path, arguments, message):
+    """``--queries ""`` is not "every query" (the API refuses an empty id list too), and ``--queries`` with
+    ``--where`` (the docs' alternatives) is not ``--queries`` with ``--where`` ignored: one-line errors."""
+    _with_queries(store_path)
+    command, *options = arguments
+    result = runner.invoke(app, [command, str(store_path), "--run", "r", *options])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    assert result.output.startswith(f"error: {message}"), result.output
+    assert gradstore.open(store_path).count("scores") == 0
+
+
+@pytest.mark.parametrize(
+    ("arguments", "option"),
+    [
+        (["report", "--top", "-1"], "--top"),
+        (["report", "--top", "0"], "--top"),
+        (["report", "--max-queries", "0"], "--max-queries"),
+        (["self-influence", "--run", "r", "--top", "0"], "--top"),
+        (["self-influence", "--run", "r", "--top", "-1"], "--top"),
+        (["compact", "--cleanup-days", "-1"], "--cleanup-days"),
+    ],
+)
+def test_counts_out_of_range_are_usage_errors_naming_the_option(store_path, tmp_path, arguments, option):
+    _with_queries(store_path)
+    command, *options = arguments
+    out = ["--out", str(tmp_path / "r.html")] if command == "report" else []
+    result = runner.invoke(app, [command, str(store_path), *options, *out])
+    assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output, result.output
+    assert not (tmp_path / "r.html").exists() and gradstore.open(store_path).count("self_influence") == 0
+
+
+def test_the_api_names_report_top_and_refuses_a_negative_cleanup_age(store_path, tmp_path):
+    from datetime import timedelta
+
+    store = _with_queries(store_path)
+    with pytest.raises(gradstore.InvalidArgumentError, match="^top must be a whole number >= 1, got -1"):
+        store.report(tmp_path / "r.html", top=-1)
+    with pytest.raises(gradstore.InvalidArgumentError, match="cleanup_older_than must be a timedelta >= 0"):
+        store.compact(cleanup_older_than=timedelta(days=-1))
+
+
+def test_evaluate_names_a_train_function_that_fails_in_one_line(store_path):
+    """The user's --train function raising is their error, not gradstore's: one line naming the function."""
+    _with_queries(store_path)
+    for command in ("qld", "lds"):
+        result = runner.invoke(
+            app, ["evaluate", command, str(store_path), "--run", "r", "--train", "os:getcwd", "--methods", "grad-dot"]
+        )
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1
+        assert result.output.startswith("error: train_fn posix.getcwd failed (TypeError:"), result.output

@@ -151,3 +151,17 @@ def test_the_macros_work_before_examples_are_added(store):
     assert joined["example_id"].tolist() == expected and joined["source"].notna().all()
     assert store.sql("select sum(hits) from influence_by('source')").fetchall() == [(3,)]
     assert "source" in store.sql("select * from most_self_influential(1)").columns
+
+
+def test_most_self_influential_lists_each_example_once_after_repeated_calls(filled):
+    """Like the ``scores`` macros (``latest_scores``), ``most_self_influential`` reads each example's latest
+    self_influence call: two identical calls list every example once, and a later call on fewer rows replaces the
+    earlier values of those rows only; the table keeps every call."""
+    filled.self_influence(run="r", method="grad-dot")
+    first = filled.self_influence(run="r", method="grad-dot").to_pandas()
+    listed = filled.sql("select example_id, self_influence from most_self_influential(100)").df()
+    assert sorted(listed.example_id) == sorted(first.example_id)  # each of the 30 training rows once
+    assert listed.self_influence.tolist() == sorted(first.self_influence, reverse=True)
+    filled.self_influence(run="r", method="grad-dot", where="example_id = 'e0'")
+    assert filled.sql("select count(*) from most_self_influential(100)").fetchall() == [(30,)]
+    assert filled.count("self_influence") == 61

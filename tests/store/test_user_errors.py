@@ -9,6 +9,7 @@ Beside them, the cases the "stranger's hands" issue reproduced, each with the er
 from __future__ import annotations
 
 import contextlib
+import re
 import string
 from pathlib import Path
 
@@ -91,6 +92,7 @@ query_forms = (
     | st.lists(st.sampled_from(["q0", "q1", "x0", "nope", ""]), max_size=3)
     | st.integers(1, 3).map(lambda n: np.ones((n, 5), np.float32))
     | st.sampled_from([np.full((1, 72), np.nan, np.float32), np.ones((2, 3, 4), np.float32)])
+    | st.sampled_from([5, 2.5, b"q0", np.array(["q0"]), [[0.5, 1.0]]])
 )
 kinds = st.sampled_from(["exact", "auto", "Flat", "IVF4,Flat", "HNSW8,Flat", "Bogus", "", "IVF999,Flat"])
 common = {
@@ -344,6 +346,71 @@ def test_cli_prints_one_line_never_a_traceback(filled, tmp_path_factory, command
 def test_arguments_a_method_does_not_use_are_refused(filled, arguments, message):
     with pytest.raises(gradstore.InvalidArgumentError, match=message):
         filled.attribute(run=RUN, write=False, **arguments)
+
+
+FLAG_CALLS = {
+    "attribute": lambda store, flags: store.attribute(run=RUN, method="grad-dot", **{"write": False, **flags}),
+    "self_influence": lambda store, flags: store.self_influence(run=RUN, method="grad-dot", **flags),
+    "build_index": lambda store, flags: store.build_index(RUN, method="grad-dot", **flags),
+    "capture": lambda store, flags: store.capture(tiny_mlp(), RUN, **flags),
+    "create_run": lambda store, flags: store.create_run("another", dim=4, **flags),
+    "token_scores": lambda store, flags: store.token_scores(None, None, run=RUN, **flags),
+    "replay": lambda store, flags: store.replay(
+        ["q0"], run=RUN, model_fn=tiny_mlp, batch_fn=list, loss_fn=len, optimizer="sgd", **flags
+    ),
+    "open": lambda store, flags: gradstore.open(store.core.location, **flags),
+}
+
+
+def _flags_of_the_api() -> list[tuple[str, str]]:
+    """Every (call, parameter) of the store's API and ``gradstore.open`` annotated ``bool`` or ``bool | None``."""
+    import inspect
+
+    from gradstore.store import API, GradStore
+
+    calls = {name: getattr(GradStore, name) for name in API if callable(getattr(GradStore, name))}
+    calls["open"] = gradstore.open
+    return [
+        (name, parameter.name)
+        for name, call in calls.items()
+        for parameter in inspect.signature(call).parameters.values()
+        if str(parameter.annotation) in ("bool", "bool | None")
+    ]
+
+
+@pytest.mark.parametrize(("call", "flag"), _flags_of_the_api())
+@pytest.mark.parametrize("value", ["no", "yes", 0, 1, 1.0])
+def test_every_flag_of_the_api_takes_only_true_or_false(filled, call, flag, value):
+    """A flag given anything but ``True``/``False`` (``opponents="no"``, ``write="yes"``, ``refit=1``) is refused
+    naming it, before anything is written (not taken as a truth value)."""
+    before = _versions(filled)
+    with pytest.raises(gradstore.InvalidArgumentError, match=rf"{flag}= takes True(, False or None| or False)"):
+        FLAG_CALLS[call](filled, {flag: value})
+    assert _versions(filled) == before
+
+
+def test_a_numpy_bool_is_a_flag_value_too(filled):
+    with_numpy = FLAG_CALLS["attribute"](filled, {"opponents": np.True_})
+    assert with_numpy.equals(FLAG_CALLS["attribute"](filled, {"opponents": True}))
+
+
+@pytest.mark.parametrize(
+    ("call", "queries", "shown"),
+    [
+        ("attribute", 5, "int 5"),
+        ("attribute", 2.5, "float 2.5"),
+        ("score_matrix", b"q0", "bytes b'q0'"),
+        ("attribute", np.array(["q0"]), "an array of <U2"),
+        ("score_matrix", [[0.5, 1.0]], "a list holding list"),
+        ("select", 7, "int 7"),
+    ],
+)
+def test_queries_of_another_form_are_refused_naming_the_forms(filled, call, queries, shown):
+    name = "target" if call == "select" else "queries"
+    with pytest.raises(gradstore.InvalidArgumentError, match=rf"{name}= takes None .*; got {re.escape(shown)}"):
+        getattr(filled, call)(queries, run=RUN)
+    for ids in (["q0"], ("q0",), iter(["q0"])):  # any iterable of ids
+        assert filled.score_matrix(ids, run=RUN, method="grad-dot").query_ids == ["q0"]
 
 
 def test_an_empty_query_filter_selects_nothing_instead_of_every_row(filled):

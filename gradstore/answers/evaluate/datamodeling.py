@@ -15,6 +15,7 @@ from gradstore.answers.evaluate.evaluations import (
     check_methods,
     evaluation_row,
     record_evaluation,
+    retrained_losses,
     scores_by_example,
     training_ids,
 )
@@ -117,10 +118,7 @@ def retrain(
     subset_ids = [[ids[i] for i in members] for members in chosen]
     losses = []
     for s in seeds:
-        result = np.asarray(train_fn(subset_ids, list(queries), int(s)), dtype=np.float64)
-        if result.shape != (subsets, len(queries)):
-            raise InvalidArgumentError(f"train_fn returned shape {result.shape}, expected ({subsets}, {len(queries)})")
-        losses.append(result)
+        losses.append(retrained_losses(train_fn, subset_ids, list(queries), int(s)))
     return Retraining(ids, list(queries), masks, np.stack(losses), tuple(int(s) for s in seeds), fraction, seed)
 
 

@@ -14,13 +14,41 @@ import numpy as np
 import pyarrow as pa
 
 from gradstore.core import sql_literal
-from gradstore.errors import InvalidArgumentError
+from gradstore.errors import GradstoreError, InvalidArgumentError
 from gradstore.methods import DEFAULT_METHOD, ScoreOptions
 
 if TYPE_CHECKING:
     from gradstore.store import GradStore
 
 TrainFn = Callable[[list[list[str]], list[str], int], Any]
+
+
+def retrained_losses(train_fn: TrainFn, subsets: list[list[str]], queries: list[str], seed: int) -> np.ndarray:
+    """``train_fn(subsets, queries, seed)``, the user's retraining: its losses ``[len(subsets), len(queries)]`` as
+    float64. An exception it raises (or a result that is not such a matrix) is an ``InvalidArgumentError`` naming
+    the function, like every user function that fails."""
+    try:
+        result = np.asarray(train_fn(subsets, queries, seed), dtype=np.float64)
+    except GradstoreError:
+        raise
+    except Exception as error:
+        raise InvalidArgumentError(
+            f"train_fn {_spelled(train_fn)} failed ({type(error).__name__}: {error}): give your retraining function "
+            "f(subsets, queries, seed) returning losses [subsets, queries]"
+        ) from error
+    if result.shape != (len(subsets), len(queries)):
+        raise InvalidArgumentError(
+            f"train_fn returned shape {result.shape}, expected [subsets, queries] = ({len(subsets)}, {len(queries)}) "
+            f"(train_fn is {_spelled(train_fn)})"
+        )
+    return result
+
+
+def _spelled(function: Any) -> str:
+    """``module.name`` of a function (its repr when it has no name)."""
+    name = getattr(function, "__qualname__", None)
+    return f"{getattr(function, '__module__', None) or '?'}.{name}" if name else repr(function)
+
 
 EVALUATIONS = "evaluations"
 

@@ -18,6 +18,7 @@ from gradstore.answers.evaluate.evaluations import (
     check_methods,
     evaluation_row,
     record_evaluation,
+    retrained_losses,
     scores_by_example,
     training_ids,
 )
@@ -191,13 +192,7 @@ def qld_of_scores(
     for s_row, s in enumerate(seeds):
         for start in range(0, len(kept), step):
             chunk = kept[start : start + step]
-            result = np.asarray(train_fn(chunk, list(queries), s), dtype=np.float64)
-            if result.shape != (len(chunk), len(queries)):
-                raise InvalidArgumentError(
-                    f"train_fn returned shape {result.shape}, expected [subsets, queries] = "
-                    f"({len(chunk)}, {len(queries)})"
-                )
-            losses[s_row, start : start + len(chunk)] = result
+            losses[s_row, start : start + len(chunk)] = retrained_losses(train_fn, chunk, list(queries), s)
     mean_losses = losses.mean(0)  # [retrainings, queries]
     columns = np.arange(len(queries))
     random_loss = mean_losses[random_rows, columns[:, None]].mean(1)

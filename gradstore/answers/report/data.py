@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from gradstore.core import sql_in, sql_literal
 from gradstore.core.coverage import run_coverage
-from gradstore.errors import InvalidNameError, SchemaMismatchError
+from gradstore.errors import InvalidArgumentError, InvalidNameError, SchemaMismatchError
 from gradstore.search.index import INDEXES, MANIFEST_FILE
 
 if TYPE_CHECKING:
@@ -81,7 +81,10 @@ def gather(store: StoreCore, options: ReportOptions | None = None, selection: pa
     """Collect a report's data from ``store``; ``selection`` is a table from :meth:`GradStore.select`."""
     options = options or ReportOptions()
     if options.max_queries < 0 or options.top < 1 or options.outliers < 0:
-        raise ValueError("max_queries and outliers must be >= 0 and top >= 1")
+        raise InvalidArgumentError(
+            f"ReportOptions needs max_queries >= 0, outliers >= 0 and top >= 1, got max_queries={options.max_queries}, "
+            f"outliers={options.outliers}, top={options.top}"
+        )
     if options.run is not None:
         store.run(options.run)  # UnknownRunError for a run the store does not hold
     tables = set(store.tables.table_names())
