@@ -42,9 +42,11 @@ class FisherPreconditioner:
     eigenvectors (:class:`DeviceCache`), so neither a new damping nor a repeat call builds a dense matrix. Only a
     call applying to more rows than a block holds (stored rows on both sides; the choice depends on the call's
     shape alone, never on what is cached) multiplies by the dense ``P^-p`` of that block, built once per damping
-    and kept in the shared cache. Saved with float32
-    eigenvectors (eigenvalues float64), which is what applying to float32 vectors uses anyway; a fit keeps them
-    in float64 until it is saved.
+    and kept in the shared cache. The low-rank formula's two terms cancel to about the relative damping inside the
+    rows' span (float32 eigenvectors there erred by ``2^-24 / damping``), so a low-rank block keeps float64
+    eigenvectors, saved too, and is applied in float64 whatever the input; a full-rank block is saved with float32
+    eigenvectors (what applying to float32 vectors uses anyway; a fit keeps them in float64 until it is saved).
+    Eigenvalues are float64.
     """
 
     name = "fisher"
@@ -55,7 +57,9 @@ class FisherPreconditioner:
         self.dim: int | None = None
         self.n_rows = 0
         self.eigenvalues: list[torch.Tensor] = []  # per block, the kept ones (ascending), float64
-        self.eigenvectors: list[torch.Tensor] = []  # per block, [size, kept]: float64 fitted, float32 loaded
+        self.eigenvectors: list[
+            torch.Tensor
+        ] = []  # per block, [size, kept]: float64 (float32 once a full one is saved)
         self._cache = DeviceCache()
 
     passes = 1
@@ -152,8 +156,11 @@ class FisherPreconditioner:
         return matrix
 
     def _apply_block(self, index: int, x: torch.Tensor, power: float, variant: str) -> torch.Tensor:
-        """``P_b^-power x`` for one block's columns ``x [m, size]``."""
+        """``P_b^-power x`` for one block's columns ``x [m, size]``, in ``x``'s compute dtype; a low-rank block is
+        applied in float64 whatever ``x`` is (its two terms cancel in the kept eigenvectors' span)."""
         size, rank = x.shape[1], self.eigenvectors[index].shape[1]
+        if rank < size and x.dtype != torch.float64:
+            return self._apply_block(index, x.to(torch.float64), power, variant).to(x.dtype)
         if x.shape[0] * (2 * rank - size) >= size * rank > 0:  # many rows: the dense matrix costs less in all
             matrix = self._cache.get_damped(f"m{index}", variant, self.damping, partial(self._matrix, index, power), x)
             return x @ matrix
@@ -204,12 +211,16 @@ class FisherPreconditioner:
         return out
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write damping, blocks, row count and the per-block eigendecompositions (the kept eigenpairs:
-        eigenvectors float32, eigenvalues float64). This object keeps the float32 eigenvectors too, so it scores
-        exactly as a copy loaded from ``path`` does (and holds half the memory)."""
+        """Write damping, blocks, row count and the per-block eigendecompositions (the kept eigenpairs: eigenvalues
+        float64, eigenvectors float64 for a low-rank block, else float32). This object keeps what it wrote, so it
+        scores exactly as a copy loaded from ``path`` does."""
         spans = self._spans()
-        if any(vectors.dtype != torch.float32 for vectors in self.eigenvectors):
-            self.eigenvectors = [vectors.to(torch.float32) for vectors in self.eigenvectors]
+        saved = [
+            vectors if vectors.shape[1] < size else vectors.to(torch.float32)
+            for vectors, (_, size) in zip(self.eigenvectors, spans)
+        ]
+        if any(vectors is not kept for vectors, kept in zip(saved, self.eigenvectors)):
+            self.eigenvectors = saved
             self._cache = DeviceCache()  # its copies were made from the float64 eigenvectors
         config = {
             "name": self.name,
@@ -226,8 +237,8 @@ class FisherPreconditioner:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> FisherPreconditioner:
-        """Read a saved Fisher preconditioner: float32 eigenvectors of the kept eigenpairs, or a fit saved before
-        (float64, every eigenpair), which loads as it is."""
+        """Read a saved Fisher preconditioner: the kept eigenpairs (float64 or float32 eigenvectors, as saved; a
+        fit saved before with every eigenpair in float64 loads as it is)."""
         config, arrays = load_state(path, cls.name)
         loaded = cls(damping=config["damping"], blocks=config["blocks"])
         loaded.dim, loaded.n_rows = config["dim"], config["n_rows"]

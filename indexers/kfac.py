@@ -55,6 +55,7 @@ class KroneckerPreconditioner:
         factors: KroneckerFactors | None = None,
         damping: float = 0.1,
         eigen_correction: bool = False,
+        factor_count: int | None = None,
     ):
         self.layout = [(str(name), int(offset), int(k_in), int(k_out)) for name, offset, k_in, k_out in layout]
         if not self.layout:
@@ -63,7 +64,8 @@ class KroneckerPreconditioner:
         self.eigen_correction = bool(eigen_correction)
         self.factors = None if factors is None else {name: factors[name] for name, *_ in self.layout}
         self.dim: int | None = None
-        self.n_rows = 0
+        self.n_rows: int | None = None  # rows the fit read (None: it read none, given factors and no correction)
+        self.factor_count = None if factors is None or factor_count is None else int(factor_count)
         self.basis: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.eigenvalues: dict[str, torch.Tensor] = {}
         self._cache = DeviceCache()
@@ -83,7 +85,7 @@ class KroneckerPreconditioner:
 
         With factors given and no eigenvalue correction the rows are not read; without factors and with
         ``eigen_correction`` they are read twice (a :data:`~indexers.blocks.VectorBlocks` source restarts)."""
-        self.dim, self.n_rows, self.basis, self.eigenvalues = None, 0, {}, {}
+        self.dim, self.n_rows, self.basis, self.eigenvalues = None, None, {}, {}
         fit_in_passes(self, blocks)
         self._decompose_given_factors()
         return self
@@ -129,6 +131,7 @@ class KroneckerPreconditioner:
                 total = float(torch.trace(a))
                 factors[name] = (a / rows, s / total if total > 0 else s / rows)
             self._decompose(factors)
+            self.factor_count = rows
         self._cache = DeviceCache()
         return self
 
@@ -223,8 +226,11 @@ class KroneckerPreconditioner:
         return self._apply(x, 0.5, "both")
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write layout, damping, the eigenbases (float32: what applying to float32 rows needs; half the bytes of
-        float64) and the (possibly corrected) eigenvalues (float64)."""
+        """Write layout, damping, ``n_rows`` (rows the fit read; ``null`` when it read none: given factors, no
+        eigenvalue correction), ``factor_count`` (what the factors are means over: the rows of the factors pass, or
+        the count given with them, e.g. a capture's token count; ``null`` if none was), the eigenbases (float32:
+        what applying to float32 rows needs; half the bytes of float64) and the (possibly corrected) eigenvalues
+        (float64)."""
         self._decompose_given_factors()
         if self.dim is None or not self.eigenvalues:
             raise NotFittedError("fit the kfac preconditioner before applying or saving it")
@@ -234,6 +240,7 @@ class KroneckerPreconditioner:
             "layout": self.layout,
             "dim": self.dim,
             "n_rows": self.n_rows,
+            "factor_count": self.factor_count,
             "eigen_correction": self.eigen_correction,
         }
         arrays = {}
@@ -250,6 +257,7 @@ class KroneckerPreconditioner:
         config, arrays = load_state(path, cls.name)
         loaded = cls(config["layout"], damping=config["damping"], eigen_correction=config["eigen_correction"])
         loaded.dim, loaded.n_rows = config["dim"], config["n_rows"]
+        loaded.factor_count = config.get("factor_count")  # absent from fits saved before it was recorded
         for index, (name, *_) in enumerate(loaded.layout):
             q_a, q_s = (torch.from_numpy(np.asarray(arrays[f"{key}_{index}"])) for key in ("q_a", "q_s"))
             values = torch.from_numpy(np.asarray(arrays[f"eigenvalues_{index}"], np.float64))

@@ -72,17 +72,20 @@ def make_preconditioner(
     kronecker_layout: KroneckerLayout | None = None,
     kronecker_factors: KroneckerFactors | None = None,
     eigen_correction: bool = False,
+    kronecker_factor_count: int | None = None,
 ) -> Preconditioner:
     """An unfitted preconditioner by name (call ``fit`` on gradient blocks before applying it).
 
     ``blocks`` ((offset, size) per layer block) applies to ``fisher``; ``kronecker_layout``,
-    ``kronecker_factors`` and ``eigen_correction`` apply to ``kfac``; ``damping`` to all but
+    ``kronecker_factors`` (with ``kronecker_factor_count``, what they are means over, recorded in the saved fit)
+    and ``eigen_correction`` apply to ``kfac``; ``damping`` to all but
     ``identity``/``cosine``. Arguments that do not apply to ``name`` are refused."""
     if name not in PRECONDITIONERS:
         raise ValueError(f"unknown preconditioner {name!r}; choose one of {sorted(PRECONDITIONERS)}")
     if blocks is not None and name != "fisher":
         raise ValueError(f"blocks apply to the 'fisher' preconditioner, not {name!r}")
-    if (kronecker_layout is not None or kronecker_factors is not None or eigen_correction) and name != "kfac":
+    kronecker = (kronecker_layout, kronecker_factors, kronecker_factor_count)
+    if (any(value is not None for value in kronecker) or eigen_correction) and name != "kfac":
         raise ValueError(f"kronecker_* and eigen_correction apply to the 'kfac' preconditioner, not {name!r}")
     if name in ("identity", "cosine"):
         return PRECONDITIONERS[name]()
@@ -95,7 +98,11 @@ def make_preconditioner(
     if kronecker_layout is None:
         raise ValueError("the 'kfac' preconditioner needs kronecker_layout=[(layer_name, offset, k_in, k_out), ...]")
     return KroneckerPreconditioner(
-        kronecker_layout, kronecker_factors, damping=damping, eigen_correction=eigen_correction
+        kronecker_layout,
+        kronecker_factors,
+        damping=damping,
+        eigen_correction=eigen_correction,
+        factor_count=kronecker_factor_count,
     )
 
 

@@ -199,7 +199,7 @@ def dense_matrix(
 ) -> ScoreMatrix:
     """The dense queries x rows scores of ``selection`` with ``preconditioning``."""
     space = fits.space(selection, preconditioning, blocks, damping)
-    prepared = space.queries(queries.vectors)
+    prepared = space.queries(queries.vectors, torch.float64)  # float64: ScoringSpace.scores
     parts, example_ids, grad_ids = [], [], []
     rows = store.iter_gradients(
         selection.run,

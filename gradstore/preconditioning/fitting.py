@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 FITS = "fits"
 MANIFEST = "manifest.json"
+FIT_FORMAT = 2
+"""The manifest's ``format``: stored fits of another (format 1: a low-rank Fisher's eigenvectors saved in float32,
+wrong at small damping) are fitted again."""
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,7 @@ class FitCache:
         except (ValueError, UnicodeDecodeError):
             log.warning("fit %s has a damaged manifest; fitting again", key)
             return None
-        if (manifest.get("rows"), manifest.get("max_grad_id")) != state:
+        if (manifest.get("rows"), manifest.get("max_grad_id")) != state or manifest.get("format", 1) != FIT_FORMAT:
             return None
         try:
             with self.store.files.local_directory(FITS, key, "preconditioner") as directory:
@@ -283,10 +286,12 @@ class FitCache:
             raise InvalidArgumentError(f"kfac needs Kronecker-structured rows; layers {dense} use a dense projection")
         layout = [(s.name, s.offset, s.k_in, s.k_out) for s in layers]
         selection, source = spec.selection, spec.factors or "rows"
-        factors = None  # "rows": estimated from the selected rows themselves
+        factors, count = None, None  # "rows": estimated from the selected rows themselves
         if source != "rows":
             curvature = self.store.load_curvature(selection.run, str(selection.checkpoint), source)
             factors = {name: (a, s) for name, (a, s, _) in curvature.items()}
+            counts = {tokens for _, _, tokens in curvature.values()}  # the captured tokens, one count for every layer
+            count = counts.pop() if len(counts) == 1 else None
         if selection.split == TRUE_FISHER_SPLIT and source == "train":
             uses = (
                 "ekfac uses their eigenbasis (the empirical Fisher's) with eigenvalues refitted on the true-Fisher rows"
@@ -307,6 +312,7 @@ class FitCache:
             kronecker_layout=layout,
             kronecker_factors=factors,
             eigen_correction=spec.eigen_correction,
+            kronecker_factor_count=count,
         )
 
     def _save(self, spec: FitSpec, state: tuple[int, int], fitted: Preconditioner) -> None:
@@ -327,6 +333,7 @@ class FitCache:
             **asdict(spec),
             "rows": state[0],
             "max_grad_id": state[1],
+            "format": FIT_FORMAT,
             "projection_fingerprint": self.store.run(spec.selection.run)["projection_fingerprint"],
             "fitted_at": datetime.now(timezone.utc).isoformat(),
         }

@@ -1,5 +1,6 @@
 """A fitted Fisher is applied from its kept (low-rank) eigendecomposition, re-damped without a dense inverse,
-saved in float32 at most 5x the bytes of the rows it fits, and scores as a fresh fit and the closed form do."""
+saved (float64 eigenvectors below full rank, float32 at it) in at most 5x the bytes of the rows it fits, and scores
+as a fresh fit and the closed form do, at every damping."""
 
 from __future__ import annotations
 
@@ -115,24 +116,59 @@ def test_queries_never_build_a_dense_matrix_and_rows_build_one_per_damping(monke
     assert sorted(built) == [(0.5, 0, 0.5), (0.5, 1, 0.5)]  # once per block, for both calls
 
 
-def test_save_is_float32_and_loads_to_identical_scores(tmp_path):
-    g = gradients(40)
+@pytest.mark.parametrize("n", [40, 300])  # blocks of 48: low rank (float64 eigenvectors), full rank (float32)
+def test_save_keeps_low_rank_float64_full_rank_float32_and_loads_to_identical_scores(tmp_path, n):
+    g = gradients(n)
     fitted = make_preconditioner("fisher", damping=0.3, blocks=LAYERS).fit(g)
     before = {both: apply(fitted, QUERIES, both) for both in (False, True)}
     fitted.save(tmp_path / "p")
+    dtype = np.float64 if n < 48 else np.float32
     with np.load(tmp_path / "p" / "state.npz") as state:
-        assert {state[key].dtype for key in state.files if key.startswith("eigenvectors")} == {np.dtype(np.float32)}
-        assert state["eigenvectors_0"].shape == (48, 40)
+        assert {state[key].dtype for key in state.files if key.startswith("eigenvectors")} == {np.dtype(dtype)}
+        assert state["eigenvectors_0"].shape == (48, min(n, 48))
     loaded = load_preconditioner(tmp_path / "p")
     for damping in (0.3, 0.01):
         for x in (QUERIES, QUERIES.astype(np.float32), gradients(200, seed=2).astype(np.float32)):
             for both in (False, True):
                 a, b = apply(fitted.with_damping(damping), x, both), apply(loaded.with_damping(damping), x, both)
                 np.testing.assert_array_equal(a, b)
-    for both in (False, True):  # rounding the eigenvectors to float32 moved the float64 results by little
+    for both in (False, True):  # float32 eigenvectors moved the float64 results by little, float64 ones not at all
+        tolerance = 1e-5 if dtype == np.float32 else 1e-12
         np.testing.assert_allclose(
-            apply(loaded, QUERIES, both), before[both], rtol=1e-5, atol=1e-6 * abs(before[both]).max()
+            apply(loaded, QUERIES, both), before[both], rtol=tolerance, atol=tolerance * abs(before[both]).max()
         )
+
+
+@pytest.mark.parametrize("damping", [1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8])
+def test_low_rank_saved_fit_is_exact_at_small_damping(tmp_path, damping):
+    """Fewer rows than dims (the rank-n route): the saved fit's ``P^-1 q`` (float64 and float32 queries) and the
+    store's fisher scores equal numpy's float64 ``solve(F + lambda I)`` at every damping. With float32 eigenvectors
+    (before) the two terms of the low-rank formula cancelled: 1.9 relative at 1e-6; and float32 ``P^-1 q``
+    (before) carried 2^-24 / damping of the score."""
+    rng = np.random.default_rng(0)
+    n, dim = 20, 128
+    g = (rng.standard_normal((n, dim)) * rng.uniform(0.5, 2, (n, 1))).astype(np.float32)
+    q = rng.standard_normal((3, dim)).astype(np.float32)
+    g64, q64 = g.astype(np.float64), q.astype(np.float64)
+    fisher = g64.T @ g64 / n
+    want_queries = np.linalg.solve(fisher + damping * np.trace(fisher) / dim * np.eye(dim), q64.T).T
+    want = want_queries @ g64.T
+
+    fitted = make_preconditioner("fisher", damping=damping).fit(g)
+    fitted.save(tmp_path / "p")
+    loaded = load_preconditioner(tmp_path / "p")
+    got = loaded.apply_query(torch.from_numpy(q64)).numpy()
+    np.testing.assert_allclose(got, want_queries, rtol=1e-6, atol=1e-6 * abs(want_queries).max())
+    got32 = loaded.apply_query(torch.from_numpy(q)).numpy()
+    np.testing.assert_allclose(got32, want_queries, rtol=1e-5, atol=1e-6 * abs(want_queries).max())
+
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    store.create_run("r", dim=dim)
+    with store.writer("r") as writer:
+        writer.append(g, [f"t{i}" for i in range(n)], split="train")
+    matrix = store.score_matrix(q, run="r", method="fisher", damping=damping, blocks="full")
+    scored = matrix.scores[:, np.argsort(matrix.grad_ids)]
+    np.testing.assert_allclose(scored, want, rtol=1e-6, atol=1e-6 * abs(want).max())
 
 
 def test_a_fit_saved_before_float64_every_eigenpair_still_loads(tmp_path):
@@ -230,3 +266,25 @@ def test_fewer_rows_than_dims_decompose_the_small_gram_matrix_and_parts_merge(mo
     merged = make_preconditioner("fisher", damping=0.1, blocks=LAYERS).finish(FitStatistics.combine(parts))
     expected = QUERIES @ closed_form(many, 0.1, LAYERS, 0.5)
     np.testing.assert_allclose(apply(merged, QUERIES, both=True), expected, rtol=1e-9, atol=1e-12)
+
+
+def test_rows_of_extreme_norm_score_exactly_or_refuse(tmp_path):
+    """4 of 40 rows scaled by 1e30 (the writer takes norms up to float32's 3.4e38): ``P^-1 q`` is ~1e-59, below
+    float32. The dense scores (float64 throughout) equal numpy's (they were all zero); a float32 search refuses."""
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal((40, 16)).astype(np.float32)
+    g[:4] *= np.float32(1e30)
+    q = rng.standard_normal((1, 16)).astype(np.float32)
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    store.create_run("r", dim=16)
+    with store.writer("r") as writer:
+        writer.append(g, [f"t{i}" for i in range(40)], split="train")
+    g64 = g.astype(np.float64)
+    fisher = g64.T @ g64 / 40
+    want = q.astype(np.float64) @ np.linalg.solve(fisher + 0.1 * np.trace(fisher) / 16 * np.eye(16), g64.T)
+    matrix = store.score_matrix(q, run="r", method="fisher", damping=0.1, blocks="full")
+    got = matrix.scores[:, np.argsort(matrix.grad_ids)]
+    assert np.all(got[:, :4] != 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * abs(want).max())
+    with pytest.raises(gradstore.InvalidArgumentError, match="float32's range"):
+        store.attribute(q, run="r", method="fisher", damping=0.1, blocks="full", k=3)

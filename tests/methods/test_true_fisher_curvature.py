@@ -10,7 +10,9 @@ batch, ``P = S (x) A`` (row-major ``[k_out, k_in]`` layout), damping 0.1 x the m
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ import gradstore
 from gradstore.core import schema as S
 from gradstore.methods import METHODS, TRUE_FISHER_SPLIT
 from gradstore.preconditioning.fitting import Selection, fit_spec
+from indexers.preconditioner import CONFIG_FILE
 from ingest import CaptureConfig, GradientCapture
 from ingest.curvature import CURVATURE_SPLITS
 
@@ -300,3 +303,16 @@ def test_an_empty_store_of_an_earlier_version_takes_the_dtype_asked_for(tmp_path
     assert gradstore.open(tmp_path / "old").storage_dtype == "bfloat16"
     with pytest.raises(gradstore.SchemaMismatchError):
         gradstore.open(tmp_path / "old", storage_dtype="float32")
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_a_fit_of_recorded_factors_saves_what_it_counts(captured, method):
+    """``preconditioner.json`` of a fit of the recorded true-Fisher factors: ``factor_count`` the capture's token
+    count, ``n_rows`` the rows the fit read (EK-FAC's eigenvalue pass; none for kfac: ``null``, never a false 0)."""
+    store, _ = captured
+    store.score_matrix(run=RUN, queries=["q0"], method=method)
+    key = fit_spec(store.core, Selection(RUN, CHECKPOINT), METHODS[method]).key()
+    config = json.loads((Path(store.fits.store.files.path("fits")) / key / "preconditioner" / CONFIG_FILE).read_text())
+    tokens = {count for _, _, count in store.core.load_curvature(RUN, CHECKPOINT, TRUE_FISHER_SPLIT).values()}
+    assert config["factor_count"] == tokens.pop() > 0
+    assert config["n_rows"] == (len(_true_fisher_rows(store)) if method == "ekfac" else None)
