@@ -121,6 +121,12 @@ class GradstoreWarning(UserWarning):
     """Base class of the warnings gradstore issues on purpose."""
 
 
+class StaleIndexWarning(GradstoreWarning):
+    """A FAISS index searched after the rows of its selection changed: rows it does not hold yet (build it again to
+    add them), or rows appended since the fit its FAISS rows and queries are balanced with (its scores are that
+    fit's, not the current fit's that exact search and ``rerank=`` score with: ``refit=True`` rebuilds it)."""
+
+
 class UnstableStepWarning(GradstoreWarning):
     """A recorded step's curvature would make a trajectory method's linearised recursion expand (e.g.
     ``lr * lambda_max(H) > 2`` for plain SGD): its eigenvalues were clipped to the stable range."""

@@ -12,6 +12,7 @@ import ctypes
 import functools
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,17 @@ captured gradients (``bench/ann_recall.py``, balanced rows, ``HNSW32``) 128 foun
 26,624 / 79,872 rows, 64 found 0.976 / 0.963, FAISS's own default 16 found 0.89 / 0.80."""
 MISSING_ID = -1
 """The id of an entry a search did not fill (FAISS's own mark), always after the found entries of its row."""
+FACTORY_FORMS = (
+    "a codec ('Flat', 'SQ4', 'SQ6', 'SQ8', 'SQfp16', 'SQbf16', or 'PQ<m>[x<bits>][fs|fsr|np]': m subspaces dividing "
+    "the dimension, bits 1..16, default 8), alone or after 'IVF<lists>,' or 'HNSW<M>,' (M >= 2 links), or "
+    "'HNSW<M>' alone (float32 rows): e.g. 'HNSW32,SQfp16', 'HNSW32,Flat', 'IVF1024,PQ64'"
+)
+"""The FAISS factory strings :class:`FaissIndex` builds (:func:`check_factory`), in words."""
+_CODEC = re.compile(r"Flat|SQ(?:4|6|8|fp16|bf16)|PQ(?P<subspaces>\d+)(?:x(?P<bits>\d+))?(?:fsr|fs|np)?")
+_STRUCTURE = re.compile(r"(?P<structure>IVF|HNSW)(?P<size>\d+)")
+PQ_MAX_BITS = 16
+"""The most bits per PQ subspace code :func:`check_factory` accepts (``2**bits`` centroids each, as many training
+rows)."""
 
 
 class FewerResultsWarning(UserWarning):
@@ -118,6 +130,44 @@ def sample_rows(source: VectorBlocks, sample_size: int, seed: int = 0) -> np.nda
     return np.concatenate(parts)
 
 
+def check_factory(factory: str, dim: int) -> int:
+    """The fewest rows a FAISS index of ``factory`` over ``dim`` dims trains on (the IVF lists, the ``2**bits``
+    centroids of each PQ subspace; 1 for kinds without training), or a ``ValueError`` saying what to pass where
+    ``factory`` is not one of :data:`FACTORY_FORMS`. Checked before FAISS sees the string: FAISS takes factory
+    strings it cannot build and then aborts the process (``HNSW0``, ``HNSW1``, ``PQ4x0``), hangs (``NSG2``) or
+    fails later (``IVF0``, ``IDMap,Flat``), instead of raising."""
+    parts = factory.split(",") if isinstance(factory, str) else []
+    structure = _STRUCTURE.fullmatch(parts[0]) if len(parts) in (1, 2) else None
+    codec = _CODEC.fullmatch(parts[-1]) if len(parts) in (1, 2) else None
+    kind = None if structure is None else structure["structure"]
+    known = (structure is not None and codec is not None) if len(parts) == 2 else (codec is not None or kind == "HNSW")
+    if not known:
+        raise ValueError(f"index kind {factory!r} is not one gradstore builds; pass {FACTORY_FORMS}")
+    size = None if structure is None else int(structure["size"])
+    if kind == "IVF" and size < 1:
+        raise ValueError(f"index kind {factory!r}: an IVF index needs at least 1 list (IVF<lists> with lists >= 1)")
+    if kind == "HNSW" and size < 2:
+        raise ValueError(
+            f"index kind {factory!r}: an HNSW graph needs at least 2 links per node (HNSW<M> with M >= 2; "
+            "HNSW32 is the usual choice)"
+        )
+    rows = size if kind == "IVF" else 1
+    if codec is not None and codec["subspaces"] is not None:
+        subspaces, bits = int(codec["subspaces"]), int(codec["bits"] or 8)
+        if subspaces < 1 or dim % subspaces:
+            divisors = [m for m in range(1, dim + 1) if dim % m == 0]
+            raise ValueError(
+                f"index kind {factory!r}: PQ<m> splits the {dim} dims into m equal subspaces, so m must divide {dim} "
+                f"(one of {divisors[:12]}{' ...' if len(divisors) > 12 else ''})"
+            )
+        if not 1 <= bits <= PQ_MAX_BITS:
+            raise ValueError(
+                f"index kind {factory!r}: PQ<m>x<bits> takes 1 to {PQ_MAX_BITS} bits per subspace code (8 by default)"
+            )
+        rows = max(rows, 2**bits)
+    return rows
+
+
 def _is_graph(index: Any) -> bool:
     """Whether a FAISS index (inside its ``IndexIDMap``, if any) is an HNSW graph."""
     faiss = require_faiss()
@@ -145,11 +195,16 @@ class FaissIndex:
         faiss = require_faiss()
         if metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+        check_factory(factory, dim)
         metric_type = faiss.METRIC_INNER_PRODUCT if metric == "ip" else faiss.METRIC_L2
         try:
             index = faiss.index_factory(int(dim), factory, metric_type)
         except RuntimeError as error:  # FAISS reports an unknown factory string as a RuntimeError
-            raise ValueError(f"FAISS cannot build index kind {factory!r} for {dim} dims") from error
+            reason = str(error).rsplit(": ", 1)[-1]
+            raise ValueError(
+                f"FAISS cannot build index kind {factory!r} for {dim} dims ({reason}): the fast-scan PQ codes take "
+                "4 bits (PQ<m>x4fs; fsr after IVF<lists>, only), HNSW graphs no fast-scan codes"
+            ) from error
         ivf = faiss.try_extract_index_ivf(index)
         if ivf is None:
             index = faiss.IndexIDMap(index)
@@ -218,12 +273,24 @@ class FaissIndex:
         ``sample_size`` defaults to ``max(10_000, 64 * nlist)`` rows."""
         if self._index.is_trained:
             return
-        self._index.train(sample_rows(source, sample_size or self.training_rows, seed))
+        sample = sample_rows(source, sample_size or self.training_rows, seed)
+        self.check_training_rows(len(sample))
+        self._index.train(sample)
 
     @property
     def training_rows(self) -> int:
         """The default training sample: ``max(10_000, 64 * nlist)`` rows."""
         return max(10_000, 64 * (self.nlist or 0))
+
+    def check_training_rows(self, rows: int) -> None:
+        """A ``ValueError`` saying what to change when ``rows`` rows are too few to train this index on (fewer than
+        its IVF lists, or than the ``2**bits`` centroids of a PQ subspace: :func:`check_factory`)."""
+        needed = check_factory(self.factory, self.dim)
+        if rows < needed:
+            raise ValueError(
+                f"index kind {self.factory!r} trains on at least {needed} rows (one per IVF list or PQ centroid) and "
+                f"{rows} were given: use fewer IVF lists (about 4 * sqrt(rows)) or fewer PQ bits, or exact search"
+            )
 
     def add(self, ids: np.ndarray, vectors: ArrayLike) -> None:
         """Append ``vectors [n, dim]`` under ``ids [n]`` (incremental: rows appended since the build)."""

@@ -27,8 +27,9 @@ from gradstore.capture.session import config_for_run
 from gradstore.core import StoreCore, sql_in
 from gradstore.core.catalog import check_spec
 from gradstore.core.filters import check_filter
-from gradstore.errors import InvalidArgumentError, MissingIdsError, NonFiniteGradientError, SchemaMismatchError
+from gradstore.errors import InvalidArgumentError, MissingIdsError
 from gradstore.methods.rows import row_checkpoints
+from gradstore.search.arguments import check_query_vectors, query_array
 from ingest import GradientCapture
 
 
@@ -124,10 +125,7 @@ def resolve_queries(
     if isinstance(queries, QueryBatch):
         resolved = capture_queries(store, queries, run, checkpoint)
     elif isinstance(queries, (np.ndarray, torch.Tensor)):
-        vectors = np.asarray(queries.detach().cpu() if isinstance(queries, torch.Tensor) else queries, np.float32)
-        vectors = vectors[None] if vectors.ndim == 1 else vectors
-        if vectors.ndim != 2:
-            raise InvalidArgumentError(f"query vectors must be [queries, dim], got shape {tuple(vectors.shape)}")
+        vectors = query_array(queries)
         resolved = Queries([f"q{i}" for i in range(len(vectors))], vectors)
     elif queries is None or isinstance(queries, str):
         where = "split = 'query'" if queries is None else check_filter(queries)
@@ -158,10 +156,7 @@ def resolve_queries(
             else "capture query rows with store.capture(model, run=..., split='query'), or pass vectors"
         )
         raise InvalidArgumentError(f"no queries selected in run {run!r} at checkpoint {checkpoint!r}; {hint}")
-    if resolved.vectors.shape[1] != dim:
-        raise SchemaMismatchError(f"query vectors have {resolved.vectors.shape[1]} dims; run {run!r} has {dim}")
-    if not np.isfinite(resolved.vectors).all():
-        raise NonFiniteGradientError("query vectors contain NaN/Inf")
+    check_query_vectors(resolved.vectors, dim, f"run {run!r}")
     return resolved
 
 

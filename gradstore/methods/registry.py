@@ -26,6 +26,9 @@ from gradstore.preconditioning import DEFAULT_DAMPING, BlockStructure
 from gradstore.preconditioning import TRUE_FISHER_SPLIT as TRUE_FISHER_SPLIT  # re-exported (declared below search)
 from gradstore.preconditioning import check_blocks as check_blocks  # re-exported
 from gradstore.preconditioning.fitting import FitCache
+from gradstore.search.arguments import check_count as check_count  # re-exported
+from gradstore.search.arguments import check_k as check_k  # re-exported
+from gradstore.search.arguments import check_rerank as check_rerank  # re-exported
 from gradstore.search.index import AttributionIndex
 
 MethodName = Literal[
@@ -252,30 +255,6 @@ def check_damping(damping: float) -> float:
             f"got {damping!r}"
         )
     return float(damping)
-
-
-def check_rerank(rerank: int, kind: str) -> int:
-    """``rerank`` if it is a whole number >= 1 and ``kind`` is a FAISS index whose candidates it re-scores."""
-    if isinstance(rerank, bool) or not isinstance(rerank, int) or rerank < 0:
-        raise InvalidArgumentError(f"rerank must be a whole number >= 0 (0: off), got {rerank!r}")
-    if rerank and kind == "exact":
-        raise InvalidArgumentError(
-            "rerank re-scores a FAISS index's candidates exactly; kind='exact' is exact already: "
-            "drop rerank, or pass a FAISS kind such as kind='HNSW32,Flat'"
-        )
-    return rerank
-
-
-def check_k(k: int) -> int:
-    """``k`` if it is a whole number >= 1."""
-    return check_count("k", k)
-
-
-def check_count(name: str, value: int) -> int:
-    """``value`` of argument ``name`` if it is a whole number >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(f"{name} must be a whole number >= 1, got {value!r}")
-    return value
 
 
 def methods_table() -> str:

@@ -26,6 +26,7 @@ from gradstore.preconditioning.scoring import ScoringSpace
 from gradstore.search.index import (
     BALANCED,
     FIRST_STAGE,
+    FIT_STATE,
     AttributionIndex,
     check_device,
     expected_manifest,
@@ -83,6 +84,7 @@ def build_index(
         raise InvalidArgumentError(f"no training rows match {selection}: capture the run first")
     if kind == "auto":
         kind = choose_index_kind(rows, store.run_dim(selection.run))
+    faiss_index = None if kind == "exact" else _faiss_index(kind, store.run_dim(selection.run), rows)
     device = check_device(kind, store.run_dim(selection.run), device)
     name = (
         check_component(name, "index name")
@@ -111,15 +113,17 @@ def build_index(
         "blocks": spec.blocks,
         "eigen_correction": spec.eigen_correction,
         "fit": spec.key(),
-        **({FIRST_STAGE: BALANCED} if kind != "exact" else {}),
+        **({FIRST_STAGE: BALANCED, FIT_STATE: list(spec.selection.state(store))} if kind != "exact" else {}),
         "gradients_version": store.gradient_dataset(selection.run).version,
         "built_at": datetime.now(timezone.utc).isoformat(),
         **expected_manifest(store, selection.run),
     }
-    index = AttributionIndex(store, manifest, ScoringSpace(resolved, preconditioner), device=device)
-    if kind != "exact":
+    index = AttributionIndex(
+        store, manifest, ScoringSpace(resolved, preconditioner), device=device, fit_selection=spec.selection
+    )
+    if faiss_index is not None:
         engine = engine or LocalEngine()
-        _build_faiss(index, kind, selection.blocks(store), engine)
+        _build_faiss(index, faiss_index, selection.blocks(store), engine)
         index.manifest["recall_at_10"] = _measure_recall(index, engine, recall_queries)
         log.info("index %s: FAISS %s recall@10 vs exact = %.3f", name, kind, index.manifest["recall_at_10"])
     index.save()
@@ -135,17 +139,26 @@ def _same_build(
         and manifest["kind"] == kind
         and manifest.get("fit") == spec.key()
         and (not method.damped or manifest["damping"] == damping)
+        and (kind == "exact" or FIT_STATE in manifest)  # FAISS indexes of before: rebuilt, their fit is unknown
     )
 
 
-def _build_faiss(index: AttributionIndex, kind: str, source: VectorBlocks, engine: Engine) -> None:
-    """Train on a sample of the balanced rows here (only the sampled rows are read), then add the rows: here,
-    or per shard on ``engine`` (each task fills a copy of the trained index; the copies are merged in shard
-    order). HNSW graphs cannot be merged: their rows are added here whatever the engine."""
+def _faiss_index(kind: str, dim: int, rows: int) -> FaissIndex:
+    """A new, empty FAISS index of ``kind`` over ``dim`` dims, checked before anything is fitted: a kind FAISS
+    cannot build (:data:`indexers.faiss_index.FACTORY_FORMS`), or cannot train on the selection's ``rows``, is an
+    :class:`~gradstore.errors.InvalidArgumentError` saying what to pass."""
     try:
-        faiss_index = FaissIndex(kind, index.manifest["dim"], metric="ip")
+        faiss_index = FaissIndex(kind, dim, metric="ip")
+        faiss_index.check_training_rows(rows)
     except ValueError as error:
-        raise InvalidArgumentError(f"index kind {kind!r}: {error}") from error
+        raise InvalidArgumentError(str(error)) from error
+    return faiss_index
+
+
+def _build_faiss(index: AttributionIndex, faiss_index: FaissIndex, source: VectorBlocks, engine: Engine) -> None:
+    """Train the empty ``faiss_index`` on a sample of the balanced rows here (only the sampled rows are read), then
+    add the rows: here, or per shard on ``engine`` (each task fills a copy of the trained index; the copies are
+    merged in shard order). HNSW graphs cannot be merged: their rows are added here whatever the engine."""
     ids, stored = _sample(index, faiss_index.training_rows, seed=0)
     sample = (ids, index.first_stage(stored, rows=True))
     faiss_index.train(lambda: iter([sample]), sample_size=len(ids))

@@ -9,14 +9,17 @@ another damping costs no pass over the data and no second copy of the fit. Build
 not match the store (another projection, another dimension) raises ``IndexMismatchError``.
 
 Kinds: ``"exact"`` (blocked matmul + running top-k over the stored rows, which the first search reads once
-into the store's in-memory :class:`~gradstore.core.row_cache.RowCache` when they fit its budget), or any FAISS
-factory string (``"Flat"``, ``"HNSW32,Flat"``, ``"IVF1024,Flat"``, ...); ``"auto"`` picks by
+into the store's in-memory :class:`~gradstore.core.row_cache.RowCache` when they fit its budget), or a FAISS
+factory string of the forms :data:`indexers.faiss_index.FACTORY_FORMS` describes (``"Flat"``, ``"HNSW32,Flat"``,
+``"IVF1024,Flat"``, ...: others are refused before FAISS sees them); ``"auto"`` picks by
 :func:`indexers.choose_index_kind` and reports the recall of an ANN index against exact search. A FAISS index
 holds the rows in the balanced space (:meth:`~gradstore.preconditioning.scoring.ScoringSpace.balanced`: ``P^-1/2`` on
 rows and queries alike, manifest ``first_stage: "balanced"``); indexes built before it hold the prepared rows and are
-searched with prepared queries. On real gradients only an exhaustive compressed scan or an HNSW graph over the
-balanced rows holds the neighbours (``docs/scale.md``): IVF partitions do not. A FAISS search can find fewer
-than ``k`` rows for a query (the IVF lists probed, or the HNSW graph search, hold fewer): it warns, and
+searched with prepared queries. Rows appended since the build enter the FAISS index in the build's fit (manifest
+``fit_state``: the rows it was made of), and a search without ``rerank`` then warns that its scores are that fit's
+(:class:`~gradstore.errors.StaleIndexWarning`). On real gradients only an exhaustive compressed scan or an HNSW
+graph over the balanced rows holds the neighbours (``docs/scale.md``): IVF partitions do not. A FAISS search can
+find fewer than ``k`` rows for a query (the IVF lists probed, or the HNSW graph search, hold fewer): it warns, and
 :func:`valid_entries` keeps only the rows found.
 
 Where searches run (``device=``, :func:`check_device`; :attr:`AttributionIndex.search_path` says where they do):
@@ -49,11 +52,13 @@ from gradstore.core.sidefiles import CHECKSUM_SUFFIX
 from gradstore.core.stored_rows import stored_blocks
 from gradstore.errors import (
     InvalidArgumentError,
+    StaleIndexWarning,
     StorePermissionError,
 )
 from gradstore.preconditioning import Preconditioning
 from gradstore.preconditioning.fitting import Selection
 from gradstore.preconditioning.scoring import ScoringSpace, as_float32
+from gradstore.search.arguments import check_k, check_query_vectors, check_rerank, query_array
 from gradstore.search.rerank import RowLocator
 from gradstore.search.rerank import rerank as exact_rerank
 from gradstore.search.scan_tasks import TopK, top_k
@@ -84,6 +89,9 @@ FAISS_PREFIX = "faiss"
 #: The manifest key saying what space the FAISS index's rows are in; ``BALANCED`` for every index built now.
 FIRST_STAGE = "first_stage"
 BALANCED = "balanced"
+#: The manifest key of a FAISS index's ``[rows, largest grad_id]`` of the rows its fit was made of when it was built
+#: (rows appended since enter the index in that fit's space: :meth:`AttributionIndex._warn_if_stale`).
+FIT_STATE = "fit_state"
 READ_BLOCK_ROWS = 65536  # rows per Lance read: the next read overlaps preparing (or scoring) this one
 #: The share of a GPU's free memory that one selection's prepared rows may take in the row cache; the rest stays
 #: for the search's own buffers and whatever else runs on the device (training, other caches).
@@ -103,6 +111,7 @@ class AttributionIndex:
         cache_bytes: int | None = None,
         first_space: ScoringSpace | None = None,
         device: str | torch.device | None = None,
+        fit_selection: Selection | None = None,
     ) -> None:
         self.device = check_device(manifest["kind"], manifest["dim"], device)
         """The device searches were asked to run on (:func:`check_device`), ``None`` for the default; where they
@@ -113,6 +122,9 @@ class AttributionIndex:
         self.first_space = first_space or space
         """The space the FAISS rows were made in: the fit as it was when the index was built (a refit of rows
         appended since re-scores candidates, it does not move the rows already indexed)."""
+        self.fit_selection = fit_selection or self.selection
+        """The rows the method's fit is made of (default: the index's own): the checkpoint's true-Fisher rows for
+        methods fitted on those (:func:`~gradstore.preconditioning.fitting.curvature_selection`)."""
         self.faiss_index = faiss_index
         self.indexed_ids = np.empty(0, np.int64) if indexed_ids is None else indexed_ids  # grad_ids in FAISS
         self.cache_bytes = cache_bytes
@@ -188,13 +200,21 @@ class AttributionIndex:
         find fewer than ``k'`` rows for some queries (the IVF lists probed, or the HNSW graph search, hold fewer;
         reranked candidates deleted since the build): their rows end in entries of ``grad_id`` ``-1``
         (:data:`~indexers.faiss_index.MISSING_ID`, score ``-inf``), which :func:`valid_entries` leaves out, and one
-        :class:`~indexers.FewerResultsWarning` per call says how many queries and what finds more."""
+        :class:`~indexers.FewerResultsWarning` per call says how many queries and what finds more; a FAISS index
+        whose selection changed since it was built warns too (:meth:`_warn_if_stale`).
+
+        ``queries``: a numeric array or tensor ``[q, dim]`` of finite values; ``k`` a whole number >= 1; ``rerank``
+        one >= 0, and 0 for an exact index: the checks of ``attribute`` (:mod:`gradstore.search.arguments`)."""
+        check_k(k)
+        check_rerank(rerank, self.manifest["kind"])
+        queries = check_query_vectors(query_array(queries), self.manifest["dim"], f"index {self.name!r}")
         prepared = self.space.queries(queries)
         if self.faiss_index is not None:
             if False in sides:
                 raise InvalidArgumentError(
                     "opponents (bottom-k) need an exact index: FAISS returns the largest scores only"
                 )
+            self._warn_if_stale(rerank)
             first = self.first_stage(queries, rows=False)
             if rerank > 0:
                 _, candidates = self._searchable().search(first, rerank * k, warn=False)
@@ -244,6 +264,43 @@ class AttributionIndex:
             f"queries ({faiss_index.shortfall_reason()}{deleted}): those queries get fewer rows. For k rows, "
             f"search exactly (kind='exact'), {fix}",
             FewerResultsWarning,
+            stacklevel=3,
+        )
+
+    def _warn_if_stale(self, rerank: int) -> None:
+        """One :class:`~gradstore.errors.StaleIndexWarning` per kind of change when the rows of this FAISS index's
+        selection changed since it was built or last brought up to date: rows it does not hold (build it again), or
+        (without ``rerank``) rows appended since the fit its FAISS rows and queries are balanced with (manifest
+        ``fit_state``: the fit's ``(rows, largest grad_id)`` then), whose scores are then not the current fit's."""
+        indexed, selected = self.manifest["rows"], self.selection.count(self.store)
+        if selected != indexed:
+            fix = (
+                "build it again (store.build_index with the same arguments) to add the rows appended since"
+                if selected > indexed
+                else "rows were deleted since: rebuild it (store.build_index(..., refit=True)) to drop them"
+            )
+            warnings.warn(
+                f"index {self.name!r} holds {indexed} rows and its selection {selected} now: {fix}",
+                StaleIndexWarning,
+                stacklevel=3,
+            )
+        if rerank or self.first_space.preconditioner.passes == 0:  # exact scores, or a method without a fit
+            return
+        built = self.manifest.get(FIT_STATE)
+        now = list(self.fit_selection.state(self.store))
+        if built == now:
+            return
+        since = (
+            "were never recorded (an index of an older gradstore)"
+            if built is None
+            else f"were {built[0]} then and are {now[0]} now"
+        )
+        warnings.warn(
+            f"index {self.name!r} ({self.manifest['kind']}) searches in the space of the {self.method.name} fit it "
+            f"was built with, whose rows {since}: its scores are that fit's, not those of the current fit, which "
+            "exact search and rerank= score with. Pass rerank=m to re-score m * k candidates with the current fit, "
+            "or rebuild the index with store.build_index(..., refit=True)",
+            StaleIndexWarning,
             stacklevel=3,
         )
 
@@ -524,8 +581,8 @@ def check_device(kind: str, dim: int, device: str | torch.device | None) -> torc
         )
     try:
         graph = FaissIndex(kind, dim).graph
-    except ValueError as error:
-        raise InvalidArgumentError(f"index kind {kind!r}: {error}") from error
+    except ValueError as error:  # says which kind
+        raise InvalidArgumentError(str(error)) from error
     if graph:
         raise InvalidArgumentError(
             f"device='cuda': FAISS has no GPU version of {kind!r} (an HNSW graph); search it with device='cpu' "
@@ -541,7 +598,7 @@ def check_device(kind: str, dim: int, device: str | torch.device | None) -> torc
 
 def index_summary(index: AttributionIndex) -> dict[str, Any]:
     """The manifest fields people look at."""
-    keys = ("name", "run_id", "checkpoint", "split", "method", "damping", "kind", "rows", "recall_at_10")
+    keys = ("name", "run_id", "checkpoint", "split", "method", "damping", "kind", "rows", FIT_STATE, "recall_at_10")
     return {**{k: index.manifest.get(k) for k in keys}, "search": index.search_path}
 
 

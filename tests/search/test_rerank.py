@@ -110,7 +110,8 @@ def test_rerank_drops_candidates_deleted_since_the_build(tmp_path):
     _, before = approximate.search(queries, 10, rerank=1200)
     gone = sorted({int(g) for g in before[:, 0]})
     store.core.table("gradients").delete(f"grad_id IN ({', '.join(map(str, gone))})")
-    scores, got = approximate.search(queries, 10, rerank=1200)  # every remaining row is a candidate
+    with pytest.warns(gradstore.StaleIndexWarning, match="holds 1200 rows and its selection 1184 now: rows were del"):
+        scores, got = approximate.search(queries, 10, rerank=1200)  # every remaining row is a candidate
     rows = _stored(store)
     assert not set(gone) & set(rows)
     ids = np.array(sorted(rows))
@@ -172,7 +173,8 @@ def test_hnsw_two_stage_equals_exact_after_reload_and_append(tmp_path):
     # the rows were refitted, the indexed rows were not moved: FAISS searches in the space of the build's fit
     assert store.fits.fitted == 2
     every = _stored(store)
-    alone_scores, alone = appended.search(queries, 10)
+    with pytest.warns(gradstore.StaleIndexWarning, match="whose rows were 1200 then and are 1220 now"):
+        alone_scores, alone = appended.search(queries, 10)
     first = appended.first_stage(queries, rows=False)
     for query, ids, values in zip(first, alone, alone_scores):
         np.testing.assert_allclose(

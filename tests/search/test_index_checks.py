@@ -1,0 +1,185 @@
+"""What an attribution index refuses and what it warns of: FAISS kinds it cannot build (checked before FAISS sees
+them: FAISS aborts the process on some), searches with arguments ``attribute`` refuses, and a FAISS index whose
+selection changed since its build (rows appended: its scores are those of the build's fit)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import gradstore
+from indexers.faiss_index import check_factory
+
+pytest.importorskip("faiss")
+
+DIM = 32
+#: Kinds FAISS accepts and then kills the process on (assertion, SIGFPE, SIGSEGV, uncaught C++ exception) or hangs.
+ABORTING_KINDS = ["HNSW0", "HNSW1", "HNSW1,Flat", "HNSW0,SQ8", "PQ4x0", "IVF4,PQ4x0", "HNSW32,SQ0", "NSG2", "RR0,Flat"]
+
+
+def _store(path, rows: int = 200, seed: int = 0) -> gradstore.GradStore:
+    store = gradstore.open(path, storage_dtype="float32")
+    store.create_run("r", dim=DIM)
+    rng = np.random.default_rng(seed)
+    with store.writer("r") as writer:
+        writer.append(
+            rng.standard_normal((rows, DIM)).astype(np.float32), [f"t{i}" for i in range(rows)], split="train"
+        )
+    return store
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> gradstore.GradStore:
+    return _store(tmp_path_factory.mktemp("checks") / "store")
+
+
+def test_kinds_faiss_aborts_on_are_refused_and_the_process_lives(tmp_path):
+    """In a child process: before the check, ``kind="HNSW0"`` ended the interpreter with a FAISS assertion."""
+    _store(tmp_path / "store")
+    child = textwrap.dedent(
+        f"""
+        import json, gradstore
+        from typer.testing import CliRunner
+        from gradstore.cli import app
+        store = gradstore.open({str(tmp_path / "store")!r}, create=False)
+        refused = {{}}
+        for kind in {ABORTING_KINDS!r}:
+            try:
+                store.build_index("r", method="grad-dot", kind=kind)
+            except gradstore.InvalidArgumentError as error:
+                refused[kind] = str(error)
+        cli = CliRunner().invoke(app, ["build-index", {str(tmp_path / "store")!r}, "--run", "r", "--kind", "HNSW0"])
+        print(json.dumps({{"refused": refused, "cli": [cli.exit_code, cli.output]}}))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert sorted(result["refused"]) == sorted(ABORTING_KINDS)
+    assert "HNSW<M> with M >= 2" in result["refused"]["HNSW0"]
+    assert "1 to 16 bits" in result["refused"]["PQ4x0"]
+    assert "not one gradstore builds; pass a codec ('Flat'" in result["refused"]["NSG2"]
+    exit_code, output = result["cli"]
+    assert exit_code != 0 and "M >= 2" in output and "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("IVF0,Flat", "at least 1 list"),
+        ("IVF1000,Flat", "trains on at least 1000 rows (one per IVF list or PQ centroid) and 200 were given"),
+        ("IVF4,PQ4x12", "trains on at least 4096 rows"),
+        ("IDMap,Flat", "is not one gradstore builds"),
+        ("PQ3", "m must divide 32"),
+        ("HNSW32,PQ3", "m must divide 32"),
+        ("Bogus", "is not one gradstore builds"),
+    ],
+)
+def test_kinds_faiss_fails_on_later_are_refused_before_anything_is_fitted(small, kind, message):
+    fitted = small.fits.fitted
+    with pytest.raises(gradstore.InvalidArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        small.build_index("r", method="fisher", kind=kind)
+    assert small.fits.fitted == fitted
+
+
+@pytest.mark.parametrize(
+    ("kind", "rows"),
+    [("Flat", 1), ("SQfp16", 1), ("HNSW32", 1), ("HNSW2,SQ8", 1), ("IVF8,Flat", 8), ("IVF4,PQ4", 256),
+     ("PQ8x4fs", 16), ("IVF2,PQ4x4fsr", 16), ("HNSW16,PQ2x1", 2), ("IVF1024,PQ64", 1024)],
+)  # fmt: skip
+def test_the_kinds_gradstore_builds_and_the_rows_they_train_on(kind, rows):
+    assert check_factory(kind, 128) == rows
+
+
+def test_an_index_searches_only_with_the_arguments_attribute_takes(small):
+    exact = small.build_index("r", method="grad-dot")
+    graph = small.build_index("r", method="grad-dot", kind="HNSW8,Flat")
+    query = np.ones((1, DIM), np.float32)
+    refused = [
+        (exact, (np.ones((1, 7), np.float32), 3), {}, gradstore.SchemaMismatchError, "7 dims; index .* has 32"),
+        (graph, (np.ones((1, 7), np.float32), 3), {}, gradstore.SchemaMismatchError, "7 dims"),
+        (exact, (query, 0), {}, gradstore.InvalidArgumentError, "k must be a whole number >= 1, got 0"),
+        (graph, (query, 2.5), {}, gradstore.InvalidArgumentError, "k must be a whole number >= 1"),
+        (exact, ([[1.0] * DIM], 3), {}, gradstore.InvalidArgumentError, "numeric numpy array or torch tensor"),
+        (exact, (np.array([["a"] * DIM]), 3), {}, gradstore.InvalidArgumentError, "an array of <U1"),
+        (exact, (np.ones((1, 2, DIM), np.float32), 3), {}, gradstore.InvalidArgumentError, r"\[queries, dim\]"),
+        (exact, (np.full((1, DIM), np.nan, np.float32), 3), {}, gradstore.NonFiniteGradientError, "NaN/Inf"),
+        (graph, (np.full((1, DIM), np.inf, np.float32), 3), {}, gradstore.NonFiniteGradientError, "NaN/Inf"),
+        (exact, (query, 3), {"rerank": 2}, gradstore.InvalidArgumentError, "kind='exact' is exact already"),
+        (graph, (query, 3), {"rerank": -1}, gradstore.InvalidArgumentError, "rerank must be a whole number >= 0"),
+        (graph, (query, 3), {"rerank": 1.5}, gradstore.InvalidArgumentError, "rerank must be a whole number >= 0"),
+    ]
+    for index, args, kwargs, error, message in refused:
+        with pytest.raises(error, match=message):
+            index.search(*args, **kwargs)
+    np.testing.assert_array_equal(exact.search(torch.ones(DIM), 3)[1], exact.search(query, 3)[1])  # one vector
+    np.testing.assert_array_equal(graph.search(query, 3, rerank=2)[1], exact.search(query, 3)[1])
+
+
+def test_a_faiss_index_after_an_append_searches_the_build_fits_space_and_says_so(tmp_path):
+    store = _store(tmp_path / "store", rows=400)
+    rng = np.random.default_rng(1)
+    query = rng.standard_normal((2, DIM)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing appended: no warning
+        built = store.build_index("r", method="fisher", kind="Flat")
+        built.search(query, 5)
+        grad_dot = store.build_index("r", method="grad-dot", kind="Flat")
+    assert built.manifest["fit_state"] == [400, int(store.read_gradients("r").grad_ids.max())]
+    with store.writer("r") as writer:  # larger rows: the fit of all rows is another one
+        writer.append(
+            (rng.standard_normal((200, DIM)) * 5).astype(np.float32), [f"u{i}" for i in range(200)], split="train"
+        )
+
+    with pytest.warns(gradstore.StaleIndexWarning) as caught:
+        store.index(built.name).search(query, 5)  # loaded as saved: the appended rows are not in it yet
+    assert [str(w.message).split(": ")[0] for w in caught] == [
+        f"index {built.name!r} holds 400 rows and its selection 600 now",
+        f"index {built.name!r} (Flat) searches in the space of the fisher fit it was built with, whose rows were 400 "
+        "then and are 600 now",
+    ]
+    index = store.build_index("r", method="fisher", kind="Flat")  # adds the appended rows, in the build's space
+    assert index.faiss_index.ntotal == index.manifest["rows"] == 600
+    assert index.manifest["fit_state"] == built.manifest["fit_state"]
+    with pytest.warns(gradstore.StaleIndexWarning, match="whose rows were 400 then and are 600 now") as caught:
+        scores, ids = index.search(query, 5)
+    assert len(caught) == 1 and "refit=True" in str(caught[0].message)
+    block = store.read_gradients("r")
+    space = index.first_space  # the build's fit, saved with the FAISS files
+    exact = space.balanced(torch.from_numpy(query)) @ space.balanced(torch.from_numpy(block.vectors)).T
+    want = torch.topk(exact, 5, dim=1)
+    np.testing.assert_array_equal(ids, block.grad_ids[want.indices.numpy()])
+    np.testing.assert_allclose(scores, want.values.numpy(), rtol=1e-5)
+
+    current_scores, current = store.build_index("r", method="fisher").search(query, 5)  # the refitted space
+    assert not np.array_equal(ids, current)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # re-ranked: the current fit's scores; grad-dot has no fit to predate
+        reranked_scores, reranked = index.search(query, 5, rerank=120)
+        store.build_index("r", method="grad-dot", kind="Flat").search(query, 5)
+    np.testing.assert_array_equal(reranked, current)
+    np.testing.assert_allclose(reranked_scores, current_scores, rtol=1e-5)
+    refitted = store.build_index("r", method="fisher", kind="Flat", refit=True)
+    assert refitted.manifest["fit_state"][0] == 600
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(refitted.search(query, 5)[1], current)
+    assert grad_dot.manifest["fit_state"][0] == 400
+
+
+def test_a_faiss_index_saved_without_its_fits_rows_is_rebuilt(tmp_path):
+    store = _store(tmp_path / "store")
+    index = store.build_index("r", method="fisher", kind="Flat", name="old")
+    del index.manifest["fit_state"]  # as gradstore saved it before it recorded them
+    index.save()
+    with pytest.warns(gradstore.StaleIndexWarning, match="were never recorded"):
+        store.index("old").search(np.ones((1, DIM), np.float32), 3)
+    rebuilt = store.build_index("r", method="fisher", kind="Flat", name="old")
+    assert rebuilt.manifest["fit_state"][0] == 200 and store.index("old").manifest["fit_state"][0] == 200
