@@ -35,10 +35,11 @@ from gradstore.core.results import Results
 from gradstore.core.row_cache import RowFiles
 from gradstore.core.tables import Tables
 from gradstore.errors import InvalidArgumentError, surface
-from gradstore.methods import DEFAULT_METHOD, BlockStructure, MethodName, ScoreOptions, check_count
+from gradstore.methods import DEFAULT_METHOD, BlockStructure, MethodName, ScoreOptions
 from gradstore.methods.preconditioned import indexed
 from gradstore.methods.queries import QueryBatch, QueryInput, check_queries
 from gradstore.preconditioning.fitting import FitCache
+from gradstore.search.arguments import check_count
 from gradstore.search.index import AttributionIndex
 from gradstore.search.loading import load_index
 from gradstore.store_api import IndexKind

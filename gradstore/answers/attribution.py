@@ -16,7 +16,7 @@ import pyarrow as pa
 from gradstore.core import StoreCore, one_snapshot
 from gradstore.core import schema as S
 from gradstore.core.engine import Engine, EngineName, resolve_engine
-from gradstore.methods import ScoreOptions, check_k
+from gradstore.methods import ScoreOptions
 from gradstore.methods.checkpoint_sum import tracin_top_k
 from gradstore.methods.queries import QueryInput
 from gradstore.methods.results import ScoreMatrix
@@ -28,6 +28,7 @@ from gradstore.methods.summed import (
     per_example_shards,
 )
 from gradstore.preconditioning.fitting import FitCache
+from gradstore.search.arguments import check_k
 
 __all__ = [
     "EXAMPLES_PER_TASK",

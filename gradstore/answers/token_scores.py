@@ -29,9 +29,10 @@ from gradstore.capture.session import config_for_run
 from gradstore.core import StoreCore
 from gradstore.core.catalog import check_spec
 from gradstore.errors import InvalidArgumentError, MissingIdsError
-from gradstore.methods import ScoreOptions, check_k
+from gradstore.methods import ScoreOptions
 from gradstore.methods.queries import QueryBatch
 from gradstore.preconditioning.fitting import FitCache, Selection
+from gradstore.search.arguments import check_k
 from gradstore.search.building import build_index
 from ingest import CaptureConfig
 from ingest.tokens import TokenGradientCapture, TokenRows

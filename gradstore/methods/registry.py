@@ -26,9 +26,7 @@ from gradstore.preconditioning import DEFAULT_DAMPING, BlockStructure
 from gradstore.preconditioning import TRUE_FISHER_SPLIT as TRUE_FISHER_SPLIT  # re-exported (declared below search)
 from gradstore.preconditioning import check_blocks as check_blocks  # re-exported
 from gradstore.preconditioning.fitting import FitCache
-from gradstore.search.arguments import check_count as check_count  # re-exported
-from gradstore.search.arguments import check_k as check_k  # re-exported
-from gradstore.search.arguments import check_rerank as check_rerank  # re-exported
+from gradstore.search.arguments import check_rerank
 from gradstore.search.index import AttributionIndex
 
 MethodName = Literal[
