@@ -132,6 +132,11 @@ class UnstableStepWarning(GradstoreWarning):
     ``lr * lambda_max(H) > 2`` for plain SGD): its eigenvalues were clipped to the stable range."""
 
 
+class ReplayMismatchWarning(GradstoreWarning):
+    """``store.replay``'s per-example losses of the run's first step differ from those capture recorded
+    (``per_example_loss=``): ``batch_fn`` or ``loss_fn`` may not build the training's batches or losses."""
+
+
 #: Lower-layer error class -> the gradstore class it is re-raised as.
 _TRANSLATED: dict[type[Exception], type[GradstoreError]] = {
     ingest.ProjectionMismatchError: ProjectionMismatchError,

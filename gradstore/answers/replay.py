@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -67,7 +68,7 @@ from gradstore.capture.optimizer_state import NOT_HYPER, group_differences, weig
 from gradstore.capture.session import model_fingerprint
 from gradstore.core import StoreCore, gradient_filter, sql_literal
 from gradstore.core import schema as S
-from gradstore.errors import GradstoreError, InvalidArgumentError, MissingIdsError
+from gradstore.errors import GradstoreError, InvalidArgumentError, MissingIdsError, ReplayMismatchWarning
 from gradstore.methods import replay as stored
 from gradstore.methods.trajectory import in_loop_checkpoint, recorded_steps
 
@@ -395,19 +396,27 @@ def replay(
         return plan.step(t, params, state, grads)
 
     initial = tuple(dict(model.named_parameters())[n].detach().clone() for n in names)
+    recorded = _recorded_losses(store, run, label, step_numbers[0])
+    if recorded is not None:
+        with torch.no_grad():
+            first = losses(initial, data.get(batches[0], "training step 0"), len(batches[0]), "the batch of step 0")
+        _check_first_losses(run, step_numbers[0], recorded, first.double().cpu().numpy())
     length = math.ceil(steps / segments)
     starts = list(range(0, steps, length))
     kept = _States()
     params, state = initial, plan.init(initial)
     at = [torch.full((len(b),), weight, dtype=dtype, device=device) for b in batches]  # every eps where taken
+    _check_differentiable(losses, initial, data.get(batches[0], "training step 0"), len(batches[0]))
     with torch.no_grad():
         for t in range(steps):  # forward replay: keep each segment's first state
             if t in starts:
                 kept.keep(t, params, state)
             params, state = step(t, params, state, at[t])
+            _check_finite(params, f"the weights after step {t}")
     final = params
     query_batch = data.get(query_ids, "the queries")
     query_losses, query_vjp = torch.func.vjp(lambda p: losses(p, query_batch, len(query_ids), "the queries"), final)
+    _check_finite((query_losses,), "the queries' final losses")
     eye = torch.eye(len(query_ids), dtype=query_losses.dtype, device=device)
     adjoint = _Adjoint(
         torch.func.vmap(query_vjp)(eye)[0],
@@ -426,6 +435,7 @@ def replay(
             params, state = kept.pop(t)
             _, vjp = torch.func.vjp(lambda p, s, w, t=t: step(t, p, s, w), params, state, at[t])
             meta.index_add_(1, columns[t], adjoint.back(vjp))
+    _check_finite((meta,), "the metagradients")
     scores = (-meta).detach().cpu().numpy().astype(np.float64)
     result = Replay(
         query_ids,
@@ -459,6 +469,36 @@ def replay(
             ),
         )
     return result
+
+
+def _check_differentiable(
+    losses: Callable[..., torch.Tensor], params: Tensors, batch: Any, size: int
+) -> None:
+    """``InvalidArgumentError`` when ``loss_fn``'s losses on the first training batch do not depend on the
+    model's parameters (a ``.detach()``, ``.item()`` or ``torch.no_grad()`` inside it): every metagradient would be
+    a silent zero."""
+    with torch.enable_grad():
+        tracked = tuple(p.detach().requires_grad_() for p in params)
+        out = losses(tracked, batch, size, "the batch of step 0")
+    if not out.requires_grad:
+        raise InvalidArgumentError(
+            "loss_fn(model, batch) returned losses that do not depend on the model's parameters (on the batch of "
+            "step 0): every metagradient would be zero; compute them from model(...) without .detach(), .item() or "
+            "torch.no_grad()"
+        )
+
+
+def _check_finite(tensors: Sequence[torch.Tensor], what: str) -> None:
+    """``InvalidArgumentError`` naming ``what`` when one of ``tensors`` holds NaN/Inf: a replay never stores or
+    returns non-finite metagradients."""
+    if all(bool(torch.isfinite(t).all()) for t in tensors):
+        return
+    raise InvalidArgumentError(
+        f"the replay became non-finite: {what} hold NaN/Inf (nothing was stored); check that loss_fn returns "
+        "finite losses on every recorded batch and the queries' (e.g. a log of 0), and that model_fn(), "
+        "batch_fn and the optimizer are the run's: a replay that diverges where training did not is replaying "
+        "another run"
+    )
 
 
 class _Adjoint:
@@ -779,6 +819,46 @@ def _recorded_batches(store: StoreCore, run: str, label: str) -> tuple[list[list
     bounds = np.searchsorted(step_column, [s.step for s in steps] + [steps[-1].step + 1])
     batches = [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     return batches, [s.step for s in steps], [s.learning_rate for s in steps]
+
+
+def _recorded_losses(store: StoreCore, run: str, label: str, step: int) -> np.ndarray | None:
+    """The per-example losses capture recorded for ``step``'s batch (``per_example_loss=``), in the order of its
+    rows; ``None`` where any was not recorded."""
+    where = gradient_filter(run, label, "train", steps=(step, step))
+    table = store.scan(store.gradient_table_name(run), ["loss", "grad_id"], where).sort_by("grad_id")
+    column = table.column("loss")
+    if table.num_rows == 0 or column.null_count:
+        return None
+    return column.to_numpy().astype(np.float64)
+
+
+def _check_first_losses(run: str, step: int, recorded: np.ndarray, replayed: np.ndarray) -> None:
+    """Compare the replay's per-example losses of its first step (at ``model_fn()``'s weights, the run's before
+    that step) with those capture recorded: the same values in another order mean ``batch_fn`` did not return the
+    examples in the order of the ids it was given (every example's weight would be another's: refused); other
+    values, that ``loss_fn`` or the data differ from the training's (warned: capture's ``per_example_loss`` may
+    be another function than the training loss)."""
+
+    def close(a: np.ndarray, b: np.ndarray) -> bool:
+        return bool(np.allclose(a, b, rtol=1e-3, atol=1e-5 * max(1.0, float(np.abs(b).max()))))
+
+    if close(replayed, recorded):
+        return
+    if close(np.sort(replayed), np.sort(recorded)):
+        raise InvalidArgumentError(
+            f"batch_fn returned the examples of run {run!r}'s step {step} in another order than the ids it was given "
+            "(the replay's per-example losses are those capture recorded, permuted): batch_fn(ids) must return the "
+            "batch of exactly those ids in that order, or every example's metagradient is another's"
+        )
+    worst = float(np.abs(replayed - recorded).max())
+    warnings.warn(
+        f"the replay's per-example losses of run {run!r}'s first step {step} differ from those capture recorded "
+        f"(per_example_loss=) by up to {worst:.3g}: check that batch_fn(ids) builds the batch of those ids in their "
+        "order and loss_fn(model, batch) is the training's per-example loss; the scores are the replay's of "
+        "loss_fn, which may not be the run's",
+        ReplayMismatchWarning,
+        stacklevel=3,
+    )
 
 
 def _model(store: StoreCore, run: str, model_fn: Callable[[], nn.Module], record: _Record) -> nn.Module:

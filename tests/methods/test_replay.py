@@ -10,6 +10,7 @@ must equal it to float64 rounding.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import OrderedDict
 
 import numpy as np
@@ -62,18 +63,26 @@ def loss_fn(model, batch):
     return 0.5 * (model(x).squeeze(-1) - y) ** 2
 
 
-def train(store: gradstore.GradStore, name: str, steps: int = T) -> nn.Module:
-    """Train under capture with the torch.optim optimizer ``name``; every step's rows recorded."""
+def train(store: gradstore.GradStore, name: str, steps: int = T, *, record_losses: bool = False) -> nn.Module:
+    """Train under capture with the torch.optim optimizer ``name``; every step's rows recorded (with
+    ``record_losses``, their per-example losses too: capture's ``per_example_loss``)."""
     x, y, batches, rates, _ = data()
     model = model_fn()
     kind, hyper = OPTIMIZERS[name]
     optimizer = kind(model.parameters(), **hyper)
-    with store.capture(model, RUN, optimizer=optimizer, projection=None) as cap:
+    targets = {}
+
+    def per_example_loss(outputs, args, kwargs):
+        return 0.5 * (outputs.squeeze(-1) - targets["y"]) ** 2
+
+    options = {"per_example_loss": per_example_loss} if record_losses else {}
+    with store.capture(model, RUN, optimizer=optimizer, projection=None, **options) as cap:
         cap.set_step(0)
         for t in range(steps):
             for group in optimizer.param_groups:
                 group["lr"] = hyper["lr"] * rates[t % T]
             batch = batches[t % T]
+            targets["y"] = y[batch]
             cap.set_ids([str(i) for i in batch])
             loss_fn(model, (x[batch], y[batch])).mean().backward()
             optimizer.step()
@@ -195,6 +204,29 @@ def test_replay_at_another_weight_equals_autograd_there(store, name):
     assert store.score_matrix(None, run=RUN, method="replay").query_ids == QUERIES[:1]
     with pytest.raises(MissingReplayError, match="were not replayed"):
         store.attribute(["q1"], run=RUN, method="replay")
+
+
+def test_a_batch_fn_in_another_order_is_refused_from_the_recorded_losses(store):
+    """Where capture recorded per-example losses, the replay compares its first step's with them: the same
+    batch_fn and loss_fn replay silently (and exactly); a batch_fn that returns the examples in another order
+    than the ids is refused (every example's metagradient would be another's); a loss_fn other than the
+    training's is warned about."""
+    train(store, "sgd-momentum", record_losses=True)
+    kind, hyper = OPTIMIZERS["sgd-momentum"]
+    common = {"run": RUN, "model_fn": model_fn, "loss_fn": loss_fn, "optimizer": Optimizer.of(kind, **hyper)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replayed = store.replay(QUERIES, batch_fn=batch_fn, write=False, **common)
+    truth = unrolled("sgd-momentum")
+    np.testing.assert_allclose(by_example(replayed), truth, rtol=0, atol=1e-10 * np.abs(truth).max())
+
+    def sorted_batches(ids):
+        return batch_fn(sorted(ids, key=int))  # the examples of the ids, in another order
+
+    with pytest.raises(InvalidArgumentError, match="another order"):
+        store.replay(QUERIES, batch_fn=sorted_batches, write=False, **common)
+    with pytest.warns(gradstore.ReplayMismatchWarning, match="differ from those capture recorded"):
+        store.replay(QUERIES, batch_fn=batch_fn, write=False, **{**common, "loss_fn": lambda m, b: 2 * loss_fn(m, b)})
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])
@@ -677,3 +709,26 @@ def test_a_run_trained_with_online_selection_is_refused(store):
             optimizer.zero_grad()
     with pytest.raises(InvalidArgumentError, match="online data selection"):
         store.replay(QUERIES, run=RUN, model_fn=model_fn, batch_fn=batch_fn, loss_fn=loss_fn, optimizer="sgd")
+
+
+def test_a_loss_fn_giving_nan_or_no_gradient_is_refused_not_stored(store):
+    """A ``loss_fn`` whose losses are NaN (a log of 0) or do not depend on the parameters (``.detach()``) gave
+    NaN or all-zero metagradients, stored for ``method="replay"``: both are refused, naming the cause, and
+    nothing is stored."""
+    train(store, "sgd")
+    common = {"run": RUN, "model_fn": model_fn, "batch_fn": batch_fn, "optimizer": "sgd"}
+    with pytest.raises(InvalidArgumentError, match=r"non-finite: the weights after step 0 hold NaN/Inf"):
+        store.replay(QUERIES, loss_fn=lambda m, b: loss_fn(m, b) * float("nan"), **common)
+
+    def nan_on_queries(m, b):
+        out = loss_fn(m, b)
+        return out * float("nan") if len(out) == len(QUERIES) else out
+
+    with pytest.raises(InvalidArgumentError, match=r"non-finite: the queries' final losses hold NaN/Inf"):
+        store.replay(QUERIES, loss_fn=nan_on_queries, **common)
+    for detached in (lambda m, b: loss_fn(m, b).detach(), lambda m, b: torch.zeros(len(b[1]), dtype=torch.float64)):
+        with pytest.raises(InvalidArgumentError, match="do not depend on the model's parameters"):
+            store.replay(QUERIES, loss_fn=detached, **common)
+    with pytest.raises(MissingReplayError):
+        store.attribute(["q0"], run=RUN, method="replay")
+    assert np.isfinite(store.replay(QUERIES, loss_fn=loss_fn, write=False, **common).scores).all()
