@@ -45,7 +45,7 @@ import pyarrow.fs as pafs
 import torch
 
 from gradstore.core import StoreCore
-from gradstore.core.engine import Engine, LocalEngine
+from gradstore.core.engine import Engine, EngineName, LocalEngine, resolve_engine
 from gradstore.core.index_cache import LoadedIndex
 from gradstore.core.row_cache import cache_file_name, dataset_content
 from gradstore.core.sidefiles import CHECKSUM_SUFFIX
@@ -176,10 +176,18 @@ class AttributionIndex:
         queries: np.ndarray | torch.Tensor,
         k: int,
         largest: bool = True,
-        engine: Engine | None = None,
+        engine: EngineName | Engine | None = None,
         rerank: int = 0,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k (``largest``) or bottom-k scores and ``grad_id``s for raw query vectors ``[q, dim]``."""
+        """Top-k (``largest``) or bottom-k scores and ``grad_id``s for raw query vectors ``[q, dim]``. ``engine``
+        (``"local"``, ``"ray"`` or an :class:`~gradstore.core.engine.Engine`): where an exact index reads and scores
+        its rows; a FAISS index searches in this process (its ``rerank=`` too), so it takes none but the local one."""
+        engine = None if engine is None else resolve_engine(engine)
+        if self.faiss_index is not None and engine is not None and not isinstance(engine, LocalEngine):
+            raise InvalidArgumentError(
+                f"index {self.name!r} ({self.manifest['kind']}) is searched by FAISS in this process: engine= applies "
+                f"to exact indexes; leave it unset or 'local' (got {type(engine).__name__})"
+            )
         return self.search_sides(queries, k, (largest,), engine, rerank)[largest]
 
     def search_sides(

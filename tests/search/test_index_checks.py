@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import gradstore
+from gradstore.core.engine import LocalEngine
 from indexers.faiss_index import check_factory
 
 pytest.importorskip("faiss")
@@ -115,12 +116,18 @@ def test_an_index_searches_only_with_the_arguments_attribute_takes(small):
         (exact, (query, 3), {"rerank": 2}, gradstore.InvalidArgumentError, "kind='exact' is exact already"),
         (graph, (query, 3), {"rerank": -1}, gradstore.InvalidArgumentError, "rerank must be a whole number >= 0"),
         (graph, (query, 3), {"rerank": 1.5}, gradstore.InvalidArgumentError, "rerank must be a whole number >= 0"),
+        (graph, (query, 3), {"engine": "ray"}, gradstore.InvalidArgumentError, "searched by FAISS in this process"),
+        (graph, (query, 3), {"engine": "spark"}, gradstore.InvalidArgumentError, "engine must be one of"),
+        (exact, (query, 3), {"engine": "spark"}, gradstore.InvalidArgumentError, "engine must be one of"),
     ]
     for index, args, kwargs, error, message in refused:
         with pytest.raises(error, match=message):
             index.search(*args, **kwargs)
     np.testing.assert_array_equal(exact.search(torch.ones(DIM), 3)[1], exact.search(query, 3)[1])  # one vector
     np.testing.assert_array_equal(graph.search(query, 3, rerank=2)[1], exact.search(query, 3)[1])
+    for engine in ("local", LocalEngine()):  # the local engine by name or object: the same search
+        np.testing.assert_array_equal(exact.search(query, 3, engine=engine)[1], exact.search(query, 3)[1])
+        np.testing.assert_array_equal(graph.search(query, 3, engine=engine)[1], graph.search(query, 3)[1])
 
 
 def test_a_faiss_index_after_an_append_searches_the_build_fits_space_and_says_so(tmp_path):
