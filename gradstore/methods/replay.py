@@ -40,8 +40,8 @@ SCORES_FILE = "scores.npy"
 @dataclass
 class ReplayScores:
     """A run's replayed metagradients: ``scores[q, z] = -d L_q / d eps_z`` (float64 ``[queries, examples]``) and
-    what they were computed from (the in-loop ``label`` and its rows' ``(rows, largest grad_id)``, the number of
-    steps, the optimizer, the query losses at the end of the replay)."""
+    what they were computed from (the in-loop ``label`` and its rows' ``(rows, digest of their grad_ids)``, the
+    number of steps, the optimizer, the query losses at the end of the replay)."""
 
     query_ids: list[str]
     example_ids: list[str]
@@ -72,7 +72,8 @@ class ReplayScores:
 
 
 def source_state(store: StoreCore, run: str, label: str) -> tuple[int, int]:
-    """``(rows, largest grad_id)`` of the in-loop training rows under ``label``: a replay of other rows is stale."""
+    """``(rows, digest of their grad_ids)`` of the in-loop training rows under ``label``: a replay of other rows
+    is stale."""
     return Selection(run, label, "train").state(store)
 
 

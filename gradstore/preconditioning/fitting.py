@@ -52,6 +52,16 @@ FIT_FORMAT = 2
 wrong at small damping) are fitted again."""
 
 
+def ids_digest(ids: np.ndarray) -> int:
+    """An order-free 63-bit digest of a set of ``grad_id``s: the wrapped sum of each id's splitmix64 mix."""
+    with np.errstate(over="ignore"):
+        z = ids.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+        return int(z.sum(dtype=np.uint64) >> np.uint64(1))
+
+
 @dataclass(frozen=True)
 class Selection:
     """Which stored rows a fit or an index covers."""
@@ -88,12 +98,14 @@ class Selection:
         return fragment_shards(store, self.run, self.filter, parts, columns=columns)
 
     def state(self, store: StoreCore) -> tuple[int, int]:
-        """``(rows, largest grad_id)`` of the selection now: a fit of other rows is stale. Kept per table
-        version in the store's row cache (repeated calls on unchanged rows read nothing)."""
+        """``(rows, digest of their grad_ids)`` of the selection now: a fit of other rows is stale. The digest
+        (:func:`ids_digest`) changes with any row appended or deleted, also where as many were deleted as appended
+        (``grad_id``s are not increasing: each writer draws its prefix at random). Kept per table version in the
+        store's row cache (repeated calls on unchanged rows read nothing)."""
 
         def read() -> tuple[int, int]:
             ids = self.grad_ids(store)
-            return len(ids), (int(np.max(ids)) if len(ids) else -1)
+            return len(ids), ids_digest(ids)
 
         return store.row_cache.memo(self.cache_key(store, "state"), read)
 

@@ -27,6 +27,7 @@ from gradstore.search.index import (
     BALANCED,
     FIRST_STAGE,
     FIT_STATE,
+    ROWS_STATE,
     AttributionIndex,
     check_device,
     expected_manifest,
@@ -97,8 +98,8 @@ def build_index(
         existing = load_index(store, fits, name, same, missing_ok=True, device=device)
         if existing is not None and _same_build(existing.manifest, spec, resolved, damping, kind):
             existing.space = ScoringSpace(resolved, preconditioner)
-            _add_new_rows(existing)
-            return existing
+            if _add_new_rows(existing):
+                return existing  # else rows were deleted since: a FAISS index is built again without them
     manifest = {
         "name": name,
         "run_id": selection.run,
@@ -110,6 +111,7 @@ def build_index(
         "kind": kind,
         "metric": "ip",
         "rows": rows,
+        ROWS_STATE: list(selection.state(store)),
         "blocks": spec.blocks,
         "eigen_correction": spec.eigen_correction,
         "fit": spec.key(),
@@ -202,12 +204,16 @@ def _measure_recall(index: AttributionIndex, engine: Engine, n_queries: int) -> 
     return recall_at_k(approx, exact)
 
 
-def _add_new_rows(index: AttributionIndex) -> None:
-    """Incremental update: add rows appended to the selection since the index was built."""
-    rows = index.selection.count(index.store)
-    if rows == index.manifest["rows"]:
-        return
+def _add_new_rows(index: AttributionIndex) -> bool:
+    """Incremental update: add the rows appended to the selection since the index was built. ``False`` (nothing
+    changed) where a FAISS index holds rows deleted since: it must be built again."""
+    state = list(index.selection.state(index.store))
+    if state == index.manifest.get(ROWS_STATE):
+        return True
     if index.faiss_index is not None:
+        current = index.selection.grad_ids(index.store)
+        if not np.isin(index.indexed_ids, current).all():
+            return False
         for ids, vectors in index.selection.blocks(index.store)():
             fresh = ~np.isin(ids, index.indexed_ids)
             if fresh.any():
@@ -216,8 +222,10 @@ def _add_new_rows(index: AttributionIndex) -> None:
                 index.faiss_index.add(ids[fresh], index.first_stage(vectors[fresh], rows=True))
                 index._gpu_copy = None
                 index.indexed_ids = np.concatenate([index.indexed_ids, ids[fresh]])
-    index.manifest.update(rows=rows, gradients_version=index.store.gradient_dataset(index.selection.run).version)
+    index.manifest.update(rows=state[0], gradients_version=index.store.gradient_dataset(index.selection.run).version)
+    index.manifest[ROWS_STATE] = state
     index.save()
+    return True
 
 
 def _copied(faiss_index: FaissIndex) -> FaissIndex:

@@ -89,9 +89,12 @@ FAISS_PREFIX = "faiss"
 #: The manifest key saying what space the FAISS index's rows are in; ``BALANCED`` for every index built now.
 FIRST_STAGE = "first_stage"
 BALANCED = "balanced"
-#: The manifest key of a FAISS index's ``[rows, largest grad_id]`` of the rows its fit was made of when it was built
+#: The manifest key of a FAISS index's ``[rows, digest of their grad_ids]`` of the rows its fit was made of when built
 #: (rows appended since enter the index in that fit's space: :meth:`AttributionIndex._warn_if_stale`).
 FIT_STATE = "fit_state"
+#: The manifest key of the ``[rows, digest of their grad_ids]`` of the index's selection when last built or brought up
+#: to date (a change of the rows it covers: :meth:`AttributionIndex._warn_if_stale`).
+ROWS_STATE = "rows_state"
 READ_BLOCK_ROWS = 65536  # rows per Lance read: the next read overlaps preparing (or scoring) this one
 #: The share of a GPU's free memory that one selection's prepared rows may take in the row cache; the rest stays
 #: for the search's own buffers and whatever else runs on the device (training, other caches).
@@ -279,16 +282,14 @@ class AttributionIndex:
         """One :class:`~gradstore.errors.StaleIndexWarning` per kind of change when the rows of this FAISS index's
         selection changed since it was built or last brought up to date: rows it does not hold (build it again), or
         (without ``rerank``) rows appended since the fit its FAISS rows and queries are balanced with (manifest
-        ``fit_state``: the fit's ``(rows, largest grad_id)`` then), whose scores are then not the current fit's."""
-        indexed, selected = self.manifest["rows"], self.selection.count(self.store)
-        if selected != indexed:
-            fix = (
-                "build it again (store.build_index with the same arguments) to add the rows appended since"
-                if selected > indexed
-                else "rows were deleted since: rebuild it (store.build_index(..., refit=True)) to drop them"
-            )
+        ``fit_state``: the fit's ``(rows, digest)`` then), whose scores are then not the current fit's."""
+        indexed, selected = self.manifest["rows"], self.selection.state(self.store)
+        if list(selected) != self.manifest.get(ROWS_STATE, [indexed, selected[1]]):
+            changed = "" if selected[0] != indexed else " (as many rows deleted as appended)"
             warnings.warn(
-                f"index {self.name!r} holds {indexed} rows and its selection {selected} now: {fix}",
+                f"index {self.name!r} holds {indexed} rows and its selection {selected[0]} now{changed}: build it "
+                "again (store.build_index with the same arguments) to add the rows appended since and drop the "
+                "deleted ones",
                 StaleIndexWarning,
                 stacklevel=3,
             )

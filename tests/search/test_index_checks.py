@@ -16,6 +16,7 @@ import torch
 
 import gradstore
 from gradstore.core.engine import LocalEngine
+from gradstore.preconditioning.fitting import ids_digest
 from indexers.faiss_index import check_factory
 
 pytest.importorskip("faiss")
@@ -139,7 +140,7 @@ def test_a_faiss_index_after_an_append_searches_the_build_fits_space_and_says_so
         built = store.build_index("r", method="fisher", kind="Flat")
         built.search(query, 5)
         grad_dot = store.build_index("r", method="grad-dot", kind="Flat")
-    assert built.manifest["fit_state"] == [400, int(store.read_gradients("r").grad_ids.max())]
+    assert built.manifest["fit_state"] == [400, ids_digest(store.read_gradients("r").grad_ids)]
     with store.writer("r") as writer:  # larger rows: the fit of all rows is another one
         writer.append(
             (rng.standard_normal((200, DIM)) * 5).astype(np.float32), [f"u{i}" for i in range(200)], split="train"
@@ -179,6 +180,56 @@ def test_a_faiss_index_after_an_append_searches_the_build_fits_space_and_says_so
         warnings.simplefilter("error")
         np.testing.assert_array_equal(refitted.search(query, 5)[1], current)
     assert grad_dot.manifest["fit_state"][0] == 400
+
+
+def _replace_a_row(store: gradstore.GradStore, rng: np.random.Generator) -> tuple[int, int]:
+    """Delete one row and append one by a new writer whose ``grad_id`` is below the largest (each writer draws its
+    id prefix at random: writers are tried until one is): the selection's count and largest id are unchanged."""
+    ids = store.read_gradients("r").grad_ids
+    for _ in range(64):
+        with store.writer("r") as writer:
+            (new,) = writer.append(10 * rng.standard_normal((1, DIM)).astype(np.float32), ["new"], split="train")
+        if new < ids.max():
+            break
+        store.core.table("gradients").delete(f"grad_id = {int(new)}")
+    gone = int(np.sort(ids)[0])
+    store.core.table("gradients").delete(f"grad_id = {gone}")
+    after = store.read_gradients("r").grad_ids
+    assert len(after) == len(ids) and after.max() == ids.max()  # what a (count, largest id) state would see
+    return gone, int(new)
+
+
+def test_as_many_rows_deleted_as_appended_make_fits_and_indexes_stale(tmp_path):
+    """Fits, indexes and their checks see a row replaced (one deleted, one appended with a smaller ``grad_id``):
+    the fit is made again (equal to a store holding only the current rows), a FAISS index searched warns, and
+    ``build_index`` with the same arguments builds it again without the deleted row."""
+    store = _store(tmp_path / "store", rows=200)
+    rng = np.random.default_rng(3)
+    query = rng.standard_normal((2, DIM)).astype(np.float32)
+    store.attribute(query, run="r", method="fisher", k=5)  # fitted and kept
+    built = store.build_index("r", method="grad-dot", kind="IVF2,Flat")
+    gone, new = _replace_a_row(store, rng)
+
+    fresh = gradstore.open(tmp_path / "fresh", storage_dtype="float32")
+    fresh.create_run("r", dim=DIM)
+    block = store.read_gradients("r")
+    with fresh.writer("r") as writer:
+        writer.append(block.vectors, block.metadata.column("example_id").to_pylist(), split="train")
+    for method in ("fisher", "grad-dot"):
+        got = store.attribute(query, run="r", method=method, k=5)
+        want = fresh.attribute(query, run="r", method=method, k=5)
+        assert got.column("example_id").to_pylist() == want.column("example_id").to_pylist()
+        np.testing.assert_allclose(got.column("score").to_numpy(), want.column("score").to_numpy(), rtol=1e-5)
+
+    with pytest.warns(gradstore.StaleIndexWarning, match="as many rows deleted as appended"):
+        store.index(built.name).search(query, 5)
+    rebuilt = store.build_index("r", method="grad-dot", kind="IVF2,Flat")
+    assert gone not in set(rebuilt.indexed_ids) and new in set(rebuilt.indexed_ids)
+    assert rebuilt.faiss_index.ntotal == 200
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, ids = store.index(built.name).search(query, 200)
+    assert gone not in set(ids.ravel()) and new in set(ids.ravel())
 
 
 def test_a_faiss_index_saved_without_its_fits_rows_is_rebuilt(tmp_path):
