@@ -9,8 +9,6 @@ import torch
 from indexers.blocks import Rows
 from indexers.preconditioner import FitStatistics, apply_rows, load_state, save_state
 
-COSINE_EPS = 1e-12
-
 
 class IdentityPreconditioner:
     """``P = I``: scores are raw inner products of gradients (grad-dot, TracIn)."""
@@ -59,12 +57,18 @@ class CosinePreconditioner(IdentityPreconditioner):
 
     def apply_query(self, q: torch.Tensor) -> torch.Tensor:
         """``q / |q|`` row by row."""
-        return apply_rows(q, _unit_rows)
+        return apply_rows(q, unit_rows)
 
     def apply_both(self, x: torch.Tensor) -> torch.Tensor:
         """``x / |x|`` row by row."""
-        return apply_rows(x, _unit_rows)
+        return apply_rows(x, unit_rows)
 
 
-def _unit_rows(rows: torch.Tensor) -> torch.Tensor:
-    return rows / rows.norm(dim=1, keepdim=True).clamp_min(COSINE_EPS)
+def unit_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows / |rows|`` row by row, exact at any norm the dtype holds (zero rows stay zero): each row is divided
+    by its largest magnitude first, so its squared norm neither overflows (entries ~1e20 in float32) nor
+    underflows (~1e-20), where a plain norm made such rows' cosines 0 or tiny."""
+    peak = rows.abs().amax(dim=1, keepdim=True) if rows.shape[1] else rows.new_zeros((rows.shape[0], 1))
+    scaled = rows / torch.where(peak > 0, peak, torch.ones_like(peak))
+    norms = scaled.norm(dim=1, keepdim=True)
+    return scaled / torch.where(norms > 0, norms, torch.ones_like(norms))

@@ -93,9 +93,18 @@ def as_matrix(v: torch.Tensor, kind: str) -> torch.Tensor:
 def _moment(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[torch.Tensor, float] | None:
     """``(exp_avg_sq, bias correction)`` of ``param``, or None without optimizer state."""
     state = optimizer.state.get(param, {})
-    if "exp_avg_sq" not in state:
+    moment = raw_second_moment(state)
+    if moment is None:
         return None
-    return _full(state["exp_avg_sq"]).detach(), bias_correction(optimizer, param, state)
+    return _full(moment).detach(), bias_correction(optimizer, param, state)
+
+
+def raw_second_moment(state: dict[str, Any]) -> torch.Tensor | None:
+    """The second moment an Adam step divides by, before bias correction, from one parameter's optimizer
+    ``state``: ``max_exp_avg_sq`` under ``amsgrad=True`` (the running maximum the step uses), else
+    ``exp_avg_sq``; ``None`` without state."""
+    moment = state.get("max_exp_avg_sq")
+    return moment if moment is not None else state.get("exp_avg_sq")
 
 
 def adam_second_moment(
@@ -105,16 +114,18 @@ def adam_second_moment(
     the last column), or ``None`` while the optimizer holds no state for its weight."""
     weight = module.weight
     state = optimizer.state.get(weight, {})
-    if "exp_avg_sq" not in state:
+    moment = raw_second_moment(state)
+    if moment is None:
         return None
-    v = _full(state["exp_avg_sq"]) / bias_correction(optimizer, weight, state)
+    v = _full(moment) / bias_correction(optimizer, weight, state)
     v = as_matrix(v, kind)
     v = v.T if kind in ("conv1d", "embedding") else v  # Conv1D weights are [in, out]; embeddings [num, dim]
     if has_bias:
         bias_state = optimizer.state.get(module.bias, {})
-        if "exp_avg_sq" not in bias_state:
+        bias_moment = raw_second_moment(bias_state)
+        if bias_moment is None:
             return None
-        v_b = _full(bias_state["exp_avg_sq"]) / bias_correction(optimizer, module.bias, bias_state)
+        v_b = _full(bias_moment) / bias_correction(optimizer, module.bias, bias_state)
         v = torch.cat([v, v_b.reshape(-1, 1)], dim=1)
     return v
 

@@ -471,9 +471,7 @@ def replay(
     return result
 
 
-def _check_differentiable(
-    losses: Callable[..., torch.Tensor], params: Tensors, batch: Any, size: int
-) -> None:
+def _check_differentiable(losses: Callable[..., torch.Tensor], params: Tensors, batch: Any, size: int) -> None:
     """``InvalidArgumentError`` when ``loss_fn``'s losses on the first training batch do not depend on the
     model's parameters (a ``.detach()``, ``.item()`` or ``torch.no_grad()`` inside it): every metagradient would be
     a silent zero."""

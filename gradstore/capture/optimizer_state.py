@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ingest.normalizers import adam_second_moment, bias_correction
+from ingest.normalizers import adam_second_moment, bias_correction, raw_second_moment
 
 #: Layer kinds whose unprojected block is the ``[d_out, d_in (+1)]`` gradient flattened row by row.
 EXACT_KINDS = ("linear", "conv")
@@ -286,7 +286,7 @@ def _layer_mean(optimizer: torch.optim.Optimizer, hook: Any, eps: float) -> torc
         if param is None:
             continue
         state = optimizer.state.get(param, {})
-        moment = state.get("exp_avg_sq")
+        moment = raw_second_moment(state)
         if moment is None:
             return None
         root = bias_correction(optimizer, param, state) ** 0.5
@@ -318,7 +318,7 @@ def _sharded_moment(optimizer: torch.optim.Optimizer, weight: torch.Tensor, bias
         if param is None:
             continue
         state = optimizer.state.get(param, {})
-        moment = state.get("exp_avg_sq")
+        moment = raw_second_moment(state)
         if moment is None or not hasattr(moment, "to_local"):
             return None
         group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))

@@ -98,7 +98,9 @@ class GradientIO:
         if name is None:
             return
         dataset = self.tables.dataset(name)
-        wanted = ["grad_id", *[c for c in columns if c != "grad_id"], *vector_columns(dataset.schema)]
+        vectors = vector_columns(dataset.schema)
+        metadata_columns = [c for c in dict.fromkeys(columns) if c != "grad_id"]  # grad_norm may be asked for too
+        wanted = ["grad_id", *[c for c in metadata_columns if c not in vectors], *vectors]
         unknown = set(wanted) - set(dataset.schema.names)
         if unknown:
             raise SchemaMismatchError(f"gradients table has no column(s) {sorted(unknown)}")
@@ -107,7 +109,6 @@ class GradientIO:
             dataset, wanted, gradient_filter(run, checkpoint, split, steps, where), block_rows, late
         )
         dtype = self.catalog.storage_dtype
-        metadata_columns = wanted[1:-2]
 
         def read() -> Iterator[pa.RecordBatch]:  # opens the reader on the first next(), inside the try below
             yield from _rebatch(scanner.to_reader(), block_rows)

@@ -44,6 +44,7 @@ what to do.
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from collections.abc import Sequence
@@ -175,6 +176,32 @@ def with_dynamics(store: StoreCore, run: str, label: str, steps: Sequence) -> li
         replace(s, coefficients=coefficients(rows[s.step], s.learning_rate, dim, layers)) if s.step in rows else s
         for s in steps
     ]
+
+
+def check_descent(store: StoreCore, run: str) -> None:
+    """``InvalidArgumentError`` when a recorded optimizer step of ``run`` ascended its loss (a parameter group
+    with ``maximize=True``): the trajectory methods model descent (``theta <- theta - lr ...``), so their scores
+    would have the wrong sign and the wrong dynamics."""
+    if not store.has_table(S.OPTIMIZER_STEPS):
+        return
+    columns = ("step", "group_hyperparameters")
+    if not all(name in store.dataset(S.OPTIMIZER_STEPS).schema.names for name in columns):
+        return  # stores of earlier versions recorded no group hyper-parameters
+    table = store.scan(S.OPTIMIZER_STEPS, list(columns), gradient_filter(run), cache=False)
+    ascended = sorted(
+        {
+            int(step)
+            for step, groups in zip(table.column("step").to_pylist(), table.column("group_hyperparameters").to_pylist())
+            if groups and any(isinstance(g, dict) and g.get("maximize") for g in json.loads(groups))
+        }
+    )
+    if ascended:
+        raise InvalidArgumentError(
+            f"run {run!r} was trained with an optimizer set to maximize=True ({len(ascended)} recorded step(s), "
+            f"from step {ascended[0]}): the trajectory methods (tracin-steps, source, source-ekfac, dvemb) model "
+            "steps that descend the loss, so their scores would have the wrong sign; train on the negated loss "
+            "with maximize=False, or score with a single-checkpoint method (fisher, grad-dot, ...)"
+        )
 
 
 #: Recorded steps whose dynamics :func:`summary` reads at a time.
@@ -457,6 +484,7 @@ def segment_coefficients(store: StoreCore, run: str, ends: Sequence[tuple[int, i
     SOURCE's ``exp(-lr K F)`` form)."""
     if not ends or not store.has_table(S.OPTIMIZER_STEPS):
         return [None] * len(ends)
+    check_descent(store, run)
     rows = {row["step"]: row for row in _rows(store.scan(S.OPTIMIZER_STEPS, None, gradient_filter(run), cache=False))}
     dim = store.run_dim(run)
     spec = store.run(run)["projection"]

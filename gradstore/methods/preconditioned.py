@@ -28,6 +28,7 @@ from gradstore.preconditioning.fitting import FitCache, Selection
 from gradstore.search import scan_tasks
 from gradstore.search.building import build_index
 from gradstore.search.index import AttributionIndex
+from indexers.identity import unit_rows
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class Preconditioned(Preconditioning, Method):
             selection = Selection(run, checkpoint, split, where)
             space = fits.space(selection, self, options.blocks, options.damping, engine)
             resolved = resolve_queries(store, target, run, checkpoint)
-            whitened = scan_tasks.unit_rows(space.whitened(torch.from_numpy(resolved.vectors)))
+            whitened = unit_rows(space.whitened(torch.from_numpy(resolved.vectors)))
             jobs.append((selection.filter, rate, space, whitened))
         shards = per_example_shards(store, engine, [Selection(run, c, split, where) for c in rates])
         return scan_tasks.example_totals(engine, shards, jobs, aggregate)

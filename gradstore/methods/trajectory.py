@@ -121,6 +121,7 @@ def in_loop_checkpoint(store: StoreCore, run: str, checkpoint: str | None = None
 def recorded_steps(store: StoreCore, run: str, label: str) -> list[RecordedStep]:
     """The steps of the in-loop rows under ``label``, in step order, with their row counts, learning rates and
     spans (the last step spans as many steps as the one before it)."""
+    dynamics.check_descent(store, run)
     table = _train_rows(store, run, label)
     grouped = table.group_by("step").aggregate([("step", "count"), ("learning_rate", "mean")]).sort_by("step")
     steps = grouped.column("step").to_pylist()

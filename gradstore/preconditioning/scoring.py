@@ -14,6 +14,7 @@ import torch
 from gradstore.errors import InvalidArgumentError
 from gradstore.preconditioning import Preconditioning
 from indexers import Preconditioner
+from indexers.identity import unit_rows
 
 SCORE_ROWS = 8192
 """Stored rows :meth:`ScoringSpace.scores` converts to the prepared queries' dtype at a time."""
@@ -77,7 +78,7 @@ class ScoringSpace:
         whitened = self.preconditioner.apply_both(vectors).to(dtype)
         if not self.method.unit_norm:
             return whitened
-        return whitened / whitened.norm(dim=1, keepdim=True).clamp(min=torch.finfo(dtype).tiny)
+        return unit_rows(whitened)
 
     def whitened(self, rows: torch.Tensor) -> torch.Tensor:
         """``P^-1/2 rows`` in float64 (self-influence is its squared norm; LESS takes cosines of it)."""

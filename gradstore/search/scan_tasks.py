@@ -28,6 +28,7 @@ from gradstore.core.shards import Shard
 from gradstore.preconditioning.scoring import ScoringSpace
 from indexers import FaissIndex, RunningTopK, float32_products
 from indexers.blocks import as_tensor, unpack_block
+from indexers.identity import unit_rows
 from indexers.screening import as_scales
 
 TopK = dict[bool, tuple[np.ndarray, np.ndarray]]
@@ -311,12 +312,6 @@ def example_totals(
     ids = np.concatenate([p[0] for p in partials]) if partials else np.empty(0, object)
     scores = np.concatenate([p[1] for p in partials]) if partials else np.empty(0)
     return ids, scores
-
-
-def unit_rows(rows: torch.Tensor) -> torch.Tensor:
-    """Rows scaled to unit length (zero rows stay zero)."""
-    norms = rows.norm(dim=1, keepdim=True)
-    return rows / torch.where(norms > 0, norms, torch.ones_like(norms))
 
 
 def _select_task(shard: Shard, job: _SelectJob) -> tuple[np.ndarray, np.ndarray]:

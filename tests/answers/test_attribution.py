@@ -310,3 +310,34 @@ def test_new_damping_reuses_the_fit_and_equals_a_refit(captured, monkeypatch):
     assert calls == [1]
     queries = torch.randn(3, store.dim)
     torch.testing.assert_close(redamped.prepare_queries(queries), refit.prepare_queries(queries), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("storage_dtype", ["int8", "float16", "float32"])
+def test_cosine_is_exact_for_rows_of_extreme_norms(tmp_path, storage_dtype):
+    """A row of norm ~1e31 (its squared norm overflows float32) and one of ~1e-29 (squares underflow, and below
+    the old 1e-12 clamp) have cosine 1 with a query along them: found first by the exact search, 1 in the score
+    matrix, like any other row (they scored 0 and ~6e-18)."""
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((64, 50)).astype(np.float32)
+    rows[6] *= 1e30
+    rows[7] *= 1e-30
+    rows[5] = 0.0
+    queries = np.stack([rows[6] / 1e30, rows[7] * 1e30, rng.standard_normal(50)]).astype(np.float32)
+    store = gradstore.open(tmp_path / "store", storage_dtype=storage_dtype)
+    store.create_run("r", dim=50)
+    with store.writer("r") as writer:
+        writer.append(rows, [f"t{i}" for i in range(64)], split="train")
+        writer.append(queries, ["q0", "q1", "q2"], split="query")
+    top = store.attribute(["q0", "q1"], run="r", k=1, method="cosine", write=False)
+    assert top.column("example_id").to_pylist() == ["t6", "t7"]
+    np.testing.assert_allclose(top.column("score").to_numpy(), 1.0, rtol=1e-6)
+    matrix = store.score_matrix(run="r", method="cosine")
+    column = {e: i for i, e in enumerate(matrix.example_ids)}
+    np.testing.assert_allclose(matrix.scores[[0, 1], [column["t6"], column["t7"]]], 1.0, rtol=1e-6)
+    assert (matrix.scores[:, column["t5"]] == 0).all()  # a zero row stays zero
+    stored = store.read_gradients("r", split="train").vectors.astype(np.float64)
+    unit = stored / np.maximum(np.linalg.norm(stored, axis=1, keepdims=True), 1e-300)
+    q = store.read_gradients("r", split="query").vectors.astype(np.float64)
+    reference = (q / np.linalg.norm(q, axis=1, keepdims=True)) @ unit.T
+    order = [int(e[1:]) for e in matrix.example_ids]
+    np.testing.assert_allclose(matrix.scores, reference[:, order], atol=1e-6)

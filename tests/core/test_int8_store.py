@@ -235,3 +235,22 @@ def _capture(store: gradstore.GradStore, model: nn.Module) -> None:
         cap.set_ids([f"q{i}" for i in range(4)])
         nn.functional.cross_entropy(model(x[32:]), y[32:]).backward()
         model.zero_grad()
+
+
+@pytest.mark.parametrize("storage_dtype", ["int8", "float16", "float32"])
+def test_read_metadata_holds_what_was_asked_for_and_no_vector_column(tmp_path, storage_dtype) -> None:
+    """An int8 table's blocks carried its raw int8 ``grad`` column among their metadata (the metadata was the
+    scanned columns less the last two, and int8 tables have three vector columns); asking for ``grad_norm`` (a
+    column of every gradient table) was a Lance "Duplicate column name" error."""
+    store = gradstore.open(tmp_path / "store", storage_dtype=storage_dtype)
+    vectors = _rows(70, 64, seed=3)
+    _write(store, "r", vectors)
+    assert store.read_gradients("r").metadata.column_names == ["example_id"]
+    blocks = list(store.iter_gradients("r", columns=("example_id", "step"), block_rows=32))
+    assert [b.metadata.column_names for b in blocks] == [["example_id", "step"]] * 3
+    block = store.read_gradients("r", columns=("example_id", "grad_norm", "example_id"))
+    assert block.metadata.column_names == ["example_id", "grad_norm"]
+    order = [int(e[1:]) for e in block.metadata.column("example_id").to_pylist()]
+    np.testing.assert_allclose(
+        block.metadata.column("grad_norm").to_numpy(), np.linalg.norm(vectors[order], axis=1), rtol=1e-6
+    )

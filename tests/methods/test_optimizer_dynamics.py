@@ -33,6 +33,8 @@ OPTIMIZERS = {
     "sgd-nesterov-wd": (torch.optim.SGD, {"momentum": 0.8, "nesterov": True, "weight_decay": 0.02}, 0.1),
     "adam": (torch.optim.Adam, {"betas": (0.9, 0.99), "weight_decay": 0.01}, 0.05),
     "adamw": (torch.optim.AdamW, {"betas": (0.8, 0.95), "weight_decay": 0.1}, 0.05),
+    # AMSGrad divides by the running maximum of the second moment, which the recorded preconditioner must be
+    "adam-amsgrad": (torch.optim.Adam, {"betas": (0.9, 0.9), "amsgrad": True}, 0.05),
     # parameter groups: no weight decay on the bias (recorded per coordinate)
     "sgd-momentum-groups": (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.05, "bias_weight_decay": 0.0}, 0.1),
     "adamw-groups": (torch.optim.AdamW, {"betas": (0.8, 0.95), "weight_decay": 0.1, "bias_weight_decay": 0.0}, 0.05),
@@ -118,6 +120,7 @@ def replay(name: str, frozen: bool = True, steps: int = T) -> tuple[np.ndarray, 
     wd = torch.full_like(theta, options.get("weight_decay", 0.0))
     wd[:, -1] = options.get("bias_weight_decay", options.get("weight_decay", 0.0))
     buffer, m, v = None, torch.zeros_like(theta), torch.zeros_like(theta)
+    peak = torch.zeros_like(theta)  # AMSGrad's running maximum of v
     for t in range(steps):
         lr, batch = rates[t], batches[t]
         residual = xt[batch] @ theta.T - y[batch]
@@ -136,7 +139,9 @@ def replay(name: str, frozen: bool = True, steps: int = T) -> tuple[np.ndarray, 
             theta = theta * (1 - lr * wd)
         m = beta1 * m + (1 - beta1) * grad
         v = beta2 * v + (1 - beta2) * (grad.detach() if frozen else grad) ** 2
-        denominator = (v / (1 - beta2 ** (t + 1))).sqrt() + 1e-8
+        if options.get("amsgrad"):
+            peak = torch.maximum(peak, v)
+        denominator = ((peak if options.get("amsgrad") else v) / (1 - beta2 ** (t + 1))).sqrt() + 1e-8
         theta = theta - lr / (1 - beta1 ** (t + 1)) * m / denominator
     effects = []
     for query in range(2):
@@ -562,3 +567,32 @@ def test_rows_in_adams_geometry_are_not_preconditioned_again(tmp_path):
     assert normalised.p is None and raw.p is not None
     assert normalised.mu == raw.mu == 0.9 and (normalised.a, normalised.b) == (raw.a, raw.b)
     assert not normalised.is_plain  # momentum and decoupled weight decay stay modelled
+
+
+@pytest.mark.parametrize("kind", [torch.optim.SGD, torch.optim.Adam])
+def test_a_run_that_maximized_its_loss_is_refused_by_the_trajectory_methods(tmp_path, kind):
+    """``maximize=True`` steps ascend the loss: the descent dynamics (and ``tracin-steps``' ``lr q . g``) would
+    score with the wrong sign, so every trajectory method refuses the run, naming the setting."""
+    x, y, qx, qy, batches = problem()
+    model = init_model()
+    optimizer = kind(model.parameters(), lr=0.05, maximize=True)
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    with store.capture(model, RUN, optimizer=optimizer, projection=None) as cap:
+        for t in range(4):
+            cap.set_ids([str(int(i)) for i in batches[t]])
+            (0.5 * ((model(x[batches[t]]) - y[batches[t]]) ** 2).sum(1)).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for name, step in (("mid", 2), ("final", 4)):  # checkpoint passes for source
+        with store.capture(model, RUN, checkpoint=name, learning_rate=0.05, projection=None) as cap:
+            cap.set_step(step)
+            cap.set_ids([str(i) for i in range(N)])
+            (0.5 * ((model(x) - y) ** 2).sum(1)).mean().backward()
+            cap.set_split("query")
+            cap.set_ids(["qa", "qb"])
+            (0.5 * ((model(qx) - qy) ** 2).sum(1)).mean().backward()
+            model.zero_grad()
+    for method in ("tracin-steps", "dvemb", "source"):
+        with pytest.raises(InvalidArgumentError, match=r"maximize=True \(4 recorded step\(s\), from step 0\)"):
+            store.score_matrix(["qa", "qb"], run=RUN, method=method)
+    assert store.attribute(["qa"], run=RUN, k=2, method="grad-dot", checkpoint="final", write=False).num_rows == 2
