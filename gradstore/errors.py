@@ -132,6 +132,11 @@ class UnstableStepWarning(GradstoreWarning):
     ``lr * lambda_max(H) > 2`` for plain SGD): its eigenvalues were clipped to the stable range."""
 
 
+class UnmodelledOptimizerWarning(GradstoreWarning):
+    """The trajectory methods read steps taken by an optimizer whose update rule they do not model (RMSprop,
+    Adagrad, NAdam, ...): each such step is taken as ``lr x gradient``."""
+
+
 class ReplayMismatchWarning(GradstoreWarning):
     """``store.replay``'s per-example losses of the run's first step differ from those capture recorded
     (``per_example_loss=``): ``batch_fn`` or ``loss_fn`` may not build the training's batches or losses."""
@@ -186,20 +191,27 @@ def surface_error(error: BaseException) -> GradstoreError | None:
 def surface(function: _Function) -> _Function:
     """Decorate a public entry point: keywords it does not take raise :class:`InvalidArgumentError` naming the
     ones it does (and a removed keyword's replacement), a flag (a parameter annotated ``bool``, or ``bool | None``)
-    given anything but ``True``/``False`` (or ``None``) raises one naming the flag, and errors escaping it go
-    through :func:`surface_error`."""
+    given anything but ``True``/``False`` (or ``None``) raises one naming the flag, a numpy integer or float scalar
+    (``k=np.int64(5)``, ``damping=np.float32(0.1)``) is passed on as the Python number it holds, and errors escaping
+    it go through :func:`surface_error`."""
     signature = inspect.signature(function)
     flags = _flags(signature)
 
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
-            given = signature.bind(*args, **kwargs).arguments
+            bound = signature.bind(*args, **kwargs)
         except TypeError as error:
             raise _argument_error(function.__name__, signature, kwargs, error) from error
+        given = bound.arguments
         for name, optional in flags.items():
             if name in given:
                 _check_flag(function.__name__, name, given[name], optional)
+        numpy_scalars = [name for name, value in given.items() if isinstance(value, (np.integer, np.floating))]
+        if numpy_scalars:
+            for name in numpy_scalars:
+                given[name] = given[name].item()
+            args, kwargs = bound.args, bound.kwargs
         try:
             return function(*args, **kwargs)
         except GradstoreError:

@@ -58,7 +58,7 @@ def attribute(
     engine: EngineName | Engine = "local",
 ) -> pa.Table:
     """Top-k training rows for each query; see :meth:`gradstore.GradStore.attribute`."""
-    check_k(k)
+    k = check_k(k)
     if write:
         store.require_writable("attribute with write=True")
     method = options.check("attribute")
@@ -113,7 +113,7 @@ def tracin(
 ) -> pa.Table:
     """TracIn-CP: ``score(q, x) = sum_c lr_c * q_c . g_c(x)`` (:func:`gradstore.methods.checkpoint_sum.tracin_top_k`),
     written to ``scores`` unless ``write=False``."""
-    check_k(k)
+    k = check_k(k)
     table = tracin_top_k(
         store,
         queries,

@@ -81,7 +81,7 @@ def token_scores(
 ) -> pa.Table:
     """Per-token scores of each query against its top-k training examples; see
     :meth:`gradstore.GradStore.token_scores`."""
-    check_k(k)
+    k = check_k(k)
     if write:
         store.require_writable("token_scores with write=True")
     resolved = options.check("token_scores")  # methods linear in the training gradient only

@@ -56,7 +56,12 @@ import torch
 
 from gradstore.core import StoreCore, gradient_filter
 from gradstore.core import schema as S
-from gradstore.errors import InvalidArgumentError, UnstableRecursionError, UnstableStepWarning
+from gradstore.errors import (
+    InvalidArgumentError,
+    UnmodelledOptimizerWarning,
+    UnstableRecursionError,
+    UnstableStepWarning,
+)
 
 #: ``"clip"``: clip a step's curvature to the stable range (warned); ``"off"``: use it as recorded.
 STABILITY = "clip"
@@ -172,10 +177,30 @@ def with_dynamics(store: StoreCore, run: str, label: str, steps: Sequence) -> li
     dim = store.run_dim(run)
     spec = store.run(run)["projection"]
     layers = [(s.offset, s.size) for s in store.run_spec(run, "dvemb").layers] if spec else [(0, dim)]
+    _warn_unmodelled(run, [rows[s.step] for s in steps if s.step in rows])
     return [
         replace(s, coefficients=coefficients(rows[s.step], s.learning_rate, dim, layers)) if s.step in rows else s
         for s in steps
     ]
+
+
+#: The optimizers whose dynamics :func:`coefficients` models (capture's ``optimizer_kind``).
+MODELLED = ("sgd", "adam", "adamw")
+
+
+def _warn_unmodelled(run: str, rows: Sequence[dict]) -> None:
+    """One :class:`~gradstore.errors.UnmodelledOptimizerWarning` when some recorded steps were taken by an
+    optimizer the dynamics do not model (RMSprop, Adagrad, NAdam, ...): those steps are ``lr x gradient``."""
+    kinds = sorted({str(r.get("optimizer")) for r in rows if r.get("optimizer") not in (None, *MODELLED)})
+    if kinds:
+        warnings.warn(
+            f"run {run!r} was trained with {', '.join(kinds)}, whose update rule the trajectory methods do not "
+            f"model (they model {', '.join(MODELLED)}): each of its steps is taken as lr x gradient, a plain SGD "
+            "step, so scores weight the steps as such; for exact metagradients of any of the modelled optimizers "
+            "use store.replay, else a single-checkpoint method (fisher, grad-dot) does not depend on the dynamics",
+            UnmodelledOptimizerWarning,
+            stacklevel=4,
+        )
 
 
 def check_descent(store: StoreCore, run: str) -> None:
@@ -486,6 +511,7 @@ def segment_coefficients(store: StoreCore, run: str, ends: Sequence[tuple[int, i
         return [None] * len(ends)
     check_descent(store, run)
     rows = {row["step"]: row for row in _rows(store.scan(S.OPTIMIZER_STEPS, None, gradient_filter(run), cache=False))}
+    _warn_unmodelled(run, [rows[s] for first, end in ends for s in range(first, end) if s in rows])
     dim = store.run_dim(run)
     spec = store.run(run)["projection"]
     layers = [(s.offset, s.size) for s in store.run_spec(run, "source").layers] if spec else [(0, dim)]

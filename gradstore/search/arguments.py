@@ -11,11 +11,16 @@ import torch
 from gradstore.errors import InvalidArgumentError, NonFiniteGradientError, SchemaMismatchError
 
 
+def _whole(value: object) -> bool:
+    """A whole number: a Python or numpy integer, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def check_count(name: str, value: int) -> int:
     """``value`` of argument ``name`` if it is a whole number >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _whole(value) or value < 1:
         raise InvalidArgumentError(f"{name} must be a whole number >= 1, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_k(k: int) -> int:
@@ -26,14 +31,14 @@ def check_k(k: int) -> int:
 def check_rerank(rerank: int, kind: str) -> int:
     """``rerank`` if it is a whole number >= 0 (0: off), and 0 unless ``kind`` is a FAISS index whose candidates
     it re-scores."""
-    if isinstance(rerank, bool) or not isinstance(rerank, int) or rerank < 0:
+    if not _whole(rerank) or rerank < 0:
         raise InvalidArgumentError(f"rerank must be a whole number >= 0 (0: off), got {rerank!r}")
     if rerank and kind == "exact":
         raise InvalidArgumentError(
             "rerank re-scores a FAISS index's candidates exactly; kind='exact' is exact already: "
             "drop rerank, or pass a FAISS kind such as kind='HNSW32,Flat'"
         )
-    return rerank
+    return int(rerank)
 
 
 def query_array(queries: np.ndarray | torch.Tensor) -> np.ndarray:

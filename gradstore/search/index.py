@@ -216,8 +216,8 @@ class AttributionIndex:
 
         ``queries``: a numeric array or tensor ``[q, dim]`` of finite values; ``k`` a whole number >= 1; ``rerank``
         one >= 0, and 0 for an exact index: the checks of ``attribute`` (:mod:`gradstore.search.arguments`)."""
-        check_k(k)
-        check_rerank(rerank, self.manifest["kind"])
+        k = check_k(k)
+        rerank = check_rerank(rerank, self.manifest["kind"])
         queries = check_query_vectors(query_array(queries), self.manifest["dim"], f"index {self.name!r}")
         prepared = self.space.queries(queries)
         if self.faiss_index is not None:

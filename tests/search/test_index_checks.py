@@ -126,6 +126,7 @@ def test_an_index_searches_only_with_the_arguments_attribute_takes(small):
             index.search(*args, **kwargs)
     np.testing.assert_array_equal(exact.search(torch.ones(DIM), 3)[1], exact.search(query, 3)[1])  # one vector
     np.testing.assert_array_equal(graph.search(query, 3, rerank=2)[1], exact.search(query, 3)[1])
+    np.testing.assert_array_equal(graph.search(query, np.int64(3), rerank=np.int32(2))[1], exact.search(query, 3)[1])
     for engine in ("local", LocalEngine()):  # the local engine by name or object: the same search
         np.testing.assert_array_equal(exact.search(query, 3, engine=engine)[1], exact.search(query, 3)[1])
         np.testing.assert_array_equal(graph.search(query, 3, engine=engine)[1], graph.search(query, 3)[1])

@@ -110,7 +110,8 @@ def test_rerank_drops_candidates_deleted_since_the_build(tmp_path):
     _, before = approximate.search(queries, 10, rerank=1200)
     gone = sorted({int(g) for g in before[:, 0]})
     store.core.table("gradients").delete(f"grad_id IN ({', '.join(map(str, gone))})")
-    with pytest.warns(gradstore.StaleIndexWarning, match="holds 1200 rows and its selection 1184 now: build it again .* drop the deleted ones"):
+    stale = "holds 1200 rows and its selection 1184 now: build it again .* drop the deleted ones"
+    with pytest.warns(gradstore.StaleIndexWarning, match=stale):
         scores, got = approximate.search(queries, 10, rerank=1200)  # every remaining row is a candidate
     rows = _stored(store)
     assert not set(gone) & set(rows)

@@ -394,6 +394,21 @@ def test_a_numpy_bool_is_a_flag_value_too(filled):
     assert with_numpy.equals(FLAG_CALLS["attribute"](filled, {"opponents": True}))
 
 
+def test_numpy_numbers_are_the_numbers_they_hold(filled):
+    """``k=np.int64(3)``, ``damping=np.float32(0.5)`` (numbers taken from arrays) answer as the Python numbers do,
+    not refused as "not a whole number" / "not a finite number"."""
+    common = {"run": RUN, "method": "fisher", "write": False}
+    plain = filled.attribute(k=3, damping=0.5, **common)
+    for k, damping in ((np.int64(3), np.float32(0.5)), (np.int32(3), np.float64(0.5)), (3, np.float16(0.5))):
+        got = filled.attribute(k=k, damping=damping, **common)
+        assert got.column("example_id").equals(plain.column("example_id"))
+        np.testing.assert_allclose(got.column("score").to_numpy(), plain.column("score").to_numpy(), rtol=1e-6)
+    with pytest.raises(gradstore.InvalidArgumentError, match="k must be a whole number >= 1, got 0"):
+        filled.attribute(k=np.int64(0), **common)
+    with pytest.raises(gradstore.InvalidArgumentError, match="damping must be a finite number > 0"):
+        filled.attribute(damping=np.float32("nan"), **common)
+
+
 @pytest.mark.parametrize(
     ("call", "queries", "shown"),
     [
