@@ -9,7 +9,6 @@ turns an argument the chosen method does not use into an ``InvalidArgumentError`
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
@@ -245,12 +244,19 @@ def _same(value: Any, default: Any) -> bool:
     )
 
 
+#: The relative dampings a fit takes: below, float64 cannot tell the damped eigenvalues from the undamped ones
+#: (2^-52 of the largest); above, ``(F + damping)^-1`` is ``1 / damping`` to float64's precision (grad-dot, scaled),
+#: and ``damping x mean eigenvalue`` may leave float64's range.
+DAMPING_RANGE = (1e-15, 1e15)
+
+
 def check_damping(damping: float) -> float:
-    """``damping`` if it is a finite number > 0 (relative to the mean eigenvalue)."""
-    if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not math.isfinite(damping) or damping <= 0:
+    """``damping`` if it is a number in :data:`DAMPING_RANGE` (relative to the mean eigenvalue)."""
+    low, high = DAMPING_RANGE
+    if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not low <= damping <= high:
         raise InvalidArgumentError(
-            f"damping must be a finite number > 0 (relative to the mean eigenvalue; default {DEFAULT_DAMPING}), "
-            f"got {damping!r}"
+            f"damping must be a number in [{low:g}, {high:g}] (relative to the mean eigenvalue; default "
+            f"{DEFAULT_DAMPING}: beyond that range float64 cannot resolve it), got {damping!r}"
         )
     return float(damping)
 

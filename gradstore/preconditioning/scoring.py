@@ -52,10 +52,13 @@ class ScoringSpace:
             exact = self.queries(raw[vanished].to(torch.float64), torch.float64)
             vanished = exact.abs().amax(dim=1) > 0
         if not torch.isfinite(prepared).all() or vanished.any():
+            damping = getattr(self.preconditioner, "damping", None)
+            cause = "the stored rows' norms" + ("" if damping is None else f" or the damping ({damping:g})")
             raise InvalidArgumentError(
-                f"method {self.method.name!r}: preconditioned queries leave float32's range (the stored rows' norms "
-                "are extreme), so a float32 search would rank on infinities or zeros; use score_matrix (float64) or "
-                "store the rows rescaled to norms nearer 1"
+                f"method {self.method.name!r}: preconditioned queries leave float32's range ({cause} are extreme), "
+                "so a float32 search would rank on infinities or zeros; use score_matrix (float64), "
+                + ("" if damping is None else "a damping nearer 1 (relative to the mean eigenvalue), ")
+                + "or store the rows rescaled to norms nearer 1"
             )
 
     def rows(self, rows: torch.Tensor) -> torch.Tensor:

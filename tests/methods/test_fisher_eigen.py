@@ -286,5 +286,8 @@ def test_rows_of_extreme_norm_score_exactly_or_refuse(tmp_path):
     got = matrix.scores[:, np.argsort(matrix.grad_ids)]
     assert np.all(got[:, :4] != 0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * abs(want).max())
-    with pytest.raises(gradstore.InvalidArgumentError, match="float32's range"):
+    with pytest.raises(gradstore.InvalidArgumentError, match=r"float32's range \(the stored rows' norms or the damp"):
         store.attribute(q, run="r", method="fisher", damping=0.1, blocks="full", k=3)
+    for damping in (1e300, 1e-300, 0.0):  # beyond what float64 resolves: refused, never scored as zeros
+        with pytest.raises(gradstore.InvalidArgumentError, match=r"damping must be a number in \[1e-15, 1e\+15\]"):
+            store.attribute(q, run="r", method="fisher", damping=damping, blocks="full", k=3)

@@ -405,7 +405,7 @@ def test_numpy_numbers_are_the_numbers_they_hold(filled):
         np.testing.assert_allclose(got.column("score").to_numpy(), plain.column("score").to_numpy(), rtol=1e-6)
     with pytest.raises(gradstore.InvalidArgumentError, match="k must be a whole number >= 1, got 0"):
         filled.attribute(k=np.int64(0), **common)
-    with pytest.raises(gradstore.InvalidArgumentError, match="damping must be a finite number > 0"):
+    with pytest.raises(gradstore.InvalidArgumentError, match="damping must be a number in"):
         filled.attribute(damping=np.float32("nan"), **common)
 
 
