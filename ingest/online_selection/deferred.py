@@ -2,11 +2,12 @@
 Conv1D weight gradients formed once, on the kept examples, at the decision.
 
 Without deferral autograd forms every layer's ``dy^T x`` over the whole batch and the selector then subtracts the
-dropped examples' terms: a GEMM over the dropped rows on top of the full one. Deferred, the layer runs through
-:class:`DeferredGemm`, whose backward gives only the input gradient; the selector keeps the layer's inputs and
-output gradients (it does anyway) and, at the decision, forms ``(c * dy)^T x`` over the kept examples only, ``c``
-their weights times the renormalisation. The step's GEMM work then falls below a plain step's by the dropped share
-of the weight gradients, where subtracting added it.
+dropped examples' terms: a GEMM over the dropped rows on top of the full one. Deferred, the layer runs on its
+detached parameters (:func:`detached_gemm`: torch's own backward node gives only the input gradient), or through
+:class:`DeferredGemm`, whose backward does the same, under saved-tensor hooks and for an input needing no gradient
+without a bias; the selector keeps the layer's inputs and output gradients (it does anyway) and, at the decision,
+forms ``(c * dy)^T x`` over the kept examples only, ``c`` their weights times the renormalisation. The step's GEMM
+work then falls below a plain step's by the dropped share of the weight gradients, where subtracting added it.
 
 Deferred only on one process (DDP reduces gradients as the backward forms them), for plain float GEMMs
 (:func:`~ingest.fused.plain_gemm`) of modules whose forward nobody else replaced, while a batch is captured and
@@ -29,6 +30,8 @@ from ingest.fused import plain_gemm
 
 #: Marks an output whose layer's weight gradients the selector forms itself.
 DEFERRED_MARK = "_gradstore_deferred"
+#: Marks a deferred output computed from detached parameters (:func:`detached_gemm`): its nodes reach no parameter.
+DETACHED_MARK = "_gradstore_detached"
 
 
 class DeferredGemm(torch.autograd.Function):
@@ -66,8 +69,9 @@ class DeferredGemm(torch.autograd.Function):
 
 
 class DeferredForward:
-    """A Linear or Conv1D module's forward replaced by one through :class:`DeferredGemm` (``should_defer(x)``: whether
-    this call's weight gradients are left to the selector); :meth:`remove` gives the module its forward back."""
+    """A Linear or Conv1D module's forward replaced by one through :func:`detached_gemm` or :class:`DeferredGemm`
+    (``should_defer(x)``: whether this call's weight gradients are left to the selector); :meth:`remove` gives the
+    module its forward back."""
 
     def __init__(self, module: nn.Module, kind: str, should_defer: Callable[[torch.Tensor], bool]) -> None:
         self.module = module
@@ -87,8 +91,13 @@ class DeferredForward:
             or not plain_gemm(self.module, self.kind, x)
         ):
             return self._original(x, *args, **kwargs)
+        weight, bias, transposed = self.module.weight, self.module.bias, self.kind == "linear"
         defer = self.should_defer(x)
-        out = DeferredGemm.apply(x, self.module.weight, self.module.bias, self.kind == "linear", defer)
+        out = detached_gemm(x, weight, bias, transposed) if defer and not saved_tensor_hooks_active() else None
+        if out is not None:
+            setattr(out, DETACHED_MARK, True)
+        else:
+            out = DeferredGemm.apply(x, weight, bias, transposed, defer)
         if defer:
             setattr(out, DEFERRED_MARK, True)
         return out
@@ -99,6 +108,33 @@ class DeferredForward:
         self.active = False
         if self.module.__dict__.get("forward") is self._forward:
             del self.module.forward
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are active (non-reentrant gradient checkpointing's): its recomputation, in the
+    backward, runs :class:`DeferredGemm` undeferred, so the forward must save what that saves."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+def detached_gemm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
+) -> torch.Tensor | None:
+    """A deferred call's output computed as :class:`DeferredGemm` computes it, with the weight and bias detached:
+    torch's own backward node then gives the input gradient alone, without a Python function each way. When ``x``
+    needs no gradient the output keeps a backward node (for the gradient hooks) through a throwaway leaf copy of
+    the bias; ``None`` when there is no bias to do that with (:class:`DeferredGemm` then runs)."""
+    if not x.requires_grad:
+        if bias is None:
+            return None
+        bias = bias.detach().requires_grad_()
+    elif bias is not None:
+        bias = bias.detach()
+    weight = weight.detach()
+    if transposed:
+        return torch.nn.functional.linear(x, weight, bias)
+    x2d = x.reshape(-1, x.shape[-1])
+    return (x2d.mm(weight) if bias is None else torch.addmm(bias, x2d, weight)).view(*x.shape[:-1], -1)
 
 
 def deferrable(module: nn.Module) -> bool:

@@ -34,9 +34,8 @@ def _fraction(value: float, name: str) -> float:
 def _top(values: torch.Tensor, fraction: float, largest: bool) -> torch.Tensor:
     n = values.shape[0]
     count = max(1, round(fraction * n)) if n else 0
-    keep = torch.zeros(n, dtype=torch.bool)
-    keep[torch.topk(values.cpu(), count, largest=largest, sorted=False).indices] = True
-    return keep
+    top = torch.topk(values.cpu(), count, largest=largest, sorted=False).indices
+    return torch.zeros(n, dtype=torch.bool).index_fill_(0, top, True)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from ingest.online_selection.collective import Group, is_ddp
 from ingest.online_selection.decision import StepDecision
 from ingest.online_selection.deferred import (
     DEFERRED_MARK,
+    DETACHED_MARK,
     DeferredForward,
     add_weighted_product,
     deferrable,
@@ -177,7 +178,8 @@ class OnlineSelector:
                 return
             if not isinstance(output, torch.Tensor) or not output.requires_grad or not args:
                 return
-            self._outside.module_ran(module, args, output)
+            if not getattr(output, DETACHED_MARK, False):  # a detached GEMM's nodes reach no parameter
+                self._outside.module_ran(module, args, output)
             x = args[0].detach()
             replaced = None
             if x.shape[0] != batch.size:
@@ -192,9 +194,8 @@ class OnlineSelector:
                         f"online selection: a {type(module).__name__} got a batch of {x.shape[0]} in a forward of "
                         f"{batch.size} examples; it needs batch-first inputs"
                     )
-            pending = self._pending.setdefault(batch.generation, _Pending(uses=[]))
             use = [module, kind, x, None, getattr(output, DEFERRED_MARK, False)]
-            pending.uses.append(use)
+            self._pending_of(batch).uses.append(use)
 
             def grad_hook(dy: torch.Tensor) -> None:
                 use[3] = dy.detach() if use[3] is None else use[3] + dy.detach()
@@ -213,8 +214,15 @@ class OnlineSelector:
             return
         self._outside.check(output)
 
+    def _pending_of(self, batch: ActiveBatch) -> _Pending:
+        """The pending record of ``batch``'s backward (created at its first use)."""
+        pending = self._pending.get(batch.generation)
+        if pending is None:
+            pending = self._pending[batch.generation] = _Pending(uses=[])
+        return pending
+
     def _rows_arrived(self, batch: ActiveBatch, rows: torch.Tensor) -> None:
-        pending = self._pending.setdefault(batch.generation, _Pending(uses=[]))
+        pending = self._pending_of(batch)
         pending.rows = rows
         pending.meta = batch.meta
         pending.scales = batch.scales
@@ -312,7 +320,7 @@ class OnlineSelector:
                 self._target_cache = target.to(rows.dtype)
             scores = rows @ self._target_cache
             if self.similarity == "cosine":
-                scores = scores / torch.linalg.vector_norm(rows, dim=1).clamp_(min=1e-30)
+                scores.div_(torch.linalg.vector_norm(rows, dim=1).clamp_(min=1e-30))
             return scores.double()
         scores = torch.as_tensor(self.target(rows, losses)).to(torch.float64).reshape(-1)
         if scores.shape[0] != rows.shape[0]:

@@ -216,6 +216,18 @@ def test_deferred_weight_gradients_are_formed_at_the_decision():
         torch.testing.assert_close(got, p.grad, rtol=1e-12, atol=1e-12)
 
 
+def test_deferred_layers_without_biases_stay_exact():
+    """Layers without a bias: the first (its input needs no gradient) runs the custom autograd function, the second
+    a GEMM on detached parameters; both steps equal steps on the kept examples."""
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.Linear(5, 7, bias=False), nn.Tanh(), nn.Linear(7, 3, bias=False)).double()
+    twin = copy.deepcopy(model)
+    batches = [[data(100 + s, 8)] for s in range(3)]
+    decisions = selected_steps(model, batches, RandomSelection(0.5), opt_cls=torch.optim.Adam)
+    reference_steps(twin, batches, decisions, opt_cls=torch.optim.Adam)
+    assert_same(model, twin)
+
+
 def test_a_step_that_drops_every_example_steps_on_zero_gradients():
     torch.manual_seed(10)
     model = mlp().double()
