@@ -41,9 +41,9 @@ from ingest.capture_config import (
 from ingest.coverage import Coverage
 from ingest.curvature import CURVATURE_SPLITS, CurvatureStats
 from ingest.delivery import Delivery
-from ingest.hooks import ActiveBatch, LayerHook, in_backward
+from ingest.hooks import ActiveBatch, LayerHook, in_backward, in_functorch
 from ingest.ids import content_hashes, find_inputs, find_mask, normalize_ids
-from ingest.layers import fsdp1_wrapped, left_out_ops, select_layers
+from ingest.layers import clean_name, fsdp1_wrapped, left_out_ops, select_layers
 from ingest.misuse import CaptureUsageError
 from ingest.normalizers import NORMALIZER_POWERS, adam_factored_scales
 from ingest.scaling import example_scales, example_token_counts
@@ -336,8 +336,8 @@ class GradientCapture:
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         kwargs = dict(kwargs)
         kwarg_ids = kwargs.pop(ID_KWARG, None)
-        if self.is_paused or not torch.is_grad_enabled() or in_backward():
-            return args, kwargs
+        if self.is_paused or not torch.is_grad_enabled() or in_backward() or in_functorch():
+            return args, kwargs  # a torch.func transform (vmap/grad of a functional_call): not a training backward
         if self._skip_notice is not None and not self._warned:
             self._warn_skips()
         if self._moments_stale:
@@ -406,11 +406,16 @@ class GradientCapture:
         """A use of parameters ``names`` that capture cannot split per example (from :mod:`ingest.uses`)."""
         self.coverage.uncovered(set(names), how)
 
+    def missed(self, hook: LayerHook, how: str) -> None:
+        """``hook``'s slot misses a gradient that reached it (``how``, from :meth:`LayerHook.live_batch`)."""
+        params = {id(p) for p in (hook.parameter, hook.bias) if p is not None}
+        self.coverage.uncovered({clean_name(n) for n, p in self.model.named_parameters() if id(p) in params}, how)
+
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         batch = self.batch
         if self.per_example_loss is None or batch is None or batch.meta["loss"] is not None:
             return
-        if self.is_paused or not torch.is_grad_enabled() or in_backward():
+        if self.is_paused or not torch.is_grad_enabled() or in_backward() or in_functorch():
             return
         with torch.no_grad():
             loss = self.per_example_loss(output, args, kwargs).detach().float().reshape(-1)

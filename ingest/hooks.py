@@ -75,6 +75,15 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+_PEEK_TRANSFORMS = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+
+
+def in_functorch() -> bool:
+    """True inside a ``torch.func`` transform (``vmap``, ``grad``, ...): its forwards and backwards are not the
+    training loop's, and their tensors are batched or wrapped per level, so capture leaves them alone."""
+    return _PEEK_TRANSFORMS is not None and _PEEK_TRANSFORMS() is not None
+
+
 class HookOwner(Protocol):
     """What a layer hook needs from the capture that owns it."""
 
@@ -88,6 +97,8 @@ class HookOwner(Protocol):
     def curvature_stats(self) -> CurvatureStats | None: ...
 
     def gradient_arrived(self, batch: ActiveBatch) -> None: ...
+
+    def missed(self, hook: LayerHook, how: str) -> None: ...
 
 
 class LayerHook:
@@ -205,7 +216,7 @@ class LayerHook:
 
     def _forward(self, module: nn.Module, args: tuple, output: Any) -> torch.Tensor | None:
         batch = self.owner.batch
-        if self.owner.is_paused or batch is None or not torch.is_grad_enabled():
+        if self.owner.is_paused or batch is None or not torch.is_grad_enabled() or in_functorch():
             return None
         if not isinstance(output, torch.Tensor):
             return None
@@ -269,9 +280,32 @@ class LayerHook:
 
     # backward ----------------------------------------------------------------------------------
 
-    def _backward(self, generation: int, route: str, saved: torch.Tensor, dy: torch.Tensor) -> None:
+    def live_batch(self, generation: int) -> ActiveBatch | None:
+        """The batch an output gradient of the forward ``generation`` belongs to, None when it adds no rows.
+
+        Reported to the coverage (its slot's rows miss a part of the gradient), never dropped without a word: a
+        gradient of an *earlier* forward arriving while a later one's batch is open (two forwards, one backward:
+        a siamese pair, a discriminator on real and fake), and a backward with ``create_graph=True`` (a gradient
+        penalty, MAML: the gradient's own graph uses the weights, a use no rule splits). A second backward through
+        an already finished batch's graph (``retain_graph=True``) adds no rows, as documented."""
         batch = self.owner.batch
-        if batch is None or batch.generation != generation:
+        if batch is None:
+            return None
+        if batch.generation != generation:
+            if generation < batch.generation:
+                self.owner.missed(
+                    self,
+                    "a backward through an earlier forward's graph (two forwards, one backward: rows are those of "
+                    "the last forward; run one forward per backward, e.g. concatenate the inputs into one batch)",
+                )
+            return None
+        if torch.is_grad_enabled():  # the engine runs hooks with grad mode on only when create_graph=True
+            self.owner.missed(self, "a backward with create_graph=True (double backward, e.g. a gradient penalty)")
+        return batch
+
+    def _backward(self, generation: int, route: str, saved: torch.Tensor, dy: torch.Tensor) -> None:
+        batch = self.live_batch(generation)
+        if batch is None:
             return  # a second backward through an already captured graph
         with torch.no_grad():
             dy = tokens_view(dy.detach(), batch.size)
@@ -287,8 +321,8 @@ class LayerHook:
     def add_projected(self, generation: int, inputs: torch.Tensor, gradients: torch.Tensor) -> None:
         """Take one use's projected inputs ``[B, T, k_in]`` and output gradients ``[B, T, k_out]`` from the
         fused GEMMs (:mod:`ingest.fused`): the ``project`` route's block and curvature terms without projecting."""
-        batch = self.owner.batch
-        if batch is None or batch.generation != generation:
+        batch = self.live_batch(generation)
+        if batch is None:
             return  # a second backward through an already captured graph
         with torch.no_grad():
             self._add_block(batch, contract_tokens(inputs, gradients).flatten(1))
@@ -317,8 +351,8 @@ class LayerHook:
         """Add one use's materialised per-example gradients ``[B, d_out, d_in (+1)]`` (this slot's orientation)
         into the batch's rows (the op-level capture of :mod:`ingest.uses` for uses it cannot factor).
         ``positions``: only for hooks that keep each position's share (:attr:`PER_POSITION`)."""
-        batch = self.owner.batch
-        if batch is None or batch.generation != generation:
+        batch = self.live_batch(generation)
+        if batch is None:
             return
         with torch.no_grad():
             self._add_block(batch, self.gradient_block(grad.float()))
@@ -328,8 +362,8 @@ class LayerHook:
         """Add one use whose rows mix the examples (tokens flattened across the batch, then gathered, as a MoE
         layer routes them): ``x [N, d_in]``, ``dy [N, d_out]``, ``owner [N]`` the example of each row. Each
         example's block is the sum of its rows' ``dy x^T`` (projected first on a factorized slot)."""
-        batch = self.owner.batch
-        if batch is None or batch.generation != generation:
+        batch = self.live_batch(generation)
+        if batch is None:
             return
         s = self.slot
         with torch.no_grad():

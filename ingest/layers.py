@@ -90,7 +90,9 @@ def layer_info(name: str, module: nn.Module) -> LayerInfo | None:
             module.num_embeddings,
             module.embedding_dim,
             False,
-            hooked=_stock_forward(module, nn.Embedding),
+            # scale_grad_by_freq divides each row's gradient by its index's count in the whole batch, which no
+            # per-example split of the output gradient reproduces: left to the op-level capture, which reports it
+            hooked=_stock_forward(module, nn.Embedding) and not module.scale_grad_by_freq,
         )
     if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
         d_in = module.in_channels // module.groups * math.prod(module.kernel_size)

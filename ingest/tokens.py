@@ -48,8 +48,8 @@ class TokenLayerHook(LayerHook):
     def add_gradient(self, generation: int, grad: torch.Tensor, positions: int | None = None) -> None:
         """A use captured at its op (:mod:`ingest.uses`) as materialised gradients per example and position
         ``[B x T, d_out, d_in (+1)]``."""
-        batch = self.owner.batch
-        if batch is None or batch.generation != generation:
+        batch = self.live_batch(generation)
+        if batch is None:
             return
         if positions is None:
             raise ValueError(
@@ -63,8 +63,8 @@ class TokenLayerHook(LayerHook):
         self.owner.gradient_arrived(batch)
 
     def _backward(self, generation: int, route: str, saved: torch.Tensor, dy: torch.Tensor) -> None:
-        batch = self.owner.batch
-        if batch is None or batch.generation != generation:
+        batch = self.live_batch(generation)
+        if batch is None:
             return
         with torch.no_grad():
             dy = tokens_view(dy.detach(), batch.size)

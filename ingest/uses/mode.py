@@ -103,7 +103,7 @@ class ParameterUses(UseRules, TorchFunctionMode):
         first = batch_operand(operands)
         batched = first is not None
         sources = self._sources(operands)
-        own = self._own_forward(sources) if sources else False
+        own = self._own_forward(sources, operands) if sources else False
         if own is not False and _hook_owns(own, batch.size):
             sources = []  # a hooked module's own op on a batch-first input: its hook captures this use
         if sources:
@@ -146,7 +146,7 @@ class ParameterUses(UseRules, TorchFunctionMode):
         operands = list(tensors_in(args)) + list(tensors_in(kwargs.values()))
         first = batch_operand(operands)
         used = [t for t in operands if id(t) in self.slots and t.requires_grad]
-        own = self._own_forward(used) if used else False
+        own = self._own_forward(used, operands) if used else False
         if own is not False and _hook_owns(own, batch.size):
             used = []  # a hooked module's own op inside a custom Function of its forward: its hook captures it
         if used and first is not None:  # e.g. the forward of reentrant checkpointing: recomputed unseen later
@@ -186,12 +186,16 @@ class ParameterUses(UseRules, TorchFunctionMode):
             self.owner.uncovered(self._names([param]), "indexing other than param[e]")
         return result
 
-    def _own_forward(self, sources: list[torch.Tensor]) -> Any:
-        """The module's input when this op is a hooked module's own op on its own parameters, else False."""
+    def _own_forward(self, sources: list[torch.Tensor], operands: list[torch.Tensor]) -> Any:
+        """The module's input when this op is a hooked module's own op on its own parameters, else False. The
+        parameters must be the op's operands themselves: a weight computed from them (the legacy
+        ``torch.nn.utils.weight_norm`` sets ``weight = g * v / |v|`` before each forward) is not what the hook
+        differentiates by, so such a use is the op-level capture's (which reports it when no rule splits it)."""
         if not self.scope:
             return False
         _, x, own = self.scope[-1]
-        return x if all(id(p) in own for p in sources) else False
+        direct = {id(t) for t in operands}
+        return x if all(id(p) in own and id(p) in direct for p in sources) else False
 
 
 def _hook_owns(x: Any, size: int) -> bool:

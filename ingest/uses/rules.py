@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ingest.hooks import ActiveBatch, LayerHook
-from ingest.uses.batch_tracking import GATHER, OWNER, SLICE, SOURCES, batch_dim, tensors_in
+from ingest.uses.batch_tracking import BATCHED, GATHER, OWNER, SLICE, SOURCES, batch_dim, tensors_in
 from ingest.uses.gradients import (
     channels_last,
     conv_patches,
@@ -192,6 +192,8 @@ class UseRules:
         dim = batch_dim(idx)
         if hook is None or dim is None or dim < 0 or self.sequence_first or bound.get("max_norm") is not None:
             return None
+        if bound.get("scale_grad_by_freq"):  # scaled by the counts over the whole batch: no per-example split
+            return None
         out = F.embedding(*args, **kwargs)
         padding = bound.get("padding_idx")
         hook.padding_idx = None if padding is None else padding % hook.slot.d_in
@@ -290,9 +292,17 @@ class UseRules:
         previous, self.sequence_first = self.sequence_first, query.dim() == 3
         try:
             with self:
-                return _ATTENTION(*args, **kwargs)
+                result = _ATTENTION(*args, **kwargs)
         finally:
             self.sequence_first = previous
+        if query.dim() == 3 and batch_dim(query) == 1:
+            # the ops inside lose the examples' dim (merged with the heads'): the output is [T, B, E] as the query
+            # is, the attention weights (need_weights=True) [B, (H,) T, S]
+            output, weights = result
+            setattr(output, BATCHED, 1)
+            if isinstance(weights, torch.Tensor):
+                setattr(weights, BATCHED, 0)
+        return result
 
     # parameter-only tensors meeting the batch -----------------------------------------------------
 

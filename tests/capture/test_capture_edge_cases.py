@@ -1,0 +1,165 @@
+"""Capture is exact or loud on training loops off the beaten path: attention returning its weights, weights
+computed from parameters (legacy weight_norm), embeddings scaled by batch frequencies, two forwards before one
+backward, double backward, and torch.func transforms run inside a capture."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from ingest.capture import CaptureConfig, GradientCapture
+from ingest.coverage import CoverageWarning
+
+
+class Attention(nn.Module):
+    """``nn.MultiheadAttention`` called as users call it (``need_weights=True`` by default) and a head on its output
+    alone (no residual that would carry the examples' dim past it)."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = nn.Linear(4, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = h if self.batch_first else h.transpose(0, 1)
+        out, _ = self.attention(h, h, h)
+        out = out if self.batch_first else out.transpose(0, 1)
+        return self.head(out.mean(1))
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc(x)))
+
+
+def per_example(model: nn.Module, loss, *batch: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``torch.func`` gradients of each example's own ``loss(forward, *example)``, by parameter name."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, *example):
+        return loss(lambda t: functional_call(model, p, (t,)), *(e[None] for e in example))
+
+    return vmap(grad(one), in_dims=(None,) + (0,) * len(batch))(params, *batch)
+
+
+def cross_entropy(forward, x, y):
+    return F.cross_entropy(forward(x), y)
+
+
+def linear_rows(grads: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    return torch.cat([grads[f"{name}.weight"], grads[f"{name}.bias"][..., None]], -1).flatten(1)
+
+
+def capture(model: nn.Module, step, **options):
+    rows: list = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with GradientCapture(model, rows.append, CaptureConfig.from_options(projection=None, **options)) as cap:
+            step()
+    told = [str(w.message) for w in caught if issubclass(w.category, CoverageWarning)]
+    return cap, rows, told
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_attention_returning_its_weights_keeps_the_examples_dim(batch_first):
+    """The ops inside ``F.multi_head_attention_forward`` merge the examples' dim with the heads'; the attention's
+    output is ``[T, B, E]`` again, so the Linear on it is captured (it was reported as not captured)."""
+    torch.manual_seed(0)
+    model, x, y = Attention(batch_first), torch.randn(4, 3, 4), torch.tensor([0, 1, 2, 0])
+    ref = per_example(model, cross_entropy, x, y)
+    cap, rows, told = capture(model, lambda: F.cross_entropy(model(x), y).backward())
+    assert told == [] and cap.coverage.fraction == 1.0
+    slot = next(s for s in cap.spec.layers if s.name == "head")
+    got = rows[0].grads[:, slot.offset : slot.offset + slot.size]
+    torch.testing.assert_close(got, linear_rows(ref, "head"), rtol=1e-5, atol=1e-6)
+
+
+def test_a_weight_computed_from_parameters_is_not_taken_for_the_modules_own():
+    """Legacy ``torch.nn.utils.weight_norm`` computes ``weight`` from ``weight_g``/``weight_v`` before each forward:
+    the Linear's hook differentiates by that weight, not by g and v, whose rows were zeros recorded as captured."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = Small()
+        nn.utils.weight_norm(model.fc)
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    cap, _, told = capture(model, lambda: F.cross_entropy(model(x), y).backward())
+    record = {p.name: p for p in cap.coverage.parameters}
+    for name in ("fc.weight_g", "fc.weight_v"):
+        assert not record[name].captured and "linear" in record[name].reason
+    assert told and "fc.weight_g" in told[-1]
+    assert record["head.weight"].captured and record["fc.bias"].captured
+
+
+def test_an_embedding_scaled_by_batch_frequencies_is_reported():
+    """``scale_grad_by_freq`` divides by each index's count in the whole batch: no per-example split (the rows
+    were silently off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 5, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(15, 3))
+    x, y = torch.tensor([[1, 1, 2], [3, 3, 3], [4, 1, 5], [6, 7, 1]]), torch.tensor([0, 1, 2, 0])
+    cap, _, told = capture(model, lambda: F.cross_entropy(model(x), y).backward())
+    record = {p.name: p for p in cap.coverage.parameters}
+    assert not record["0.weight"].captured and "embedding" in record["0.weight"].reason
+    assert told and "0.weight" in told[-1]
+
+
+def test_two_forwards_then_one_backward_is_reported():
+    """Rows are those of the last forward: the earlier forward's gradients reaching the hooks are reported."""
+    torch.manual_seed(0)
+    model, x, y = Small(), torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    cap, rows, told = capture(model, lambda: F.cross_entropy(model(x) + model(x.flip(0)).flip(0), y).backward())
+    assert len(rows) == 1 and told and "earlier forward" in told[-1]
+    assert cap.coverage.fraction == 0.0
+
+
+def test_double_backward_is_reported():
+    """A gradient penalty: the weights' gradient through the input gradient's graph is a use no rule splits."""
+    torch.manual_seed(0)
+    model, x, y = Small(), torch.randn(4, 4, requires_grad=True), torch.tensor([0, 1, 2, 0])
+
+    def step() -> None:
+        loss = F.cross_entropy(model(x), y)
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        (loss + gx.pow(2).sum()).backward()
+
+    cap, _, told = capture(model, step)
+    assert told and "create_graph=True" in told[-1] and cap.coverage.fraction == 0.0
+
+
+def test_single_backward_keeps_full_coverage():
+    torch.manual_seed(0)
+    model, x, y = Small(), torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    ref = per_example(model, cross_entropy, x, y)
+    cap, rows, told = capture(model, lambda: F.cross_entropy(model(x), y).backward())
+    assert told == [] and cap.coverage.fraction == 1.0
+    torch.testing.assert_close(rows[0].grads, torch.cat([linear_rows(ref, "fc"), linear_rows(ref, "head")], 1))
+
+
+def test_torch_func_inside_a_capture_is_left_alone():
+    """``vmap(grad(functional_call(model, ...)))`` inside the loop (it raised a shape error from a hook) is not a
+    training backward: ignored, and the loop's own rows stay exact."""
+    torch.manual_seed(0)
+    model, x, y = Small(), torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    ref = per_example(model, cross_entropy, x, y)
+
+    def step() -> None:
+        inner = per_example(model, cross_entropy, x, y)
+        assert inner["fc.weight"].shape == (4, 5, 4)
+        F.cross_entropy(model(x), y).backward()
+
+    cap, rows, told = capture(model, step)
+    assert told == [] and len(rows) == 1
+    torch.testing.assert_close(rows[0].grads, torch.cat([linear_rows(ref, "fc"), linear_rows(ref, "head")], 1))
