@@ -286,10 +286,16 @@ class LayerHook:
         Reported to the coverage (its slot's rows miss a part of the gradient), never dropped without a word: a
         gradient of an *earlier* forward arriving while a later one's batch is open (two forwards, one backward:
         a siamese pair, a discriminator on real and fake), and a backward with ``create_graph=True`` (a gradient
-        penalty, MAML: the gradient's own graph uses the weights, a use no rule splits). A second backward through
-        an already finished batch's graph (``retain_graph=True``) adds no rows, as documented."""
+        penalty, MAML: the gradient's own graph uses the weights, a use no rule splits), and a second backward
+        through an already finished batch's graph (``retain_graph=True``: its gradient reaches the parameters, not
+        the rows)."""
         batch = self.owner.batch
         if batch is None:
+            self.owner.missed(
+                self,
+                "a second backward through a finished batch's graph (retain_graph=True: the rows hold the first "
+                "backward's gradient only; backward the summed losses once)",
+            )
             return None
         if batch.generation != generation:
             if generation < batch.generation:

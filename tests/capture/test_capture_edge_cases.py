@@ -139,6 +139,22 @@ def test_double_backward_is_reported():
     assert told and "create_graph=True" in told[-1] and cap.coverage.fraction == 0.0
 
 
+def test_a_second_backward_through_a_finished_batch_is_reported():
+    """``loss_a.backward(retain_graph=True); loss_b.backward()``: the parameters get both gradients, the rows (made
+    when the first backward ended) the first only; the second backward's arrival is reported, not dropped."""
+    torch.manual_seed(0)
+    model, x, y = Small(), torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+
+    def step() -> None:
+        loss = F.cross_entropy(model(x), y)
+        (loss / 2).backward(retain_graph=True)
+        (loss / 2).backward()
+
+    cap, rows, told = capture(model, step)
+    assert len(rows) == 1 and told and "second backward through a finished batch" in told[-1]
+    assert cap.coverage.fraction == 0.0
+
+
 def test_single_backward_keeps_full_coverage():
     torch.manual_seed(0)
     model, x, y = Small(), torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
