@@ -212,7 +212,9 @@ def check_descent(store: StoreCore, run: str) -> None:
     columns = ("step", "group_hyperparameters")
     if not all(name in store.dataset(S.OPTIMIZER_STEPS).schema.names for name in columns):
         return  # stores of earlier versions recorded no group hyper-parameters
-    table = store.scan(S.OPTIMIZER_STEPS, list(columns), gradient_filter(run), cache=False)
+    # only the steps whose JSON (json.dumps' separators) names maximize=True are read and parsed
+    where = f"{gradient_filter(run)} AND group_hyperparameters LIKE '%\"maximize\": true%'"
+    table = store.scan(S.OPTIMIZER_STEPS, list(columns), where, cache=False)
     ascended = sorted(
         {
             int(step)
