@@ -175,6 +175,8 @@ class GradientCapture:
         self.checkpoint = self.config.labels.checkpoint
         self.split = self.config.labels.split
         self._generation = 0
+        self._parameter_names: dict[int, str] | None = None  # id(parameter) -> name, for missed()
+        self._coverage_check_queued = False
         self._next_ids: list[str] | None = None
         self._param_ids = {id(p) for p in model.parameters()}
         self._curvature: dict[tuple[str, str], CurvatureStats] = {}  # by (checkpoint, split)
@@ -407,9 +409,22 @@ class GradientCapture:
         self.coverage.uncovered(set(names), how)
 
     def missed(self, hook: LayerHook, how: str) -> None:
-        """``hook``'s slot misses a gradient that reached it (``how``, from :meth:`LayerHook.live_batch`)."""
-        params = {id(p) for p in (hook.parameter, hook.bias) if p is not None}
-        self.coverage.uncovered({clean_name(n) for n, p in self.model.named_parameters() if id(p) in params}, how)
+        """``hook``'s slot misses a gradient that reached it (``how``, from :meth:`LayerHook.live_batch`): its
+        parameters turn "not captured"; one coverage warning when the running backward ends, however many slots
+        it reached."""
+        if self._parameter_names is None:
+            self._parameter_names = {id(p): clean_name(n) for n, p in self.model.named_parameters()}
+        names = {self._parameter_names.get(id(p)) for p in (hook.parameter, hook.bias) if p is not None}
+        self.coverage.uncovered(names - {None}, how, warn=False)
+        if not in_backward():
+            self.coverage.check()
+        elif not self._coverage_check_queued:
+            self._coverage_check_queued = True
+            Variable._execution_engine.queue_callback(self._check_coverage)
+
+    def _check_coverage(self) -> None:
+        self._coverage_check_queued = False
+        self.coverage.check()
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         batch = self.batch

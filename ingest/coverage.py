@@ -124,9 +124,9 @@ class Coverage:
         return text
 
     # ------------------------------------------------------------------ changes
-    def uncovered(self, names: Iterable[str], how: str) -> None:
+    def uncovered(self, names: Iterable[str], how: str, *, warn: bool = True) -> None:
         """Parameters ``names`` had a use (by op ``how``) that capture cannot split per example: their rows miss
-        it, so they count as not captured from now on."""
+        it, so they count as not captured from now on (``warn``: :meth:`check` now, else the caller does)."""
         changed = False
         for p in self.parameters:
             if p.name in names and p.captured:
@@ -135,7 +135,8 @@ class Coverage:
                 changed = True
         if changed:
             self._warned = False
-            self.check()
+            if warn:
+                self.check()
 
     def check(self) -> None:
         """Warn or raise about the gaps, as ``mode`` says (warned once)."""
