@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from ingest.layers import LayerInfo, clean_name, uncaptured_parameters
+from ingest.layers import LayerInfo, clean_name, fsdp1_wrapped, uncaptured_parameters
 from ingest.misuse import CaptureUsageError
 
 COVERAGE_MODES = ("warn", "strict", "ignore")
@@ -72,11 +72,14 @@ class Coverage:
     ) -> Coverage:
         """The coverage of capturing ``layers`` of ``model``."""
         names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+        views = fsdp1_wrapped(model)  # FSDP1: a layer's weight is a view of a flat parameter, named by its layer
         records: dict[int, ParameterCoverage] = {}
         for info in layers:
             for param in (info.parameter, info.bias if info.weight is not None else _module_bias(info)):
                 if param is None or not param.requires_grad or id(param) in records:
                     continue
+                if id(param) not in names and not views:
+                    continue  # a weight computed from parameters (weight_norm, parametrizations): they are listed
                 how = "hook" if info.hooked else "op"
                 records[id(param)] = ParameterCoverage(
                     names.get(id(param), info.name), param.numel(), True, info.name, how

@@ -102,6 +102,9 @@ def test_a_weight_computed_from_parameters_is_not_taken_for_the_modules_own():
         assert not record[name].captured and "linear" in record[name].reason
     assert told and "fc.weight_g" in told[-1]
     assert record["head.weight"].captured and record["fc.bias"].captured
+    # the computed weight is no parameter: the coverage counts the model's parameters only, each once
+    assert sorted(record) == sorted(n for n, _ in model.named_parameters())
+    assert cap.coverage.trainable == sum(p.numel() for p in model.parameters())
 
 
 def test_an_embedding_scaled_by_batch_frequencies_is_reported():
