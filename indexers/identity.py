@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -67,8 +68,12 @@ class CosinePreconditioner(IdentityPreconditioner):
 def unit_rows(rows: torch.Tensor) -> torch.Tensor:
     """``rows / |rows|`` row by row, exact at any norm the dtype holds (zero rows stay zero): each row is divided
     by its largest magnitude first, so its squared norm neither overflows (entries ~1e20 in float32) nor
-    underflows (~1e-20), where a plain norm made such rows' cosines 0 or tiny."""
-    peak = rows.abs().amax(dim=1, keepdim=True) if rows.shape[1] else rows.new_zeros((rows.shape[0], 1))
-    scaled = rows / torch.where(peak > 0, peak, torch.ones_like(peak))
-    norms = scaled.norm(dim=1, keepdim=True)
-    return scaled / torch.where(norms > 0, norms, torch.ones_like(norms))
+    underflows (~1e-20), where a plain norm made such rows' cosines 0 or tiny. Outside autograd one tensor the
+    size of ``rows`` is allocated (the result), as a plain division would."""
+    if rows.shape[1] == 0:
+        return rows.clone()
+    peak = torch.linalg.vector_norm(rows, ord=math.inf, dim=1, keepdim=True)  # no |rows| temporary
+    out = rows / torch.where(peak > 0, peak, torch.ones_like(peak))
+    norms = torch.linalg.vector_norm(out, dim=1, keepdim=True)
+    norms = torch.where(norms > 0, norms, torch.ones_like(norms))
+    return out / norms if out.requires_grad else out.div_(norms)  # in place unless autograd needs ``out``
