@@ -569,55 +569,21 @@ def test_rows_in_adams_geometry_are_not_preconditioned_again(tmp_path):
     assert not normalised.is_plain  # momentum and decoupled weight decay stay modelled
 
 
-@pytest.mark.parametrize("kind", [torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.NAdam])
-def test_steps_of_an_optimizer_the_dynamics_do_not_model_warn(tmp_path, kind):
-    """dvemb and source over steps of RMSprop, Adagrad, NAdam take each as ``lr x gradient`` and say so, naming the
-    optimizer (an SGD run, modelled, warns nothing)."""
-    x, y, qx, qy, batches = problem()
-    stores = {}
-    for name, make in (("unmodelled", kind), ("sgd", torch.optim.SGD)):
-        model = init_model()
-        optimizer = make(model.parameters(), lr=0.05)
-        store = stores[name] = gradstore.open(tmp_path / name, storage_dtype="float32")
-        with store.capture(model, RUN, optimizer=optimizer, projection=None) as cap:
-            for t in range(4):
-                cap.set_ids([str(int(i)) for i in batches[t]])
-                (0.5 * ((model(x[batches[t]]) - y[batches[t]]) ** 2).sum(1)).mean().backward()
-                optimizer.step()
-                optimizer.zero_grad()
-        for checkpoint, step in (("mid", 2), ("final", 4)):  # checkpoint passes for source
-            with store.capture(model, RUN, checkpoint=checkpoint, learning_rate=0.05, projection=None) as cap:
-                cap.set_step(step)
-                cap.set_ids([str(i) for i in range(N)])
-                (0.5 * ((model(x) - y) ** 2).sum(1)).mean().backward()
-                cap.set_split("query")
-                cap.set_ids(["qa", "qb"])
-                (0.5 * ((model(qx) - qy) ** 2).sum(1)).mean().backward()
-                model.zero_grad()
-    for method in ("dvemb", "source"):
-        with pytest.warns(gradstore.UnmodelledOptimizerWarning, match=f"trained with {kind.__name__}, whose update"):
-            stores["unmodelled"].score_matrix(["qa", "qb"], run=RUN, method=method)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            stores["sgd"].score_matrix(["qa", "qb"], run=RUN, method=method)
-
-
-@pytest.mark.parametrize("kind", [torch.optim.SGD, torch.optim.Adam])
-def test_a_run_that_maximized_its_loss_is_refused_by_the_trajectory_methods(tmp_path, kind):
-    """``maximize=True`` steps ascend the loss: the descent dynamics (and ``tracin-steps``' ``lr q . g``) would
-    score with the wrong sign, so every trajectory method refuses the run, naming the setting."""
+def trained_with(path, optimizer_of) -> gradstore.GradStore:
+    """A store of 4 in-loop steps of ``optimizer_of(parameters)`` and checkpoint passes ``mid``/``final`` (for
+    ``source``), query rows ``qa``/``qb``."""
     x, y, qx, qy, batches = problem()
     model = init_model()
-    optimizer = kind(model.parameters(), lr=0.05, maximize=True)
-    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    optimizer = optimizer_of(model.parameters())
+    store = gradstore.open(path, storage_dtype="float32")
     with store.capture(model, RUN, optimizer=optimizer, projection=None) as cap:
         for t in range(4):
             cap.set_ids([str(int(i)) for i in batches[t]])
             (0.5 * ((model(x[batches[t]]) - y[batches[t]]) ** 2).sum(1)).mean().backward()
             optimizer.step()
             optimizer.zero_grad()
-    for name, step in (("mid", 2), ("final", 4)):  # checkpoint passes for source
-        with store.capture(model, RUN, checkpoint=name, learning_rate=0.05, projection=None) as cap:
+    for checkpoint, step in (("mid", 2), ("final", 4)):
+        with store.capture(model, RUN, checkpoint=checkpoint, learning_rate=0.05, projection=None) as cap:
             cap.set_step(step)
             cap.set_ids([str(i) for i in range(N)])
             (0.5 * ((model(x) - y) ** 2).sum(1)).mean().backward()
@@ -625,6 +591,28 @@ def test_a_run_that_maximized_its_loss_is_refused_by_the_trajectory_methods(tmp_
             cap.set_ids(["qa", "qb"])
             (0.5 * ((model(qx) - qy) ** 2).sum(1)).mean().backward()
             model.zero_grad()
+    return store
+
+
+@pytest.mark.parametrize("kind", [torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.NAdam])
+def test_steps_of_an_optimizer_the_dynamics_do_not_model_warn(tmp_path, kind):
+    """dvemb and source over steps of RMSprop, Adagrad, NAdam take each as ``lr x gradient`` and say so, naming the
+    optimizer (an SGD run, modelled, warns nothing)."""
+    unmodelled = trained_with(tmp_path / "unmodelled", lambda params: kind(params, lr=0.05))
+    sgd = trained_with(tmp_path / "sgd", lambda params: torch.optim.SGD(params, lr=0.05))
+    for method in ("dvemb", "source"):
+        with pytest.warns(gradstore.UnmodelledOptimizerWarning, match=f"trained with {kind.__name__}, whose update"):
+            unmodelled.score_matrix(["qa", "qb"], run=RUN, method=method)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            sgd.score_matrix(["qa", "qb"], run=RUN, method=method)
+
+
+@pytest.mark.parametrize("kind", [torch.optim.SGD, torch.optim.Adam])
+def test_a_run_that_maximized_its_loss_is_refused_by_the_trajectory_methods(tmp_path, kind):
+    """``maximize=True`` steps ascend the loss: the descent dynamics (and ``tracin-steps``' ``lr q . g``) would
+    score with the wrong sign, so every trajectory method refuses the run, naming the setting."""
+    store = trained_with(tmp_path / "store", lambda params: kind(params, lr=0.05, maximize=True))
     for method in ("tracin-steps", "dvemb", "source"):
         with pytest.raises(InvalidArgumentError, match=r"maximize=True \(4 recorded step\(s\), from step 0\)"):
             store.score_matrix(["qa", "qb"], run=RUN, method=method)
