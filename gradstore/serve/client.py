@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 import gradstore.errors as errors
-from gradstore.errors import GradstoreError, InvalidArgumentError
+from gradstore.errors import GradstoreError, InvalidArgumentError, surface
 from gradstore.methods import DEFAULT_METHOD, ScoreOptions
 from gradstore.serve.auth import AuthError
 from gradstore.serve.errors import (
@@ -76,7 +76,8 @@ def _raise(error: flight.FlightError) -> None:
 
 class RemoteStore:
     """A served store (see :func:`connect`): implements :class:`~gradstore.store_api.StoreAPI` with the local
-    store's signatures."""
+    store's signatures, through the same :func:`~gradstore.errors.surface` (numpy scalars as numbers, flags checked,
+    unknown keywords named) before anything is sent."""
 
     def __init__(
         self,
@@ -155,6 +156,7 @@ class RemoteStore:
             queries = queries.detach().float().cpu().numpy()
         return None, queries
 
+    @surface
     def attribute(
         self,
         queries: QueryInput = None,
@@ -197,6 +199,7 @@ class RemoteStore:
         args = {"queries": ids, "run": run, "k": k, "opponents": opponents, "write": bool(write)}
         return self._call("attribute", {**args, **_sent("attribute", chosen, keywords)}, vectors)
 
+    @surface
     def self_influence(
         self,
         *,
@@ -225,6 +228,7 @@ class RemoteStore:
         args = {"run": run, "write": bool(write), **_sent("self_influence", chosen, keywords)}
         return self._call("self_influence", args)
 
+    @surface
     def select(
         self,
         target: QueryInput = None,

@@ -44,7 +44,8 @@ REFUSALS = (400, 401, 403, 404, 409, 411, 413, 422, 503)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no coercion the local store and Flight refuse (``true`` as damping 1.0 or k 1, ``"3"`` as k 3)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class AttributeRequest(_Body):

@@ -100,6 +100,23 @@ def test_bad_requests_are_typed_errors_and_the_server_keeps_serving(client, kwar
     assert client.runs().num_rows == 1
 
 
+def test_numpy_scalars_are_numbers_and_flags_are_checked_as_the_local_store_does(client, local):
+    """``k=np.int64(3)``, ``damping=np.float32(0.3)``, ``budget=np.int64(7)``: the local store takes numpy scalars as
+    the numbers they hold, so the client does too (not a ``TypeError`` from JSON); refused values (damping 0, k 0)
+    are the server's typed refusals, and a flag that is not a bool is refused as the local store refuses it."""
+    expected = local.attribute(run=RUN, k=3, method="fisher", damping=0.3, write=False)
+    same_table(client.attribute(run=RUN, k=np.int64(3), method="fisher", damping=np.float32(0.3)), expected)
+    same_table(
+        client.self_influence(run=RUN, method="fisher", damping=np.float32(0.3)),
+        local.self_influence(run=RUN, method="fisher", damping=0.3, write=False),
+    )
+    same_table(client.select(run=RUN, budget=np.int64(7)), local.select(run=RUN, budget=7))
+    for kwargs in (dict(k=np.int64(0)), dict(method="fisher", damping=np.float64(0.0)), dict(opponents="no")):
+        with pytest.raises(gradstore.InvalidArgumentError):
+            client.attribute(run=RUN, **kwargs)
+    assert client.runs().num_rows == 1
+
+
 def test_bad_vectors_sql_writes_and_unknown_calls_are_refused(server, client):
     with pytest.raises(gradstore.SchemaMismatchError):
         client.attribute(np.ones((1, DIM + 1), np.float32), run=RUN, method="grad-dot")

@@ -100,6 +100,20 @@ def test_writes_are_refused_on_a_read_only_server(http, server):
         ("/api/sql", {"query": "SELECT * FROM read_csv('/etc/passwd')"}, 400, "SQLError"),
         ("/api/sql", {"query": 3}, 422, "InvalidArgumentError"),
         ("/api/select", {"run": RUN, "budget": -1}, 400, "InvalidArgumentError"),
+        ("/api/attribute", {"run": RUN, "method": "fisher", "damping": 0}, 400, "InvalidArgumentError"),
+        ("/api/attribute", {"run": RUN, "method": "fisher", "damping": 1e300}, 400, "InvalidArgumentError"),
+        ("/api/self_influence", {"run": RUN, "method": "fisher", "damping": -1}, 400, "InvalidArgumentError"),
+        ("/api/attribute", {"run": RUN, "method": "fisher", "damping": "abc"}, 422, "InvalidArgumentError"),
+        ("/api/attribute", {"run": RUN, "method": "nope"}, 400, "InvalidArgumentError"),
+        ("/api/attribute", {"run": RUN, "k": 2.5}, 422, "InvalidArgumentError"),
+        # no coercion the local store and Flight refuse: a bool is not a number, a string not a number nor a bool
+        ("/api/attribute", {"run": RUN, "method": "fisher", "damping": True}, 422, "InvalidArgumentError"),
+        ("/api/attribute", {"run": RUN, "method": "fisher", "damping": "nan"}, 422, "InvalidArgumentError"),
+        ("/api/attribute", {"run": RUN, "k": True}, 422, "InvalidArgumentError"),
+        ("/api/attribute", {"run": RUN, "k": "3"}, 422, "InvalidArgumentError"),
+        ("/api/attribute", {"run": RUN, "opponents": "yes"}, 422, "InvalidArgumentError"),
+        ("/api/self_influence", {"run": RUN, "method": "fisher", "damping": False}, 422, "InvalidArgumentError"),
+        ("/api/select", {"run": RUN, "budget": True}, 422, "InvalidArgumentError"),
     ],
 )
 def test_bad_requests_get_a_typed_4xx(http, path, body, code, error):
