@@ -15,7 +15,7 @@ import typer.core
 from gradstore.cli.allocator import limit_malloc_arenas
 from gradstore.core.engine import resolve_engine
 from gradstore.errors import GradstoreError, InvalidArgumentError
-from gradstore.methods import OPTION_HELP, method_names
+from gradstore.methods import ALIASES, OPTION_HELP, method_names
 from gradstore.methods.extension import load_plugins
 
 #: The order ``gradstore --help`` lists the commands in (the modules register them in import order).
@@ -64,8 +64,11 @@ load_plugins()  # user methods (GRADSTORE_PLUGINS, entry points) join the regist
 
 def method_choices(name: str, call: str) -> type[Enum]:
     """The methods the store API's ``call`` takes (:func:`~gradstore.methods.method_names`, in the registry's
-    order) as the choices of a command's option: its help lists those, and Typer refuses any other."""
-    return Enum(name, {method: method for method in method_names(call)}, type=str)
+    order, then the aliases of those: ``influence`` for ``fisher``...) as the choices of a command's option: its
+    help lists those, and Typer refuses any other."""
+    names = method_names(call)
+    aliases = [alias for alias, method in ALIASES.items() if method in names]
+    return Enum(name, {method: method for method in [*names, *aliases]}, type=str)
 
 
 AttributeMethod = method_choices("AttributeMethod", "attribute")

@@ -193,13 +193,19 @@ def test_sql_macros_without_an_examples_table(store_path):
     ],
 )
 def test_method_choices_are_the_methods_each_command_takes(store_path, command, option, call, refused):
-    """Each scoring command offers (in its help) and accepts exactly the registry's methods its call takes."""
-    from gradstore.methods import method_names
+    """Each scoring command offers (in its help) and accepts exactly the registry's methods its call takes, then
+    their aliases (``influence`` for ``fisher``, as the Python API and the server take it)."""
+    from gradstore.methods import ALIASES, method_names
 
     _filled(store_path)
     help_text = runner.invoke(app, [command, "--help"], env={"COLUMNS": "400"}).output
     (line,) = [line for line in help_text.splitlines() if f"--{option} " in line]
-    assert f"<{'|'.join(method_names(call))}>" in line
+    names = method_names(call)
+    assert f"<{'|'.join([*names, *(a for a, m in ALIASES.items() if m in names)])}>" in line
+    if "fisher" in names:
+        alias = runner.invoke(app, [command, str(store_path), "--run", "r", f"--{option}", "influence"])
+        plain = runner.invoke(app, [command, str(store_path), "--run", "r", f"--{option}", "fisher"])
+        assert alias.exit_code == plain.exit_code and alias.output == plain.output, alias.output
     for method in refused:
         result = runner.invoke(app, [command, str(store_path), "--run", "r", f"--{option}", method])
         assert result.exit_code == 2 and "is not one of" in result.output, result.output
