@@ -481,13 +481,18 @@ def test_the_docs_tables_are_the_registry(name):
 
 
 def test_the_cli_method_choices_are_the_registry():
+    """The registry's methods of each call, then the aliases of those (``influence`` for ``fisher``...)."""
     from gradstore.cli import AttributeMethod, BuildIndexMethod, SelectSpace, SelfInfluenceMethod
-    from gradstore.methods import method_names
+    from gradstore.methods import ALIASES, method_names
 
-    assert [m.value for m in AttributeMethod] == method_names("attribute")
-    assert [m.value for m in BuildIndexMethod] == method_names("build_index")
-    assert [m.value for m in SelfInfluenceMethod] == method_names("self_influence")
-    assert [m.value for m in SelectSpace] == method_names("select")
+    def expected(call: str) -> list[str]:
+        names = method_names(call)
+        return [*names, *(alias for alias, method in ALIASES.items() if method in names)]
+
+    assert [m.value for m in AttributeMethod] == expected("attribute")
+    assert [m.value for m in BuildIndexMethod] == expected("build_index")
+    assert [m.value for m in SelfInfluenceMethod] == expected("self_influence")
+    assert [m.value for m in SelectSpace] == expected("select")
 
 
 def test_rows_written_without_a_split_are_named_as_such(tmp_path):
