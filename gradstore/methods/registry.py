@@ -106,7 +106,9 @@ class Method:
         """``InvalidArgumentError`` unless ``operation`` takes this method."""
         if operation not in self.operations:
             takers = sorted(name for name, m in METHODS.items() if operation in m.operations)
-            raise InvalidArgumentError(f"{operation} does not take method={self.name!r}; use one of {takers}")
+            raise InvalidArgumentError(
+                f"{operation} does not take {method_keyword(operation)}={self.name!r}; use one of {takers}"
+            )
 
     def attribute(
         self,
@@ -201,6 +203,11 @@ def method_names(operation: str | None = None) -> list[str]:
     return [name for name, m in METHODS.items() if operation is None or operation in m.operations]
 
 
+def method_keyword(operation: str) -> str:
+    """The keyword the store API's ``operation`` takes its method by: ``select``'s is ``preconditioner``."""
+    return "preconditioner" if operation == "select" else "method"
+
+
 def check_arguments(operation: str, method: Method, given: Mapping[str, Any]) -> None:
     """Refuse an argument ``method`` does not use: ``given`` maps the optional arguments the caller set (those
     left at their neutral default are not in it) to their values; also checks ``damping`` and ``rerank``."""
@@ -209,7 +216,8 @@ def check_arguments(operation: str, method: Method, given: Mapping[str, Any]) ->
         if argument not in method.uses and argument not in _OWN_ARGUMENTS.get(operation, ()):
             users = [name for name, m in METHODS.items() if argument in m.uses]
             raise InvalidArgumentError(
-                f"{operation}(method={method.name!r}) does not use {argument}= ({OPTIONAL_ARGUMENTS[argument]}): "
+                f"{operation}({method_keyword(operation)}={method.name!r}) does not use {argument}= "
+                f"({OPTIONAL_ARGUMENTS[argument]}): "
                 f"remove it, or choose a method that uses it ({', '.join(users)})"
             )
     if "damping" in given:

@@ -480,6 +480,16 @@ def test_the_docs_tables_are_the_registry(name):
     assert table == getattr(methods, f"{name}_table")()
 
 
+def test_select_names_its_method_by_its_own_keyword(filled):
+    """select takes its method as ``preconditioner=``: its refusals say so (not ``method=``, which it has not)."""
+    with pytest.raises(
+        gradstore.InvalidArgumentError, match=r"select\(preconditioner='grad-dot'\) does not use damping="
+    ):
+        filled.select(["q0"], run=RUN, preconditioner="grad-dot", damping=0.1)
+    with pytest.raises(gradstore.InvalidArgumentError, match="select does not take preconditioner='tracin'"):
+        filled.select(["q0"], run=RUN, preconditioner="tracin")
+
+
 def test_the_cli_method_choices_are_the_registry():
     """The registry's methods of each call, then the aliases of those (``influence`` for ``fisher``...)."""
     from gradstore.cli import AttributeMethod, BuildIndexMethod, SelectSpace, SelfInfluenceMethod
