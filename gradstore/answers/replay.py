@@ -396,23 +396,34 @@ def replay(
         return plan.step(t, params, state, grads)
 
     initial = tuple(dict(model.named_parameters())[n].detach().clone() for n in names)
+    first = _first_losses(losses, initial, data.get(batches[0], "training step 0"), len(batches[0]))
     recorded = _recorded_losses(store, run, label, step_numbers[0])
     if recorded is not None:
-        with torch.no_grad():
-            first = losses(initial, data.get(batches[0], "training step 0"), len(batches[0]), "the batch of step 0")
         _check_first_losses(run, step_numbers[0], recorded, first.double().cpu().numpy())
     length = math.ceil(steps / segments)
     starts = list(range(0, steps, length))
     kept = _States()
     params, state = initial, plan.init(initial)
     at = [torch.full((len(b),), weight, dtype=dtype, device=device) for b in batches]  # every eps where taken
-    _check_differentiable(losses, initial, data.get(batches[0], "training step 0"), len(batches[0]))
-    with torch.no_grad():
-        for t in range(steps):  # forward replay: keep each segment's first state
-            if t in starts:
-                kept.keep(t, params, state)
+
+    def locate_nonfinite(start: int, params: Tensors, state: Tensors, end: int) -> None:
+        """Steps ``start..end`` again from their finite start, checked one by one: raises at the first step
+        whose weights hold NaN/Inf (the forward replay checks only once a segment: no host sync per step)."""
+        for t in range(start, end):
             params, state = step(t, params, state, at[t])
             _check_finite(params, f"the weights after step {t}")
+
+    with torch.no_grad():
+        mark = (0, params, state)  # the last state checked finite
+        for t in range(steps):  # forward replay: keep each segment's first state
+            if t in starts:
+                if not _finite(params):
+                    locate_nonfinite(*mark, t)
+                mark = (t, params, state)
+                kept.keep(t, params, state)
+            params, state = step(t, params, state, at[t])
+        if not _finite(params):
+            locate_nonfinite(*mark, steps)
     final = params
     query_batch = data.get(query_ids, "the queries")
     query_losses, query_vjp = torch.func.vjp(lambda p: losses(p, query_batch, len(query_ids), "the queries"), final)
@@ -471,10 +482,10 @@ def replay(
     return result
 
 
-def _check_differentiable(losses: Callable[..., torch.Tensor], params: Tensors, batch: Any, size: int) -> None:
-    """``InvalidArgumentError`` when ``loss_fn``'s losses on the first training batch do not depend on the
-    model's parameters (a ``.detach()``, ``.item()`` or ``torch.no_grad()`` inside it): every metagradient would be
-    a silent zero."""
+def _first_losses(losses: Callable[..., torch.Tensor], params: Tensors, batch: Any, size: int) -> torch.Tensor:
+    """The per-example losses of the first training batch at the initial weights (detached); an
+    ``InvalidArgumentError`` when they do not depend on the model's parameters (a ``.detach()``, ``.item()`` or
+    ``torch.no_grad()`` inside ``loss_fn``): every metagradient would be a silent zero."""
     with torch.enable_grad():
         tracked = tuple(p.detach().requires_grad_() for p in params)
         out = losses(tracked, batch, size, "the batch of step 0")
@@ -484,12 +495,17 @@ def _check_differentiable(losses: Callable[..., torch.Tensor], params: Tensors, 
             "step 0): every metagradient would be zero; compute them from model(...) without .detach(), .item() or "
             "torch.no_grad()"
         )
+    return out.detach()
+
+
+def _finite(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _check_finite(tensors: Sequence[torch.Tensor], what: str) -> None:
     """``InvalidArgumentError`` naming ``what`` when one of ``tensors`` holds NaN/Inf: a replay never stores or
     returns non-finite metagradients."""
-    if all(bool(torch.isfinite(t).all()) for t in tensors):
+    if _finite(tensors):
         return
     raise InvalidArgumentError(
         f"the replay became non-finite: {what} hold NaN/Inf (nothing was stored); check that loss_fn returns "

@@ -110,11 +110,14 @@ class DeferredForward:
             del self.module.forward
 
 
+_TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 def saved_tensor_hooks_active() -> bool:
     """Whether saved-tensor hooks are active (non-reentrant gradient checkpointing's): its recomputation, in the
-    backward, runs :class:`DeferredGemm` undeferred, so the forward must save what that saves."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None
+    backward, runs :class:`DeferredGemm` undeferred, so the forward must save what that saves (assumed active
+    where torch does not say)."""
+    return _TOP_SAVED_TENSOR_HOOKS is None or _TOP_SAVED_TENSOR_HOOKS(False) is not None
 
 
 def detached_gemm(
