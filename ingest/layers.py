@@ -31,7 +31,6 @@ from torch import nn
 #: Why a trainable parameter is not a layer of its own (see :func:`uncaptured_parameters`).
 REASON_RECURRENT = "recurrent layer weight (RNN/LSTM/GRU are not captured)"
 REASON_STACKED = "parameter of 4 or more non-trivial dims: not captured"
-REASON_ATTENTION = "attention projection outside the packed in_proj (kdim/vdim differ, bias_k/bias_v)"
 
 
 @dataclass(frozen=True)
@@ -195,8 +194,6 @@ def _candidate_layers(model: nn.Module) -> tuple[list[LayerInfo], dict[int, str]
             full = f"{name}.{pname}" if name else pname
             if isinstance(module, nn.RNNBase):
                 reasons[id(param)] = REASON_RECURRENT
-            elif isinstance(module, nn.MultiheadAttention):
-                reasons[id(param)] = REASON_ATTENTION
             elif is_norm(module):  # a scale or shift: the opt-in kind "norm"
                 layers.append(dataclasses.replace(parameter_info(full, module, param), kind="norm"))
                 reasons[id(param)] = ""

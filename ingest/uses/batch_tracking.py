@@ -26,6 +26,10 @@ SLICE = "_gradstore_slice"
 GATHER = "_gradstore_gather"
 #: Attribute set on batch-free tensors computed from captured parameters: the parameters (a tuple).
 SOURCES = "_gradstore_sources"
+#: Attribute set on a block of rows of a captured weight or bias, a view ``param[start:stop]`` (``split``,
+#: ``chunk``, ``narrow``, slicing: MultiheadAttention's cross-attention splits its packed in-projection):
+#: ``(param, start, stop)``.
+ROWS = "_gradstore_rows"
 
 
 def tensors_in(values: Iterable[Any]) -> Iterator[torch.Tensor]:
@@ -44,6 +48,18 @@ def mark_batched(values: Iterable[Any]) -> None:
             mark_batched(value.values())
         for t in tensors_in([value]):
             setattr(t, BATCHED, 0)
+
+
+def row_block(piece: torch.Tensor, param: torch.Tensor) -> tuple[int, int] | None:
+    """``(start, stop)`` when ``piece`` is the view ``param[start:stop]`` (every other dim whole), else None."""
+    if piece.dim() != param.dim() or piece.dim() == 0 or piece.shape[1:] != param.shape[1:]:
+        return None
+    if piece.stride() != param.stride() or piece.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+        return None
+    start, rest = divmod(piece.storage_offset() - param.storage_offset(), param.stride(0))
+    if rest or start < 0 or start + piece.shape[0] > param.shape[0]:
+        return None
+    return start, start + piece.shape[0]
 
 
 def batch_dim(t: Any) -> int | None:

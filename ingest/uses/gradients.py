@@ -26,8 +26,39 @@ def hook_backward(
     hook._backward(generation, route, saved, dy if layout is None else layout(dy))
 
 
-def rows_backward(hook: LayerHook, generation: int, x: torch.Tensor, owner: torch.Tensor, dy: torch.Tensor) -> None:
-    hook.add_rows(generation, x, dy, owner)
+def rows_backward(
+    hook: LayerHook,
+    generation: int,
+    x: torch.Tensor,
+    owner: torch.Tensor,
+    widen: Callable[[torch.Tensor], torch.Tensor] | None,
+    dy: torch.Tensor,
+) -> None:
+    hook.add_rows(generation, x, dy if widen is None else widen(dy), owner)
+
+
+def bias_backward(
+    hook: LayerHook, generation: int, widen: Callable[[torch.Tensor], torch.Tensor], dy: torch.Tensor
+) -> None:
+    """A 1-D parameter ``hook`` holds, used as (a block of) a linear op's bias: each example's gradient is its
+    output gradient summed over its positions, in the parameter's rows (``widen``: batch-first, zeros elsewhere)."""
+    full = widen(dy.detach())
+    hook.add_gradient(generation, full.reshape(full.shape[0], -1, full.shape[-1]).sum(1, keepdim=True))
+
+
+def widen_rows(
+    start: int, stop: int, size: int, layout: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The output gradient of a use of rows ``start:stop`` of a weight (after ``layout``) as the whole weight's
+    output gradient: zeros in the other rows, which this use does not touch."""
+
+    def widen(dy: torch.Tensor) -> torch.Tensor:
+        dy = dy if layout is None else layout(dy)
+        out = dy.new_zeros(*dy.shape[:-1], size)
+        out[..., start:stop] = dy
+        return out
+
+    return widen
 
 
 def grouped_mm_backward(
@@ -112,14 +143,20 @@ def meeting_backward(
     params: list[torch.Tensor],
     hooks: list[LayerHook],
     generation: int,
-    size: int,
+    at: int,
     grad: torch.Tensor,
 ) -> None:
     """The per-example (per-token, for a per-token capture's hooks) gradients of ``params`` from the gradient of
-    their batch-expanded ``operand``."""
+    their batch-expanded ``operand`` (the examples along dim ``at`` of ``grad``)."""
     positions = grad.shape[1] if hooks[0].PER_POSITION and grad.dim() > 1 else None
     with torch.no_grad():
-        per_row = split_operand(grad.detach(), operand.shape, 1 if positions is None else 2)
+        if at:  # split along dim ``at`` as along dim 0, then put the dims back in the operand's order
+            aligned = [1] * (grad.dim() - operand.dim()) + list(operand.shape)
+            aligned.insert(0, aligned.pop(at))
+            moved = split_operand(grad.detach().movedim(at, 0), torch.Size(aligned))
+            per_row = moved.movedim(1, at + 1).reshape(grad.shape[at], *operand.shape)
+        else:
+            per_row = split_operand(grad.detach(), operand.shape, 1 if positions is None else 2)
     if len(params) == 1 and params[0] is operand:
         grads = [per_row]
     else:

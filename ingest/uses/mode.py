@@ -19,12 +19,14 @@ from ingest.uses.batch_tracking import (
     BATCHED,
     GATHER,
     OWNER,
+    ROWS,
     SLICE,
     SOURCES,
     TAKEN,
     batch_dim,
     batch_operand,
     result_batch,
+    row_block,
     tensors_in,
 )
 from ingest.uses.gradients import refuse_recomputation
@@ -62,6 +64,14 @@ class ParameterUses(UseRules, TorchFunctionMode):
         self.slots: dict[int, list[LayerHook]] = {}
         for hook in hooks:
             self.slots.setdefault(id(hook.parameter), []).append(hook)
+        # weights and biases whose row blocks (a packed projection split in parts) are uses of their slot
+        self.row_owners = {
+            id(p): p
+            for hook in hooks
+            if hook.index is None and (hook.slot.kind in ("linear", "attention") or hook.parameter.dim() == 1)
+            for p in (hook.parameter, hook.bias)
+            if p is not None
+        }
         self.hooked = hooked  # ids of the modules whose hooks capture their own forward
         # running hooked modules, their inputs and their own parameters' ids
         self.scope: list[tuple[nn.Module, Any, frozenset[int]]] = []
@@ -113,6 +123,8 @@ class ParameterUses(UseRules, TorchFunctionMode):
                 self.seen_outside = True
         else:
             result = func(*args, **kwargs)
+        if first is None and operands and id(operands[0]) in self.row_owners:
+            _mark_rows(operands[0], result)
         try:
             self._mark_result(func, args, kwargs, result, first, sources, batch.size)
         except Exception as error:  # an op this bookkeeping does not know: its outputs' examples are unknown
@@ -196,6 +208,14 @@ class ParameterUses(UseRules, TorchFunctionMode):
         _, x, own = self.scope[-1]
         direct = {id(t) for t in operands}
         return x if all(id(p) in own and id(p) in direct for p in sources) else False
+
+
+def _mark_rows(param: torch.Tensor, result: Any) -> None:
+    """Mark the pieces of ``result`` that are row blocks ``param[start:stop]`` with :data:`ROWS`."""
+    for piece in tensors_in([result]):
+        block = row_block(piece, param)
+        if block is not None and piece is not param:
+            setattr(piece, ROWS, (param, *block))
 
 
 def _hook_owns(x: Any, size: int) -> bool:

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from ingest.hooks import ActiveBatch, LayerHook
-from ingest.uses.batch_tracking import BATCHED, GATHER, OWNER, SLICE, SOURCES, batch_dim, tensors_in
+from ingest.uses.batch_tracking import BATCHED, GATHER, OWNER, ROWS, SLICE, SOURCES, batch_dim, tensors_in
 from ingest.uses.gradients import (
+    bias_backward,
     channels_last,
     conv_patches,
     gathered_backward,
@@ -25,6 +26,7 @@ from ingest.uses.gradients import (
     meeting_backward,
     normalization_backward,
     rows_backward,
+    widen_rows,
 )
 from ingest.uses.ops import (
     CONCATENATIONS,
@@ -154,25 +156,50 @@ class UseRules:
         return None
 
     def _linear(self, batch: ActiveBatch, x: Any, weight: Any, bias: Any = None) -> Any:
-        hook = self._slot(weight, ("linear", "attention", "parameter"))
-        if hook is None or batch_dim(x) is None:
+        """``F.linear`` with a slot's weight, or with a block of its rows (``weight = param[start:stop]``, the
+        bias the same rows of the slot's bias): that use's output gradient is the slot's, zero in the other rows."""
+        rows = getattr(weight, ROWS, None)
+        hook = self._slot(weight if rows is None else rows[0], ("linear", "attention", "parameter"))
+        if batch_dim(x) is None or (hook is None and self._sources([weight])):
             return None
-        if bias is not None and bias is not hook.bias:
+        own = hook is not None and bias is not None
+        own = own and (bias if rows is None else _rows_of(bias, hook.bias, rows)) is hook.bias
+        if hook is not None and hook.slot.has_bias and not own:
             return None
-        if hook.slot.has_bias and bias is None:
+        apart = None if bias is None or own or not self._sources([bias]) else self._bias_slot(bias)
+        if (bias is not None and not own and self._sources([bias]) and apart is None) or (hook or apart) is None:
             return None
         owner = getattr(x, OWNER, None)
         if owner is not None and not self.sequence_first and x.dim() == 2:  # rows that mix the examples
+            if hook is None or apart is not None:
+                return None
+            widen = None if rows is None else widen_rows(rows[1], rows[2], hook.slot.d_out)
             out = F.linear(x, weight, bias)
-            out.register_hook(functools.partial(rows_backward, hook, batch.generation, x.detach(), owner))
+            out.register_hook(functools.partial(rows_backward, hook, batch.generation, x.detach(), owner, widen))
             return out
         layout = self._layout(x, batch.size)
         if layout is None:
             return None
         out = F.linear(x, weight, bias)
-        route, saved = hook._save(layout(x.detach()), batch.size)
-        out.register_hook(functools.partial(hook_backward, hook, batch.generation, route, saved, layout))
+        if hook is not None:
+            route, saved = hook._save(layout(x.detach()), batch.size)
+            out_layout = layout if rows is None else widen_rows(rows[1], rows[2], hook.slot.d_out, layout)
+            out.register_hook(functools.partial(hook_backward, hook, batch.generation, route, saved, out_layout))
+        if apart is not None:
+            bias_hook, start, stop = apart
+            widen = widen_rows(start, stop, bias_hook.slot.d_in, layout)
+            out.register_hook(functools.partial(bias_backward, bias_hook, batch.generation, widen))
         return out
+
+    def _bias_slot(self, bias: torch.Tensor) -> tuple[LayerHook, int, int] | None:
+        """``(slot, start, stop)`` of a bias that is a 1-D captured parameter of its own or a block of its rows
+        (MultiheadAttention with ``kdim``/``vdim`` chunks its packed ``in_proj_bias`` over three weights)."""
+        block = getattr(bias, ROWS, None)
+        param, start, stop = block if block is not None else (bias, 0, bias.shape[0] if bias.dim() == 1 else 0)
+        hook = self._slot(param, ("parameter",))
+        if hook is None or param.dim() != 1 or hook.PER_POSITION:
+            return None
+        return hook, start, stop
 
     def _layout(self, x: torch.Tensor, size: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """How to view ``x`` (and its output gradient) batch-first, or None when its batch cannot be found."""
@@ -307,23 +334,26 @@ class UseRules:
     # parameter-only tensors meeting the batch -----------------------------------------------------
 
     def _meet(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
-        """Run ``func`` with every parameter-only operand expanded over the batch (dim 0 of the result) and hooked,
-        so each example's gradient of it arrives separately (see :mod:`ingest.uses`). None when an operand's
-        parameters are not all captured or the layout is not one this rule handles."""
-        if self.sequence_first:
-            return None
+        """Run ``func`` with every parameter-only operand expanded over the batch (along the examples' dim of the
+        batch operand) and hooked, so each example's gradient of it arrives separately (see :mod:`ingest.uses`).
+        None when an operand's parameters are not all captured or the layout is not one this rule handles."""
         if in_place(func) and args and batch_dim(args[0]) is None:
             return None  # the parameter-only operand is the one written to
         size = batch.size
         if func in CONCATENATIONS:
             tensors = args[0] if args else kwargs["tensors"]
+            at = _examples_dim(tensors)
             dim = bind_arguments(func, args, kwargs).get("dim", 0)
-            if dim % tensors[0].dim() == 0 and func is not torch.stack:
-                return None
+            if at is None or (dim % tensors[0].dim() == at and func is not torch.stack):
+                return None  # a concatenation along the examples' dim
             shape = None
         else:
             tensors = list(tensors_in(args)) + list(tensors_in(kwargs.values()))
             shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+            at = _examples_dim(tensors)
+            if at is None or self.sequence_first:  # inside attention the examples' dim merges with the heads'
+                return None
+            at += len(shape) - next(t for t in tensors if batch_dim(t) is not None).dim()  # the result's dim
         replaced: dict[int, torch.Tensor] = {}
         for t in tensors:
             params = self._sources([t])
@@ -333,14 +363,29 @@ class UseRules:
                 self._slot(p, ("embedding", "parameter", "norm", "linear", "attention", "conv", "conv1d"))
                 for p in params
             ]
-            if any(h is None for h in targets):
+            if any(h is None for h in targets) or (at and targets[0].PER_POSITION):
                 return None
-            expanded = _expand(t, shape, size)
+            expanded = _expand(t, shape, size, at)
             if expanded is None:
                 return None
-            expanded.register_hook(functools.partial(meeting_backward, t, params, targets, batch.generation, size))
+            meeting = functools.partial(meeting_backward, t, params, targets, batch.generation, at)
+            expanded.register_hook(meeting)
             replaced[id(t)] = expanded
         return func(*_swap(args, replaced), **{k: _swap_one(v, replaced) for k, v in kwargs.items()})
+
+
+def _examples_dim(tensors: Iterable[Any]) -> int | None:
+    """The examples' dim of the first batch operand among ``tensors`` (None: none, or its dim is unknown)."""
+    dim = next((batch_dim(t) for t in tensors if batch_dim(t) is not None), None)
+    return None if dim is None or dim < 0 else dim
+
+
+def _rows_of(bias: Any, slot_bias: Any, rows: tuple[Any, int, int]) -> Any:
+    """The slot's bias when ``bias`` is the same block of its rows as the weight's ``rows``, else ``bias``."""
+    block = getattr(bias, ROWS, None)
+    if block is not None and block[0] is slot_bias and block[1:] == rows[1:]:
+        return slot_bias
+    return bias
 
 
 def _swap_one(value: Any, replaced: dict[int, torch.Tensor]) -> Any:
@@ -355,13 +400,13 @@ def _swap(args: tuple, replaced: dict[int, torch.Tensor]) -> tuple:
     return tuple(_swap_one(a, replaced) for a in args)
 
 
-def _expand(t: torch.Tensor, shape: torch.Size | None, size: int) -> torch.Tensor | None:
-    """``t`` as an operand whose dim 0 is the batch: broadcast to ``shape`` (elementwise ops) or, in a
-    concatenation, ``t`` itself when its dim 0 already spans the batch."""
+def _expand(t: torch.Tensor, shape: torch.Size | None, size: int, at: int) -> torch.Tensor | None:
+    """``t`` as an operand whose dim ``at`` is the batch: broadcast to ``shape`` (elementwise ops) or, in a
+    concatenation, ``t`` itself when its dim ``at`` already spans the batch."""
     if shape is None:
-        if t.dim() == 0 or t.shape[0] != size:
+        if t.dim() <= at or t.shape[at] != size:
             return None
         return t.view_as(t)
-    if len(shape) == 0 or shape[0] != size or t.dim() > len(shape):
+    if len(shape) <= at or shape[at] != size or t.dim() > len(shape):
         return None
     return t.expand(shape)

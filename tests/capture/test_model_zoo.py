@@ -58,3 +58,18 @@ def test_every_trainable_parameter_is_captured_or_recorded(name):
     print(f"\n{name}: coverage: {got.coverage}")
     record = "" if got.uncaptured is not None else " (the capture keeps no coverage record)"
     assert gaps == [] and got.uncaptured is not None, f"{name}: not captured and not recorded{record}: {gaps}"
+
+
+#: Models whose every trainable parameter has an exact slot (no gap recorded, whatever the coverage policy).
+WHOLE = ["seq2seq", "cross-attention", "cross-attention-kdim", "cross-attention-bias-kv", "sequence-first-positions"]
+
+
+@pytest.mark.parametrize("name", WHOLE, ids=WHOLE)
+def test_attention_variants_are_captured_whole(name):
+    """Cross-attention splits the packed in-projection by rows, ``kdim``/``vdim`` chunk the packed bias over three
+    weights, ``bias_k``/``bias_v`` are concatenated sequence-first: each is a use with an exact rule, not a gap
+    (norms aside, which the default ``layer_types`` leave out by decision)."""
+    got = capture(ZOO[name]())
+    assert got.uncaptured is not None
+    gaps = {k: v for k, v in got.uncaptured.items() if "layer_types" not in v}
+    assert gaps == {} and not any("not captured" in w for w in got.warnings), got.coverage

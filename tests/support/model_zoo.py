@@ -698,6 +698,108 @@ def transformer_encoder_seq_first() -> ZooCase:
     return _encoder("transformer-encoder-seq-first", batch_first=False)
 
 
+class Seq2Seq(nn.Module):
+    """Source and target ids ``[B, S]``, ``[B, T]`` -> embeddings -> ``nn.Transformer`` (encoder-decoder, causal
+    target mask) -> Linear over the vocabulary. The decoder's cross-attention projects the target with the first
+    rows of its packed ``in_proj_weight`` and the memory with the rest (``w.split``): one parameter, two uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.src = nn.Embedding(32, 16)
+        self.tgt = nn.Embedding(32, 16)
+        self.transformer = nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        return self.head(self.transformer(self.src(src), self.tgt(tgt), tgt_mask=mask, tgt_is_causal=True))
+
+
+def _seq2seq_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    logits = forward(src=batch["src"], tgt=batch["tgt"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+
+def seq2seq() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {
+        "src": torch.randint(0, 32, (3, 6), generator=_gen(23)),
+        "tgt": torch.randint(0, 32, (3, 4), generator=_gen(24)),
+        "y": torch.randint(0, 32, (3, 4), generator=_gen(25)),
+    }
+    note = "nn.Transformer: cross-attention splits the packed in_proj_weight (q rows on the target, k/v on memory)"
+    return ZooCase("seq2seq", Seq2Seq().train(), batch, _seq2seq_loss, note=note)
+
+
+class CrossAttention(nn.Module):
+    """Queries from a sequence, keys and values from two others: ``nn.MultiheadAttention`` with ``key is not
+    value`` chunks its packed weight and bias in three (``w.chunk(3)``); with ``kdim``/``vdim`` it keeps three
+    weights and chunks the packed bias."""
+
+    def __init__(self, kdim: int | None, bias_kv: bool = False) -> None:
+        super().__init__()
+        self.kdim = kdim or 8
+        self.attention = nn.MultiheadAttention(
+            8, 2, batch_first=True, kdim=kdim, vdim=kdim, add_bias_kv=bias_kv, add_zero_attn=bias_kv
+        )
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, _ = self.attention(q, k, v, need_weights=False)
+        return self.head(out.mean(1))
+
+
+def _cross_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    return F.cross_entropy(forward(q=batch["q"], k=batch["k"], v=batch["v"]), batch["y"])
+
+
+def _cross(name: str, kdim: int | None, bias_kv: bool = False) -> ZooCase:
+    torch.manual_seed(0)
+    model = CrossAttention(kdim, bias_kv).train()
+    batch = {
+        "q": torch.randn(4, 3, 8, generator=_gen(26)),
+        "k": torch.randn(4, 5, model.kdim, generator=_gen(27)),
+        "v": torch.randn(4, 5, model.kdim, generator=_gen(28)),
+        "y": torch.randint(0, 3, (4,), generator=_gen(29)),
+    }
+    note = "nn.MultiheadAttention(q, k, v), three inputs: " + ("kdim=vdim=6, separate weights" if kdim else "packed")
+    return ZooCase(name, model, batch, _cross_loss, note=note + (", add_bias_kv, add_zero_attn" if bias_kv else ""))
+
+
+def cross_attention() -> ZooCase:
+    return _cross("cross-attention", None)
+
+
+def cross_attention_kdim() -> ZooCase:
+    return _cross("cross-attention-kdim", 6)
+
+
+def cross_attention_bias_kv() -> ZooCase:
+    return _cross("cross-attention-bias-kv", 6, bias_kv=True)
+
+
+class SequenceFirstPositions(nn.Module):
+    """Token ids -> Embedding -> sequence-first ``[T, B, E]`` + a position table ``[T, E]`` broadcast over the
+    examples' dim 1 (with ``T == B`` a split along dim 0 would hand each position's share to an example)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.positions = nn.Parameter(torch.randn(4, 8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x).transpose(0, 1) + self.positions[:, None, :])
+        return self.head(h.mean(0))
+
+
+def sequence_first_positions() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randint(0, 10, (4, 4), generator=_gen(30)), "y": torch.randint(0, 3, (4,), generator=_gen(31))}
+    note = "a position table added sequence-first, T == B"
+    return ZooCase("sequence-first-positions", SequenceFirstPositions().train(), batch, _classify, note=note)
+
+
 #: Every model of the zoo by name (the pytest ids).
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
@@ -719,4 +821,9 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "cnn3d": cnn3d,
     "transformer-encoder": transformer_encoder,
     "transformer-encoder-seq-first": transformer_encoder_seq_first,
+    "seq2seq": seq2seq,
+    "cross-attention": cross_attention,
+    "cross-attention-kdim": cross_attention_kdim,
+    "cross-attention-bias-kv": cross_attention_bias_kv,
+    "sequence-first-positions": sequence_first_positions,
 }
