@@ -10,6 +10,10 @@ gradient:
   and the packed ``in_proj_weight`` without calling a module) inputs are ``[T, B, d]`` or ``[T*B, d]``;
 * ``F.embedding`` with batch-first indices: the lookup rule with the op's own indices and padding index;
 * ``conv1d/2d/3d``: the Linear rule over the input's patches (im2col, ``[C_in/groups x kernel]``);
+* ``x @ P``, ``x @ P.T``, ``P @ x``, ``P.T @ x`` (``matmul``/``mm``, ``P`` a captured 2-D parameter, an embedding
+  tied to an output included): the Linear rule over each example's rows (or columns) of ``x``;
+* a row block ``P[start:stop]`` (``split``/``chunk``: cross-attention's packed in-projection) in ``F.linear``: the
+  slot's use with its output gradient zero outside the block; a 1-D parameter (or a block of it) as the bias;
 * a tensor computed from parameters alone (a position table sliced or looked up with indices that do not come
   from the batch, T5's relative-position bias, a ``cls_token`` expanded over the batch) is followed until it
   meets the batch in an elementwise op or a concatenation. There it is expanded over the batch, so autograd hands

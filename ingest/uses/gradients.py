@@ -46,6 +46,29 @@ def bias_backward(
     hook.add_gradient(generation, full.reshape(full.shape[0], -1, full.shape[-1]).sum(1, keepdim=True))
 
 
+def matmul_backward(
+    hook: LayerHook,
+    generation: int,
+    rows: torch.Tensor,
+    owner: torch.Tensor,
+    dim: int,
+    x_first: bool,
+    gradient_rows: bool,
+    dy: torch.Tensor,
+) -> None:
+    """A use of a 2-D parameter in a matrix product with the batch's ``x`` (:meth:`UseRules._matmul`): ``rows``
+    ``[N, d]`` are the rows (``x @ M``) or columns (``M @ x``) of ``x``, example ``owner[n]`` each, matched with the
+    same rows or columns of ``dy``. ``gradient_rows``: the parameter's dim 0 is the output gradient's side."""
+    dy = dy.detach().movedim(dim, 0)
+    if not x_first:
+        dy = dy.transpose(-1, -2)
+    dy = dy.reshape(rows.shape[0], -1)
+    if gradient_rows:
+        hook.add_rows(generation, rows, dy, owner)
+    else:
+        hook.add_rows(generation, dy, rows, owner)
+
+
 def widen_rows(
     start: int, stop: int, size: int, layout: Callable[[torch.Tensor], torch.Tensor] | None = None
 ) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -46,6 +46,8 @@ RESHAPES = frozenset(["view", "reshape", "flatten", "unflatten", "view_as", "res
 REDUCTIONS = frozenset(["mean", "sum", "amax", "amin", "max", "min", "std", "var", "logsumexp", "prod", "norm"])
 CONCATENATIONS = frozenset([torch.cat, torch.concat, torch.concatenate, torch.stack])
 CONVOLUTIONS = frozenset([torch.conv1d, torch.conv2d, torch.conv3d])
+#: Matrix products ``(a, b)`` (``x @ W``, ``W @ x``, ``torch.matmul``, ``mm``).
+MATMULS = frozenset([torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.__matmul__])
 #: Normalisations with an elementwise scale (and shift) over the last dims: their argument names, in order.
 NORMALIZATIONS = {
     F.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps"),

@@ -23,6 +23,7 @@ from ingest.uses.gradients import (
     grouped_conv_backward,
     grouped_mm_backward,
     hook_backward,
+    matmul_backward,
     meeting_backward,
     normalization_backward,
     rows_backward,
@@ -33,6 +34,7 @@ from ingest.uses.ops import (
     CONVOLUTIONS,
     ELEMENTWISE,
     GROUPED_MM,
+    MATMULS,
     NORMALIZATIONS,
     bind_arguments,
     in_place,
@@ -121,6 +123,8 @@ class UseRules:
                 result = self._grouped(batch, func, args, kwargs)
             elif func in (torch.bmm, torch.Tensor.bmm) and not kwargs:
                 result = self._gathered(batch, *args)
+            elif func in MATMULS and not kwargs and len(args) == 2:
+                result = self._matmul(batch, *args)
             elif func in NORMALIZATIONS:
                 result = self._normalization(batch, func, args, kwargs)
             elif func in ELEMENTWISE or func in CONCATENATIONS:
@@ -190,6 +194,46 @@ class UseRules:
             widen = widen_rows(start, stop, bias_hook.slot.d_in, layout)
             out.register_hook(functools.partial(bias_backward, bias_hook, batch.generation, widen))
         return out
+
+    def _matmul(self, batch: ActiveBatch, a: Any, b: Any) -> Any:
+        """``x @ M`` or ``M @ x`` with ``M`` a captured 2-D parameter ``P`` or its transpose ``P.T`` and ``x`` the
+        batch's (its examples along a dim the product keeps). Each example's gradient of ``P`` sums the outer
+        products of its rows (``x @ M``) or columns (``M @ x``) with their output gradients."""
+        x_first = batch_dim(b) is None
+        x, matrix = (a, b) if x_first else (b, a)
+        dim = batch_dim(x)
+        if dim is None or dim < 0 or batch_dim(matrix) is not None or matrix.dim() != 2 or self.sequence_first:
+            return None
+        if dim >= x.dim() - (1 if x_first else 2):
+            return None  # the examples lie along a dim the product contracts or mixes
+        param, transposed = self._matrix_parameter(matrix)
+        hook = None if param is None else self._slot(param, ("linear", "attention", "parameter", "embedding"))
+        if hook is None or hook.slot.has_bias or hook.PER_POSITION or param.dim() != 2:
+            return None
+        out = torch.matmul(a, b)
+        size, rows = batch.size, x.detach().movedim(dim, 0)
+        if not x_first:  # M @ x: the columns of x are its rows
+            rows = rows.transpose(-1, -2)
+        rows = rows.reshape(size, -1, rows.shape[-1])
+        owner = torch.arange(size, device=x.device).repeat_interleave(rows.shape[1])
+        # whether the slot's rows (P's dim 0; an embedding's slot is P.T) are the output gradient's
+        side = (x_first == transposed) != (hook.slot.kind == "embedding")
+        rows = rows.flatten(0, 1)
+        out.register_hook(functools.partial(matmul_backward, hook, batch.generation, rows, owner, dim, x_first, side))
+        return out
+
+    def _matrix_parameter(self, matrix: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+        """``(P, transposed)``: the captured 2-D parameter ``matrix`` is, or is the transpose of, else None."""
+        if id(matrix) in self.slots:
+            return matrix, False
+        for param in self._sources([matrix]):
+            if param.dim() != 2 or matrix.data_ptr() != param.data_ptr():
+                continue
+            if matrix.shape == param.shape and matrix.stride() == param.stride():
+                return param, False
+            if matrix.shape == param.shape[::-1] and matrix.stride() == param.stride()[::-1]:
+                return param, True
+        return None, False
 
     def _bias_slot(self, bias: torch.Tensor) -> tuple[LayerHook, int, int] | None:
         """``(slot, start, stop)`` of a bias that is a 1-D captured parameter of its own or a block of its rows

@@ -21,8 +21,8 @@ from ingest.projection import LAYER_KINDS
 from ingest.tokens import TokenGradientCapture
 
 
-class BareMatmul(nn.Module):
-    """A bare weight used as ``x @ W``: a use no rule splits per example."""
+class BareEinsum(nn.Module):
+    """A bare weight used in ``torch.einsum``: a use no rule splits per example."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -30,7 +30,7 @@ class BareMatmul(nn.Module):
         self.head = nn.Linear(3, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(x @ self.w)
+        return self.head(torch.einsum("bi,ij->bj", x, self.w))
 
 
 class Recurrent(nn.Module):
@@ -74,9 +74,9 @@ def _capture(model: nn.Module, x: torch.Tensor, **options) -> tuple[GradientCapt
 
 def test_an_unsplittable_use_is_recorded_and_warned_once() -> None:
     torch.manual_seed(0)
-    cap, rows, caught = _capture(BareMatmul(), torch.randn(5, 4))
+    cap, rows, caught = _capture(BareEinsum(), torch.randn(5, 4))
     record = {p.name: p for p in cap.coverage.parameters}
-    assert not record["w"].captured and "matmul" in record["w"].reason
+    assert not record["w"].captured and "einsum" in record["w"].reason
     assert record["head.weight"].captured and record["head.weight"].how == "hook"
     assert len(caught) == 1 and "w (used by" in str(caught[0].message)
     assert cap.coverage.fraction == pytest.approx(12 / 24)  # head: 9 + 3 of 24 entries
@@ -87,7 +87,7 @@ def test_an_unsplittable_use_is_recorded_and_warned_once() -> None:
 def test_strict_refuses_at_start_and_at_the_use() -> None:
     with pytest.raises(CaptureUsageError, match=r"gru\.weight_ih_l0 \(recurrent"):
         GradientCapture(Recurrent(), lambda batch: None, CaptureConfig.from_options(coverage="strict"))
-    model = BareMatmul()
+    model = BareEinsum()
     with (
         pytest.raises(CaptureUsageError, match="w \\(used by"),
         GradientCapture(model, lambda batch: None, CaptureConfig.from_options(coverage="strict")),

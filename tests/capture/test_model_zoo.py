@@ -9,7 +9,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from model_zoo import ZOO, capture, compare, per_example_grads, reference_check, silent_gaps
+from model_zoo import ZOO, capture, compare, per_example_grads, reference_check, reference_slot, silent_gaps
+
+from ingest.capture import CaptureConfig, GradientCapture
+from ingest.projection import projection_matrix
 
 NAMES = list(ZOO)
 _REFERENCES: dict[str, dict[str, torch.Tensor]] = {}
@@ -61,15 +64,46 @@ def test_every_trainable_parameter_is_captured_or_recorded(name):
 
 
 #: Models whose every trainable parameter has an exact slot (no gap recorded, whatever the coverage policy).
-WHOLE = ["seq2seq", "cross-attention", "cross-attention-kdim", "cross-attention-bias-kv", "sequence-first-positions"]
+WHOLE = [
+    "seq2seq",
+    "cross-attention",
+    "cross-attention-kdim",
+    "cross-attention-bias-kv",
+    "sequence-first-positions",
+    "mixer",
+]
 
 
 @pytest.mark.parametrize("name", WHOLE, ids=WHOLE)
 def test_attention_variants_are_captured_whole(name):
     """Cross-attention splits the packed in-projection by rows, ``kdim``/``vdim`` chunk the packed bias over three
-    weights, ``bias_k``/``bias_v`` are concatenated sequence-first: each is a use with an exact rule, not a gap
-    (norms aside, which the default ``layer_types`` leave out by decision)."""
+    weights, ``bias_k``/``bias_v`` are concatenated sequence-first, bare parameters and a tied embedding meet the
+    batch in matrix products: each is a use with an exact rule, not a gap (norms aside, which the default
+    ``layer_types`` leave out by decision)."""
     got = capture(ZOO[name]())
     assert got.uncaptured is not None
     gaps = {k: v for k, v in got.uncaptured.items() if "layer_types" not in v}
     assert gaps == {} and not any("not captured" in w for w in got.warnings), got.coverage
+
+
+@pytest.mark.parametrize("name", WHOLE, ids=WHOLE)
+def test_projected_rows_of_the_new_rules_equal_the_projected_reference(name):
+    """The same models under the default factorized projection (row blocks widened before projecting, products'
+    rows projected on both sides): each slot's block is ``P_out G P_in^T`` of the example's exact gradient."""
+    case = ZOO[name]()
+    grads = references(name)
+    out: list = []
+    config = CaptureConfig.from_options(k_in=3, k_out=3, seed=5, loss_reduction=case.loss_reduction)
+    with GradientCapture(case.model, out.append, config) as cap:
+        case.loss(case.model, case.batch).backward()
+    case.model.zero_grad(set_to_none=True)
+    rows = out[0].grads.double()
+    for slot in cap.spec.layers:
+        if slot.kind == "norm":
+            continue
+        g = reference_slot(slot, grads).double()
+        p_in = projection_matrix(5, slot.name, "in", slot.k_in, slot.d_in_eff, dtype=torch.float64)
+        p_out = projection_matrix(5, slot.name, "out", slot.k_out, slot.d_out, dtype=torch.float64)
+        expected = (p_out @ g @ p_in.T).flatten(1)
+        got = rows[:, slot.offset : slot.offset + slot.size]
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item(), msg=slot.name)

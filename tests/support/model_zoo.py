@@ -800,6 +800,37 @@ def sequence_first_positions() -> ZooCase:
     return ZooCase("sequence-first-positions", SequenceFirstPositions().train(), batch, _classify, note=note)
 
 
+class Mixer(nn.Module):
+    """Bare parameters in matrix products: channel mixing ``h @ W``, token mixing ``U @ h`` and ``U.T @ h``, a
+    projection ``h @ V.T``, an output tied to the embedding ``h @ embed.weight.T`` (an MLP-Mixer with a tied head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(12, 8)
+        self.channels = nn.Parameter(torch.randn(8, 6) * 0.3)
+        self.tokens = nn.Parameter(torch.randn(4, 4) * 0.3)
+        self.back = nn.Parameter(torch.randn(8, 6) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x) @ self.channels)
+        h = torch.tanh(self.tokens @ h) + torch.tanh(self.tokens.T @ h)
+        return torch.tanh(h @ self.back.T) @ self.embed.weight.T
+
+
+def _token_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    return F.cross_entropy(forward(x=batch["x"]).flatten(0, 1), batch["y"].flatten())
+
+
+def mixer() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {
+        "x": torch.randint(0, 12, (4, 4), generator=_gen(32)),
+        "y": torch.randint(0, 12, (4, 4), generator=_gen(33)),
+    }
+    note = "x @ W, U @ x, U.T @ x, x @ V.T with bare parameters; a head tied to the embedding by x @ E.T; T == B"
+    return ZooCase("mixer", Mixer().train(), batch, _token_loss, note=note)
+
+
 #: Every model of the zoo by name (the pytest ids).
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
@@ -826,4 +857,5 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "cross-attention-kdim": cross_attention_kdim,
     "cross-attention-bias-kv": cross_attention_bias_kv,
     "sequence-first-positions": sequence_first_positions,
+    "mixer": mixer,
 }
