@@ -14,6 +14,7 @@ See ``docs/capture.md`` for the hooks, the row layout, the cost rule, scaling an
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import warnings
@@ -209,6 +210,10 @@ class GradientCapture:
                     self._scope_handles.append(
                         h.module.register_forward_hook(self._uses.leave_module, always_call=True)
                     )
+        for name, module in self.model.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                hook = functools.partial(self._batch_statistics, clean_name(name))
+                self._handles.append(module.register_forward_pre_hook(hook))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
         else:
@@ -388,6 +393,19 @@ class GradientCapture:
             self._uses.__enter__()
             self._uses_active = True
         return args, kwargs
+
+    def _batch_statistics(self, name: str, module: nn.Module, args: tuple) -> None:
+        """Forward pre-hook of a BatchNorm: normalising a captured batch by its own statistics (training mode, or
+        no running statistics) couples the examples, which the coverage records (once)."""
+        if self.batch is None or self.batch.size < 2 or not torch.is_grad_enabled() or in_backward():
+            return
+        if module.training or module.running_mean is None:
+            self.coverage.mixed(
+                name,
+                "BatchNorm normalises by the batch's statistics (training mode): each row is the example's share "
+                "of the batch gradient, not the gradient of its own loss; for per-example gradients capture with "
+                "the norm layers in eval mode, or use GroupNorm/LayerNorm",
+            )
 
     def _leave_uses(self, *_: Any) -> None:
         """End the op-level capture of a forward; after the first, keep it only where it is needed (op-level

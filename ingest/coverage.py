@@ -25,6 +25,8 @@ from ingest.layers import LayerInfo, clean_name, fsdp1_wrapped, uncaptured_param
 from ingest.misuse import CaptureUsageError
 
 COVERAGE_MODES = ("warn", "strict", "ignore")
+#: The name suffix of a coverage entry that records a module mixing the examples (:meth:`Coverage.mixed`).
+MIXES = " (mixes examples)"
 #: Reasons that are a documented choice, not a gap: recorded, never warned about.
 DECISIONS = ("layer kind", "left out by include=/exclude=")
 
@@ -118,12 +120,16 @@ class Coverage:
 
     def summary(self) -> str:
         """One line: the share captured and the gaps."""
-        gaps = self.gaps()
+        mixing = [p for p in self.gaps() if p.name.endswith(MIXES)]
+        gaps = [p for p in self.gaps() if not p.name.endswith(MIXES)]
         text = f"{self.fraction:.1%} of {self.trainable:,} trainable parameter entries captured"
         if gaps:
             share = sum(p.numel for p in gaps) / max(self.trainable, 1)
             listed = "; ".join(f"{p.name} ({p.reason})" for p in gaps[:6]) + ("; ..." if len(gaps) > 6 else "")
             text += f"; not captured ({share:.1%}): {listed}"
+        if mixing:
+            names = ", ".join(p.name.removesuffix(MIXES) for p in mixing)
+            text += f"; rows mix the examples at {names}: {mixing[0].reason}"
         return text
 
     # ------------------------------------------------------------------ changes
@@ -140,6 +146,17 @@ class Coverage:
             self._warned = False
             if warn:
                 self.check()
+
+    def mixed(self, module: str, how: str) -> None:
+        """Module ``module`` mixes the examples of a batch (``how``: e.g. BatchNorm's batch statistics): every
+        row is the example's share of the batch gradient, not the gradient of its own loss alone. Recorded once
+        as an entry ``"<module> (mixes examples)"`` of no parameters, not captured, and warned as a gap."""
+        name = f"{module}{MIXES}"
+        if any(p.name == name for p in self.parameters):
+            return
+        self.parameters.append(ParameterCoverage(name, 0, False, reason=how))
+        self._warned = False
+        self.check()
 
     def check(self) -> None:
         """Warn or raise about the gaps, as ``mode`` says (warned once)."""

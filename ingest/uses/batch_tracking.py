@@ -13,6 +13,10 @@ import torch
 from ingest.hooks import TAKEN_MARK
 from ingest.uses.ops import ELEMENTWISE, REDUCTIONS, RESHAPES
 
+#: Ops that may move dims while keeping the rank, whose outputs' examples' dim is not followed (unknown).
+REORDERS = frozenset(
+    ["rot90", "mT", "mH", "adjoint", "as_strided", "tensordot", "movedim", "moveaxis", "t", "t_", "T", "H"]
+)
 #: Attribute set on tensors computed from the batch's inputs: the dim that indexes the examples (-1: unknown).
 BATCHED = "_gradstore_batched"
 TAKEN = TAKEN_MARK
@@ -111,7 +115,7 @@ def result_batch(
     if name in RESHAPES and out.dim() > 0 and out.shape[0] == size and rows % size == 0:
         regular = torch.arange(size, device=owner.device).repeat_interleave(rows // size)
         return (0, None) if torch.equal(owner, regular) else (-1, None)
-    if name in ("transpose", "swapaxes", "swapdims", "permute", "t", "movedim"):
+    if name in REORDERS or name in ("transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis"):
         return -1, None
     if name in REDUCTIONS and out.dim() < source.dim():
         reduced = args[1] if len(args) > 1 else kwargs.get("dim")
@@ -130,12 +134,25 @@ def _result_dim(
         return -1
     name = getattr(func, "__name__", "")
     n = source.dim()
-    if name in ("transpose", "swapaxes", "swapdims") and len(args) >= 3:
-        a, b = int(args[1]) % n, int(args[2]) % n
+    kwargs = kwargs or {}
+    if name in ("transpose", "swapaxes", "swapdims", "transpose_", "swapaxes_", "swapdims_"):
+        pair = _arguments(args, kwargs, ("dim0", "dim1"), ("axis0", "axis1"))
+        if pair is None:
+            return -1
+        a, b = int(pair[0]) % n, int(pair[1]) % n
         new = b if dim == a else a if dim == b else dim
-    elif name == "permute" and len(args) >= 2:
-        order = args[1] if isinstance(args[1], (tuple, list)) else args[1:]
-        new = [int(d) % n for d in order].index(dim)
+    elif name == "permute":
+        order = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:] or kwargs.get("dims")
+        new = [int(d) % n for d in order].index(dim) if order is not None and len(order) == n else -1
+    elif name in ("movedim", "moveaxis"):
+        moves = _arguments(args, kwargs, ("source", "destination"))
+        new = -1 if moves is None else _moved_dim(moves[0], moves[1], dim, n)
+    elif name in ("t", "t_") and n == 2:
+        new = 1 - dim
+    elif name == "einsum":
+        new = _einsum_dim(args, source, dim)
+    elif name in REORDERS:  # rot90, mT, as_strided...: where the dim goes is not followed
+        new = -1
     elif name == "__getitem__" and len(args) >= 2:
         new = _indexed_dim(args[1], dim, n)
     elif name in REDUCTIONS and out.dim() < n:
@@ -148,6 +165,43 @@ def _result_dim(
         before = math.prod(source.shape[:dim])
         new = next((i for i in range(out.dim() + 1) if math.prod(out.shape[:i]) == before), -1)
     return new if 0 <= new < out.dim() and out.shape[new] == size else -1
+
+
+def _arguments(args: tuple, kwargs: dict, *spellings: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """A method's two arguments after ``self``, positional or by any of their keyword ``spellings``."""
+    if len(args) >= 3:
+        return args[1], args[2]
+    for names in spellings:
+        values = list(args[1:2]) + [kwargs[k] for k in names[len(args[1:2]) :] if k in kwargs]
+        if len(values) == 2:
+            return tuple(values)
+    return None
+
+
+def _einsum_dim(args: tuple, source: torch.Tensor, dim: int) -> int:
+    """Where dim ``dim`` of operand ``source`` lands in ``torch.einsum(equation, *operands)`` (-1: summed over,
+    an ellipsis, or not found)."""
+    if not args or not isinstance(args[0], str) or "." in args[0]:
+        return -1
+    operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    inputs, _, output = args[0].replace(" ", "").partition("->")
+    terms = inputs.split(",")
+    if not _ or len(terms) != len(operands):
+        return -1
+    term = next((t for t, op in zip(terms, operands) if op is source), None)
+    if term is None or dim >= len(term):
+        return -1
+    return output.find(term[dim])
+
+
+def _moved_dim(source: Any, destination: Any, dim: int, n: int) -> int:
+    """Where dim ``dim`` lands after ``movedim(source, destination)`` on an ``n``-dim tensor."""
+    sources = [int(d) % n for d in (source if isinstance(source, (tuple, list)) else (source,))]
+    targets = [int(d) % n for d in (destination if isinstance(destination, (tuple, list)) else (destination,))]
+    if dim in sources:
+        return targets[sources.index(dim)]
+    free = [d for d in range(n) if d not in targets]
+    return free[[d for d in range(n) if d not in sources].index(dim)]
 
 
 def _indexed_dim(index: Any, dim: int, n: int) -> int:

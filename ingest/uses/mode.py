@@ -157,15 +157,16 @@ class ParameterUses(UseRules, TorchFunctionMode):
     def _without_grad(self, func: Any, args: tuple, kwargs: dict, batch: ActiveBatch) -> Any:
         operands = list(tensors_in(args)) + list(tensors_in(kwargs.values()))
         first = batch_operand(operands)
-        used = [t for t in operands if id(t) in self.slots and t.requires_grad]
+        used = [p for p in self._sources(operands) if p.requires_grad]  # also through w.t() and the like
         own = self._own_forward(used, operands) if used else False
         if own is not False and _hook_owns(own, batch.size):
             used = []  # a hooked module's own op inside a custom Function of its forward: its hook captures it
-        if used and first is not None:  # e.g. the forward of reentrant checkpointing: recomputed unseen later
-            self.owner.uncovered(self._names(used), f"{op_name(func)} under torch.no_grad (reentrant checkpointing?)")
+        if used and first is not None:  # a custom autograd.Function's forward, reentrant checkpointing's forward
+            how = f"{op_name(func)} under torch.no_grad (inside a custom autograd.Function, or reentrant checkpointing)"
+            self.owner.uncovered(self._names(used), how)
         result = func(*args, **kwargs)
         with contextlib.suppress(Exception):
-            self._mark_result(func, args, kwargs, result, first, [], batch.size)
+            self._mark_result(func, args, kwargs, result, first, used, batch.size)
         return result
 
     def _recomputed(self, func: Any, args: tuple, kwargs: dict) -> Any:

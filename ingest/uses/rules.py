@@ -148,7 +148,9 @@ class UseRules:
         return any(id(h.module) in self.hooked for h in self.slots.get(id(param), ()))
 
     def _names(self, sources: list[torch.Tensor]) -> list[str]:
-        return sorted({self.names.get(id(p), "<tensor>") for p in sources})
+        """The names of ``sources`` and of their slots' biases (a slot one of whose uses is missed is partial)."""
+        biases = [h.bias for p in sources for h in self.slots.get(id(p), ()) if h.bias is not None]
+        return sorted({self.names.get(id(p), "<tensor>") for p in [*sources, *biases]})
 
     def _slot(self, weight: Any, kinds: tuple[str, ...]) -> LayerHook | None:
         if hasattr(weight, SLICE):  # a slice of a stacked parameter: its own slot

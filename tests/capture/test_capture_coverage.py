@@ -287,3 +287,30 @@ def test_checkpointed_convolution_is_exact_or_reported(reentrant: bool) -> None:
         assert not conv.captured and "reentrant" in conv.reason and warned
     else:
         assert conv.captured and not warned
+
+
+class BatchNormed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3)
+        self.bn = nn.BatchNorm2d(3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def test_batch_statistics_that_mix_the_examples_are_recorded_and_warned() -> None:
+    """BatchNorm in training mode normalises each example by the batch's statistics: the conv's rows are the
+    examples' shares of the batch gradient (they sum to it), not each example's own gradient (rel. error ~3),
+    which was said nowhere. Recorded as an entry of no parameters and warned; eval mode mixes nothing."""
+    torch.manual_seed(0)
+    model, x = BatchNormed(), torch.randn(4, 1, 6, 6)
+    cap, rows, caught = _capture(model, x)
+    mixing = {p.name: p for p in cap.coverage.parameters if p.name == "bn (mixes examples)"}
+    assert mixing and mixing["bn (mixes examples)"].numel == 0 and "BatchNorm" in mixing["bn (mixes examples)"].reason
+    assert len(caught) == 1 and "rows mix the examples at bn" in str(caught[0].message)
+    assert cap.coverage.fraction == pytest.approx(1 - 6 / cap.coverage.trainable)  # bn's own scale and shift only
+    model.bn.eval()
+    cap, _, caught = _capture(model, x)
+    assert caught == [] and not any(p.name.endswith("(mixes examples)") for p in cap.coverage.parameters)

@@ -1,6 +1,7 @@
 """Capture is exact or loud on training loops off the beaten path: attention returning its weights, weights
 computed from parameters (legacy weight_norm), embeddings scaled by batch frequencies, two forwards before one
-backward, double backward, and torch.func transforms run inside a capture."""
+backward, double backward, torch.func transforms run inside a capture, every
+way of going sequence-first, and weights used inside a custom autograd.Function."""
 
 from __future__ import annotations
 
@@ -183,3 +184,77 @@ def test_torch_func_inside_a_capture_is_left_alone():
     cap, rows, told = capture(model, step)
     assert told == [] and len(rows) == 1
     torch.testing.assert_close(rows[0].grads, torch.cat([linear_rows(ref, "fc"), linear_rows(ref, "head")], 1))
+
+
+SEQUENCE_FIRST = {
+    "movedim": lambda h: h.movedim(1, 0),
+    "moveaxis": lambda h: torch.moveaxis(h, 1, 0),
+    "einsum": lambda h: torch.einsum("btd->tbd", h),
+    "transpose-keywords": lambda h: h.transpose(dim0=0, dim1=1),
+    "permute-keywords": lambda h: h.permute(dims=(1, 0, 2)),
+    "swapaxes": lambda h: h.swapaxes(0, 1),
+}
+
+
+class SequenceFirst(nn.Module):
+    """Batch-first embeddings made sequence-first ``[T, B, D]`` by ``swap``, then a Linear on every position."""
+
+    def __init__(self, swap) -> None:
+        super().__init__()
+        self.swap = swap
+        self.embed = nn.Embedding(10, 6)
+        self.fc = nn.Linear(6, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc(self.swap(self.embed(x)))).mean(0))
+
+
+@pytest.mark.parametrize("swap", list(SEQUENCE_FIRST), ids=list(SEQUENCE_FIRST))
+def test_every_way_of_going_sequence_first_keeps_the_examples_dim(swap):
+    """With ``T == B`` the examples' dim was kept at 0 through ``movedim``/``moveaxis``/``einsum`` and through
+    ``transpose``/``permute`` with keyword dims, so the Linear took positions for examples (rel. error ~1, silent)."""
+    torch.manual_seed(0)
+    model, x, y = SequenceFirst(SEQUENCE_FIRST[swap]), torch.randint(0, 10, (4, 4)), torch.tensor([0, 1, 2, 0])
+    ref = per_example(model, cross_entropy, x, y)
+    cap, rows, told = capture(model, lambda: F.cross_entropy(model(x), y).backward())
+    assert told == [] and cap.coverage.fraction == 1.0
+    slot = cap.spec.slot("fc")
+    got = rows[0].grads[:, slot.offset : slot.offset + slot.size]
+    torch.testing.assert_close(got, linear_rows(ref, "fc"), rtol=1e-5, atol=1e-6)
+
+
+class LinearFunction(torch.autograd.Function):
+    """A fused-kernel style linear: the weight is used only inside a custom Function (transposed first)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.flatten(0, -2).t() @ x.flatten(0, -2), g.flatten(0, -2).sum(0)
+
+
+class CustomFunctionLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(LinearFunction.apply(x, self.fc.weight, self.fc.bias)).mean(1))
+
+
+def test_a_weight_used_inside_a_custom_function_is_reported():
+    """Inside a custom ``autograd.Function`` grad mode is off and ``w.t()`` has no batch operand: the use of
+    ``x @ w.t()`` was not seen at all (the slot stayed zero, nothing recorded). Now weight and bias are reported."""
+    torch.manual_seed(0)
+    model, x, y = CustomFunctionLinear(), torch.randn(3, 5, 4), torch.tensor([0, 1, 2])
+    cap, _, told = capture(model, lambda: F.cross_entropy(model(x), y).backward())
+    record = {p.name: p for p in cap.coverage.parameters}
+    assert not record["fc.weight"].captured and "autograd.Function" in record["fc.weight"].reason
+    assert not record["fc.bias"].captured  # its slot's rows miss the weight's use: the slot is partial
+    assert record["head.weight"].captured and told and "fc.weight" in told[-1]
