@@ -127,6 +127,8 @@ class UseRules:
                 result = self._matmul(batch, *args)
             elif func in NORMALIZATIONS:
                 result = self._normalization(batch, func, args, kwargs)
+            elif func is F.scaled_dot_product_attention:
+                result = self._attention_bias(batch, args, kwargs)
             elif func in ELEMENTWISE or func in CONCATENATIONS:
                 result = self._meet(batch, func, args, kwargs)
             else:
@@ -378,6 +380,28 @@ class UseRules:
         return result
 
     # parameter-only tensors meeting the batch -----------------------------------------------------
+
+    def _attention_bias(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
+        """``F.scaled_dot_product_attention`` whose ``attn_mask`` is computed from parameters alone (T5's relative
+        position bias): the mask expanded over the examples (dim 0 of a batch-first query) and hooked, as where a
+        parameter-only tensor meets the batch in an elementwise op (:meth:`_meet`)."""
+        names = ("query", "key", "value", "attn_mask")
+        bound = {**dict(zip(names, args)), **kwargs}
+        query, key, mask = bound.get("query"), bound.get("key"), bound.get("attn_mask")
+        if mask is None or batch_dim(query) != 0 or batch_dim(mask) is not None or self.sequence_first:
+            return None
+        params = self._sources([mask])
+        targets = [self._slot(p, ("embedding", "parameter", "linear", "attention")) for p in params]
+        shape = torch.broadcast_shapes(mask.shape, (*query.shape[:-1], key.shape[-2]))
+        expanded = None if any(h is None for h in targets) else _expand(mask, shape, batch.size, 0)
+        if expanded is None or any(h.PER_POSITION for h in targets):
+            return None
+        expanded.register_hook(functools.partial(meeting_backward, mask, params, targets, batch.generation, 0))
+        if len(args) > 3:
+            args = (*args[:3], expanded, *args[4:])
+        else:
+            kwargs = {**kwargs, "attn_mask": expanded}
+        return F.scaled_dot_product_attention(*args, **kwargs)
 
     def _meet(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run ``func`` with every parameter-only operand expanded over the batch (along the examples' dim of the

@@ -71,6 +71,7 @@ WHOLE = [
     "cross-attention-bias-kv",
     "sequence-first-positions",
     "mixer",
+    "t5-sdpa",
 ]
 
 

@@ -428,7 +428,7 @@ def opt_positions() -> ZooCase:
     return case
 
 
-def _t5(name: str, batch: int, enc: int, dec: int) -> ZooCase:
+def _t5(name: str, batch: int, enc: int, dec: int, attention: str = "eager") -> ZooCase:
     import transformers
 
     torch.manual_seed(0)
@@ -447,12 +447,12 @@ def _t5(name: str, batch: int, enc: int, dec: int) -> ZooCase:
         decoder_start_token_id=0,
         pad_token_id=0,
         eos_token_id=1,
-        attn_implementation="eager",
+        attn_implementation=attention,
     )
     model = transformers.T5ForConditionalGeneration(config).train()
     ids = torch.randint(2, 64, (batch, enc), generator=_gen(5))
     labels = torch.randint(2, 64, (batch, dec), generator=_gen(6))
-    note = f"relative_attention_bias looked up with [T, T] indices, B={batch} T_enc={enc} T_dec={dec}"
+    note = f"relative_attention_bias looked up with [T, T] indices, B={batch} T_enc={enc} T_dec={dec}, {attention}"
     # T5's loss is the mean over all (unshifted) label tokens; with equal lengths that is the mean of the examples'.
     return ZooCase(name, model, {"input_ids": ids, "labels": labels}, _hf_loss, "mean", note=note)
 
@@ -463,6 +463,10 @@ def t5() -> ZooCase:
 
 def t5_square() -> ZooCase:
     return _t5("t5-square", batch=4, enc=4, dec=4)
+
+
+def t5_sdpa() -> ZooCase:
+    return _t5("t5-sdpa", batch=3, enc=6, dec=5, attention="sdpa")
 
 
 def _whisper(name: str, low: int, dec: int) -> ZooCase:
@@ -840,6 +844,7 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "opt-positions": opt_positions,
     "t5": t5,
     "t5-square": t5_square,
+    "t5-sdpa": t5_sdpa,
     "whisper": whisper,
     "whisper-large-ids": whisper_large_ids,
     "vit": vit,
