@@ -124,6 +124,18 @@ def attention_info(name: str, module: nn.Module) -> LayerInfo | None:
     )
 
 
+def row_major_info(name: str, module: nn.Module) -> LayerInfo | None:
+    """A weight whose gradient is a ``[shape[0], rest]`` matrix: a transposed convolution's ``[C_in, C_out/groups,
+    *kernel]`` (captured at ``conv_transpose1d/2d/3d``), ``nn.Bilinear``'s ``[out, in1, in2]`` (at ``F.bilinear``),
+    as a parameter slot ``<name>.weight``. Their biases are 1-D parameter slots of their own (a transposed
+    convolution's has ``C_out`` entries, not ``C_in``)."""
+    if not isinstance(module, (nn.modules.conv._ConvTransposeNd, nn.Bilinear)):
+        return None
+    weight = module.weight
+    full = f"{name}.weight" if name else "weight"
+    return LayerInfo(full, module, "parameter", weight[0].numel(), weight.shape[0], False, weight, None, False)
+
+
 def parameter_info(name: str, module: nn.Module, param: nn.Parameter) -> LayerInfo:
     """A bare parameter as a ``[numel / last, last]`` layer captured at its ops."""
     last = param.shape[-1] if param.dim() else 1
@@ -180,7 +192,7 @@ def _candidate_layers(model: nn.Module) -> tuple[list[LayerInfo], dict[int, str]
     bypassed = set()  # attention reads out_proj.weight without calling the module
     for raw_name, module in model.named_modules():
         name = clean_name(raw_name)
-        info = layer_info(name, module) or attention_info(name, module)
+        info = layer_info(name, module) or attention_info(name, module) or row_major_info(name, module)
         if isinstance(module, nn.MultiheadAttention):
             bypassed.add(id(module.out_proj))
         if info is not None:

@@ -147,6 +147,25 @@ def channels_last(dy: torch.Tensor) -> torch.Tensor:
     return dy.flatten(2).transpose(1, 2)
 
 
+def transposed_conv_backward(
+    hook: LayerHook, generation: int, x: torch.Tensor, geometry: tuple[Any, ...], groups: int, dy: torch.Tensor
+) -> None:
+    """A transposed convolution's weight (:meth:`UseRules._transposed_convolution`): the patches of ``dy`` under
+    the convolution it is the adjoint of (``geometry``: kernel, stride, padding, dilation) line up with the input
+    ``x``'s positions; each example's gradient ``[C_in, C_out/groups x kernel]`` sums ``x ⊗ patches`` over them,
+    group by group (group ``g``'s input channels with its output channels' patches)."""
+    inputs = channels_last(x).flatten(0, 1)  # [B x positions, C_in]
+    size, positions = x.shape[0], inputs.shape[0] // x.shape[0]
+    owner = torch.arange(size, device=x.device).repeat_interleave(positions)
+    per_in, per_out = x.shape[1] // groups, dy.shape[1] // groups
+    for g in range(groups):
+        patches = conv_patches(dy.detach()[:, g * per_out : (g + 1) * per_out], *geometry).flatten(0, 1)
+        group = inputs if groups == 1 else torch.zeros_like(inputs)
+        if groups > 1:
+            group[:, g * per_in : (g + 1) * per_in] = inputs[:, g * per_in : (g + 1) * per_in]
+        hook.add_rows(generation, patches, group, owner)
+
+
 def grouped_conv_backward(
     hook: LayerHook, generation: int, patches: torch.Tensor, groups: int, dy: torch.Tensor
 ) -> None:

@@ -46,6 +46,7 @@ RESHAPES = frozenset(["view", "reshape", "flatten", "unflatten", "view_as", "res
 REDUCTIONS = frozenset(["mean", "sum", "amax", "amin", "max", "min", "std", "var", "logsumexp", "prod", "norm"])
 CONCATENATIONS = frozenset([torch.cat, torch.concat, torch.concatenate, torch.stack])
 CONVOLUTIONS = frozenset([torch.conv1d, torch.conv2d, torch.conv3d])
+TRANSPOSED_CONVOLUTIONS = frozenset([torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d])
 #: Matrix products ``(a, b)`` (``x @ W``, ``W @ x``, ``torch.matmul``, ``mm``).
 MATMULS = frozenset([torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.__matmul__])
 #: Normalisations with an elementwise scale (and shift) over the last dims: their argument names, in order.
@@ -77,6 +78,8 @@ def bind_arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
     elif func in CONCATENATIONS:
         names = ("tensors", "dim")
+    elif func in TRANSPOSED_CONVOLUTIONS:
+        names = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
     else:
         names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
     return {**dict(zip(names, args)), **kwargs}

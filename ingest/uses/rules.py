@@ -27,6 +27,7 @@ from ingest.uses.gradients import (
     meeting_backward,
     normalization_backward,
     rows_backward,
+    transposed_conv_backward,
     widen_rows,
 )
 from ingest.uses.ops import (
@@ -36,6 +37,7 @@ from ingest.uses.ops import (
     GROUPED_MM,
     MATMULS,
     NORMALIZATIONS,
+    TRANSPOSED_CONVOLUTIONS,
     bind_arguments,
     in_place,
     op_name,
@@ -119,6 +121,10 @@ class UseRules:
                 result = self._embedding(batch, args, kwargs)
             elif func in CONVOLUTIONS:
                 result = self._convolution(batch, func, args, kwargs)
+            elif func in TRANSPOSED_CONVOLUTIONS:
+                result = self._transposed_convolution(batch, func, args, kwargs)
+            elif func is F.bilinear:
+                result = self._bilinear(batch, *args, **kwargs)
             elif func in GROUPED_MM or op_name(func).endswith("grouped_mm_fallback"):
                 result = self._grouped(batch, func, args, kwargs)
             elif func in (torch.bmm, torch.Tensor.bmm) and not kwargs:
@@ -295,6 +301,56 @@ class UseRules:
             out.register_hook(functools.partial(hook_backward, hook, batch.generation, route, saved, channels_last))
         else:
             out.register_hook(functools.partial(grouped_conv_backward, hook, batch.generation, patches, groups))
+        return out
+
+    def _transposed_convolution(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``conv_transpose1d/2d/3d``: the adjoint of a convolution with the same weight, so each
+        example's weight gradient ``[C_in, C_out x kernel]`` sums its input's channels at each input position
+        times the patches of its output gradient there; a captured bias is each example's ``dy`` summed."""
+        bound = bind_arguments(func, args, kwargs)
+        x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
+        hook = self._slot(weight, ("parameter",))
+        if batch_dim(x) != 0 or self.sequence_first:
+            return None
+        apart = None if bias is None or not self._sources([bias]) else self._bias_slot(bias)
+        if (hook is None and self._sources([weight])) or (apart is None and bias is not None and self._sources([bias])):
+            return None
+        if hook is None and apart is None:
+            return None
+        out = func(*args, **kwargs)
+        if hook is not None:
+            geometry = (weight.shape[2:], bound.get("stride", 1), bound.get("padding", 0), bound.get("dilation", 1))
+            groups = int(bound.get("groups", 1))
+            backward = functools.partial(transposed_conv_backward, hook, batch.generation, x.detach(), geometry, groups)
+            out.register_hook(backward)
+        if apart is not None:
+            bias_hook, start, stop = apart
+            widen = widen_rows(start, stop, bias_hook.slot.d_in, channels_last)
+            out.register_hook(functools.partial(bias_backward, bias_hook, batch.generation, widen))
+        return out
+
+    def _bilinear(self, batch: ActiveBatch, x1: Any, x2: Any, weight: Any, bias: Any = None) -> Any:
+        """``F.bilinear``: each example's weight gradient ``[out, in1 x in2]`` sums ``dy ⊗ (x1 ⊗ x2)`` over its
+        positions; a captured bias is each example's ``dy`` summed."""
+        hook = self._slot(weight, ("parameter",))
+        if batch_dim(x1) != 0 or batch_dim(x2) != 0 or self.sequence_first:
+            return None
+        apart = None if bias is None or not self._sources([bias]) else self._bias_slot(bias)
+        if (hook is None and self._sources([weight])) or (apart is None and bias is not None and self._sources([bias])):
+            return None
+        if hook is None and apart is None:
+            return None
+        out = F.bilinear(x1, x2, weight, bias)
+        size = batch.size
+        if hook is not None:
+            pairs = (x1.detach().unsqueeze(-1) * x2.detach().unsqueeze(-2)).reshape(size, -1, hook.slot.d_in)
+            owner = torch.arange(size, device=out.device).repeat_interleave(pairs.shape[1])
+            backward = functools.partial(rows_backward, hook, batch.generation, pairs.flatten(0, 1), owner)
+            out.register_hook(functools.partial(backward, lambda dy: dy.reshape(-1, dy.shape[-1])))
+        if apart is not None:
+            bias_hook, start, stop = apart
+            widen = widen_rows(start, stop, bias_hook.slot.d_in)
+            out.register_hook(functools.partial(bias_backward, bias_hook, batch.generation, widen))
         return out
 
     def _normalization(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:

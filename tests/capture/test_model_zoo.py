@@ -72,6 +72,8 @@ WHOLE = [
     "sequence-first-positions",
     "mixer",
     "t5-sdpa",
+    "conv-transpose",
+    "bilinear",
 ]
 
 

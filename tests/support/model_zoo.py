@@ -169,7 +169,7 @@ def reference_slot(slot: Any, grads: dict[str, torch.Tensor]) -> torch.Tensor:
         stacked = _stacked(slot.name, grads)
         if stacked is not None:
             return g[:, stacked[1]]
-        return g.reshape(b, -1, g.shape[-1]) if g.dim() > 1 else g.reshape(b, 1, 1)
+        return g.reshape(b, slot.d_out, slot.d_in)  # row-major: [numel / last, last], or [C_in, rest] (transposed conv)
     if slot.kind in ("conv1d", "embedding"):
         w = g.transpose(1, 2)
     elif slot.kind == "conv":
@@ -835,6 +835,46 @@ def mixer() -> ZooCase:
     return ZooCase("mixer", Mixer().train(), batch, _token_loss, note=note)
 
 
+class Upsampler(nn.Module):
+    """A decoder of 2x2 maps: ConvTranspose2d (stride 2, padding 1, output_padding 1, groups 2) -> ReLU ->
+    ConvTranspose2d (dilation 2, no bias) -> mean -> Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(2, 4, 3, stride=2, padding=1, output_padding=1, groups=2)
+        self.refine = nn.ConvTranspose2d(4, 2, 2, dilation=2, bias=False)
+        self.head = nn.Linear(2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.refine(torch.relu(self.up(x)))).mean((2, 3)))
+
+
+def conv_transpose() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 2, 2, 2, generator=_gen(34)), "y": torch.randint(0, 3, (4,), generator=_gen(35))}
+    note = "ConvTranspose2d (stride, padding, output_padding, groups 2; dilation, no bias)"
+    return ZooCase("conv-transpose", Upsampler().train(), batch, _classify, note=note)
+
+
+class PairScorer(nn.Module):
+    """``nn.Bilinear`` between a token's features and a projection of them (per position), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 4)
+        self.pair = nn.Bilinear(4, 3, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.pair(torch.tanh(self.proj(x)), x)).mean(1))
+
+
+def bilinear() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 2, 3, generator=_gen(36)), "y": torch.randint(0, 3, (4,), generator=_gen(37))}
+    return ZooCase("bilinear", PairScorer().train(), batch, _classify, note="nn.Bilinear on [B, T, d] inputs")
+
+
 #: Every model of the zoo by name (the pytest ids).
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
@@ -863,4 +903,6 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "cross-attention-bias-kv": cross_attention_bias_kv,
     "sequence-first-positions": sequence_first_positions,
     "mixer": mixer,
+    "conv-transpose": conv_transpose,
+    "bilinear": bilinear,
 }
