@@ -83,6 +83,19 @@ class SkippedStepWarning(UserWarning):
     (warned once per capture)."""
 
 
+#: After the first captured forwards (1, 2, 4, ..., 64), one in this many probes for hooked weights used outside
+#: their modules (a use that starts later in training: a branch taken from some step on).
+PROBE_EVERY = 256
+
+
+def probe_due(generation: int) -> bool:
+    """Whether captured forward number ``generation`` runs the op-level capture to look for hooked weights used
+    outside their modules: the first ones at powers of two up to 64, then every :data:`PROBE_EVERY`-th."""
+    if generation <= 64:
+        return generation & (generation - 1) == 0
+    return generation % PROBE_EVERY == 0
+
+
 class GradientCapture:
     """Context manager that hooks ``model`` and sends a :class:`CapturedBatch` to ``sink`` per backward.
 
@@ -161,9 +174,11 @@ class GradientCapture:
             {id(p): n for n, p in model.named_parameters()},
             left_out_ops(model, layers),
         )
-        self._uses_needed = bool(op_level)  # else only the first captured forward checks for uses outside hooks
+        self._uses_needed = bool(op_level)  # else probing forwards check for uses outside hooks (probe_due)
         self._uses_probe = True
         self._uses_active = False
+        self._outside_known: set[str] = set()  # hooked parameters the probes saw used outside their modules
+        self._last_probe = 0  # the captured forward that probed last
         self._scope_handles: list[Any] = []
         self._normalized = self.config.normalizer is None  # False until the optimizer holds second moments
         self._moments_stale = self.config.normalizer is not None  # the optimizer stepped since the last refresh
@@ -204,12 +219,7 @@ class GradientCapture:
         self._handles.append(self.model.register_forward_hook(self._after_forward, with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(self._leave_uses, always_call=True))
         if self._uses_needed or self._uses_probe:
-            for h, hooked in zip(self.layer_hooks, self._hooked):
-                if hooked:
-                    self._scope_handles.append(h.module.register_forward_pre_hook(self._uses.enter_module))
-                    self._scope_handles.append(
-                        h.module.register_forward_hook(self._uses.leave_module, always_call=True)
-                    )
+            self._attach_scopes()
         for name, module in self.model.named_modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 hook = functools.partial(self._batch_statistics, clean_name(name))
@@ -387,6 +397,9 @@ class GradientCapture:
                 "loss": None,
             },
         )
+        if not self._uses_needed and not self._uses_probe and probe_due(self._generation):
+            self._uses_probe = True  # look again: a hooked weight may be used outside its module from now on
+            self._attach_scopes()
         if self._uses_needed or self._uses_probe:
             mark_batched(args)
             mark_batched(kwargs.values())
@@ -407,16 +420,36 @@ class GradientCapture:
                 "the norm layers in eval mode, or use GroupNorm/LayerNorm",
             )
 
+    def _attach_scopes(self) -> None:
+        """Tell the op-level capture when a hooked module's own forward runs (its own op is its hook's)."""
+        if self._scope_handles:
+            return
+        for h, hooked in zip(self.layer_hooks, self._hooked):
+            if hooked:
+                self._scope_handles.append(h.module.register_forward_pre_hook(self._uses.enter_module))
+                self._scope_handles.append(h.module.register_forward_hook(self._uses.leave_module, always_call=True))
+
     def _leave_uses(self, *_: Any) -> None:
-        """End the op-level capture of a forward; after the first, keep it only where it is needed (op-level
-        layers, or hooked parameters that the first forward used outside their modules)."""
+        """End the op-level capture of a forward; after a probing forward (the first, then :func:`probe_due`'s),
+        keep it only where it is needed (op-level layers, or hooked parameters used outside their modules)."""
         if not self._uses_active:
             return
         self._uses_active = False
         self._uses.__exit__(None, None, None)
         if self._uses_probe:
             self._uses_probe = False
-            self._uses_needed = self._uses_needed or self._uses.seen_outside
+            outside = set(self._uses.outside)
+            late = outside - self._outside_known
+            if late and self._generation - self._last_probe > 1:
+                self.coverage.uncovered(
+                    late,
+                    "",
+                    reason=f"used outside its module from a captured forward between {self._last_probe + 1} and "
+                    f"{self._generation - 1}, which the check for such uses did not watch: those rows miss that use "
+                    f"(captured from forward {self._generation} on)",
+                )
+            self._outside_known, self._last_probe = outside, self._generation
+            self._uses_needed = self._uses_needed or bool(outside)
             if not self._uses_needed:
                 for handle in self._scope_handles:
                     handle.remove()

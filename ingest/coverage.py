@@ -133,14 +133,17 @@ class Coverage:
         return text
 
     # ------------------------------------------------------------------ changes
-    def uncovered(self, names: Iterable[str], how: str, *, warn: bool = True) -> None:
+    def uncovered(self, names: Iterable[str], how: str, *, warn: bool = True, reason: str | None = None) -> None:
         """Parameters ``names`` had a use (by op ``how``) that capture cannot split per example: their rows miss
-        it, so they count as not captured from now on (``warn``: :meth:`check` now, else the caller does)."""
+        it, so they count as not captured from now on (``warn``: :meth:`check` now, else the caller does;
+        ``reason``: the whole reason recorded, instead of one built from ``how``)."""
         changed = False
         for p in self.parameters:
             if p.name in names and p.captured:
                 p.captured = False
-                p.reason = f"used by {how} in a way capture cannot split per example (its slot {p.slot} misses it)"
+                p.reason = reason or (
+                    f"used by {how} in a way capture cannot split per example (its slot {p.slot} misses it)"
+                )
                 changed = True
         if changed:
             self._warned = False

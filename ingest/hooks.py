@@ -273,9 +273,10 @@ class LayerHook:
     def _refuse_recomputation(self, grad: torch.Tensor) -> None:
         raise RecomputationError(
             f"capture: module {self.slot.name!r} was recomputed and backpropagated inside backward "
-            "(reentrant gradient checkpointing). Use non-reentrant checkpointing "
-            "(use_reentrant=False, e.g. gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-            "{'use_reentrant': False})) or disable gradient checkpointing while capturing."
+            "(reentrant gradient checkpointing, or a custom autograd.Function that reruns it in its backward). Use "
+            "non-reentrant checkpointing (use_reentrant=False, e.g. gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False})), disable gradient checkpointing while "
+            "capturing, or leave the module out of the capture (exclude=...)."
         )
 
     # backward ----------------------------------------------------------------------------------
@@ -364,10 +365,13 @@ class LayerHook:
             self._add_block(batch, self.gradient_block(grad.float()))
         self.owner.gradient_arrived(batch)
 
-    def add_rows(self, generation: int, x: torch.Tensor, dy: torch.Tensor, owner: torch.Tensor) -> None:
+    def add_rows(
+        self, generation: int, x: torch.Tensor, dy: torch.Tensor, owner: torch.Tensor, bias: bool = True
+    ) -> None:
         """Add one use whose rows mix the examples (tokens flattened across the batch, then gathered, as a MoE
         layer routes them): ``x [N, d_in]``, ``dy [N, d_out]``, ``owner [N]`` the example of each row. Each
-        example's block is the sum of its rows' ``dy x^T`` (projected first on a factorized slot)."""
+        example's block is the sum of its rows' ``dy x^T`` (projected first on a factorized slot). ``bias``:
+        whether this use adds the slot's bias (a use of the weight alone, e.g. ``x @ W``, does not)."""
         batch = self.live_batch(generation)
         if batch is None:
             return
@@ -376,12 +380,13 @@ class LayerHook:
             x, dy = x.float(), dy.detach().float()
             if s.mode == "factorized":
                 ops = self.operands(dy.device, torch.float32)
-                x_p, dy_p = project_tokens(x, ops.in_t, ops.in_bias), project_tokens(dy, ops.out_t)
+                x_p = project_tokens(x, ops.in_t, ops.in_bias if bias else None)
+                dy_p = project_tokens(dy, ops.out_t)
                 terms = (dy_p.unsqueeze(2) * x_p.unsqueeze(1)).flatten(1)
                 block = terms.new_zeros(batch.size, terms.shape[1]).index_add_(0, owner, terms)
             else:
                 if s.has_bias:
-                    x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+                    x = torch.cat([x, x.new_full((x.shape[0], 1), 1.0 if bias else 0.0)], dim=1)
                 terms = dy.unsqueeze(2) * x.unsqueeze(1)
                 grad = terms.new_zeros(batch.size, *terms.shape[1:]).index_add_(0, owner, terms)
                 block = self.gradient_block(grad)

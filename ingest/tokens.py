@@ -38,7 +38,9 @@ class TokenLayerHook(LayerHook):
     FUSABLE = False  # per-token blocks need each position's projected input and gradient: the hooks' route
     PER_POSITION = True
 
-    def add_rows(self, generation: int, x: torch.Tensor, dy: torch.Tensor, owner: torch.Tensor) -> None:
+    def add_rows(
+        self, generation: int, x: torch.Tensor, dy: torch.Tensor, owner: torch.Tensor, bias: bool = True
+    ) -> None:
         """Rows that mix the examples (a MoE layer's routed tokens) have no per-position split here."""
         raise ValueError(
             f"per-token capture: layer {self.slot.name!r} sees tokens gathered across the batch (a MoE layer); "

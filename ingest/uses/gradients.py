@@ -64,9 +64,9 @@ def matmul_backward(
         dy = dy.transpose(-1, -2)
     dy = dy.reshape(rows.shape[0], -1)
     if gradient_rows:
-        hook.add_rows(generation, rows, dy, owner)
+        hook.add_rows(generation, rows, dy, owner, bias=False)
     else:
-        hook.add_rows(generation, dy, rows, owner)
+        hook.add_rows(generation, dy, rows, owner, bias=False)
 
 
 def widen_rows(
@@ -213,8 +213,9 @@ def meeting_backward(
 def refuse_recomputation(name: str, grad: torch.Tensor) -> None:
     raise RecomputationError(
         f"capture: parameter {name!r} was used in a recomputation backpropagated inside backward (reentrant "
-        "gradient checkpointing). Use non-reentrant checkpointing (use_reentrant=False) or disable gradient "
-        "checkpointing while capturing."
+        "gradient checkpointing, or a custom autograd.Function that reruns it in its backward). Use non-reentrant "
+        "checkpointing (use_reentrant=False), disable gradient checkpointing while capturing, or leave the "
+        "parameter out of the capture (exclude=...)."
     )
 
 

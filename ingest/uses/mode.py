@@ -46,7 +46,7 @@ class ParameterUses(UseRules, TorchFunctionMode):
 
     ``hooks``: the layer hooks of the op-level slots and of the hooked slots (whose own forward is theirs: a use
     of a hooked slot's parameter outside its module is captured here too). ``names``: every trainable parameter's
-    name, by id (for reports). ``seen_outside`` becomes True when a hooked parameter was used outside its module.
+    name, by id (for reports). ``outside``: the names of hooked parameters used outside their modules.
     """
 
     def __init__(
@@ -76,7 +76,7 @@ class ParameterUses(UseRules, TorchFunctionMode):
         # running hooked modules, their inputs and their own parameters' ids
         self.scope: list[tuple[nn.Module, Any, frozenset[int]]] = []
         self.sequence_first = False
-        self.seen_outside = False
+        self.outside: set[str] = set()
 
     # modules ------------------------------------------------------------------------------------
 
@@ -120,7 +120,7 @@ class ParameterUses(UseRules, TorchFunctionMode):
             result = self._use(func, args, kwargs, batch, batched, sources)
             if own is not False and isinstance(result, torch.Tensor):
                 setattr(result, TAKEN, True)
-                self.seen_outside = True
+                self.outside.update(self._names(sources))
         else:
             result = func(*args, **kwargs)
         if first is None and operands and id(operands[0]) in self.row_owners:

@@ -76,7 +76,7 @@ class UseRules:
     matmuls of MoE experts, ``F.layer_norm``/``F.rms_norm``, ``F.multi_head_attention_forward``, elementwise ops
     and concatenations where a parameter-only tensor meets the batch): the half of
     :class:`~ingest.uses.mode.ParameterUses` that forms a use's per-example gradient. It reads the mode's state
-    (``owner``, ``slots``, ``hooked``, ``names``, ``left_out``, ``sequence_first``, ``seen_outside``)."""
+    (``owner``, ``slots``, ``hooked``, ``names``, ``left_out``, ``sequence_first``, ``outside``)."""
 
     owner: UseOwner
     slots: dict[int, list[LayerHook]]
@@ -84,7 +84,7 @@ class UseRules:
     names: dict[int, str]
     left_out: dict[int, Any]
     sequence_first: bool
-    seen_outside: bool
+    outside: set[str]
 
     def _sources(self, operands: list[torch.Tensor]) -> list[torch.Tensor]:
         """The captured parameters among ``operands`` or behind their parameter-only inputs."""
@@ -112,8 +112,7 @@ class UseRules:
             return func(*args, **kwargs)  # parameters among themselves: followed until they meet the batch
         if self.left_out.get(id(args[1] if len(args) > 1 else None)) is func:
             return func(*args, **kwargs)  # a left-out layer's own op on a weight it shares (a tied lm_head)
-        if any(self._is_hooked(p) for p in sources):
-            self.seen_outside = True
+        self.outside.update(self._names([p for p in sources if self._is_hooked(p)]))
         try:
             if func is F.linear:
                 result = self._linear(batch, *args, **kwargs)
@@ -173,6 +172,10 @@ class UseRules:
         """``F.linear`` with a slot's weight, or with a block of its rows (``weight = param[start:stop]``, the
         bias the same rows of the slot's bias): that use's output gradient is the slot's, zero in the other rows."""
         rows = getattr(weight, ROWS, None)
+        if rows is None and bias is None and id(weight) not in self.slots:
+            param, transposed = self._matrix_parameter(weight)
+            if param is not None and transposed:  # F.linear(x, P.T) is x @ P (a tied autoencoder's decoder)
+                return self._matmul(batch, x, param)
         hook = self._slot(weight if rows is None else rows[0], ("linear", "attention", "parameter"))
         if batch_dim(x) is None or (hook is None and self._sources([weight])):
             return None
@@ -218,7 +221,7 @@ class UseRules:
             return None  # the examples lie along a dim the product contracts or mixes
         param, transposed = self._matrix_parameter(matrix)
         hook = None if param is None else self._slot(param, ("linear", "attention", "parameter", "embedding"))
-        if hook is None or hook.slot.has_bias or hook.PER_POSITION or param.dim() != 2:
+        if hook is None or hook.PER_POSITION or param.dim() != 2:
             return None
         out = torch.matmul(a, b)
         size, rows = batch.size, x.detach().movedim(dim, 0)

@@ -74,6 +74,7 @@ WHOLE = [
     "t5-sdpa",
     "conv-transpose",
     "bilinear",
+    "tied-autoencoder",
 ]
 
 

@@ -875,6 +875,30 @@ def bilinear() -> ZooCase:
     return ZooCase("bilinear", PairScorer().train(), batch, _classify, note="nn.Bilinear on [B, T, d] inputs")
 
 
+class TiedAutoencoder(nn.Module):
+    """An encoder Linear whose transposed weight decodes (``F.linear(z, enc.weight.t())`` plus a bias of its own):
+    the reconstruction error is the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(6, 3)
+        self.dec_bias = nn.Parameter(torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.enc(x)), self.enc.weight.t()) + self.dec_bias
+
+
+def _reconstruction(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    return ((forward(x=batch["x"]) - batch["x"]) ** 2).sum(-1).mean()
+
+
+def tied_autoencoder() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 6, generator=_gen(38))}
+    note = "a Linear's weight transposed as the decoder (F.linear(z, W.t())), the module's own forward hooked"
+    return ZooCase("tied-autoencoder", TiedAutoencoder().train(), batch, _reconstruction, note=note)
+
+
 #: Every model of the zoo by name (the pytest ids).
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
@@ -905,4 +929,5 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "mixer": mixer,
     "conv-transpose": conv_transpose,
     "bilinear": bilinear,
+    "tied-autoencoder": tied_autoencoder,
 }
