@@ -400,6 +400,8 @@ class GradientCapture:
         if not self._uses_needed and not self._uses_probe and probe_due(self._generation):
             self._uses_probe = True  # look again: a hooked weight may be used outside its module from now on
             self._attach_scopes()
+            if any(h.module is module for h, hooked in zip(self.layer_hooks, self._hooked) if hooked):
+                self._uses.enter_module(module, args)  # the model is a hooked layer: its pre-hook came too late
         if self._uses_needed or self._uses_probe:
             mark_batched(args)
             mark_batched(kwargs.values())

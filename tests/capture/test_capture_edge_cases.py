@@ -61,7 +61,8 @@ def cross_entropy(forward, x, y):
 
 
 def linear_rows(grads: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    return torch.cat([grads[f"{name}.weight"], grads[f"{name}.bias"][..., None]], -1).flatten(1)
+    prefix = f"{name}." if name else ""
+    return torch.cat([grads[f"{prefix}weight"], grads[f"{prefix}bias"][..., None]], -1).flatten(1)
 
 
 def capture(model: nn.Module, step, **options):
@@ -305,3 +306,24 @@ def test_a_use_outside_a_module_that_starts_later_is_captured_or_reported():
     record = {p.name: p for p in cap.coverage.parameters}
     assert not record["enc.weight"].captured and "between 3 and 3" in record["enc.weight"].reason
     assert told and "enc.weight" in told[-1]
+
+
+def test_a_model_that_is_one_hooked_layer_is_exact_on_probing_forwards():
+    """When the model itself is a hooked Linear, a later probing forward attached its scope hook from inside the
+    model's own pre-hook, too late for that call: the op-level capture took the Linear's op as a use outside its
+    module and the hook counted it again (rows doubled on forwards 2 and 4)."""
+    torch.manual_seed(0)
+    model, xs = nn.Linear(5, 3), [torch.randn(4, 5) for _ in range(4)]
+    ys = [torch.randint(0, 3, (4,)) for _ in xs]
+
+    def steps():
+        for x, y in zip(xs, ys):
+            F.cross_entropy(model(x), y).backward()
+
+    cap, rows, told = capture(model, steps)
+    assert told == [] and len(rows) == 4
+    for batch, x, y in zip(rows, xs, ys):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        one = grad(lambda p, xi, yi: F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None]))
+        ref = vmap(one, in_dims=(None, 0, 0))(params, x, y)
+        torch.testing.assert_close(batch.grads, linear_rows(ref, ""), rtol=1e-5, atol=1e-6)
