@@ -14,7 +14,9 @@ token is accepted, and no client holds the server's memory or connections for lo
   headers within ``Limits.header_timeout_s`` (from the connection's start, or from the first byte of a later
   request on it; an idle kept-alive connection is closed by uvicorn after 5 s) and its body within
   ``Limits.body_timeout_s`` after them, else it is closed: slow clients cannot hold connections open. A response
-  sent before the request's body was read closes the connection. One client address holds at most
+  sent before the request's body was read closes the connection. A client that stops reading its response (the
+  unsent bytes do not go down for ``Limits.body_timeout_s``) has its connection aborted: it cannot keep an answer
+  of up to ``Limits.max_result_bytes`` in the server's memory for as long as it likes. One client address holds at most
   ``Limits.max_connections_per_client`` open connections: a further one gets a 429 and is closed before anything
   of it is read."""
 
@@ -153,6 +155,7 @@ class DeadlineH11Protocol(H11Protocol):
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._deadline: asyncio.TimerHandle | None = None
+        self._stall: asyncio.TimerHandle | None = None
         self._seen_cycle: Any = None
         peer = transport.get_extra_info("peername")
         self._client: str | None = str(peer[0]) if peer else ""
@@ -207,8 +210,39 @@ class DeadlineH11Protocol(H11Protocol):
         if self.cycle is self._seen_cycle:  # idle now: uvicorn's keep-alive timeout closes it if nothing comes
             self._arm(None)
 
+    def pause_writing(self) -> None:
+        """The client reads the response slower than it is written: from now on it must take some of the unsent
+        bytes every ``body_timeout_s``, else the connection is aborted and its unsent response dropped (closing
+        would wait for a client that never reads, holding the response in memory)."""
+        super().pause_writing()
+        self._watch_stall(self.transport.get_write_buffer_size())
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unwatch_stall()
+
+    def _watch_stall(self, unsent: int) -> None:
+        self._unwatch_stall()
+        self._stall = self.loop.call_later(self.body_timeout_s, self._stalled, unsent)
+
+    def _unwatch_stall(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self, before: int) -> None:
+        self._stall = None
+        if not self.flow.write_paused:
+            return
+        unsent = self.transport.get_write_buffer_size()
+        if unsent >= before:  # nothing taken for body_timeout_s
+            self.transport.abort()
+            return
+        self._watch_stall(unsent)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._arm(None)
+        self._unwatch_stall()
         if self._client is not None:
             self.open_by_client[self._client] -= 1
             if not self.open_by_client[self._client]:

@@ -118,6 +118,11 @@ _TYPE_WORDS = {
     "num?": "a number or null",
     "bool": "a boolean",
 }
+#: A URI with a scheme (``s3://bucket/store``), or an absolute path of two or more parts (``/a/b``,
+#: ``C:\\a\\b``) with an optional ``:line:column``; a relative path (``../x``) or a ratio (``NaN/Inf``) is neither.
+_PATH = re.compile(
+    r"\b[A-Za-z][\w+.-]*://[^\s'\"`,;()]+|(?<![\w.~/\\])(?:[A-Za-z]:)?[/\\](?:[\w.~+-]+[/\\])+[\w.~+-]+(?::\d+)*"
+)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
@@ -206,7 +211,15 @@ def status(error: BaseException) -> int:
 
 
 def error_body(error: BaseException) -> dict[str, Any]:
-    return {"error": type(error).__name__, "message": str(error).strip().splitlines()[0] if str(error) else ""}
+    """The JSON of a refusal: the error's type and the first line of its message, file paths left out."""
+    text = str(error).strip()
+    return {"error": type(error).__name__, "message": hide_paths(text.splitlines()[0]) if text else ""}
+
+
+def hide_paths(message: str) -> str:
+    """``message`` with absolute file paths (a library's source file named in its error, the server's directories)
+    replaced by ``<path>``: where the server or its libraries keep files is not the client's business."""
+    return _PATH.sub("<path>", message)
 
 
 @dataclass
@@ -352,6 +365,8 @@ class Service:
             if args.get(key) is not None:
                 raise InvalidArgumentError(f"give {key} as ids/a filter or as vectors, not both")
             args[key] = vectors
+        if name == "attribute":
+            self._check_answer_rows(args)
         if name == "attribute" and not self.allow_writes:
             readonly.check_index_built(self.store, args)
         if name == "attribute" and vectors is not None and len(vectors) == 1 and not args.get("write"):
@@ -438,6 +453,25 @@ class Service:
         if len(array) > self.limits.max_vectors:
             raise RequestTooLargeError(f"more than {self.limits.max_vectors} query vectors in one request")
         return array
+
+    def _check_answer_rows(self, args: dict[str, Any]) -> None:
+        """Refuse (413) an ``attribute`` whose answer is known to exceed ``Limits.max_result_rows`` before it is
+        computed: ``queries`` given as ids or vectors times ``k`` (at most the run's stored rows) times two with
+        ``opponents``. Without this, 10,000 ids at ``k=1000`` built a 20M-row table (GBs, many seconds) only to
+        refuse it afterwards."""
+        queries = args.get("queries")
+        if queries is None or isinstance(queries, str):  # all stored queries, or a filter: counted by the store
+            return
+        candidates = args.get("k", 10)
+        with contextlib.suppress(GradstoreError, KeyError, TypeError, ValueError, OSError, RuntimeError):
+            core = self.store.core
+            candidates = min(candidates, core.dataset(core.gradient_table_name(args["run"])).count_rows())
+        rows = len(queries) * candidates * (2 if args.get("opponents") else 1)
+        if rows > self.limits.max_result_rows:
+            raise RequestTooLargeError(
+                f"the answer would have up to {rows} rows, more than this server's limit of "
+                f"{self.limits.max_result_rows}: send fewer queries per request or a smaller k"
+            )
 
     def _version(self, run: Any) -> int | None:
         """The version of the gradients table this call reads (pinned by the surrounding snapshot)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ import psutil
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
-from served_store import DIM, READ, RUN, WRITE, make_store
+from served_store import DIM, N_TRAIN, READ, RUN, WRITE, make_store
 
 import gradstore
 from gradstore.serve import Limits, Tokens, serve
@@ -187,6 +188,33 @@ def test_one_client_address_holds_a_bounded_number_of_connections(local):
             raise AssertionError("closed connections were never counted out")
 
 
+def test_a_client_that_stops_reading_its_answer_is_cut_off(local):
+    """A 40 MB answer its client never reads: without a deadline the connection (and the answer, in the server's
+    memory) stayed for as long as the client liked, past every timeout, 256 of them per client address."""
+    limits = Limits(body_timeout_s=1.0, sql_threads=1)
+    with serve(local.uri, tokens=Tokens.parse(READ), flight_port=None, http_port=0, limits=limits) as running:
+        open_by_client = running.http.config.http.open_by_client
+        address = urlsplit(running.http_url)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the answer waits in the server's buffer
+        sock.settimeout(GUARD_S)
+        sock.connect((address.hostname, address.port))
+        body = json.dumps({"query": "SELECT repeat('x', 1000000) AS x FROM range(40)"}).encode()
+        sock.sendall(_head("/api/sql", len(body), READ) + body)
+        _wait_for(lambda: open_by_client, "the connection is counted")
+        _wait_for(lambda: not open_by_client, "the server drops the connection of a client that does not read")
+        received = 0
+        try:
+            while chunk := sock.recv(MB):
+                received += len(chunk)
+        except ConnectionResetError:
+            pass
+        sock.close()
+        assert received < 40 * MB  # aborted: the rest of the answer was dropped, not sent
+        with httpx.Client(base_url=running.http_url, headers={"Authorization": f"Bearer {READ}"}) as http:
+            assert http.post("/api/sql", json={"query": "SELECT 1 AS one"}).json()["rows"] == [{"one": 1}]
+
+
 # ---------------------------------------------------------------------------------------------- 3. SQL bounds
 def test_sql_results_are_capped_while_streaming(server, http):
     rss = _rss()
@@ -350,6 +378,35 @@ def test_client_input_never_gets_a_5xx(server, http):
     for method, path, code in (("GET", "/nope", 404), ("DELETE", "/api/runs", 405), ("GET", "/api/sql", 405)):
         response = http.request(method, path)
         assert response.status_code == code and set(response.json()) == {"error", "message"}
+
+
+def test_an_answer_over_the_row_limit_is_refused_before_it_is_computed(server, http, monkeypatch):
+    """queries x k (x 2 with opponents) over ``max_result_rows``: 413 before any scoring (10,000 ids at k=1000
+    built a 20M-row table, GBs and half a minute, only to refuse it afterwards)."""
+    scored = []
+    attribute = server.service.store.attribute
+    monkeypatch.setattr(server.service.store, "attribute", lambda *a, **kw: scored.append(1) or attribute(*a, **kw))
+    many = {"run": RUN, "method": "grad-dot", "k": 1000, "opponents": True}
+    refused = http.post("/api/attribute", json={**many, "queries": ["q-0"] * 2500})
+    assert (refused.status_code, refused.json()["error"]) == (413, "RequestTooLargeError"), refused.text
+    assert "fewer queries" in refused.json()["message"]
+    with gradstore.connect(server.flight_uri, token=READ) as client:
+        with pytest.raises(gradstore.serve.RequestTooLargeError):
+            client.attribute(["q-1"] * 1200, run=RUN, k=1000, method="grad-dot", opponents=True)
+        assert not scored
+        # k above the stored rows counts as the stored rows: 1024 vectors x k=1000 over 86 rows is answered
+        found = client.attribute(np.ones((1024, DIM), np.float32), run=RUN, k=1000, method="grad-dot")
+    assert found.num_rows == 1024 * N_TRAIN and scored
+
+
+def test_refusals_name_no_file_paths(http):
+    """A filter the store's table library refuses: its message named the library's source files
+    (``/home/.../planner.rs:951:22``); a refusal names no path of the server or its libraries."""
+    for args in ({"where": "nope = 1"}, {"where": "example_id = 1"}, {"queries": "example_id IN (SELECT 1)"}):
+        response = http.post("/api/attribute", json={"run": RUN, "method": "grad-dot", **args})
+        assert response.status_code == 400, response.text
+        message = response.json()["message"]
+        assert not re.search(r"(^|[\s(,'])/\w+/", message) and ".rs:" not in message, message
 
 
 def test_flight_errors_are_typed_without_tracebacks(server):
