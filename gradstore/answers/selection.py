@@ -70,7 +70,7 @@ def _ranked(example_ids: np.ndarray, scores: np.ndarray, budget: float) -> pa.Ta
 
 def budget_count(budget: float, n_examples: int) -> int:
     """Examples to select: ``budget`` in (0, 1] is a fraction (rounded up), an int >= 1 a count."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < math.inf:
         raise InvalidArgumentError(f"budget must be a fraction in (0, 1] or a positive count, got {budget!r}")
     if isinstance(budget, float) and budget <= 1.0:
         return min(n_examples, math.ceil(budget * n_examples))
