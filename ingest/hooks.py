@@ -227,6 +227,8 @@ class LayerHook:
             # a frozen layer kept on purpose (include_frozen) whose input needs no gradient either (e.g. the
             # first base layer of a LoRA model): make its output a leaf so the hook still gets dL/d(output)
             output, frozen_leaf = output.detach().requires_grad_(True), True
+        if getattr(output, FUSED_MARK, False) or getattr(output, TAKEN_MARK, False):
+            return None  # the fused GEMMs hand this output's projections to add_projected / captured at its op
         x = args[0].detach()
         # A batch-1 input in a B-example forward is broadcast later (e.g. position embeddings): expand
         # the output (a view) so autograd hands us per-example gradients. Expand's backward is the
@@ -239,8 +241,6 @@ class LayerHook:
         if in_backward():
             output.register_hook(self._refuse_recomputation)
             return replaced
-        if getattr(output, FUSED_MARK, False) or getattr(output, TAKEN_MARK, False):
-            return None  # the fused GEMMs hand this output's projections to add_projected / captured at its op
         if x.shape[0] != batch.size:
             raise CaptureUsageError(
                 f"capture: layer {self.slot.name!r} got a batch of {x.shape[0]} for a forward of "

@@ -36,11 +36,6 @@ from ingest.uses.rules import UseOwner, UseRules
 log = logging.getLogger(__name__)
 
 
-def _mark(result: Any, attribute: str, value: Any) -> None:
-    for t in tensors_in([result]):
-        setattr(t, attribute, value)
-
-
 class ParameterUses(UseRules, TorchFunctionMode):
     """The op-level capture (see :mod:`ingest.uses`) of ``hooks``' parameters while a captured forward runs.
 
@@ -64,6 +59,8 @@ class ParameterUses(UseRules, TorchFunctionMode):
         self.slots: dict[int, list[LayerHook]] = {}
         for hook in hooks:
             self.slots.setdefault(id(hook.parameter), []).append(hook)
+            if hook.bias is not None:  # a module's bias is a use of its slot too (x @ W.T + b, HF's FalconLinear)
+                self.slots.setdefault(id(hook.bias), []).append(hook)
         # weights and biases whose row blocks (a packed projection split in parts) are uses of their slot
         self.row_owners = {
             id(p): p
@@ -152,7 +149,9 @@ class ParameterUses(UseRules, TorchFunctionMode):
                 setattr(out, BATCHED, new)
                 setattr(out, OWNER, new_owner)
         elif sources:
-            _mark(result, SOURCES, tuple({id(p): p for p in sources}.values()))
+            for out in tensors_in([result]):
+                if id(out) not in self.slots:  # a no-op cast (param.to(its dtype)) returns the parameter itself
+                    setattr(out, SOURCES, tuple({id(p): p for p in sources}.values()))
 
     def _without_grad(self, func: Any, args: tuple, kwargs: dict, batch: ActiveBatch) -> Any:
         operands = list(tensors_in(args)) + list(tensors_in(kwargs.values()))
@@ -203,12 +202,17 @@ class ParameterUses(UseRules, TorchFunctionMode):
         """The module's input when this op is a hooked module's own op on its own parameters, else False. The
         parameters must be the op's operands themselves: a weight computed from them (the legacy
         ``torch.nn.utils.weight_norm`` sets ``weight = g * v / |v|`` before each forward) is not what the hook
-        differentiates by, so such a use is the op-level capture's (which reports it when no rule splits it)."""
+        differentiates by, so such a use is the op-level capture's (which reports it when no rule splits it).
+        Parameters that are not the module's may come in through its input (a position table projected)."""
         if not self.scope:
             return False
         _, x, own = self.scope[-1]
         direct = {id(t) for t in operands}
-        return x if all(id(p) in own and id(p) in direct for p in sources) else False
+        through_x = {id(p) for p in getattr(x, SOURCES, ())} | {id(x)}
+        mine = [p for p in sources if id(p) in own]
+        if not mine or not all(id(p) in direct for p in mine):
+            return False
+        return x if all(id(p) in own or id(p) in through_x for p in sources) else False
 
 
 def _mark_rows(param: torch.Tensor, result: Any) -> None:
@@ -227,4 +231,8 @@ def _hook_owns(x: Any, size: int) -> bool:
     dim = batch_dim(x)
     if getattr(x, OWNER, None) is not None:
         return False  # rows that mix the examples (tokens flattened across the batch): captured at the op
+    if dim is None and (hasattr(x, SOURCES) or isinstance(x, nn.Parameter)):
+        # computed from parameters alone (a relative-position table projected): followed to where it meets the
+        # batch; expanding the module's output over the batch would change its shape under the model's feet
+        return False
     return dim == 0 or (dim is None and x.dim() > 0 and (x.shape[0] == 1 or size == 1))

@@ -76,7 +76,7 @@ class UseRules:
     matmuls of MoE experts, ``F.layer_norm``/``F.rms_norm``, ``F.multi_head_attention_forward``, elementwise ops
     and concatenations where a parameter-only tensor meets the batch): the half of
     :class:`~ingest.uses.mode.ParameterUses` that forms a use's per-example gradient. It reads the mode's state
-    (``owner``, ``slots``, ``hooked``, ``names``, ``left_out``, ``sequence_first``, ``outside``)."""
+    (``owner``, ``slots``, ``hooked``, ``names``, ``left_out``, ``sequence_first``, ``outside``, ``scope``)."""
 
     owner: UseOwner
     slots: dict[int, list[LayerHook]]
@@ -85,19 +85,19 @@ class UseRules:
     left_out: dict[int, Any]
     sequence_first: bool
     outside: set[str]
+    scope: list[tuple[Any, Any, frozenset[int]]]  # running hooked modules: (module, input, own parameter ids)
 
     def _sources(self, operands: list[torch.Tensor]) -> list[torch.Tensor]:
         """The captured parameters among ``operands`` or behind their parameter-only inputs."""
-        found = []
+        found: dict[int, torch.Tensor] = {}
         for t in operands:
             if id(t) in self.slots:
-                found.append(t)
-            found.extend(getattr(t, SOURCES, ()))
-            if hasattr(t, SLICE):
-                found.append(getattr(t, SLICE)[0])
-            if hasattr(t, GATHER):
-                found.append(getattr(t, GATHER)[0])
-        return found
+                found[id(t)] = t
+            found.update((id(p), p) for p in getattr(t, SOURCES, ()))
+            for mark in (SLICE, GATHER):
+                if hasattr(t, mark):
+                    found.setdefault(id(getattr(t, mark)[0]), getattr(t, mark)[0])
+        return list(found.values())
 
     def _use(
         self,
@@ -147,9 +147,15 @@ class UseRules:
             )
             result = None
         if result is None:
-            self.owner.uncovered(self._names(sources), op_name(func))
+            self.owner.uncovered(self._names(self._missed(sources)), op_name(func))
             return func(*args, **kwargs)
         return result
+
+    def _missed(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters a use no rule splits leaves out: ``sources`` but a hooked module's own bias inside its
+        forward (its hook still takes that op's output gradient, the bias's column exact)."""
+        own = self.scope[-1][2] if self.scope else frozenset()
+        return [p for p in sources if id(p) not in own or not any(h.bias is p for h in self.slots.get(id(p), ()))]
 
     def _is_hooked(self, param: torch.Tensor) -> bool:
         return any(id(h.module) in self.hooked for h in self.slots.get(id(param), ()))

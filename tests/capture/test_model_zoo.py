@@ -75,6 +75,7 @@ WHOLE = [
     "conv-transpose",
     "bilinear",
     "tied-autoencoder",
+    "casts-and-tables",
 ]
 
 

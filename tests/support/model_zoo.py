@@ -899,6 +899,40 @@ def tied_autoencoder() -> ZooCase:
     return ZooCase("tied-autoencoder", TiedAutoencoder().train(), batch, _reconstruction, note=note)
 
 
+class ManualLinear(nn.Linear):
+    """HF ``FalconLinear``: ``x @ W.T + b`` in its own forward (no ``F.linear``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
+class CastsAndTables(nn.Module):
+    """A Linear subclass with its own matmul and bias add, a scale cast to the activations' dtype (a no-op cast
+    returns the parameter itself), and a position table projected by a stock Linear on a batch-1 input and divided
+    in place (DeBERTa's and Longformer's pattern), added to the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = ManualLinear(6, 8)
+        self.scale = nn.Parameter(torch.rand(8) + 0.5)
+        self.table = nn.Parameter(torch.randn(5, 8))
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x) * self.scale.to(x.dtype)
+        positions = self.proj(self.table.unsqueeze(0))
+        positions /= 2.0
+        return self.head(torch.tanh(h + positions).mean(1))
+
+
+def casts_and_tables() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 5, 6, generator=_gen(39)), "y": torch.randint(0, 3, (4,), generator=_gen(40))}
+    note = "x @ W.T + b in a Linear subclass, param.to(dtype), a projected position table on a batch-1 input"
+    return ZooCase("casts-and-tables", CastsAndTables().train(), batch, _classify, note=note)
+
+
 #: Every model of the zoo by name (the pytest ids).
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
@@ -930,4 +964,5 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "conv-transpose": conv_transpose,
     "bilinear": bilinear,
     "tied-autoencoder": tied_autoencoder,
+    "casts-and-tables": casts_and_tables,
 }
