@@ -451,7 +451,8 @@ class GradientCapture:
                     f"(captured from forward {self._generation} on)",
                 )
             self._outside_known, self._last_probe = outside, self._generation
-            self._uses_needed = self._uses_needed or bool(outside)
+            unsafe = not all(self._uses.broadcasts.values())  # a single-row output the model does not broadcast
+            self._uses_needed = self._uses_needed or bool(outside) or unsafe
             if not self._uses_needed:
                 for handle in self._scope_handles:
                     handle.remove()

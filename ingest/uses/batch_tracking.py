@@ -28,6 +28,12 @@ SLICE = "_gradstore_slice"
 #: Attribute set on ``param[ids]`` of a captured stacked parameter gathered per row (``ids`` a 1-D long tensor,
 #: transformers' batched-mm experts): ``(param, ids)``.
 GATHER = "_gradstore_gather"
+#: Attribute set on the output of a hooked module run on a single row (position ids ``[1, T]``) and on what is
+#: computed from it alone while it keeps that single row: the module's id (see :attr:`ParameterUses.broadcasts`).
+BROADCAST = "_gradstore_broadcast"
+#: Attribute set on that output itself: ``(hook, input)``, so where it meets the batch by broadcasting, the hook
+#: captures it as it would have (its input and output expanded over the batch there, not under the model's feet).
+BROADCAST_HOOK = "_gradstore_broadcast_hook"
 #: Attribute set on batch-free tensors computed from captured parameters: the parameters (a tuple).
 SOURCES = "_gradstore_sources"
 #: Attribute set on a block of rows of a captured weight or bias, a view ``param[start:stop]`` (``split``,

@@ -17,6 +17,8 @@ from torch.overrides import TorchFunctionMode
 from ingest.hooks import ActiveBatch, LayerHook, in_backward
 from ingest.uses.batch_tracking import (
     BATCHED,
+    BROADCAST,
+    BROADCAST_HOOK,
     GATHER,
     OWNER,
     ROWS,
@@ -30,7 +32,7 @@ from ingest.uses.batch_tracking import (
     tensors_in,
 )
 from ingest.uses.gradients import refuse_recomputation
-from ingest.uses.ops import op_name
+from ingest.uses.ops import ELEMENTWISE, op_name
 from ingest.uses.rules import UseOwner, UseRules
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,10 @@ class ParameterUses(UseRules, TorchFunctionMode):
         self.scope: list[tuple[nn.Module, Any, frozenset[int]]] = []
         self.sequence_first = False
         self.outside: set[str] = set()
+        # hooked modules run on a single row (position ids [1, T]), by id: True where their output only meets the
+        # batch in a broadcasting elementwise op, so the hook may expand it over the batch (exact, cheap); False
+        # where something else takes it (.repeat(B), a concatenation, in-place ops): this capture follows it
+        self.broadcasts: dict[int, bool] = {}
 
     # modules ------------------------------------------------------------------------------------
 
@@ -109,15 +115,33 @@ class ParameterUses(UseRules, TorchFunctionMode):
         operands = list(tensors_in(args)) + list(tensors_in(kwargs.values()))
         first = batch_operand(operands)
         batched = first is not None
+        if not batched and func in (torch.Tensor.expand, torch.Tensor.expand_as) and hasattr(args[0], BROADCAST_HOOK):
+            expanded = _over_the_batch(func(*args, **kwargs), args[0], batch)
+            if expanded is not None:
+                return expanded
         sources = self._sources(operands)
         own = self._own_forward(sources, operands) if sources else False
-        if own is not False and _hook_owns(own, batch.size):
+        owns = _hook_owns(own, batch.size) if own is not False else False
+        single = self.scope[-1][0] if owns == "single" else None  # a hooked module on one row: where does it go?
+        if single is not None and (self.broadcasts.get(id(single)) or not all(p.requires_grad for p in sources)):
+            # seen: its output only meets the batch by broadcasting, the hook's expansion is exact; or a frozen
+            # layer kept on purpose (include_frozen), which only the hook differentiates (by its output)
+            owns, single = True, None
+        if own is not False and owns is True:
             sources = []  # a hooked module's own op on a batch-first input: its hook captures this use
+        if batched and single is None:
+            self._learn_broadcasts(func, operands, first)
         if sources:
             result = self._use(func, args, kwargs, batch, batched, sources)
             if own is not False and isinstance(result, torch.Tensor):
                 setattr(result, TAKEN, True)
-                self.outside.update(self._names(sources))
+                if single is not None:  # followed as computed from parameters, watched to where it meets the batch
+                    setattr(result, BROADCAST, id(single))
+                    hook = next(h for p in sources for h in self.slots.get(id(p), ()) if h.module is single)
+                    setattr(result, BROADCAST_HOOK, (hook, own.detach()))
+                    self.broadcasts.setdefault(id(single), True)
+                else:
+                    self.outside.update(self._names(sources))
         else:
             result = func(*args, **kwargs)
         if first is None and operands and id(operands[0]) in self.row_owners:
@@ -130,6 +154,19 @@ class ParameterUses(UseRules, TorchFunctionMode):
                 with contextlib.suppress(Exception):
                     setattr(out, BATCHED, -1 if first is not None else None)
         return result
+
+    def _learn_broadcasts(self, func: Any, operands: list[torch.Tensor], first: torch.Tensor) -> None:
+        """A batch op taking outputs of hooked modules run on one row: safe to expand over the batch when it is a
+        broadcasting elementwise op whose batch dim meets their single row, else not."""
+        for t in operands:
+            module = getattr(t, BROADCAST, None)
+            if module is None:
+                continue
+            dim = batch_dim(first)
+            aligned = dim is not None and dim >= 0 and first.dim() >= t.dim()
+            lead = dim - (first.dim() - t.dim()) if aligned else -1
+            broadcast = func in ELEMENTWISE and (lead < 0 or t.shape[lead] == 1) and aligned
+            self.broadcasts[module] = self.broadcasts.get(module, True) and broadcast
 
     def _mark_result(
         self,
@@ -149,9 +186,15 @@ class ParameterUses(UseRules, TorchFunctionMode):
                 setattr(out, BATCHED, new)
                 setattr(out, OWNER, new_owner)
         elif sources:
+            single = {getattr(t, BROADCAST) for t in tensors_in([*args, *kwargs.values()]) if hasattr(t, BROADCAST)}
             for out in tensors_in([result]):
                 if id(out) not in self.slots:  # a no-op cast (param.to(its dtype)) returns the parameter itself
                     setattr(out, SOURCES, tuple({id(p): p for p in sources}.values()))
+                for module in single:  # still one row: watched on; else (.repeat(B), ...) not a broadcast
+                    if out.dim() > 0 and out.shape[0] == 1:
+                        setattr(out, BROADCAST, module)
+                    else:
+                        self.broadcasts[module] = False
 
     def _without_grad(self, func: Any, args: tuple, kwargs: dict, batch: ActiveBatch) -> Any:
         operands = list(tensors_in(args)) + list(tensors_in(kwargs.values()))
@@ -215,6 +258,18 @@ class ParameterUses(UseRules, TorchFunctionMode):
         return x if all(id(p) in own or id(p) in through_x for p in sources) else False
 
 
+def _over_the_batch(result: torch.Tensor, single: torch.Tensor, batch: ActiveBatch) -> torch.Tensor | None:
+    """``single`` (a hooked module's one-row output) expanded over the batch by the model or a hook (online
+    selection's): the module's hook takes the examples' output gradients there, as its own expansion would."""
+    if result.dim() != single.dim() or single.shape[0] != 1 or result.shape[0] != batch.size:
+        return None
+    hook, x = getattr(single, BROADCAST_HOOK)
+    route, saved = hook._save(x.expand(batch.size, *x.shape[1:]), batch.size)
+    result.register_hook(functools.partial(hook._backward, batch.generation, route, saved))
+    setattr(result, BATCHED, 0)
+    return result
+
+
 def _mark_rows(param: torch.Tensor, result: Any) -> None:
     """Mark the pieces of ``result`` that are row blocks ``param[start:stop]`` with :data:`ROWS`."""
     for piece in tensors_in([result]):
@@ -223,9 +278,10 @@ def _mark_rows(param: torch.Tensor, result: Any) -> None:
             setattr(piece, ROWS, (param, *block))
 
 
-def _hook_owns(x: Any, size: int) -> bool:
-    """Whether a hooked module's hook captures its forward on input ``x`` exactly: a batch-first input, or one of
-    a single row that the hook broadcasts over the batch (e.g. position ids ``[1, T]``)."""
+def _hook_owns(x: Any, size: int) -> bool | str:
+    """Whether a hooked module's hook captures its forward on input ``x`` exactly: a batch-first input (True), or
+    ``"single"``: one row that the hook broadcasts over the batch (position ids ``[1, T]``) where the model only
+    broadcasts its output (:attr:`ParameterUses.broadcasts`)."""
     if not isinstance(x, torch.Tensor):
         return False
     dim = batch_dim(x)
@@ -235,4 +291,6 @@ def _hook_owns(x: Any, size: int) -> bool:
         # computed from parameters alone (a relative-position table projected): followed to where it meets the
         # batch; expanding the module's output over the batch would change its shape under the model's feet
         return False
-    return dim == 0 or (dim is None and x.dim() > 0 and (x.shape[0] == 1 or size == 1))
+    if dim == 0 or (dim is None and x.dim() > 0 and size == 1):
+        return True
+    return "single" if dim is None and x.dim() > 0 and x.shape[0] == 1 else False

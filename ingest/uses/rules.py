@@ -14,7 +14,17 @@ import torch
 import torch.nn.functional as F
 
 from ingest.hooks import ActiveBatch, LayerHook
-from ingest.uses.batch_tracking import BATCHED, GATHER, OWNER, ROWS, SLICE, SOURCES, batch_dim, tensors_in
+from ingest.uses.batch_tracking import (
+    BATCHED,
+    BROADCAST_HOOK,
+    GATHER,
+    OWNER,
+    ROWS,
+    SLICE,
+    SOURCES,
+    batch_dim,
+    tensors_in,
+)
 from ingest.uses.gradients import (
     bias_backward,
     channels_last,
@@ -503,8 +513,14 @@ class UseRules:
             expanded = _expand(t, shape, size, at)
             if expanded is None:
                 return None
-            meeting = functools.partial(meeting_backward, t, params, targets, batch.generation, at)
-            expanded.register_hook(meeting)
+            direct = getattr(t, BROADCAST_HOOK, None)
+            if direct is not None and at == 0 and shape is not None and t.dim() == len(shape):
+                hook, x = direct  # a hooked module's one-row output broadcast here: its hook's own route
+                route, saved = hook._save(x.expand(size, *x.shape[1:]), size)
+                expanded.register_hook(functools.partial(hook._backward, batch.generation, route, saved))
+            else:
+                meeting = functools.partial(meeting_backward, t, params, targets, batch.generation, at)
+                expanded.register_hook(meeting)
             replaced[id(t)] = expanded
         return func(*_swap(args, replaced), **{k: _swap_one(v, replaced) for k, v in kwargs.items()})
 

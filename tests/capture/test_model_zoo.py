@@ -76,6 +76,7 @@ WHOLE = [
     "bilinear",
     "tied-autoencoder",
     "casts-and-tables",
+    "prompt-prefix",
 ]
 
 

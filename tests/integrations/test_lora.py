@@ -18,6 +18,7 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import gradstore  # noqa: E402
 from gradstore.hf import GradstoreCallback, with_example_ids  # noqa: E402
+from ingest.capture import CaptureConfig, GradientCapture  # noqa: E402
 
 N, SEQ = 8, 10
 
@@ -151,3 +152,47 @@ def test_trainer_callback_captures_a_peft_models_adapters(tmp_path):
     assert sorted(block_.metadata.column("example_id").to_pylist()) == sorted(f"ex{i}" for i in range(N))
     assert sorted(set(block_.metadata.column("step").to_pylist())) == [0, 1]
     assert np.isfinite(block_.vectors).all() and (np.abs(block_.vectors).sum(axis=1) > 0).all()
+
+
+def _summed_token_loss(model, ids: torch.Tensor, virtual: int = 0) -> torch.Tensor:
+    """Each example's summed next-token cross-entropy (the logits of ``virtual`` prompt tokens left out)."""
+    logits = model(input_ids=ids).logits[:, virtual:-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1), reduction="sum")
+
+
+@pytest.mark.parametrize("kind", ["prompt-tuning", "dora"])
+def test_prompt_tuning_and_dora_rows_equal_per_example_backwards(kind):
+    """Prompt tuning runs its prompt embedding on one row and repeats the output over the batch; DoRA runs its
+    adapters on an identity matrix for the weight norm. The capture expanded the one-row output over the batch
+    (prompt tuning's training step then failed: 9 rows for 3 examples). Every forward's rows equal a per-example
+    backward (three forwards: the first probes, the next ones run as capture decided)."""
+    torch.manual_seed(0)
+    if kind == "prompt-tuning":
+        config, virtual = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3), 3
+    else:
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], use_dora=True, fan_in_fan_out=True)
+        virtual = 0
+    model = peft.get_peft_model(tiny_gpt2(), config)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    ids = tokens(n=3)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    reference = []
+    for i in range(3):
+        model.zero_grad()
+        _summed_token_loss(model, ids[i : i + 1], virtual).backward()
+        reference.append({n: p.grad.clone() for n, p in trainable.items()})
+    out: list = []
+    with GradientCapture(model, out.append, CaptureConfig.from_options(projection=None, loss_reduction="sum")) as cap:
+        for _ in range(3):
+            model.zero_grad()
+            _summed_token_loss(model, ids, virtual).backward()
+    assert cap.coverage.fraction == 1.0 and len(out) == 3
+    for batch in out:
+        for slot in cap.spec.layers:
+            name = slot.name if slot.name in trainable else f"{slot.name}.weight"
+            want = torch.stack([r[name] for r in reference])
+            want = want.transpose(1, 2) if slot.kind == "embedding" else want.reshape(3, slot.d_out, -1)
+            got = batch.grads[:, slot.offset : slot.offset + slot.size].reshape(want.shape)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * want.abs().max().item(), msg=slot.name)

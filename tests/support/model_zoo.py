@@ -933,6 +933,33 @@ def casts_and_tables() -> ZooCase:
     return ZooCase("casts-and-tables", CastsAndTables().train(), batch, _classify, note=note)
 
 
+class PromptPrefix(nn.Module):
+    """Token embeddings with learned prompt tokens in front (peft's prompt tuning: an Embedding run on one row of
+    prompt ids, its output repeated over the batch and concatenated) and a position Embedding on one row of
+    position ids expanded over the batch by the model (``.expand(B, -1, -1)``) before it is added."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(16, 8)
+        self.prompt = nn.Embedding(3, 8)
+        self.positions = nn.Embedding(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = x.shape[0]
+        prompt = self.prompt(torch.arange(3).unsqueeze(0)).repeat(size, 1, 1)
+        h = torch.cat([prompt, self.tokens(x)], dim=1)
+        h = h + self.positions(torch.arange(h.shape[1]).unsqueeze(0)).expand(size, -1, -1)
+        return self.head(torch.tanh(h).mean(1))
+
+
+def prompt_prefix() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randint(0, 16, (4, 5), generator=_gen(41)), "y": torch.randint(0, 3, (4,), generator=_gen(42))}
+    note = "one-row Embedding outputs repeated and concatenated (prompt tuning), expanded by the model (positions)"
+    return ZooCase("prompt-prefix", PromptPrefix().train(), batch, _classify, note=note)
+
+
 #: Every model of the zoo by name (the pytest ids).
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
@@ -965,4 +992,5 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "bilinear": bilinear,
     "tied-autoencoder": tied_autoencoder,
     "casts-and-tables": casts_and_tables,
+    "prompt-prefix": prompt_prefix,
 }
