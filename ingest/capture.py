@@ -47,7 +47,7 @@ from ingest.ids import content_hashes, find_inputs, find_mask, normalize_ids
 from ingest.layers import clean_name, fsdp1_wrapped, left_out_ops, select_layers
 from ingest.misuse import CaptureUsageError
 from ingest.normalizers import NORMALIZER_POWERS, adam_factored_scales
-from ingest.scaling import example_scales, example_token_counts
+from ingest.scaling import example_scales, example_token_counts, shifts_labels
 from ingest.uses import ParameterUses, mark_batched
 
 # Deferred batches (with a GradScaler) waiting for the scaler's decision beyond this many are delivered
@@ -177,6 +177,7 @@ class GradientCapture:
         self._uses_needed = bool(op_level)  # else probing forwards check for uses outside hooks (probe_due)
         self._uses_probe = True
         self._uses_active = False
+        self._shifted_labels = shifts_labels(model)  # a "token_mean" loss over shifted labels (a causal LM)
         self._outside_known: set[str] = set()  # hooked parameters the probes saw used outside their modules
         self._last_probe = 0  # the captured forward that probed last
         self._scope_handles: list[Any] = []
@@ -382,7 +383,9 @@ class GradientCapture:
         self.batch = ActiveBatch(
             generation=self._generation,
             size=size,
-            scales=example_scales(self.config.loss_reduction, size, kwargs, self.config.loss_scale, device),
+            scales=example_scales(
+                self.config.loss_reduction, size, kwargs, self.config.loss_scale, device, self._shifted_labels
+            ),
             token_mask=None if mask is None else mask.bool(),
             meta={
                 "ids": ids,

@@ -4,10 +4,12 @@ The per-example gradient we record is the gradient of *that example's own loss*:
 
 * ``"sum"``: the loop's loss is a sum of per-example losses; scale 1.
 * ``"mean"``: the loop's loss is the batch mean; scale ``B``.
-* ``"token_mean"``: Hugging Face causal-LM loss, the mean over all non-ignored label tokens of the
-  batch (labels shifted by one, ``-100`` ignored, or divided by ``num_items_in_batch`` when the
-  model is given it). The example's own loss is the mean over its own label tokens, so the scale is
-  ``N_batch / n_i`` (0 for an example without label tokens, whose gradient is 0).
+* ``"token_mean"``: a Hugging Face model's loss, the mean over all non-ignored label tokens of the
+  batch (``-100`` ignored, or divided by ``num_items_in_batch`` when the model is given it); a causal
+  LM's labels are shifted by one (its first label predicts nothing), a masked LM's, a token
+  classifier's or a sequence-to-sequence model's are not (:func:`shifts_labels`). The example's own
+  loss is the mean over its own label tokens, so the scale is ``N_batch / n_i`` (0 for an example
+  without label tokens, whose gradient is 0).
 
 All scales are finally divided by ``loss_scale`` (a constant the loop multiplies its loss with,
 e.g. ``1 / grad_accum_steps``).
@@ -25,9 +27,35 @@ REDUCTIONS = ("mean", "token_mean", "sum")
 IGNORE_INDEX = -100
 
 
-def label_token_counts(labels: torch.Tensor) -> torch.Tensor:
-    """Label tokens that count in a shifted causal-LM loss, per example: ``[B]`` int64."""
-    return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+def label_token_counts(labels: torch.Tensor, shifted: bool = True) -> torch.Tensor:
+    """Label tokens that count in the loss, per example: ``[B]`` int64 (``shifted``: a causal LM's)."""
+    return ((labels[:, 1:] if shifted else labels) != IGNORE_INDEX).sum(dim=1)
+
+
+def shifts_labels(model: Any) -> bool:
+    """Whether ``model``'s ``"token_mean"`` loss shifts its labels: a causal LM's (``*ForCausalLM``,
+    ``*LMHeadModel``, also wrapped by DDP or peft) does; another Hugging Face model's (a masked LM, a token
+    classifier, a sequence-to-sequence model) does not; a model that is not Hugging Face's is taken as a causal
+    LM's (the loss ``"token_mean"`` describes)."""
+    chain, seen = [], set()
+    while model is not None and id(model) not in seen:
+        seen.add(id(model))
+        chain.append(model)
+        inner = getattr(model, "module", None)  # DDP / FSDP
+        if inner is None and callable(getattr(model, "get_base_model", None)):  # peft
+            inner = model.get_base_model()
+        model = inner
+    if any(type(m).__name__.endswith(("ForCausalLM", "LMHeadModel")) for m in chain):
+        return True
+    return not any(_hugging_face(m) for m in chain)
+
+
+def _hugging_face(model: Any) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
 
 
 def example_token_counts(inputs: torch.Tensor | None, mask: torch.Tensor | None, batch_size: int) -> torch.Tensor:
@@ -40,9 +68,15 @@ def example_token_counts(inputs: torch.Tensor | None, mask: torch.Tensor | None,
 
 
 def example_scales(
-    reduction: str, batch_size: int, kwargs: dict[str, Any], loss_scale: float, device: torch.device
+    reduction: str,
+    batch_size: int,
+    kwargs: dict[str, Any],
+    loss_scale: float,
+    device: torch.device,
+    shifted: bool = True,
 ) -> torch.Tensor:
-    """Per-example factors ``[B]`` (float32, on ``device``) turning captured rows into per-example grads."""
+    """Per-example factors ``[B]`` (float32, on ``device``) turning captured rows into per-example grads
+    (``shifted``: whether a ``"token_mean"`` loss shifts its labels, :func:`shifts_labels`)."""
     if reduction == "sum":
         scales = torch.ones(batch_size, device=device)
     elif reduction == "mean":
@@ -51,7 +85,7 @@ def example_scales(
         labels = kwargs.get("labels")
         if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
             raise CaptureUsageError("loss_reduction='token_mean' needs a [B, T] `labels` tensor among the model kwargs")
-        counts = label_token_counts(labels).to(device=device, dtype=torch.float32)
+        counts = label_token_counts(labels, shifted).to(device=device, dtype=torch.float32)
         total = kwargs.get("num_items_in_batch")
         total = counts.sum() if total is None else torch.as_tensor(total, device=device, dtype=torch.float32)
         scales = torch.where(counts > 0, total / counts.clamp(min=1), torch.zeros_like(counts))

@@ -187,3 +187,37 @@ def test_trl_sft_trainer(tmp_path):
     for example_id in step0:
         vector = got[(example_id, 0)][0]
         assert np.linalg.norm(vector - reference[example_id]) <= 1e-5 * np.linalg.norm(reference[example_id])
+
+
+def test_token_mean_counts_a_masked_lms_labels_unshifted():
+    """``loss_reduction="token_mean"`` counted every model's labels shifted by one (a causal LM's): a masked LM's
+    rows (its loss averages over unshifted label tokens) were off by each example's count ratio (3-5%, silent)."""
+    import transformers
+
+    from ingest.capture import CaptureConfig, GradientCapture
+    from ingest.scaling import shifts_labels
+
+    torch.manual_seed(0)
+    config = transformers.RobertaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=20, pad_token_id=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = transformers.RobertaForMaskedLM(config).train()
+    mask = (torch.arange(8)[None] < torch.tensor([[8], [5], [7]])).long()
+    ids = torch.randint(3, 64, (3, 8)).masked_fill(mask == 0, 1)
+    labels = torch.randint(3, 64, (3, 8)).masked_fill(mask == 0, -100)
+    labels[0, 0] = -100  # the first label counts unshifted; make the counts differ from the shifted ones
+    dense = model.lm_head.dense
+    want = []
+    for i in range(3):
+        model.zero_grad()
+        model(input_ids=ids[i : i + 1], attention_mask=mask[i : i + 1], labels=labels[i : i + 1]).loss.backward()
+        want.append(torch.cat([dense.weight.grad, dense.bias.grad[:, None]], 1).flatten())
+    out: list = []
+    config = CaptureConfig.from_options(projection=None, loss_reduction="token_mean", include="lm_head.dense")
+    with GradientCapture(model, out.append, config):
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    torch.testing.assert_close(out[0].grads, torch.stack(want), rtol=1e-4, atol=1e-7)
+    t5 = transformers.T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2)
+    assert not shifts_labels(model) and not shifts_labels(transformers.T5ForConditionalGeneration(t5))
+    assert shifts_labels(tiny_gpt2()) and shifts_labels(torch.nn.Linear(2, 2))
