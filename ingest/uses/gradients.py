@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ingest.hooks import LayerHook, RecomputationError
+from ingest.per_example import embedding_exact
 
 
 def hook_backward(
@@ -67,6 +68,22 @@ def matmul_backward(
         hook.add_rows(generation, rows, dy, owner, bias=False)
     else:
         hook.add_rows(generation, dy, rows, owner, bias=False)
+
+
+def lookup_backward(
+    hook: LayerHook,
+    generation: int,
+    idx: torch.Tensor,
+    dim: int,
+    num_embeddings: int,
+    padding_idx: int | None,
+    dy: torch.Tensor,
+) -> None:
+    """A lookup in a transposed parameter (:meth:`UseRules._transposed_lookup`): ``idx`` ``[B, T]`` batch-first,
+    ``dy`` with the examples along ``dim``; each example's ``[d, num_embeddings]`` gradient, materialised."""
+    dy = dy.detach() if dim == 0 else dy.detach().movedim(dim, 0)
+    grad = embedding_exact(idx, dy.reshape(idx.shape[0], idx.shape[1], -1), num_embeddings, padding_idx)
+    hook.add_gradient(generation, grad)
 
 
 def widen_rows(

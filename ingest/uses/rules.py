@@ -33,6 +33,7 @@ from ingest.uses.gradients import (
     grouped_conv_backward,
     grouped_mm_backward,
     hook_backward,
+    lookup_backward,
     matmul_backward,
     meeting_backward,
     normalization_backward,
@@ -290,16 +291,36 @@ class UseRules:
         idx, weight = bound["input"], bound["weight"]
         hook = self._slot(weight, ("embedding",))
         dim = batch_dim(idx)
-        if hook is None or dim is None or dim < 0 or self.sequence_first or bound.get("max_norm") is not None:
+        if dim is None or dim < 0 or self.sequence_first or bound.get("max_norm") is not None:
             return None
         if bound.get("scale_grad_by_freq"):  # scaled by the counts over the whole batch: no per-example split
             return None
+        if hook is None:
+            return self._transposed_lookup(batch, args, kwargs, idx, weight, dim)
         out = F.embedding(*args, **kwargs)
         padding = bound.get("padding_idx")
         hook.padding_idx = None if padding is None else padding % hook.slot.d_in
         layout = None if dim == 0 else (lambda t: t.movedim(dim, 0))
         route, saved = hook._save(idx.detach() if layout is None else layout(idx.detach()), batch.size)
         out.register_hook(functools.partial(hook_backward, hook, batch.generation, route, saved, layout))
+        return out
+
+    def _transposed_lookup(
+        self, batch: ActiveBatch, args: tuple, kwargs: dict, idx: torch.Tensor, weight: torch.Tensor, dim: int
+    ) -> Any:
+        """``F.embedding(idx, P.T)`` with ``P`` a captured ``[d, num_embeddings]`` parameter (peft's LoRA on an
+        embedding looks up ``lora_embedding_A.T``): each example's gradient of ``P`` is the lookup rule's
+        ``[d, num_embeddings]``, ``P``'s own orientation."""
+        param, transposed = self._matrix_parameter(weight)
+        hook = None if param is None or not transposed else self._slot(param, ("parameter",))
+        if hook is None or hook.PER_POSITION or (hook.slot.d_out, hook.slot.d_in) != tuple(param.shape):
+            return None
+        out = F.embedding(*args, **kwargs)
+        padding = bind_arguments(F.embedding, args, kwargs).get("padding_idx")
+        padding = None if padding is None else padding % param.shape[1]
+        rows = (idx.detach() if dim == 0 else idx.detach().movedim(dim, 0)).reshape(batch.size, -1)
+        backward = functools.partial(lookup_backward, hook, batch.generation, rows, dim, param.shape[1], padding)
+        out.register_hook(backward)
         return out
 
     def _convolution(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:

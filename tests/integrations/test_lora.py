@@ -160,15 +160,18 @@ def _summed_token_loss(model, ids: torch.Tensor, virtual: int = 0) -> torch.Tens
     return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1), reduction="sum")
 
 
-@pytest.mark.parametrize("kind", ["prompt-tuning", "dora"])
-def test_prompt_tuning_and_dora_rows_equal_per_example_backwards(kind):
+@pytest.mark.parametrize("kind", ["prompt-tuning", "dora", "lora-embedding"])
+def test_prompt_tuning_dora_and_embedding_lora_rows_equal_per_example_backwards(kind):
     """Prompt tuning runs its prompt embedding on one row and repeats the output over the batch; DoRA runs its
-    adapters on an identity matrix for the weight norm. The capture expanded the one-row output over the batch
-    (prompt tuning's training step then failed: 9 rows for 3 examples). Every forward's rows equal a per-example
-    backward (three forwards: the first probes, the next ones run as capture decided)."""
+    adapters on an identity matrix for the weight norm; LoRA on an embedding looks up ``lora_embedding_A.T``. The
+    capture expanded the one-row output over the batch (prompt tuning's training step then failed: 9 rows for 3
+    examples) and reported the embedding's ``lora_embedding_A`` not captured. Every forward's rows equal a
+    per-example backward (three forwards: the first probes, the next ones run as capture decided)."""
     torch.manual_seed(0)
     if kind == "prompt-tuning":
         config, virtual = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3), 3
+    elif kind == "lora-embedding":
+        config, virtual = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["wte"], init_lora_weights=False), 0
     else:
         config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], use_dora=True, fan_in_fan_out=True)
         virtual = 0
