@@ -160,7 +160,7 @@ def _result_dim(
     elif name in REORDERS:  # rot90, mT, as_strided...: where the dim goes is not followed
         new = -1
     elif name == "__getitem__" and len(args) >= 2:
-        new = _indexed_dim(args[1], dim, n)
+        new = 0 if _picks_per_example(args[1], dim, size) else _indexed_dim(args[1], dim, n)
     elif name in REDUCTIONS and out.dim() < n:
         new = _reduced_dim(args[1] if len(args) > 1 else (kwargs or {}).get("dim"), dim, n)
     elif func in ELEMENTWISE:  # broadcasting: aligned from the right
@@ -208,6 +208,19 @@ def _moved_dim(source: Any, destination: Any, dim: int, n: int) -> int:
         return targets[sources.index(dim)]
     free = [d for d in range(n) if d not in targets]
     return free[[d for d in range(n) if d not in sources].index(dim)]
+
+
+def _picks_per_example(index: Any, dim: int, size: int) -> bool:
+    """Whether ``t[index]`` is ``t[arange(B), positions, ...]`` with the examples along dim 0: one entry per
+    example, in order (CLIP's pooled token ``hidden[arange(B), ids.argmax(-1)]``), so the result's dim 0 is theirs."""
+    if dim != 0 or not isinstance(index, tuple) or len(index) < 2:
+        return False
+    first = index[0]
+    if not isinstance(first, torch.Tensor) or first.dim() != 1 or first.numel() != size or first.is_floating_point():
+        return False
+    if not all(i.dim() <= 1 and i.numel() in (1, size) for i in index[1:] if isinstance(i, torch.Tensor)):
+        return False
+    return bool(torch.equal(first, torch.arange(size, device=first.device)))
 
 
 def _indexed_dim(index: Any, dim: int, n: int) -> int:

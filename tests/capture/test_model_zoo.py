@@ -77,6 +77,7 @@ WHOLE = [
     "tied-autoencoder",
     "casts-and-tables",
     "prompt-prefix",
+    "pooled-token",
 ]
 
 

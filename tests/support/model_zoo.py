@@ -960,6 +960,27 @@ def prompt_prefix() -> ZooCase:
     return ZooCase("prompt-prefix", PromptPrefix().train(), batch, _classify, note=note)
 
 
+class PooledToken(nn.Module):
+    """CLIP's text pooling: the hidden state of each example's own token picked by ``h[arange(B), ids.argmax(-1)]``,
+    then a bias-free projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.fc = nn.Linear(8, 8)
+        self.projection = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(self.embed(x)))
+        return self.projection(h[torch.arange(h.shape[0]), x.argmax(-1)])
+
+
+def pooled_token() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randint(0, 10, (4, 4), generator=_gen(43)), "y": torch.randint(0, 3, (4,), generator=_gen(44))}
+    return ZooCase("pooled-token", PooledToken().train(), batch, _classify, note="h[arange(B), positions] (CLIP)")
+
+
 #: Every model of the zoo by name (the pytest ids).
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
@@ -993,4 +1014,5 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "tied-autoencoder": tied_autoencoder,
     "casts-and-tables": casts_and_tables,
     "prompt-prefix": prompt_prefix,
+    "pooled-token": pooled_token,
 }
