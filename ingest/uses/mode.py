@@ -113,6 +113,8 @@ class ParameterUses(UseRules, TorchFunctionMode):
         if func is torch.Tensor.__getitem__ and args and self._is_stacked(args[0]):
             return self._slice(args)
         operands = list(tensors_in(args)) + list(tensors_in(kwargs.values()))
+        if getattr(func, "__name__", "") in ("type_as", "to") and args and batch_dim(args[0]) is None:
+            operands = operands[:1]  # w.type_as(x), w.to(x): x gives a dtype and device, not a use of w with x
         first = batch_operand(operands)
         batched = first is not None
         if not batched and func in (torch.Tensor.expand, torch.Tensor.expand_as) and hasattr(args[0], BROADCAST_HOOK):

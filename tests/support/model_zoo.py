@@ -906,10 +906,18 @@ class ManualLinear(nn.Linear):
         return x @ self.weight.T + self.bias
 
 
+class CastLinear(nn.Linear):
+    """``F.linear(x, W.type_as(x), b.type_as(x))``: casts that take the batch only for its dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.type_as(x), self.bias.type_as(x))
+
+
 class CastsAndTables(nn.Module):
     """A Linear subclass with its own matmul and bias add, a scale cast to the activations' dtype (a no-op cast
-    returns the parameter itself), and a position table projected by a stock Linear on a batch-1 input and divided
-    in place (DeBERTa's and Longformer's pattern), added to the batch."""
+    returns the parameter itself), a head casting its weights ``type_as`` the batch, and a position table projected
+    by a stock Linear on a batch-1 input and divided in place (DeBERTa's and Longformer's pattern), added to the
+    batch."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -917,7 +925,7 @@ class CastsAndTables(nn.Module):
         self.scale = nn.Parameter(torch.rand(8) + 0.5)
         self.table = nn.Parameter(torch.randn(5, 8))
         self.proj = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 3)
+        self.head = CastLinear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x) * self.scale.to(x.dtype)
