@@ -220,9 +220,7 @@ class UseRules:
             out_layout = layout if rows is None else widen_rows(rows[1], rows[2], hook.slot.d_out, layout)
             out.register_hook(functools.partial(hook_backward, hook, batch.generation, route, saved, out_layout))
         if apart is not None:
-            bias_hook, start, stop = apart
-            widen = widen_rows(start, stop, bias_hook.slot.d_in, layout)
-            out.register_hook(functools.partial(bias_backward, bias_hook, batch.generation, widen))
+            self._hook_bias(out, apart, batch, layout)
         return out
 
     def _matmul(self, batch: ActiveBatch, a: Any, b: Any) -> Any:
@@ -349,14 +347,10 @@ class UseRules:
         times the patches of its output gradient there; a captured bias is each example's ``dy`` summed."""
         bound = bind_arguments(func, args, kwargs)
         x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
-        hook = self._slot(weight, ("parameter",))
-        if batch_dim(x) != 0 or self.sequence_first:
+        slots = self._weight_and_bias(weight, bias)
+        if slots is None or batch_dim(x) != 0 or self.sequence_first:
             return None
-        apart = None if bias is None or not self._sources([bias]) else self._bias_slot(bias)
-        if (hook is None and self._sources([weight])) or (apart is None and bias is not None and self._sources([bias])):
-            return None
-        if hook is None and apart is None:
-            return None
+        hook, apart = slots
         out = func(*args, **kwargs)
         if hook is not None:
             geometry = (weight.shape[2:], bound.get("stride", 1), bound.get("padding", 0), bound.get("dilation", 1))
@@ -364,22 +358,31 @@ class UseRules:
             backward = functools.partial(transposed_conv_backward, hook, batch.generation, x.detach(), geometry, groups)
             out.register_hook(backward)
         if apart is not None:
-            bias_hook, start, stop = apart
-            widen = widen_rows(start, stop, bias_hook.slot.d_in, channels_last)
-            out.register_hook(functools.partial(bias_backward, bias_hook, batch.generation, widen))
+            self._hook_bias(out, apart, batch, channels_last)
         return out
+
+    def _weight_and_bias(self, weight: Any, bias: Any) -> tuple[LayerHook | None, tuple | None] | None:
+        """``(the weight's parameter slot, the bias's slot apart)`` of an op taking both, either None where it is
+        not captured; None when a captured one has no slot that rule could fill."""
+        hook = self._slot(weight, ("parameter",))
+        apart = None if bias is None or not self._sources([bias]) else self._bias_slot(bias)
+        if (hook is None and self._sources([weight])) or (apart is None and bias is not None and self._sources([bias])):
+            return None
+        return None if hook is None and apart is None else (hook, apart)
+
+    def _hook_bias(self, out: torch.Tensor, apart: tuple, batch: ActiveBatch, layout: Any = None) -> None:
+        """Each example's gradient of a bias slot apart from its weight's: ``out``'s gradient summed."""
+        bias_hook, start, stop = apart
+        widen = widen_rows(start, stop, bias_hook.slot.d_in, layout)
+        out.register_hook(functools.partial(bias_backward, bias_hook, batch.generation, widen))
 
     def _bilinear(self, batch: ActiveBatch, x1: Any, x2: Any, weight: Any, bias: Any = None) -> Any:
         """``F.bilinear``: each example's weight gradient ``[out, in1 x in2]`` sums ``dy ⊗ (x1 ⊗ x2)`` over its
         positions; a captured bias is each example's ``dy`` summed."""
-        hook = self._slot(weight, ("parameter",))
-        if batch_dim(x1) != 0 or batch_dim(x2) != 0 or self.sequence_first:
+        slots = self._weight_and_bias(weight, bias)
+        if slots is None or batch_dim(x1) != 0 or batch_dim(x2) != 0 or self.sequence_first:
             return None
-        apart = None if bias is None or not self._sources([bias]) else self._bias_slot(bias)
-        if (hook is None and self._sources([weight])) or (apart is None and bias is not None and self._sources([bias])):
-            return None
-        if hook is None and apart is None:
-            return None
+        hook, apart = slots
         out = F.bilinear(x1, x2, weight, bias)
         size = batch.size
         if hook is not None:
@@ -388,9 +391,7 @@ class UseRules:
             backward = functools.partial(rows_backward, hook, batch.generation, pairs.flatten(0, 1), owner)
             out.register_hook(functools.partial(backward, lambda dy: dy.reshape(-1, dy.shape[-1])))
         if apart is not None:
-            bias_hook, start, stop = apart
-            widen = widen_rows(start, stop, bias_hook.slot.d_in)
-            out.register_hook(functools.partial(bias_backward, bias_hook, batch.generation, widen))
+            self._hook_bias(out, apart, batch)
         return out
 
     def _normalization(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
