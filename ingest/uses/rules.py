@@ -426,10 +426,13 @@ class UseRules:
         hooks = {h.index: h for h in self.slots.get(id(param), ()) if h.index is not None}
         if len(hooks) != param.shape[0]:
             return None
-        if tuple(weight.shape) == (param.shape[0], param.shape[2], param.shape[1]) and param.shape[1] != param.shape[2]:
+        if weight.data_ptr() != param.data_ptr():
+            return None  # not a view of the parameter (a copy, a computed weight): no rule
+        swapped = (param.shape[0], param.shape[2], param.shape[1])
+        if tuple(weight.shape) == swapped and weight.stride() == (param.stride(0), param.stride(2), param.stride(1)):
             transposed = True  # W = param^T: a slice's gradient is dy^T x, in the parameter's own layout
-        elif tuple(weight.shape) == tuple(param.shape):
-            transposed = False  # W = param: its gradient is x^T dy
+        elif tuple(weight.shape) == tuple(param.shape) and weight.stride() == param.stride():
+            transposed = False  # W = param: its gradient is x^T dy (told from the strides: square slices too)
         else:
             return None
         out = func(*args, **kwargs)

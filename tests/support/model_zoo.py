@@ -542,14 +542,14 @@ def vit() -> ZooCase:
     return ZooCase("vit", model, {"pixel_values": pixels, "labels": labels}, _hf_loss, "mean", note=note)
 
 
-def _mixtral(name: str, experts: str) -> ZooCase:
+def _mixtral(name: str, experts: str, intermediate: int = 24) -> ZooCase:
     import transformers
 
     torch.manual_seed(0)
     config = transformers.MixtralConfig(
         vocab_size=64,
         hidden_size=16,
-        intermediate_size=24,
+        intermediate_size=intermediate,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
@@ -565,9 +565,17 @@ def _mixtral(name: str, experts: str) -> ZooCase:
     model = transformers.MixtralForCausalLM(config)
     ids = torch.randint(0, 64, (3, 6), generator=_gen(12))
     impl = model.config._experts_implementation
-    case = _causal_case(name, model, ids, note=f"3-D experts (experts_implementation={impl!r}), bare router weight")
+    shape = tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape[1:])
+    note = f"3-D experts {shape} (experts_implementation={impl!r}), bare router weight"
+    case = _causal_case(name, model, ids, note=note)
     case.extra["experts_implementation"] = impl
     return case
+
+
+def mixtral_square() -> ZooCase:
+    """``gate_up_proj`` slices of 2I x H = 16 x 16 (OLMoE's 2,048 = 2 x 1,024): square, so transposed or not is
+    told by strides, not shapes."""
+    return _mixtral("mixtral-square", "grouped_mm", intermediate=8)
 
 
 def mixtral() -> ZooCase:
@@ -1003,6 +1011,7 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "whisper-large-ids": whisper_large_ids,
     "vit": vit,
     "mixtral": mixtral,
+    "mixtral-square": mixtral_square,
     "mixtral-eager": mixtral_eager,
     "mixtral-batched-mm": mixtral_batched,
     "bert": bert,
