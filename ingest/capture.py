@@ -196,6 +196,9 @@ class GradientCapture:
         self._coverage_check_queued = False
         self._next_ids: list[str] | None = None
         self._param_ids = {id(p) for p in model.parameters()}
+        # parameters whose training the coverage accounts for: a later one (unfrozen, added) is reported
+        self._accounted = {id(p) for p in model.parameters() if p.requires_grad}
+        self._accounted |= {id(p) for h in self.layer_hooks for p in (h.parameter, h.bias) if p is not None}
         self._curvature: dict[tuple[str, str], CurvatureStats] = {}  # by (checkpoint, split)
         self._handles: list[Any] = []
         self._delivery: Delivery | None = None
@@ -380,6 +383,7 @@ class GradientCapture:
         mask = find_mask(kwargs, inputs)
         device = inputs.device if inputs is not None else next(self.model.parameters()).device
         self._generation += 1
+        self._account_for_new_parameters()
         self.batch = ActiveBatch(
             generation=self._generation,
             size=size,
@@ -406,11 +410,22 @@ class GradientCapture:
             if any(h.module is module for h, hooked in zip(self.layer_hooks, self._hooked) if hooked):
                 self._uses.enter_module(module, args)  # the model is a hooked layer: its pre-hook came too late
         if self._uses_needed or self._uses_probe:
-            mark_batched(args)
-            mark_batched(kwargs.values())
+            mark_batched(args, size)
+            mark_batched(kwargs.values(), size)
             self._uses.__enter__()
             self._uses_active = True
         return args, kwargs
+
+    def _account_for_new_parameters(self) -> None:
+        """Record the trainable parameters that no layer selection saw (frozen then, or not yet in the model)."""
+        if all(id(p) in self._accounted for p in self.model.parameters() if p.requires_grad):
+            return
+        new = {}
+        for name, p in self.model.named_parameters():
+            if p.requires_grad and id(p) not in self._accounted:
+                self._accounted.add(id(p))
+                new[clean_name(name)] = p.numel()
+        self.coverage.appeared(new, f"captured forward {self._generation}")
 
     def _batch_statistics(self, name: str, module: nn.Module, args: tuple) -> None:
         """Forward pre-hook of a BatchNorm: normalising a captured batch by its own statistics (training mode, or

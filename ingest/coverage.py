@@ -150,6 +150,22 @@ class Coverage:
             if warn:
                 self.check()
 
+    def appeared(self, names: dict[str, int], when: str) -> None:
+        """Parameters ``names`` (name -> numel) became trainable, or joined the model, after the capture chose its
+        layers (``when``): no slot holds them, so they are recorded as not captured and warned about."""
+        known = {p.name for p in self.parameters}
+        reason = (
+            f"trainable from {when}, after the capture chose its layers (unfrozen, or added to the model): start a "
+            "new capture (a new run) after changing which parameters train"
+        )
+        new = [
+            ParameterCoverage(name, numel, False, reason=reason) for name, numel in names.items() if name not in known
+        ]
+        if new:
+            self.parameters.extend(new)
+            self._warned = False
+            self.check()
+
     def mixed(self, module: str, how: str) -> None:
         """Module ``module`` mixes the examples of a batch (``how``: e.g. BatchNorm's batch statistics): every
         row is the example's share of the batch gradient, not the gradient of its own loss alone. Recorded once

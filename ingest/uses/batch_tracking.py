@@ -50,14 +50,16 @@ def tensors_in(values: Iterable[Any]) -> Iterator[torch.Tensor]:
             yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
-def mark_batched(values: Iterable[Any]) -> None:
-    """Mark the tensors among ``values`` (and inside lists, tuples and dicts one level down) as the batch's,
-    examples along dim 0."""
+def mark_batched(values: Iterable[Any], size: int) -> None:
+    """Mark the tensors among ``values`` (and inside lists, tuples and dicts one level down) whose dim 0 has the
+    batch's ``size`` as the batch's, examples along dim 0 (a shared ``[T, d]`` table passed beside the batch is
+    not: where ``T == B`` it cannot be told from a batch tensor by its shape, see docs/capture.md)."""
     for value in values:
         if isinstance(value, dict):
-            mark_batched(value.values())
+            mark_batched(value.values(), size)
         for t in tensors_in([value]):
-            setattr(t, BATCHED, 0)
+            if t.dim() > 0 and t.shape[0] == size:
+                setattr(t, BATCHED, 0)
 
 
 def row_block(piece: torch.Tensor, param: torch.Tensor) -> tuple[int, int] | None:

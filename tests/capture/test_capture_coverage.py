@@ -314,3 +314,26 @@ def test_batch_statistics_that_mix_the_examples_are_recorded_and_warned() -> Non
     model.bn.eval()
     cap, _, caught = _capture(model, x)
     assert caught == [] and not any(p.name.endswith("(mixes examples)") for p in cap.coverage.parameters)
+
+
+def test_parameters_that_start_training_later_are_recorded_and_warned() -> None:
+    """Gradual unfreezing and adapters added mid-run: the layer selection is made when the capture starts, so a
+    layer unfrozen later, or a parameter added to the model later, trained with no slot and no record (coverage
+    said 100%). Each is now recorded as not captured, with when, and warned about."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    model[2].requires_grad_(False)
+    x = torch.randn(5, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with GradientCapture(model, lambda rows: None, CaptureConfig.from_options(projection=None)) as cap:
+            model(x).sum().backward()
+            assert cap.coverage.fraction == 1.0
+            model[2].requires_grad_(True)  # unfrozen after a warm-up
+            model.register_parameter("gate", nn.Parameter(torch.ones(3)))  # added mid-run
+            (model(x) * model.gate).sum().backward()
+    record = {p.name: p for p in cap.coverage.parameters}
+    for name in ("2.weight", "2.bias", "gate"):
+        assert not record[name].captured and "captured forward 2" in record[name].reason, name
+    told = [str(w.message) for w in caught if issubclass(w.category, CoverageWarning)]
+    assert told and "2.weight" in told[-1]

@@ -327,3 +327,30 @@ def test_a_model_that_is_one_hooked_layer_is_exact_on_probing_forwards():
         one = grad(lambda p, xi, yi: F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None]))
         ref = vmap(one, in_dims=(None, 0, 0))(params, x, y)
         torch.testing.assert_close(batch.grads, linear_rows(ref, ""), rtol=1e-5, atol=1e-6)
+
+
+class SharedTable(nn.Module):
+    """``forward(x, table)``: a ``[T, d]`` table shared by the examples, scaled by a bare parameter, added."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(5))
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x + table * self.scale).mean(1))
+
+
+def test_a_tensor_argument_that_is_not_the_batch_is_not_taken_for_it():
+    """Every tensor argument was marked as the batch's, examples along dim 0: a shared ``[T, d]`` table beside the
+    batch made its bare parameter a use no rule splits (with ``T == B``, a silently wrong one). Only arguments
+    whose dim 0 is the batch size are the batch's now (``T == B`` stays ambiguous: docs/capture.md)."""
+    torch.manual_seed(0)
+    model, x, table, y = SharedTable(), torch.randn(3, 4, 5), torch.randn(4, 5), torch.tensor([0, 1, 2])
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    one = grad(lambda p, xi, yi: F.cross_entropy(functional_call(model, p, (xi[None], table)), yi[None]))
+    ref = vmap(one, in_dims=(None, 0, 0))(params, x, y)
+    cap, rows, told = capture(model, lambda: F.cross_entropy(model(x, table), y).backward())
+    assert told == [] and cap.coverage.fraction == 1.0
+    slot = cap.spec.slot("scale")
+    torch.testing.assert_close(rows[0].grads[:, slot.offset : slot.offset + slot.size], ref["scale"])
