@@ -17,6 +17,7 @@ e.g. ``1 / grad_accum_steps``).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -51,11 +52,10 @@ def shifts_labels(model: Any) -> bool:
 
 
 def _hugging_face(model: Any) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    return isinstance(model, PreTrainedModel)
+    """Whether ``model`` is a transformers model (imports nothing: a model of it has imported its modeling_utils,
+    ~50 MB that a capture of another model need not load)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(model, modeling.PreTrainedModel)
 
 
 def example_token_counts(inputs: torch.Tensor | None, mask: torch.Tensor | None, batch_size: int) -> torch.Tensor:
