@@ -137,9 +137,9 @@ class ParameterUses(UseRules, TorchFunctionMode):
             result = self._use(func, args, kwargs, batch, batched, sources)
             if own is not False and isinstance(result, torch.Tensor):
                 setattr(result, TAKEN, True)
-                if single is not None:  # followed as computed from parameters, watched to where it meets the batch
+                hook = next((h for p in sources for h in self.slots.get(id(p), ()) if h.module is single), None)
+                if single is not None and hook is not None:  # followed, watched to where it meets the batch
                     setattr(result, BROADCAST, id(single))
-                    hook = next(h for p in sources for h in self.slots.get(id(p), ()) if h.module is single)
                     setattr(result, BROADCAST_HOOK, (hook, own.detach()))
                     self.broadcasts.setdefault(id(single), True)
                 else:
