@@ -254,6 +254,8 @@ class GradientCapture:
         if delivery is not None and exc_type is None:
             delivery.raise_error()
         self._warn_skips()
+        if exc_type is None:  # after the rows are delivered: coverage="strict" may raise here
+            self._account_for_new_parameters()
 
     # controls ----------------------------------------------------------------------------------
 
@@ -383,7 +385,8 @@ class GradientCapture:
         mask = find_mask(kwargs, inputs)
         device = inputs.device if inputs is not None else next(self.model.parameters()).device
         self._generation += 1
-        self._account_for_new_parameters()
+        if probe_due(self._generation):  # and at exit: the run's coverage says so either way, no scan per step
+            self._account_for_new_parameters()
         self.batch = ActiveBatch(
             generation=self._generation,
             size=size,
@@ -417,7 +420,8 @@ class GradientCapture:
         return args, kwargs
 
     def _account_for_new_parameters(self) -> None:
-        """Record the trainable parameters that no layer selection saw (frozen then, or not yet in the model)."""
+        """Record the trainable parameters that no layer selection saw (frozen then, or not yet in the model): on
+        probing forwards (:func:`probe_due`) and when the capture ends, before its coverage is written."""
         if all(id(p) in self._accounted for p in self.model.parameters() if p.requires_grad):
             return
         new = {}

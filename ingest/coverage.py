@@ -155,7 +155,7 @@ class Coverage:
         layers (``when``): no slot holds them, so they are recorded as not captured and warned about."""
         known = {p.name for p in self.parameters}
         reason = (
-            f"trainable from {when}, after the capture chose its layers (unfrozen, or added to the model): start a "
+            f"trainable by {when}, after the capture chose its layers (unfrozen, or added to the model): start a "
             "new capture (a new run) after changing which parameters train"
         )
         new = [

@@ -131,14 +131,14 @@ class ParameterUses(UseRules, TorchFunctionMode):
             owns, single = True, None
         if own is not False and owns is True:
             sources = []  # a hooked module's own op on a batch-first input: its hook captures this use
-        if batched and single is None:
+        if batched and single is None and self.broadcasts:  # only once a one-row output is being watched
             self._learn_broadcasts(func, operands, first)
         if sources:
             result = self._use(func, args, kwargs, batch, batched, sources)
             if own is not False and isinstance(result, torch.Tensor):
                 setattr(result, TAKEN, True)
-                hook = next((h for p in sources for h in self.slots.get(id(p), ()) if h.module is single), None)
-                if single is not None and hook is not None:  # followed, watched to where it meets the batch
+                hook = None if single is None else self._hook_of(single, sources)
+                if hook is not None:  # a one-row output followed, watched to where it meets the batch
                     setattr(result, BROADCAST, id(single))
                     setattr(result, BROADCAST_HOOK, (hook, own.detach()))
                     self.broadcasts.setdefault(id(single), True)
@@ -156,6 +156,10 @@ class ParameterUses(UseRules, TorchFunctionMode):
                 with contextlib.suppress(Exception):
                     setattr(out, BATCHED, -1 if first is not None else None)
         return result
+
+    def _hook_of(self, module: nn.Module, sources: list[torch.Tensor]) -> LayerHook | None:
+        """The hook of ``module``'s slot among ``sources``' slots."""
+        return next((h for p in sources for h in self.slots.get(id(p), ()) if h.module is module), None)
 
     def _learn_broadcasts(self, func: Any, operands: list[torch.Tensor], first: torch.Tensor) -> None:
         """A batch op taking outputs of hooked modules run on one row: safe to expand over the batch when it is a

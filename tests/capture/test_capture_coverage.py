@@ -337,3 +337,22 @@ def test_parameters_that_start_training_later_are_recorded_and_warned() -> None:
         assert not record[name].captured and "captured forward 2" in record[name].reason, name
     told = [str(w.message) for w in caught if issubclass(w.category, CoverageWarning)]
     assert told and "2.weight" in told[-1]
+
+
+def test_a_layer_unfrozen_between_probes_is_recorded_when_the_capture_ends() -> None:
+    """The check runs on probing forwards (1, 2, 4, ...) and when the capture ends, before its coverage is
+    written: a layer unfrozen before forward 3 is recorded by the end."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    model[2].requires_grad_(False)
+    x = torch.randn(5, 4)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with GradientCapture(model, lambda rows: None, CaptureConfig.from_options(projection=None)) as cap:
+            for step in range(3):
+                if step == 2:
+                    model[2].requires_grad_(True)
+                model(x).sum().backward()
+            assert cap.coverage.fraction == 1.0  # forward 3 is no probe
+    record = {p.name: p for p in cap.coverage.parameters}
+    assert not record["2.weight"].captured and "captured forward 3" in record["2.weight"].reason
