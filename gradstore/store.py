@@ -192,7 +192,7 @@ class GradStore:
         the ``backward()`` that produced it (``"raise"``). ``coverage``: every trainable parameter is captured
         (Linear, Conv1D, Embedding and their subclasses, ConvNd, attention projections, bare parameters; at the
         ops that use it where a module hook cannot see every use) or recorded as not captured with why (norm
-        parameters by decision; recurrent weights, uses capture cannot split): ``"warn"``
+        parameters by decision; uses capture cannot split, e.g. packed sequences): ``"warn"``
         once, ``"strict"`` raises ``CaptureUsageError``, ``"ignore"``; each capture's coverage is a row per
         parameter in the ``capture_coverage`` table and in ``store.info()["coverage"]``.
         ``config``: an :class:`ingest.CaptureConfig` built whole (projection, labels, how rows are formed) instead of

@@ -8,6 +8,9 @@ gradient is a ``d_out x d_in`` matrix (see :mod:`ingest.projection`). Kinds:
 * ``attention`` (``nn.MultiheadAttention``'s packed in-projection, named ``<module>.in_proj``);
 * ``norm`` (opt-in, not among the default ``layer_types``): a normalisation layer's scale or shift (``LayerNorm``,
   ``RMSNorm``, a model's ``*Norm`` class), ``[1, D]``;
+* ``recurrent`` (``nn.RNN``/``nn.LSTM``/``nn.GRU`` and their ``*Cell`` modules): ``weight_ih_l<k>`` with
+  ``bias_ih_l<k>`` and ``weight_hh_l<k>`` with ``bias_hh_l<k>`` (``_reverse`` for a bidirectional layer's second
+  direction; a cell's ``weight_ih``/``weight_hh``), each ``[gates x hidden, d_in (+1)]``, named by the weight;
 * ``parameter`` (a bare trainable ``nn.Parameter`` that no layer above owns and that is not a norm's affine
   parameter, e.g. a ViT ``cls_token``, a position table or a router: ``grad.reshape(-1, shape[-1])``; a stacked
   3-D parameter ``[E, d_out, d_in]`` such as transformers-5 MoE experts is ``E`` such layers ``<name>.<e>``).
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from torch import nn
 
 #: Why a trainable parameter is not a layer of its own (see :func:`uncaptured_parameters`).
-REASON_RECURRENT = "recurrent layer weight (RNN/LSTM/GRU are not captured)"
+REASON_RECURRENT = "recurrent layer weight of an LSTM with proj_size (its projection is not captured)"
 REASON_STACKED = "parameter of 4 or more non-trivial dims: not captured"
 
 
@@ -136,6 +139,29 @@ def row_major_info(name: str, module: nn.Module) -> LayerInfo | None:
     return LayerInfo(full, module, "parameter", weight[0].numel(), weight.shape[0], False, weight, None, False)
 
 
+def recurrent_info(name: str, module: nn.Module) -> list[LayerInfo] | None:
+    """The weights of an ``nn.RNN``/``nn.LSTM``/``nn.GRU`` (without LSTM projections) or of a ``*Cell`` module as
+    Linear-like layers ``<name>.weight_ih_l<k>`` (with ``bias_ih_l<k>``) and ``<name>.weight_hh_l<k>``, captured at
+    the fused op (:mod:`ingest.uses.recurrent`); None for other modules."""
+    if isinstance(module, nn.RNNCellBase):
+        suffixes = [""]
+    elif isinstance(module, nn.RNNBase) and not module.proj_size:
+        directions = ("", "_reverse") if module.bidirectional else ("",)
+        suffixes = [f"_l{layer}{d}" for layer in range(module.num_layers) for d in directions]
+    else:
+        return None
+    prefix = f"{name}." if name else ""
+    out = []
+    for suffix in suffixes:
+        for side in ("ih", "hh"):
+            weight = getattr(module, f"weight_{side}{suffix}")
+            bias = getattr(module, f"bias_{side}{suffix}", None) if module.bias else None
+            d_out, d_in = weight.shape
+            full = f"{prefix}weight_{side}{suffix}"
+            out.append(LayerInfo(full, module, "recurrent", d_in, d_out, bias is not None, weight, bias, False))
+    return out
+
+
 def parameter_info(name: str, module: nn.Module, param: nn.Parameter) -> LayerInfo:
     """A bare parameter as a ``[numel / last, last]`` layer captured at its ops."""
     last = param.shape[-1] if param.dim() else 1
@@ -195,7 +221,8 @@ def _candidate_layers(model: nn.Module) -> tuple[list[LayerInfo], dict[int, str]
         info = layer_info(name, module) or attention_info(name, module) or row_major_info(name, module)
         if isinstance(module, nn.MultiheadAttention):
             bypassed.add(id(module.out_proj))
-        if info is not None:
+        found = [info] if info is not None else recurrent_info(name, module) or []
+        for info in found:
             layers.append(info)
             for p in (info.parameter, info.bias if info.weight is not None else getattr(module, "bias", None)):
                 if isinstance(p, nn.Parameter):

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-LAYER_KINDS = ("linear", "conv1d", "embedding", "conv", "attention", "parameter", "norm")
+LAYER_KINDS = ("linear", "conv1d", "embedding", "conv", "attention", "recurrent", "parameter", "norm")
 #: The kinds a capture takes by default: every kind but ``norm`` (norm scales and shifts are opt-in).
 DEFAULT_LAYER_KINDS = LAYER_KINDS[:-1]
 SLOT_MODES = ("exact", "factorized", "dense")

@@ -129,7 +129,16 @@ def resolve_queries(
         resolved = Queries([f"q{i}" for i in range(len(vectors))], vectors)
     elif queries is None or isinstance(queries, str):
         where = "split = 'query'" if queries is None else check_filter(queries)
-        block = store.read_gradients(run, checkpoint=checkpoint, where=where)
+        try:
+            block = store.read_gradients(run, checkpoint=checkpoint, where=where)
+        except (InvalidArgumentError, ValueError) as error:  # Lance's "Invalid user input": a bad filter
+            if queries is None:
+                raise
+            raise InvalidArgumentError(
+                f"the filter {queries!r} did not run ({str(error).split(', /')[0]}); a string of queries is a SQL "
+                "filter on the rows (e.g. \"split = 'query' AND example_id = 'q1'\"): to name query example ids "
+                f"pass a list, queries=[{queries!r}]"
+            ) from error
         resolved = Queries(block.metadata.column("example_id").to_pylist(), block.vectors)
     else:
         wanted = [str(q) for q in queries]

@@ -33,6 +33,7 @@ from ingest.uses.batch_tracking import (
 )
 from ingest.uses.gradients import refuse_recomputation
 from ingest.uses.ops import ELEMENTWISE, op_name
+from ingest.uses.recurrent import SEQUENCES, is_packed
 from ingest.uses.rules import UseOwner, UseRules
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,12 @@ class ParameterUses(UseRules, TorchFunctionMode):
         size: int,
     ) -> None:
         """Mark ``result``: where its examples are (from ``first``, the batch operand), or the parameters behind it."""
-        if first is not None:
+        if first is not None and func in SEQUENCES:  # (output, states...): the states are [layers, B, H]
+            sequence = not is_packed(args) and getattr(first, OWNER, None) is None
+            for i, out in enumerate(tensors_in([result])):
+                setattr(out, BATCHED, (batch_dim(first) if i == 0 else 1) if sequence else -1)
+                setattr(out, OWNER, None)
+        elif first is not None:
             dim, owner = batch_dim(first), getattr(first, OWNER, None)
             for out in tensors_in([result]):  # an in-place op returns (and so marks) its first operand
                 new, new_owner = result_batch(func, args, kwargs, first, dim, owner, out, size)

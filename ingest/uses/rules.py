@@ -4,10 +4,11 @@ slot it feeds, and the output-gradient hook that forms its per-example gradient 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -52,6 +53,14 @@ from ingest.uses.ops import (
     bind_arguments,
     in_place,
     op_name,
+)
+from ingest.uses.recurrent import (
+    CELLS,
+    SEQUENCES,
+    RecurrentCall,
+    read_call,
+    recurrent_backward,
+    separate_outputs,
 )
 
 log = logging.getLogger(__name__)
@@ -147,6 +156,8 @@ class UseRules:
                 result = self._attention_bias(batch, args, kwargs)
             elif func in ELEMENTWISE or func in CONCATENATIONS:
                 result = self._meet(batch, func, args, kwargs)
+            elif func in SEQUENCES or func in CELLS:
+                result = self._recurrent(batch, func, args, kwargs, sources)
             else:
                 result = None
         except Exception as error:  # a rule that does not fit this call: the use is reported, training goes on
@@ -249,6 +260,47 @@ class UseRules:
         rows = rows.flatten(0, 1)
         out.register_hook(functools.partial(matmul_backward, hook, batch.generation, rows, owner, dim, x_first, side))
         return out
+
+    def _recurrent(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict, sources: list[torch.Tensor]) -> Any:
+        """A fused recurrent op (``torch.lstm``/``gru``/``rnn_tanh``/``rnn_relu`` or a ``*_cell``) on the batch
+        with captured ``recurrent`` weights: run as it is; when its outputs' gradients arrive, the layer is
+        recomputed step by step and each weight's rows go to its slot (:mod:`ingest.uses.recurrent`)."""
+        call = read_call(func, args, kwargs)
+        if isinstance(call, RecurrentCall) and (
+            batch_dim(args[0]) != call.examples_dim or getattr(args[0], OWNER, None) is not None
+        ):
+            call = "on an input whose examples are not along its batch dim"
+        slots, covered = [], set()
+        for w_ih, w_hh, b_ih, b_hh in call.weights if isinstance(call, RecurrentCall) else ():
+            pair = []
+            for weight, bias in ((w_ih, b_ih), (w_hh, b_hh)):
+                hook = self._slot(weight, ("recurrent",))
+                covered.update((id(weight), id(bias)) if hook is not None and hook.bias is bias else ())
+                pair.append(hook)
+            slots.append((pair[0], pair[1]))
+        if isinstance(call, RecurrentCall) and any(id(p) not in covered for p in sources):
+            call = "with a captured parameter as its initial state (a learned h0)"
+        if isinstance(call, str):
+            self.owner.uncovered(self._names(sources), f"{op_name(func).rpartition('.')[2]} {call}")
+            return func(*args, **kwargs)
+        outputs, result = separate_outputs(func(*args, **kwargs))
+        needed = [i for i, out in enumerate(outputs) if out.requires_grad]
+        if needed:
+            saved = dataclasses.replace(
+                call,
+                input=call.input.detach(),
+                states=tuple(t.detach() for t in call.states),
+                weights=[tuple(None if w is None else w.detach() for w in ws) for ws in call.weights],
+            )
+
+            def arrived(grads: Sequence[torch.Tensor | None]) -> None:
+                full: list[torch.Tensor | None] = [None] * len(outputs)
+                for i, g in zip(needed, grads):
+                    full[i] = g
+                recurrent_backward(saved, slots, batch.generation, full)
+
+            torch.autograd.graph.register_multi_grad_hook([outputs[i] for i in needed], arrived, mode="all")
+        return result
 
     def _matrix_parameter(self, matrix: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
         """``(P, transposed)``: the captured 2-D parameter ``matrix`` is, or is the transpose of, else None."""

@@ -78,6 +78,8 @@ WHOLE = [
     "casts-and-tables",
     "prompt-prefix",
     "pooled-token",
+    "recurrent",
+    "recurrent-cells",
 ]
 
 

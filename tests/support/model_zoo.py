@@ -13,7 +13,8 @@ that a reference is right before it judges capture).
 :func:`reference_slot` builds a capture slot's row matrix from the slot's kind and name alone (row layout of
 ``docs/capture.md``): ``linear`` ``[W | b]``, ``conv1d`` ``[W^T | b]``, ``embedding`` ``W^T``, ``conv``
 ``[W.reshape(C_out, -1) | b]``, ``attention`` (``<mha>.in_proj``) ``[in_proj_weight | in_proj_bias]``,
-``parameter`` ``grad.reshape(-1, shape[-1])`` (a stacked 3-D parameter's slice ``<name>.<e>``: ``grad[e]``).
+``parameter`` ``grad.reshape(-1, shape[-1])`` (a stacked 3-D parameter's slice ``<name>.<e>``: ``grad[e]``),
+``recurrent`` (``<rnn>.weight_ih_l0``) ``[weight_ih_l0 | bias_ih_l0]``.
 """
 
 from __future__ import annotations
@@ -152,6 +153,10 @@ def slot_keys(slot: Any, grads: dict[str, torch.Tensor]) -> list[str]:
     elif slot.kind == "parameter":
         stacked = _stacked(slot.name, grads)
         keys = [stacked[0] if stacked else slot.name]
+    elif slot.kind == "recurrent":  # <rnn>.weight_ih_l0 with <rnn>.bias_ih_l0
+        prefix, _, weight = slot.name.rpartition(".")
+        bias = f"{prefix}.{weight.replace('weight_', 'bias_', 1)}" if prefix else weight.replace("weight_", "bias_", 1)
+        keys = [slot.name] + ([bias] if slot.has_bias else [])
     else:
         keys = [f"{slot.name}.weight"] + ([f"{slot.name}.bias"] if slot.has_bias else [])
     missing = [k for k in keys if k not in grads]
@@ -997,6 +1002,58 @@ def pooled_token() -> ZooCase:
     return ZooCase("pooled-token", PooledToken().train(), batch, _classify, note="h[arange(B), positions] (CLIP)")
 
 
+class RecurrentTagger(nn.Module):
+    """Token embeddings through a two-layer bidirectional ``nn.LSTM`` (batch-first), whose output, final hidden
+    and final cell states all reach the loss, and a sequence-first ``nn.GRU`` (tanh ``nn.RNN`` on top) over them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.lstm = nn.LSTM(4, 3, num_layers=2, bidirectional=True, batch_first=True)
+        self.gru = nn.GRU(6, 3)
+        self.rnn = nn.RNN(3, 3, nonlinearity="relu", bias=False)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, (h, c) = self.lstm(self.embed(x))
+        seq, _ = self.gru(out.transpose(0, 1))
+        top, last = self.rnn(seq)
+        return self.head(top.mean(0) + last[0] + h[-1] + c[-1])
+
+
+def recurrent() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randint(0, 10, (4, 5), generator=_gen(45)), "y": torch.randint(0, 3, (4,), generator=_gen(46))}
+    note = "LSTM (2 layers, bidirectional, output + h_n + c_n used), GRU sequence-first, RNN relu without bias"
+    return ZooCase("recurrent", RecurrentTagger().train(), batch, _classify, note=note)
+
+
+class CellDecoder(nn.Module):
+    """A Python loop over ``nn.LSTMCell`` and ``nn.GRUCell`` steps (a decoder's pattern), states carried along."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTMCell(3, 4)
+        self.gru = nn.GRUCell(4, 4)
+        self.rnn = nn.RNNCell(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = c = g = torch.zeros(x.shape[0], 4)
+        r = None
+        for t in range(x.shape[1]):
+            h, c = self.lstm(x[:, t], (h, c))
+            g = self.gru(h, g)
+            r = self.rnn(g, r)
+        return self.head(r + c)
+
+
+def recurrent_cells() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 3, 3, generator=_gen(47)), "y": torch.randint(0, 3, (4,), generator=_gen(48))}
+    return ZooCase("recurrent-cells", CellDecoder().train(), batch, _classify, note="LSTMCell, GRUCell, RNNCell loop")
+
+
 #: Every model of the zoo by name (the pytest ids).
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
@@ -1032,4 +1089,6 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "casts-and-tables": casts_and_tables,
     "prompt-prefix": prompt_prefix,
     "pooled-token": pooled_token,
+    "recurrent": recurrent,
+    "recurrent-cells": recurrent_cells,
 }

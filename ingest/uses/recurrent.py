@@ -1,0 +1,202 @@
+"""Recurrent layers (``nn.RNN``/``nn.LSTM``/``nn.GRU`` and their ``*Cell`` modules) for the op-level capture
+(:mod:`ingest.uses`): each of their weights is a Linear map applied at every time step, ``W_ih`` to the layer's
+input ``x_t`` and ``W_hh`` to the previous hidden state ``h_{t-1}``, so an example's gradient of ``W_ih`` (with
+``b_ih``) is ``sum_t dgi_t x_t^T`` and of ``W_hh`` (with ``b_hh``) ``sum_t dgh_t h_{t-1}^T``, where ``gi_t`` and
+``gh_t`` are the two products (``[B, gates x hidden]``). torch's fused kernels (``torch.lstm``, ``torch.gru``,
+``torch.rnn_tanh``/``rnn_relu`` and the ``*_cell`` ops) do not expose ``gi_t``, ``gh_t`` or their gradients, so when
+the outputs' gradients arrive the capture recomputes the layer step by step from the inputs it kept (the standard
+equations, in the weights' dtype), backpropagates the outputs' gradients to every ``gi_t``/``gh_t``, and hands
+each weight's rows ``(x_t | h_{t-1}, dgi_t | dgh_t)`` with their examples to its slot (the Linear rule over the
+steps). The training itself runs torch's kernel unchanged: the recomputation only forms the rows (equal to
+per-example autograd to float rounding), at about the layer's forward and backward cost again.
+
+Not split (reported by the caller as a use no rule covers): packed sequences, an unbatched input, dropout between
+stacked layers in training mode (its masks cannot be drawn again), LSTM projections (``proj_size``) and an input
+whose examples' dim is not the layer's batch dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ingest.hooks import LayerHook
+
+#: The fused sequence ops (``torch.lstm`` is ``torch._VF.lstm``) and the one-step cell ops, by the cell they run.
+SEQUENCES = {torch.lstm: "lstm", torch.gru: "gru", torch.rnn_tanh: "rnn_tanh", torch.rnn_relu: "rnn_relu"}
+CELLS = {
+    torch.lstm_cell: "lstm",
+    torch.gru_cell: "gru",
+    torch.rnn_tanh_cell: "rnn_tanh",
+    torch.rnn_relu_cell: "rnn_relu",
+}
+
+
+@dataclass
+class RecurrentCall:
+    """One call of a recurrent op, read from its arguments: the cell, the input (time-major ``[T, B, d]``), the
+    initial states (``[layers x directions, B, H]``; LSTM: ``(h0, c0)``), each layer-direction's weights
+    ``(w_ih, w_hh, b_ih, b_hh)`` (biases None without), and where the input's examples are."""
+
+    cell: str
+    input: torch.Tensor
+    states: tuple[torch.Tensor, ...]
+    weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+    layers: int
+    directions: int
+    examples_dim: int  # of the input as the op received it
+    single_step: bool  # a *_cell op: one step of one layer, states [B, H]
+
+
+def read_call(func: Any, args: tuple, kwargs: dict) -> RecurrentCall | str:
+    """The call's parts, or why its rows cannot be recomputed (packed sequence, unbatched input, dropout between
+    layers in training mode, LSTM projections, keyword arguments)."""
+    if kwargs:
+        return "called with keyword arguments"
+    if func in CELLS:
+        return _read_cell(CELLS[func], args)
+    if is_packed(args):
+        return "on a packed sequence"
+    if len(args) != 9:
+        return "with arguments of an unknown layout"
+    x, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return "on an unbatched input"
+    if dropout and train and layers > 1:
+        return "with dropout between its layers in training mode (its masks cannot be drawn again)"
+    cell = SEQUENCES[func]
+    directions = 2 if bidirectional else 1
+    per = 4 if has_biases else 2
+    if len(params) != layers * directions * per:
+        return "with projections (proj_size)"
+    states = tuple(hx) if isinstance(hx, (list, tuple)) else (hx,)
+    weights = []
+    for k in range(layers * directions):
+        w = params[k * per : (k + 1) * per]
+        weights.append((w[0], w[1], w[2] if has_biases else None, w[3] if has_biases else None))
+    time_major = x.transpose(0, 1) if batch_first else x
+    return RecurrentCall(cell, time_major, states, weights, layers, directions, 0 if batch_first else 1, False)
+
+
+def is_packed(args: tuple) -> bool:
+    """Whether a sequence op's arguments are a packed sequence's ``(data, batch_sizes, hx, params, ...)``."""
+    return len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].dim() == 1
+
+
+def _read_cell(cell: str, args: tuple) -> RecurrentCall | str:
+    if len(args) not in (4, 6) or not isinstance(args[0], torch.Tensor) or args[0].dim() != 2:
+        return "on an unbatched input"
+    x, hx, w_ih, w_hh = args[:4]
+    b_ih, b_hh = args[4:6] if len(args) == 6 else (None, None)
+    states = tuple(s[None] for s in (hx if isinstance(hx, (list, tuple)) else (hx,)))
+    return RecurrentCall(cell, x[None], states, [(w_ih, w_hh, b_ih, b_hh)], 1, 1, 0, True)
+
+
+def separate_outputs(result: Any) -> tuple[list[torch.Tensor], Any]:
+    """The op's outputs in :func:`recompute`'s order (the output sequence, not for a cell, then each state), each
+    a view of its own, and the op's result rebuilt from them. Inside the op a final state can feed another output
+    (an LSTM cell's ``h = o tanh(c)`` reads the ``c`` it returns), so the gradient arriving at the op's own ``c``
+    would hold ``h``'s share too; the views take only what the model does with each."""
+    if isinstance(result, torch.Tensor):
+        out = result.view_as(result)
+        return [out], out
+    outputs = [t.view_as(t) for t in result]
+    return outputs, tuple(outputs)
+
+
+@dataclass
+class LayerRows:
+    """What one layer-direction's weights saw at each step: the inputs ``x_t`` and previous states ``h_{t-1}``
+    (``[T, B, d]`` each) and the products ``gi`` (``[T, B, G]``) and ``gh_t`` (``T`` of ``[B, G]``)."""
+
+    inputs: torch.Tensor
+    previous: list[torch.Tensor]
+    gi: torch.Tensor
+    gh: list[torch.Tensor]
+
+
+def _step(cell: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None) -> tuple:
+    """One step of torch's cell equations from its two products."""
+    if cell == "lstm":
+        i, f, g, o = (gi + gh).chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+    if cell == "gru":
+        ir, iz, i_n = gi.chunk(3, 1)
+        hr, hz, h_n = gh.chunk(3, 1)
+        r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+        n = torch.tanh(i_n + r * h_n)
+        return (1 - z) * n + z * h, None
+    pre = gi + gh
+    return (torch.tanh(pre) if cell == "rnn_tanh" else torch.relu(pre)), None
+
+
+def recompute(call: RecurrentCall) -> tuple[list[torch.Tensor], list[LayerRows]]:
+    """The layer run again step by step (under autograd from each ``gi``): its outputs in :func:`outputs_of`'s
+    order and each layer-direction's :class:`LayerRows`."""
+    steps = call.input.shape[0]
+    inputs = call.input
+    last_h, last_c, rows = [], [], []
+    for layer in range(call.layers):
+        outputs = []
+        for direction in range(call.directions):
+            k = layer * call.directions + direction
+            w_ih, w_hh, b_ih, b_hh = call.weights[k]
+            gi = F.linear(inputs, w_ih, b_ih)
+            if not gi.requires_grad:
+                gi.requires_grad_()
+            h = call.states[0][k]
+            c = call.states[1][k] if call.cell == "lstm" else None
+            ys: list[Any] = [None] * steps
+            previous: list[Any] = [None] * steps
+            gh: list[Any] = [None] * steps
+            for t in range(steps) if direction == 0 else reversed(range(steps)):
+                previous[t] = h
+                gh[t] = F.linear(h, w_hh, b_hh)
+                if not gh[t].requires_grad:  # from the initial state, which the recomputation starts from
+                    gh[t].requires_grad_()
+                h, c = _step(call.cell, gi[t], gh[t], h, c)
+                ys[t] = h
+            outputs.append(torch.stack(ys))
+            last_h.append(h)
+            last_c.append(c)
+            rows.append(LayerRows(inputs, previous, gi, gh))
+        inputs = torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
+    if call.single_step:
+        return ([last_h[0], last_c[0]] if call.cell == "lstm" else [last_h[0]]), rows
+    states = [torch.stack(last_h)] + ([torch.stack(last_c)] if call.cell == "lstm" else [])
+    out = inputs.transpose(0, 1) if call.examples_dim == 0 else inputs
+    return [out, *states], rows
+
+
+def recurrent_backward(
+    call: RecurrentCall,
+    slots: Sequence[tuple[LayerHook | None, LayerHook | None]],
+    generation: int,
+    grads: Sequence[torch.Tensor | None],
+) -> None:
+    """The outputs' gradients arrived (``grads``, None for an output that got none): recompute the layer,
+    backpropagate them to every step's products and add each weight's rows to its slot (``slots``: the ``(ih,
+    hh)`` hooks of each layer-direction, None where that weight is not captured)."""
+    with torch.enable_grad():
+        outputs, rows = recompute(call)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+        wanted = [t for r in rows for t in (r.gi, *r.gh)]
+        found = torch.autograd.grad([o for o, _ in pairs], wanted, [g.to(o.dtype) for o, g in pairs], allow_unused=True)
+    steps, size = call.input.shape[0], call.input.shape[1]
+    owner = torch.arange(size, device=call.input.device).repeat(steps)
+    at = 0
+    for r, (ih, hh) in zip(rows, slots):
+        dgi, dgh = found[at], found[at + 1 : at + 1 + steps]
+        at += 1 + steps
+        if ih is not None:
+            dy = dgi if dgi is not None else torch.zeros_like(r.gi)
+            ih.add_rows(generation, r.inputs.detach().flatten(0, 1), dy.flatten(0, 1), owner, bias=ih.bias is not None)
+        if hh is not None:
+            dy = torch.stack([d if d is not None else torch.zeros_like(g) for d, g in zip(dgh, r.gh)])
+            previous = torch.stack([p.detach() for p in r.previous])
+            hh.add_rows(generation, previous.flatten(0, 1), dy.flatten(0, 1), owner, bias=hh.bias is not None)

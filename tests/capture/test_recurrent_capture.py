@@ -1,0 +1,123 @@
+"""Recurrent layers captured at their fused ops (:mod:`ingest.uses.recurrent`): exact where the layer can be
+recomputed step by step (the model zoo's ``recurrent`` and ``recurrent-cells`` cases check the rows), reported
+where it cannot (packed sequences, dropout between stacked layers in training, a learned initial state), never
+silently wrong."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import gradstore
+from ingest.capture import CaptureConfig, GradientCapture
+from ingest.coverage import CoverageWarning
+
+LSTM_WEIGHTS = {f"lstm.{w}_l{k}" for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh") for k in (0, 1)}
+
+
+class Tagger(nn.Module):
+    def __init__(self, dropout: float = 0.0, packed: bool = False, learned_state: bool = False) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4, num_layers=2, dropout=dropout, batch_first=True)
+        self.head = nn.Linear(4, 2)
+        self.packed = packed
+        self.h0 = nn.Parameter(torch.randn(2, 1, 4)) if learned_state else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            lengths = torch.arange(x.shape[1], x.shape[1] - x.shape[0], -1).clamp(min=1)
+            _, (h, _) = self.lstm(pack_padded_sequence(x, lengths, batch_first=True))
+            return self.head(h[-1])
+        state = None
+        if self.h0 is not None:
+            h0 = self.h0.expand(-1, x.shape[0], -1).contiguous()
+            state = (h0, torch.zeros_like(h0))
+        return self.head(self.lstm(x, state)[0][:, -1])
+
+
+def _per_example(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each example's own gradient (the example alone through an ordinary backward)."""
+    names = [n for n, _ in model.named_parameters()]
+    per = []
+    for i in range(x.shape[0]):
+        loss = nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
+        per.append(torch.autograd.grad(loss, list(model.parameters())))
+    return {n: torch.stack([g[j] for g in per]) for j, n in enumerate(names)}
+
+
+def _capture(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[GradientCapture, torch.Tensor | None, list]:
+    rows: list = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with GradientCapture(model, rows.append, CaptureConfig.from_options(projection=None)) as cap:
+            nn.functional.cross_entropy(model(x), y).backward()
+    return cap, rows[0].grads if rows else None, [w for w in caught if issubclass(w.category, CoverageWarning)]
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(4, 6, 3), torch.tensor([0, 1, 1, 0])
+
+
+@pytest.mark.parametrize(
+    ("options", "why"),
+    [
+        ({"dropout": 0.5}, "with dropout between its layers"),
+        ({"packed": True}, "on a packed sequence"),
+        ({"learned_state": True}, "with a captured parameter as its initial state"),
+    ],
+    ids=["dropout-between-layers", "packed-sequence", "learned-initial-state"],
+)
+def test_a_recurrent_layer_it_cannot_recompute_is_reported_and_left_zero(options, why) -> None:
+    x, y = _batch()
+    cap, rows, caught = _capture(Tagger(**options).train(), x, y)
+    gaps = {p.name: str(p.reason) for p in cap.coverage.gaps()}
+    assert set(gaps) >= LSTM_WEIGHTS and all(gaps[n].startswith(f"used by lstm {why}") for n in LSTM_WEIGHTS), gaps
+    assert caught and all("lstm.weight_ih_l0" in str(w.message) for w in caught)
+    if rows is None:  # packed: the head's input (the final states in sorted order) is not tracked either
+        assert cap.coverage.fraction == 0.0
+        return
+    for name in ("lstm.weight_ih_l0", "lstm.weight_hh_l1"):
+        s = cap.spec.slot(name)
+        assert torch.count_nonzero(rows[:, s.offset : s.offset + s.size]) == 0  # nothing half-captured
+    head = cap.spec.slot("head")
+    assert torch.count_nonzero(rows[:, head.offset : head.offset + head.size]) > 0
+
+
+def test_dropout_between_layers_in_eval_mode_is_exact() -> None:
+    """The inter-layer dropout only runs in training mode: in eval mode the layer is recomputed exactly."""
+    x, y = _batch()
+    model = Tagger(dropout=0.5).eval()
+    reference = _per_example(model, x, y)
+    cap, rows, caught = _capture(model, x, y)
+    assert not caught and cap.coverage.fraction == 1.0
+    for k in (0, 1):
+        for side in ("ih", "hh"):
+            s = cap.spec.slot(f"lstm.weight_{side}_l{k}")
+            block = rows[:, s.offset : s.offset + s.size].reshape(4, s.d_out, s.d_in + 1)
+            expected = torch.cat([reference[s.name], reference[f"lstm.bias_{side}_l{k}"][..., None]], dim=-1)
+            torch.testing.assert_close(block, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_an_lstm_run_is_stored_and_attributed(tmp_path) -> None:
+    """Through the store with the default (factorized) projection: every row stored, a training example is its
+    own best match."""
+    x, y = _batch()
+    model = Tagger().train()
+    store = gradstore.open(tmp_path / "store")
+    with store.capture(model, run="lstm") as cap:
+        cap.set_ids([f"ex{i}" for i in range(4)])
+        nn.functional.cross_entropy(model(x), y).backward()
+    with store.capture(model, run="lstm", split="query") as queries:
+        queries.set_ids([f"q{i}" for i in range(4)])
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert cap.coverage.fraction == 1.0
+    assert store.info()["coverage"]["lstm"]["not_captured"] == []
+    top = store.attribute(["q2"], run="lstm", k=1, method="grad-dot").to_pandas()
+    assert top.example_id.tolist() == ["ex2"]
+    with pytest.raises(gradstore.GradstoreError, match=r"pass a list, queries=\['q2'\]"):
+        store.attribute("q2", run="lstm", k=1, method="grad-dot")
