@@ -387,10 +387,15 @@ class LayerHook:
             else:
                 if s.has_bias:
                     x = torch.cat([x, x.new_full((x.shape[0], 1), 1.0 if bias else 0.0)], dim=1)
+                x_p, dy_p = x, dy
                 terms = dy.unsqueeze(2) * x.unsqueeze(1)
                 grad = terms.new_zeros(batch.size, *terms.shape[1:]).index_add_(0, owner, terms)
                 block = self.gradient_block(grad)
             self._add_block(batch, block)
+            stats = self.owner.curvature_stats()
+            if stats is not None and s.mode != "dense" and not (s.mode == "exact" and s.kind == "embedding"):
+                scales = batch.scales.to(dy_p.device, dy_p.dtype)[owner]  # every row is a token of its example
+                stats.add(s.name, x_p.unsqueeze(1), (dy_p * scales.unsqueeze(1)).unsqueeze(1), None)
         self.owner.gradient_arrived(batch)
 
     def gradient_block(self, grad: torch.Tensor) -> torch.Tensor:

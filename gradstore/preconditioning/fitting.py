@@ -304,6 +304,16 @@ class FitCache:
             factors = {name: (a, s) for name, (a, s, _) in curvature.items()}
             counts = {tokens for _, _, tokens in curvature.values()}  # the captured tokens, one count for every layer
             count = counts.pop() if len(counts) == 1 else None
+            missing = [name for name, *_ in layout if name not in factors]
+            if missing:  # layers whose per-example gradients capture formed whole (a parameter meeting the batch)
+                warnings.warn(
+                    f"run {selection.run!r} checkpoint {selection.checkpoint!r}: the captured Kronecker factors "
+                    f"leave out layers {missing[:5]}{' ...' if len(missing) > 5 else ''} (captured whole per example, "
+                    "with no input/output-gradient structure): every layer's factors are estimated from the rows "
+                    "instead",
+                    stacklevel=2,
+                )
+                factors, count, source = None, None, "rows"
         if selection.split == TRUE_FISHER_SPLIT and source == "train":
             uses = (
                 "ekfac uses their eigenbasis (the empirical Fisher's) with eigenvalues refitted on the true-Fisher rows"

@@ -342,3 +342,40 @@ def test_cosine_is_exact_for_rows_of_extreme_norms(tmp_path, storage_dtype):
     reference = (q / np.linalg.norm(q, axis=1, keepdims=True)) @ unit.T
     order = [int(e[1:]) for e in matrix.example_ids]
     np.testing.assert_allclose(matrix.scores, reference[:, order], atol=1e-6)
+
+
+class ClsTokenHead(nn.Module):
+    """A bare ``cls`` parameter concatenated to the batch (its rows are formed whole per example: no Kronecker
+    factors) and a Linear head (factors recorded by the capture)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, 3))
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1).mean(1))
+
+
+def test_kfac_with_factors_for_some_layers_estimates_them_all_from_the_rows(tmp_path) -> None:
+    """Captured factors that leave a layer out (it failed with a KeyError): warned, and the fit is the one the rows
+    give (the same scores as a run captured without curvature)."""
+    torch.manual_seed(0)
+    model, x, y = ClsTokenHead(), torch.randn(8, 4, 3), torch.randint(0, 2, (8,))
+    results = {}
+    for curvature in (True, False):
+        store = gradstore.open(tmp_path / f"store-{curvature}")
+        with store.capture(model, run="r", curvature=curvature) as cap:
+            cap.set_ids([f"e{i}" for i in range(8)])
+            nn.functional.cross_entropy(model(x), y).backward()
+        with store.capture(model, run="r", split="query") as cap:
+            cap.set_ids(["q"])
+            nn.functional.cross_entropy(model(x[:1]), y[:1]).backward()
+        model.zero_grad()
+        if curvature:
+            with pytest.warns(UserWarning, match=r"leave out layers \['cls'\].*estimated from the rows"):
+                results[curvature] = store.attribute(["q"], run="r", k=8, method="kfac", write=False)
+        else:
+            results[curvature] = store.attribute(["q"], run="r", k=8, method="kfac", write=False)
+    got, expected = (results[c].to_pandas().set_index("example_id").score for c in (True, False))
+    pd.testing.assert_series_equal(got.sort_index(), expected.sort_index(), rtol=1e-5)

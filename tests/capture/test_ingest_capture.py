@@ -234,3 +234,32 @@ def test_grad_scaler_scale_is_undone():
             (scaler.scale(loss) if use_scaler else loss).backward()
         rows.append(out[0].grads)
     assert torch.allclose(rows[0], rows[1], rtol=1e-6)
+
+
+class BareProduct(nn.Module):
+    """The weight of ``nn.Linear(5, 4, bias=False)`` as a bare parameter in ``x @ P.T`` (captured at the op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.P = nn.Parameter(torch.randn(4, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.P.T
+
+
+def test_curvature_of_uses_taken_at_their_ops_matches_explicit_second_moments():
+    """Uses whose rows the op-level capture forms (a matrix product here; MoE experts, recurrent weights) keep
+    Kronecker factors too, each row one token of its example (they were missing: K-FAC failed with a KeyError)."""
+    torch.manual_seed(0)
+    model, x = BareProduct(), torch.randn(3, 6, 5)
+    cfg = CaptureConfig.from_options(k_in=3, k_out=2, curvature=True, loss_reduction="sum", seed=2)
+    with GradientCapture(model, lambda batch: None, cfg) as cap:
+        y = model(x)
+        dy = torch.randn_like(y)
+        (y * dy).sum().backward()
+    a_cov, s_cov, count = cap.curvature()["P"]
+    a = x.reshape(-1, 5).double() @ projection_matrix(2, "P", "in", 3, 5).double().T
+    s = dy.reshape(-1, 4).double() @ projection_matrix(2, "P", "out", 2, 4).double().T
+    assert count == 18
+    np.testing.assert_allclose(a_cov, (a.T @ a / 18).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(s_cov, (s.T @ s / 18).numpy(), rtol=1e-6)
