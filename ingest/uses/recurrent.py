@@ -139,7 +139,8 @@ def recompute(call: RecurrentCall) -> tuple[list[torch.Tensor], list[LayerRows]]
     """The layer run again step by step (under autograd from each ``gi``): its outputs in :func:`outputs_of`'s
     order and each layer-direction's :class:`LayerRows`."""
     steps = call.input.shape[0]
-    inputs = call.input
+    dtype = call.weights[0][0].dtype  # the weights' (an autocast region may have run the op in another)
+    inputs = call.input.to(dtype)
     last_h, last_c, rows = [], [], []
     for layer in range(call.layers):
         outputs = []
@@ -149,8 +150,8 @@ def recompute(call: RecurrentCall) -> tuple[list[torch.Tensor], list[LayerRows]]
             gi = F.linear(inputs, w_ih, b_ih)
             if not gi.requires_grad:
                 gi.requires_grad_()
-            h = call.states[0][k]
-            c = call.states[1][k] if call.cell == "lstm" else None
+            h = call.states[0][k].to(dtype)
+            c = call.states[1][k].to(dtype) if call.cell == "lstm" else None
             ys: list[Any] = [None] * steps
             previous: list[Any] = [None] * steps
             gh: list[Any] = [None] * steps
@@ -182,11 +183,20 @@ def recurrent_backward(
     """The outputs' gradients arrived (``grads``, None for an output that got none): recompute the layer,
     backpropagate them to every step's products and add each weight's rows to its slot (``slots``: the ``(ih,
     hh)`` hooks of each layer-direction, None where that weight is not captured)."""
-    with torch.enable_grad():
-        outputs, rows = recompute(call)
-        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
-        wanted = [t for r in rows for t in (r.gi, *r.gh)]
-        found = torch.autograd.grad([o for o, _ in pairs], wanted, [g.to(o.dtype) for o, g in pairs], allow_unused=True)
+    live = [h for pair in slots for h in pair if h is not None and h.live_batch(generation) is not None]
+    if not live:
+        return  # a gradient that adds no rows (reported by live_batch where it should have)
+    try:
+        with torch.enable_grad():
+            outputs, rows = recompute(call)
+            pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+            wanted = [t for r in rows for t in (r.gi, *r.gh)]
+            cotangents = [g.to(o.dtype) for o, g in pairs]
+            found = torch.autograd.grad([o for o, _ in pairs], wanted, cotangents, allow_unused=True)
+    except Exception as error:  # never stops the training: the layer's slots miss this step, said so
+        for hook in live:
+            hook.owner.missed(hook, f"{call.cell} recomputed for its rows failed ({type(error).__name__}: {error})")
+        return
     steps, size = call.input.shape[0], call.input.shape[1]
     owner = torch.arange(size, device=call.input.device).repeat(steps)
     at = 0

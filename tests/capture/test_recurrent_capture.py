@@ -121,3 +121,22 @@ def test_an_lstm_run_is_stored_and_attributed(tmp_path) -> None:
     assert top.example_id.tolist() == ["ex2"]
     with pytest.raises(gradstore.GradstoreError, match=r"pass a list, queries=\['q2'\]"):
         store.attribute("q2", run="lstm", k=1, method="grad-dot")
+
+
+def test_a_recomputation_that_fails_never_stops_the_training(monkeypatch) -> None:
+    """Whatever goes wrong recomputing the layer in the backward (a dtype, a device), the step finishes with the
+    ordinary gradients and the layer's slots are reported as missing it."""
+    import ingest.uses.recurrent as recurrent
+
+    def broken(call):
+        raise RuntimeError("no kernel for this dtype")
+
+    monkeypatch.setattr(recurrent, "recompute", broken)
+    x, y = _batch()
+    model = Tagger().train()
+    expected = _per_example(model, x, y)
+    cap, rows, caught = _capture(model, x, y)
+    gaps = {p.name: str(p.reason) for p in cap.coverage.gaps()}
+    assert set(gaps) >= LSTM_WEIGHTS and "recomputed for its rows failed" in gaps["lstm.weight_ih_l0"]
+    assert caught and torch.count_nonzero(rows[:, : cap.spec.slot("head").offset]) == 0
+    torch.testing.assert_close(model.lstm.weight_hh_l1.grad, expected["lstm.weight_hh_l1"].mean(0))
