@@ -278,12 +278,24 @@ class UseRules:
                 covered.update((id(weight), id(bias)) if hook is not None and hook.bias is bias else ())
                 pair.append(hook)
             slots.append((pair[0], pair[1]))
+        replaced: dict[int, torch.Tensor] = {}
+        hx = args[1] if isinstance(call, RecurrentCall) else ()
+        for t in hx if isinstance(hx, (list, tuple)) else (hx,):
+            params = self._sources([t])  # a learned initial state: meets the batch here, like any operand
+            if not params or batch_dim(t) is not None or id(t) in replaced:
+                continue
+            expanded = self._meeting(batch, t, params, None, 0 if call.single_step else 1)
+            if expanded is None:
+                call = "with an initial state computed from parameters"
+                break
+            replaced[id(t)] = expanded
+            covered.update(id(p) for p in params)
         if isinstance(call, RecurrentCall) and any(id(p) not in covered for p in sources):
-            call = "with a captured parameter as its initial state (a learned h0)"
+            call = "with a captured parameter in another role than its weights or initial state"
         if isinstance(call, str):
             self.owner.uncovered(self._names(sources), f"{op_name(func).rpartition('.')[2]} {call}")
             return func(*args, **kwargs)
-        outputs, result = separate_outputs(func(*args, **kwargs))
+        outputs, result = separate_outputs(func(*_swap(args, replaced), **kwargs))
         needed = [i for i, out in enumerate(outputs) if out.requires_grad]
         if needed:
             saved = dataclasses.replace(
@@ -561,7 +573,6 @@ class UseRules:
         None when an operand's parameters are not all captured or the layout is not one this rule handles."""
         if in_place(func) and args and batch_dim(args[0]) is None:
             return None  # the parameter-only operand is the one written to
-        size = batch.size
         if func in CONCATENATIONS:
             tensors = args[0] if args else kwargs["tensors"]
             at = _examples_dim(tensors)
@@ -581,25 +592,36 @@ class UseRules:
             params = self._sources([t])
             if not params or batch_dim(t) is not None or id(t) in replaced:
                 continue
-            targets = [
-                self._slot(p, ("embedding", "parameter", "norm", "linear", "attention", "conv", "conv1d"))
-                for p in params
-            ]
-            if any(h is None for h in targets) or (at and targets[0].PER_POSITION):
-                return None
-            expanded = _expand(t, shape, size, at)
+            expanded = self._meeting(batch, t, params, shape, at)
             if expanded is None:
                 return None
-            direct = getattr(t, BROADCAST_HOOK, None)
-            if direct is not None and at == 0 and shape is not None and t.dim() == len(shape):
-                hook, x = direct  # a hooked module's one-row output broadcast here: its hook's own route
-                route, saved = hook._save(x.expand(size, *x.shape[1:]), size)
-                expanded.register_hook(functools.partial(hook._backward, batch.generation, route, saved))
-            else:
-                meeting = functools.partial(meeting_backward, t, params, targets, batch.generation, at)
-                expanded.register_hook(meeting)
             replaced[id(t)] = expanded
         return func(*_swap(args, replaced), **{k: _swap_one(v, replaced) for k, v in kwargs.items()})
+
+    def _meeting(
+        self, batch: ActiveBatch, t: torch.Tensor, params: list[torch.Tensor], shape: torch.Size | None, at: int
+    ) -> torch.Tensor | None:
+        """The parameter-only operand ``t`` (of captured ``params``) expanded over the batch along ``at`` (to
+        ``shape``; None: ``t`` already spans the batch there) and hooked, so each example's gradient of it gives
+        theirs (:func:`~ingest.uses.gradients.meeting_backward`); None where a parameter has no slot for it."""
+        if not t.requires_grad:
+            return t  # computed from parameters without a gradient (torch.zeros_like(param)): nothing to split
+        targets = [
+            self._slot(p, ("embedding", "parameter", "norm", "linear", "attention", "conv", "conv1d")) for p in params
+        ]
+        if any(h is None for h in targets) or (at and targets[0].PER_POSITION):
+            return None
+        expanded = _expand(t, shape, batch.size, at)
+        if expanded is None:
+            return None
+        direct = getattr(t, BROADCAST_HOOK, None)
+        if direct is not None and at == 0 and shape is not None and t.dim() == len(shape):
+            hook, x = direct  # a hooked module's one-row output broadcast here: its hook's own route
+            route, saved = hook._save(x.expand(batch.size, *x.shape[1:]), batch.size)
+            expanded.register_hook(functools.partial(hook._backward, batch.generation, route, saved))
+        else:
+            expanded.register_hook(functools.partial(meeting_backward, t, params, targets, batch.generation, at))
+        return expanded
 
 
 def _examples_dim(tensors: Iterable[Any]) -> int | None:

@@ -1,7 +1,7 @@
 """Recurrent layers captured at their fused ops (:mod:`ingest.uses.recurrent`): exact where the layer can be
 recomputed step by step (the model zoo's ``recurrent`` and ``recurrent-cells`` cases check the rows), reported
-where it cannot (packed sequences, dropout between stacked layers in training, a learned initial state), never
-silently wrong."""
+where it cannot (packed sequences, dropout between stacked layers in training), never silently wrong; a learned
+initial state meets the batch at the op."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class Tagger(nn.Module):
         self.lstm = nn.LSTM(3, 4, num_layers=2, dropout=dropout, batch_first=True)
         self.head = nn.Linear(4, 2)
         self.packed = packed
-        self.h0 = nn.Parameter(torch.randn(2, 1, 4)) if learned_state else None
+        self.h0 = nn.Parameter(torch.randn(2, 4)) if learned_state else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
@@ -34,7 +34,7 @@ class Tagger(nn.Module):
             return self.head(h[-1])
         state = None
         if self.h0 is not None:
-            h0 = self.h0.expand(-1, x.shape[0], -1).contiguous()
+            h0 = self.h0[:, None].expand(-1, x.shape[0], -1).contiguous()
             state = (h0, torch.zeros_like(h0))
         return self.head(self.lstm(x, state)[0][:, -1])
 
@@ -68,9 +68,8 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     [
         ({"dropout": 0.5}, "with dropout between its layers"),
         ({"packed": True}, "on a packed sequence"),
-        ({"learned_state": True}, "with a captured parameter as its initial state"),
     ],
-    ids=["dropout-between-layers", "packed-sequence", "learned-initial-state"],
+    ids=["dropout-between-layers", "packed-sequence"],
 )
 def test_a_recurrent_layer_it_cannot_recompute_is_reported_and_left_zero(options, why) -> None:
     x, y = _batch()
@@ -140,3 +139,20 @@ def test_a_recomputation_that_fails_never_stops_the_training(monkeypatch) -> Non
     assert set(gaps) >= LSTM_WEIGHTS and "recomputed for its rows failed" in gaps["lstm.weight_ih_l0"]
     assert caught and torch.count_nonzero(rows[:, : cap.spec.slot("head").offset]) == 0
     torch.testing.assert_close(model.lstm.weight_hh_l1.grad, expected["lstm.weight_hh_l1"].mean(0))
+
+
+def test_a_learned_initial_state_is_captured_with_the_weights() -> None:
+    """``h0`` a parameter expanded over the batch: it meets the batch at the recurrent op, and each example's
+    gradient of it is that example's initial-state gradient (from the op's own backward); the weights are exact."""
+    x, y = _batch()
+    model = Tagger(learned_state=True).train()
+    reference = _per_example(model, x, y)
+    cap, rows, caught = _capture(model, x, y)
+    assert not caught and cap.coverage.fraction == 1.0
+    h0 = cap.spec.slot("h0")
+    torch.testing.assert_close(
+        rows[:, h0.offset : h0.offset + h0.size], reference["h0"].reshape(4, -1), rtol=1e-4, atol=1e-6
+    )
+    s = cap.spec.slot("lstm.weight_hh_l0")
+    block = rows[:, s.offset : s.offset + s.size].reshape(4, s.d_out, s.d_in + 1)
+    torch.testing.assert_close(block[..., :-1], reference["lstm.weight_hh_l0"], rtol=1e-4, atol=1e-6)
