@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from torch import nn
 
 #: Why a trainable parameter is not a layer of its own (see :func:`uncaptured_parameters`).
-REASON_RECURRENT = "recurrent layer weight of an LSTM with proj_size (its projection is not captured)"
 REASON_STACKED = "parameter of 4 or more non-trivial dims: not captured"
 
 
@@ -140,12 +139,13 @@ def row_major_info(name: str, module: nn.Module) -> LayerInfo | None:
 
 
 def recurrent_info(name: str, module: nn.Module) -> list[LayerInfo] | None:
-    """The weights of an ``nn.RNN``/``nn.LSTM``/``nn.GRU`` (without LSTM projections) or of a ``*Cell`` module as
-    Linear-like layers ``<name>.weight_ih_l<k>`` (with ``bias_ih_l<k>``) and ``<name>.weight_hh_l<k>``, captured at
-    the fused op (:mod:`ingest.uses.recurrent`); None for other modules."""
+    """The weights of an ``nn.RNN``/``nn.LSTM``/``nn.GRU`` or of a ``*Cell`` module as Linear-like layers
+    ``<name>.weight_ih_l<k>`` (with ``bias_ih_l<k>``), ``<name>.weight_hh_l<k>`` (with ``bias_hh_l<k>``) and an
+    LSTM's projection ``<name>.weight_hr_l<k>``, captured at the fused op (:mod:`ingest.uses.recurrent`); None for
+    other modules."""
     if isinstance(module, nn.RNNCellBase):
         suffixes = [""]
-    elif isinstance(module, nn.RNNBase) and not module.proj_size:
+    elif isinstance(module, nn.RNNBase):
         directions = ("", "_reverse") if module.bidirectional else ("",)
         suffixes = [f"_l{layer}{d}" for layer in range(module.num_layers) for d in directions]
     else:
@@ -153,7 +153,7 @@ def recurrent_info(name: str, module: nn.Module) -> list[LayerInfo] | None:
     prefix = f"{name}." if name else ""
     out = []
     for suffix in suffixes:
-        for side in ("ih", "hh"):
+        for side in ("ih", "hh", "hr") if getattr(module, "proj_size", 0) else ("ih", "hh"):
             weight = getattr(module, f"weight_{side}{suffix}")
             bias = getattr(module, f"bias_{side}{suffix}", None) if module.bias else None
             d_out, d_in = weight.shape
@@ -231,9 +231,7 @@ def _candidate_layers(model: nn.Module) -> tuple[list[LayerInfo], dict[int, str]
             if id(param) in reasons or is_flat(param):
                 continue
             full = f"{name}.{pname}" if name else pname
-            if isinstance(module, nn.RNNBase):
-                reasons[id(param)] = REASON_RECURRENT
-            elif is_norm(module):  # a scale or shift: the opt-in kind "norm"
+            if is_norm(module):  # a scale or shift: the opt-in kind "norm"
                 layers.append(dataclasses.replace(parameter_info(full, module, param), kind="norm"))
                 reasons[id(param)] = ""
             elif param.dim() == 3 and param.shape[0] > 1:  # stacked matrices (MoE experts): a slot per slice

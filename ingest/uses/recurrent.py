@@ -40,12 +40,13 @@ CELLS = {
 class RecurrentCall:
     """One call of a recurrent op, read from its arguments: the cell, the input (time-major ``[T, B, d]``), the
     initial states (``[layers x directions, B, H]``; LSTM: ``(h0, c0)``), each layer-direction's weights
-    ``(w_ih, w_hh, b_ih, b_hh)`` (biases None without), and where the input's examples are."""
+    ``(w_ih, w_hh, b_ih, b_hh, w_hr)`` (biases None without, ``w_hr`` an LSTM's projection, None without), and
+    where the input's examples are."""
 
     cell: str
     input: torch.Tensor
     states: tuple[torch.Tensor, ...]
-    weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+    weights: list[tuple[torch.Tensor | None, ...]]
     layers: int
     directions: int
     examples_dim: int  # of the input as the op received it
@@ -54,7 +55,7 @@ class RecurrentCall:
 
 def read_call(func: Any, args: tuple, kwargs: dict) -> RecurrentCall | str:
     """The call's parts, or why its rows cannot be recomputed (packed sequence, unbatched input, dropout between
-    layers in training mode, LSTM projections, keyword arguments)."""
+    layers in training mode, keyword arguments)."""
     if kwargs:
         return "called with keyword arguments"
     if func in CELLS:
@@ -71,13 +72,16 @@ def read_call(func: Any, args: tuple, kwargs: dict) -> RecurrentCall | str:
     cell = SEQUENCES[func]
     directions = 2 if bidirectional else 1
     per = 4 if has_biases else 2
-    if len(params) != layers * directions * per:
-        return "with projections (proj_size)"
+    if len(params) == layers * directions * (per + 1) and cell == "lstm":
+        per += 1  # weight_hr: an LSTM's projection of its hidden state (proj_size)
+    elif len(params) != layers * directions * per:
+        return "with weights of an unknown layout"
     states = tuple(hx) if isinstance(hx, (list, tuple)) else (hx,)
     weights = []
     for k in range(layers * directions):
         w = params[k * per : (k + 1) * per]
-        weights.append((w[0], w[1], w[2] if has_biases else None, w[3] if has_biases else None))
+        biases = (w[2], w[3]) if has_biases else (None, None)
+        weights.append((w[0], w[1], *biases, w[-1] if per in (3, 5) else None))
     time_major = x.transpose(0, 1) if batch_first else x
     return RecurrentCall(cell, time_major, states, weights, layers, directions, 0 if batch_first else 1, False)
 
@@ -93,7 +97,7 @@ def _read_cell(cell: str, args: tuple) -> RecurrentCall | str:
     x, hx, w_ih, w_hh = args[:4]
     b_ih, b_hh = args[4:6] if len(args) == 6 else (None, None)
     states = tuple(s[None] for s in (hx if isinstance(hx, (list, tuple)) else (hx,)))
-    return RecurrentCall(cell, x[None], states, [(w_ih, w_hh, b_ih, b_hh)], 1, 1, 0, True)
+    return RecurrentCall(cell, x[None], states, [(w_ih, w_hh, b_ih, b_hh, None)], 1, 1, 0, True)
 
 
 def separate_outputs(result: Any) -> tuple[list[torch.Tensor], Any]:
@@ -111,12 +115,15 @@ def separate_outputs(result: Any) -> tuple[list[torch.Tensor], Any]:
 @dataclass
 class LayerRows:
     """What one layer-direction's weights saw at each step: the inputs ``x_t`` and previous states ``h_{t-1}``
-    (``[T, B, d]`` each) and the products ``gi`` (``[T, B, G]``) and ``gh_t`` (``T`` of ``[B, G]``)."""
+    (``[T, B, d]`` each) and the products ``gi`` (``[T, B, G]``) and ``gh_t`` (``T`` of ``[B, G]``); with an
+    LSTM projection, the states before it (``o * tanh(c_t)``) and after (``h_t = W_hr (o * tanh(c_t))``)."""
 
     inputs: torch.Tensor
     previous: list[torch.Tensor]
     gi: torch.Tensor
     gh: list[torch.Tensor]
+    unprojected: list[torch.Tensor]
+    projected: list[torch.Tensor]
 
 
 def _step(cell: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None) -> tuple:
@@ -146,7 +153,7 @@ def recompute(call: RecurrentCall) -> tuple[list[torch.Tensor], list[LayerRows]]
         outputs = []
         for direction in range(call.directions):
             k = layer * call.directions + direction
-            w_ih, w_hh, b_ih, b_hh = call.weights[k]
+            w_ih, w_hh, b_ih, b_hh, w_hr = call.weights[k]
             gi = F.linear(inputs, w_ih, b_ih)
             if not gi.requires_grad:
                 gi.requires_grad_()
@@ -155,17 +162,22 @@ def recompute(call: RecurrentCall) -> tuple[list[torch.Tensor], list[LayerRows]]
             ys: list[Any] = [None] * steps
             previous: list[Any] = [None] * steps
             gh: list[Any] = [None] * steps
+            unprojected: list[Any] = [None] * steps if w_hr is not None else []
+            projected: list[Any] = [None] * steps if w_hr is not None else []
             for t in range(steps) if direction == 0 else reversed(range(steps)):
                 previous[t] = h
                 gh[t] = F.linear(h, w_hh, b_hh)
                 if not gh[t].requires_grad:  # from the initial state, which the recomputation starts from
                     gh[t].requires_grad_()
                 h, c = _step(call.cell, gi[t], gh[t], h, c)
+                if w_hr is not None:
+                    unprojected[t] = h
+                    h = projected[t] = F.linear(h, w_hr)
                 ys[t] = h
             outputs.append(torch.stack(ys))
             last_h.append(h)
             last_c.append(c)
-            rows.append(LayerRows(inputs, previous, gi, gh))
+            rows.append(LayerRows(inputs, previous, gi, gh, unprojected, projected))
         inputs = torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
     if call.single_step:
         return ([last_h[0], last_c[0]] if call.cell == "lstm" else [last_h[0]]), rows
@@ -176,13 +188,13 @@ def recompute(call: RecurrentCall) -> tuple[list[torch.Tensor], list[LayerRows]]
 
 def recurrent_backward(
     call: RecurrentCall,
-    slots: Sequence[tuple[LayerHook | None, LayerHook | None]],
+    slots: Sequence[tuple[LayerHook | None, LayerHook | None, LayerHook | None]],
     generation: int,
     grads: Sequence[torch.Tensor | None],
 ) -> None:
     """The outputs' gradients arrived (``grads``, None for an output that got none): recompute the layer,
     backpropagate them to every step's products and add each weight's rows to its slot (``slots``: the ``(ih,
-    hh)`` hooks of each layer-direction, None where that weight is not captured)."""
+    hh, hr)`` hooks of each layer-direction, None where that weight is not captured or absent)."""
     live = [h for pair in slots for h in pair if h is not None and h.live_batch(generation) is not None]
     if not live:
         return  # a gradient that adds no rows (reported by live_batch where it should have)
@@ -190,7 +202,7 @@ def recurrent_backward(
         with torch.enable_grad():
             outputs, rows = recompute(call)
             pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
-            wanted = [t for r in rows for t in (r.gi, *r.gh)]
+            wanted = [t for r in rows for t in (r.gi, *r.gh, *r.projected)]
             cotangents = [g.to(o.dtype) for o, g in pairs]
             found = torch.autograd.grad([o for o, _ in pairs], wanted, cotangents, allow_unused=True)
     except Exception as error:  # never stops the training: the layer's slots miss this step, said so
@@ -200,9 +212,10 @@ def recurrent_backward(
     steps, size = call.input.shape[0], call.input.shape[1]
     owner = torch.arange(size, device=call.input.device).repeat(steps)
     at = 0
-    for r, (ih, hh) in zip(rows, slots):
+    for r, (ih, hh, hr) in zip(rows, slots):
         dgi, dgh = found[at], found[at + 1 : at + 1 + steps]
-        at += 1 + steps
+        dhr = found[at + 1 + steps : at + 1 + steps + len(r.projected)]
+        at += 1 + steps + len(r.projected)
         if ih is not None:
             dy = dgi if dgi is not None else torch.zeros_like(r.gi)
             ih.add_rows(generation, r.inputs.detach().flatten(0, 1), dy.flatten(0, 1), owner, bias=ih.bias is not None)
@@ -210,3 +223,7 @@ def recurrent_backward(
             dy = torch.stack([d if d is not None else torch.zeros_like(g) for d, g in zip(dgh, r.gh)])
             previous = torch.stack([p.detach() for p in r.previous])
             hh.add_rows(generation, previous.flatten(0, 1), dy.flatten(0, 1), owner, bias=hh.bias is not None)
+        if hr is not None:
+            dy = torch.stack([d if d is not None else torch.zeros_like(g) for d, g in zip(dhr, r.projected)])
+            unprojected = torch.stack([u.detach() for u in r.unprojected])
+            hr.add_rows(generation, unprojected.flatten(0, 1), dy.flatten(0, 1), owner, bias=False)

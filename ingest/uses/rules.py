@@ -271,13 +271,13 @@ class UseRules:
         ):
             call = "on an input whose examples are not along its batch dim"
         slots, covered = [], set()
-        for w_ih, w_hh, b_ih, b_hh in call.weights if isinstance(call, RecurrentCall) else ():
-            pair = []
-            for weight, bias in ((w_ih, b_ih), (w_hh, b_hh)):
-                hook = self._slot(weight, ("recurrent",))
+        for w_ih, w_hh, b_ih, b_hh, w_hr in call.weights if isinstance(call, RecurrentCall) else ():
+            found = []
+            for weight, bias in ((w_ih, b_ih), (w_hh, b_hh), (w_hr, None)):
+                hook = None if weight is None else self._slot(weight, ("recurrent",))
                 covered.update((id(weight), id(bias)) if hook is not None and hook.bias is bias else ())
-                pair.append(hook)
-            slots.append((pair[0], pair[1]))
+                found.append(hook)
+            slots.append((found[0], found[1], found[2]))
         replaced: dict[int, torch.Tensor] = {}
         hx = args[1] if isinstance(call, RecurrentCall) else ()
         for t in hx if isinstance(hx, (list, tuple)) else (hx,):

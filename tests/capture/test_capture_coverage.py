@@ -33,20 +33,20 @@ class BareEinsum(nn.Module):
         return self.head(torch.einsum("bi,ij->bj", x, self.w))
 
 
-class Recurrent(nn.Module):
-    """An LSTM with projections (``proj_size``): the one recurrent layer capture does not split (a plain
-    RNN/LSTM/GRU is captured exactly: the model zoo's ``recurrent`` cases)."""
+class BareKernel(nn.Module):
+    """A bare 4-D parameter (a kernel the model convolves with itself): not a layer capture splits, known before
+    the first forward (an RNN/LSTM/GRU is captured exactly: the model zoo's ``recurrent`` cases)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lstm = nn.LSTM(4, 4, batch_first=True, proj_size=2)
-        self.head = nn.Linear(2, 3)
+        self.kernel = nn.Parameter(torch.randn(3, 4, 2, 2))
+        self.head = nn.Linear(3, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.lstm(x)[0][:, -1])
+        return self.head(nn.functional.conv2d(x.transpose(1, 2)[..., None], self.kernel, padding=1).mean((2, 3)))
 
 
-GAPS = ["lstm.weight_ih_l0", "lstm.weight_hh_l0", "lstm.bias_ih_l0", "lstm.bias_hh_l0", "lstm.weight_hr_l0"]
+GAPS = ["kernel"]
 
 
 class Normed(nn.Module):
@@ -91,8 +91,8 @@ def test_an_unsplittable_use_is_recorded_and_warned_once() -> None:
 
 
 def test_strict_refuses_at_start_and_at_the_use() -> None:
-    with pytest.raises(CaptureUsageError, match=r"lstm\.weight_ih_l0 \(recurrent"):
-        GradientCapture(Recurrent(), lambda batch: None, CaptureConfig.from_options(coverage="strict"))
+    with pytest.raises(CaptureUsageError, match=r"kernel \(parameter of 4"):
+        GradientCapture(BareKernel(), lambda batch: None, CaptureConfig.from_options(coverage="strict"))
     model = BareEinsum()
     with (
         pytest.raises(CaptureUsageError, match="w \\(used by"),
@@ -102,7 +102,7 @@ def test_strict_refuses_at_start_and_at_the_use() -> None:
 
 
 def test_ignore_records_without_warning_and_norms_are_a_decision() -> None:
-    cap, _, caught = _capture(Recurrent(), torch.randn(3, 5, 4), coverage="ignore")
+    cap, _, caught = _capture(BareKernel(), torch.randn(3, 5, 4), coverage="ignore")
     assert not caught and {p.name for p in cap.coverage.gaps()} == set(GAPS)
     cap, _, caught = _capture(Normed(), torch.randn(3, 4))
     norms = [p for p in cap.coverage.parameters if p.name.startswith("norm.")]
@@ -229,17 +229,17 @@ def test_per_token_rows_of_bare_parameters_sum_to_the_example_rows() -> None:
 
 def test_the_store_keeps_each_runs_coverage(tmp_path) -> None:
     store = gradstore.open(tmp_path / "store")
-    model = Recurrent()
-    with store.capture(model, run="rnn", coverage="ignore") as cap:
+    model = BareKernel()
+    with store.capture(model, run="kernel", coverage="ignore") as cap:
         cap.set_ids(["a", "b"])
         model(torch.randn(2, 5, 4)).sum().backward()
-    coverage = store.info()["coverage"]["rnn"]
+    coverage = store.info()["coverage"]["kernel"]
     assert coverage["not_captured"] == GAPS
-    assert coverage["fraction"] == pytest.approx(9 / (9 + 16 * 4 + 16 * 2 + 16 * 2 + 2 * 4))
+    assert coverage["fraction"] == pytest.approx(12 / (12 + 48))
     table = store.sql("select parameter, captured, how from capture_coverage order by parameter").df()
     assert table.loc[table.parameter == "head.weight", "how"].item() == "hook"
-    with pytest.raises(gradstore.GradstoreError, match="recurrent"):
-        store.capture(model, run="rnn", coverage="strict")
+    with pytest.raises(gradstore.GradstoreError, match="parameter of 4"):
+        store.capture(model, run="kernel", coverage="strict")
     report = gather(store.core)
     assert report.overview["runs"][0]["coverage"]["not_captured"] == coverage["not_captured"]
     printed = subprocess.run(
@@ -248,7 +248,7 @@ def test_the_store_keeps_each_runs_coverage(tmp_path) -> None:
         text=True,
         check=True,
     ).stdout
-    assert "coverage   rnn:" in printed and "lstm.weight_ih_l0" in printed
+    assert "coverage   kernel:" in printed and "kernel" in printed
 
 
 class Checkpointed(nn.Module):

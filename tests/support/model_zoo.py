@@ -1003,28 +1003,29 @@ def pooled_token() -> ZooCase:
 
 
 class RecurrentTagger(nn.Module):
-    """Token embeddings through a two-layer bidirectional ``nn.LSTM`` (batch-first), whose output, final hidden
-    and final cell states all reach the loss, and a sequence-first ``nn.GRU`` (tanh ``nn.RNN`` on top) over them."""
+    """Token embeddings through a two-layer bidirectional ``nn.LSTM`` with projections (batch-first), whose output,
+    final hidden and final cell states all reach the loss, and a sequence-first ``nn.GRU`` (a ReLU ``nn.RNN``
+    without biases on top) over them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(10, 4)
-        self.lstm = nn.LSTM(4, 3, num_layers=2, bidirectional=True, batch_first=True)
-        self.gru = nn.GRU(6, 3)
+        self.lstm = nn.LSTM(4, 3, num_layers=2, bidirectional=True, batch_first=True, proj_size=2)
+        self.gru = nn.GRU(4, 3)
         self.rnn = nn.RNN(3, 3, nonlinearity="relu", bias=False)
-        self.head = nn.Linear(3, 3)
+        self.head = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, (h, c) = self.lstm(self.embed(x))
         seq, _ = self.gru(out.transpose(0, 1))
         top, last = self.rnn(seq)
-        return self.head(top.mean(0) + last[0] + h[-1] + c[-1])
+        return self.head(torch.cat([top.mean(0) + last[0], h[-1], c[-1]], dim=-1))
 
 
 def recurrent() -> ZooCase:
     torch.manual_seed(0)
     batch = {"x": torch.randint(0, 10, (4, 5), generator=_gen(45)), "y": torch.randint(0, 3, (4,), generator=_gen(46))}
-    note = "LSTM (2 layers, bidirectional, output + h_n + c_n used), GRU sequence-first, RNN relu without bias"
+    note = "LSTM (2 layers, bidirectional, proj_size; output, h_n, c_n used), GRU sequence-first, RNN relu, no bias"
     return ZooCase("recurrent", RecurrentTagger().train(), batch, _classify, note=note)
 
 
