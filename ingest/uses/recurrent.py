@@ -10,9 +10,10 @@ each weight's rows ``(x_t | h_{t-1}, dgi_t | dgh_t)`` with their examples to its
 steps). The training itself runs torch's kernel unchanged: the recomputation only forms the rows (equal to
 per-example autograd to float rounding), at about the layer's forward and backward cost again.
 
-Not split (reported by the caller as a use no rule covers): packed sequences, an unbatched input, dropout between
-stacked layers in training mode (its masks cannot be drawn again), LSTM projections (``proj_size``) and an input
-whose examples' dim is not the layer's batch dim.
+An LSTM's projection ``W_hr`` (``proj_size``) is a third Linear map, of each step's ``o * tanh(c_t)``. Not split
+(reported by the caller as a use no rule covers): packed sequences, an unbatched input, dropout between stacked
+layers in training mode (its masks cannot be drawn again) and an input whose examples' dim is not the layer's
+batch dim.
 """
 
 from __future__ import annotations
