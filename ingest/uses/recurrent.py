@@ -144,7 +144,7 @@ def _step(cell: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: tor
 
 
 def recompute(call: RecurrentCall) -> tuple[list[torch.Tensor], list[LayerRows]]:
-    """The layer run again step by step (under autograd from each ``gi``): its outputs in :func:`outputs_of`'s
+    """The layer run again step by step (under autograd from each ``gi``): its outputs in :func:`separate_outputs`'s
     order and each layer-direction's :class:`LayerRows`."""
     steps = call.input.shape[0]
     dtype = call.weights[0][0].dtype  # the weights' (an autocast region may have run the op in another)
