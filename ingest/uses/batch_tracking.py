@@ -86,6 +86,46 @@ def batch_operand(operands: list[torch.Tensor]) -> torch.Tensor | None:
     return first if first is not None else next((t for d, t in dims if d is not None), None)
 
 
+#: Ops that move entries along one dim (reorder, gather, scatter, accumulate or normalise along it), by name:
+#: ``(position of the dim argument, its keyword, default)``; ``None`` default: every dim (flattened).
+ALONG_A_DIM = {
+    **{name: (1, "dim", 0) for name in ("index_select", "gather", "index_copy", "index_add", "index_fill")},
+    **{name: (1, "dim", 0) for name in ("scatter", "scatter_add", "scatter_reduce", "index_reduce")},
+    **{name: (1, "dim", -1) for name in ("sort", "argsort", "cumsum", "cumprod", "cummax", "cummin")},
+    **{name: (1, "dim", -1) for name in ("logcumsumexp", "softmax", "log_softmax")},
+    **{name: (2, "dim", -1) for name in ("topk_", "diff")},
+    "normalize": (2, "dim", 1),
+    "take_along_dim": (2, "dim", None),
+    "msort": (None, None, 0),
+    "flipud": (None, None, 0),
+    "fliplr": (None, None, 1),
+}
+
+
+def mixed_dims(func: Any, args: tuple, kwargs: dict, n: int) -> set[int] | None:
+    """The dims of an ``n``-dim operand along which ``func`` moves or combines entries (an example's row taken
+    from, or made of, other rows: ``index_select``, ``gather``, ``flip``, ``roll``, ``sort``, ``cumsum``,
+    ``softmax`` along a dim, ...), every dim when it flattens; None for any other op."""
+    name = getattr(func, "__name__", "").rstrip("_") or ""
+    if name == "topk":
+        name = "topk_"
+    if name in ("flip", "roll"):
+        spelled = (args[2] if len(args) > 2 else kwargs.get("dims")) if name == "roll" else None
+        if name == "flip":
+            spelled = args[1:] if len(args) > 2 else (args[1] if len(args) > 1 else kwargs.get("dims"))
+        if spelled is None:
+            return set(range(n))
+        spelled = spelled if isinstance(spelled, (tuple, list)) else (spelled,)
+        return {int(d) % n for d in spelled} if n else set()
+    if name not in ALONG_A_DIM:
+        return None
+    position, keyword, default = ALONG_A_DIM[name]
+    given = args[position] if position is not None and len(args) > position else kwargs.get(keyword, default)
+    if given is None or not isinstance(given, int) or not n:
+        return set(range(n))
+    return {int(given) % n}
+
+
 def result_batch(
     func: Any,
     args: tuple,
@@ -99,6 +139,9 @@ def result_batch(
     """Where the examples are in ``out``, an output of ``func`` on ``source`` (whose examples' dim is ``dim``, or
     whose dim 0 mixes them as ``owner`` says): ``(dim, owner)``, ``(-1, None)`` when unknown."""
     name = getattr(func, "__name__", "")
+    mixed = mixed_dims(func, args, kwargs, source.dim())
+    if mixed is not None and (0 if owner is not None else dim) in mixed:
+        return -1, None  # an example's entries moved to or combined with other rows: whose they are is not followed
     if owner is None:
         new = _result_dim(func, args, source, dim, out, size, kwargs)
         if new >= 0 or dim != 0 or name not in RESHAPES or out.dim() == 0:

@@ -357,3 +357,40 @@ def test_a_layer_unfrozen_between_probes_is_recorded_when_the_capture_ends() -> 
             assert cap.coverage.fraction == 1.0  # forward 3 is no probe
     record = {p.name: p for p in cap.coverage.parameters}
     assert not record["2.weight"].captured and "captured forward 3" in record["2.weight"].reason
+
+
+class Reordered(nn.Module):
+    """Two Linear layers with the batch reordered or mixed between them (and put back after)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(3, 4), nn.Linear(4, 2), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, perm = torch.tanh(self.a(x)), torch.tensor([2, 0, 3, 1])
+        inverse = torch.argsort(perm)
+        mixed = {
+            "index_select": lambda: h.index_select(0, perm),
+            "gather": lambda: torch.gather(h, 0, perm[:, None].expand(-1, 4)),
+            "flip": lambda: h.flip(0),
+            "roll": lambda: h.roll(1, 0),
+            "sort": lambda: torch.sort(h, dim=0).values,
+            "cumsum": lambda: h.cumsum(0),
+            "softmax": lambda: h.softmax(0),
+        }[self.how]()
+        out = self.b(mixed)
+        return out[inverse] if self.how in ("index_select", "gather") else out
+
+
+@pytest.mark.parametrize("how", ["index_select", "gather", "flip", "roll", "sort", "cumsum", "softmax"])
+def test_a_layer_after_the_batch_is_reordered_or_mixed_is_reported_not_silently_wrong(how) -> None:
+    """Rows along the examples' dim moved or combined (index_select, gather, flip, roll, sort, cumsum, softmax over
+    the batch) no longer count as the examples in order: the next layer's use is a gap (its rows were another
+    example's, with coverage 100%); the layer before keeps its exact rows."""
+    torch.manual_seed(0)
+    cap, rows, caught = _capture(Reordered(how), torch.randn(4, 3))
+    gaps = {p.name for p in cap.coverage.gaps()}
+    assert gaps == {"b.weight", "b.bias"} and len(caught) == 1
+    s = cap.spec.slot("b")
+    assert torch.count_nonzero(rows[0].grads[:, s.offset : s.offset + s.size]) == 0
+    assert torch.count_nonzero(rows[0].grads[:, : s.offset]) > 0
