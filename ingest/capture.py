@@ -484,6 +484,10 @@ class GradientCapture:
         """A use of parameters ``names`` that capture cannot split per example (from :mod:`ingest.uses`)."""
         self.coverage.uncovered(set(names), how)
 
+    def mixed(self, where: str, how: str) -> None:
+        """The forward combines each example with statistics over the batch (from :mod:`ingest.uses`)."""
+        self.coverage.mixed(where, how)
+
     def missed(self, hook: LayerHook, how: str) -> None:
         """``hook``'s slot misses a gradient that reached it (``how``, from :meth:`LayerHook.live_batch`): its
         parameters turn "not captured"; one coverage warning when the running backward ends, however many slots

@@ -34,6 +34,9 @@ BROADCAST = "_gradstore_broadcast"
 #: Attribute set on that output itself: ``(hook, input)``, so where it meets the batch by broadcasting, the hook
 #: captures it as it would have (its input and output expanded over the batch there, not under the model's feet).
 BROADCAST_HOOK = "_gradstore_broadcast_hook"
+#: Attribute set on a tensor computed across the examples (a reduction over them, a softmax or a sort along them):
+#: combined with a batch tensor in an elementwise op it makes each example's output depend on the others.
+POOLED = "_gradstore_pooled"
 #: Attribute set on batch-free tensors computed from captured parameters: the parameters (a tuple).
 SOURCES = "_gradstore_sources"
 #: Attribute set on a block of rows of a captured weight or bias, a view ``param[start:stop]`` (``split``,
@@ -124,6 +127,20 @@ def mixed_dims(func: Any, args: tuple, kwargs: dict, n: int) -> set[int] | None:
     if given is None or not isinstance(given, int) or not n:
         return set(range(n))
     return {int(given) % n}
+
+
+def pools_examples(func: Any, args: tuple, kwargs: dict, dim: int, n: int) -> bool:
+    """Whether ``func`` on an ``n``-dim batch operand with the examples along ``dim`` computes across them (a
+    reduction over that dim, an op that moves or combines entries along it)."""
+    if dim < 0:
+        return False
+    mixed = mixed_dims(func, args, kwargs, n)
+    if mixed is not None:
+        return dim in mixed
+    if getattr(func, "__name__", "") not in REDUCTIONS:
+        return False
+    reduced = args[1] if len(args) > 1 else kwargs.get("dim")
+    return reduced is None or _reduced_dim(reduced, dim, n) == -1 if n else False
 
 
 def result_batch(

@@ -21,12 +21,14 @@ from ingest.uses.batch_tracking import (
     BROADCAST_HOOK,
     GATHER,
     OWNER,
+    POOLED,
     ROWS,
     SLICE,
     SOURCES,
     TAKEN,
     batch_dim,
     batch_operand,
+    pools_examples,
     result_batch,
     row_block,
     tensors_in,
@@ -193,10 +195,24 @@ class ParameterUses(UseRules, TorchFunctionMode):
                 setattr(out, OWNER, None)
         elif first is not None:
             dim, owner = batch_dim(first), getattr(first, OWNER, None)
+            pooled = size > 1 and owner is None and pools_examples(func, args, kwargs, dim, first.dim())
             for out in tensors_in([result]):  # an in-place op returns (and so marks) its first operand
                 new, new_owner = result_batch(func, args, kwargs, first, dim, owner, out, size)
                 setattr(out, BATCHED, new)
                 setattr(out, OWNER, new_owner)
+                if pooled or (new < 0 and getattr(first, POOLED, False)):
+                    setattr(out, POOLED, True)
+            if (
+                func in ELEMENTWISE
+                and dim >= 0
+                and any(getattr(t, POOLED, False) and t.requires_grad for t in tensors_in([*args, *kwargs.values()]))
+            ):
+                self.owner.mixed(
+                    "statistics over the batch",
+                    f"the forward combines each example with a tensor computed across the examples ({op_name(func)} "
+                    "with a mean or sum over the batch, a softmax along it): each row is the example's share of the "
+                    "batch gradient, not the gradient of its own loss",
+                )
         elif sources:
             single = {getattr(t, BROADCAST) for t in tensors_in([*args, *kwargs.values()]) if hasattr(t, BROADCAST)}
             for out in tensors_in([result]):

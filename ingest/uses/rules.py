@@ -90,6 +90,8 @@ class UseOwner(Protocol):
 
     def uncovered(self, names: Iterable[str], how: str) -> None: ...
 
+    def mixed(self, where: str, how: str) -> None: ...
+
 
 class UseRules:
     """The rule of each captured use, by op (``F.linear``, ``F.embedding``, ``convNd``, the grouped and gathered

@@ -394,3 +394,25 @@ def test_a_layer_after_the_batch_is_reordered_or_mixed_is_reported_not_silently_
     s = cap.spec.slot("b")
     assert torch.count_nonzero(rows[0].grads[:, s.offset : s.offset + s.size]) == 0
     assert torch.count_nonzero(rows[0].grads[:, : s.offset]) > 0
+
+
+class ManualBatchNorm(nn.Module):
+    """A model's own batch normalisation, ``(h - h.mean(0)) / h.std(0)``, between two Linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b((h - h.mean(0, keepdim=True)) / (h.std(0) + 1e-5))
+
+
+def test_statistics_over_the_batch_mixing_the_examples_are_recorded_and_warned() -> None:
+    """Each example combined with the batch's own mean and deviation (a hand-written BatchNorm) couples them, as
+    BatchNorm in training mode does: recorded as an entry "(mixes examples)" and warned (was silent)."""
+    torch.manual_seed(0)
+    cap, rows, caught = _capture(ManualBatchNorm(), torch.randn(4, 3))
+    mixed = [p for p in cap.coverage.gaps() if p.name.endswith("(mixes examples)")]
+    assert len(mixed) == 1 and "statistics over the batch" in mixed[0].name and len(caught) == 1
+    assert all(p.captured for p in cap.coverage.parameters if p.numel)  # every parameter still has its rows
