@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ingest.hooks import TAKEN_MARK
-from ingest.uses.ops import ELEMENTWISE, REDUCTIONS, RESHAPES
+from ingest.uses.ops import ELEMENTWISE, MATMULS, REDUCTIONS, RESHAPES
 
 #: Ops that may move dims while keeping the rank, whose outputs' examples' dim is not followed (unknown).
 REORDERS = frozenset(
@@ -129,6 +129,39 @@ def mixed_dims(func: Any, args: tuple, kwargs: dict, n: int) -> set[int] | None:
     return {int(given) % n}
 
 
+def matmul_dim(args: tuple, source: torch.Tensor, dim: int, out_dims: int) -> int:
+    """Where dim ``dim`` of ``source``, an operand of the matrix product ``args[0] @ args[1]``, lands in its
+    ``out_dims``-dim output (-1: contracted)."""
+    a, b = args[0], args[1]
+    if source is a:
+        if a.dim() == 1 or dim == a.dim() - 1:
+            return -1
+        return dim if b.dim() == 1 else out_dims - (a.dim() - dim)
+    if b.dim() == 1 or dim == b.dim() - 2:
+        return -1
+    return out_dims - (b.dim() - dim)
+
+
+def landings(func: Any, args: tuple, out: torch.Tensor) -> list[int] | None:
+    """Where each batch operand's examples land in ``out`` for a product of operands (``a @ b``, ``einsum``):
+    -1 where they are contracted (summed over) or not known; None for other ops."""
+    if func in MATMULS and len(args) == 2:
+        return [  # an operand from the batch whose examples' dim is unknown: taken as landing apart
+            matmul_dim(args, t, batch_dim(t), out.dim()) if batch_dim(t) >= 0 else -1
+            for t in args[:2]
+            if isinstance(t, torch.Tensor) and batch_dim(t) is not None
+        ]
+    if getattr(func, "__name__", "") == "einsum" and args and isinstance(args[0], str) and "." not in args[0]:
+        operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+        inputs, _, output = args[0].replace(" ", "").partition("->")
+        return [
+            output.find(term[batch_dim(t)]) if batch_dim(t) >= 0 and batch_dim(t) < len(term) else -1
+            for term, t in zip(inputs.split(","), operands)
+            if isinstance(t, torch.Tensor) and batch_dim(t) is not None
+        ]
+    return None
+
+
 def pools_examples(func: Any, args: tuple, kwargs: dict, dim: int, n: int) -> bool:
     """Whether ``func`` on an ``n``-dim batch operand with the examples along ``dim`` computes across them (a
     reduction over that dim, an op that moves or combines entries along it)."""
@@ -217,8 +250,14 @@ def _result_dim(
         new = -1 if moves is None else _moved_dim(moves[0], moves[1], dim, n)
     elif name in ("t", "t_") and n == 2:
         new = 1 - dim
+    elif name == "T" and args and args[0] is source:
+        new = n - 1 - dim
+    elif name == "mT" and args and args[0] is source and n >= 2:
+        new = {n - 1: n - 2, n - 2: n - 1}.get(dim, dim)
     elif name == "einsum":
         new = _einsum_dim(args, source, dim)
+    elif func in MATMULS and len(args) == 2:
+        new = matmul_dim(args, source, dim, out.dim())
     elif name in REORDERS:  # rot90, mT, as_strided...: where the dim goes is not followed
         new = -1
     elif name == "__getitem__" and len(args) >= 2:
@@ -289,7 +328,7 @@ def _indexed_dim(index: Any, dim: int, n: int) -> int:
     """Where dim ``dim`` of an ``n``-dim tensor lands after ``t[index]`` with basic indexing (ints, slices,
     ``None``, ``...``); -1 when ``dim`` itself is indexed by an int or the index holds tensors."""
     index = index if isinstance(index, tuple) else (index,)
-    if any(isinstance(i, torch.Tensor) for i in index):
+    if any(isinstance(i, (torch.Tensor, list)) for i in index):  # advanced indexing: rows picked, reordered
         return -1
     consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
     source, out = 0, 0

@@ -28,6 +28,7 @@ from ingest.uses.batch_tracking import (
     TAKEN,
     batch_dim,
     batch_operand,
+    landings,
     pools_examples,
     result_batch,
     row_block,
@@ -196,19 +197,20 @@ class ParameterUses(UseRules, TorchFunctionMode):
         elif first is not None:
             dim, owner = batch_dim(first), getattr(first, OWNER, None)
             pooled = size > 1 and owner is None and pools_examples(func, args, kwargs, dim, first.dim())
+            crossed = False  # a product of batch operands whose examples land apart (x @ x.T) or are summed over
             for out in tensors_in([result]):  # an in-place op returns (and so marks) its first operand
                 new, new_owner = result_batch(func, args, kwargs, first, dim, owner, out, size)
                 setattr(out, BATCHED, new)
                 setattr(out, OWNER, new_owner)
-                if pooled or (new < 0 and getattr(first, POOLED, False)):
+                lands = landings(func, args, out) if size > 1 and owner is None else None
+                crossed = crossed or bool(lands and (len(set(lands)) > 1 or min(lands) < 0))
+                if pooled or (new < 0 and (getattr(first, POOLED, False) or crossed)):
                     setattr(out, POOLED, True)
-            if (
-                func in ELEMENTWISE
-                and dim >= 0
-                and any(getattr(t, POOLED, False) and t.requires_grad for t in tensors_in([*args, *kwargs.values()]))
-            ):
+            operands = list(tensors_in([*args, *kwargs.values()]))
+            mixing = crossed or any(getattr(t, POOLED, False) and t.requires_grad for t in operands)
+            if mixing and any((batch_dim(t) if batch_dim(t) is not None else -1) >= 0 for t in tensors_in([result])):
                 self.owner.mixed(
-                    "statistics over the batch",
+                    "ops across the examples",
                     f"the forward combines each example with a tensor computed across the examples ({op_name(func)} "
                     "with a mean or sum over the batch, a softmax along it): each row is the example's share of the "
                     "batch gradient, not the gradient of its own loss",

@@ -377,12 +377,13 @@ class Reordered(nn.Module):
             "sort": lambda: torch.sort(h, dim=0).values,
             "cumsum": lambda: h.cumsum(0),
             "softmax": lambda: h.softmax(0),
+            "list-index": lambda: h[[1, 2, 3, 0]],
         }[self.how]()
         out = self.b(mixed)
         return out[inverse] if self.how in ("index_select", "gather") else out
 
 
-@pytest.mark.parametrize("how", ["index_select", "gather", "flip", "roll", "sort", "cumsum", "softmax"])
+@pytest.mark.parametrize("how", ["index_select", "gather", "flip", "roll", "sort", "cumsum", "softmax", "list-index"])
 def test_a_layer_after_the_batch_is_reordered_or_mixed_is_reported_not_silently_wrong(how) -> None:
     """Rows along the examples' dim moved or combined (index_select, gather, flip, roll, sort, cumsum, softmax over
     the batch) no longer count as the examples in order: the next layer's use is a gap (its rows were another
@@ -396,23 +397,33 @@ def test_a_layer_after_the_batch_is_reordered_or_mixed_is_reported_not_silently_
     assert torch.count_nonzero(rows[0].grads[:, : s.offset]) > 0
 
 
-class ManualBatchNorm(nn.Module):
-    """A model's own batch normalisation, ``(h - h.mean(0)) / h.std(0)``, between two Linear layers."""
+class AcrossExamples(nn.Module):
+    """Two Linear layers with the examples combined between them: a hand-written batch norm, ``h @ h.T`` (as an
+    einsum too: the same tensor twice), each example plus the batch reversed."""
 
-    def __init__(self) -> None:
+    def __init__(self, how: str) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.a, self.b, self.how = nn.Linear(3, 5), nn.Linear(5, 2), how
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
-        return self.b((h - h.mean(0, keepdim=True)) / (h.std(0) + 1e-5))
+        mixed = {
+            "batch-norm": lambda: (h - h.mean(0, keepdim=True)) / (h.std(0) + 1e-5),
+            "gram": lambda: h @ h.T,
+            "einsum-gram": lambda: torch.einsum("bi,ci->bc", h, h),
+            "stack-reversed": lambda: torch.stack([h, h.flip(0)], 1).sum(1),
+            "times-gram": lambda: h @ (h.T @ h),
+        }[self.how]()
+        return self.b(mixed)
 
 
-def test_statistics_over_the_batch_mixing_the_examples_are_recorded_and_warned() -> None:
-    """Each example combined with the batch's own mean and deviation (a hand-written BatchNorm) couples them, as
-    BatchNorm in training mode does: recorded as an entry "(mixes examples)" and warned (was silent)."""
+@pytest.mark.parametrize("how", ["batch-norm", "gram", "einsum-gram", "stack-reversed", "times-gram"])
+def test_ops_across_the_examples_are_recorded_and_warned(how) -> None:
+    """Each example combined with the others (the batch's own mean and deviation, a hand-written BatchNorm; a
+    product of examples with each other) couples them, as BatchNorm in training mode does: recorded as an entry
+    "(mixes examples)" and warned (each was silent, the first layer's rows another example's share)."""
     torch.manual_seed(0)
-    cap, rows, caught = _capture(ManualBatchNorm(), torch.randn(4, 3))
+    cap, rows, caught = _capture(AcrossExamples(how), torch.randn(5, 3))
     mixed = [p for p in cap.coverage.gaps() if p.name.endswith("(mixes examples)")]
-    assert len(mixed) == 1 and "statistics over the batch" in mixed[0].name and len(caught) == 1
+    assert len(mixed) == 1 and "ops across the examples" in mixed[0].name and len(caught) == 1
     assert all(p.captured for p in cap.coverage.parameters if p.numel)  # every parameter still has its rows
