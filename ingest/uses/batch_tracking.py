@@ -92,7 +92,7 @@ def batch_operand(operands: list[torch.Tensor]) -> torch.Tensor | None:
 #: Ops that move entries along one dim (reorder, gather, scatter, accumulate or normalise along it), by name:
 #: ``(position of the dim argument, its keyword, default)``; ``None`` default: every dim (flattened).
 ALONG_A_DIM = {
-    **{name: (1, "dim", 0) for name in ("index_select", "gather", "index_copy", "index_add", "index_fill")},
+    **{name: (1, "dim", 0) for name in ("index_select", "gather", "index_copy", "index_add")},
     **{name: (1, "dim", 0) for name in ("scatter", "scatter_add", "scatter_reduce", "index_reduce")},
     **{name: (1, "dim", -1) for name in ("sort", "argsort", "cumsum", "cumprod", "cummax", "cummin")},
     **{name: (1, "dim", -1) for name in ("logcumsumexp", "softmax", "log_softmax")},
