@@ -203,7 +203,8 @@ def recurrent_backward(
         with torch.enable_grad():
             outputs, rows = recompute(call)
             pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
-            wanted = [t for r in rows for t in (r.gi, *r.gh, *r.projected)]
+            separate = call.cell == "gru"  # a GRU's n gate reads r * gh: its gh has a gradient of its own
+            wanted = [t for r in rows for t in (r.gi, *(r.gh if separate else ()), *r.projected)]
             cotangents = [g.to(o.dtype) for o, g in pairs]
             found = torch.autograd.grad([o for o, _ in pairs], wanted, cotangents, allow_unused=True)
     except Exception as error:  # never stops the training: the layer's slots miss this step, said so
@@ -214,9 +215,11 @@ def recurrent_backward(
     owner = torch.arange(size, device=call.input.device).repeat(steps)
     at = 0
     for r, (ih, hh, hr) in zip(rows, slots):
-        dgi, dgh = found[at], found[at + 1 : at + 1 + steps]
-        dhr = found[at + 1 + steps : at + 1 + steps + len(r.projected)]
-        at += 1 + steps + len(r.projected)
+        own = steps if separate else 0  # LSTM, RNN: the gates are gi + gh, so dgh_t is dgi_t
+        dgi = found[at]
+        dgh = found[at + 1 : at + 1 + own] if separate else [None if dgi is None else d for d in dgi.unbind(0)]
+        dhr = found[at + 1 + own : at + 1 + own + len(r.projected)]
+        at += 1 + own + len(r.projected)
         if ih is not None:
             dy = dgi if dgi is not None else torch.zeros_like(r.gi)
             ih.add_rows(generation, r.inputs.detach().flatten(0, 1), dy.flatten(0, 1), owner, bias=ih.bias is not None)
