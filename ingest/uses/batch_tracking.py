@@ -37,6 +37,11 @@ BROADCAST_HOOK = "_gradstore_broadcast_hook"
 #: Attribute set on a tensor computed across the examples (a reduction over them, a softmax or a sort along them):
 #: combined with a batch tensor in an elementwise op it makes each example's output depend on the others.
 POOLED = "_gradstore_pooled"
+#: Attribute set on a batch tensor whose examples lie along one dim in another order (a packed sequence's sorted
+#: order): ``(dim, order)``, position ``j`` holding example ``order[j]``. Its :data:`BATCHED` is -1 (no rule reads
+#: the order); the packing ops follow it (:func:`mark_packing`), and an ``index_select`` restoring the examples'
+#: order makes the dim theirs again.
+ORDER = "_gradstore_order"
 #: Attribute set on batch-free tensors computed from captured parameters: the parameters (a tuple).
 SOURCES = "_gradstore_sources"
 #: Attribute set on a block of rows of a captured weight or bias, a view ``param[start:stop]`` (``split``,
@@ -174,6 +179,55 @@ def pools_examples(func: Any, args: tuple, kwargs: dict, dim: int, n: int) -> bo
         return False
     reduced = args[1] if len(args) > 1 else kwargs.get("dim")
     return reduced is None or _reduced_dim(reduced, dim, n) == -1 if n else False
+
+
+def order_along(t: Any, dim: int, size: int) -> torch.Tensor | None:
+    """The example at each position of ``t``'s dim ``dim``: in order where the examples lie there, the order a
+    reordering recorded (:data:`ORDER`), else None."""
+    if not isinstance(t, torch.Tensor) or t.dim() <= dim:
+        return None
+    if batch_dim(t) == dim and getattr(t, OWNER, None) is None:
+        return torch.arange(size, device=t.device)
+    recorded = getattr(t, ORDER, None)
+    return recorded[1] if recorded is not None and recorded[0] == dim else None
+
+
+def set_order(out: torch.Tensor, dim: int, order: torch.Tensor, size: int) -> None:
+    """Mark ``out``'s dim ``dim`` as holding the examples in ``order`` (theirs again where it is the identity)."""
+    restored = order.numel() == size and torch.equal(order, torch.arange(size, device=order.device))
+    setattr(out, BATCHED, dim if restored else -1)
+    setattr(out, ORDER, None if restored else (dim, order))
+    setattr(out, OWNER, None)
+
+
+def mark_packing(func: Any, args: tuple, kwargs: dict, result: Any, size: int) -> bool:
+    """Follow the examples through a packed sequence's ops (True where this marked ``result``): ``index_select``
+    of the examples by a permutation (the sort by length and its inverse), ``_pack_padded_sequence`` (the example
+    of each row of the packed data: :data:`OWNER`) and ``_pad_packed_sequence`` (back to a dim of examples)."""
+    name = getattr(func, "__name__", "")
+    if name == "index_select" and len(args) >= 3 and not kwargs and isinstance(args[0], torch.Tensor):
+        x, dim, index = args[:3]
+        base = order_along(x, int(dim) % max(x.dim(), 1), size)
+        if base is None or not isinstance(index, torch.Tensor) or index.dim() != 1 or index.numel() != size:
+            return False
+        set_order(result, int(dim) % x.dim(), base[index.to(base.device)], size)
+        return True
+    if name == "_pack_padded_sequence" and len(args) >= 3 and isinstance(result, (tuple, list)):
+        base = order_along(args[0], 0 if args[2] else 1, size)
+        if base is None:
+            return False
+        data, sizes = result[0], result[1]
+        setattr(data, BATCHED, 0)
+        setattr(data, OWNER, torch.cat([base[:n] for n in sizes.tolist()]))
+        return True
+    if name == "_pad_packed_sequence" and len(args) >= 3 and isinstance(result, (tuple, list)):
+        data, sizes = args[0], args[1]
+        owner = getattr(data, OWNER, None)
+        if owner is None or batch_dim(data) != 0:
+            return False
+        set_order(result[0], 0 if args[2] else 1, owner[: int(sizes[0])], size)
+        return True
+    return False
 
 
 def result_batch(

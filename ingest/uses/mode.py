@@ -29,9 +29,11 @@ from ingest.uses.batch_tracking import (
     batch_dim,
     batch_operand,
     landings,
+    mark_packing,
     pools_examples,
     result_batch,
     row_block,
+    set_order,
     tensors_in,
 )
 from ingest.uses.gradients import refuse_recomputation
@@ -189,9 +191,20 @@ class ParameterUses(UseRules, TorchFunctionMode):
         size: int,
     ) -> None:
         """Mark ``result``: where its examples are (from ``first``, the batch operand), or the parameters behind it."""
+        if first is not None and mark_packing(func, args, kwargs, result, size):
+            return
         if first is not None and func in SEQUENCES:  # (output, states...): the states are [layers, B, H]
-            sequence = not is_packed(args) and getattr(first, OWNER, None) is None
+            owner = getattr(first, OWNER, None)
+            packed = is_packed(args) and owner is not None and batch_dim(first) == 0
+            sequence = not is_packed(args) and owner is None
             for i, out in enumerate(tensors_in([result])):
+                if packed and i == 0:  # the packed output's rows are the input's
+                    setattr(out, BATCHED, 0)
+                    setattr(out, OWNER, owner)
+                    continue
+                if packed:  # the final states, in the packed sequence's sorted order
+                    set_order(out, 1, owner[:size], size)
+                    continue
                 setattr(out, BATCHED, (batch_dim(first) if i == 0 else 1) if sequence else -1)
                 setattr(out, OWNER, None)
         elif first is not None:

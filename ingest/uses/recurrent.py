@@ -10,10 +10,12 @@ each weight's rows ``(x_t | h_{t-1}, dgi_t | dgh_t)`` with their examples to its
 steps). The training itself runs torch's kernel unchanged: the recomputation only forms the rows (equal to
 per-example autograd to float rounding), at about the layer's forward and backward cost again.
 
-An LSTM's projection ``W_hr`` (``proj_size``) is a third Linear map, of each step's ``o * tanh(c_t)``. Not split
-(reported by the caller as a use no rule covers): packed sequences, an unbatched input, dropout between stacked
-layers in training mode (its masks cannot be drawn again) and an input whose examples' dim is not the layer's
-batch dim.
+An LSTM's projection ``W_hr`` (``proj_size``) is a third Linear map, of each step's ``o * tanh(c_t)``. A packed
+sequence's step ``t`` runs its first ``B_t`` (longest) sequences; the example of each of its rows is the one the
+packing recorded (:func:`~ingest.uses.batch_tracking.mark_packing`, through the sort by length). Not split
+(reported by the caller as a use no rule covers): an unbatched input, dropout between stacked layers in training
+mode (its masks cannot be drawn again), an input whose examples' dim is not the layer's batch dim, a packed
+sequence packed outside the captured forward or with a learned initial state.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ingest.hooks import LayerHook
+from ingest.uses.batch_tracking import OWNER, batch_dim
 
 #: The fused sequence ops (``torch.lstm`` is ``torch._VF.lstm``) and the one-step cell ops, by the cell they run.
 SEQUENCES = {torch.lstm: "lstm", torch.gru: "gru", torch.rnn_tanh: "rnn_tanh", torch.rnn_relu: "rnn_relu"}
@@ -45,13 +48,36 @@ class RecurrentCall:
     where the input's examples are."""
 
     cell: str
-    input: torch.Tensor
+    input: torch.Tensor  # [T, B, d]; a packed sequence's data [N, d] (rows of step t after those of step t - 1)
     states: tuple[torch.Tensor, ...]
     weights: list[tuple[torch.Tensor | None, ...]]
     layers: int
     directions: int
     examples_dim: int  # of the input as the op received it
     single_step: bool  # a *_cell op: one step of one layer, states [B, H]
+    sizes: list[int] | None = None  # a packed sequence's batch size at each step (its first sequences run)
+    owner: torch.Tensor | None = None  # a packed sequence's example of each row of data
+
+    def steps(self) -> list[tuple[int, int]]:
+        """``(first row, rows)`` of each step in the input's rows (``[T * B, d]`` time-major, or packed)."""
+        if self.sizes is None:
+            size = self.input.shape[1]
+            return [(t * size, size) for t in range(self.input.shape[0])]
+        starts = [0]
+        for n in self.sizes[:-1]:
+            starts.append(starts[-1] + n)
+        return list(zip(starts, self.sizes))
+
+    def rows(self) -> torch.Tensor:
+        """The input's rows ``[N, d]`` in :meth:`steps` order."""
+        return self.input if self.sizes is not None else self.input.flatten(0, 1)
+
+    def row_examples(self) -> torch.Tensor:
+        """The example of each input row."""
+        if self.owner is not None:
+            return self.owner
+        steps, size = self.input.shape[0], self.input.shape[1]
+        return torch.arange(size, device=self.input.device).repeat(steps)
 
 
 def read_call(func: Any, args: tuple, kwargs: dict) -> RecurrentCall | str:
@@ -62,7 +88,7 @@ def read_call(func: Any, args: tuple, kwargs: dict) -> RecurrentCall | str:
     if func in CELLS:
         return _read_cell(CELLS[func], args)
     if is_packed(args):
-        return "on a packed sequence"
+        return _read_packed(SEQUENCES[func], args)
     if len(args) != 9:
         return "with arguments of an unknown layout"
     x, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
@@ -70,21 +96,49 @@ def read_call(func: Any, args: tuple, kwargs: dict) -> RecurrentCall | str:
         return "on an unbatched input"
     if dropout and train and layers > 1:
         return "with dropout between its layers in training mode (its masks cannot be drawn again)"
-    cell = SEQUENCES[func]
-    directions = 2 if bidirectional else 1
-    per = 4 if has_biases else 2
-    if len(params) == layers * directions * (per + 1) and cell == "lstm":
-        per += 1  # weight_hr: an LSTM's projection of its hidden state (proj_size)
-    elif len(params) != layers * directions * per:
-        return "with weights of an unknown layout"
+    weights = _weights(SEQUENCES[func], params, has_biases, layers * (2 if bidirectional else 1))
+    if isinstance(weights, str):
+        return weights
     states = tuple(hx) if isinstance(hx, (list, tuple)) else (hx,)
+    time_major = x.transpose(0, 1) if batch_first else x
+    directions = 2 if bidirectional else 1
+    return RecurrentCall(
+        SEQUENCES[func], time_major, states, weights, layers, directions, 0 if batch_first else 1, False
+    )
+
+
+def _weights(cell: str, params: Any, has_biases: bool, count: int) -> list[tuple[torch.Tensor | None, ...]] | str:
+    """Each layer-direction's ``(w_ih, w_hh, b_ih, b_hh, w_hr)`` from the op's flat list of weights."""
+    per = 4 if has_biases else 2
+    if len(params) == count * (per + 1) and cell == "lstm":
+        per += 1  # weight_hr: an LSTM's projection of its hidden state (proj_size)
+    elif len(params) != count * per:
+        return "with weights of an unknown layout"
     weights = []
-    for k in range(layers * directions):
+    for k in range(count):
         w = params[k * per : (k + 1) * per]
         biases = (w[2], w[3]) if has_biases else (None, None)
         weights.append((w[0], w[1], *biases, w[-1] if per in (3, 5) else None))
-    time_major = x.transpose(0, 1) if batch_first else x
-    return RecurrentCall(cell, time_major, states, weights, layers, directions, 0 if batch_first else 1, False)
+    return weights
+
+
+def _read_packed(cell: str, args: tuple) -> RecurrentCall | str:
+    """A packed sequence's call ``(data, batch_sizes, hx, params, has_biases, layers, dropout, train,
+    bidirectional)``: the examples of the data's rows are the ones the packing recorded (:data:`OWNER`)."""
+    if len(args) != 9:
+        return "on a packed sequence with arguments of an unknown layout"
+    data, sizes, hx, params, has_biases, layers, dropout, train, bidirectional = args
+    owner = getattr(data, OWNER, None)
+    if owner is None or data.dim() != 2 or batch_dim(data) != 0:
+        return "on a packed sequence whose rows' examples are not known (packed outside the captured forward?)"
+    if dropout and train and layers > 1:
+        return "with dropout between its layers in training mode (its masks cannot be drawn again)"
+    weights = _weights(cell, params, has_biases, layers * (2 if bidirectional else 1))
+    if isinstance(weights, str):
+        return weights
+    states = tuple(hx) if isinstance(hx, (list, tuple)) else (hx,)
+    directions = 2 if bidirectional else 1
+    return RecurrentCall(cell, data, states, weights, layers, directions, 0, False, sizes.tolist(), owner)
 
 
 def is_packed(args: tuple) -> bool:
@@ -115,9 +169,10 @@ def separate_outputs(result: Any) -> tuple[list[torch.Tensor], Any]:
 
 @dataclass
 class LayerRows:
-    """What one layer-direction's weights saw at each step: the inputs ``x_t`` and previous states ``h_{t-1}``
-    (``[T, B, d]`` each) and the products ``gi`` (``[T, B, G]``) and ``gh_t`` (``T`` of ``[B, G]``); with an
-    LSTM projection, the states before it (``o * tanh(c_t)``) and after (``h_t = W_hr (o * tanh(c_t))``)."""
+    """What one layer-direction's weights saw at each step: the inputs ``x_t`` (``[N, d]``, the rows of every step)
+    and previous states ``h_{t-1}`` (one ``[B_t, H]`` per step), the products ``gi`` (``[N, G]``) and ``gh_t``
+    (one ``[B_t, G]`` per step); with an LSTM projection, the states before it (``o * tanh(c_t)``) and after
+    (``h_t = W_hr (o * tanh(c_t))``)."""
 
     inputs: torch.Tensor
     previous: list[torch.Tensor]
@@ -145,10 +200,11 @@ def _step(cell: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: tor
 
 def recompute(call: RecurrentCall) -> tuple[list[torch.Tensor], list[LayerRows]]:
     """The layer run again step by step (under autograd from each ``gi``): its outputs in :func:`separate_outputs`'s
-    order and each layer-direction's :class:`LayerRows`."""
-    steps = call.input.shape[0]
+    order and each layer-direction's :class:`LayerRows`. A packed sequence's step ``t`` runs its first ``B_t``
+    sequences; the others keep their state."""
+    steps = call.steps()
     dtype = call.weights[0][0].dtype  # the weights' (an autocast region may have run the op in another)
-    inputs = call.input.to(dtype)
+    inputs = call.rows().to(dtype)
     last_h, last_c, rows = [], [], []
     for layer in range(call.layers):
         outputs = []
@@ -160,22 +216,28 @@ def recompute(call: RecurrentCall) -> tuple[list[torch.Tensor], list[LayerRows]]
                 gi.requires_grad_()
             h = call.states[0][k].to(dtype)
             c = call.states[1][k].to(dtype) if call.cell == "lstm" else None
-            ys: list[Any] = [None] * steps
-            previous: list[Any] = [None] * steps
-            gh: list[Any] = [None] * steps
-            unprojected: list[Any] = [None] * steps if w_hr is not None else []
-            projected: list[Any] = [None] * steps if w_hr is not None else []
-            for t in range(steps) if direction == 0 else reversed(range(steps)):
-                previous[t] = h
-                gh[t] = F.linear(h, w_hh, b_hh)
+            ys: list[Any] = [None] * len(steps)
+            previous: list[Any] = [None] * len(steps)
+            gh: list[Any] = [None] * len(steps)
+            unprojected: list[Any] = [None] * len(steps) if w_hr is not None else []
+            projected: list[Any] = [None] * len(steps) if w_hr is not None else []
+            for t in range(len(steps)) if direction == 0 else reversed(range(len(steps))):
+                start, count = steps[t]
+                previous[t] = h[:count]
+                gh[t] = F.linear(previous[t], w_hh, b_hh)
                 if not gh[t].requires_grad:  # from the initial state, which the recomputation starts from
                     gh[t].requires_grad_()
-                h, c = _step(call.cell, gi[t], gh[t], h, c)
+                new, new_c = _step(
+                    call.cell, gi[start : start + count], gh[t], previous[t], None if c is None else c[:count]
+                )
                 if w_hr is not None:
-                    unprojected[t] = h
-                    h = projected[t] = F.linear(h, w_hr)
-                ys[t] = h
-            outputs.append(torch.stack(ys))
+                    unprojected[t] = new
+                    new = projected[t] = F.linear(new, w_hr)
+                ys[t] = new
+                h = new if count == h.shape[0] else torch.cat([new, h[count:]])
+                if c is not None:
+                    c = new_c if count == c.shape[0] else torch.cat([new_c, c[count:]])
+            outputs.append(torch.cat(ys))
             last_h.append(h)
             last_c.append(c)
             rows.append(LayerRows(inputs, previous, gi, gh, unprojected, projected))
@@ -183,8 +245,10 @@ def recompute(call: RecurrentCall) -> tuple[list[torch.Tensor], list[LayerRows]]
     if call.single_step:
         return ([last_h[0], last_c[0]] if call.cell == "lstm" else [last_h[0]]), rows
     states = [torch.stack(last_h)] + ([torch.stack(last_c)] if call.cell == "lstm" else [])
-    out = inputs.transpose(0, 1) if call.examples_dim == 0 else inputs
-    return [out, *states], rows
+    if call.sizes is not None:
+        return [inputs, *states], rows
+    out = inputs.reshape(call.input.shape[0], call.input.shape[1], -1)
+    return [out.transpose(0, 1) if call.examples_dim == 0 else out, *states], rows
 
 
 def recurrent_backward(
@@ -211,23 +275,22 @@ def recurrent_backward(
         for hook in live:
             hook.owner.missed(hook, f"{call.cell} recomputed for its rows failed ({type(error).__name__}: {error})")
         return
-    steps, size = call.input.shape[0], call.input.shape[1]
-    owner = torch.arange(size, device=call.input.device).repeat(steps)
+    owner = call.row_examples()
+    steps = len(call.steps())
     at = 0
     for r, (ih, hh, hr) in zip(rows, slots):
         own = steps if separate else 0  # LSTM, RNN: the gates are gi + gh, so dgh_t is dgi_t
-        dgi = found[at]
-        dgh = found[at + 1 : at + 1 + own] if separate else [None if dgi is None else d for d in dgi.unbind(0)]
+        dgi = found[at] if found[at] is not None else torch.zeros_like(r.gi)
         dhr = found[at + 1 + own : at + 1 + own + len(r.projected)]
-        at += 1 + own + len(r.projected)
         if ih is not None:
-            dy = dgi if dgi is not None else torch.zeros_like(r.gi)
-            ih.add_rows(generation, r.inputs.detach().flatten(0, 1), dy.flatten(0, 1), owner, bias=ih.bias is not None)
+            ih.add_rows(generation, r.inputs.detach(), dgi, owner, bias=ih.bias is not None)
         if hh is not None:
-            dy = torch.stack([d if d is not None else torch.zeros_like(g) for d, g in zip(dgh, r.gh)])
-            previous = torch.stack([p.detach() for p in r.previous])
-            hh.add_rows(generation, previous.flatten(0, 1), dy.flatten(0, 1), owner, bias=hh.bias is not None)
+            dgh = found[at + 1 : at + 1 + own]
+            dy = torch.cat([d if d is not None else torch.zeros_like(g) for d, g in zip(dgh, r.gh)]) if own else dgi
+            previous = torch.cat([p.detach() for p in r.previous])
+            hh.add_rows(generation, previous, dy, owner, bias=hh.bias is not None)
         if hr is not None:
-            dy = torch.stack([d if d is not None else torch.zeros_like(g) for d, g in zip(dhr, r.projected)])
-            unprojected = torch.stack([u.detach() for u in r.unprojected])
-            hr.add_rows(generation, unprojected.flatten(0, 1), dy.flatten(0, 1), owner, bias=False)
+            dy = torch.cat([d if d is not None else torch.zeros_like(g) for d, g in zip(dhr, r.projected)])
+            unprojected = torch.cat([u.detach() for u in r.unprojected])
+            hr.add_rows(generation, unprojected, dy, owner, bias=False)
+        at += 1 + own + len(r.projected)

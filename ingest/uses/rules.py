@@ -130,6 +130,10 @@ class UseRules:
         batched: bool,
         sources: list[torch.Tensor],
     ) -> Any:
+        if not batched and (func in SEQUENCES or func in CELLS):  # a recurrent layer on no input of the batch's
+            how = "on an input not recognised as the batch's (a sequence packed before the captured forward?)"
+            self.owner.uncovered(self._names(sources), f"{op_name(func).rpartition('.')[2]} {how}")
+            return func(*args, **kwargs)
         if not batched:
             return func(*args, **kwargs)  # parameters among themselves: followed until they meet the batch
         if self.left_out.get(id(args[1] if len(args) > 1 else None)) is func:
@@ -268,8 +272,10 @@ class UseRules:
         with captured ``recurrent`` weights: run as it is; when its outputs' gradients arrive, the layer is
         recomputed step by step and each weight's rows go to its slot (:mod:`ingest.uses.recurrent`)."""
         call = read_call(func, args, kwargs)
-        if isinstance(call, RecurrentCall) and (
-            batch_dim(args[0]) != call.examples_dim or getattr(args[0], OWNER, None) is not None
+        if (
+            isinstance(call, RecurrentCall)
+            and call.sizes is None
+            and (batch_dim(args[0]) != call.examples_dim or getattr(args[0], OWNER, None) is not None)
         ):
             call = "on an input whose examples are not along its batch dim"
         slots, covered = [], set()
@@ -281,11 +287,14 @@ class UseRules:
                 found.append(hook)
             slots.append((found[0], found[1], found[2]))
         replaced: dict[int, torch.Tensor] = {}
-        hx = args[1] if isinstance(call, RecurrentCall) else ()
+        hx = (args[2] if call.sizes is not None else args[1]) if isinstance(call, RecurrentCall) else ()
         for t in hx if isinstance(hx, (list, tuple)) else (hx,):
             params = self._sources([t])  # a learned initial state: meets the batch here, like any operand
             if not params or batch_dim(t) is not None or id(t) in replaced:
                 continue
+            if call.sizes is not None:
+                call = "on a packed sequence with an initial state computed from parameters (in its sorted order)"
+                break
             expanded = self._meeting(batch, t, params, None, 0 if call.single_step else 1)
             if expanded is None:
                 call = "with an initial state computed from parameters"

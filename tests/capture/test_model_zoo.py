@@ -80,6 +80,7 @@ WHOLE = [
     "pooled-token",
     "recurrent",
     "recurrent-cells",
+    "recurrent-packed",
 ]
 
 

@@ -4,7 +4,8 @@ Each builder returns a :class:`ZooCase`: a model in training mode with every dro
 examples (every tensor batch-first), the batch's training loss and the ``loss_reduction`` that capture undoes.
 
 References never go through capture: :func:`per_example_grads` runs ``torch.func.grad`` of each example's own
-loss (the example alone, through ``functional_call``), with one entry per *use site* of a parameter: a key per
+loss (the example alone, through ``functional_call``; an ordinary backward of it where ``extra["reference"]`` is
+``"autograd"``), with one entry per *use site* of a parameter: a key per
 module attribute (``"lm_head.weight"`` and ``"transformer.wte.weight"`` are separate keys of one tied parameter),
 so a tied parameter's gradient is the sum of its keys'. :func:`batch_grads` is the ordinary ``.grad`` of the
 batch loss; ``sum_i weights[i] * per_example[key][i]`` summed over a parameter's keys must equal it (the check
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from ingest.capture import CaptureConfig, GradientCapture
 
@@ -92,6 +94,13 @@ def per_example_grads(case: ZooCase) -> dict[str, torch.Tensor]:
 
         return case.loss(forward, batch)
 
+    if case.extra.get("reference") == "autograd":  # ops torch.func cannot trace (a packed sequence's lengths)
+        sites = {k: p for k, p in sites.items() if p.requires_grad}
+        per = []
+        for i in range(case.batch_size):
+            found = torch.autograd.grad(case.loss(case.model, case.example(i)), list(sites.values()))
+            per.append(dict(zip(sites, found)))
+        return {k: torch.stack([g[k] for g in per]) for k in sites}
     per = [grad(example_loss)(params, case.example(i)) for i in range(case.batch_size)]
     return {k: torch.stack([g[k] for g in per]) for k in params}
 
@@ -1055,6 +1064,42 @@ def recurrent_cells() -> ZooCase:
     return ZooCase("recurrent-cells", CellDecoder().train(), batch, _classify, note="LSTMCell, GRUCell, RNNCell loop")
 
 
+class PackedTagger(nn.Module):
+    """Padded token sequences of different lengths packed (``enforce_sorted=False``: sorted by length inside) through
+    a two-layer bidirectional ``nn.LSTM`` whose output is padded back and averaged, and a ``nn.GRU`` whose final
+    state joins it (the packed sequence's own order undone by the modules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 3)
+        self.lstm = nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True)
+        self.gru = nn.GRU(3, 8, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = pack_padded_sequence(self.embed(x), lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        padded, counts = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+        _, h = self.gru(packed)
+        return self.head(padded.sum(1) / counts[:, None].to(padded.dtype) + h[-1])
+
+
+def _packed_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    return F.cross_entropy(forward(x=batch["x"], lengths=batch["lengths"]), batch["y"])
+
+
+def recurrent_packed() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {
+        "x": torch.randint(0, 10, (4, 6), generator=_gen(49)),
+        "lengths": torch.tensor([3, 6, 2, 5]),
+        "y": torch.randint(0, 3, (4,), generator=_gen(50)),
+    }
+    note = "pack_padded_sequence (unsorted lengths) through a bidirectional LSTM and a GRU, pad_packed_sequence"
+    model = PackedTagger().train()
+    return ZooCase("recurrent-packed", model, batch, _packed_loss, note=note, extra={"reference": "autograd"})
+
+
 #: Every model of the zoo by name (the pytest ids).
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
@@ -1092,4 +1137,5 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "pooled-token": pooled_token,
     "recurrent": recurrent,
     "recurrent-cells": recurrent_cells,
+    "recurrent-packed": recurrent_packed,
 }
