@@ -96,6 +96,17 @@ def probe_due(generation: int) -> bool:
     return generation % PROBE_EVERY == 0
 
 
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a model's output that a backward can reach: the output itself, or the entries of a tuple,
+    list or dict (a ``ModelOutput``) one level down."""
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
+    return [t for t in values if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _reached(batch: ActiveBatch, grad: torch.Tensor) -> None:
+    batch.output_reached = True
+
+
 class GradientCapture:
     """Context manager that hooks ``model`` and sends a :class:`CapturedBatch` to ``sink`` per backward.
 
@@ -242,6 +253,7 @@ class GradientCapture:
             handle.remove()
         self._handles, self._scope_handles = [], []
         self._leave_uses()
+        self._check_rowless(self.batch)
         self.batch = None
         delivery = self._delivery
         try:
@@ -367,6 +379,7 @@ class GradientCapture:
             self._refresh_normalizer()
         if not self._normalized:
             return args, kwargs
+        self._check_rowless(self.batch)
         set_ids, self._next_ids = self._next_ids, None
         if kwarg_ids is not None and set_ids is not None:
             raise CaptureUsageError(f"capture: ids were given both as `{ID_KWARG}` and through set_ids(); give one")
@@ -508,9 +521,11 @@ class GradientCapture:
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         batch = self.batch
-        if self.per_example_loss is None or batch is None or batch.meta["loss"] is not None:
+        if batch is None or self.is_paused or not torch.is_grad_enabled() or in_backward() or in_functorch():
             return
-        if self.is_paused or not torch.is_grad_enabled() or in_backward() or in_functorch():
+        for out in _output_tensors(output):  # a backward through the output must bring this batch rows
+            out.register_hook(functools.partial(_reached, batch))
+        if self.per_example_loss is None or batch.meta["loss"] is not None:
             return
         with torch.no_grad():
             loss = self.per_example_loss(output, args, kwargs).detach().float().reshape(-1)
@@ -596,6 +611,17 @@ class GradientCapture:
         if notice is not None and not self._warned:
             self._warned = True
             warnings.warn(notice + self.skip_note, SkippedStepWarning, stacklevel=3)
+
+    def _check_rowless(self, batch: ActiveBatch | None) -> None:
+        """A batch whose backward reached the model's output but brought no captured layer a gradient of its
+        examples (the model's inputs not recognised as the batch, a packed sequence built outside the forward):
+        its rows are missing, which the coverage records and warns about."""
+        if batch is not None and batch.output_reached and not batch.finalize_queued and self.layer_hooks:
+            self.coverage.rowless(
+                "a backward reached the model's output but no captured layer got a gradient of the batch's examples: "
+                "this step has no rows (are the model's inputs the batch's? a tensor with the examples along dim 0, "
+                "not packed or wrapped before the forward)"
+            )
 
     def _finish(self, batch: ActiveBatch) -> None:
         if self.batch is batch:

@@ -27,6 +27,8 @@ from ingest.misuse import CaptureUsageError
 COVERAGE_MODES = ("warn", "strict", "ignore")
 #: The name suffix of a coverage entry that records a module mixing the examples (:meth:`Coverage.mixed`).
 MIXES = " (mixes examples)"
+#: The coverage entry of captured steps that brought no rows (see :meth:`Coverage.rowless`).
+ROWLESS = "(steps without rows)"
 #: Reasons that are a documented choice, not a gap: recorded, never warned about.
 DECISIONS = ("layer kind", "left out by include=/exclude=")
 
@@ -174,6 +176,15 @@ class Coverage:
         if any(p.name == name for p in self.parameters):
             return
         self.parameters.append(ParameterCoverage(name, 0, False, reason=how))
+        self._warned = False
+        self.check()
+
+    def rowless(self, how: str) -> None:
+        """A captured step brought no rows (``how``): recorded once as an entry ``"(steps without rows)"`` of no
+        parameters, not captured, and warned as a gap."""
+        if any(p.name == ROWLESS for p in self.parameters):
+            return
+        self.parameters.append(ParameterCoverage(ROWLESS, 0, False, reason=how))
         self._warned = False
         self.check()
 

@@ -60,6 +60,7 @@ class ActiveBatch:
     meta: dict[str, Any] = field(default_factory=dict)
     rows: torch.Tensor | None = None  # [B, dim] float32, allocated at the first gradient
     finalize_queued: bool = False
+    output_reached: bool = False  # a backward reached the model's output (rows expected)
 
 
 class GemmOperands(NamedTuple):

@@ -159,7 +159,8 @@ class PackedOutside(nn.Module):
 
 
 def test_a_sequence_packed_before_the_captured_forward_is_reported() -> None:
-    """Packed outside the model, the packed rows' examples cannot be told: the LSTM's weights are a recorded gap."""
+    """Packed outside the model, the packed rows' examples cannot be told: the LSTM's weights are a recorded gap, and
+    the step, which brings no captured layer a gradient of its examples, is recorded as one without rows."""
     x, y = _batch()
     packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([6, 5, 3, 2]), batch_first=True)
     model = PackedOutside()
@@ -171,3 +172,5 @@ def test_a_sequence_packed_before_the_captured_forward_is_reported() -> None:
     gaps = {p.name: str(p.reason) for p in cap.coverage.gaps()}
     assert "packed before the captured forward" in gaps["lstm.weight_ih_l0"]
     assert any(issubclass(w.category, CoverageWarning) for w in caught)
+    # nothing of the step reached a captured layer as the batch's: the step's missing rows are recorded too
+    assert "no captured layer got a gradient" in gaps["(steps without rows)"]
