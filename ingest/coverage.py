@@ -60,6 +60,9 @@ class Coverage:
     def __init__(self, parameters: list[ParameterCoverage], mode: str = "warn") -> None:
         if mode not in COVERAGE_MODES:
             raise CaptureUsageError(f"coverage must be one of {COVERAGE_MODES}, got {mode!r}")
+        #: Slots one of whose parameters turned not captured during the capture: zero in every row from then on
+        #: (a slot that misses a use holds no partial gradient).
+        self.lost_slots: set[str] = set()
         self.parameters = parameters
         self.mode = mode
         self._warned = False
@@ -143,6 +146,8 @@ class Coverage:
         for p in self.parameters:
             if p.name in names and p.captured:
                 p.captured = False
+                if p.slot is not None:
+                    self.lost_slots.add(p.slot)
                 p.reason = reason or (
                     f"used by {how} in a way capture cannot split per example (its slot {p.slot} misses it)"
                 )

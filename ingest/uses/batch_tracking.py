@@ -134,6 +134,12 @@ def mixed_dims(func: Any, args: tuple, kwargs: dict, n: int) -> set[int] | None:
     return {int(given) % n}
 
 
+def op_attribute(func: Any) -> str:
+    """``func``'s name; a property's (``x.T``, ``x.mT`` reach the mode as their descriptor's ``__get__``)."""
+    name = getattr(func, "__name__", "")
+    return getattr(getattr(func, "__self__", None), "__name__", name) if name == "__get__" else name
+
+
 def matmul_dim(args: tuple, source: torch.Tensor, dim: int, out_dims: int) -> int:
     """Where dim ``dim`` of ``source``, an operand of the matrix product ``args[0] @ args[1]``, lands in its
     ``out_dims``-dim output (-1: contracted)."""
@@ -287,7 +293,7 @@ def _result_dim(
     """Where the examples' dim of ``source`` (``dim``) lands in ``out``, an output of ``func`` (-1: unknown)."""
     if dim < 0:
         return -1
-    name = getattr(func, "__name__", "")
+    name = op_attribute(func)
     n = source.dim()
     kwargs = kwargs or {}
     if name in ("transpose", "swapaxes", "swapdims", "transpose_", "swapaxes_", "swapdims_"):

@@ -157,14 +157,14 @@ def _read_cell(cell: str, args: tuple) -> RecurrentCall | str:
 
 def separate_outputs(result: Any) -> tuple[list[torch.Tensor], Any]:
     """The op's outputs in :func:`recompute`'s order (the output sequence, not for a cell, then each state), each
-    a view of its own, and the op's result rebuilt from them. Inside the op a final state can feed another output
-    (an LSTM cell's ``h = o tanh(c)`` reads the ``c`` it returns), so the gradient arriving at the op's own ``c``
-    would hold ``h``'s share too; the views take only what the model does with each."""
-    if isinstance(result, torch.Tensor):
-        out = result.view_as(result)
-        return [out], out
-    outputs = [t.view_as(t) for t in result]
-    return outputs, tuple(outputs)
+    a view of its own whose gradient the capture takes, and the op's result rebuilt from copies of them for the
+    model. Inside the op a final state can feed another output (an LSTM cell's ``h = o tanh(c)`` reads the ``c`` it
+    returns), so the gradient arriving at the op's own ``c`` would hold ``h``'s share too; the views take only what
+    the model does with each, and the copies keep them from the model's in-place ops (``ReLU(inplace=True)``,
+    ``h.mul_(0.5)``), which would change the gradient a hook on the tensor sees."""
+    outputs = [result.view_as(result)] if isinstance(result, torch.Tensor) else [t.view_as(t) for t in result]
+    given = [t.clone() for t in outputs]
+    return outputs, given[0] if isinstance(result, torch.Tensor) else tuple(given)
 
 
 @dataclass
@@ -214,6 +214,7 @@ def recompute(call: RecurrentCall) -> tuple[list[torch.Tensor], list[LayerRows]]
             gi = F.linear(inputs, w_ih, b_ih)
             if not gi.requires_grad:
                 gi.requires_grad_()
+            per_step = gi.split([count for _, count in steps])  # one split: a slice per step backpropagates a full gi
             h = call.states[0][k].to(dtype)
             c = call.states[1][k].to(dtype) if call.cell == "lstm" else None
             ys: list[Any] = [None] * len(steps)
@@ -222,14 +223,12 @@ def recompute(call: RecurrentCall) -> tuple[list[torch.Tensor], list[LayerRows]]
             unprojected: list[Any] = [None] * len(steps) if w_hr is not None else []
             projected: list[Any] = [None] * len(steps) if w_hr is not None else []
             for t in range(len(steps)) if direction == 0 else reversed(range(len(steps))):
-                start, count = steps[t]
+                count = steps[t][1]
                 previous[t] = h[:count]
                 gh[t] = F.linear(previous[t], w_hh, b_hh)
                 if not gh[t].requires_grad:  # from the initial state, which the recomputation starts from
                     gh[t].requires_grad_()
-                new, new_c = _step(
-                    call.cell, gi[start : start + count], gh[t], previous[t], None if c is None else c[:count]
-                )
+                new, new_c = _step(call.cell, per_step[t], gh[t], previous[t], None if c is None else c[:count])
                 if w_hr is not None:
                     unprojected[t] = new
                     new = projected[t] = F.linear(new, w_hr)

@@ -272,13 +272,24 @@ class UseRules:
         with captured ``recurrent`` weights: run as it is; when its outputs' gradients arrive, the layer is
         recomputed step by step and each weight's rows go to its slot (:mod:`ingest.uses.recurrent`)."""
         call = read_call(func, args, kwargs)
+        replaced: dict[int, torch.Tensor] = {}
+        slots, covered = [], set()
+        x = args[0]
+        if isinstance(call, RecurrentCall) and call.sizes is None and batch_dim(x) is None and self._sources([x]):
+            # an input computed from parameters alone over the batch (a decoder's first input, embed(SOS)):
+            # every example's own rows, meeting the batch here
+            params = self._sources([x])
+            expanded = self._meeting(batch, x, params, None, call.examples_dim)
+            if expanded is not None:
+                replaced[id(x)] = expanded
+                covered.update(id(p) for p in params)
         if (
             isinstance(call, RecurrentCall)
             and call.sizes is None
-            and (batch_dim(args[0]) != call.examples_dim or getattr(args[0], OWNER, None) is not None)
+            and id(x) not in replaced
+            and (batch_dim(x) != call.examples_dim or getattr(x, OWNER, None) is not None)
         ):
             call = "on an input whose examples are not along its batch dim"
-        slots, covered = [], set()
         for w_ih, w_hh, b_ih, b_hh, w_hr in call.weights if isinstance(call, RecurrentCall) else ():
             found = []
             for weight, bias in ((w_ih, b_ih), (w_hh, b_hh), (w_hr, None)):
@@ -286,7 +297,6 @@ class UseRules:
                 covered.update((id(weight), id(bias)) if hook is not None and hook.bias is bias else ())
                 found.append(hook)
             slots.append((found[0], found[1], found[2]))
-        replaced: dict[int, torch.Tensor] = {}
         hx = (args[2] if call.sizes is not None else args[1]) if isinstance(call, RecurrentCall) else ()
         for t in hx if isinstance(hx, (list, tuple)) else (hx,):
             params = self._sources([t])  # a learned initial state: meets the batch here, like any operand

@@ -81,6 +81,7 @@ WHOLE = [
     "recurrent",
     "recurrent-cells",
     "recurrent-packed",
+    "recurrent-decoder",
 ]
 
 

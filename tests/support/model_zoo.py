@@ -1064,6 +1064,40 @@ def recurrent_cells() -> ZooCase:
     return ZooCase("recurrent-cells", CellDecoder().train(), batch, _classify, note="LSTMCell, GRUCell, RNNCell loop")
 
 
+class SosDecoder(nn.Module):
+    """A GRUCell decoder from an encoder's state: its first input the embedding of a start token made inside the
+    forward (``embed(full((B,), SOS))``: from parameters alone, every example's row), then teacher forcing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 3)
+        self.encoder = nn.Linear(4, 5)
+        self.cell = nn.GRUCell(3, 5)
+        self.head = nn.Linear(5, 10)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.encoder(x))
+        step = self.embed(torch.full((x.shape[0],), 0, dtype=torch.long))
+        logits = []
+        for t in range(tokens.shape[1]):
+            h = self.cell(step, h)
+            logits.append(self.head(h))
+            step = self.embed(tokens[:, t])
+        return torch.stack(logits, 1)
+
+
+def _decoder_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    logits = forward(x=batch["x"], tokens=batch["tokens"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["tokens"].flatten(), reduction="sum") / batch["x"].shape[0]
+
+
+def recurrent_decoder() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 4, generator=_gen(51)), "tokens": torch.randint(1, 10, (4, 3), generator=_gen(52))}
+    note = "GRUCell decoder from embed(SOS) made in the forward, teacher forcing"
+    return ZooCase("recurrent-decoder", SosDecoder().train(), batch, _decoder_loss, note=note)
+
+
 class PackedTagger(nn.Module):
     """Padded token sequences of different lengths packed (``enforce_sorted=False``: sorted by length inside) through
     a two-layer bidirectional ``nn.LSTM`` whose output is padded back and averaged, and a ``nn.GRU`` whose final
@@ -1138,4 +1172,5 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "recurrent": recurrent,
     "recurrent-cells": recurrent_cells,
     "recurrent-packed": recurrent_packed,
+    "recurrent-decoder": recurrent_decoder,
 }
