@@ -628,9 +628,6 @@ class GradientCapture:
             self.batch = None
         if self._delivery is None or batch.rows is None:
             return
-        for name in self.coverage.lost_slots:  # a slot that missed a use holds nothing, not a partial gradient
-            slot = self.spec.slot(name)
-            batch.rows[:, slot.offset : slot.offset + slot.size] = 0
         factor = batch.scales.to(batch.rows.device)
         if self.grad_scaler is not None:  # divided first: a large loss scale times B must not overflow
             scale = self._scale_tensor()

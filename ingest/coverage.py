@@ -60,9 +60,6 @@ class Coverage:
     def __init__(self, parameters: list[ParameterCoverage], mode: str = "warn") -> None:
         if mode not in COVERAGE_MODES:
             raise CaptureUsageError(f"coverage must be one of {COVERAGE_MODES}, got {mode!r}")
-        #: Slots one of whose parameters turned not captured during the capture: zero in every row from then on
-        #: (a slot that misses a use holds no partial gradient).
-        self.lost_slots: set[str] = set()
         self.parameters = parameters
         self.mode = mode
         self._warned = False
@@ -146,8 +143,6 @@ class Coverage:
         for p in self.parameters:
             if p.name in names and p.captured:
                 p.captured = False
-                if p.slot is not None:
-                    self.lost_slots.add(p.slot)
                 p.reason = reason or (
                     f"used by {how} in a way capture cannot split per example (its slot {p.slot} misses it)"
                 )
@@ -199,7 +194,8 @@ class Coverage:
         if not gaps or self.mode == "ignore":
             return
         message = (
-            f"capture: {self.summary()}. Attribution over these rows ignores them. Pass coverage='ignore' to "
+            f"capture: {self.summary()}. The rows miss these parameters' uses (a slot keeps only the uses capture "
+            "splits). Pass coverage='ignore' to "
             "silence this, coverage='strict' to refuse such a model; docs/capture.md lists what is captured."
         )
         if self.mode == "strict":

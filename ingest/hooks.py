@@ -389,8 +389,11 @@ class LayerHook:
                 if s.has_bias:
                     x = torch.cat([x, x.new_full((x.shape[0], 1), 1.0 if bias else 0.0)], dim=1)
                 x_p, dy_p = x, dy
-                terms = dy.unsqueeze(2) * x.unsqueeze(1)
-                grad = terms.new_zeros(batch.size, *terms.shape[1:]).index_add_(0, owner, terms)
+                # each example's sum of its rows' dy x^T as one product of its rows (not [N, d_out, d_in] first)
+                order = torch.argsort(owner, stable=True)
+                counts = torch.bincount(owner, minlength=batch.size).tolist()
+                pairs = zip(dy[order].split(counts), x[order].split(counts))
+                grad = torch.stack([d.T @ rows for d, rows in pairs])
                 block = self.gradient_block(grad)
             self._add_block(batch, block)
             stats = self.owner.curvature_stats()
