@@ -155,8 +155,9 @@ class GradientCapture:
         )
         if not layers:
             raise CaptureUsageError(
-                "capture: no supported layer (Linear, Conv1D, Embedding, ConvNd, attention, parameter) matches the "
-                "layer selection: the model has none, or layer_types=/include=/exclude= leave none"
+                "capture: no supported layer (Linear, Conv1D, Embedding, ConvNd, attention, recurrent, parameter) "
+                "matches the layer selection: the model has none, layer_types=/include=/exclude= leave none, or every "
+                "layer's weight is frozen (only biases train, BitFit: pass include_frozen=True)"
             )
         op_level = sorted({info.kind for info in layers if not info.hooked})
         self.coverage = Coverage.of(

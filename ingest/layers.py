@@ -287,6 +287,11 @@ def uncaptured_parameters(
                 continue
             if info.kind not in layer_types:
                 why[id(p)] = f"layer kind {info.kind!r} not in layer_types"
+            elif not info.parameter.requires_grad:  # a trainable bias of a frozen weight (BitFit)
+                why[id(p)] = (
+                    f"its layer {info.name}'s weight is frozen, so the layer is not captured: pass include_frozen=True "
+                    "to capture it (the frozen weight's columns included)"
+                )
             else:
                 why[id(p)] = "left out by include=/exclude="
     out, seen = [], set()

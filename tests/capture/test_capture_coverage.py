@@ -427,3 +427,18 @@ def test_ops_across_the_examples_are_recorded_and_warned(how) -> None:
     mixed = [p for p in cap.coverage.gaps() if p.name.endswith("(mixes examples)")]
     assert len(mixed) == 1 and "ops across the examples" in mixed[0].name and len(caught) == 1
     assert all(p.captured for p in cap.coverage.parameters if p.numel)  # every parameter still has its rows
+
+
+def test_a_trainable_bias_of_a_frozen_weight_is_a_warned_gap_not_a_decision() -> None:
+    """BitFit-style training (a layer's weight frozen, its bias trainable): the bias was recorded "left out by
+    include=/exclude=" (a decision, never warned) though neither was given; a model where only biases train is
+    refused with what to pass."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    cap, _, caught = _capture(model, torch.randn(2, 3))
+    gaps = {p.name: str(p.reason) for p in cap.coverage.gaps()}
+    assert "include_frozen=True" in gaps["0.bias"] and len(caught) == 1
+    model[2].weight.requires_grad_(False)
+    with pytest.raises(CaptureUsageError, match="include_frozen=True"):
+        GradientCapture(model, lambda batch: None, CaptureConfig.from_options(projection=None))
