@@ -248,7 +248,7 @@ def result_batch(
 ) -> tuple[int, torch.Tensor | None]:
     """Where the examples are in ``out``, an output of ``func`` on ``source`` (whose examples' dim is ``dim``, or
     whose dim 0 mixes them as ``owner`` says): ``(dim, owner)``, ``(-1, None)`` when unknown."""
-    name = getattr(func, "__name__", "")
+    name = op_attribute(func)
     mixed = mixed_dims(func, args, kwargs, source.dim())
     if mixed is not None and (0 if owner is not None else dim) in mixed:
         return -1, None  # an example's entries moved to or combined with other rows: whose they are is not followed
