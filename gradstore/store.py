@@ -163,6 +163,7 @@ class GradStore:
         grad_scaler: Any = None,
         on_nonfinite: Literal["skip", "raise"] = "skip",
         coverage: Literal["warn", "strict", "ignore"] = "warn",
+        example_dim: int = 0,
         max_pending_batches: int = 4,
         writer: WriterConfig | None = None,
         resume: bool = False,
@@ -194,7 +195,8 @@ class GradStore:
         ops that use it where a module hook cannot see every use) or recorded as not captured with why (norm
         parameters by decision; uses capture cannot split, e.g. packed sequences): ``"warn"``
         once, ``"strict"`` raises ``CaptureUsageError``, ``"ignore"``; each capture's coverage is a row per
-        parameter in the ``capture_coverage`` table and in ``store.info()["coverage"]``.
+        parameter in the ``capture_coverage`` table and in ``store.info()["coverage"]``. ``example_dim``: the dim
+        of the model's input that indexes the examples (1 for a sequence-first model fed ``[T, B, ...]``).
         ``config``: an :class:`ingest.CaptureConfig` built whole (projection, labels, how rows are formed) instead of
         the keywords it holds (a keyword that differs from it is an ``InvalidArgumentError``); a run's later
         captures must give the same projection.
@@ -221,6 +223,7 @@ class GradStore:
             "max_pending_batches": max_pending_batches,
             "on_nonfinite": on_nonfinite,
             "coverage": coverage,
+            "example_dim": example_dim,
         }
         if rank is not None:
             options["rank"] = rank

@@ -47,7 +47,7 @@ from ingest.ids import content_hashes, find_inputs, find_mask, normalize_ids
 from ingest.layers import clean_name, fsdp1_wrapped, left_out_ops, select_layers
 from ingest.misuse import CaptureUsageError
 from ingest.normalizers import NORMALIZER_POWERS, adam_factored_scales
-from ingest.scaling import example_scales, example_token_counts, shifts_labels
+from ingest.scaling import example_scales, example_token_counts, examples_first, shifts_labels
 from ingest.uses import ParameterUses, mark_batched
 
 # Deferred batches (with a GradScaler) waiting for the scaler's decision beyond this many are delivered
@@ -186,7 +186,9 @@ class GradientCapture:
             {id(p): n for n, p in model.named_parameters()},
             left_out_ops(model, layers),
         )
-        self._uses_needed = bool(op_level)  # else probing forwards check for uses outside hooks (probe_due)
+        # else probing forwards check for uses outside hooks (probe_due); inputs that are not batch-first are split at
+        # the ops on every forward (a hook takes dim 0 of its input for the examples)
+        self._uses_needed = bool(op_level) or self.config.example_dim != 0
         self._uses_probe = True
         self._uses_active = False
         self._shifted_labels = shifts_labels(model)  # a "token_mean" loss over shifted labels (a causal LM)
@@ -391,6 +393,14 @@ class GradientCapture:
                 f"capture: cannot identify the examples: pass `{ID_KWARG}=...` to the model, call "
                 "set_ids(), or give the model a tensor input to hash"
             )
+        dim = self.config.example_dim
+        if inputs is not None and dim:
+            if inputs.dim() <= dim:
+                raise CaptureUsageError(
+                    f"capture: example_dim={dim} but the model's input has shape {tuple(inputs.shape)}: give the "
+                    "dim of the input that indexes the examples (0 for batch-first inputs)"
+                )
+            inputs = inputs.movedim(dim, 0)  # [B, ...]: the ids' hashes, token counts and mask read it so
         size = inputs.shape[0] if inputs is not None else len(given)
         if size == 0:  # an empty batch has no rows to capture
             self.batch = None
@@ -405,7 +415,12 @@ class GradientCapture:
             generation=self._generation,
             size=size,
             scales=example_scales(
-                self.config.loss_reduction, size, kwargs, self.config.loss_scale, device, self._shifted_labels
+                self.config.loss_reduction,
+                size,
+                examples_first(kwargs, dim),
+                self.config.loss_scale,
+                device,
+                self._shifted_labels,
             ),
             token_mask=None if mask is None else mask.bool(),
             meta={
@@ -427,8 +442,8 @@ class GradientCapture:
             if any(h.module is module for h, hooked in zip(self.layer_hooks, self._hooked) if hooked):
                 self._uses.enter_module(module, args)  # the model is a hooked layer: its pre-hook came too late
         if self._uses_needed or self._uses_probe:
-            mark_batched(args, size)
-            mark_batched(kwargs.values(), size)
+            mark_batched(args, size, dim)
+            mark_batched(kwargs.values(), size, dim)
             self._uses.__enter__()
             self._uses_active = True
         return args, kwargs

@@ -137,6 +137,10 @@ class CaptureConfig:
     skipped, is ``"skip"``-ped (not delivered; reported to ``on_skip`` and warned once) or, with ``"raise"``,
     :class:`NonFiniteRowsError` is raised from the ``backward()`` that produced a non-finite row (one device
     sync per backward). Rows of other splits are delivered as they are.
+    ``example_dim``: the dim of the model's input tensor (and of the other inputs of the batch's size there) that
+    indexes the examples: 0 (batch-first, the default), or 1 for a sequence-first model fed ``[T, B, ...]``
+    (``nn.Transformer``/``nn.LSTM`` with ``batch_first=False``, PyTorch's word-language-model): every use of the
+    captured parameters is then split at its op, with the examples followed from that dim.
     """
 
     projection: ProjectionConfig = field(default_factory=ProjectionConfig)
@@ -150,6 +154,7 @@ class CaptureConfig:
     fused: bool = False
     on_nonfinite: str = "skip"
     coverage: str = "warn"
+    example_dim: int = 0
 
     @classmethod
     def from_options(cls, **options: Any) -> CaptureConfig:
@@ -187,6 +192,16 @@ class CaptureConfig:
             raise CaptureUsageError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {self.on_nonfinite!r}")
         for name in ("split", "checkpoint"):
             check_label(name, getattr(self.labels, name))
+        if isinstance(self.example_dim, bool) or not isinstance(self.example_dim, int) or self.example_dim < 0:
+            raise CaptureUsageError(
+                f"example_dim must be a non-negative int (the input dim that indexes the examples), got "
+                f"{self.example_dim!r}"
+            )
+        if self.example_dim and self.fused:
+            raise CaptureUsageError(
+                "fused=True projects inside the layers' GEMMs, which needs batch-first inputs; with "
+                f"example_dim={self.example_dim} leave fused=False"
+            )
 
 
 def check_label(name: str, value: Any) -> str:

@@ -67,6 +67,15 @@ def example_token_counts(inputs: torch.Tensor | None, mask: torch.Tensor | None,
     return torch.ones(batch_size, dtype=torch.int32)
 
 
+def examples_first(kwargs: dict[str, Any], dim: int) -> dict[str, Any]:
+    """``kwargs`` with its ``labels`` moved to examples-first when the model's inputs index the examples along
+    ``dim`` (a sequence-first model's ``[T, B]`` labels)."""
+    labels = kwargs.get("labels")
+    if not dim or not isinstance(labels, torch.Tensor) or labels.dim() <= dim:
+        return kwargs
+    return {**kwargs, "labels": labels.movedim(dim, 0)}
+
+
 def example_scales(
     reduction: str,
     batch_size: int,

@@ -103,6 +103,11 @@ class OnlineSelector:
                 f"{type(policy).__name__} ranks examples by loss: give the capture per_example_loss=... "
                 "(e.g. ingest.losses.causal_lm_loss)"
             )
+        if capture.config.example_dim != 0:
+            raise CaptureUsageError(
+                f"online selection removes examples' terms along dim 0 of each layer's input; this capture reads "
+                f"the examples along dim {capture.config.example_dim}: select offline, or feed the model batch-first"
+            )
         if capture.grad_scaler is not None:
             raise CaptureUsageError(
                 "online selection with a GradScaler is not supported (its unscale would mix scaled and unscaled "

@@ -58,16 +58,16 @@ def tensors_in(values: Iterable[Any]) -> Iterator[torch.Tensor]:
             yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
-def mark_batched(values: Iterable[Any], size: int) -> None:
-    """Mark the tensors among ``values`` (and inside lists, tuples and dicts one level down) whose dim 0 has the
-    batch's ``size`` as the batch's, examples along dim 0 (a shared ``[T, d]`` table passed beside the batch is
+def mark_batched(values: Iterable[Any], size: int, dim: int = 0) -> None:
+    """Mark the tensors among ``values`` (and inside lists, tuples and dicts one level down) whose ``dim`` has the
+    batch's ``size`` as the batch's, examples along ``dim`` (a shared ``[T, d]`` table passed beside the batch is
     not: where ``T == B`` it cannot be told from a batch tensor by its shape, see docs/capture.md)."""
     for value in values:
         if isinstance(value, dict):
-            mark_batched(value.values(), size)
+            mark_batched(value.values(), size, dim)
         for t in tensors_in([value]):
-            if t.dim() > 0 and t.shape[0] == size:
-                setattr(t, BATCHED, 0)
+            if t.dim() > dim and t.shape[dim] == size:
+                setattr(t, BATCHED, dim)
 
 
 def row_block(piece: torch.Tensor, param: torch.Tensor) -> tuple[int, int] | None:

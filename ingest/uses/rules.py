@@ -65,6 +65,11 @@ from ingest.uses.recurrent import (
 
 log = logging.getLogger(__name__)
 
+#: Said where an op of a sequence-first layer finds the examples along its sequence dim.
+SEQUENCE_FIRST_HINT = (
+    "a sequence-first model input ([T, B, ...]) is read batch-first unless the capture is given example_dim=1"
+)
+
 
 def _unguarded(func: Callable[..., Any]) -> Callable[..., Any]:
     """``func`` (a Python function of ``torch.nn.functional``) without its own ``handle_torch_function`` call,
@@ -289,7 +294,9 @@ class UseRules:
             and id(x) not in replaced
             and (batch_dim(x) != call.examples_dim or getattr(x, OWNER, None) is not None)
         ):
+            along_time = batch_dim(x) == 0 and call.examples_dim == 1  # sequence-first, examples taken along T
             call = "on an input whose examples are not along its batch dim"
+            call += f" (along its time dim: {SEQUENCE_FIRST_HINT})" if along_time else ""
         for w_ih, w_hh, b_ih, b_hh, w_hr in call.weights if isinstance(call, RecurrentCall) else ():
             found = []
             for weight, bias in ((w_ih, b_ih), (w_hh, b_hh), (w_hr, None)):
@@ -547,8 +554,16 @@ class UseRules:
     def _attention(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
         """``F.multi_head_attention_forward`` with its inner ops visible, sequence-first."""
         query = args[0] if args else kwargs["query"]
-        if query.dim() == 3 and query.shape[1] != batch.size:
-            return F.multi_head_attention_forward(*args, **kwargs)  # not this batch's layout: uses are uncovered
+        if query.dim() == 3 and query.shape[1] != batch.size:  # not this batch's layout: its inner uses unseen
+            params = self._sources([*tensors_in(args), *tensors_in(kwargs.values())])
+            self.owner.uncovered(self._names(params), "multi_head_attention_forward on an input not laid out [T, B, E]")
+            if batch_dim(query) == 0:  # the examples capture took are the attention's sequence
+                self.owner.mixed(
+                    "attention along the examples",
+                    f"multi_head_attention_forward attends along dim 0 of its [T, B, E] input, where capture took "
+                    f"the examples: {SEQUENCE_FIRST_HINT}",
+                )
+            return F.multi_head_attention_forward(*args, **kwargs)
         previous, self.sequence_first = self.sequence_first, query.dim() == 3
         try:
             with self:
