@@ -234,7 +234,9 @@ def _candidate_layers(model: nn.Module) -> tuple[list[LayerInfo], dict[int, str]
             if is_norm(module):  # a scale or shift: the opt-in kind "norm"
                 layers.append(dataclasses.replace(parameter_info(full, module, param), kind="norm"))
                 reasons[id(param)] = ""
-            elif param.dim() == 3 and param.shape[0] > 1:  # stacked matrices (MoE experts): a slot per slice
+            elif param.dim() == 3 and param.shape[0] > 1 and min(param.shape[1:]) > 1:
+                # stacked matrices (MoE experts): a slot per slice; [L, 1, H] (an RNN's learned initial state) is
+                # one matrix, a bare parameter
                 layers.extend(stacked_info(full, module, param))
                 reasons[id(param)] = ""
             elif sum(s > 1 for s in param.shape) > 2:

@@ -19,16 +19,17 @@ LSTM_WEIGHTS = {f"lstm.{w}_l{k}" for w in ("weight_ih", "weight_hh", "bias_ih", 
 
 
 class Tagger(nn.Module):
-    def __init__(self, dropout: float = 0.0, learned_state: bool = False) -> None:
+    def __init__(self, dropout: float = 0.0, learned_state: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.lstm = nn.LSTM(3, 4, num_layers=2, dropout=dropout, batch_first=True)
         self.head = nn.Linear(4, 2)
-        self.h0 = nn.Parameter(torch.randn(2, 4)) if learned_state else None
+        self.h0 = nn.Parameter(torch.randn(*learned_state)) if learned_state else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = None
-        if self.h0 is not None:
-            h0 = self.h0[:, None].expand(-1, x.shape[0], -1).contiguous()
+        if self.h0 is not None:  # [layers, H] or, as often stored, [layers, 1, H]
+            h0 = self.h0 if self.h0.dim() == 3 else self.h0[:, None]
+            h0 = h0.expand(-1, x.shape[0], -1).contiguous()
             state = (h0, torch.zeros_like(h0))
         return self.head(self.lstm(x, state)[0][:, -1])
 
@@ -131,11 +132,13 @@ def test_a_recomputation_that_fails_never_stops_the_training(monkeypatch) -> Non
     torch.testing.assert_close(model.lstm.weight_hh_l1.grad, expected["lstm.weight_hh_l1"].mean(0))
 
 
-def test_a_learned_initial_state_is_captured_with_the_weights() -> None:
+@pytest.mark.parametrize("shape", [(2, 4), (2, 1, 4)], ids=["layers-by-hidden", "layers-by-1-by-hidden"])
+def test_a_learned_initial_state_is_captured_with_the_weights(shape) -> None:
     """``h0`` a parameter expanded over the batch: it meets the batch at the recurrent op, and each example's
-    gradient of it is that example's initial-state gradient (from the op's own backward); the weights are exact."""
+    gradient of it is that example's initial-state gradient (from the op's own backward); the weights are exact.
+    A ``[layers, 1, H]`` state is one parameter, not a stack of ``[1, H]`` matrices (which knocked the layer out)."""
     x, y = _batch()
-    model = Tagger(learned_state=True).train()
+    model = Tagger(learned_state=shape).train()
     reference = _per_example(model, x, y)
     cap, rows, caught = _capture(model, x, y)
     assert not caught and cap.coverage.fraction == 1.0
