@@ -33,6 +33,7 @@ import torch
 
 BF16_ROUNDOFF = 2.0**-8
 SAFETY = 1.01  # covers the float32 rounding of the norms and of the bound itself (relative ~1e-4)
+QUERY_CHUNK_BYTES = 128 << 10  # float64 queries prepared at a time (heap-sized temporaries, no page faults)
 TILE_ELEMENTS = 1 << 20  # float32 elements converted at a time (4 MB: a tile and its error stay in the shared cache)
 
 
@@ -236,19 +237,25 @@ class ScreenedQueries:
     def _prepare(self, queries: torch.Tensor) -> None:
         self.exact = queries.contiguous()
         self.exact_t = queries.T.contiguous()
-        exact = queries.double()
-        norms = torch.linalg.vector_norm(exact, dim=1)
-        norms = torch.where(norms > 0, norms, torch.ones_like(norms))
-        unit = exact / norms[:, None]
-        rounded = unit.to(torch.float32).to(torch.bfloat16)
-        self.screen_t = rounded.T.contiguous()
+        count, dim = queries.shape
+        screen = torch.empty(count, dim, dtype=torch.bfloat16, device=queries.device)
+        norms, rounded_norm, residual = torch.empty(3, count, dtype=torch.float64, device=queries.device)
+        per = max(1, QUERY_CHUNK_BYTES // (8 * max(1, dim)))
+        for start in range(0, count, per):  # float64 in chunks: whole [q, d] temporaries cost more in page faults
+            part = slice(start, start + per)
+            unit = queries[part].double()
+            norm = torch.linalg.vector_norm(unit, dim=1)
+            norms[part] = norm = torch.where(norm > 0, norm, torch.ones_like(norm))
+            unit.div_(norm[:, None])
+            rounded = screen[part].copy_(unit.to(torch.float32)).double()
+            torch.linalg.vector_norm(rounded, dim=1, out=rounded_norm[part])
+            torch.linalg.vector_norm(unit.sub_(rounded), dim=1, out=residual[part])
+        self.screen_t = screen.T.contiguous()
         self.norms = norms.to(torch.float32)
-        gamma = 2 * queries.shape[1] * 2.0**-24
-        rounded_norm = torch.linalg.vector_norm(rounded.double(), dim=1)
-        residual = torch.linalg.vector_norm(unit - rounded.double(), dim=1)
+        gamma = 2 * dim * 2.0**-24
         # row bound = SAFETY * (||v|| * on_norms + ||dv|| * on_residuals + OUT * max_j |out_ij|)
-        self.on_norms = SAFETY * float((residual + gamma * rounded_norm).max()) if len(norms) else 0.0
-        self.on_residuals = SAFETY * float(((1 + gamma) * rounded_norm).max()) if len(norms) else 0.0
+        self.on_norms = SAFETY * float((residual + gamma * rounded_norm).max()) if count else 0.0
+        self.on_residuals = SAFETY * float(((1 + gamma) * rounded_norm).max()) if count else 0.0
 
 
 OUT = SAFETY * BF16_ROUNDOFF / (1 - BF16_ROUNDOFF)  # the bf16 result's rounding, relative to |result|
@@ -260,13 +267,17 @@ FLOOR_GROUP = 64
 #: order, no gather): rows whose scores lie within the screen's error of each other for many queries (bench/screen.py's
 #: clustered rows, before each query had its own floor: 10.7x torch fp32 gathering, 1.9x scoring every row).
 DENSE_SHARE = 0.5
+#: Below this share of the reaching rows times the queries, the pairs that reach are rescored one query at a time
+#: (:func:`_query_products`) instead of by a GEMM of those rows and every query.
+PAIR_SHARE = 0.125
 
 
 def candidate_scores(
     block: ScreenedBlock, queries: ScreenedQueries, floor: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 scores ``[q, m]`` of the rows ``ids`` (``[m]``, or ``[q, m]`` one list per query) of the block that
-    can reach some query's top-k; a pair scored ``-inf`` is one of no interest (it is in the query's list twice).
+    can reach some query's top-k; a pair scored ``-inf`` is one of no interest (padding, or a row already in the
+    query's list).
 
     ``floor [q]`` is a lower bound of each query's final k-th best float32 score (``-inf`` when unknown). The
     screen works in units of each query's norm: ``out_ij ~ v_i . q_j / ||q_j||``. Each query's floor is raised to
@@ -275,18 +286,26 @@ def candidate_scores(
     that pass only per-row passes (the screen's row minimum and maximum) touch the whole ``[n, q]`` screen; the
     per-query test runs on the rows that pass the per-row one (see :func:`_reaching`). Those passes run on one
     thread: dozens of small operations, each a barrier for every thread, cost more in waits than they gain on a
-    busy machine; the rescoring GEMM runs on every thread, over the candidates or, beyond :data:`DENSE_SHARE` of
-    the block, over every row."""
+    busy machine. The pairs that reach are rescored one query at a time (:func:`_query_products`) where they are
+    few against the rows times the queries (a row seldom reaches more than one query: on N(0,1) rows 1,572 pairs
+    of 1,474 rows, 64 queries), else by a GEMM of the rows that reach and every query, on every thread, or, beyond
+    :data:`DENSE_SHARE` of the block, of every row."""
     out = _screen_products(block.screen, queries.screen_t)  # [n, q] bf16
-    low, high = torch.aminmax(out, dim=1)
+    low, high = out.amin(dim=1), out.amax(dim=1)  # two reductions: 2.2 ms against aminmax's 3.2 on [50k, 64] bf16
+    pairs = _floor_pairs(out, block.scales, k) if len(block) >= k else None  # passes over the screen: all threads
     with one_thread():
-        pairs, pair_scores, rows = _candidates(block, queries, floor, k, out, low.float(), high.float())
-    if len(rows) > DENSE_SHARE * len(block):  # the screen pruned little: score every row as stored
+        pairs, pair_scores, rows, reach = _candidates(block, queries, floor, k, out, low.float(), high.float(), pairs)
+        dense = len(rows) > DENSE_SHARE * len(block)  # the screen pruned little: score every row as stored
+        if not dense and pairs is not None and int(reach.sum()) < PAIR_SHARE * reach.numel():
+            _drop_pairs(reach, rows, pairs)
+            scores, ids = _reached_scores(block, rows, reach, queries.exact)
+            return torch.cat([pair_scores, scores], dim=1), torch.cat([block.ids[pairs], ids], dim=1)
+    if dense:
         return float32_products(block.exact, queries.exact_t, block.scales).T, block.ids
     scores = _rescored(block, rows, queries.exact_t).T  # on every thread: a GEMM
     if pairs is None:
         return scores, block.ids[rows]
-    _drop_pairs(scores, rows, pairs)
+    _drop_pairs(scores, rows, pairs, fill=-torch.inf)
     ids = torch.cat([block.ids[pairs], block.ids[rows].expand(len(pairs), -1)], dim=1)
     return torch.cat([pair_scores, scores], dim=1), ids
 
@@ -309,24 +328,26 @@ def _candidates(
     out: torch.Tensor,
     low: torch.Tensor,
     high: torch.Tensor,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """:func:`candidate_scores` after the screen and its row minimum ``low`` and maximum ``high``: the rows each
-    query's floor was scored on (``[q, f]``, ``None`` for a block of fewer than ``k`` rows) and their float32
-    scores, and the rows that can reach some query's top-k."""
+    pairs: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """:func:`candidate_scores` after the screen, its row minimum ``low`` and maximum ``high`` and the rows each
+    query's floor is scored on (``pairs [q, f]``, :func:`_floor_pairs`; ``None`` for a block of fewer than ``k``
+    rows): those rows and their float32 scores, the rows that can reach some query's top-k and which queries'
+    each reaches (``[rows, q]``)."""
     bound = torch.maximum(high, low.neg()).mul_(OUT)
     bound.add_(block.norms, alpha=queries.on_norms).add_(block.residuals, alpha=queries.on_residuals)
     best = high  # each row's largest (scaled) screen value over the queries
     if block.scales is not None:
         best = torch.where(block.scales >= 0, high * block.scales, low * block.scales)
         bound.mul_(block.scales.abs())
-    pairs = pair_scores = None
-    if len(block) >= k:  # the float32 scores of each query's best rows on the screen give a tight floor
-        pairs = _floor_pairs(out, block.scales, k)
-        pair_scores = _pair_products(block, pairs, queries.exact)
+    pair_scores = None
+    if pairs is not None:  # the float32 scores of each query's best rows on the screen give a tight floor
+        counts = torch.full((len(pairs),), pairs.shape[1], dtype=torch.int64)
+        pair_scores = _query_products(block, pairs.flatten(), counts, queries.exact).view(pairs.shape)
         floor = torch.maximum(floor, pair_scores.topk(k, dim=1).values[:, k - 1])
     unit_floor = floor / queries.norms
     unit_floor -= unit_floor.abs() * FLOOR_MARGIN
-    return pairs, pair_scores, _reaching(out, block.scales, best, bound, unit_floor)
+    return pairs, pair_scores, *_reaching(out, block.scales, best, bound, unit_floor)
 
 
 def _floor_pairs(out: torch.Tensor, scales: torch.Tensor | None, k: int) -> torch.Tensor:
@@ -351,40 +372,90 @@ def _floor_pairs(out: torch.Tensor, scales: torch.Tensor | None, k: int) -> torc
     return member.mul_(groups).add_(chosen).T.contiguous()
 
 
-def _pair_products(block: ScreenedBlock, pairs: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """Float32 scores ``[q, f]`` of row ``pairs[j, i]`` with query ``j`` (``queries [q, d]``): one dot product
-    per pair (``f`` rows per query, not every query's rows with every query), a tile of pairs at a time."""
-    flat = pairs.flatten()
-    scores = torch.empty(len(flat), dtype=torch.float32, device=pairs.device)
-    query_of = torch.arange(len(pairs), device=pairs.device).repeat_interleave(pairs.shape[1])
-    for where, tile in gathered_tiles(block.exact, flat, max(1, TILE_ELEMENTS // max(1, queries.shape[1]))):
-        scores.index_copy_(0, where, torch.linalg.vecdot(tile, queries.index_select(0, query_of[where])))
-    scores = scores.view(pairs.shape)
-    return scores if block.scales is None else scores.mul_(block.scales[pairs])
+def _query_products(block: ScreenedBlock, positions: torch.Tensor, counts: torch.Tensor, queries: torch.Tensor):
+    """Float32 scores ``[P]`` of the block's rows ``positions`` (grouped by query: ``counts[j]`` rows of query ``j``,
+    in order) with their queries (``queries [q, d]``), scaled: the rows of consecutive queries gathered into one
+    float32 buffer of about :data:`TILE_ELEMENTS`, then one GEMV per query over its own rows (not every query's
+    rows with every query, nor a gathered copy of the queries)."""
+    scores = torch.empty(len(positions), dtype=torch.float32, device=positions.device)
+    if not len(positions):
+        return scores
+    tile_rows = max(1, TILE_ELEMENTS // max(1, queries.shape[1]))
+    sizes = counts.tolist()
+    buffer = torch.empty(max(tile_rows, max(sizes)), queries.shape[1], dtype=torch.float32, device=queries.device)
+    first = start = 0
+    while first < len(sizes):
+        last, total = first, 0
+        while last < len(sizes) and (last == first or total + sizes[last] <= tile_rows):
+            total, last = total + sizes[last], last + 1
+        rows = _gathered_into(block.exact, positions[start : start + total], buffer[:total])
+        offset = 0
+        for j in range(first, last):
+            if sizes[j]:
+                part = slice(offset, offset + sizes[j])
+                torch.mv(rows[part], queries[j], out=scores[start + offset : start + offset + sizes[j]])
+                offset += sizes[j]
+        first, start = last, start + total
+    return scores if block.scales is None else scores.mul_(block.scales[positions])
 
 
-def _drop_pairs(scores: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor) -> None:
-    """Set ``scores[j, i]`` (of ``rows [m]``, sorted) to ``-inf`` where ``rows[i]`` is one of ``pairs[j]``: the
-    pair is already scored among the floor's pairs (each id once per query)."""
+def _gathered_into(rows: Rows, positions: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """``rows[positions]`` in float32, written into ``buffer`` (``[len(positions), d]``, reused: a fresh tensor
+    costs more in page faults than the copy)."""
+    if isinstance(rows, RowPieces):
+        for where, tile in rows.tiles(positions, len(positions)):
+            buffer.index_copy_(0, where, tile)
+        return buffer
+    return buffer.copy_(rows.index_select(0, positions))
+
+
+def _reached_scores(
+    block: ScreenedBlock, rows: torch.Tensor, reach: torch.Tensor, queries: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 scores and ids ``[q, m]`` of the pairs ``reach [rows, q]`` marks, each query's list padded to the
+    longest with ``-inf``."""
+    query_of, row_of = reach.T.nonzero(as_tuple=True)  # grouped by query
+    counts = torch.bincount(query_of, minlength=reach.shape[1])
+    positions = rows[row_of]
+    values = _query_products(block, positions, counts, queries)
+    width = max(1, int(counts.max()))
+    column = torch.arange(len(positions), device=positions.device) - (counts.cumsum(0) - counts)[query_of]
+    scores = torch.full((reach.shape[1], width), -torch.inf, dtype=torch.float32, device=values.device)
+    ids = block.ids[:1].expand(reach.shape[1], width).clone()
+    scores[query_of, column] = values
+    ids[query_of, column] = block.ids[positions]
+    return scores, ids
+
+
+def _drop_pairs(table: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, fill: float | bool = False) -> None:
+    """Set ``table`` to ``fill`` at (``rows[i]``, query ``j``) where ``rows[i]`` (sorted) is one of ``pairs[j]``:
+    the pair is already scored among the floor's pairs (each id once per query). ``table`` is ``[q, m]`` scores
+    (``fill`` ``-inf``) or the ``[m, q]`` mask of the pairs that reach (``False``)."""
     if not len(rows):
         return
     at = torch.searchsorted(rows, pairs).clamp_(max=len(rows) - 1)
     present = rows[at] == pairs
-    scores[present.nonzero()[:, 0], at[present]] = -torch.inf
+    query, row = present.nonzero()[:, 0], at[present]
+    if table.dtype == torch.bool:
+        table[row, query] = fill
+    else:
+        table[query, row] = fill
 
 
 def _reaching(
     out: torch.Tensor, scales: torch.Tensor | None, best: torch.Tensor, bound: torch.Tensor, unit_floor: torch.Tensor
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows (sorted) whose upper bound ``scales * out_ij + bound_i`` reaches ``unit_floor_j`` for some query
-    ``j``. A row whose best value misses the lowest floor misses every query's (float32 rounding is monotone, so
-    this per-row test never drops a row the per-query one keeps); the rest are tested per query."""
+    ``j``, and for which queries (``[rows, q]``). A row whose best value misses the lowest floor misses every
+    query's (float32 rounding is monotone, so this per-row test never drops a row the per-query one keeps); the
+    rest are tested per query."""
     rows = (best.sub(unit_floor.min()).add_(bound) >= 0).nonzero().flatten()
     values = out[rows].to(torch.float32)
     if scales is not None:
         values.mul_(scales[rows, None])
-    reach = values.sub_(unit_floor).amax(dim=1).add_(bound[rows])
-    return rows[reach >= 0]
+    reach = values.sub_(unit_floor).add_(bound[rows, None]) >= 0
+    kept = reach.any(dim=1)
+    return rows[kept], reach[kept]
 
 
 def _rescored(block: ScreenedBlock, rows: torch.Tensor, queries_t: torch.Tensor) -> torch.Tensor:

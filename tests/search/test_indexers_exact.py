@@ -473,3 +473,35 @@ def test_row_pieces_gather_rows_in_any_order() -> None:
     ]
     with pytest.raises(ValueError, match="one width"):
         RowPieces([rows, rows[:, :2]])
+
+
+@pytest.mark.parametrize("pieces", [False, True], ids=["one-tensor", "in-pieces"])
+def test_bfloat16_kernel_rescores_the_reaching_pairs_one_query_at_a_time(monkeypatch, pieces: bool) -> None:
+    """Scaled unit rows where each row reaches about one query's top-k: the pairs that reach are rescored per query
+    (one GEMV each over its own rows, lists of unequal lengths padded with ``-inf``) and the result is the float32
+    kernel's, every id once per query; a row already among a query's floor pairs is not listed twice."""
+    rng = np.random.default_rng(21)
+    n, d, q = 6000, 96, 24
+    vectors = rng.standard_normal((n, d)).astype(np.float32)
+    queries = rng.standard_normal((q, d)).astype(np.float32)
+    norms = rng.uniform(0.5, 2.0, n).astype(np.float32)
+    unit16 = torch.from_numpy(vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).to(torch.float16)
+    ids = rng.permutation(10**6)[:n].astype(np.int64)
+    calls = []
+    real = screening._reached_scores
+    monkeypatch.setattr("indexers.screening._reached_scores", lambda *a: calls.append(a[2].sum()) or real(*a))
+    index = ExactIndex(device="cpu", kernel="bfloat16", block_rows=n)
+    if pieces:
+        starts = range(0, n, 1000)
+        source = index.prepare_blocks(
+            lambda: iter([(ids[a : a + 1000], unit16[a : a + 1000], norms[a : a + 1000]) for a in starts])
+        )
+    else:
+        source = index.prepare(ids, unit16, norms)
+    scaled = unit16.to(torch.float32).numpy() * norms[:, None]
+    expected = ExactIndex(device="cpu", kernel="float32").search(queries, (ids, scaled), 10)
+    scores, found = index.search(queries, source, 10)
+    assert calls and 0 < int(calls[0]) < n * q // 8  # the per-query path ran, on few pairs
+    np.testing.assert_array_equal(found, expected[1])
+    np.testing.assert_allclose(scores, expected[0], rtol=1e-6)
+    assert all(len(set(row)) == len(row) for row in found.tolist())
