@@ -39,7 +39,7 @@ from ingest.capture_config import (
     build_spec,
     check_label,
 )
-from ingest.coverage import Coverage
+from ingest.coverage import Coverage, CoverageWarning
 from ingest.curvature import CURVATURE_SPLITS, CurvatureStats
 from ingest.delivery import Delivery
 from ingest.hooks import ActiveBatch, LayerHook, in_backward, in_functorch
@@ -191,6 +191,7 @@ class GradientCapture:
         self._uses_needed = bool(op_level) or self.config.example_dim != 0
         self._uses_probe = True
         self._uses_active = False
+        self._ambiguity_warned = False  # an input whose examples' dim is ambiguous (example_dim), warned once
         self._shifted_labels = shifts_labels(model)  # a "token_mean" loss over shifted labels (a causal LM)
         self._outside_known: set[str] = set()  # hooked parameters the probes saw used outside their modules
         self._last_probe = 0  # the captured forward that probed last
@@ -386,7 +387,7 @@ class GradientCapture:
         set_ids, self._next_ids = self._next_ids, None
         if kwarg_ids is not None and set_ids is not None:
             raise CaptureUsageError(f"capture: ids were given both as `{ID_KWARG}` and through set_ids(); give one")
-        inputs = find_inputs(args, kwargs)
+        inputs = main = find_inputs(args, kwargs)
         given = kwarg_ids if kwarg_ids is not None else set_ids
         if inputs is None and given is None:
             raise CaptureUsageError(
@@ -442,8 +443,17 @@ class GradientCapture:
             if any(h.module is module for h, hooked in zip(self.layer_hooks, self._hooked) if hooked):
                 self._uses.enter_module(module, args)  # the model is a hooked layer: its pre-hook came too late
         if self._uses_needed or self._uses_probe:
-            mark_batched(args, size, dim)
-            mark_batched(kwargs.values(), size, dim)
+            ambiguous = mark_batched(args, size, dim, main) + mark_batched(kwargs.values(), size, dim, main)
+            if ambiguous and not self._ambiguity_warned:
+                self._ambiguity_warned = True
+                warnings.warn(
+                    f"capture (example_dim={dim}): model inputs of shape {ambiguous[0]} have the batch's size "
+                    f"({size}) along dim 0 and dim {dim}, so which one indexes their examples is ambiguous; the "
+                    "parameters their values reach are reported not captured. Give such inputs a size other than "
+                    "the batch's along the other dim (or the model batch-first inputs)",
+                    CoverageWarning,
+                    stacklevel=2,
+                )
             self._uses.__enter__()
             self._uses_active = True
         return args, kwargs

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from torch import nn
 
 #: Why a trainable parameter is not a layer of its own (see :func:`uncaptured_parameters`).
-REASON_STACKED = "parameter of 4 or more non-trivial dims: not captured"
 
 
 @dataclass(frozen=True)
@@ -239,9 +238,7 @@ def _candidate_layers(model: nn.Module) -> tuple[list[LayerInfo], dict[int, str]
                 # one matrix, a bare parameter
                 layers.extend(stacked_info(full, module, param))
                 reasons[id(param)] = ""
-            elif sum(s > 1 for s in param.shape) > 2:
-                reasons[id(param)] = REASON_STACKED
-            else:
+            else:  # of any rank ([1, C, H, W] position maps too): the ops that meet the batch split it, or say not
                 layers.append(parameter_info(full, module, param))
                 reasons[id(param)] = ""
     layers = [dataclasses.replace(i, hooked=False) if id(i.module) in bypassed else i for i in layers]

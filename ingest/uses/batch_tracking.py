@@ -58,16 +58,27 @@ def tensors_in(values: Iterable[Any]) -> Iterator[torch.Tensor]:
             yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
-def mark_batched(values: Iterable[Any], size: int, dim: int = 0) -> None:
-    """Mark the tensors among ``values`` (and inside lists, tuples and dicts one level down) whose ``dim`` has the
-    batch's ``size`` as the batch's, examples along ``dim`` (a shared ``[T, d]`` table passed beside the batch is
-    not: where ``T == B`` it cannot be told from a batch tensor by its shape, see docs/capture.md)."""
+def mark_batched(
+    values: Iterable[Any], size: int, dim: int = 0, main: torch.Tensor | None = None
+) -> list[tuple[int, ...]]:
+    """Mark the tensors among ``values`` (and inside lists, tuples and dicts one level down) that have the batch's
+    ``size`` along dim 0 or along ``dim`` (the model's input's examples' dim) as the batch's, examples along that
+    dim; ``main`` (the model's input) along ``dim`` (a shared ``[T, d]`` table passed beside the batch is not:
+    where ``T == B`` it cannot be told from a batch tensor by its shape, see docs/capture.md). A tensor with the
+    batch's size along both (``dim`` not 0: a batch-first side input ``[B, N]`` with ``N == B``, or a sequence-first
+    one with ``T == B``) is marked batched along an unknown dim (-1: its uses are not split, so reported); their
+    shapes are returned."""
+    ambiguous = []
     for value in values:
         if isinstance(value, dict):
-            mark_batched(value.values(), size, dim)
+            ambiguous += mark_batched(value.values(), size, dim, main)
         for t in tensors_in([value]):
-            if t.dim() > dim and t.shape[dim] == size:
-                setattr(t, BATCHED, dim)
+            along = [dim] if t is main else [d for d in dict.fromkeys((dim, 0)) if t.dim() > d and t.shape[d] == size]
+            if len(along) > 1:
+                ambiguous.append(tuple(t.shape))
+            if along:
+                setattr(t, BATCHED, along[0] if len(along) == 1 else -1)
+    return ambiguous
 
 
 def row_block(piece: torch.Tensor, param: torch.Tensor) -> tuple[int, int] | None:

@@ -334,6 +334,6 @@ def _hook_owns(x: Any, size: int) -> bool | str:
         # computed from parameters alone (a relative-position table projected): followed to where it meets the
         # batch; expanding the module's output over the batch would change its shape under the model's feet
         return False
-    if dim == 0 or (dim is None and x.dim() > 0 and size == 1):
-        return True
+    if dim == 0 or (dim is None and x.dim() > 0 and size == 1 and x.shape[0] == 1):
+        return True  # batch-first, or one row of a one-example batch (a [T, d] input is a table: followed)
     return "single" if dim is None and x.dim() > 0 and x.shape[0] == 1 else False

@@ -69,7 +69,9 @@ def in_place(func: Any) -> bool:
 
 
 def op_name(func: Any) -> str:
-    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    """The op's name as a user writes it: ``torch.conv2d`` (not its binding class's), ``TensorBase.matmul``."""
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    return name.replace("_VariableFunctionsClass.", "torch.")
 
 
 def bind_arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -34,8 +34,9 @@ class BareEinsum(nn.Module):
 
 
 class BareKernel(nn.Module):
-    """A bare 4-D parameter (a kernel the model convolves with itself): not a layer capture splits, known before
-    the first forward (an RNN/LSTM/GRU is captured exactly: the model zoo's ``recurrent`` cases)."""
+    """A bare 4-D parameter (a kernel the model convolves with itself): a parameter slot whose use (a convolution
+    with a bare kernel) no rule splits, reported at the use (an RNN/LSTM/GRU is captured exactly: the model zoo's
+    ``recurrent`` cases; a ``[1, C, H, W]`` map added to the batch meets it exactly)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -91,14 +92,16 @@ def test_an_unsplittable_use_is_recorded_and_warned_once() -> None:
 
 
 def test_strict_refuses_at_start_and_at_the_use() -> None:
-    with pytest.raises(CaptureUsageError, match=r"kernel \(parameter of 4"):
-        GradientCapture(BareKernel(), lambda batch: None, CaptureConfig.from_options(coverage="strict"))
-    model = BareEinsum()
-    with (
-        pytest.raises(CaptureUsageError, match="w \\(used by"),
-        GradientCapture(model, lambda batch: None, CaptureConfig.from_options(coverage="strict")),
-    ):
-        model(torch.randn(2, 4)).sum().backward()
+    bitfit = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    bitfit[0].weight.requires_grad_(False)  # a trainable bias of a frozen weight: known before any forward
+    with pytest.raises(CaptureUsageError, match=r"0.bias \(its layer 0's weight is frozen"):
+        GradientCapture(bitfit, lambda batch: None, CaptureConfig.from_options(coverage="strict"))
+    for model, x, name in ((BareEinsum(), torch.randn(2, 4), "w"), (BareKernel(), torch.randn(2, 5, 4), "kernel")):
+        with (
+            pytest.raises(CaptureUsageError, match=f"{name} \\(used by"),
+            GradientCapture(model, lambda batch: None, CaptureConfig.from_options(coverage="strict")),
+        ):
+            model(x).sum().backward()
 
 
 def test_ignore_records_without_warning_and_norms_are_a_decision() -> None:
@@ -238,8 +241,10 @@ def test_the_store_keeps_each_runs_coverage(tmp_path) -> None:
     assert coverage["fraction"] == pytest.approx(12 / (12 + 48))
     table = store.sql("select parameter, captured, how from capture_coverage order by parameter").df()
     assert table.loc[table.parameter == "head.weight", "how"].item() == "hook"
-    with pytest.raises(gradstore.GradstoreError, match="parameter of 4"):
-        store.capture(model, run="kernel", coverage="strict")
+    refused = pytest.raises(gradstore.GradstoreError, match=r"kernel \(used by torch.conv2d")
+    with refused, store.capture(model, run="kernel", coverage="strict") as cap:
+        cap.set_ids(["c", "d"])
+        model(torch.randn(2, 5, 4)).sum().backward()
     report = gather(store.core)
     assert report.overview["runs"][0]["coverage"]["not_captured"] == coverage["not_captured"]
     printed = subprocess.run(
@@ -442,3 +447,27 @@ def test_a_trainable_bias_of_a_frozen_weight_is_a_warned_gap_not_a_decision() ->
     model[2].weight.requires_grad_(False)
     with pytest.raises(CaptureUsageError, match="include_frozen=True"):
         GradientCapture(model, lambda batch: None, CaptureConfig.from_options(projection=None))
+
+
+def test_a_position_map_of_three_non_trivial_dims_meets_the_batch_exactly() -> None:
+    """A ``[1, C, H, W]`` learned map added to a convolution's output (was refused as a "parameter of 4 or more
+    non-trivial dims"): a bare parameter slot, split where it meets the batch."""
+
+    class Mapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(2, 3, 3, padding=1)
+            self.pos = nn.Parameter(torch.randn(1, 3, 4, 4))
+            self.head = nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head((self.conv(x) + self.pos).relu().mean((2, 3)))
+
+    torch.manual_seed(0)
+    model, x = Mapped(), torch.randn(3, 2, 4, 4)
+    cap, rows, caught = _capture(model, x, coverage="strict", loss_reduction="sum")  # the loss: the outputs' sum
+    s = cap.spec.slot("pos")
+    for i in range(3):
+        expected = torch.autograd.grad(model(x[i : i + 1]).sum(), [model.pos])[0]
+        torch.testing.assert_close(rows[0].grads[i, s.offset : s.offset + s.size], expected.reshape(-1))
+    assert not caught

@@ -173,3 +173,78 @@ def test_the_store_refuses_a_bad_example_dim_with_its_own_error(tmp_path) -> Non
     store = gradstore.open(tmp_path / "store")
     with pytest.raises(gradstore.GradstoreError, match="example_dim must be a non-negative int"):
         store.capture(RecurrentLM(), "lm", example_dim="time")
+
+
+class CaptionDecoder(nn.Module):
+    """Sequence-first token ids ``[T, B]`` cross-attending to a batch-first side input ``feats [B, N, C]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 4)
+        self.proj = nn.Linear(5, 4)
+        self.attend = nn.MultiheadAttention(4, 1)
+        self.head = nn.Linear(4, VOCAB)
+
+    def forward(self, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        memory = self.proj(feats).transpose(0, 1)  # [N, B, 4]
+        h = self.embed(ids)
+        return self.head(h + self.attend(h, memory, memory, need_weights=False)[0])
+
+
+def _caption_case(regions: int) -> tuple[nn.Module, GradientCapture, torch.Tensor, list, list]:
+    torch.manual_seed(0)
+    model = CaptionDecoder()
+    ids, targets, feats = torch.randint(0, VOCAB, (4, 3)), torch.randint(0, VOCAB, (4, 3)), torch.randn(3, regions, 5)
+    rows = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = CaptureConfig.from_options(projection=None, example_dim=1)
+        with GradientCapture(model, rows.append, config) as cap:
+            nn.functional.cross_entropy(model(ids, feats).reshape(-1, VOCAB), targets.reshape(-1)).backward()
+    names = [n for n, _ in model.named_parameters()]
+    reference = []
+    for b in range(3):
+        loss = nn.functional.cross_entropy(model(ids[:, [b]], feats[[b]]).reshape(-1, VOCAB), targets[:, b])
+        reference.append(dict(zip(names, torch.autograd.grad(loss, list(model.parameters())))))
+    return model, cap, rows[0].grads, reference, [w for w in caught if issubclass(w.category, CoverageWarning)]
+
+
+def test_a_batch_first_side_input_of_a_sequence_first_model_is_exact() -> None:
+    """``feats [B, N, C]`` (N != B) has the batch's size along dim 0 only: its examples are there."""
+    model, cap, grads, reference, caught = _caption_case(regions=5)
+    assert not caught and not cap.coverage.gaps()
+    for slot in cap.spec.layers:
+        expected = torch.stack([_slot_reference(model, g, slot) for g in reference])
+        torch.testing.assert_close(grads[:, slot.offset : slot.offset + slot.size], expected, rtol=1e-4, atol=1e-6)
+
+
+def test_a_side_input_with_the_batch_size_along_both_dims_is_reported_not_guessed() -> None:
+    """``feats [B, B, C]``: dim 0 or dim 1 could index the examples; reading it along ``example_dim`` gave `proj`
+    another example's rows silently, now its uses are reported with the ambiguity named."""
+    _, cap, _, _, caught = _caption_case(regions=3)
+    gaps = {p.name for p in cap.coverage.gaps()}
+    assert {"proj.weight", "proj.bias"} <= gaps, gaps
+    assert any("along dim 0 and dim 1" in str(w.message) for w in caught)
+
+
+def test_one_example_with_a_position_lookup_of_the_whole_sequence_is_exact() -> None:
+    """B == 1 with ``pos(arange(T))`` (a ``[T]`` input of a hooked Embedding, no batch dim): it meets the batch at
+    the add, as for B > 1 (it raised "got a batch of T for a forward of 1 examples", stopping the training)."""
+
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos, self.head = nn.Embedding(VOCAB, 4), nn.Embedding(8, 4), nn.Linear(4, VOCAB)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))
+
+    torch.manual_seed(0)
+    model, ids = Positions(), torch.randint(0, VOCAB, (1, 5))
+    rows = []
+    with GradientCapture(model, rows.append, CaptureConfig.from_options(projection=None, coverage="strict")) as cap:
+        nn.functional.cross_entropy(model(ids)[0], ids[0]).backward()
+    grads = dict(model.named_parameters())
+    expected = torch.autograd.grad(nn.functional.cross_entropy(model(ids)[0], ids[0]), [grads["pos.weight"]])[0]
+    s = cap.spec.slot("pos")
+    torch.testing.assert_close(rows[0].grads[0, s.offset : s.offset + s.size], expected.T.flatten())
