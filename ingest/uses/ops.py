@@ -50,6 +50,13 @@ TRANSPOSED_CONVOLUTIONS = frozenset([torch.conv_transpose1d, torch.conv_transpos
 #: Matrix products ``(a, b)`` (``x @ W``, ``W @ x``, ``torch.matmul``, ``mm``).
 MATMULS = frozenset([torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.__matmul__])
 #: Normalisations with an elementwise scale (and shift) over the last dims: their argument names, in order.
+#: Normalisations over the channels' dim 1 of ``[B, C, ...]`` inputs, by their arguments' names: per example
+#: exact where their statistics are the example's own or fixed (group and instance norm; batch norm in eval mode).
+CHANNEL_NORMALIZATIONS = {
+    F.group_norm: ("input", "num_groups", "weight", "bias", "eps"),
+    F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+    F.instance_norm: ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps"),
+}
 NORMALIZATIONS = {
     F.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps"),
     **({F.rms_norm: ("input", "normalized_shape", "weight", "eps")} if hasattr(F, "rms_norm") else {}),

@@ -43,6 +43,7 @@ from ingest.uses.gradients import (
     widen_rows,
 )
 from ingest.uses.ops import (
+    CHANNEL_NORMALIZATIONS,
     CONCATENATIONS,
     CONVOLUTIONS,
     ELEMENTWISE,
@@ -163,6 +164,8 @@ class UseRules:
                 result = self._matmul(batch, *args)
             elif func in NORMALIZATIONS:
                 result = self._normalization(batch, func, args, kwargs)
+            elif func in CHANNEL_NORMALIZATIONS:
+                result = self._channel_normalization(batch, func, args, kwargs)
             elif func is F.scaled_dot_product_attention:
                 result = self._attention_bias(batch, args, kwargs)
             elif func in ELEMENTWISE or func in CONCATENATIONS:
@@ -503,6 +506,41 @@ class UseRules:
         out.register_hook(
             functools.partial(normalization_backward, hooks, scale, batch.generation, layout(x_hat), len(shape), layout)
         )
+        return out
+
+    def _channel_normalization(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``F.group_norm``, ``F.instance_norm`` and ``F.batch_norm`` in eval mode on a batch-first ``[B, C, ...]``
+        input, with a captured per-channel scale or shift (kind ``norm``): each example's statistics are its own (or
+        the running ones), so per example the scale's gradient sums ``dy * x_hat`` and the shift's ``dy`` over the
+        example's positions, channel by channel. Batch norm in training mode normalises by the batch's statistics
+        (no per-example split; the BatchNorm module's pre-hook records that the rows mix the examples)."""
+        bound = {**dict(zip(CHANNEL_NORMALIZATIONS[func], args)), **kwargs}
+        x, scale, shift = bound["input"], bound.get("weight"), bound.get("bias")
+        eps = bound.get("eps", 1e-5)
+        if batch_dim(x) != 0 or x.dim() < 2 or self.sequence_first:
+            return None
+        with torch.no_grad():
+            if func is F.group_norm:
+                x_hat = F.group_norm(x.detach(), bound["num_groups"], eps=eps)
+            elif func is F.instance_norm and bound.get("use_input_stats", True):
+                x_hat = F.instance_norm(x.detach(), eps=eps)  # no running statistics: none are updated twice
+            elif func is F.instance_norm:
+                x_hat = F.instance_norm(
+                    x.detach(), bound["running_mean"], bound["running_var"], None, None, False, 0.0, eps
+                )
+            elif bound.get("training") or bound.get("running_mean") is None:
+                return None
+            else:
+                x_hat = F.batch_norm(
+                    x.detach(), bound["running_mean"], bound["running_var"], None, None, False, 0.0, eps
+                )
+        hooks = [(p, self._slot(p, ("norm",))) for p in (scale, shift) if p is not None]
+        out = func(*args, **kwargs)
+        channels_last = functools.partial(torch.movedim, source=1, destination=-1)
+        backward = functools.partial(
+            normalization_backward, hooks, scale, batch.generation, channels_last(x_hat), 1, channels_last
+        )
+        out.register_hook(backward)
         return out
 
     def _grouped(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:

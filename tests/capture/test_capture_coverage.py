@@ -471,3 +471,50 @@ def test_a_position_map_of_three_non_trivial_dims_meets_the_batch_exactly() -> N
         expected = torch.autograd.grad(model(x[i : i + 1]).sum(), [model.pos])[0]
         torch.testing.assert_close(rows[0].grads[i, s.offset : s.offset + s.size], expected.reshape(-1))
     assert not caught
+
+
+def _channel_normed(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    if kind == "batch1d-eval":
+        return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4).eval(), nn.ReLU(), nn.Linear(4, 2)), torch.randn(3, 3)
+    norm = {
+        "group": lambda: nn.GroupNorm(2, 4),
+        "batch-eval": lambda: nn.BatchNorm2d(4).eval(),
+        "instance": lambda: nn.InstanceNorm2d(4, affine=True),
+        "instance-running-stats": lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True).eval(),
+    }[kind]()
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), norm, nn.ReLU(), nn.Flatten(), nn.Linear(100, 2))
+    return model, torch.randn(3, 3, 5, 5)
+
+
+@pytest.mark.parametrize("kind", ["group", "batch-eval", "instance", "instance-running-stats", "batch1d-eval"])
+def test_channel_norms_scales_and_shifts_are_exact_when_opted_in(kind: str) -> None:
+    """``layer_types`` with ``"norm"``: GroupNorm, InstanceNorm and BatchNorm in eval mode normalise each example
+    by its own (or fixed) statistics, so their scale and shift rows are the examples' own gradients (they were
+    reported "used by group_norm in a way capture cannot split"); running statistics are left as they were."""
+    torch.manual_seed(0)
+    model, x = _channel_normed(kind)
+    norm = model[1]
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.uniform_(0.5, 1.5)
+        if getattr(norm, "running_mean", None) is not None:
+            norm.running_mean.uniform_(-1, 1)
+            norm.running_var.uniform_(0.5, 2)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    cap, rows, caught = _capture(
+        model, x, loss_reduction="sum", layer_types=("linear", "conv", "norm"), coverage="strict"
+    )
+    assert not caught
+    for name in ("1.weight", "1.bias"):
+        s, param = cap.spec.slot(name), dict(model.named_parameters())[name]
+        for i in range(len(x)):
+            expected = torch.autograd.grad(model(x[i : i + 1]).sum(), [param])[0]
+            torch.testing.assert_close(rows[0].grads[i, s.offset : s.offset + s.size], expected, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items() if "running" in k)
+
+
+def test_batch_norm_in_training_mode_stays_reported() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(100, 2))
+    cap, _, caught = _capture(model, torch.randn(3, 3, 5, 5), layer_types=("linear", "conv", "norm"))
+    assert {"1.weight", "1.bias", "1 (mixes examples)"} <= {p.name for p in cap.coverage.gaps()} and caught
