@@ -402,6 +402,42 @@ class LayerHook:
                 stats.add(s.name, x_p.unsqueeze(1), (dy_p * scales.unsqueeze(1)).unsqueeze(1), None)
         self.owner.gradient_arrived(batch)
 
+    def add_lookup(
+        self, generation: int, index: torch.Tensor, values: torch.Tensor, owner: torch.Tensor, rows: bool
+    ) -> None:
+        """Add one lookup in this slot's bare parameter used as a table (``P[ids]`` with the batch's ids): lookup
+        ``r`` of example ``owner[r]`` read entry ``index[r]`` and got the output gradient ``values[r]``. ``rows``:
+        ``P`` is ``[d_out, d_in]`` and each lookup a row of it (``values [N, d_in]``), else ``P`` is ``[d_in]`` (a
+        ``[1, d_in]`` slot) and each lookup one entry (``values [N]``). Each example's gradient holds its values
+        at the entries it read (summed where read twice); on a factorized slot its block is formed from the
+        projections' rows at those entries, never the ``[d_out, d_in]`` gradient."""
+        batch = self.live_batch(generation)
+        if batch is None:
+            return
+        s = self.slot
+        with torch.no_grad():
+            values = values.detach().float()
+            if s.mode == "factorized":
+                ops = self.operands(values.device, torch.float32)
+                if rows:
+                    x_p, dy_p = project_tokens(values, ops.in_t), ops.out_t.index_select(0, index)
+                else:
+                    x_p = ops.in_t.index_select(0, index) * values.unsqueeze(1)
+                    dy_p = ops.out_t.expand(len(index), -1)
+                terms = (dy_p.unsqueeze(2) * x_p.unsqueeze(1)).flatten(1)
+                block = terms.new_zeros(batch.size, terms.shape[1]).index_add_(0, owner, terms)
+            else:
+                grad = values.new_zeros(batch.size, s.d_out, s.d_in)
+                at = (owner, index) if rows else (owner, torch.zeros_like(index), index)
+                grad.index_put_(at, values, accumulate=True)
+                block = self.gradient_block(grad)
+            self._add_block(batch, block)
+            stats = self.owner.curvature_stats()
+            if stats is not None and s.mode == "factorized":
+                scales = batch.scales.to(dy_p.device, dy_p.dtype)[owner]
+                stats.add(s.name, x_p.unsqueeze(1), (dy_p * scales.unsqueeze(1)).unsqueeze(1), None)
+        self.owner.gradient_arrived(batch)
+
     def gradient_block(self, grad: torch.Tensor) -> torch.Tensor:
         """This slot's block ``[B, size]`` of materialised per-example gradients ``[B, d_out, d_in (+1)]``:
         normalised, then kept (exact) or projected."""

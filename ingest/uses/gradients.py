@@ -86,6 +86,26 @@ def lookup_backward(
     hook.add_gradient(generation, grad)
 
 
+def table_backward(
+    hook: LayerHook,
+    generation: int,
+    index: torch.Tensor,
+    owner: torch.Tensor,
+    dim: int,
+    rows: bool,
+    padding_idx: int | None,
+    dy: torch.Tensor,
+) -> None:
+    """A bare parameter used as a table (:meth:`UseRules._table_lookup`): ``index`` and ``owner`` the entry and the
+    example of each lookup (the ids' examples' dim moved first, flattened), ``dy`` with the ids' examples along
+    ``dim``; a lookup of ``padding_idx`` gets no gradient (``F.embedding``'s)."""
+    dy = dy.detach().movedim(dim, 0)
+    values = dy.reshape(len(index), -1) if rows else dy.reshape(len(index))
+    if padding_idx is not None:
+        values = values * (index != padding_idx).to(values.dtype).view(-1, *([1] * (values.dim() - 1)))
+    hook.add_lookup(generation, index, values, owner, rows)
+
+
 def widen_rows(
     start: int, stop: int, size: int, layout: Callable[[torch.Tensor], torch.Tensor] | None = None
 ) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -209,7 +209,9 @@ class ParameterUses(UseRules, TorchFunctionMode):
                 setattr(out, OWNER, None)
         elif first is not None:
             dim, owner = batch_dim(first), getattr(first, OWNER, None)
-            pooled = size > 1 and owner is None and pools_examples(func, args, kwargs, dim, first.dim())
+            # entries move or combine along a dim of the op's input only (a batch of ids indexing a table does not)
+            taken = bool(args) and first is args[0]
+            pooled = size > 1 and owner is None and taken and pools_examples(func, args, kwargs, dim, first.dim())
             crossed = False  # a product of batch operands whose examples land apart (x @ x.T) or are summed over
             for out in tensors_in([result]):  # an in-place op returns (and so marks) its first operand
                 new, new_owner = result_batch(func, args, kwargs, first, dim, owner, out, size)

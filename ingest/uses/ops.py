@@ -50,6 +50,8 @@ TRANSPOSED_CONVOLUTIONS = frozenset([torch.conv_transpose1d, torch.conv_transpos
 #: Matrix products ``(a, b)`` (``x @ W``, ``W @ x``, ``torch.matmul``, ``mm``).
 MATMULS = frozenset([torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.__matmul__])
 #: Normalisations with an elementwise scale (and shift) over the last dims: their argument names, in order.
+#: Reads of a bare parameter's entries by the batch's ids (:meth:`~ingest.uses.rules.UseRules._index_lookup`).
+LOOKUPS = frozenset([torch.Tensor.__getitem__, torch.Tensor.index_select, torch.index_select])
 #: Normalisations over the channels' dim 1 of ``[B, C, ...]`` inputs, by their arguments' names: per example
 #: exact where their statistics are the example's own or fixed (group and instance norm; batch norm in eval mode).
 CHANNEL_NORMALIZATIONS = {

@@ -39,6 +39,7 @@ from ingest.uses.gradients import (
     meeting_backward,
     normalization_backward,
     rows_backward,
+    table_backward,
     transposed_conv_backward,
     widen_rows,
 )
@@ -48,6 +49,7 @@ from ingest.uses.ops import (
     CONVOLUTIONS,
     ELEMENTWISE,
     GROUPED_MM,
+    LOOKUPS,
     MATMULS,
     NORMALIZATIONS,
     TRANSPOSED_CONVOLUTIONS,
@@ -164,6 +166,8 @@ class UseRules:
                 result = self._matmul(batch, *args)
             elif func in NORMALIZATIONS:
                 result = self._normalization(batch, func, args, kwargs)
+            elif func in LOOKUPS:
+                result = self._index_lookup(batch, func, args, kwargs)
             elif func in CHANNEL_NORMALIZATIONS:
                 result = self._channel_normalization(batch, func, args, kwargs)
             elif func is F.scaled_dot_product_attention:
@@ -388,6 +392,10 @@ class UseRules:
             return None
         if bound.get("scale_grad_by_freq"):  # scaled by the counts over the whole batch: no per-example split
             return None
+        if hook is None and id(weight) in self.slots:  # a bare [n, d] parameter as the table
+            padding = bound.get("padding_idx")
+            padding = None if padding is None else padding % weight.shape[0]
+            return self._table_lookup(batch, F.embedding, args, kwargs, weight, idx, padding)
         if hook is None:
             return self._transposed_lookup(batch, args, kwargs, idx, weight, dim)
         out = F.embedding(*args, **kwargs)
@@ -397,6 +405,48 @@ class UseRules:
         route, saved = hook._save(idx.detach() if layout is None else layout(idx.detach()), batch.size)
         out.register_hook(functools.partial(hook_backward, hook, batch.generation, route, saved, layout))
         return out
+
+    def _table_lookup(
+        self,
+        batch: ActiveBatch,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        table: torch.Tensor,
+        index: Any,
+        padding_idx: int | None = None,
+    ) -> Any:
+        """A bare parameter used as a table of the batch's ids (``P[ids]``, ``P.index_select(0, ids)``,
+        ``F.embedding(ids, P)``: a matrix factorisation's user and item tables, per-id biases): each example's
+        gradient is its lookups' output gradients at the entries it read (:meth:`LayerHook.add_lookup`)."""
+        hook = self._slot(table, ("parameter",))
+        dim = batch_dim(index)
+        if hook is None or hook.PER_POSITION or table.dim() not in (1, 2) or dim is None or dim < 0:
+            return None
+        if not isinstance(index, torch.Tensor) or index.is_floating_point() or index.dtype == torch.bool:
+            return None
+        out = func(*args, **kwargs)
+        ids = index.detach().movedim(dim, 0).reshape(batch.size, -1)
+        owner = torch.arange(batch.size, device=ids.device).repeat_interleave(ids.shape[1])
+        entries = ids.reshape(-1) % table.shape[0]
+        backward = table_backward, hook, batch.generation, entries, owner, dim, table.dim() == 2, padding_idx
+        out.register_hook(functools.partial(*backward))
+        return out
+
+    def _index_lookup(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``P[ids]`` or ``P.index_select(0, ids)`` of a captured bare parameter ``P`` (see :meth:`_table_lookup`)."""
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and not kwargs:
+            table, index = args
+        elif func is not torch.Tensor.__getitem__:
+            bound = {**dict(zip(("input", "dim", "index"), args)), **kwargs}
+            table, index = bound.get("input"), bound.get("index")
+            if bound.get("dim") not in (0, -table.dim() if isinstance(table, torch.Tensor) else 0):
+                return None
+        else:
+            return None
+        if not isinstance(table, torch.Tensor) or id(table) not in self.slots:
+            return None
+        return self._table_lookup(batch, func, args, kwargs, table, index)
 
     def _transposed_lookup(
         self, batch: ActiveBatch, args: tuple, kwargs: dict, idx: torch.Tensor, weight: torch.Tensor, dim: int

@@ -82,6 +82,7 @@ WHOLE = [
     "recurrent-cells",
     "recurrent-packed",
     "recurrent-decoder",
+    "factorization",
 ]
 
 

@@ -1135,6 +1135,40 @@ def recurrent_packed() -> ZooCase:
 
 
 #: Every model of the zoo by name (the pytest ids).
+class Factorization(nn.Module):
+    """A recommender's bare tables indexed by the batch's ids: ``U[user]``, ``V.index_select(0, item)``, per-id
+    biases ``bu[user]``, and ``F.embedding(history, V)`` over each example's past items (several lookups each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = nn.Parameter(0.3 * torch.randn(7, 4))
+        self.items = nn.Parameter(0.3 * torch.randn(9, 4))
+        self.user_bias = nn.Parameter(0.1 * torch.randn(7))
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, user: torch.Tensor, item: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        taste = self.users[user] + self.mix(F.embedding(history, self.items, padding_idx=0).mean(1))
+        return (taste * self.items.index_select(0, item)).sum(-1) + self.user_bias[user]
+
+
+def _rating_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    predicted = forward(user=batch["user"], item=batch["item"], history=batch["history"])
+    return (predicted - batch["rating"]).pow(2).mean()
+
+
+def factorization() -> ZooCase:
+    torch.manual_seed(0)
+    user = torch.tensor([3, 3, 0, 6])  # a user twice in the batch
+    batch = {
+        "user": user,
+        "item": torch.randint(0, 9, (4,), generator=_gen(53)),
+        "history": torch.randint(0, 9, (4, 3), generator=_gen(54)),  # 0: padding
+        "rating": torch.randn(4, generator=_gen(55)),
+    }
+    note = "matrix factorisation: bare tables indexed by ids (getitem, index_select, F.embedding with padding)"
+    return ZooCase("factorization", Factorization().train(), batch, _rating_loss, note=note)
+
+
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
     "llama": llama,
@@ -1173,4 +1207,5 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "recurrent-cells": recurrent_cells,
     "recurrent-packed": recurrent_packed,
     "recurrent-decoder": recurrent_decoder,
+    "factorization": factorization,
 }
