@@ -218,6 +218,12 @@ class UseRules:
         """``F.linear`` with a slot's weight, or with a block of its rows (``weight = param[start:stop]``, the
         bias the same rows of the slot's bias): that use's output gradient is the slot's, zero in the other rows."""
         rows = getattr(weight, ROWS, None)
+        if (
+            rows is None
+            and id(weight) in self.slots
+            and self._slot(weight, ("linear", "attention", "parameter")) is None
+        ):
+            return self._tied_output(batch, x, weight, bias)
         if rows is None and bias is None and id(weight) not in self.slots:
             param, transposed = self._matrix_parameter(weight)
             if param is not None and transposed:  # F.linear(x, P.T) is x @ P (a tied autoencoder's decoder)
@@ -248,6 +254,25 @@ class UseRules:
             route, saved = hook._save(layout(x.detach()), batch.size)
             out_layout = layout if rows is None else widen_rows(rows[1], rows[2], hook.slot.d_out, layout)
             out.register_hook(functools.partial(hook_backward, hook, batch.generation, route, saved, out_layout))
+        if apart is not None:
+            self._hook_bias(out, apart, batch, layout)
+        return out
+
+    def _tied_output(self, batch: ActiveBatch, x: Any, table: torch.Tensor, bias: Any) -> Any:
+        """``F.linear(h, E, b)`` with ``E`` a captured embedding's table (an output layer tied to the input
+        embedding, with a bias of its own): ``h @ E.T`` by the matrix-product rule, the bias by its own slot."""
+        if self._slot(table, ("embedding",)) is None:
+            return None
+        apart = None if bias is None else self._bias_slot(bias)
+        layout = self._layout(x, batch.size)
+        if layout is None or (bias is not None and self._sources([bias]) and apart is None):
+            return None
+        transposed = table.t()
+        setattr(transposed, SOURCES, (table,))
+        out = self._matmul(batch, x, transposed)
+        if out is None or bias is None:
+            return out
+        out = out + bias
         if apart is not None:
             self._hook_bias(out, apart, batch, layout)
         return out

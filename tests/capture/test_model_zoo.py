@@ -83,6 +83,7 @@ WHOLE = [
     "recurrent-packed",
     "recurrent-decoder",
     "factorization",
+    "tied-output",
 ]
 
 

@@ -1169,6 +1169,33 @@ def factorization() -> ZooCase:
     return ZooCase("factorization", Factorization().train(), batch, _rating_loss, note=note)
 
 
+class TiedOutputLM(nn.Module):
+    """An output layer tied to the input embedding through ``F.linear(h, E, b)``, with a bias of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.mix = nn.Linear(6, 6)
+        self.out_bias = nn.Parameter(0.1 * torch.randn(11))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.mix(self.embed(ids))), self.embed.weight, self.out_bias)
+
+
+def _next_token_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    return F.cross_entropy(forward(ids=batch["ids"]).flatten(0, 1), batch["targets"].flatten())
+
+
+def tied_output() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {
+        "ids": torch.randint(0, 11, (3, 5), generator=_gen(56)),
+        "targets": torch.randint(0, 11, (3, 5), generator=_gen(57)),
+    }
+    note = "F.linear(h, embed.weight, out_bias): output layer tied to the embedding, its own bias"
+    return ZooCase("tied-output", TiedOutputLM().train(), batch, _next_token_loss, note=note)
+
+
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
     "llama": llama,
@@ -1208,4 +1235,5 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "recurrent-packed": recurrent_packed,
     "recurrent-decoder": recurrent_decoder,
     "factorization": factorization,
+    "tied-output": tied_output,
 }
