@@ -106,6 +106,20 @@ def table_backward(
     hook.add_lookup(generation, index, values, owner, rows)
 
 
+def slope_backward(
+    hook: LayerHook, param: torch.Tensor, generation: int, negative: torch.Tensor, channels: int, dy: torch.Tensor
+) -> None:
+    """``nn.PReLU``'s slopes (:meth:`UseRules._prelu`): each example's ``dy * min(x, 0)`` summed over its
+    positions, per channel of dim 1 (``channels`` 1: over everything)."""
+    with torch.no_grad():
+        term = dy.detach().float() * negative.float()
+        size = term.shape[0]
+        grad = term.reshape(size, -1).sum(1, keepdim=True) if channels == 1 else term.movedim(1, -1)
+        if channels > 1:
+            grad = grad.reshape(size, -1, channels).sum(1)
+        hook.add_gradient(generation, slot_gradient(hook, param, grad))
+
+
 def widen_rows(
     start: int, stop: int, size: int, layout: Callable[[torch.Tensor], torch.Tensor] | None = None
 ) -> Callable[[torch.Tensor], torch.Tensor]:

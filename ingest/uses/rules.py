@@ -39,6 +39,7 @@ from ingest.uses.gradients import (
     meeting_backward,
     normalization_backward,
     rows_backward,
+    slope_backward,
     table_backward,
     transposed_conv_backward,
     widen_rows,
@@ -166,6 +167,10 @@ class UseRules:
                 result = self._matmul(batch, *args)
             elif func in NORMALIZATIONS:
                 result = self._normalization(batch, func, args, kwargs)
+            elif func in (torch.addmm, torch.Tensor.addmm):
+                result = self._addmm(batch, args, kwargs)
+            elif func is torch.prelu and not kwargs and len(args) == 2:
+                result = self._prelu(batch, *args)
             elif func in LOOKUPS:
                 result = self._index_lookup(batch, func, args, kwargs)
             elif func in CHANNEL_NORMALIZATIONS:
@@ -263,18 +268,45 @@ class UseRules:
         embedding, with a bias of its own): ``h @ E.T`` by the matrix-product rule, the bias by its own slot."""
         if self._slot(table, ("embedding",)) is None:
             return None
-        apart = None if bias is None else self._bias_slot(bias)
-        layout = self._layout(x, batch.size)
-        if layout is None or (bias is not None and self._sources([bias]) and apart is None):
-            return None
         transposed = table.t()
         setattr(transposed, SOURCES, (table,))
-        out = self._matmul(batch, x, transposed)
+        return self._product_and_bias(batch, x, transposed, bias)
+
+    def _addmm(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
+        """``torch.addmm(b, x, M)`` (``beta = alpha = 1``): ``x @ M`` by the matrix-product rule, ``b`` by its own
+        slot (a bare ``b`` and ``M`` written out as a layer)."""
+        if kwargs or len(args) != 3 or batch_dim(args[2]) is not None:
+            return None
+        return self._product_and_bias(batch, args[1], args[2], args[0])
+
+    def _product_and_bias(self, batch: ActiveBatch, x: Any, matrix: torch.Tensor, bias: Any) -> Any:
+        """``x @ matrix + bias``, each captured use split by its rule (None when one cannot be)."""
+        apart = None if bias is None else self._bias_slot(bias)
+        layout = self._layout(x, batch.size) if isinstance(x, torch.Tensor) else None
+        if layout is None or (bias is not None and self._sources([bias]) and apart is None):
+            return None
+        if not self._sources([matrix]):
+            return None
+        out = self._matmul(batch, x, matrix)
         if out is None or bias is None:
             return out
         out = out + bias
         if apart is not None:
             self._hook_bias(out, apart, batch, layout)
+        return out
+
+    def _prelu(self, batch: ActiveBatch, x: Any, weight: Any) -> Any:
+        """``F.prelu`` with a captured slope (``nn.PReLU``): per example, the slope's gradient sums ``dy *
+        min(x, 0)`` over the example's positions, channel by channel (dim 1; one slope: over everything)."""
+        hook = self._slot(weight, ("parameter",))
+        if hook is None or hook.PER_POSITION or batch_dim(x) != 0 or weight.dim() != 1 or self.sequence_first:
+            return None
+        out = torch.prelu(x, weight)
+        channels = weight.shape[0] if x.dim() > 1 else 1
+        if channels > 1 and x.shape[1] != channels:
+            return None
+        negative = x.detach().clamp(max=0)
+        out.register_hook(functools.partial(slope_backward, hook, weight, batch.generation, negative, channels))
         return out
 
     def _matmul(self, batch: ActiveBatch, a: Any, b: Any) -> Any:

@@ -84,6 +84,7 @@ WHOLE = [
     "recurrent-decoder",
     "factorization",
     "tied-output",
+    "slopes-addmm",
 ]
 
 

@@ -1196,6 +1196,28 @@ def tied_output() -> ZooCase:
     return ZooCase("tied-output", TiedOutputLM().train(), batch, _next_token_loss, note=note)
 
 
+class SlopesAndAddmm(nn.Module):
+    """``nn.PReLU`` slopes per channel and shared, and a layer written out as ``torch.addmm(b, h, W)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3, padding=1)
+        self.channel_slopes = nn.PReLU(3)
+        self.shared_slope = nn.PReLU()
+        self.weight = nn.Parameter(0.3 * torch.randn(3, 10))
+        self.bias = nn.Parameter(0.1 * torch.randn(10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shared_slope(self.channel_slopes(self.conv(x)).mean((2, 3)) - 0.2)
+        return torch.addmm(self.bias, h, self.weight)
+
+
+def slopes_and_addmm() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 1, 5, 5, generator=_gen(58)), "y": torch.randint(0, 10, (4,), generator=_gen(59))}
+    return ZooCase("slopes-addmm", SlopesAndAddmm().train(), batch, _classify, note="nn.PReLU(C), nn.PReLU(), addmm")
+
+
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
     "llama": llama,
@@ -1236,4 +1258,5 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "recurrent-decoder": recurrent_decoder,
     "factorization": factorization,
     "tied-output": tied_output,
+    "slopes-addmm": slopes_and_addmm,
 }
