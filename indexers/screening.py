@@ -34,6 +34,7 @@ import torch
 BF16_ROUNDOFF = 2.0**-8
 SAFETY = 1.01  # covers the float32 rounding of the norms and of the bound itself (relative ~1e-4)
 QUERY_CHUNK_BYTES = 128 << 10  # float64 queries prepared at a time (heap-sized temporaries, no page faults)
+GATHER_ELEMENTS = 1 << 22  # float32 elements of rows gathered at a time for rescoring pairs (16 MB, reused)
 TILE_ELEMENTS = 1 << 20  # float32 elements converted at a time (4 MB: a tile and its error stay in the shared cache)
 
 
@@ -374,39 +375,55 @@ def _floor_pairs(out: torch.Tensor, scales: torch.Tensor | None, k: int) -> torc
 
 def _query_products(block: ScreenedBlock, positions: torch.Tensor, counts: torch.Tensor, queries: torch.Tensor):
     """Float32 scores ``[P]`` of the block's rows ``positions`` (grouped by query: ``counts[j]`` rows of query ``j``,
-    in order) with their queries (``queries [q, d]``), scaled: the rows of consecutive queries gathered into one
-    float32 buffer of about :data:`TILE_ELEMENTS`, then one GEMV per query over its own rows (not every query's
+    in order) with their queries (``queries [q, d]``), scaled: the rows gathered once (each piece of rows kept in
+    pieces read once) into a reused float32 buffer, then one GEMV per query over its own rows (not every query's
     rows with every query, nor a gathered copy of the queries)."""
     scores = torch.empty(len(positions), dtype=torch.float32, device=positions.device)
-    if not len(positions):
-        return scores
-    tile_rows = max(1, TILE_ELEMENTS // max(1, queries.shape[1]))
-    sizes = counts.tolist()
-    buffer = torch.empty(max(tile_rows, max(sizes)), queries.shape[1], dtype=torch.float32, device=queries.device)
-    first = start = 0
-    while first < len(sizes):
-        last, total = first, 0
-        while last < len(sizes) and (last == first or total + sizes[last] <= tile_rows):
-            total, last = total + sizes[last], last + 1
-        rows = _gathered_into(block.exact, positions[start : start + total], buffer[:total])
-        offset = 0
-        for j in range(first, last):
-            if sizes[j]:
-                part = slice(offset, offset + sizes[j])
-                torch.mv(rows[part], queries[j], out=scores[start + offset : start + offset + sizes[j]])
-                offset += sizes[j]
-        first, start = last, start + total
+    budget = max(1, GATHER_ELEMENTS // max(1, queries.shape[1]))  # rows gathered at a time
+    pieces = []  # (query, first pair, pairs): each query's pairs cut to the budget
+    for j, (first, size) in enumerate(zip((counts.cumsum(0) - counts).tolist(), counts.tolist())):
+        pieces += [(j, at, min(budget, first + size - at)) for at in range(first, first + size, budget)]
+    while pieces:  # consecutive pieces within the budget, their rows gathered at once
+        taken, total = 1, pieces[0][2]
+        while taken < len(pieces) and total + pieces[taken][2] <= budget:
+            total, taken = total + pieces[taken][2], taken + 1
+        start = pieces[0][1]
+        rows = _gathered(block.exact, positions[start : start + total])
+        for j, at, size in pieces[:taken]:
+            torch.mv(rows[at - start : at - start + size], queries[j], out=scores[at : at + size])
+        pieces = pieces[taken:]
     return scores if block.scales is None else scores.mul_(block.scales[positions])
 
 
-def _gathered_into(rows: Rows, positions: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """``rows[positions]`` in float32, written into ``buffer`` (``[len(positions), d]``, reused: a fresh tensor
-    costs more in page faults than the copy)."""
+class _Scratch(threading.local):
+    """Per-thread buffers reused across searches (a fresh multi-megabyte tensor per search costs more in page
+    faults than the copies into it), grown as needed."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        held = self.buffers.get((dtype, device))
+        if held is None or held.numel() < rows * dim:
+            held = self.buffers[(dtype, device)] = torch.empty(rows * dim, dtype=dtype, device=device)
+        return held[: rows * dim].view(rows, dim)
+
+
+_scratch = _Scratch()
+
+
+def _gathered(rows: Rows, positions: torch.Tensor) -> torch.Tensor:
+    """``rows[positions]`` in float32, in a reused buffer (valid until the next call on this thread)."""
+    dim = rows.shape[1]
+    out = _scratch.get(len(positions), dim, torch.float32, positions.device)
     if isinstance(rows, RowPieces):
         for where, tile in rows.tiles(positions, len(positions)):
-            buffer.index_copy_(0, where, tile)
-        return buffer
-    return buffer.copy_(rows.index_select(0, positions))
+            out.index_copy_(0, where, tile)
+        return out
+    if rows.dtype == torch.float32:
+        return torch.index_select(rows, 0, positions, out=out)
+    stored = _scratch.get(len(positions), dim, rows.dtype, positions.device)
+    return out.copy_(torch.index_select(rows, 0, positions, out=stored))
 
 
 def _reached_scores(

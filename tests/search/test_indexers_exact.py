@@ -475,11 +475,15 @@ def test_row_pieces_gather_rows_in_any_order() -> None:
         RowPieces([rows, rows[:, :2]])
 
 
+@pytest.mark.parametrize("gather_rows", [None, 7], ids=["default-gathers", "seven-rows-a-gather"])
 @pytest.mark.parametrize("pieces", [False, True], ids=["one-tensor", "in-pieces"])
-def test_bfloat16_kernel_rescores_the_reaching_pairs_one_query_at_a_time(monkeypatch, pieces: bool) -> None:
+def test_bfloat16_kernel_rescores_the_reaching_pairs_one_query_at_a_time(monkeypatch, pieces, gather_rows) -> None:
     """Scaled unit rows where each row reaches about one query's top-k: the pairs that reach are rescored per query
     (one GEMV each over its own rows, lists of unequal lengths padded with ``-inf``) and the result is the float32
-    kernel's, every id once per query; a row already among a query's floor pairs is not listed twice."""
+    kernel's, every id once per query; a row already among a query's floor pairs is not listed twice. Rows are
+    gathered a bounded number at a time (a query's own rows cut where they exceed it)."""
+    if gather_rows is not None:
+        monkeypatch.setattr("indexers.screening.GATHER_ELEMENTS", 96 * gather_rows)
     rng = np.random.default_rng(21)
     n, d, q = 6000, 96, 24
     vectors = rng.standard_normal((n, d)).astype(np.float32)
