@@ -397,15 +397,15 @@ def _query_products(block: ScreenedBlock, positions: torch.Tensor, counts: torch
 
 class _Scratch(threading.local):
     """Per-thread buffers reused across searches (a fresh multi-megabyte tensor per search costs more in page
-    faults than the copies into it), grown as needed."""
+    faults than the copies into it), grown as needed, one per use."""
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
-    def get(self, rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        held = self.buffers.get((dtype, device))
+    def get(self, use: str, rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        held = self.buffers.get((use, dtype, device))
         if held is None or held.numel() < rows * dim:
-            held = self.buffers[(dtype, device)] = torch.empty(rows * dim, dtype=dtype, device=device)
+            held = self.buffers[(use, dtype, device)] = torch.empty(rows * dim, dtype=dtype, device=device)
         return held[: rows * dim].view(rows, dim)
 
 
@@ -413,17 +413,24 @@ _scratch = _Scratch()
 
 
 def _gathered(rows: Rows, positions: torch.Tensor) -> torch.Tensor:
-    """``rows[positions]`` in float32, in a reused buffer (valid until the next call on this thread)."""
-    dim = rows.shape[1]
-    out = _scratch.get(len(positions), dim, torch.float32, positions.device)
-    if isinstance(rows, RowPieces):
-        for where, tile in rows.tiles(positions, len(positions)):
-            out.index_copy_(0, where, tile)
-        return out
-    if rows.dtype == torch.float32:
+    """``rows[positions]`` in float32, in a reused buffer (valid until the next call on this thread). Rows kept in
+    pieces are read in sorted order, each piece's at once, into the stored dtype, then converted and put back in
+    the order asked."""
+    count, dim, device = len(positions), rows.shape[1], positions.device
+    out = _scratch.get("out", count, dim, torch.float32, device)
+    if isinstance(rows, torch.Tensor) and rows.dtype == torch.float32:
         return torch.index_select(rows, 0, positions, out=out)
-    stored = _scratch.get(len(positions), dim, rows.dtype, positions.device)
-    return out.copy_(torch.index_select(rows, 0, positions, out=stored))
+    stored = _scratch.get("stored", count, dim, rows.dtype, device)
+    if isinstance(rows, torch.Tensor):
+        return out.copy_(torch.index_select(rows, 0, positions, out=stored))
+    ordered, order = positions.sort()
+    bounds = torch.searchsorted(ordered, torch.tensor(rows.starts, device=device)).tolist()
+    for piece, start, low, high in zip(rows.pieces, rows.starts, bounds, bounds[1:]):
+        if high > low:
+            torch.index_select(piece, 0, ordered[low:high] - start, out=stored[low:high])
+    converted = _scratch.get("converted", count, dim, torch.float32, device).copy_(stored)
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(count, device=device))
+    return torch.index_select(converted, 0, inverse, out=out)
 
 
 def _reached_scores(
