@@ -106,6 +106,15 @@ def table_backward(
     hook.add_lookup(generation, index, values, owner, rows)
 
 
+def bag_backward(
+    hook: LayerHook, generation: int, entries: torch.Tensor, owner: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor
+) -> None:
+    """``F.embedding_bag`` of one bag per example (:meth:`UseRules._bag_lookup`): entry ``r`` of bag ``owner[r]``
+    gets the bag's output gradient times its weight in the bag."""
+    values = dy.detach().float().index_select(0, owner) * weight.unsqueeze(1)
+    hook.add_lookup(generation, entries, values, owner, True)
+
+
 def slope_backward(
     hook: LayerHook, param: torch.Tensor, generation: int, negative: torch.Tensor, channels: int, dy: torch.Tensor
 ) -> None:

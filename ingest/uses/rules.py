@@ -27,6 +27,7 @@ from ingest.uses.batch_tracking import (
     tensors_in,
 )
 from ingest.uses.gradients import (
+    bag_backward,
     bias_backward,
     channels_last,
     conv_patches,
@@ -171,6 +172,8 @@ class UseRules:
                 result = self._addmm(batch, args, kwargs)
             elif func is torch.prelu and not kwargs and len(args) == 2:
                 result = self._prelu(batch, *args)
+            elif func is F.embedding_bag:
+                result = self._bag_lookup(batch, args, kwargs)
             elif func in LOOKUPS:
                 result = self._index_lookup(batch, func, args, kwargs)
             elif func in CHANNEL_NORMALIZATIONS:
@@ -488,6 +491,39 @@ class UseRules:
         entries = ids.reshape(-1) % table.shape[0]
         backward = table_backward, hook, batch.generation, entries, owner, dim, table.dim() == 2, padding_idx
         out.register_hook(functools.partial(*backward))
+        return out
+
+    def _bag_lookup(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
+        """``F.embedding_bag`` of ``[B, L]`` bags (one per example; ``nn.EmbeddingBag``), modes ``sum`` (with
+        ``per_sample_weights``) and ``mean``: each bag's output gradient times each entry's weight in it (its
+        sample weight, or 1 / the bag's entries other than ``padding_idx``) at the entries it read. ``max`` and
+        flat ``[N]`` input with offsets are not split (reported)."""
+        names = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse")
+        names += ("per_sample_weights", "include_last_offset", "padding_idx")
+        bound = {**dict(zip(names, args)), **kwargs}
+        index, table, mode = bound["input"], bound["weight"], bound.get("mode", "mean")
+        hook = self._slot(table, ("parameter",))
+        if hook is None or hook.PER_POSITION or id(table) not in self.slots or table.dim() != 2:
+            return None
+        if index.dim() != 2 or batch_dim(index) != 0 or bound.get("offsets") is not None or mode not in ("sum", "mean"):
+            return None
+        if bound.get("max_norm") is not None or bound.get("scale_grad_by_freq"):
+            return None
+        weights = bound.get("per_sample_weights")
+        padding = bound.get("padding_idx")
+        keep = (
+            torch.ones_like(index, dtype=torch.float32)
+            if padding is None
+            else (index != padding % table.shape[0]).float()
+        )
+        if weights is not None:
+            keep = keep * weights.detach().float()
+        elif mode == "mean":
+            keep = keep / keep.sum(1, keepdim=True).clamp(min=1)
+        out = F.embedding_bag(*args, **kwargs)
+        entries = index.detach().reshape(-1) % table.shape[0]
+        owner = torch.arange(batch.size, device=index.device).repeat_interleave(index.shape[1])
+        out.register_hook(functools.partial(bag_backward, hook, batch.generation, entries, owner, keep.reshape(-1)))
         return out
 
     def _index_lookup(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:

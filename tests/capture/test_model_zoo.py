@@ -85,6 +85,7 @@ WHOLE = [
     "factorization",
     "tied-output",
     "slopes-addmm",
+    "embedding-bag",
 ]
 
 

@@ -1218,6 +1218,38 @@ def slopes_and_addmm() -> ZooCase:
     return ZooCase("slopes-addmm", SlopesAndAddmm().train(), batch, _classify, note="nn.PReLU(C), nn.PReLU(), addmm")
 
 
+class BagClassifier(nn.Module):
+    """fastText-style bags of ``[B, L]`` token ids: ``nn.EmbeddingBag`` in mean mode with a padding id, and in
+    sum mode with per-token weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean_bag = nn.EmbeddingBag(12, 4, mode="mean", padding_idx=0)
+        self.sum_bag = nn.EmbeddingBag(12, 4, mode="sum")
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mean_bag(tokens) + self.sum_bag(tokens, per_sample_weights=weights))
+
+
+def _bag_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    return F.cross_entropy(forward(tokens=batch["tokens"], weights=batch["weights"]), batch["y"])
+
+
+def embedding_bag() -> ZooCase:
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 12, (4, 5), generator=_gen(60))
+    tokens[0, :3] = 0  # padding in the mean bag
+    batch = {
+        "tokens": tokens,
+        "weights": torch.rand(4, 5, generator=_gen(61)),
+        "y": torch.randint(0, 3, (4,), generator=_gen(62)),
+    }
+    return ZooCase(
+        "embedding-bag", BagClassifier().train(), batch, _bag_loss, note="EmbeddingBag mean + padding, sum + weights"
+    )
+
+
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
     "llama": llama,
@@ -1259,4 +1291,5 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "factorization": factorization,
     "tied-output": tied_output,
     "slopes-addmm": slopes_and_addmm,
+    "embedding-bag": embedding_bag,
 }
