@@ -210,7 +210,7 @@ class ParameterUses(UseRules, TorchFunctionMode):
         elif first is not None:
             dim, owner = batch_dim(first), getattr(first, OWNER, None)
             # entries move or combine along a dim of the op's input only (a batch of ids indexing a table does not)
-            taken = bool(args) and first is args[0]
+            taken = first is (args[0] if args else kwargs.get("input"))
             pooled = size > 1 and owner is None and taken and pools_examples(func, args, kwargs, dim, first.dim())
             crossed = False  # a product of batch operands whose examples land apart (x @ x.T) or are summed over
             for out in tensors_in([result]):  # an in-place op returns (and so marks) its first operand

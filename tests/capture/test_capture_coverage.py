@@ -382,13 +382,17 @@ class Reordered(nn.Module):
             "sort": lambda: torch.sort(h, dim=0).values,
             "cumsum": lambda: h.cumsum(0),
             "softmax": lambda: h.softmax(0),
+            "softmax-keyword-input": lambda: torch.softmax(input=h, dim=0),
             "list-index": lambda: h[[1, 2, 3, 0]],
         }[self.how]()
         out = self.b(mixed)
         return out[inverse] if self.how in ("index_select", "gather") else out
 
 
-@pytest.mark.parametrize("how", ["index_select", "gather", "flip", "roll", "sort", "cumsum", "softmax", "list-index"])
+@pytest.mark.parametrize(
+    "how",
+    ["index_select", "gather", "flip", "roll", "sort", "cumsum", "softmax", "softmax-keyword-input", "list-index"],
+)
 def test_a_layer_after_the_batch_is_reordered_or_mixed_is_reported_not_silently_wrong(how) -> None:
     """Rows along the examples' dim moved or combined (index_select, gather, flip, roll, sort, cumsum, softmax over
     the batch) no longer count as the examples in order: the next layer's use is a gap (its rows were another
