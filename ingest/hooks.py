@@ -71,6 +71,13 @@ class GemmOperands(NamedTuple):
     out_t: torch.Tensor  # [d_out, k_out] = P_out^T
 
 
+def _owned_block(size: int, x: torch.Tensor, dy: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """``[size, out x in]``: each example's sum of its rows' outer products ``dy x^T`` (``owner [N]`` the example of
+    each row of ``x [N, in]`` and ``dy [N, out]``)."""
+    terms = (dy.unsqueeze(2) * x.unsqueeze(1)).flatten(1)
+    return terms.new_zeros(size, terms.shape[1]).index_add_(0, owner, terms)
+
+
 def in_backward() -> bool:
     """True while the autograd engine is running a backward on this thread."""
     return torch._C._current_graph_task_id() != -1
@@ -383,8 +390,7 @@ class LayerHook:
                 ops = self.operands(dy.device, torch.float32)
                 x_p = project_tokens(x, ops.in_t, ops.in_bias if bias else None)
                 dy_p = project_tokens(dy, ops.out_t)
-                terms = (dy_p.unsqueeze(2) * x_p.unsqueeze(1)).flatten(1)
-                block = terms.new_zeros(batch.size, terms.shape[1]).index_add_(0, owner, terms)
+                block = _owned_block(batch.size, x_p, dy_p, owner)
             else:
                 if s.has_bias:
                     x = torch.cat([x, x.new_full((x.shape[0], 1), 1.0 if bias else 0.0)], dim=1)
@@ -396,10 +402,8 @@ class LayerHook:
                 grad = torch.stack([d.T @ rows for d, rows in pairs])
                 block = self.gradient_block(grad)
             self._add_block(batch, block)
-            stats = self.owner.curvature_stats()
-            if stats is not None and s.mode != "dense" and not (s.mode == "exact" and s.kind == "embedding"):
-                scales = batch.scales.to(dy_p.device, dy_p.dtype)[owner]  # every row is a token of its example
-                stats.add(s.name, x_p.unsqueeze(1), (dy_p * scales.unsqueeze(1)).unsqueeze(1), None)
+            if s.mode != "dense" and not (s.mode == "exact" and s.kind == "embedding"):
+                self._add_row_curvature(batch, x_p, dy_p, owner)
         self.owner.gradient_arrived(batch)
 
     def add_lookup(
@@ -424,19 +428,24 @@ class LayerHook:
                 else:
                     x_p = ops.in_t.index_select(0, index) * values.unsqueeze(1)
                     dy_p = ops.out_t.expand(len(index), -1)
-                terms = (dy_p.unsqueeze(2) * x_p.unsqueeze(1)).flatten(1)
-                block = terms.new_zeros(batch.size, terms.shape[1]).index_add_(0, owner, terms)
+                block = _owned_block(batch.size, x_p, dy_p, owner)
             else:
                 grad = values.new_zeros(batch.size, s.d_out, s.d_in)
                 at = (owner, index) if rows else (owner, torch.zeros_like(index), index)
                 grad.index_put_(at, values, accumulate=True)
                 block = self.gradient_block(grad)
             self._add_block(batch, block)
-            stats = self.owner.curvature_stats()
-            if stats is not None and s.mode == "factorized":
-                scales = batch.scales.to(dy_p.device, dy_p.dtype)[owner]
-                stats.add(s.name, x_p.unsqueeze(1), (dy_p * scales.unsqueeze(1)).unsqueeze(1), None)
+            if s.mode == "factorized":  # exact: the lookups' one-hot side is never formed
+                self._add_row_curvature(batch, x_p, dy_p, owner)
         self.owner.gradient_arrived(batch)
+
+    def _add_row_curvature(self, batch: ActiveBatch, x: torch.Tensor, dy: torch.Tensor, owner: torch.Tensor) -> None:
+        """Record one use's rows ``x [N, in]``, ``dy [N, out]`` (``owner [N]`` their examples) in the Kronecker
+        statistics, when the capture keeps them: every row is a token of its example."""
+        stats = self.owner.curvature_stats()
+        if stats is not None:
+            scales = batch.scales.to(dy.device, dy.dtype)[owner]
+            stats.add(self.slot.name, x.unsqueeze(1), (dy * scales.unsqueeze(1)).unsqueeze(1), None)
 
     def gradient_block(self, grad: torch.Tensor) -> torch.Tensor:
         """This slot's block ``[B, size]`` of materialised per-example gradients ``[B, d_out, d_in (+1)]``:

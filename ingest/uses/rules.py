@@ -226,16 +226,15 @@ class UseRules:
         """``F.linear`` with a slot's weight, or with a block of its rows (``weight = param[start:stop]``, the
         bias the same rows of the slot's bias): that use's output gradient is the slot's, zero in the other rows."""
         rows = getattr(weight, ROWS, None)
-        if (
-            rows is None
-            and id(weight) in self.slots
-            and self._slot(weight, ("linear", "attention", "parameter")) is None
-        ):
-            return self._tied_output(batch, x, weight, bias)
-        if rows is None and bias is None and id(weight) not in self.slots:
+        if rows is None and self._slot(weight, ("linear", "attention", "parameter")) is None:
+            # F.linear(x, W, b) is x @ W.T + b: W = P.T (a tied autoencoder's decoder) or an embedding's table (an
+            # output layer tied to it) by the matrix-product rule, b by its own slot
             param, transposed = self._matrix_parameter(weight)
-            if param is not None and transposed:  # F.linear(x, P.T) is x @ P (a tied autoencoder's decoder)
-                return self._matmul(batch, x, param)
+            if param is not None and (transposed or self._slot(param, ("embedding",)) is not None):
+                if not transposed:
+                    param = param.t()
+                    setattr(param, SOURCES, (weight,))
+                return self._product_and_bias(batch, x, param, bias)
         hook = self._slot(weight if rows is None else rows[0], ("linear", "attention", "parameter"))
         if batch_dim(x) is None or (hook is None and self._sources([weight])):
             return None
@@ -265,15 +264,6 @@ class UseRules:
         if apart is not None:
             self._hook_bias(out, apart, batch, layout)
         return out
-
-    def _tied_output(self, batch: ActiveBatch, x: Any, table: torch.Tensor, bias: Any) -> Any:
-        """``F.linear(h, E, b)`` with ``E`` a captured embedding's table (an output layer tied to the input
-        embedding, with a bias of its own): ``h @ E.T`` by the matrix-product rule, the bias by its own slot."""
-        if self._slot(table, ("embedding",)) is None:
-            return None
-        transposed = table.t()
-        setattr(transposed, SOURCES, (table,))
-        return self._product_and_bias(batch, x, transposed, bias)
 
     def _addmm(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
         """``torch.addmm(b, x, M)`` (``beta = alpha = 1``): ``x @ M`` by the matrix-product rule, ``b`` by its own
@@ -528,16 +518,12 @@ class UseRules:
 
     def _index_lookup(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
         """``P[ids]`` or ``P.index_select(0, ids)`` of a captured bare parameter ``P`` (see :meth:`_table_lookup`)."""
-        if func is torch.Tensor.__getitem__ and len(args) == 2 and not kwargs:
-            table, index = args
-        elif func is not torch.Tensor.__getitem__:
-            bound = {**dict(zip(("input", "dim", "index"), args)), **kwargs}
-            table, index = bound.get("input"), bound.get("index")
-            if bound.get("dim") not in (0, -table.dim() if isinstance(table, torch.Tensor) else 0):
-                return None
+        if func is torch.Tensor.__getitem__:
+            table, index, dim = (*args, 0) if len(args) == 2 and not kwargs else (None, None, None)
         else:
-            return None
-        if not isinstance(table, torch.Tensor) or id(table) not in self.slots:
+            bound = {**dict(zip(("input", "dim", "index"), args)), **kwargs}
+            table, index, dim = bound.get("input"), bound.get("index"), bound.get("dim")
+        if not isinstance(table, torch.Tensor) or id(table) not in self.slots or dim is None or dim % table.dim():
             return None
         return self._table_lookup(batch, func, args, kwargs, table, index)
 
