@@ -107,34 +107,54 @@ class RowPieces:
     def __len__(self) -> int:
         return self.shape[0]
 
-    def tiles(self, rows: torch.Tensor, tile_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """``(where, tile)``: ``tile`` is ``self[rows[where]]`` in float32, at most ``tile_rows`` rows, each piece's
-        rows selected at once (``rows`` an int64 tensor of positions, any order, repeats allowed)."""
-        ordered, order = rows.sort()
-        bounds = torch.searchsorted(ordered, torch.tensor(self.starts, device=rows.device)).tolist()
-        for piece, start, low, high in zip(self.pieces, self.starts, bounds, bounds[1:]):
-            for first in range(low, high, tile_rows):  # index_select: several times faster than tensor indexing
-                part = slice(first, min(high, first + tile_rows))
-                yield order[part], piece.index_select(0, ordered[part] - start).to(torch.float32)
-
 
 Rows = torch.Tensor | RowPieces
 
 
+class _Scratch(threading.local):
+    """Per-thread buffers reused across searches (a fresh multi-megabyte tensor per search costs more in page
+    faults than the copies into it), grown as needed, one per use."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, use: str, rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        held = self.buffers.get((use, dtype, device))
+        if held is None or held.numel() < rows * dim:
+            held = self.buffers[(use, dtype, device)] = torch.empty(rows * dim, dtype=dtype, device=device)
+        return held[: rows * dim].view(rows, dim)
+
+
+_scratch = _Scratch()
+
+
+def _gathered(rows: Rows, positions: torch.Tensor) -> torch.Tensor:
+    """``rows[positions]`` in float32, in a reused buffer (valid until the next call on this thread). Rows kept in
+    pieces are read in sorted order, each piece's at once, into the stored dtype, then converted and put back in
+    the order asked."""
+    count, dim, device = len(positions), rows.shape[1], positions.device
+    out = _scratch.get("out", count, dim, torch.float32, device)
+    if isinstance(rows, torch.Tensor) and rows.dtype == torch.float32:
+        return torch.index_select(rows, 0, positions, out=out)
+    stored = _scratch.get("stored", count, dim, rows.dtype, device)
+    if isinstance(rows, torch.Tensor):
+        return out.copy_(torch.index_select(rows, 0, positions, out=stored))
+    ordered, order = positions.sort()
+    bounds = torch.searchsorted(ordered, torch.tensor(rows.starts, device=device)).tolist()
+    for piece, start, low, high in zip(rows.pieces, rows.starts, bounds, bounds[1:]):
+        if high > low:
+            torch.index_select(piece, 0, ordered[low:high] - start, out=stored[low:high])
+    converted = _scratch.get("converted", count, dim, torch.float32, device).copy_(stored)
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(count, device=device))
+    return torch.index_select(converted, 0, inverse, out=out)
+
+
 def gathered_tiles(rows: Rows, positions: torch.Tensor, tile_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(where, tile)``: ``tile`` is ``rows[positions[where]]`` in float32, at most ``tile_rows`` rows, every
-    position in one tile: consecutive parts of ``positions`` for a tensor (converted into one reused buffer, valid
-    until the next tile), each piece's rows for :class:`RowPieces`. Gathering many rows into one fresh float32
-    tensor cost more in page faults than in copying (1,280 x 4,096 rows: 7 ms against 1.6 ms into a buffer
-    already touched)."""
-    if isinstance(rows, RowPieces):
-        yield from rows.tiles(positions, tile_rows)
-        return
-    buffer = torch.empty(min(len(positions), tile_rows), rows.shape[1], dtype=torch.float32, device=rows.device)
+    """``(where, tile)``: ``tile`` is ``rows[positions[where]]`` in float32, consecutive parts of ``positions`` of at
+    most ``tile_rows`` (:func:`_gathered`: a reused buffer, valid until the next tile)."""
     for start in range(0, len(positions), tile_rows):
         stop = min(start + tile_rows, len(positions))
-        where = torch.arange(start, stop, device=positions.device)
-        yield where, buffer[: stop - start].copy_(rows.index_select(0, positions[start:stop]))
+        yield torch.arange(start, stop, device=positions.device), _gathered(rows, positions[start:stop])
 
 
 def row_tiles(rows: Rows, tile_rows: int) -> Iterator[tuple[slice, torch.Tensor]]:
@@ -298,7 +318,7 @@ def candidate_scores(
         pairs, pair_scores, rows, reach = _candidates(block, queries, floor, k, out, low.float(), high.float(), pairs)
         dense = len(rows) > DENSE_SHARE * len(block)  # the screen pruned little: score every row as stored
         if not dense and pairs is not None and int(reach.sum()) < PAIR_SHARE * reach.numel():
-            _drop_pairs(reach, rows, pairs)
+            _drop_pairs(reach, rows, pairs, False)
             scores, ids = _reached_scores(block, rows, reach, queries.exact)
             return torch.cat([pair_scores, scores], dim=1), torch.cat([block.ids[pairs], ids], dim=1)
     if dense:
@@ -306,7 +326,7 @@ def candidate_scores(
     scores = _rescored(block, rows, queries.exact_t).T  # on every thread: a GEMM
     if pairs is None:
         return scores, block.ids[rows]
-    _drop_pairs(scores, rows, pairs, fill=-torch.inf)
+    _drop_pairs(scores.T, rows, pairs, -torch.inf)
     ids = torch.cat([block.ids[pairs], block.ids[rows].expand(len(pairs), -1)], dim=1)
     return torch.cat([pair_scores, scores], dim=1), ids
 
@@ -395,44 +415,6 @@ def _query_products(block: ScreenedBlock, positions: torch.Tensor, counts: torch
     return scores if block.scales is None else scores.mul_(block.scales[positions])
 
 
-class _Scratch(threading.local):
-    """Per-thread buffers reused across searches (a fresh multi-megabyte tensor per search costs more in page
-    faults than the copies into it), grown as needed, one per use."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
-
-    def get(self, use: str, rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        held = self.buffers.get((use, dtype, device))
-        if held is None or held.numel() < rows * dim:
-            held = self.buffers[(use, dtype, device)] = torch.empty(rows * dim, dtype=dtype, device=device)
-        return held[: rows * dim].view(rows, dim)
-
-
-_scratch = _Scratch()
-
-
-def _gathered(rows: Rows, positions: torch.Tensor) -> torch.Tensor:
-    """``rows[positions]`` in float32, in a reused buffer (valid until the next call on this thread). Rows kept in
-    pieces are read in sorted order, each piece's at once, into the stored dtype, then converted and put back in
-    the order asked."""
-    count, dim, device = len(positions), rows.shape[1], positions.device
-    out = _scratch.get("out", count, dim, torch.float32, device)
-    if isinstance(rows, torch.Tensor) and rows.dtype == torch.float32:
-        return torch.index_select(rows, 0, positions, out=out)
-    stored = _scratch.get("stored", count, dim, rows.dtype, device)
-    if isinstance(rows, torch.Tensor):
-        return out.copy_(torch.index_select(rows, 0, positions, out=stored))
-    ordered, order = positions.sort()
-    bounds = torch.searchsorted(ordered, torch.tensor(rows.starts, device=device)).tolist()
-    for piece, start, low, high in zip(rows.pieces, rows.starts, bounds, bounds[1:]):
-        if high > low:
-            torch.index_select(piece, 0, ordered[low:high] - start, out=stored[low:high])
-    converted = _scratch.get("converted", count, dim, torch.float32, device).copy_(stored)
-    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(count, device=device))
-    return torch.index_select(converted, 0, inverse, out=out)
-
-
 def _reached_scores(
     block: ScreenedBlock, rows: torch.Tensor, reach: torch.Tensor, queries: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -451,19 +433,15 @@ def _reached_scores(
     return scores, ids
 
 
-def _drop_pairs(table: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, fill: float | bool = False) -> None:
-    """Set ``table`` to ``fill`` at (``rows[i]``, query ``j``) where ``rows[i]`` (sorted) is one of ``pairs[j]``:
-    the pair is already scored among the floor's pairs (each id once per query). ``table`` is ``[q, m]`` scores
-    (``fill`` ``-inf``) or the ``[m, q]`` mask of the pairs that reach (``False``)."""
+def _drop_pairs(table: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, fill: float | bool) -> None:
+    """Set ``table[i, j]`` (``[rows, q]``: the mask of the pairs that reach, or a view of the scores) to ``fill``
+    where ``rows[i]`` (sorted) is one of ``pairs[j]``: the pair is already scored among the floor's pairs (each id
+    once per query)."""
     if not len(rows):
         return
     at = torch.searchsorted(rows, pairs).clamp_(max=len(rows) - 1)
     present = rows[at] == pairs
-    query, row = present.nonzero()[:, 0], at[present]
-    if table.dtype == torch.bool:
-        table[row, query] = fill
-    else:
-        table[query, row] = fill
+    table[at[present], present.nonzero()[:, 0]] = fill
 
 
 def _reaching(
