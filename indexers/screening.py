@@ -107,6 +107,16 @@ class RowPieces:
     def __len__(self) -> int:
         return self.shape[0]
 
+    def tiles(self, rows: torch.Tensor, tile_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(where, tile)``: ``tile`` is ``self[rows[where]]`` in float32, at most ``tile_rows`` rows, each piece's
+        rows selected at once (``rows`` an int64 tensor of positions, any order, repeats allowed)."""
+        ordered, order = rows.sort()
+        bounds = torch.searchsorted(ordered, torch.tensor(self.starts, device=rows.device)).tolist()
+        for piece, start, low, high in zip(self.pieces, self.starts, bounds, bounds[1:]):
+            for first in range(low, high, tile_rows):  # index_select: several times faster than tensor indexing
+                part = slice(first, min(high, first + tile_rows))
+                yield order[part], piece.index_select(0, ordered[part] - start).to(torch.float32)
+
 
 Rows = torch.Tensor | RowPieces
 
@@ -150,11 +160,19 @@ def _gathered(rows: Rows, positions: torch.Tensor) -> torch.Tensor:
 
 
 def gathered_tiles(rows: Rows, positions: torch.Tensor, tile_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(where, tile)``: ``tile`` is ``rows[positions[where]]`` in float32, consecutive parts of ``positions`` of at
-    most ``tile_rows`` (:func:`_gathered`: a reused buffer, valid until the next tile)."""
+    """``(where, tile)``: ``tile`` is ``rows[positions[where]]`` in float32, at most ``tile_rows`` rows, every
+    position in one tile: consecutive parts of ``positions`` for a tensor (converted into one reused buffer, valid
+    until the next tile), each piece's rows for :class:`RowPieces`. Gathering many rows into one fresh float32
+    tensor cost more in page faults than in copying (1,280 x 4,096 rows: 7 ms against 1.6 ms into a buffer
+    already touched)."""
+    if isinstance(rows, RowPieces):
+        yield from rows.tiles(positions, tile_rows)
+        return
+    buffer = torch.empty(min(len(positions), tile_rows), rows.shape[1], dtype=torch.float32, device=rows.device)
     for start in range(0, len(positions), tile_rows):
         stop = min(start + tile_rows, len(positions))
-        yield torch.arange(start, stop, device=positions.device), _gathered(rows, positions[start:stop])
+        where = torch.arange(start, stop, device=positions.device)
+        yield where, buffer[: stop - start].copy_(rows.index_select(0, positions[start:stop]))
 
 
 def row_tiles(rows: Rows, tile_rows: int) -> Iterator[tuple[slice, torch.Tensor]]:
