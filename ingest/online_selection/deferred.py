@@ -145,29 +145,57 @@ def deferrable(module: nn.Module) -> bool:
     return "forward" not in module.__dict__
 
 
+class Coefficients:
+    """A backward's per-example coefficients (a number, or an ``[n]`` tensor converted once per dtype and device
+    of the output gradients it weights)."""
+
+    def __init__(self, coef: float | torch.Tensor) -> None:
+        self.coef = coef
+        self._converted: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def like(self, dy: torch.Tensor) -> float | torch.Tensor:
+        """The coefficients as a number, or as a tensor of ``dy``'s dtype and device."""
+        if not isinstance(self.coef, torch.Tensor):
+            return self.coef
+        key = (dy.dtype, dy.device)
+        if key not in self._converted:
+            self._converted[key] = self.coef.to(dy.device, dy.dtype)
+        return self._converted[key]
+
+
 def add_weighted_product(
     module: nn.Module, kind: str, x: torch.Tensor, dy: torch.Tensor, rows: torch.Tensor | None, coef: Any
 ) -> None:
     """Add ``coef`` times the layer's weight and bias gradients over the examples ``rows`` (``None``: all) to their
-    ``.grad``; ``coef`` is a number or a per-example tensor (then ``rows`` is ``None``)."""
+    ``.grad``; ``coef`` is a number or a per-example tensor of ``dy``'s dtype and device (then ``rows`` is
+    ``None``). A per-example ``coef`` scales the narrower of ``x`` and ``dy`` (the product takes it either way);
+    the bias then weighs ``dy``'s per-example sums by it."""
     if rows is not None:
         dy, x = dy.index_select(0, rows), x.index_select(0, rows)
-    alpha = 1.0
-    if isinstance(coef, torch.Tensor):
-        dy = dy * coef.to(dy.device, dy.dtype).view(-1, *([1] * (dy.dim() - 1)))
+    weight, bias = module.weight, module.bias
+    alpha, per_example = 1.0, isinstance(coef, torch.Tensor)
+    bias_term = None
+    if per_example:
+        column = coef.view(-1, *([1] * (dy.dim() - 1)))
+        if x.shape[-1] < dy.shape[-1]:
+            x = x * column
+            if bias is not None and bias.requires_grad:
+                sums = dy if dy.dim() == 2 else dy.reshape(dy.shape[0], -1, dy.shape[-1]).sum(1)
+                bias_term = sums.t().mv(coef)
+        else:
+            dy = dy * column
     else:
         alpha = float(coef)
     d, xs = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-    weight, bias = module.weight, module.bias
     a, b = (d.t(), xs) if kind == "linear" else (xs.t(), d)
     if not weight.requires_grad:  # frozen (e.g. only the bias trains): no gradient, as the backward forms none
         pass
-    elif weight.grad is None:  # beta 0: the new gradient is alpha a b, whatever the empty buffer holds
-        weight.grad = torch.empty_like(weight).addmm_(a, b, beta=0.0, alpha=alpha)
+    elif weight.grad is None:
+        weight.grad = a.mm(b) if alpha == 1.0 else torch.empty_like(weight).addmm_(a, b, beta=0.0, alpha=alpha)
     else:
         weight.grad.addmm_(a, b, alpha=alpha)
     if bias is not None and bias.requires_grad:
-        term = d.sum(0)
+        term = d.sum(0) if bias_term is None else bias_term
         if bias.grad is None:
             bias.grad = term if alpha == 1.0 else term.mul_(alpha)
         else:

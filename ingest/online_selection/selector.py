@@ -20,6 +20,7 @@ from ingest.online_selection.decision import StepDecision
 from ingest.online_selection.deferred import (
     DEFERRED_MARK,
     DETACHED_MARK,
+    Coefficients,
     DeferredForward,
     add_weighted_product,
     deferrable,
@@ -245,7 +246,7 @@ class OnlineSelector:
         """Decide over every captured backward since the last decision and fix ``.grad`` accordingly; returns the
         decision (``None`` when no backward was captured). Runs by itself before the optimizer step; call it
         earlier yourself when the loop clips or inspects gradients before stepping."""
-        pending = [p for _, p in sorted(self._pending.items()) if p.rows is not None or p.uses]
+        pending = [p for p in self._pending.values() if p.rows is not None or p.uses]  # in generation order
         self._pending = {}
         if not pending:
             return None
@@ -264,18 +265,19 @@ class OnlineSelector:
             rows, scales = pending[0].rows, pending[0].scales
         else:
             rows, scales = torch.cat([p.rows for p in pending]), torch.cat([p.scales for p in pending])
-        scales = scales.to(rows.device, torch.float64)
         losses = None
         if all(p.meta.get("loss") is not None for p in pending):
             losses = torch.cat([p.meta["loss"].to(rows.device) for p in pending])
         scores = self._scores(rows, losses)
-        weights_local = scales.reciprocal().nan_to_num_(posinf=0.0)  # an example of scale 0 (no tokens) weighs 0
+        # an example of scale 0 (no tokens) weighs 0
+        weights_local = torch.reciprocal(scales.to(rows.device, torch.float64)).nan_to_num_(posinf=0.0)
         group = Group(self.collective)
         all_scores = group.gather(scores)
         all_losses = group.gather(losses)
         all_weights = group.gather(weights_local)
         decided = self.policy.decide(int(all_weights.shape[0]), all_scores, all_losses, self.generator)
-        decided = torch.as_tensor(decided).cpu().reshape(-1)
+        if not isinstance(decided, torch.Tensor) or decided.device.type != "cpu" or decided.dim() != 1:
+            decided = torch.as_tensor(decided).cpu().reshape(-1)
         n_all = all_weights.shape[0]
         if decided.shape[0] != n_all:
             raise CaptureUsageError(f"the policy returned {decided.shape[0]} weights for {n_all} examples")
@@ -284,13 +286,15 @@ class OnlineSelector:
         keep_or_drop = decided.dtype == torch.bool  # a mask: every changed example is dropped
         decided = decided.to(torch.float64)
         start = group.offset(rows.shape[0])
-        local = decided[start : start + rows.shape[0]].to(rows.device)
+        local = decided if group.sizes is None else decided[start : start + rows.shape[0]]
+        local = local.to(rows.device)
         factor = 1.0
         if self.renormalize and self.capture.config.loss_reduction != "sum":
-            total = float(all_weights.sum())
-            kept = float(all_weights.cpu() @ decided)
+            total, kept = torch.stack((all_weights.sum(), all_weights @ decided)).tolist()
             factor = total / kept if kept > 0 else 1.0
-        scaled = self._remove(pending, local, group, factor, keep_or_drop)
+        scaled: set[int] = set()
+        if self.collective or not all(use[4] for p in pending for use in p.uses):
+            scaled = self._remove(pending, local, group, factor, keep_or_drop)
         if factor != 1.0:
             for p in self._params:
                 if p.grad is not None and id(p) not in scaled:
@@ -395,7 +399,9 @@ class OnlineSelector:
     @staticmethod
     def _form_deferred(pending: list[_Pending], weights: torch.Tensor, factor: float, keep_or_drop: bool) -> None:
         """Add the deferred uses' weight gradients over their kept examples, each weighted by its decided weight
-        times the renormalisation ``factor`` (after the other gradients are scaled by it)."""
+        times the renormalisation ``factor`` (after the other gradients are scaled by it). A mask keeping fewer
+        than half of a backward's examples gathers the kept ones; otherwise every example's output gradient is
+        multiplied by its coefficient (0 for a dropped one) in the same pass, without gathers."""
         offset = 0
         for p in pending:
             size = p.rows.shape[0]
@@ -404,15 +410,22 @@ class OnlineSelector:
             deferred = [use for use in p.uses if use[4]]
             if not deferred:
                 continue
-            kept = torch.nonzero(w).flatten() if keep_or_drop else None
+            rows, coef = None, factor
+            if keep_or_drop:
+                kept = torch.nonzero(w).flatten()
+                if kept.numel() == 0:
+                    for module, *_ in deferred:
+                        zero_missing(module)
+                    continue
+                if 2 * kept.numel() < size:
+                    rows = kept
+                elif kept.numel() < size:
+                    coef = w * factor
+            else:
+                coef = w * factor
+            coefs = Coefficients(coef)
             for module, kind, x, dy, _ in deferred:
-                if kept is not None and kept.numel() == 0:
-                    zero_missing(module)
-                elif kept is not None:
-                    rows = None if kept.numel() == size else kept.to(x.device)
-                    add_weighted_product(module, kind, x, dy, rows, factor)
-                else:
-                    add_weighted_product(module, kind, x, dy, None, w * factor)
+                add_weighted_product(module, kind, x, dy, None if rows is None else rows.to(x.device), coefs.like(dy))
 
     def _subtract_in_place(
         self,

@@ -112,6 +112,41 @@ def test_selected_steps_equal_steps_on_the_kept_examples(opt_cls):
     assert_same(model, twin)
 
 
+class SequenceModel(nn.Module):
+    """Linear layers over ``[B, T, d]`` inputs, widening (the input side is narrower) then narrowing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(5, 9)
+        self.down = nn.Linear(9, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x))).mean(dim=1)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.625, 1.0])
+@pytest.mark.parametrize("sequences", [False, True], ids=["rows", "sequences"])
+def test_kept_fractions_below_and_above_half_form_the_same_gradients(fraction, sequences):
+    """A mask keeping fewer than half of the examples gathers them; one keeping more weighs every example by 0 or
+    its coefficient (the narrower operand scaled): both equal a step on the kept examples, in 2-D and 3-D."""
+    torch.manual_seed(1)
+    model = (SequenceModel() if sequences else mlp()).double()
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(2):
+        x = torch.randn((8, 4, 5) if sequences else (8, 5), generator=g, dtype=torch.float64)
+        batches.append([(x, torch.randint(0, 3, (8,), generator=g))])
+
+    def target(rows: torch.Tensor, losses: torch.Tensor | None) -> torch.Tensor:
+        return rows.double() @ torch.linspace(-1, 1, rows.shape[1], dtype=torch.float64)
+
+    decisions = selected_steps(model, batches, KeepTopFraction(fraction), target=target)
+    assert [int(d.kept.sum()) for d in decisions] == [round(8 * fraction)] * 2
+    reference_steps(twin, batches, decisions)
+    assert_same(model, twin)
+
+
 def test_scores_are_row_dot_target_and_top_fraction_keeps_the_best():
     torch.manual_seed(1)
     model = mlp().double()
