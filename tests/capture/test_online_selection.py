@@ -147,6 +147,30 @@ def test_kept_fractions_below_and_above_half_form_the_same_gradients(fraction, s
     assert_same(model, twin)
 
 
+def test_a_layer_output_modified_in_place_keeps_its_own_gradient():
+    """The gradient recorded for a layer is that of its output as the layer produced it, also when the forward
+    then modifies the output in place (an in-place ReLU, a residual added with ``+=``)."""
+
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.relu(self.a(x), inplace=True)
+            g = self.b(h)
+            g += h
+            return self.head(g)
+
+    torch.manual_seed(2)
+    model = InPlace().double()
+    twin = copy.deepcopy(model)
+    batches = [[data(s, 8)] for s in range(2)]
+    decisions = selected_steps(model, batches, RandomSelection(0.625))
+    reference_steps(twin, batches, decisions)
+    assert_same(model, twin)
+
+
 def test_scores_are_row_dot_target_and_top_fraction_keeps_the_best():
     torch.manual_seed(1)
     model = mlp().double()
