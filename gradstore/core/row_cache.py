@@ -17,8 +17,9 @@ served:
   spares that to later calls of one process only; a command-line call is a new process every time. Once a search
   has prepared every row, a background thread writes them (``torch.save``, the format of
   :mod:`indexers.saved_rows`) to ``<cache dir>/rows/<name>.rows.pt``; the next process's first search
-  memory-maps the file (``torch.load(mmap=True, weights_only=True)``: tensors only, no code runs) and searches the
-  mapped rows where they lie, in the operating system's page cache. Selections smaller than
+  memory-maps the file (``torch.load(mmap=True, weights_only=True)``: tensors only, no code runs), maps its pages
+  in one call (:mod:`gradstore.core.mapped_pages`) and searches the rows where they lie, in the operating system's
+  page cache. Selections smaller than
   :data:`ROW_FILE_MIN_BYTES` are not worth a file; files beyond the budget (the memory tier's: a file is fast only
   while the page cache can hold it) are removed least recently used first.
 * **Scan files, on local disk for the next process** (:class:`ScanFiles`, ``store.scan_files``): the small reads
@@ -63,6 +64,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
+from gradstore.core.mapped_pages import populate, tensors_in
 from indexers import PreparedRows
 from indexers.saved_rows import rows_state
 
@@ -287,7 +289,9 @@ class RowFiles:
             return None
 
         def load(path: Path) -> PreparedRows:
-            return check(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            populate(tensors_in(state))  # the search reads every page: mapped in one call, not page faults
+            return check(state)
 
         return load_or_remove(path, load, "row file")
 
