@@ -28,6 +28,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ingest.bags import bag_modules, other_values, packed_bags
 from ingest.capture_config import (
     SKIP_GRAD_SCALER,
     SKIP_NONFINITE,
@@ -48,7 +49,7 @@ from ingest.layers import clean_name, fsdp1_wrapped, left_out_ops, select_layers
 from ingest.misuse import CaptureUsageError
 from ingest.normalizers import NORMALIZER_POWERS, adam_factored_scales
 from ingest.scaling import example_scales, example_token_counts, examples_first, shifts_labels
-from ingest.uses import ParameterUses, mark_batched
+from ingest.uses import ParameterUses, mark_batched, mark_owned_rows
 
 # Deferred batches (with a GradScaler) waiting for the scaler's decision beyond this many are delivered
 # undecided (the capture never saw an optimizer step: memory stays bounded).
@@ -192,6 +193,7 @@ class GradientCapture:
         self._uses_probe = True
         self._uses_active = False
         self._ambiguity_warned = False  # an input whose examples' dim is ambiguous (example_dim), warned once
+        self._bag_modules = bag_modules(model)  # a model with nn.EmbeddingBag may be given packed bags (ingest.bags)
         self._shifted_labels = shifts_labels(model)  # a "token_mean" loss over shifted labels (a causal LM)
         self._outside_known: set[str] = set()  # hooked parameters the probes saw used outside their modules
         self._last_probe = 0  # the captured forward that probed last
@@ -402,12 +404,14 @@ class GradientCapture:
                     "dim of the input that indexes the examples (0 for batch-first inputs)"
                 )
             inputs = inputs.movedim(dim, 0)  # [B, ...]: the ids' hashes, token counts and mask read it so
-        size = inputs.shape[0] if inputs is not None else len(given)
+        bags = packed_bags(self._bag_modules, args, kwargs, main) if not dim else None
+        size = bags.size if bags is not None else inputs.shape[0] if inputs is not None else len(given)
         if size == 0:  # an empty batch has no rows to capture
             self.batch = None
             return args, kwargs
         ids = normalize_ids(given, size) if given is not None else None
-        mask = find_mask(kwargs, inputs)
+        mask = find_mask(kwargs, inputs) if bags is None else None
+        hashed, hashed_mask = (inputs, mask) if bags is None else bags.padded()
         device = inputs.device if inputs is not None else next(self.model.parameters()).device
         self._generation += 1
         if probe_due(self._generation):  # and at exit: the run's coverage says so either way, no scan per step
@@ -424,12 +428,15 @@ class GradientCapture:
                 self._shifted_labels,
             ),
             token_mask=None if mask is None else mask.bool(),
+            bags=bags,
             meta={
                 "ids": ids,
                 "hash_source": None
                 if ids is not None
-                else (inputs.detach().clone(), None if mask is None else mask.detach().clone()),
-                "num_tokens": example_token_counts(inputs, mask, size),
+                else (hashed.detach().clone(), None if hashed_mask is None else hashed_mask.detach().clone()),
+                "num_tokens": example_token_counts(inputs, mask, size)
+                if bags is None
+                else bags.lengths.to(torch.int32),
                 "step": self.step,
                 "epoch": self.epoch,
                 "checkpoint": self.checkpoint,
@@ -442,8 +449,13 @@ class GradientCapture:
             self._attach_scopes()
             if any(h.module is module for h, hooked in zip(self.layer_hooks, self._hooked) if hooked):
                 self._uses.enter_module(module, args)  # the model is a hooked layer: its pre-hook came too late
-        if self._uses_needed or self._uses_probe:
-            ambiguous = mark_batched(args, size, dim, main) + mark_batched(kwargs.values(), size, dim, main)
+        if self._uses_needed or self._uses_probe or bags is not None:
+            if bags is not None:  # the flat ids: rows owned by their examples (the embedding_bag rule splits them)
+                mark_owned_rows(bags.tokens, bags.owner)
+                args_seen, kwargs_seen, main = other_values(args, bags), other_values(kwargs.values(), bags), None
+            else:
+                args_seen, kwargs_seen = args, kwargs.values()
+            ambiguous = mark_batched(args_seen, size, dim, main) + mark_batched(kwargs_seen, size, dim, main)
             if ambiguous and not self._ambiguity_warned:
                 self._ambiguity_warned = True
                 warnings.warn(

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
+from ingest.bags import PackedBags
 from ingest.curvature import CurvatureStats
 from ingest.fused import FUSED_MARK, FusedGemm, fusable
 from ingest.misuse import CaptureUsageError
@@ -57,6 +58,7 @@ class ActiveBatch:
     size: int
     scales: torch.Tensor  # [B] float32, per-example scale (see ingest.scaling)
     token_mask: torch.Tensor | None  # [B, T] bool, excludes padding from curvature
+    bags: PackedBags | None = None  # a batch of packed bags (flat ids and offsets: ingest.bags)
     meta: dict[str, Any] = field(default_factory=dict)
     rows: torch.Tensor | None = None  # [B, dim] float32, allocated at the first gradient
     finalize_queued: bool = False

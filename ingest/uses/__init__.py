@@ -42,6 +42,7 @@ from ingest.uses.batch_tracking import (
     TAKEN,
     batch_dim,
     mark_batched,
+    mark_owned_rows,
 )
 from ingest.uses.gradients import conv_patches, slot_gradient, split_operand
 from ingest.uses.mode import ParameterUses
@@ -76,6 +77,7 @@ __all__ = [
     "batch_dim",
     "conv_patches",
     "mark_batched",
+    "mark_owned_rows",
     "slot_gradient",
     "split_operand",
 ]

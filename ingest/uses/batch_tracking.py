@@ -81,6 +81,12 @@ def mark_batched(
     return ambiguous
 
 
+def mark_owned_rows(t: torch.Tensor, owner: torch.Tensor) -> None:
+    """Mark ``t`` as rows of the batch along dim 0, ``owner`` the example of each (packed bags' flat ids)."""
+    setattr(t, BATCHED, 0)
+    setattr(t, OWNER, owner)
+
+
 def row_block(piece: torch.Tensor, param: torch.Tensor) -> tuple[int, int] | None:
     """``(start, stop)`` when ``piece`` is the view ``param[start:stop]`` (every other dim whole), else None."""
     if piece.dim() != param.dim() or piece.dim() == 0 or piece.shape[1:] != param.shape[1:]:

@@ -37,7 +37,7 @@ from ingest.uses.batch_tracking import (
     tensors_in,
 )
 from ingest.uses.gradients import refuse_recomputation
-from ingest.uses.ops import ELEMENTWISE, op_name
+from ingest.uses.ops import ELEMENTWISE, bind_arguments, op_name
 from ingest.uses.recurrent import SEQUENCES, is_packed
 from ingest.uses.rules import UseOwner, UseRules
 
@@ -192,6 +192,15 @@ class ParameterUses(UseRules, TorchFunctionMode):
     ) -> None:
         """Mark ``result``: where its examples are (from ``first``, the batch operand), or the parameters behind it."""
         if first is not None and mark_packing(func, args, kwargs, result, size):
+            return
+        if first is not None and func is F.embedding_bag and getattr(first, OWNER, None) is not None:
+            # flat ids bagged: one row per example where the bags are the batch's (ingest.bags), else unknown
+            bound = bind_arguments(F.embedding_bag, args, kwargs)
+            bags = self.owner.batch.bags if self.owner.batch is not None else None
+            rows = bags is not None and first is bound.get("input") and bags.matches(first, bound.get("offsets"))
+            for out in tensors_in([result]):
+                setattr(out, BATCHED, 0 if rows else -1)
+                setattr(out, OWNER, None)
             return
         if first is not None and func in SEQUENCES:  # (output, states...): the states are [layers, B, H]
             owner = getattr(first, OWNER, None)

@@ -484,36 +484,42 @@ class UseRules:
         return out
 
     def _bag_lookup(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
-        """``F.embedding_bag`` of ``[B, L]`` bags (one per example; ``nn.EmbeddingBag``), modes ``sum`` (with
-        ``per_sample_weights``) and ``mean``: each bag's output gradient times each entry's weight in it (its
-        sample weight, or 1 / the bag's entries other than ``padding_idx``) at the entries it read. ``max`` and
-        flat ``[N]`` input with offsets are not split (reported)."""
+        """``F.embedding_bag`` of one bag per example (``nn.EmbeddingBag``): ``[B, L]`` bags, or the batch's packed
+        bags (flat ids with offsets, :mod:`ingest.bags`), modes ``sum`` (with ``per_sample_weights``) and
+        ``mean``: each bag's output gradient times each entry's weight in it (its sample weight, or 1 / the bag's
+        entries other than ``padding_idx``) at the entries it read. ``max``, and flat ids with offsets other than
+        the batch's, are not split (reported)."""
         names = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse")
         names += ("per_sample_weights", "include_last_offset", "padding_idx")
         bound = {**dict(zip(names, args)), **kwargs}
-        index, table, mode = bound["input"], bound["weight"], bound.get("mode", "mean")
+        index, table, mode, offsets = bound["input"], bound["weight"], bound.get("mode", "mean"), bound.get("offsets")
         hook = self._slot(table, ("parameter",))
         if hook is None or hook.PER_POSITION or id(table) not in self.slots or table.dim() != 2:
             return None
-        if index.dim() != 2 or batch_dim(index) != 0 or bound.get("offsets") is not None or mode not in ("sum", "mean"):
+        if mode not in ("sum", "mean") or bound.get("max_norm") is not None or bound.get("scale_grad_by_freq"):
             return None
-        if bound.get("max_norm") is not None or bound.get("scale_grad_by_freq"):
+        if offsets is None and (index.dim() != 2 or batch_dim(index) != 0):
             return None
-        weights = bound.get("per_sample_weights")
+        if offsets is not None and (index.dim() != 1 or batch.bags is None or not batch.bags.matches(index, offsets)):
+            return None
+        if offsets is None:
+            owner = torch.arange(batch.size, device=index.device).repeat_interleave(index.shape[1])
+        else:
+            owner = batch.bags.owner.to(index.device)
+        flat = index.detach().reshape(-1)
         padding = bound.get("padding_idx")
-        keep = (
-            torch.ones_like(index, dtype=torch.float32)
-            if padding is None
-            else (index != padding % table.shape[0]).float()
-        )
+        keep = torch.ones_like(flat, dtype=torch.float32)
+        if padding is not None:
+            keep = (flat != padding % table.shape[0]).float()
+        weights = bound.get("per_sample_weights")
         if weights is not None:
-            keep = keep * weights.detach().float()
+            keep = keep * weights.detach().float().reshape(-1)
         elif mode == "mean":
-            keep = keep / keep.sum(1, keepdim=True).clamp(min=1)
+            counts = keep.new_zeros(batch.size).index_add_(0, owner, keep)
+            keep = keep / counts.clamp(min=1)[owner]
         out = F.embedding_bag(*args, **kwargs)
-        entries = index.detach().reshape(-1) % table.shape[0]
-        owner = torch.arange(batch.size, device=index.device).repeat_interleave(index.shape[1])
-        out.register_hook(functools.partial(bag_backward, hook, batch.generation, entries, owner, keep.reshape(-1)))
+        entries = flat % table.shape[0]
+        out.register_hook(functools.partial(bag_backward, hook, batch.generation, entries, owner, keep))
         return out
 
     def _index_lookup(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:

@@ -86,6 +86,8 @@ WHOLE = [
     "tied-output",
     "slopes-addmm",
     "embedding-bag",
+    "packed-bags",
+    "packed-bags-last",
 ]
 
 

@@ -1250,6 +1250,72 @@ def embedding_bag() -> ZooCase:
     )
 
 
+class PackedBagClassifier(nn.Module):
+    """PyTorch's text classification tutorial model on packed bags (flat ids and offsets): ``nn.EmbeddingBag``
+    in mean mode with a padding id, beside one in sum mode with per-id weights, and a linear head."""
+
+    def __init__(self, include_last_offset: bool) -> None:
+        super().__init__()
+        self.mean_bag = nn.EmbeddingBag(12, 4, mode="mean", padding_idx=0, include_last_offset=include_last_offset)
+        self.sum_bag = nn.EmbeddingBag(12, 4, mode="sum", include_last_offset=include_last_offset)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, text: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mean_bag(text, offsets) + self.sum_bag(text, offsets, per_sample_weights=weights))
+
+
+@dataclass
+class PackedBagsCase(ZooCase):
+    """A batch of packed bags: ``text`` and ``weights`` ``[N]`` (every example's ids one after the other),
+    ``lengths`` ``[B]``; the model is given the offsets (with the total last under ``include_last_offset``)."""
+
+    include_last_offset: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch["y"].shape[0]
+
+    def example(self, i: int) -> Batch:
+        starts = torch.cumsum(self.batch["lengths"], 0) - self.batch["lengths"]
+        rows = slice(int(starts[i]), int(starts[i] + self.batch["lengths"][i]))
+        return {
+            "text": self.batch["text"][rows],
+            "weights": self.batch["weights"][rows],
+            "lengths": self.batch["lengths"][i : i + 1],
+            "y": self.batch["y"][i : i + 1],
+            "last": self.batch["last"],
+        }
+
+
+def _packed_bag_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    lengths = batch["lengths"]
+    offsets = torch.cumsum(lengths, 0) - lengths
+    if bool(batch["last"]):
+        offsets = torch.cat([offsets, lengths.sum().reshape(1)])
+    return F.cross_entropy(forward(batch["text"], offsets, batch["weights"]), batch["y"])
+
+
+def packed_bags(include_last_offset: bool) -> Callable[[], ZooCase]:
+    def case() -> ZooCase:
+        torch.manual_seed(0)
+        lengths = torch.tensor([3, 1, 5, 2])
+        text = torch.randint(1, 12, (int(lengths.sum()),), generator=_gen(63))
+        text[4] = 0  # padding in the mean bag (the third bag's first id)
+        batch = {
+            "text": text,
+            "weights": torch.rand(text.shape[0], generator=_gen(64)),
+            "lengths": lengths,
+            "y": torch.randint(0, 3, (4,), generator=_gen(65)),
+            "last": torch.tensor(include_last_offset),
+        }
+        name = "packed-bags-last" if include_last_offset else "packed-bags"
+        model = PackedBagClassifier(include_last_offset).train()
+        note = "EmbeddingBag(text, offsets): mean + padding, sum + weights" + (", last offset" * include_last_offset)
+        return PackedBagsCase(name, model, batch, _packed_bag_loss, note=note, include_last_offset=include_last_offset)
+
+    return case
+
+
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
     "llama": llama,
@@ -1292,4 +1358,6 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "tied-output": tied_output,
     "slopes-addmm": slopes_and_addmm,
     "embedding-bag": embedding_bag,
+    "packed-bags": packed_bags(False),
+    "packed-bags-last": packed_bags(True),
 }
