@@ -167,6 +167,8 @@ def matmul_dim(args: tuple, source: torch.Tensor, dim: int, out_dims: int) -> in
         return dim if b.dim() == 1 else out_dims - (a.dim() - dim)
     if b.dim() == 1 or dim == b.dim() - 2:
         return -1
+    if a.dim() == 1:  # a vector on the left: the output drops b's dim -2, and only it
+        return out_dims - (b.dim() - dim) + (1 if dim < b.dim() - 1 else 0)
     return out_dims - (b.dim() - dim)
 
 

@@ -303,16 +303,19 @@ class UseRules:
         return out
 
     def _matmul(self, batch: ActiveBatch, a: Any, b: Any) -> Any:
-        """``x @ M`` or ``M @ x`` with ``M`` a captured 2-D parameter ``P`` or its transpose ``P.T`` and ``x`` the
-        batch's (its examples along a dim the product keeps). Each example's gradient of ``P`` sums the outer
-        products of its rows (``x @ M``) or columns (``M @ x``) with their output gradients."""
+        """``x @ M`` or ``M @ x`` with ``M`` a captured 2-D parameter ``P`` or its transpose ``P.T`` (or a 1-D one:
+        :meth:`_vector_product`) and ``x`` the batch's (its examples along a dim the product keeps). Each example's
+        gradient of ``P`` sums the outer products of its rows (``x @ M``) or columns (``M @ x``) with their output
+        gradients."""
         x_first = batch_dim(b) is None
         x, matrix = (a, b) if x_first else (b, a)
         dim = batch_dim(x)
-        if dim is None or dim < 0 or batch_dim(matrix) is not None or matrix.dim() != 2 or self.sequence_first:
+        if dim is None or dim < 0 or batch_dim(matrix) is not None or matrix.dim() not in (1, 2) or self.sequence_first:
             return None
         if dim >= x.dim() - (1 if x_first else 2):
             return None  # the examples lie along a dim the product contracts or mixes
+        if matrix.dim() == 1:
+            return self._vector_product(batch, a, b, x, matrix, x_first, dim)
         param, transposed = self._matrix_parameter(matrix)
         hook = None if param is None else self._slot(param, ("linear", "attention", "parameter", "embedding"))
         if hook is None or hook.PER_POSITION or param.dim() != 2:
@@ -327,6 +330,27 @@ class UseRules:
         side = (x_first == transposed) != (hook.slot.kind == "embedding")
         rows = rows.flatten(0, 1)
         out.register_hook(functools.partial(matmul_backward, hook, batch.generation, rows, owner, dim, x_first, side))
+        return out
+
+    def _vector_product(
+        self, batch: ActiveBatch, a: Any, b: Any, x: torch.Tensor, vector: torch.Tensor, x_first: bool, dim: int
+    ) -> Any:
+        """``x @ q`` or ``q @ x`` with ``q`` a captured 1-D parameter (attention pooling's query vector, a scoring
+        vector): the product rule of the ``[1, d]`` matrix ``q`` is as a slot, each example's gradient the sum of
+        its rows (columns) of ``x`` times their output gradients."""
+        hook = self._slot(vector, ("parameter",)) if id(vector) in self.slots else None
+        if hook is None or hook.PER_POSITION or (hook.slot.d_out, hook.slot.d_in) != (1, vector.shape[0]):
+            return None
+        out = torch.matmul(a, b)
+        rows = x.detach().movedim(dim, 0)
+        if not x_first:  # q @ x: the columns of x are its rows
+            rows = rows.transpose(-1, -2)
+        rows = rows.reshape(batch.size, -1, rows.shape[-1])
+        owner = torch.arange(batch.size, device=x.device).repeat_interleave(rows.shape[1])
+        backward = functools.partial(
+            matmul_backward, hook, batch.generation, rows.flatten(0, 1), owner, dim, x_first, True
+        )
+        out.register_hook(lambda dy: backward(dy.unsqueeze(-1 if x_first else -2)))  # the [.., 1] the matrix gives
         return out
 
     def _recurrent(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict, sources: list[torch.Tensor]) -> Any:

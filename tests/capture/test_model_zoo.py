@@ -87,6 +87,7 @@ WHOLE = [
     "slopes-addmm",
     "embedding-bag",
     "packed-bags",
+    "attention-pooling",
     "packed-bags-last",
 ]
 

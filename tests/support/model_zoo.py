@@ -1250,6 +1250,37 @@ def embedding_bag() -> ZooCase:
     )
 
 
+class AttentionPooling(nn.Module):
+    """Token embeddings pooled by a learned query vector (``h @ q``: attention pooling), a second scoring vector
+    on the left of the transposed tokens (``v @ h^T``), and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(15, 6)
+        self.query = nn.Parameter(torch.randn(6))
+        self.gate = nn.Parameter(torch.randn(6))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(ids))  # [B, T, 6]
+        weights = torch.softmax(h @ self.query, dim=1)  # [B, T]
+        gates = torch.sigmoid(torch.matmul(self.gate, h.transpose(1, 2)))  # [B, T]
+        return self.head(((weights * gates).unsqueeze(-1) * h).sum(1))
+
+
+def _pooling_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    return F.cross_entropy(forward(batch["ids"]), batch["y"])
+
+
+def attention_pooling() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {
+        "ids": torch.randint(0, 15, (4, 5), generator=_gen(66)),
+        "y": torch.randint(0, 3, (4,), generator=_gen(67)),
+    }
+    return ZooCase("attention-pooling", AttentionPooling().train(), batch, _pooling_loss, note="h @ q, q @ h^T (1-D)")
+
+
 class PackedBagClassifier(nn.Module):
     """PyTorch's text classification tutorial model on packed bags (flat ids and offsets): ``nn.EmbeddingBag``
     in mean mode with a padding id, beside one in sum mode with per-id weights, and a linear head."""
@@ -1358,6 +1389,7 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "tied-output": tied_output,
     "slopes-addmm": slopes_and_addmm,
     "embedding-bag": embedding_bag,
+    "attention-pooling": attention_pooling,
     "packed-bags": packed_bags(False),
     "packed-bags-last": packed_bags(True),
 }
