@@ -115,6 +115,24 @@ def bag_backward(
     hook.add_lookup(generation, entries, values, owner, True)
 
 
+def bag_max_backward(
+    hook: LayerHook,
+    generation: int,
+    entries: torch.Tensor,
+    owner: torch.Tensor,
+    inverse: torch.Tensor,
+    bags: torch.Tensor,
+    dims: torch.Tensor,
+    dy: torch.Tensor,
+) -> None:
+    """``F.embedding_bag`` in ``max`` mode (:meth:`UseRules._bag_maxima`): ``(entries, owner)`` the distinct
+    ``(entry, example)`` maxima, ``inverse`` which of them each ``(bags, dims)`` pair's maximum is; that pair's
+    output gradient goes to that row's dim."""
+    values = dy.new_zeros(entries.shape[0], dy.shape[1], dtype=torch.float32)
+    values[inverse, dims] = dy.detach().float()[bags, dims]
+    hook.add_lookup(generation, entries, values, owner, True)
+
+
 def slope_backward(
     hook: LayerHook, param: torch.Tensor, generation: int, negative: torch.Tensor, channels: int, dy: torch.Tensor
 ) -> None:

@@ -28,6 +28,7 @@ from ingest.uses.batch_tracking import (
 )
 from ingest.uses.gradients import (
     bag_backward,
+    bag_max_backward,
     bias_backward,
     channels_last,
     conv_patches,
@@ -511,8 +512,8 @@ class UseRules:
         """``F.embedding_bag`` of one bag per example (``nn.EmbeddingBag``): ``[B, L]`` bags, or the batch's packed
         bags (flat ids with offsets, :mod:`ingest.bags`), modes ``sum`` (with ``per_sample_weights``) and
         ``mean``: each bag's output gradient times each entry's weight in it (its sample weight, or 1 / the bag's
-        entries other than ``padding_idx``) at the entries it read. ``max``, and flat ids with offsets other than
-        the batch's, are not split (reported)."""
+        entries other than ``padding_idx``) at the entries it read; ``max``: :meth:`_bag_maxima`. Flat ids with
+        offsets other than the batch's are not split (reported)."""
         names = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse")
         names += ("per_sample_weights", "include_last_offset", "padding_idx")
         bound = {**dict(zip(names, args)), **kwargs}
@@ -520,18 +521,20 @@ class UseRules:
         hook = self._slot(table, ("parameter",))
         if hook is None or hook.PER_POSITION or id(table) not in self.slots or table.dim() != 2:
             return None
-        if mode not in ("sum", "mean") or bound.get("max_norm") is not None or bound.get("scale_grad_by_freq"):
+        if mode not in ("sum", "mean", "max") or bound.get("max_norm") is not None or bound.get("scale_grad_by_freq"):
             return None
         if offsets is None and (index.dim() != 2 or batch_dim(index) != 0):
             return None
         if offsets is not None and (index.dim() != 1 or batch.bags is None or not batch.bags.matches(index, offsets)):
             return None
+        padding = bound.get("padding_idx")
+        if mode == "max":
+            return self._bag_maxima(batch, args, kwargs, hook, index, table, offsets, padding, bound)
         if offsets is None:
             owner = torch.arange(batch.size, device=index.device).repeat_interleave(index.shape[1])
         else:
             owner = batch.bags.owner.to(index.device)
         flat = index.detach().reshape(-1)
-        padding = bound.get("padding_idx")
         keep = torch.ones_like(flat, dtype=torch.float32)
         if padding is not None:
             keep = (flat != padding % table.shape[0]).float()
@@ -544,6 +547,40 @@ class UseRules:
         out = F.embedding_bag(*args, **kwargs)
         entries = flat % table.shape[0]
         out.register_hook(functools.partial(bag_backward, hook, batch.generation, entries, owner, keep))
+        return out
+
+    @staticmethod
+    def _bag_maxima(
+        batch: ActiveBatch,
+        args: tuple,
+        kwargs: dict,
+        hook: LayerHook,
+        index: torch.Tensor,
+        table: torch.Tensor,
+        offsets: torch.Tensor | None,
+        padding: int | None,
+        bound: dict[str, Any],
+    ) -> Any:
+        """``F.embedding_bag`` in ``max`` mode: each bag's output gradient in dim ``d`` goes to the entry whose value
+        was the bag's maximum there (torch's own ``max_indices``, so ties resolve as its backward resolves them);
+        an empty bag and the ``padding_idx`` entry get none. Each example's entries are the distinct maxima of its
+        bag."""
+        size, rows = batch.size, table.shape[0]
+        pad = -1 if padding is None else padding % rows
+        with torch.no_grad():
+            if offsets is None:  # [B, L]: F.embedding_bag's own flattening
+                ids, starts, last = index.reshape(-1), torch.arange(0, index.numel(), index.shape[1]), False
+            else:
+                ids, starts, last = index, offsets, bool(bound.get("include_last_offset", False))
+            _, _, bag_size, maxima = torch.embedding_bag(
+                table.detach(), ids, starts.to(index.device), False, 2, False, None, last, pad
+            )
+        valid = (bag_size[:size] > 0).unsqueeze(1) & (maxima != pad)
+        bags, dims = torch.nonzero(valid, as_tuple=True)
+        distinct, inverse = torch.unique(bags * rows + maxima[bags, dims], return_inverse=True)
+        out = F.embedding_bag(*args, **kwargs)
+        backward = bag_max_backward, hook, batch.generation, distinct % rows, distinct // rows, inverse, bags, dims
+        out.register_hook(functools.partial(*backward))
         return out
 
     def _index_lookup(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:

@@ -1219,17 +1219,19 @@ def slopes_and_addmm() -> ZooCase:
 
 
 class BagClassifier(nn.Module):
-    """fastText-style bags of ``[B, L]`` token ids: ``nn.EmbeddingBag`` in mean mode with a padding id, and in
-    sum mode with per-token weights."""
+    """fastText-style bags of ``[B, L]`` token ids: ``nn.EmbeddingBag`` in mean mode with a padding id, in sum
+    mode with per-token weights and in max mode with a padding id."""
 
     def __init__(self) -> None:
         super().__init__()
         self.mean_bag = nn.EmbeddingBag(12, 4, mode="mean", padding_idx=0)
         self.sum_bag = nn.EmbeddingBag(12, 4, mode="sum")
+        self.max_bag = nn.EmbeddingBag(12, 4, mode="max", padding_idx=0)
         self.head = nn.Linear(4, 3)
 
     def forward(self, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.head(self.mean_bag(tokens) + self.sum_bag(tokens, per_sample_weights=weights))
+        pooled = self.mean_bag(tokens) + self.sum_bag(tokens, per_sample_weights=weights) + self.max_bag(tokens)
+        return self.head(pooled)
 
 
 def _bag_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
@@ -1245,9 +1247,8 @@ def embedding_bag() -> ZooCase:
         "weights": torch.rand(4, 5, generator=_gen(61)),
         "y": torch.randint(0, 3, (4,), generator=_gen(62)),
     }
-    return ZooCase(
-        "embedding-bag", BagClassifier().train(), batch, _bag_loss, note="EmbeddingBag mean + padding, sum + weights"
-    )
+    note = "EmbeddingBag mean + padding, sum + weights, max + padding"
+    return ZooCase("embedding-bag", BagClassifier().train(), batch, _bag_loss, note=note)
 
 
 class AttentionPooling(nn.Module):
@@ -1283,16 +1284,19 @@ def attention_pooling() -> ZooCase:
 
 class PackedBagClassifier(nn.Module):
     """PyTorch's text classification tutorial model on packed bags (flat ids and offsets): ``nn.EmbeddingBag``
-    in mean mode with a padding id, beside one in sum mode with per-id weights, and a linear head."""
+    in mean mode with a padding id, beside one in sum mode with per-id weights and one in max mode with a padding
+    id, and a linear head."""
 
     def __init__(self, include_last_offset: bool) -> None:
         super().__init__()
         self.mean_bag = nn.EmbeddingBag(12, 4, mode="mean", padding_idx=0, include_last_offset=include_last_offset)
         self.sum_bag = nn.EmbeddingBag(12, 4, mode="sum", include_last_offset=include_last_offset)
+        self.max_bag = nn.EmbeddingBag(12, 4, mode="max", padding_idx=0, include_last_offset=include_last_offset)
         self.head = nn.Linear(4, 3)
 
     def forward(self, text: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.head(self.mean_bag(text, offsets) + self.sum_bag(text, offsets, per_sample_weights=weights))
+        pooled = self.mean_bag(text, offsets) + self.sum_bag(text, offsets, per_sample_weights=weights)
+        return self.head(pooled + self.max_bag(text, offsets))
 
 
 @dataclass
@@ -1329,7 +1333,7 @@ def _packed_bag_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
 def packed_bags(include_last_offset: bool) -> Callable[[], ZooCase]:
     def case() -> ZooCase:
         torch.manual_seed(0)
-        lengths = torch.tensor([3, 1, 5, 2])
+        lengths = torch.tensor([3, 0, 5, 2]) if include_last_offset else torch.tensor([3, 1, 5, 2])  # an empty bag
         text = torch.randint(1, 12, (int(lengths.sum()),), generator=_gen(63))
         text[4] = 0  # padding in the mean bag (the third bag's first id)
         batch = {
@@ -1341,7 +1345,8 @@ def packed_bags(include_last_offset: bool) -> Callable[[], ZooCase]:
         }
         name = "packed-bags-last" if include_last_offset else "packed-bags"
         model = PackedBagClassifier(include_last_offset).train()
-        note = "EmbeddingBag(text, offsets): mean + padding, sum + weights" + (", last offset" * include_last_offset)
+        note = "EmbeddingBag(text, offsets): mean + padding, sum + weights, max + padding"
+        note += ", last offset, an empty bag" * include_last_offset
         return PackedBagsCase(name, model, batch, _packed_bag_loss, note=note, include_last_offset=include_last_offset)
 
     return case
