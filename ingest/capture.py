@@ -49,7 +49,7 @@ from ingest.layers import clean_name, fsdp1_wrapped, left_out_ops, select_layers
 from ingest.misuse import CaptureUsageError
 from ingest.normalizers import NORMALIZER_POWERS, adam_factored_scales
 from ingest.scaling import example_scales, example_token_counts, examples_first, shifts_labels
-from ingest.uses import ParameterUses, mark_batched, mark_owned_rows
+from ingest.uses import ACROSS, ParameterUses, mark_batched, mark_owned_rows
 
 # Deferred batches (with a GradScaler) waiting for the scaler's decision beyond this many are delivered
 # undecided (the capture never saw an optimizer step: memory stays bounded).
@@ -193,6 +193,7 @@ class GradientCapture:
         self._uses_probe = True
         self._uses_active = False
         self._ambiguity_warned = False  # an input whose examples' dim is ambiguous (example_dim), warned once
+        self.statistics_input: torch.Tensor | None = None  # see ingest.uses.rules.UseOwner
         self._bag_modules = bag_modules(model)  # a model with nn.EmbeddingBag may be given packed bags (ingest.bags)
         self._shifted_labels = shifts_labels(model)  # a "token_mean" loss over shifted labels (a causal LM)
         self._outside_known: set[str] = set()  # hooked parameters the probes saw used outside their modules
@@ -485,9 +486,11 @@ class GradientCapture:
     def _batch_statistics(self, name: str, module: nn.Module, args: tuple) -> None:
         """Forward pre-hook of a BatchNorm: normalising a captured batch by its own statistics (training mode, or
         no running statistics) couples the examples, which the coverage records (once)."""
+        self.statistics_input = None
         if self.batch is None or self.batch.size < 2 or not torch.is_grad_enabled() or in_backward():
             return
         if module.training or module.running_mean is None:
+            self.statistics_input = args[0] if args else None  # its F.batch_norm is reported here, not again
             self.coverage.mixed(
                 name,
                 "BatchNorm normalises by the batch's statistics (training mode): each row is the example's share "
@@ -563,6 +566,13 @@ class GradientCapture:
             return
         for out in _output_tensors(output):  # a backward through the output must bring this batch rows
             out.register_hook(functools.partial(_reached, batch))
+            if getattr(out, ACROSS, False):
+                self.coverage.mixed(
+                    "the model's output",
+                    "the forward ends in an op across the examples (a softmax or a normalisation over the batch): "
+                    "each example's loss depends on the others', so each row is the example's share of the batch "
+                    "gradient, not the gradient of its own loss",
+                )
         if self.per_example_loss is None or batch.meta["loss"] is not None:
             return
         with torch.no_grad():

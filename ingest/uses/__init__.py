@@ -34,6 +34,7 @@ dispatches to them).
 """
 
 from ingest.uses.batch_tracking import (
+    ACROSS,
     BATCHED,
     GATHER,
     OWNER,
@@ -58,6 +59,7 @@ from ingest.uses.ops import (
 from ingest.uses.rules import UseOwner, UseRules
 
 __all__ = [
+    "ACROSS",
     "BATCHED",
     "CONCATENATIONS",
     "CONVOLUTIONS",

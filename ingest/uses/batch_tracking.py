@@ -9,9 +9,10 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ingest.hooks import TAKEN_MARK
-from ingest.uses.ops import ELEMENTWISE, MATMULS, REDUCTIONS, RESHAPES
+from ingest.uses.ops import CHANNEL_NORMALIZATIONS, ELEMENTWISE, MATMULS, NORMALIZATIONS, REDUCTIONS, RESHAPES
 
 #: Ops that may move dims while keeping the rank, whose outputs' examples' dim is not followed (unknown).
 REORDERS = frozenset(
@@ -37,6 +38,10 @@ BROADCAST_HOOK = "_gradstore_broadcast_hook"
 #: Attribute set on a tensor computed across the examples (a reduction over them, a softmax or a sort along them):
 #: combined with a batch tensor in an elementwise op it makes each example's output depend on the others.
 POOLED = "_gradstore_pooled"
+#: Attribute set on the output of an op that computes each example's entries across the examples and keeps one
+#: entry per example (a softmax or a normalisation over the batch, a permutation of it): as the model's output,
+#: every example's loss depends on the others' (:meth:`ingest.capture.GradientCapture` reports it).
+ACROSS = "_gradstore_across"
 #: Attribute set on a batch tensor whose examples lie along one dim in another order (a packed sequence's sorted
 #: order): ``(dim, order)``, position ``j`` holding example ``order[j]``. Its :data:`BATCHED` is -1 (no rule reads
 #: the order); the packing ops follow it (:func:`mark_packing`), and an ``index_select`` restoring the examples'
@@ -118,7 +123,9 @@ ALONG_A_DIM = {
     **{name: (1, "dim", 0) for name in ("scatter", "scatter_add", "scatter_reduce", "index_reduce")},
     **{name: (1, "dim", -1) for name in ("sort", "argsort", "cumsum", "cumprod", "cummax", "cummin")},
     **{name: (1, "dim", -1) for name in ("logcumsumexp", "softmax", "log_softmax")},
-    **{name: (2, "dim", -1) for name in ("topk_", "diff")},
+    **{name: (2, "dim", -1) for name in ("topk_", "diff", "kthvalue")},
+    **{name: (1, "dim", None) for name in ("median", "nanmedian", "mode")},
+    **{name: (2, "dim", None) for name in ("quantile", "nanquantile")},
     "normalize": (2, "dim", 1),
     "take_along_dim": (2, "dim", None),
     "msort": (None, None, 0),
@@ -130,7 +137,10 @@ ALONG_A_DIM = {
 def mixed_dims(func: Any, args: tuple, kwargs: dict, n: int) -> set[int] | None:
     """The dims of an ``n``-dim operand along which ``func`` moves or combines entries (an example's row taken
     from, or made of, other rows: ``index_select``, ``gather``, ``flip``, ``roll``, ``sort``, ``cumsum``,
-    ``softmax`` along a dim, ...), every dim when it flattens; None for any other op."""
+    ``softmax`` along a dim, a median, the statistics of a normalisation, ...), every dim when it flattens; None
+    for any other op."""
+    if func in STATISTICS:
+        return normalized_dims(func, args, kwargs, n)
     name = getattr(func, "__name__", "").rstrip("_") or ""
     if name == "topk":
         name = "topk_"
@@ -149,6 +159,28 @@ def mixed_dims(func: Any, args: tuple, kwargs: dict, n: int) -> set[int] | None:
     if given is None or not isinstance(given, int) or not n:
         return set(range(n))
     return {int(given) % n}
+
+
+#: Normalisations whose statistics combine entries along some dims (:func:`normalized_dims`).
+STATISTICS = {**CHANNEL_NORMALIZATIONS, **NORMALIZATIONS}
+
+
+def normalized_dims(func: Any, args: tuple, kwargs: dict, n: int) -> set[int] | None:
+    """The dims whose entries a normalisation's statistics combine: batch norm's every dim but the channels' 1
+    (in training, or without running statistics; None with fixed ones), instance norm's spatial dims, group
+    norm's every dim but 0, layer and RMS norm's ``normalized_shape`` dims."""
+    bound = {**dict(zip(STATISTICS[func], args)), **kwargs}
+    if func is F.batch_norm:
+        batch_stats = bool(bound.get("training", False)) or bound.get("running_mean") is None
+        return {d for d in range(n) if d != 1} if batch_stats else None
+    if func is F.instance_norm:
+        own_stats = bool(bound.get("use_input_stats", True)) or bound.get("running_mean") is None
+        return set(range(2, n)) if own_stats else None
+    if func is F.group_norm:
+        return set(range(1, n))
+    shape = bound.get("normalized_shape")
+    count = 1 if isinstance(shape, int) else len(shape) if shape is not None else n
+    return set(range(max(n - count, 0), n))
 
 
 def op_attribute(func: Any) -> str:
@@ -197,6 +229,8 @@ def pools_examples(func: Any, args: tuple, kwargs: dict, dim: int, n: int) -> bo
     reduction over that dim, an op that moves or combines entries along it)."""
     if dim < 0:
         return False
+    if getattr(func, "__name__", "") == "__getitem__" and len(args) >= 2 and isinstance(args[0], torch.Tensor):
+        return _moves_examples(args[0], args[1], dim)
     mixed = mixed_dims(func, args, kwargs, n)
     if mixed is not None:
         return dim in mixed
@@ -268,7 +302,7 @@ def result_batch(
     """Where the examples are in ``out``, an output of ``func`` on ``source`` (whose examples' dim is ``dim``, or
     whose dim 0 mixes them as ``owner`` says): ``(dim, owner)``, ``(-1, None)`` when unknown."""
     name = op_attribute(func)
-    mixed = mixed_dims(func, args, kwargs, source.dim())
+    mixed = None if func in STATISTICS else mixed_dims(func, args, kwargs, source.dim())  # a norm keeps the rows
     if mixed is not None and (0 if owner is not None else dim) in mixed:
         return -1, None  # an example's entries moved to or combined with other rows: whose they are is not followed
     if owner is None:
@@ -388,6 +422,22 @@ def _moved_dim(source: Any, destination: Any, dim: int, n: int) -> int:
         return targets[sources.index(dim)]
     free = [d for d in range(n) if d not in targets]
     return free[[d for d in range(n) if d not in sources].index(dim)]
+
+
+def _moves_examples(t: torch.Tensor, index: Any, dim: int) -> bool:
+    """Whether ``t[index]`` (examples along ``dim`` 0) puts other examples' entries in an example's place: an
+    integer index (tensor or list) along the examples other than ``arange(B)`` and other than one entry per
+    example (:func:`_picks_per_example`). A boolean mask selects examples, moving none (not this)."""
+    first = index[0] if isinstance(index, tuple) and index else index
+    if dim != 0 or not isinstance(first, (torch.Tensor, list)):
+        return False
+    rows = torch.as_tensor(first) if isinstance(first, list) else first
+    if rows.dtype == torch.bool or rows.is_floating_point():
+        return False
+    size = t.shape[0]
+    if isinstance(index, tuple) and _picks_per_example(index, dim, size):
+        return False
+    return not (rows.dim() == 1 and rows.numel() == size and bool(torch.equal(rows.cpu(), torch.arange(size))))
 
 
 def _picks_per_example(index: Any, dim: int, size: int) -> bool:

@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from ingest.hooks import ActiveBatch, LayerHook, in_backward
 from ingest.uses.batch_tracking import (
+    ACROSS,
     BATCHED,
     BROADCAST,
     BROADCAST_HOOK,
@@ -221,6 +222,8 @@ class ParameterUses(UseRules, TorchFunctionMode):
             # entries move or combine along a dim of the op's input only (a batch of ids indexing a table does not)
             taken = first is (args[0] if args else kwargs.get("input"))
             pooled = size > 1 and owner is None and taken and pools_examples(func, args, kwargs, dim, first.dim())
+            if pooled and func is F.batch_norm and first is getattr(self.owner, "statistics_input", None):
+                pooled = False  # a BatchNorm module's: reported by its own pre-hook, rows taken as shares after it
             crossed = False  # a product of batch operands whose examples land apart (x @ x.T) or are summed over
             for out in tensors_in([result]):  # an in-place op returns (and so marks) its first operand
                 new, new_owner = result_batch(func, args, kwargs, first, dim, owner, out, size)
@@ -232,7 +235,12 @@ class ParameterUses(UseRules, TorchFunctionMode):
                     setattr(out, POOLED, True)
             operands = list(tensors_in([*args, *kwargs.values()]))
             mixing = crossed or any(getattr(t, POOLED, False) and t.requires_grad for t in operands)
-            if mixing and any((batch_dim(t) if batch_dim(t) is not None else -1) >= 0 for t in tensors_in([result])):
+            outs = list(tensors_in([result]))
+            if pooled and first.requires_grad:  # one entry per example, each computed across them (a softmax)
+                for out in outs:
+                    if out.shape == first.shape:
+                        setattr(out, ACROSS, True)
+            if mixing and any((batch_dim(t) if batch_dim(t) is not None else -1) >= 0 for t in outs):
                 self.owner.mixed(
                     "ops across the examples",
                     f"the forward combines each example with a tensor computed across the examples ({op_name(func)} "

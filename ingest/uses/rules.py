@@ -98,6 +98,8 @@ class UseOwner(Protocol):
     """What the op-level capture needs from the capture that owns it."""
 
     batch: ActiveBatch | None
+    #: the input a BatchNorm module normalises by the batch's statistics now (its own pre-hook reported it)
+    statistics_input: torch.Tensor | None
 
     def uncovered(self, names: Iterable[str], how: str) -> None: ...
 

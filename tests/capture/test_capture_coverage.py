@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils.checkpoint import checkpoint
@@ -422,20 +423,53 @@ class AcrossExamples(nn.Module):
             "einsum-gram": lambda: torch.einsum("bi,ci->bc", h, h),
             "stack-reversed": lambda: torch.stack([h, h.flip(0)], 1).sum(1),
             "times-gram": lambda: h @ (h.T @ h),
+            "median-centred": lambda: h - h.median(0).values,
+            "quantile-scaled": lambda: h / torch.quantile(h, 0.9, dim=0),
+            "functional-batch-norm": lambda: F.batch_norm(h, None, None, training=True),
+            "layer-norm-over-batch": lambda: F.layer_norm(h.T, (h.shape[0],)).T,
+            "manifold-mixup": lambda: 0.7 * h + 0.3 * h[torch.tensor([4, 3, 2, 1, 0])],
+            "list-index-times": lambda: h[[1, 2, 3, 4, 0]] * h,
         }[self.how]()
         return self.b(mixed)
 
 
-@pytest.mark.parametrize("how", ["batch-norm", "gram", "einsum-gram", "stack-reversed", "times-gram"])
+ACROSS_EXAMPLES = ["batch-norm", "gram", "einsum-gram", "stack-reversed", "times-gram", "median-centred"]
+ACROSS_EXAMPLES += ["quantile-scaled", "functional-batch-norm", "layer-norm-over-batch", "manifold-mixup"]
+
+
+@pytest.mark.parametrize("how", [*ACROSS_EXAMPLES, "list-index-times"])
 def test_ops_across_the_examples_are_recorded_and_warned(how) -> None:
     """Each example combined with the others (the batch's own mean and deviation, a hand-written BatchNorm; a
-    product of examples with each other) couples them, as BatchNorm in training mode does: recorded as an entry
-    "(mixes examples)" and warned (each was silent, the first layer's rows another example's share)."""
+    product of examples with each other; a median or quantile over the batch, a functional batch norm, a layer
+    norm over the batch's dim, another example's row added: manifold mixup) couples them, as BatchNorm in
+    training mode does: recorded as an entry "(mixes examples)" and warned (each was silent, the first layer's
+    rows another example's share)."""
     torch.manual_seed(0)
     cap, rows, caught = _capture(AcrossExamples(how), torch.randn(5, 3))
     mixed = [p for p in cap.coverage.gaps() if p.name.endswith("(mixes examples)")]
     assert len(mixed) == 1 and "ops across the examples" in mixed[0].name and len(caught) == 1
     assert all(p.captured for p in cap.coverage.parameters if p.numel)  # every parameter still has its rows
+
+
+def test_a_model_output_computed_across_the_examples_is_recorded_and_warned() -> None:
+    """The forward's last op normalises over the batch (``log_softmax(logits, dim=0)``): no layer comes after it
+    to report, yet each example's loss depends on the others'. Recorded as mixing at the model's output (was
+    silent, every row another example's share); the same op over the classes is not."""
+
+    class Scored(nn.Module):
+        def __init__(self, dim: int) -> None:
+            super().__init__()
+            self.a, self.b, self.dim = nn.Linear(3, 5), nn.Linear(5, 4), dim
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log_softmax(self.b(torch.tanh(self.a(x))), dim=self.dim)
+
+    torch.manual_seed(0)
+    cap, _, caught = _capture(Scored(0), torch.randn(4, 3))
+    mixed = [p.name for p in cap.coverage.gaps() if p.name.endswith("(mixes examples)")]
+    assert mixed == ["the model's output (mixes examples)"] and len(caught) == 1
+    cap, _, caught = _capture(Scored(1), torch.randn(4, 3))
+    assert cap.coverage.gaps() == [] and caught == []
 
 
 def test_a_trainable_bias_of_a_frozen_weight_is_a_warned_gap_not_a_decision() -> None:
