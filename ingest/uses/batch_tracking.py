@@ -355,6 +355,9 @@ def _result_dim(
             return -1
         a, b = int(pair[0]) % n, int(pair[1]) % n
         new = b if dim == a else a if dim == b else dim
+    elif name == "unbind":  # the dim taken apart is gone; an example's entries alone when it is theirs
+        taken = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % n
+        new = -1 if dim == taken else dim - (1 if dim > taken else 0)
     elif name == "permute":
         order = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:] or kwargs.get("dims")
         new = [int(d) % n for d in order].index(dim) if order is not None and len(order) == n else -1

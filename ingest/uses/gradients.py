@@ -261,14 +261,15 @@ def grouped_conv_backward(
 def meeting_backward(
     operand: torch.Tensor,
     params: list[torch.Tensor],
-    hooks: list[LayerHook],
+    hooks: list[LayerHook | list[LayerHook]],
     generation: int,
     at: int,
     grad: torch.Tensor,
 ) -> None:
     """The per-example (per-token, for a per-token capture's hooks) gradients of ``params`` from the gradient of
-    their batch-expanded ``operand`` (the examples along dim ``at`` of ``grad``)."""
-    positions = grad.shape[1] if hooks[0].PER_POSITION and grad.dim() > 1 else None
+    their batch-expanded ``operand`` (the examples along dim ``at`` of ``grad``); a stacked parameter's hooks are
+    a list, one per entry of its leading dim."""
+    positions = grad.shape[1] if first_hook(hooks[0]).PER_POSITION and grad.dim() > 1 else None
     with torch.no_grad():
         if at:  # split along dim ``at`` as along dim 0, then put the dims back in the operand's order
             aligned = [1] * (grad.dim() - operand.dim()) + list(operand.shape)
@@ -284,8 +285,19 @@ def meeting_backward(
             operand, params, per_row, retain_graph=True, is_grads_batched=True, allow_unused=True
         )
     for param, hook, g in zip(params, hooks, grads):
-        if g is not None:
+        if g is None:
+            continue
+        if isinstance(hook, list):  # a stacked parameter: entry e of its leading dim is slot e's
+            for e, entry in enumerate(hook):
+                part = g[:, e].reshape(g.shape[0], entry.slot.d_out, entry.slot.d_in)
+                entry.add_gradient(generation, part.new_zeros(0) if part.numel() == 0 else part, positions)
+        else:
             hook.add_gradient(generation, slot_gradient(hook, param, g), positions)
+
+
+def first_hook(target: LayerHook | list[LayerHook]) -> LayerHook:
+    """A meeting's target hook, or a stacked parameter's first slot's."""
+    return target[0] if isinstance(target, list) else target
 
 
 def refuse_recomputation(name: str, grad: torch.Tensor) -> None:

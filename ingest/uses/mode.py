@@ -117,6 +117,8 @@ class ParameterUses(UseRules, TorchFunctionMode):
             return self._without_grad(func, args, kwargs, batch)
         if func is F.multi_head_attention_forward:
             return self._attention(batch, args, kwargs)
+        if func is torch.Tensor.__iter__ and args and batch_dim(args[0]) is not None:  # q, k, v = qkv: unbind(0)
+            return iter(self.__torch_function__(torch.Tensor.unbind, types, (args[0], 0), {}))
         if func is torch.Tensor.__getitem__ and args and self._is_stacked(args[0]):
             return self._slice(args)
         operands = list(tensors_in(args)) + list(tensors_in(kwargs.values()))

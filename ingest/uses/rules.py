@@ -32,6 +32,7 @@ from ingest.uses.gradients import (
     bias_backward,
     channels_last,
     conv_patches,
+    first_hook,
     gathered_backward,
     grouped_conv_backward,
     grouped_mm_backward,
@@ -827,10 +828,10 @@ class UseRules:
         if mask is None or batch_dim(query) != 0 or batch_dim(mask) is not None or self.sequence_first:
             return None
         params = self._sources([mask])
-        targets = [self._slot(p, ("embedding", "parameter", "linear", "attention")) for p in params]
+        targets = self._meeting_targets(params, ("embedding", "parameter", "linear", "attention"))
         shape = torch.broadcast_shapes(mask.shape, (*query.shape[:-1], key.shape[-2]))
-        expanded = None if any(h is None for h in targets) else _expand(mask, shape, batch.size, 0)
-        if expanded is None or any(h.PER_POSITION for h in targets):
+        expanded = None if targets is None else _expand(mask, shape, batch.size, 0)
+        if expanded is None or any(first_hook(h).PER_POSITION for h in targets):
             return None
         expanded.register_hook(functools.partial(meeting_backward, mask, params, targets, batch.generation, 0))
         if len(args) > 3:
@@ -878,10 +879,10 @@ class UseRules:
         theirs (:func:`~ingest.uses.gradients.meeting_backward`); None where a parameter has no slot for it."""
         if not t.requires_grad:
             return t  # computed from parameters without a gradient (torch.zeros_like(param)): nothing to split
-        targets = [
-            self._slot(p, ("embedding", "parameter", "norm", "linear", "attention", "conv", "conv1d")) for p in params
-        ]
-        if any(h is None for h in targets) or (at and targets[0].PER_POSITION):
+        targets = self._meeting_targets(
+            params, ("embedding", "parameter", "norm", "linear", "attention", "conv", "conv1d")
+        )
+        if targets is None or (at and first_hook(targets[0]).PER_POSITION):
             return None
         expanded = _expand(t, shape, batch.size, at)
         if expanded is None:
@@ -894,6 +895,26 @@ class UseRules:
         else:
             expanded.register_hook(functools.partial(meeting_backward, t, params, targets, batch.generation, at))
         return expanded
+
+    def _meeting_targets(
+        self, params: list[torch.Tensor], kinds: tuple[str, ...]
+    ) -> list[LayerHook | list[LayerHook]] | None:
+        """Where each of ``params``' per-example gradients goes where they meet the batch whole: its slot, or a
+        stacked parameter's slots in order (``[H, T, T]`` relative position biases added to attention scores,
+        one slot per leading entry); None where a parameter has neither."""
+        targets: list[LayerHook | list[LayerHook]] = []
+        for param in params:
+            hook = self._slot(param, kinds)
+            if hook is None:
+                stacked = sorted(
+                    (h for h in self.slots.get(id(param), ()) if h.index is not None), key=lambda h: h.index
+                )
+                if [h.index for h in stacked] != list(range(param.shape[0])) or stacked[0].PER_POSITION:
+                    return None
+                targets.append(stacked)
+            else:
+                targets.append(hook)
+        return targets
 
 
 def _examples_dim(tensors: Iterable[Any]) -> int | None:

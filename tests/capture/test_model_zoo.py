@@ -88,6 +88,8 @@ WHOLE = [
     "embedding-bag",
     "packed-bags",
     "attention-pooling",
+    "relative-bias-t5",
+    "relative-bias-t4",
     "packed-bags-last",
 ]
 

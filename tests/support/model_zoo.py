@@ -1282,6 +1282,42 @@ def attention_pooling() -> ZooCase:
     return ZooCase("attention-pooling", AttentionPooling().train(), batch, _pooling_loss, note="h @ q, q @ h^T (1-D)")
 
 
+class RelativeBiasAttention(nn.Module):
+    """Self-attention with a learned relative position bias per head (a bare ``[H, T, T]`` parameter, one slot
+    per head) added to the scores (eager) and given to SDPA as ``attn_mask``; ``q, k, v = qkv`` by iteration."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.scores_bias = nn.Parameter(0.3 * torch.randn(2, length, length))
+        self.mask_bias = nn.Parameter(0.3 * torch.randn(2, length, length))
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        eager = torch.softmax(q @ k.transpose(-1, -2) / 2 + self.scores_bias, -1) @ v
+        fused = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask_bias)
+        return self.head(self.proj((eager + fused).transpose(1, 2).reshape(b, t, d)).mean(1))
+
+
+def _sequence_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    return F.cross_entropy(forward(batch["x"]), batch["y"])
+
+
+def relative_bias(length: int) -> Callable[[], ZooCase]:
+    def case() -> ZooCase:
+        torch.manual_seed(0)
+        batch = {"x": torch.randn(4, length, 8, generator=_gen(68)), "y": torch.randint(0, 3, (4,), generator=_gen(69))}
+        note = f"[H, T, T] relative bias on scores and as SDPA mask, q, k, v = qkv (T={length})"
+        return ZooCase(
+            f"relative-bias-t{length}", RelativeBiasAttention(length).train(), batch, _sequence_loss, note=note
+        )
+
+    return case
+
+
 class PackedBagClassifier(nn.Module):
     """PyTorch's text classification tutorial model on packed bags (flat ids and offsets): ``nn.EmbeddingBag``
     in mean mode with a padding id, beside one in sum mode with per-id weights and one in max mode with a padding
@@ -1395,6 +1431,8 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "slopes-addmm": slopes_and_addmm,
     "embedding-bag": embedding_bag,
     "attention-pooling": attention_pooling,
+    "relative-bias-t5": relative_bias(5),
+    "relative-bias-t4": relative_bias(4),
     "packed-bags": packed_bags(False),
     "packed-bags-last": packed_bags(True),
 }
