@@ -789,8 +789,17 @@ class UseRules:
         return out
 
     def _attention(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
-        """``F.multi_head_attention_forward`` with its inner ops visible, sequence-first."""
+        """``F.multi_head_attention_forward`` with its inner ops visible, sequence-first. A query computed from
+        parameters alone and expanded over the batch (Perceiver's latents, DETR's object queries, a Q-Former's query
+        tokens) meets the batch here: each example's gradient of those parameters is its own query's."""
         query = args[0] if args else kwargs["query"]
+        params = self._sources([query]) if batch_dim(query) is None and query.dim() == 3 else []
+        if params and query.shape[1] == batch.size:
+            met = self._meeting(batch, query, params, None, 1)
+            if met is not None:
+                setattr(met, BATCHED, 1)
+                query = met
+                args, kwargs = ((met, *args[1:]), kwargs) if args else (args, {**kwargs, "query": met})
         if query.dim() == 3 and query.shape[1] != batch.size:  # not this batch's layout: its inner uses unseen
             params = self._sources([*tensors_in(args), *tensors_in(kwargs.values())])
             self.owner.uncovered(self._names(params), "multi_head_attention_forward on an input not laid out [T, B, E]")

@@ -89,6 +89,7 @@ WHOLE = [
     "packed-bags",
     "attention-pooling",
     "relative-bias-t5",
+    "latent-queries",
     "relative-bias-t4",
     "packed-bags-last",
 ]

@@ -1318,6 +1318,31 @@ def relative_bias(length: int) -> Callable[[], ZooCase]:
     return case
 
 
+class LatentQueries(nn.Module):
+    """Perceiver-style: learned latents expanded over the batch as the query of a cross-attention over the inputs,
+    and learned object queries repeated over the batch (DETR, a Q-Former) in a second one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(0.5 * torch.randn(3, 8))
+        self.queries = nn.Parameter(0.5 * torch.randn(2, 8))
+        self.cross = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.decode = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        latents, _ = self.cross(self.latents.expand(x.shape[0], -1, -1), x, x, need_weights=False)
+        objects, _ = self.decode(self.queries.unsqueeze(0).repeat(x.shape[0], 1, 1), latents, latents)
+        return self.head(objects.mean(1))
+
+
+def latent_queries() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 5, 8, generator=_gen(70)), "y": torch.randint(0, 3, (4,), generator=_gen(71))}
+    note = "latents.expand(B) and queries.repeat(B) as cross-attention queries"
+    return ZooCase("latent-queries", LatentQueries().train(), batch, _sequence_loss, note=note)
+
+
 class PackedBagClassifier(nn.Module):
     """PyTorch's text classification tutorial model on packed bags (flat ids and offsets): ``nn.EmbeddingBag``
     in mean mode with a padding id, beside one in sum mode with per-id weights and one in max mode with a padding
@@ -1431,6 +1456,7 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "slopes-addmm": slopes_and_addmm,
     "embedding-bag": embedding_bag,
     "attention-pooling": attention_pooling,
+    "latent-queries": latent_queries,
     "relative-bias-t5": relative_bias(5),
     "relative-bias-t4": relative_bias(4),
     "packed-bags": packed_bags(False),
