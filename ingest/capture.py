@@ -49,7 +49,7 @@ from ingest.layers import clean_name, fsdp1_wrapped, left_out_ops, select_layers
 from ingest.misuse import CaptureUsageError
 from ingest.normalizers import NORMALIZER_POWERS, adam_factored_scales
 from ingest.scaling import example_scales, example_token_counts, examples_first, shifts_labels
-from ingest.uses import ACROSS, ParameterUses, mark_batched, mark_owned_rows
+from ingest.uses import ACROSS, OWNER, ParameterUses, batch_dim, mark_batched, mark_owned_rows
 
 # Deferred batches (with a GradScaler) waiting for the scaler's decision beyond this many are delivered
 # undecided (the capture never saw an optimizer step: memory stays bounded).
@@ -566,6 +566,14 @@ class GradientCapture:
             return
         for out in _output_tensors(output):  # a backward through the output must bring this batch rows
             out.register_hook(functools.partial(_reached, batch))
+            order = getattr(out, OWNER, None)
+            shuffled = order is not None and order.shape[0] == batch.size and batch_dim(out) == 0
+            if shuffled and not torch.equal(order.cpu(), torch.arange(batch.size)):  # h[perm] returned as the rows
+                self.coverage.mixed(
+                    "the model's output",
+                    "the forward returns its rows in another order than the examples' (rows chosen by an index "
+                    "along the batch, not put back): each row's loss is another example's",
+                )
             if getattr(out, ACROSS, False):
                 self.coverage.mixed(
                     "the model's output",

@@ -229,8 +229,6 @@ def pools_examples(func: Any, args: tuple, kwargs: dict, dim: int, n: int) -> bo
     reduction over that dim, an op that moves or combines entries along it)."""
     if dim < 0:
         return False
-    if getattr(func, "__name__", "") == "__getitem__" and len(args) >= 2 and isinstance(args[0], torch.Tensor):
-        return _moves_examples(args[0], args[1], dim)
     mixed = mixed_dims(func, args, kwargs, n)
     if mixed is not None:
         return dim in mixed
@@ -306,6 +304,10 @@ def result_batch(
     if mixed is not None and (0 if owner is not None else dim) in mixed:
         return -1, None  # an example's entries moved to or combined with other rows: whose they are is not followed
     if owner is None:
+        chosen = name == "__getitem__" and len(args) >= 2 and args[0] is source  # the batch indexed, not the index
+        selected = _selected_rows(args[1], source, size) if chosen else None
+        if selected is not None and dim == 0 and out.shape[0] == selected.shape[0]:
+            return 0, selected.to(out.device)  # rows of chosen examples: each row's example is known
         new = _result_dim(func, args, source, dim, out, size, kwargs)
         if new >= 0 or dim != 0 or name not in RESHAPES or out.dim() == 0:
             return new, None
@@ -427,20 +429,22 @@ def _moved_dim(source: Any, destination: Any, dim: int, n: int) -> int:
     return free[[d for d in range(n) if d not in sources].index(dim)]
 
 
-def _moves_examples(t: torch.Tensor, index: Any, dim: int) -> bool:
-    """Whether ``t[index]`` (examples along ``dim`` 0) puts other examples' entries in an example's place: an
-    integer index (tensor or list) along the examples other than ``arange(B)`` and other than one entry per
-    example (:func:`_picks_per_example`). A boolean mask selects examples, moving none (not this)."""
-    first = index[0] if isinstance(index, tuple) and index else index
-    if dim != 0 or not isinstance(first, (torch.Tensor, list)):
-        return False
-    rows = torch.as_tensor(first) if isinstance(first, list) else first
-    if rows.dtype == torch.bool or rows.is_floating_point():
-        return False
-    size = t.shape[0]
-    if isinstance(index, tuple) and _picks_per_example(index, dim, size):
-        return False
-    return not (rows.dim() == 1 and rows.numel() == size and bool(torch.equal(rows.cpu(), torch.arange(size))))
+def _selected_rows(index: Any, source: torch.Tensor, size: int) -> torch.Tensor | None:
+    """The example of each row of ``source[index]`` (examples along dim 0) where the index chooses rows along the
+    examples with one 1-D integer index or a boolean mask (a subset, a permutation, a task's examples), the other
+    dims by slices only; None for any other index (one entry per example, ``t[arange(B), ids]``, is not this)."""
+    first, rest = (index[0], index[1:]) if isinstance(index, tuple) and index else (index, ())
+    if not all(isinstance(i, slice) or i is Ellipsis for i in rest):
+        return None
+    if isinstance(first, list):
+        if not first or not all(isinstance(i, (int, bool)) for i in first):
+            return None
+        first = torch.tensor(first)
+    if not isinstance(first, torch.Tensor) or first.dim() != 1 or first.is_floating_point():
+        return None
+    if first.dtype == torch.bool:
+        return torch.nonzero(first).flatten() if first.shape[0] == size == source.shape[0] else None
+    return first.long() % size if source.shape[0] == size else None
 
 
 def _picks_per_example(index: Any, dim: int, size: int) -> bool:

@@ -238,6 +238,12 @@ class ParameterUses(UseRules, TorchFunctionMode):
             operands = list(tensors_in([*args, *kwargs.values()]))
             mixing = crossed or any(getattr(t, POOLED, False) and t.requires_grad for t in operands)
             outs = list(tensors_in([result]))
+            if func in ELEMENTWISE and size > 1 and _misaligned(operands, size):
+                mixing = True  # reported below; the result's rows taken as the batch's in order (shares) after it
+                in_order = [t for t in operands if batch_dim(t) is not None and batch_dim(t) >= 0]
+                if any(getattr(t, OWNER, None) is None for t in in_order):
+                    for out in outs:
+                        setattr(out, OWNER, None)
             if pooled and first.requires_grad:  # one entry per example, each computed across them (a softmax)
                 for out in outs:
                     if out.shape == first.shape:
@@ -340,6 +346,21 @@ def _mark_rows(param: torch.Tensor, result: Any) -> None:
         block = row_block(piece, param)
         if block is not None and piece is not param:
             setattr(piece, ROWS, (param, *block))
+
+
+def _misaligned(operands: list[torch.Tensor], size: int) -> bool:
+    """Whether batch operands of one elementwise op hold their examples' rows in different orders (``h + h[perm]``:
+    manifold mixup), so each result row combines examples: rows chosen along the examples (:data:`OWNER`)
+    against each other or against the batch in order."""
+    orders = [getattr(t, OWNER, None) for t in operands if (batch_dim(t) if batch_dim(t) is not None else -1) >= 0]
+    if len(orders) < 2 or all(order is None for order in orders):
+        return False
+    first = orders[0] if orders[0] is not None else torch.arange(size)
+    for order in orders[1:]:
+        order = order if order is not None else torch.arange(size)
+        if order is not first and (order.shape != first.shape or not torch.equal(order.cpu(), first.cpu())):
+            return True
+    return False
 
 
 def _hook_owns(x: Any, size: int) -> bool | str:
