@@ -248,6 +248,9 @@ class ParameterUses(UseRules, TorchFunctionMode):
                 for out in outs:
                     if out.shape == first.shape:
                         setattr(out, ACROSS, True)
+            elif any(getattr(t, ACROSS, False) for t in operands) and not self._sources(operands):  # to the output
+                for out in outs:
+                    setattr(out, ACROSS, True)
             if mixing and any((batch_dim(t) if batch_dim(t) is not None else -1) >= 0 for t in outs):
                 self.owner.mixed(
                     "ops across the examples",

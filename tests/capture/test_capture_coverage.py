@@ -517,7 +517,7 @@ def test_a_model_output_computed_across_the_examples_is_recorded_and_warned() ->
             self.a, self.b, self.dim = nn.Linear(3, 5), nn.Linear(5, 4), dim
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.log_softmax(self.b(torch.tanh(self.a(x))), dim=self.dim)
+            return 3.0 * torch.log_softmax(self.b(torch.tanh(self.a(x))), dim=self.dim)  # followed to the output
 
     torch.manual_seed(0)
     cap, _, caught = _capture(Scored(0), torch.randn(4, 3))
