@@ -173,9 +173,8 @@ def add_weighted_product(
     if rows is not None:
         dy, x = dy.index_select(0, rows), x.index_select(0, rows)
     weight, bias = module.weight, module.bias
-    alpha, per_example = 1.0, isinstance(coef, torch.Tensor)
-    bias_term = None
-    if per_example:
+    alpha, bias_term = 1.0, None
+    if isinstance(coef, torch.Tensor):
         column = coef.view(-1, *([1] * (dy.dim() - 1)))
         if x.shape[-1] < dy.shape[-1]:
             x = x * column

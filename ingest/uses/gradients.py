@@ -290,7 +290,7 @@ def meeting_backward(
         if isinstance(hook, list):  # a stacked parameter: entry e of its leading dim is slot e's
             for e, entry in enumerate(hook):
                 part = g[:, e].reshape(g.shape[0], entry.slot.d_out, entry.slot.d_in)
-                entry.add_gradient(generation, part.new_zeros(0) if part.numel() == 0 else part, positions)
+                entry.add_gradient(generation, part, positions)
         else:
             hook.add_gradient(generation, slot_gradient(hook, param, g), positions)
 

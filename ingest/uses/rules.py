@@ -918,7 +918,7 @@ class UseRules:
                 stacked = sorted(
                     (h for h in self.slots.get(id(param), ()) if h.index is not None), key=lambda h: h.index
                 )
-                if [h.index for h in stacked] != list(range(param.shape[0])) or stacked[0].PER_POSITION:
+                if not stacked or [h.index for h in stacked] != list(range(len(param))) or stacked[0].PER_POSITION:
                     return None
                 targets.append(stacked)
             else:
