@@ -238,6 +238,22 @@ def pools_examples(func: Any, args: tuple, kwargs: dict, dim: int, n: int) -> bo
     return reduced is None or _reduced_dim(reduced, dim, n) == -1 if n else False
 
 
+#: Ops that take or put rows by an index (a gather, a scatter, a segment sum): over rows of several examples they
+#: may group each example's own rows (a per-graph pooling), so they are not taken as computing across examples.
+BY_INDEX = frozenset(
+    ["index_select", "gather", "index_copy", "index_add", "scatter", "scatter_add", "scatter_reduce", "index_reduce"]
+)
+
+
+def pools_owned_rows(func: Any, args: tuple, kwargs: dict, owner: torch.Tensor, n: int) -> bool:
+    """Whether ``func`` on an ``n``-dim operand whose dim 0 holds rows of several examples (``owner``: tokens
+    flattened across the batch, ``h.reshape(-1)``) computes across those rows: a reduction over dim 0, a softmax,
+    sort or statistics along it (not an op by index, see :data:`BY_INDEX`)."""
+    if op_attribute(func).rstrip("_") in BY_INDEX or not pools_examples(func, args, kwargs, 0, n):
+        return False
+    return owner.numel() > 1 and bool((owner != owner[0]).any())
+
+
 def order_along(t: Any, dim: int, size: int) -> torch.Tensor | None:
     """The example at each position of ``t``'s dim ``dim``: in order where the examples lie there, the order a
     reordering recorded (:data:`ORDER`), else None."""

@@ -32,6 +32,7 @@ from ingest.uses.batch_tracking import (
     landings,
     mark_packing,
     pools_examples,
+    pools_owned_rows,
     result_batch,
     row_block,
     set_order,
@@ -223,7 +224,15 @@ class ParameterUses(UseRules, TorchFunctionMode):
             dim, owner = batch_dim(first), getattr(first, OWNER, None)
             # entries move or combine along a dim of the op's input only (a batch of ids indexing a table does not)
             taken = first is (args[0] if args else kwargs.get("input"))
-            pooled = size > 1 and owner is None and taken and pools_examples(func, args, kwargs, dim, first.dim())
+            pooled = (
+                size > 1
+                and taken
+                and (
+                    pools_examples(func, args, kwargs, dim, first.dim())
+                    if owner is None
+                    else pools_owned_rows(func, args, kwargs, owner, first.dim())
+                )
+            )
             if pooled and func is F.batch_norm and first is getattr(self.owner, "statistics_input", None):
                 pooled = False  # a BatchNorm module's: reported by its own pre-hook, rows taken as shares after it
             crossed = False  # a product of batch operands whose examples land apart (x @ x.T) or are summed over

@@ -484,19 +484,23 @@ class AcrossExamples(nn.Module):
             "layer-norm-over-batch": lambda: F.layer_norm(h.T, (h.shape[0],)).T,
             "manifold-mixup": lambda: 0.7 * h + 0.3 * h[torch.tensor([4, 3, 2, 1, 0])],
             "list-index-times": lambda: h[[1, 2, 3, 4, 0]] * h,
+            "flattened-mean": lambda: h - h.reshape(-1).mean(),
+            "token-rows-std": lambda: h / h.unsqueeze(1).expand(5, 2, 5).reshape(10, 5).std(0),
         }[self.how]()
         return self.b(mixed)
 
 
 ACROSS_EXAMPLES = ["batch-norm", "gram", "einsum-gram", "stack-reversed", "times-gram", "median-centred"]
 ACROSS_EXAMPLES += ["quantile-scaled", "functional-batch-norm", "layer-norm-over-batch", "manifold-mixup"]
+ACROSS_EXAMPLES += ["flattened-mean", "token-rows-std"]
 
 
 @pytest.mark.parametrize("how", [*ACROSS_EXAMPLES, "list-index-times"])
 def test_ops_across_the_examples_are_recorded_and_warned(how) -> None:
     """Each example combined with the others (the batch's own mean and deviation, a hand-written BatchNorm; a
     product of examples with each other; a median or quantile over the batch, a functional batch norm, a layer
-    norm over the batch's dim, another example's row added: manifold mixup) couples them, as BatchNorm in
+    norm over the batch's dim, another example's row added: manifold mixup; a mean or deviation over the batch
+    flattened, or over its rows of tokens) couples them, as BatchNorm in
     training mode does: recorded as an entry "(mixes examples)" and warned (each was silent, the first layer's
     rows another example's share)."""
     torch.manual_seed(0)
