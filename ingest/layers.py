@@ -30,6 +30,9 @@ import re
 from dataclasses import dataclass
 
 from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 #: Why a trainable parameter is not a layer of its own (see :func:`uncaptured_parameters`).
 
@@ -209,6 +212,18 @@ def is_norm(module: nn.Module) -> bool:
     return isinstance(module, norms) or "norm" in type(module).__name__.lower()
 
 
+def computed_weight(module: nn.Module) -> bool:
+    """Whether ``module``'s ``weight`` is computed from other parameters before each forward (a parametrization:
+    ``weight_norm``, ``spectral_norm``, ``orthogonal``; the legacy ``torch.nn.utils.weight_norm``/``spectral_norm``
+    hooks). Such a module is no layer: its weight is no parameter, so a slot for it would hold the gradient of no
+    parameter; the parameters it is computed from (and the bias) are bare parameter slots, split where the weight
+    meets the batch (:mod:`ingest.uses.copies`)."""
+    if parametrize.is_parametrized(module, "weight"):
+        return True
+    legacy = (WeightNorm, SpectralNorm)
+    return any(isinstance(h, legacy) and h.name == "weight" for h in module._forward_pre_hooks.values())
+
+
 def _candidate_layers(model: nn.Module) -> tuple[list[LayerInfo], dict[int, str]]:
     """Every layer the model offers, in module order, and the reason each other trainable-or-not parameter
     (by id) is not a layer (``""`` for the parameters that are a layer's weight or bias)."""
@@ -217,7 +232,8 @@ def _candidate_layers(model: nn.Module) -> tuple[list[LayerInfo], dict[int, str]
     bypassed = set()  # attention reads out_proj.weight without calling the module
     for raw_name, module in model.named_modules():
         name = clean_name(raw_name)
-        info = layer_info(name, module) or attention_info(name, module) or row_major_info(name, module)
+        info = None if computed_weight(module) else layer_info(name, module) or attention_info(name, module)
+        info = info or row_major_info(name, module)
         if isinstance(module, nn.MultiheadAttention):
             bypassed.add(id(module.out_proj))
         found = [info] if info is not None else recurrent_info(name, module) or []

@@ -213,15 +213,31 @@ def landings(func: Any, args: tuple, out: torch.Tensor) -> list[int] | None:
             for t in args[:2]
             if isinstance(t, torch.Tensor) and batch_dim(t) is not None
         ]
-    if getattr(func, "__name__", "") == "einsum" and args and isinstance(args[0], str) and "." not in args[0]:
-        operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
-        inputs, _, output = args[0].replace(" ", "").partition("->")
+    spelled = einsum_terms(args) if getattr(func, "__name__", "") == "einsum" else None
+    if spelled is not None:
+        terms, output, operands = spelled
         return [
             output.find(term[batch_dim(t)]) if batch_dim(t) >= 0 and batch_dim(t) < len(term) else -1
-            for term, t in zip(inputs.split(","), operands)
+            for term, t in zip(terms, operands)
             if isinstance(t, torch.Tensor) and batch_dim(t) is not None
         ]
     return None
+
+
+def einsum_terms(args: tuple) -> tuple[list[str], str, list[Any]] | None:
+    """``(input terms, output term, operands)`` of ``torch.einsum(equation, *operands)`` (or a list of them), the
+    output spelled out where the equation leaves it implicit (its letters used once, in alphabetical order); None
+    for an equation with an ellipsis, the sublist form, or terms that do not match the operands."""
+    if not args or not isinstance(args[0], str) or "." in args[0]:
+        return None
+    operands = list(args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
+    inputs, arrow, output = args[0].replace(" ", "").partition("->")
+    terms = inputs.split(",")
+    if len(terms) != len(operands):
+        return None
+    if not arrow:
+        output = "".join(sorted(c for c in set(inputs) - {","} if inputs.count(c) == 1))
+    return terms, output, operands
 
 
 def pools_examples(func: Any, args: tuple, kwargs: dict, dim: int, n: int) -> bool:
@@ -422,13 +438,10 @@ def _arguments(args: tuple, kwargs: dict, *spellings: tuple[str, ...]) -> tuple[
 def _einsum_dim(args: tuple, source: torch.Tensor, dim: int) -> int:
     """Where dim ``dim`` of operand ``source`` lands in ``torch.einsum(equation, *operands)`` (-1: summed over,
     an ellipsis, or not found)."""
-    if not args or not isinstance(args[0], str) or "." in args[0]:
+    spelled = einsum_terms(args)
+    if spelled is None:
         return -1
-    operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
-    inputs, _, output = args[0].replace(" ", "").partition("->")
-    terms = inputs.split(",")
-    if not _ or len(terms) != len(operands):
-        return -1
+    terms, output, operands = spelled
     term = next((t for t, op in zip(terms, operands) if op is source), None)
     if term is None or dim >= len(term):
         return -1

@@ -26,6 +26,7 @@ from ingest.uses.batch_tracking import (
     batch_dim,
     tensors_in,
 )
+from ingest.uses.copies import conv_with_copies, einsum_with_copies, linear_with_copies, product_with_copies
 from ingest.uses.gradients import (
     bag_backward,
     bag_max_backward,
@@ -71,6 +72,9 @@ from ingest.uses.recurrent import (
 )
 
 log = logging.getLogger(__name__)
+
+#: The kinds of slot whose parameters take a meeting's per-example gradient whole (:meth:`UseRules._meeting`).
+MEETING_KINDS = ("embedding", "parameter", "norm", "linear", "attention", "conv", "conv1d")
 
 #: Said where an op of a sequence-first layer finds the examples along its sequence dim.
 SEQUENCE_FIRST_HINT = (
@@ -190,6 +194,8 @@ class UseRules:
                 result = self._recurrent(batch, func, args, kwargs, sources)
             else:
                 result = None
+            if result is None and not self.sequence_first:
+                result = self._with_copies(batch, func, args, kwargs)
         except Exception as error:  # a rule that does not fit this call: the use is reported, training goes on
             log.warning(
                 "op-level capture: %s on %s failed (%r); reported as not captured",
@@ -202,6 +208,36 @@ class UseRules:
             self.owner.uncovered(self._names(self._missed(sources)), op_name(func))
             return func(*args, **kwargs)
         return result
+
+    def _with_copies(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A product no other rule splits, over per-example copies of its parameter operand (:mod:`ingest.uses.copies`:
+        ``einsum``, ``bmm``/``matmul`` with a weight broadcast over the examples, ``F.linear`` and ``convNd`` with a
+        computed or bare weight); None for any other op."""
+        copy = functools.partial(self._copy, batch)
+        if op_name(func).rpartition(".")[2] == "einsum" and not kwargs:
+            return einsum_with_copies(args, batch.size, copy)
+        if (func in MATMULS or func in (torch.bmm, torch.Tensor.bmm)) and not kwargs:
+            return product_with_copies(func, args, batch.size, copy)
+        if func is F.linear:
+            bound = {**dict(zip(("input", "weight", "bias"), args)), **kwargs}
+            return linear_with_copies(bound["input"], bound["weight"], bound.get("bias"), batch.size, copy)
+        if func in CONVOLUTIONS:
+            return conv_with_copies(func, bind_arguments(func, args, kwargs), batch.size, copy)
+        return None
+
+    def _copy(
+        self, batch: ActiveBatch, t: torch.Tensor, aligned: torch.Tensor, shape: torch.Size, at: int
+    ) -> torch.Tensor | None:
+        """Per-example copies of the parameter operand ``t`` (``aligned``: ``t`` with a dim of size 1 at ``at``),
+        expanded to ``shape`` and hooked as a meeting; ``t`` itself where it carries no captured parameter; None
+        where a parameter has no slot that takes a whole copy's gradient, or the capture is per position."""
+        params = self._sources([t])
+        if not params or not t.requires_grad:
+            return t
+        targets = self._meeting_targets(params, MEETING_KINDS)
+        if targets is None or any(first_hook(h).PER_POSITION for h in targets):
+            return None
+        return self._meeting(batch, aligned, params, shape, at)
 
     def _missed(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
         """The parameters a use no rule splits leaves out: ``sources`` but a hooked module's own bias inside its
@@ -888,9 +924,7 @@ class UseRules:
         theirs (:func:`~ingest.uses.gradients.meeting_backward`); None where a parameter has no slot for it."""
         if not t.requires_grad:
             return t  # computed from parameters without a gradient (torch.zeros_like(param)): nothing to split
-        targets = self._meeting_targets(
-            params, ("embedding", "parameter", "norm", "linear", "attention", "conv", "conv1d")
-        )
+        targets = self._meeting_targets(params, MEETING_KINDS)
         if targets is None or (at and first_hook(targets[0]).PER_POSITION):
             return None
         expanded = _expand(t, shape, batch.size, at)

@@ -22,33 +22,19 @@ from ingest.projection import LAYER_KINDS
 from ingest.tokens import TokenGradientCapture
 
 
-class BareEinsum(nn.Module):
-    """A bare weight used in ``torch.einsum``: a use no rule splits per example."""
+class BareDistance(nn.Module):
+    """Prototypes compared with each example by ``torch.cdist``: a use no rule splits per example."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.randn(4, 3))
+        self.w = nn.Parameter(torch.randn(3, 4))
         self.head = nn.Linear(3, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.einsum("bi,ij->bj", x, self.w))
+        return self.head(torch.cdist(x, self.w))
 
 
-class BareKernel(nn.Module):
-    """A bare 4-D parameter (a kernel the model convolves with itself): a parameter slot whose use (a convolution
-    with a bare kernel) no rule splits, reported at the use (an RNN/LSTM/GRU is captured exactly: the model zoo's
-    ``recurrent`` cases; a ``[1, C, H, W]`` map added to the batch meets it exactly)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kernel = nn.Parameter(torch.randn(3, 4, 2, 2))
-        self.head = nn.Linear(3, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(nn.functional.conv2d(x.transpose(1, 2)[..., None], self.kernel, padding=1).mean((2, 3)))
-
-
-GAPS = ["kernel"]
+GAPS = ["w"]
 
 
 class Normed(nn.Module):
@@ -82,9 +68,9 @@ def _capture(model: nn.Module, x: torch.Tensor, **options) -> tuple[GradientCapt
 
 def test_an_unsplittable_use_is_recorded_and_warned_once() -> None:
     torch.manual_seed(0)
-    cap, rows, caught = _capture(BareEinsum(), torch.randn(5, 4))
+    cap, rows, caught = _capture(BareDistance(), torch.randn(5, 4))
     record = {p.name: p for p in cap.coverage.parameters}
-    assert not record["w"].captured and "einsum" in record["w"].reason
+    assert not record["w"].captured and "cdist" in record["w"].reason
     assert record["head.weight"].captured and record["head.weight"].how == "hook"
     assert len(caught) == 1 and "w (used by" in str(caught[0].message)
     assert cap.coverage.fraction == pytest.approx(12 / 24)  # head: 9 + 3 of 24 entries
@@ -97,7 +83,7 @@ def test_strict_refuses_at_start_and_at_the_use() -> None:
     bitfit[0].weight.requires_grad_(False)  # a trainable bias of a frozen weight: known before any forward
     with pytest.raises(CaptureUsageError, match=r"0.bias \(its layer 0's weight is frozen"):
         GradientCapture(bitfit, lambda batch: None, CaptureConfig.from_options(coverage="strict"))
-    for model, x, name in ((BareEinsum(), torch.randn(2, 4), "w"), (BareKernel(), torch.randn(2, 5, 4), "kernel")):
+    for model, x, name in ((BareDistance(), torch.randn(2, 4), "w"),):
         with (
             pytest.raises(CaptureUsageError, match=f"{name} \\(used by"),
             GradientCapture(model, lambda batch: None, CaptureConfig.from_options(coverage="strict")),
@@ -106,7 +92,7 @@ def test_strict_refuses_at_start_and_at_the_use() -> None:
 
 
 def test_ignore_records_without_warning_and_norms_are_a_decision() -> None:
-    cap, _, caught = _capture(BareKernel(), torch.randn(3, 5, 4), coverage="ignore")
+    cap, _, caught = _capture(BareDistance(), torch.randn(3, 4), coverage="ignore")
     assert not caught and {p.name for p in cap.coverage.gaps()} == set(GAPS)
     cap, _, caught = _capture(Normed(), torch.randn(3, 4))
     norms = [p for p in cap.coverage.parameters if p.name.startswith("norm.")]
@@ -233,19 +219,19 @@ def test_per_token_rows_of_bare_parameters_sum_to_the_example_rows() -> None:
 
 def test_the_store_keeps_each_runs_coverage(tmp_path) -> None:
     store = gradstore.open(tmp_path / "store")
-    model = BareKernel()
-    with store.capture(model, run="kernel", coverage="ignore") as cap:
+    model = BareDistance()
+    with store.capture(model, run="prototypes", coverage="ignore") as cap:
         cap.set_ids(["a", "b"])
-        model(torch.randn(2, 5, 4)).sum().backward()
-    coverage = store.info()["coverage"]["kernel"]
+        model(torch.randn(2, 4)).sum().backward()
+    coverage = store.info()["coverage"]["prototypes"]
     assert coverage["not_captured"] == GAPS
-    assert coverage["fraction"] == pytest.approx(12 / (12 + 48))
+    assert coverage["fraction"] == pytest.approx(12 / (12 + 12))
     table = store.sql("select parameter, captured, how from capture_coverage order by parameter").df()
     assert table.loc[table.parameter == "head.weight", "how"].item() == "hook"
-    refused = pytest.raises(gradstore.GradstoreError, match=r"kernel \(used by torch.conv2d")
-    with refused, store.capture(model, run="kernel", coverage="strict") as cap:
+    refused = pytest.raises(gradstore.GradstoreError, match=r"w \(used by cdist")
+    with refused, store.capture(model, run="prototypes", coverage="strict") as cap:
         cap.set_ids(["c", "d"])
-        model(torch.randn(2, 5, 4)).sum().backward()
+        model(torch.randn(2, 4)).sum().backward()
     report = gather(store.core)
     assert report.overview["runs"][0]["coverage"]["not_captured"] == coverage["not_captured"]
     printed = subprocess.run(
@@ -254,7 +240,7 @@ def test_the_store_keeps_each_runs_coverage(tmp_path) -> None:
         text=True,
         check=True,
     ).stdout
-    assert "coverage   kernel:" in printed and "kernel" in printed
+    assert "coverage   prototypes:" in printed and "not captured: w" in printed
 
 
 class Checkpointed(nn.Module):

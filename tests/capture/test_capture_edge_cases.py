@@ -1,5 +1,5 @@
-"""Capture is exact or loud on training loops off the beaten path: attention returning its weights, weights
-computed from parameters (legacy weight_norm), embeddings scaled by batch frequencies, two forwards before one
+"""Capture is exact or loud on training loops off the beaten path: attention returning its weights,
+embeddings scaled by batch frequencies, two forwards before one
 backward, double backward, torch.func transforms run inside a capture, every
 way of going sequence-first, and weights used inside a custom autograd.Function."""
 
@@ -87,26 +87,6 @@ def test_attention_returning_its_weights_keeps_the_examples_dim(batch_first):
     slot = next(s for s in cap.spec.layers if s.name == "head")
     got = rows[0].grads[:, slot.offset : slot.offset + slot.size]
     torch.testing.assert_close(got, linear_rows(ref, "head"), rtol=1e-5, atol=1e-6)
-
-
-def test_a_weight_computed_from_parameters_is_not_taken_for_the_modules_own():
-    """Legacy ``torch.nn.utils.weight_norm`` computes ``weight`` from ``weight_g``/``weight_v`` before each forward:
-    the Linear's hook differentiates by that weight, not by g and v, whose rows were zeros recorded as captured."""
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model = Small()
-        nn.utils.weight_norm(model.fc)
-    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
-    cap, _, told = capture(model, lambda: F.cross_entropy(model(x), y).backward())
-    record = {p.name: p for p in cap.coverage.parameters}
-    for name in ("fc.weight_g", "fc.weight_v"):
-        assert not record[name].captured and "linear" in record[name].reason
-    assert told and "fc.weight_g" in told[-1]
-    assert record["head.weight"].captured and record["fc.bias"].captured
-    # the computed weight is no parameter: the coverage counts the model's parameters only, each once
-    assert sorted(record) == sorted(n for n, _ in model.named_parameters())
-    assert cap.coverage.trainable == sum(p.numel() for p in model.parameters())
 
 
 def test_an_embedding_scaled_by_batch_frequencies_is_reported():

@@ -92,6 +92,8 @@ WHOLE = [
     "latent-queries",
     "relative-bias-t4",
     "packed-bags-last",
+    "weights-in-products",
+    "bare-convolutions",
 ]
 
 

@@ -1413,6 +1413,60 @@ def packed_bags(include_last_offset: bool) -> Callable[[], ZooCase]:
     return case
 
 
+class WeightsInProducts(nn.Module):
+    """Bare weights in the products people write by hand: ``einsum`` (a matrix with a bias, per-head matrices
+    stacked ``[H, d, e]``, the output implicit), ``bmm`` with the weight expanded over the batch, per-head
+    matrices broadcast in ``@``, and a matrix computed from parameters (``A - A^T``) on the tokens' right."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Parameter(0.3 * torch.randn(6, 8))
+        self.mix_bias = nn.Parameter(0.1 * torch.randn(8))
+        self.heads = nn.Parameter(0.3 * torch.randn(2, 8, 4))
+        self.expanded = nn.Parameter(0.3 * torch.randn(8, 8))
+        self.per_head = nn.Parameter(0.3 * torch.randn(2, 4, 4))
+        self.skew = nn.Parameter(0.3 * torch.randn(8, 8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = torch.tanh(torch.einsum("btd,de->bte", x, self.mix) + self.mix_bias)
+        h = torch.einsum("btd,hde->bhte", h, self.heads)  # [B, H, T, 4]
+        h = torch.tanh(h @ self.per_head).transpose(1, 2).reshape(b, t, 8)
+        h = torch.tanh(torch.bmm(h, self.expanded.expand(b, 8, 8)))
+        h = torch.einsum("btd,de", h, self.skew - self.skew.T)  # implicit output "bet"
+        return self.head(h.mean(-1))
+
+
+def weights_in_products() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 5, 6, generator=_gen(70)), "y": torch.randint(0, 3, (4,), generator=_gen(71))}
+    note = "einsum, bmm(x, W.expand(B)), x @ W[H], x @ (A - A^T)"
+    return ZooCase("weights-in-products", WeightsInProducts().train(), batch, _sequence_loss, note=note)
+
+
+class BareConvolutions(nn.Module):
+    """Convolutions with bare weights (``F.conv1d(x, self.weight, self.bias)``, a 4-D kernel strided in groups)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(0.3 * torch.randn(4, 6, 3))
+        self.bias = nn.Parameter(0.1 * torch.randn(4))
+        self.kernel = nn.Parameter(0.3 * torch.randn(6, 2, 2, 2))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(F.conv1d(x.transpose(1, 2), self.weight, self.bias, padding=1))  # [B, 4, T]
+        h = F.conv2d(h.reshape(x.shape[0], 4, 1, -1).expand(-1, -1, 3, -1), self.kernel, stride=(1, 2), groups=2)
+        return self.head(h.mean((2, 3)))
+
+
+def bare_convolutions() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 6, 6, generator=_gen(72)), "y": torch.randint(0, 3, (4,), generator=_gen(73))}
+    return ZooCase("bare-convolutions", BareConvolutions().train(), batch, _sequence_loss, note="F.convNd(x, W, b)")
+
+
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
     "llama": llama,
@@ -1461,4 +1515,6 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "relative-bias-t4": relative_bias(4),
     "packed-bags": packed_bags(False),
     "packed-bags-last": packed_bags(True),
+    "weights-in-products": weights_in_products,
+    "bare-convolutions": bare_convolutions,
 }
