@@ -24,6 +24,9 @@ TAKEN = TAKEN_MARK
 #: Attribute set on a batch tensor whose dim 0 mixes the examples (tokens flattened across the batch, then
 #: gathered): a long tensor, the example of each entry along dim 0.
 OWNER = "_gradstore_owner"
+#: Attribute cached on an :data:`OWNER` tensor: whether its rows are other than each example's in order
+#: (:func:`irregular_rows`).
+IRREGULAR = "_gradstore_irregular"
 #: Attribute set on a slice ``param[e]`` of a captured stacked parameter: ``(param, e)``.
 SLICE = "_gradstore_slice"
 #: Attribute set on ``param[ids]`` of a captured stacked parameter gathered per row (``ids`` a 1-D long tensor,
@@ -90,6 +93,27 @@ def mark_owned_rows(t: torch.Tensor, owner: torch.Tensor) -> None:
     """Mark ``t`` as rows of the batch along dim 0, ``owner`` the example of each (packed bags' flat ids)."""
     setattr(t, BATCHED, 0)
     setattr(t, OWNER, owner)
+
+
+def irregular_rows(t: Any, size: int) -> bool:
+    """Whether ``t`` holds rows of the examples along another dim than 0, or along dim 0 other than each example's
+    rows in order, one block after another (``arange(B).repeat_interleave(k)``: tokens flattened across the batch):
+    rows chosen by an index or a mask, a packed sequence's time-major rows, packed bags' ids. Only rules that read
+    :data:`OWNER` split them."""
+    owner = getattr(t, OWNER, None) if isinstance(t, torch.Tensor) else None
+    if owner is None:
+        return False
+    if batch_dim(t) != 0:
+        return True  # rows of the examples along another dim (Swin's windows inside attention)
+    cached = getattr(owner, IRREGULAR, None)
+    if cached is None:
+        rows = owner.numel()
+        cached = rows == 0 or rows % size != 0
+        if not cached:
+            regular = torch.arange(size, device=owner.device).repeat_interleave(rows // size)
+            cached = not torch.equal(owner, regular)
+        setattr(owner, IRREGULAR, cached)
+    return cached
 
 
 def row_block(piece: torch.Tensor, param: torch.Tensor) -> tuple[int, int] | None:
@@ -261,11 +285,11 @@ BY_INDEX = frozenset(
 )
 
 
-def pools_owned_rows(func: Any, args: tuple, kwargs: dict, owner: torch.Tensor, n: int) -> bool:
-    """Whether ``func`` on an ``n``-dim operand whose dim 0 holds rows of several examples (``owner``: tokens
-    flattened across the batch, ``h.reshape(-1)``) computes across those rows: a reduction over dim 0, a softmax,
+def pools_owned_rows(func: Any, args: tuple, kwargs: dict, owner: torch.Tensor, dim: int, n: int) -> bool:
+    """Whether ``func`` on an ``n``-dim operand whose dim ``dim`` holds rows of several examples (``owner``: tokens
+    flattened across the batch, ``h.reshape(-1)``) computes across those rows: a reduction over that dim, a softmax,
     sort or statistics along it (not an op by index, see :data:`BY_INDEX`)."""
-    if op_attribute(func).rstrip("_") in BY_INDEX or not pools_examples(func, args, kwargs, 0, n):
+    if op_attribute(func).rstrip("_") in BY_INDEX or not pools_examples(func, args, kwargs, dim, n):
         return False
     return owner.numel() > 1 and bool((owner != owner[0]).any())
 
@@ -333,7 +357,7 @@ def result_batch(
     whose dim 0 mixes them as ``owner`` says): ``(dim, owner)``, ``(-1, None)`` when unknown."""
     name = op_attribute(func)
     mixed = None if func in STATISTICS else mixed_dims(func, args, kwargs, source.dim())  # a norm keeps the rows
-    if mixed is not None and (0 if owner is not None else dim) in mixed:
+    if mixed is not None and dim in mixed:
         return -1, None  # an example's entries moved to or combined with other rows: whose they are is not followed
     if owner is None:
         chosen = name == "__getitem__" and len(args) >= 2 and args[0] is source  # the batch indexed, not the index
@@ -347,31 +371,27 @@ def result_batch(
         if merged % size == 0 and any(math.prod(source.shape[: j + 1]) == merged for j in range(1, source.dim())):
             return 0, torch.arange(size, device=out.device).repeat_interleave(merged // size)
         return -1, None
-    rows = source.shape[0]
-    if name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], int):
+    # rows of the examples along ``dim`` (example ``owner[j]`` at position ``j``): followed as a dim of their own
+    if dim < 0:
+        return -1, None
+    rows = source.shape[dim]
+    if dim == 0 and name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], int):
         along = args[2] if len(args) > 2 else kwargs.get("dim")
         if along is not None and int(along) % source.dim() == 0 and out.shape[0] == rows * args[1]:
             return 0, owner.repeat_interleave(args[1])
         return -1, None
     if name == "__getitem__":
         index = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
-        if isinstance(index, torch.Tensor) and index.dim() == 1 and not index.is_floating_point():
+        if dim == 0 and isinstance(index, torch.Tensor) and index.dim() == 1 and not index.is_floating_point():
             index = index.nonzero().flatten() if index.dtype == torch.bool else index
             if out.dim() > 0 and out.shape[0] == index.numel():
                 return 0, owner[index]
-        return -1, None
-    if name in RESHAPES and out.dim() > 0 and out.shape[0] == size and rows % size == 0:
+            return -1, None
+    if dim == 0 and name in RESHAPES and out.dim() > 0 and out.shape[0] == size and rows % size == 0:
         regular = torch.arange(size, device=owner.device).repeat_interleave(rows // size)
-        return (0, None) if torch.equal(owner, regular) else (-1, None)
-    if name in REORDERS or name in ("transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis"):
-        return -1, None
-    if name in REDUCTIONS and out.dim() < source.dim():
-        reduced = args[1] if len(args) > 1 else kwargs.get("dim")
-        return (0, owner) if _reduced_dim(reduced, 0, source.dim()) == 0 else (-1, None)
-    broadcast_up = func in ELEMENTWISE and out.dim() > source.dim()
-    if out.dim() > 0 and out.shape[0] == rows and not broadcast_up:
-        return 0, owner  # dim 0 kept (elementwise, unsqueeze, chunk, a reshape of the other dims, ...)
-    return -1, None
+        return (0, None) if torch.equal(owner, regular) else (-1, None)  # back to one row per example
+    new = _result_dim(func, args, source, dim, out, rows, kwargs)  # transposed, permuted, reduced, unbound, ...
+    return (new, owner) if new >= 0 else (-1, None)
 
 
 def _result_dim(

@@ -265,10 +265,13 @@ def meeting_backward(
     generation: int,
     at: int,
     grad: torch.Tensor,
+    *,
+    rows: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """The per-example (per-token, for a per-token capture's hooks) gradients of ``params`` from the gradient of
     their batch-expanded ``operand`` (the examples along dim ``at`` of ``grad``); a stacked parameter's hooks are
-    a list, one per entry of its leading dim."""
+    a list, one per entry of its leading dim. ``rows``: ``(owner, B)`` where ``grad``'s dim 0 holds rows of the
+    examples (example ``owner[r]`` each), whose gradients each example sums."""
     positions = grad.shape[1] if first_hook(hooks[0]).PER_POSITION and grad.dim() > 1 else None
     with torch.no_grad():
         if at:  # split along dim ``at`` as along dim 0, then put the dims back in the operand's order
@@ -278,6 +281,9 @@ def meeting_backward(
             per_row = moved.movedim(1, at + 1).reshape(grad.shape[at], *operand.shape)
         else:
             per_row = split_operand(grad.detach(), operand.shape, 1 if positions is None else 2)
+        if rows is not None:
+            owner, size = rows
+            per_row = per_row.new_zeros((size, *per_row.shape[1:])).index_add_(0, owner, per_row)
     if len(params) == 1 and params[0] is operand:
         grads = [per_row]
     else:

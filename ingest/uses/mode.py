@@ -230,7 +230,7 @@ class ParameterUses(UseRules, TorchFunctionMode):
                 and (
                     pools_examples(func, args, kwargs, dim, first.dim())
                     if owner is None
-                    else pools_owned_rows(func, args, kwargs, owner, first.dim())
+                    else pools_owned_rows(func, args, kwargs, owner, dim, first.dim())
                 )
             )
             if pooled and func is F.batch_norm and first is getattr(self.owner, "statistics_input", None):

@@ -24,6 +24,7 @@ from ingest.uses.batch_tracking import (
     SLICE,
     SOURCES,
     batch_dim,
+    irregular_rows,
     tensors_in,
 )
 from ingest.uses.copies import conv_with_copies, einsum_with_copies, linear_with_copies, product_with_copies
@@ -72,6 +73,10 @@ from ingest.uses.recurrent import (
 )
 
 log = logging.getLogger(__name__)
+
+#: Ops whose rules read the example of each row of a batch operand (:data:`~ingest.uses.batch_tracking.OWNER`).
+ROWS_RULES = frozenset([F.linear, F.embedding_bag, torch.bmm, torch.Tensor.bmm, *GROUPED_MM, *SEQUENCES, *CELLS])
+ROWS_RULES |= ELEMENTWISE | CONCATENATIONS
 
 #: The kinds of slot whose parameters take a meeting's per-example gradient whole (:meth:`UseRules._meeting`).
 MEETING_KINDS = ("embedding", "parameter", "norm", "linear", "attention", "conv", "conv1d")
@@ -157,6 +162,12 @@ class UseRules:
         if self.left_out.get(id(args[1] if len(args) > 1 else None)) is func:
             return func(*args, **kwargs)  # a left-out layer's own op on a weight it shares (a tied lm_head)
         self.outside.update(self._names([p for p in sources if self._is_hooked(p)]))
+        operands = [*tensors_in(args), *tensors_in(kwargs.values())]
+        grouped = op_name(func).endswith("grouped_mm_fallback")
+        if func not in ROWS_RULES and not grouped and any(irregular_rows(t, batch.size) for t in operands):
+            # rows of the examples in an order of their own: only the rules that read each row's example split it
+            self.owner.uncovered(self._names(self._missed(sources)), f"{op_name(func)} on rows of mixed examples")
+            return func(*args, **kwargs)
         try:
             if func is F.linear:
                 result = self._linear(batch, *args, **kwargs)
@@ -286,12 +297,15 @@ class UseRules:
         if (bias is not None and not own and self._sources([bias]) and apart is None) or (hook or apart) is None:
             return None
         owner = getattr(x, OWNER, None)
-        if owner is not None and not self.sequence_first and x.dim() == 2:  # rows that mix the examples
-            if hook is None or apart is not None:
+        if owner is not None and not self.sequence_first:  # rows of examples along dim 0
+            if hook is None or apart is not None or batch_dim(x) != 0 or x.dim() < 2:
                 return None
-            widen = None if rows is None else widen_rows(rows[1], rows[2], hook.slot.d_out)
+            flatten = None if x.dim() == 2 else _flat_rows
+            widen = flatten if rows is None else widen_rows(rows[1], rows[2], hook.slot.d_out, flatten)
             out = F.linear(x, weight, bias)
-            out.register_hook(functools.partial(rows_backward, hook, batch.generation, x.detach(), owner, widen))
+            flat = x.detach().reshape(-1, x.shape[-1])  # [R, ..., d] (Swin's windows): each row's positions its own
+            flat_owner = owner.repeat_interleave(flat.shape[0] // max(owner.numel(), 1))
+            out.register_hook(functools.partial(rows_backward, hook, batch.generation, flat, flat_owner, widen))
             return out
         layout = self._layout(x, batch.size)
         if layout is None:
@@ -785,7 +799,14 @@ class UseRules:
         offs = args[2] if len(args) > 2 else kwargs.get("offs")
         owner = getattr(x, OWNER, None)
         sources = getattr(weight, SOURCES, ()) if id(weight) not in self.slots else (weight,)
-        if owner is None or len(sources) != 1 or offs is None or x.dim() != 2 or self.sequence_first:
+        if (
+            owner is None
+            or batch_dim(x) != 0
+            or len(sources) != 1
+            or offs is None
+            or x.dim() != 2
+            or self.sequence_first
+        ):
             return None
         param = sources[0]
         hooks = {h.index: h for h in self.slots.get(id(param), ()) if h.index is not None}
@@ -810,6 +831,8 @@ class UseRules:
     def _gathered(self, batch: ActiveBatch, a: Any, b: Any) -> Any:
         """``bmm`` of per-row gathered slices ``param[ids]`` with rows of mixed examples (transformers' batched-mm
         experts): row ``r`` uses slice ``ids[r]``; each slice's per-example gradient sums its examples' rows."""
+        if batch_dim(a if batch_dim(b) is None else b) != 0:
+            return None
         if hasattr(a, GATHER) and getattr(b, OWNER, None) is not None and b.dim() == 3 and b.shape[2] == 1:
             (param, ids), x, owner, left = getattr(a, GATHER), b, getattr(b, OWNER), True  # param[ids] @ x
         elif hasattr(b, GATHER) and getattr(a, OWNER, None) is not None and a.dim() == 3 and a.shape[1] == 1:
@@ -866,7 +889,8 @@ class UseRules:
     def _attention_bias(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
         """``F.scaled_dot_product_attention`` whose ``attn_mask`` is computed from parameters alone (T5's relative
         position bias): the mask expanded over the examples (dim 0 of a batch-first query) and hooked, as where a
-        parameter-only tensor meets the batch in an elementwise op (:meth:`_meet`)."""
+        parameter-only tensor meets the batch in an elementwise op (:meth:`_meet`); over rows of the examples
+        where the query's are (Swin's windows, each window's bias its example's)."""
         names = ("query", "key", "value", "attn_mask")
         bound = {**dict(zip(names, args)), **kwargs}
         query, key, mask = bound.get("query"), bound.get("key"), bound.get("attn_mask")
@@ -874,11 +898,13 @@ class UseRules:
             return None
         params = self._sources([mask])
         targets = self._meeting_targets(params, ("embedding", "parameter", "linear", "attention"))
-        shape = torch.broadcast_shapes(mask.shape, (*query.shape[:-1], key.shape[-2]))
-        expanded = None if targets is None else _expand(mask, shape, batch.size, 0)
-        if expanded is None or any(first_hook(h).PER_POSITION for h in targets):
+        if targets is None or any(first_hook(h).PER_POSITION for h in targets):
             return None
-        expanded.register_hook(functools.partial(meeting_backward, mask, params, targets, batch.generation, 0))
+        shape = torch.broadcast_shapes(mask.shape, (*query.shape[:-1], key.shape[-2]))
+        owner = getattr(query, OWNER, None)  # Swin's windows: rows of the examples
+        expanded = self._meeting(batch, mask, params, shape, 0, owner)
+        if expanded is None:
+            return None
         if len(args) > 3:
             args = (*args[:3], expanded, *args[4:])
         else:
@@ -891,9 +917,12 @@ class UseRules:
         None when an operand's parameters are not all captured or the layout is not one this rule handles."""
         if in_place(func) and args and batch_dim(args[0]) is None:
             return None  # the parameter-only operand is the one written to
+        owner = None
         if func in CONCATENATIONS:
             tensors = args[0] if args else kwargs["tensors"]
             at = _examples_dim(tensors)
+            if any(getattr(t, OWNER, None) is not None for t in tensors):
+                return None  # rows of the examples concatenated with a parameter: not followed
             dim = bind_arguments(func, args, kwargs).get("dim", 0)
             if at is None or (dim % tensors[0].dim() == at and func is not torch.stack):
                 return None  # a concatenation along the examples' dim
@@ -904,39 +933,53 @@ class UseRules:
             at = _examples_dim(tensors)
             if at is None or self.sequence_first:  # inside attention the examples' dim merges with the heads'
                 return None
-            at += len(shape) - next(t for t in tensors if batch_dim(t) is not None).dim()  # the result's dim
+            first = next(t for t in tensors if batch_dim(t) is not None)
+            at += len(shape) - first.dim()  # the result's dim
+            owner = getattr(first, OWNER, None)  # rows of the examples along dim 0 (windows, chosen rows)
+            if owner is not None and (at != 0 or shape[0] != owner.numel()):
+                return None
         replaced: dict[int, torch.Tensor] = {}
         for t in tensors:
             params = self._sources([t])
             if not params or batch_dim(t) is not None or id(t) in replaced:
                 continue
-            expanded = self._meeting(batch, t, params, shape, at)
+            expanded = self._meeting(batch, t, params, shape, at, owner)
             if expanded is None:
                 return None
             replaced[id(t)] = expanded
         return func(*_swap(args, replaced), **{k: _swap_one(v, replaced) for k, v in kwargs.items()})
 
     def _meeting(
-        self, batch: ActiveBatch, t: torch.Tensor, params: list[torch.Tensor], shape: torch.Size | None, at: int
+        self,
+        batch: ActiveBatch,
+        t: torch.Tensor,
+        params: list[torch.Tensor],
+        shape: torch.Size | None,
+        at: int,
+        owner: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The parameter-only operand ``t`` (of captured ``params``) expanded over the batch along ``at`` (to
         ``shape``; None: ``t`` already spans the batch there) and hooked, so each example's gradient of it gives
-        theirs (:func:`~ingest.uses.gradients.meeting_backward`); None where a parameter has no slot for it."""
+        theirs (:func:`~ingest.uses.gradients.meeting_backward`); None where a parameter has no slot for it.
+        ``owner``: the batch operand's rows along dim 0 are examples ``owner`` (Swin's windows, rows chosen by an
+        index): ``t`` is expanded over those rows and each example sums its rows' gradients."""
         if not t.requires_grad:
             return t  # computed from parameters without a gradient (torch.zeros_like(param)): nothing to split
         targets = self._meeting_targets(params, MEETING_KINDS)
-        if targets is None or (at and first_hook(targets[0]).PER_POSITION):
+        if targets is None or ((at or owner is not None) and first_hook(targets[0]).PER_POSITION):
             return None
-        expanded = _expand(t, shape, batch.size, at)
+        expanded = _expand(t, shape, batch.size if owner is None else owner.numel(), at)
         if expanded is None:
             return None
         direct = getattr(t, BROADCAST_HOOK, None)
-        if direct is not None and at == 0 and shape is not None and t.dim() == len(shape):
+        if direct is not None and at == 0 and shape is not None and t.dim() == len(shape) and owner is None:
             hook, x = direct  # a hooked module's one-row output broadcast here: its hook's own route
             route, saved = hook._save(x.expand(batch.size, *x.shape[1:]), batch.size)
             expanded.register_hook(functools.partial(hook._backward, batch.generation, route, saved))
         else:
-            expanded.register_hook(functools.partial(meeting_backward, t, params, targets, batch.generation, at))
+            rows = None if owner is None else (owner, batch.size)
+            backward = functools.partial(meeting_backward, t, params, targets, batch.generation, at, rows=rows)
+            expanded.register_hook(backward)
         return expanded
 
     def _meeting_targets(
@@ -964,6 +1007,11 @@ def _examples_dim(tensors: Iterable[Any]) -> int | None:
     """The examples' dim of the first batch operand among ``tensors`` (None: none, or its dim is unknown)."""
     dim = next((batch_dim(t) for t in tensors if batch_dim(t) is not None), None)
     return None if dim is None or dim < 0 else dim
+
+
+def _flat_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[R, ..., d]`` as ``[R x ..., d]``: each position of a row of the examples a row of its own."""
+    return t.reshape(-1, t.shape[-1])
 
 
 def _rows_of(bias: Any, slot_bias: Any, rows: tuple[Any, int, int]) -> Any:

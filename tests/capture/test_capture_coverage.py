@@ -398,6 +398,7 @@ class ChosenRows(nn.Module):
     def __init__(self, how: str) -> None:
         super().__init__()
         self.a, self.heads, self.how = nn.Linear(3, 4), nn.ModuleList([nn.Linear(4, 2), nn.Linear(4, 2)]), how
+        self.scale, self.mix = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4, 4))
 
     def forward(self, x: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.a(x))
@@ -407,15 +408,18 @@ class ChosenRows(nn.Module):
                 out[task == t] = head(h[task == t])
             return out
         perm = torch.tensor([2, 0, 3, 1])
-        out = self.heads[0](h[perm])
-        return out[torch.argsort(perm)] if self.how == "permuted-and-back" else out
+        chosen = h[perm] * self.scale if self.how == "permuted-scaled-and-back" else h[perm]
+        chosen = chosen @ self.mix if self.how == "permuted-product-and-back" else chosen
+        out = self.heads[0](chosen)
+        return out if self.how == "permuted" else out[torch.argsort(perm)]
 
 
-@pytest.mark.parametrize("how", ["task-heads", "permuted-and-back"])
+@pytest.mark.parametrize("how", ["task-heads", "permuted-and-back", "permuted-scaled-and-back"])
 def test_rows_chosen_along_the_examples_are_each_examples_own(how) -> None:
     """A layer on rows chosen by an index along the examples (a task's examples by a boolean mask; a permutation
     put back after the layer) gets each row's example from the index: its rows equal per-example autograd (they
-    were reported: every head's parameters a gap)."""
+    were reported: every head's parameters a gap); so does a parameter the permuted rows meet (``h[perm] * s``:
+    each row's gradient of ``s`` went to the example at its position, silently another's)."""
     torch.manual_seed(0)
     model, x, task = ChosenRows(how), torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
     y = torch.tensor([0, 1, 1, 0])
@@ -428,11 +432,27 @@ def test_rows_chosen_along_the_examples_are_each_examples_own(how) -> None:
     for i in range(4):
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(x, task)[i : i + 1], y[i : i + 1]).backward()
+        s = cap.spec.slot("scale")
+        expected = model.scale.grad if model.scale.grad is not None else torch.zeros(4)
+        torch.testing.assert_close(rows[0].grads[i, s.offset : s.offset + s.size], expected, rtol=1e-5, atol=1e-6)
         for name in ("a", "heads.0", "heads.1"):
             s, module = cap.spec.slot(name), model.get_submodule(name)
             weight, bias = (p.grad if p.grad is not None else torch.zeros_like(p) for p in (module.weight, module.bias))
             expected = torch.cat([weight, bias[:, None]], 1).flatten()
             torch.testing.assert_close(rows[0].grads[i, s.offset : s.offset + s.size], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_product_with_rows_in_another_order_is_reported() -> None:
+    """``h[perm] @ W``: the product rule takes its rows as the examples in order, which these are not; reported
+    (it silently gave each row's gradient to the example at its position) while the layers around stay exact."""
+    torch.manual_seed(0)
+    model = ChosenRows("permuted-product-and-back")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with GradientCapture(model, lambda batch: None, CaptureConfig.from_options(projection=None)) as cap:
+            model(torch.randn(4, 3), torch.zeros(4)).sum().backward()
+    gaps = {p.name: str(p.reason) for p in cap.coverage.gaps()}
+    assert list(gaps) == ["mix"] and "rows of mixed examples" in gaps["mix"] and len(caught) == 1
 
 
 def test_rows_returned_in_another_order_are_recorded_as_mixing() -> None:

@@ -94,6 +94,7 @@ WHOLE = [
     "packed-bags-last",
     "weights-in-products",
     "bare-convolutions",
+    "swin",
 ]
 
 

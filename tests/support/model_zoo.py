@@ -556,6 +556,35 @@ def vit() -> ZooCase:
     return ZooCase("vit", model, {"pixel_values": pixels, "labels": labels}, _hf_loss, "mean", note=note)
 
 
+def swin() -> ZooCase:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.SwinConfig(
+        image_size=16,
+        patch_size=2,
+        num_channels=3,
+        embed_dim=8,
+        depths=[2, 1],
+        num_heads=[2, 2],
+        window_size=2,
+        mlp_ratio=2.0,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        drop_path_rate=0.0,
+        num_labels=3,
+    )
+    model = transformers.SwinForImageClassification(config).train()
+    with torch.no_grad():  # the relative position tables start near zero: make them matter
+        for name, param in model.named_parameters():
+            if name.endswith("relative_position_bias_table"):
+                param.normal_()
+    pixels = torch.randn(4, 3, 16, 16, generator=_gen(74))
+    labels = torch.randint(0, 3, (4,), generator=_gen(75))
+    note = "windows [B x windows, N, C], shifted with a mask, relative position tables, patch merging"
+    return ZooCase("swin", model, {"pixel_values": pixels, "labels": labels}, _hf_loss, "mean", note=note)
+
+
 def _mixtral(name: str, experts: str, intermediate: int = 24) -> ZooCase:
     import transformers
 
@@ -1479,6 +1508,7 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "whisper": whisper,
     "whisper-large-ids": whisper_large_ids,
     "vit": vit,
+    "swin": swin,
     "mixtral": mixtral,
     "mixtral-square": mixtral_square,
     "mixtral-eager": mixtral_eager,
