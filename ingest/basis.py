@@ -36,6 +36,7 @@ from ingest.capture import ProjectionConfig
 from ingest.ids import find_inputs, find_mask
 from ingest.layers import LayerInfo, select_layers
 from ingest.misuse import CaptureUsageError
+from ingest.output_hooks import on_gradient
 from ingest.per_example import tokens_view
 from ingest.projection import LayerSizes, ProjectionBasis, ProjectionSpec, projection_matrix, slot_sizes
 
@@ -325,7 +326,7 @@ class _CovarianceHooks:
                         a = a * weights.unsqueeze(1)  # padding tokens get zero inputs (their G part is zero)
                 if self.factors == "kfac":
                     self._accumulate(self.a, info.name, self._input_moment(info, a, weights))
-            output.register_hook(lambda g: self._output_gradient(info, batch, a, g, weights))
+            on_gradient(output, lambda g: self._output_gradient(info, batch, a, g, weights))
 
         return hook
 

@@ -48,6 +48,7 @@ from ingest.ids import content_hashes, find_inputs, find_mask, normalize_ids
 from ingest.layers import clean_name, fsdp1_wrapped, left_out_ops, select_layers
 from ingest.misuse import CaptureUsageError
 from ingest.normalizers import NORMALIZER_POWERS, adam_factored_scales
+from ingest.output_hooks import on_gradient
 from ingest.scaling import example_scales, example_token_counts, examples_first, shifts_labels
 from ingest.uses import ACROSS, OWNER, ParameterUses, batch_dim, mark_batched, mark_owned_rows
 
@@ -565,7 +566,7 @@ class GradientCapture:
         if batch is None or self.is_paused or not torch.is_grad_enabled() or in_backward() or in_functorch():
             return
         for out in _output_tensors(output):  # a backward through the output must bring this batch rows
-            out.register_hook(functools.partial(_reached, batch))
+            on_gradient(out, functools.partial(_reached, batch))
             order = getattr(out, OWNER, None)
             shuffled = order is not None and order.shape[0] == batch.size and batch_dim(out) == 0
             if shuffled and not torch.equal(order.cpu(), torch.arange(batch.size)):  # h[perm] returned as the rows

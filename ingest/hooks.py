@@ -27,6 +27,7 @@ from ingest.bags import PackedBags
 from ingest.curvature import CurvatureStats
 from ingest.fused import FUSED_MARK, FusedGemm, fusable
 from ingest.misuse import CaptureUsageError
+from ingest.output_hooks import on_gradient
 from ingest.per_example import (
     choose_route,
     contract_tokens,
@@ -249,7 +250,7 @@ class LayerHook:
             output = output.expand(batch.size, *output.shape[1:])
         replaced = output if broadcast or frozen_leaf else None
         if in_backward():
-            output.register_hook(self._refuse_recomputation)
+            on_gradient(output, self._refuse_recomputation)
             return replaced
         if x.shape[0] != batch.size:
             raise CaptureUsageError(
@@ -257,7 +258,7 @@ class LayerHook:
                 f"{batch.size} examples; capture needs batch-first inputs"
             )
         route, saved = self._save(x, batch.size)
-        output.register_hook(functools.partial(self._backward, batch.generation, route, saved))
+        on_gradient(output, functools.partial(self._backward, batch.generation, route, saved))
         return replaced
 
     def _save(self, x: torch.Tensor, batch_size: int) -> tuple[str, torch.Tensor]:

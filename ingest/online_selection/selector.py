@@ -29,6 +29,7 @@ from ingest.online_selection.deferred import (
 from ingest.online_selection.policies import SelectionPolicy
 from ingest.online_selection.removable import OutsideUses, refuse_sharded, removable_modules
 from ingest.online_selection.target import Target
+from ingest.output_hooks import on_gradient
 
 
 @dataclass
@@ -206,7 +207,7 @@ class OnlineSelector:
             def grad_hook(dy: torch.Tensor) -> None:
                 use[3] = dy.detach() if use[3] is None else use[3] + dy.detach()
 
-            output.register_hook(grad_hook)
+            on_gradient(output, grad_hook)
             return replaced
 
         return hook

@@ -15,6 +15,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ingest.hooks import ActiveBatch, LayerHook, in_backward
+from ingest.output_hooks import on_gradient
 from ingest.uses.batch_tracking import (
     ACROSS,
     BATCHED,
@@ -301,7 +302,7 @@ class ParameterUses(UseRules, TorchFunctionMode):
         operands = list(tensors_in(args)) + list(tensors_in(kwargs.values()))
         if isinstance(result, torch.Tensor) and result.requires_grad and any(id(t) in self.slots for t in operands):
             name = sorted(self._names([t for t in operands if id(t) in self.slots]))[0]
-            result.register_hook(functools.partial(refuse_recomputation, name))
+            on_gradient(result, functools.partial(refuse_recomputation, name))
         return result
 
     def _is_stacked(self, t: Any) -> bool:
@@ -347,7 +348,7 @@ def _over_the_batch(result: torch.Tensor, single: torch.Tensor, batch: ActiveBat
         return None
     hook, x = getattr(single, BROADCAST_HOOK)
     route, saved = hook._save(x.expand(batch.size, *x.shape[1:]), batch.size)
-    result.register_hook(functools.partial(hook._backward, batch.generation, route, saved))
+    on_gradient(result, functools.partial(hook._backward, batch.generation, route, saved))
     setattr(result, BATCHED, 0)
     return result
 

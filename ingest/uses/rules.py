@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ingest.hooks import ActiveBatch, LayerHook
+from ingest.output_hooks import on_gradient
 from ingest.uses.batch_tracking import (
     BATCHED,
     BROADCAST_HOOK,
@@ -199,6 +200,8 @@ class UseRules:
                 result = self._channel_normalization(batch, func, args, kwargs)
             elif func is F.scaled_dot_product_attention:
                 result = self._attention_bias(batch, args, kwargs)
+            elif op_name(func).endswith("__setitem__") and not kwargs:
+                result = self._assign(batch, args)
             elif func in ELEMENTWISE or func in CONCATENATIONS:
                 result = self._meet(batch, func, args, kwargs)
             elif func in SEQUENCES or func in CELLS:
@@ -305,7 +308,7 @@ class UseRules:
             out = F.linear(x, weight, bias)
             flat = x.detach().reshape(-1, x.shape[-1])  # [R, ..., d] (Swin's windows): each row's positions its own
             flat_owner = owner.repeat_interleave(flat.shape[0] // max(owner.numel(), 1))
-            out.register_hook(functools.partial(rows_backward, hook, batch.generation, flat, flat_owner, widen))
+            on_gradient(out, functools.partial(rows_backward, hook, batch.generation, flat, flat_owner, widen))
             return out
         layout = self._layout(x, batch.size)
         if layout is None:
@@ -314,7 +317,7 @@ class UseRules:
         if hook is not None:
             route, saved = hook._save(layout(x.detach()), batch.size)
             out_layout = layout if rows is None else widen_rows(rows[1], rows[2], hook.slot.d_out, layout)
-            out.register_hook(functools.partial(hook_backward, hook, batch.generation, route, saved, out_layout))
+            on_gradient(out, functools.partial(hook_backward, hook, batch.generation, route, saved, out_layout))
         if apart is not None:
             self._hook_bias(out, apart, batch, layout)
         return out
@@ -353,7 +356,7 @@ class UseRules:
         if channels > 1 and x.shape[1] != channels:
             return None
         negative = x.detach().clamp(max=0)
-        out.register_hook(functools.partial(slope_backward, hook, weight, batch.generation, negative, channels))
+        on_gradient(out, functools.partial(slope_backward, hook, weight, batch.generation, negative, channels))
         return out
 
     def _matmul(self, batch: ActiveBatch, a: Any, b: Any) -> Any:
@@ -383,7 +386,7 @@ class UseRules:
         # whether the slot's rows (P's dim 0; an embedding's slot is P.T) are the output gradient's
         side = (x_first == transposed) != (hook.slot.kind == "embedding")
         rows = rows.flatten(0, 1)
-        out.register_hook(functools.partial(matmul_backward, hook, batch.generation, rows, owner, dim, x_first, side))
+        on_gradient(out, functools.partial(matmul_backward, hook, batch.generation, rows, owner, dim, x_first, side))
         return out
 
     def _vector_product(
@@ -404,7 +407,7 @@ class UseRules:
         backward = functools.partial(
             matmul_backward, hook, batch.generation, rows.flatten(0, 1), owner, dim, x_first, True
         )
-        out.register_hook(lambda dy: backward(dy.unsqueeze(-1 if x_first else -2)))  # the [.., 1] the matrix gives
+        on_gradient(out, lambda dy: backward(dy.unsqueeze(-1 if x_first else -2)))  # the [.., 1] the matrix gives
         return out
 
     def _recurrent(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict, sources: list[torch.Tensor]) -> Any:
@@ -531,7 +534,7 @@ class UseRules:
         hook.padding_idx = None if padding is None else padding % hook.slot.d_in
         layout = None if dim == 0 else (lambda t: t.movedim(dim, 0))
         route, saved = hook._save(idx.detach() if layout is None else layout(idx.detach()), batch.size)
-        out.register_hook(functools.partial(hook_backward, hook, batch.generation, route, saved, layout))
+        on_gradient(out, functools.partial(hook_backward, hook, batch.generation, route, saved, layout))
         return out
 
     def _table_lookup(
@@ -558,7 +561,7 @@ class UseRules:
         owner = torch.arange(batch.size, device=ids.device).repeat_interleave(ids.shape[1])
         entries = ids.reshape(-1) % table.shape[0]
         backward = table_backward, hook, batch.generation, entries, owner, dim, table.dim() == 2, padding_idx
-        out.register_hook(functools.partial(*backward))
+        on_gradient(out, functools.partial(*backward))
         return out
 
     def _bag_lookup(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
@@ -599,7 +602,7 @@ class UseRules:
             keep = keep / counts.clamp(min=1)[owner]
         out = F.embedding_bag(*args, **kwargs)
         entries = flat % table.shape[0]
-        out.register_hook(functools.partial(bag_backward, hook, batch.generation, entries, owner, keep))
+        on_gradient(out, functools.partial(bag_backward, hook, batch.generation, entries, owner, keep))
         return out
 
     @staticmethod
@@ -633,7 +636,7 @@ class UseRules:
         distinct, inverse = torch.unique(bags * rows + maxima[bags, dims], return_inverse=True)
         out = F.embedding_bag(*args, **kwargs)
         backward = bag_max_backward, hook, batch.generation, distinct % rows, distinct // rows, inverse, bags, dims
-        out.register_hook(functools.partial(*backward))
+        on_gradient(out, functools.partial(*backward))
         return out
 
     def _index_lookup(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -662,7 +665,7 @@ class UseRules:
         padding = None if padding is None else padding % param.shape[1]
         rows = (idx.detach() if dim == 0 else idx.detach().movedim(dim, 0)).reshape(batch.size, -1)
         backward = functools.partial(lookup_backward, hook, batch.generation, rows, dim, param.shape[1], padding)
-        out.register_hook(backward)
+        on_gradient(out, backward)
         return out
 
     def _convolution(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -680,9 +683,9 @@ class UseRules:
         groups = int(bound.get("groups", 1))
         if groups == 1:
             route, saved = hook._save(patches, batch.size)
-            out.register_hook(functools.partial(hook_backward, hook, batch.generation, route, saved, channels_last))
+            on_gradient(out, functools.partial(hook_backward, hook, batch.generation, route, saved, channels_last))
         else:
-            out.register_hook(functools.partial(grouped_conv_backward, hook, batch.generation, patches, groups))
+            on_gradient(out, functools.partial(grouped_conv_backward, hook, batch.generation, patches, groups))
         return out
 
     def _transposed_convolution(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -700,7 +703,7 @@ class UseRules:
             geometry = (weight.shape[2:], bound.get("stride", 1), bound.get("padding", 0), bound.get("dilation", 1))
             groups = int(bound.get("groups", 1))
             backward = functools.partial(transposed_conv_backward, hook, batch.generation, x.detach(), geometry, groups)
-            out.register_hook(backward)
+            on_gradient(out, backward)
         if apart is not None:
             self._hook_bias(out, apart, batch, channels_last)
         return out
@@ -718,7 +721,7 @@ class UseRules:
         """Each example's gradient of a bias slot apart from its weight's: ``out``'s gradient summed."""
         bias_hook, start, stop = apart
         widen = widen_rows(start, stop, bias_hook.slot.d_in, layout)
-        out.register_hook(functools.partial(bias_backward, bias_hook, batch.generation, widen))
+        on_gradient(out, functools.partial(bias_backward, bias_hook, batch.generation, widen))
 
     def _bilinear(self, batch: ActiveBatch, x1: Any, x2: Any, weight: Any, bias: Any = None) -> Any:
         """``F.bilinear``: each example's weight gradient ``[out, in1 x in2]`` sums ``dy ⊗ (x1 ⊗ x2)`` over its
@@ -733,7 +736,7 @@ class UseRules:
             pairs = (x1.detach().unsqueeze(-1) * x2.detach().unsqueeze(-2)).reshape(size, -1, hook.slot.d_in)
             owner = torch.arange(size, device=out.device).repeat_interleave(pairs.shape[1])
             backward = functools.partial(rows_backward, hook, batch.generation, pairs.flatten(0, 1), owner)
-            out.register_hook(functools.partial(backward, lambda dy: dy.reshape(-1, dy.shape[-1])))
+            on_gradient(out, functools.partial(backward, lambda dy: dy.reshape(-1, dy.shape[-1])))
         if apart is not None:
             self._hook_bias(out, apart, batch)
         return out
@@ -752,8 +755,11 @@ class UseRules:
         with torch.no_grad():
             plain = {"eps": bound["eps"]} if bound.get("eps") is not None else {}
             x_hat = func(x.detach(), shape, **plain) if func is F.layer_norm else func(x.detach(), shape, None, **plain)
-        out.register_hook(
-            functools.partial(normalization_backward, hooks, scale, batch.generation, layout(x_hat), len(shape), layout)
+        on_gradient(
+            out,
+            functools.partial(
+                normalization_backward, hooks, scale, batch.generation, layout(x_hat), len(shape), layout
+            ),
         )
         return out
 
@@ -789,7 +795,7 @@ class UseRules:
         backward = functools.partial(
             normalization_backward, hooks, scale, batch.generation, channels_last(x_hat), 1, channels_last
         )
-        out.register_hook(backward)
+        on_gradient(out, backward)
         return out
 
     def _grouped(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -823,8 +829,8 @@ class UseRules:
             return None
         out = func(*args, **kwargs)
         ends = offs.tolist()
-        out.register_hook(
-            functools.partial(grouped_mm_backward, hooks, batch.generation, x.detach(), owner, ends, transposed)
+        on_gradient(
+            out, functools.partial(grouped_mm_backward, hooks, batch.generation, x.detach(), owner, ends, transposed)
         )
         return out
 
@@ -844,7 +850,7 @@ class UseRules:
             return None
         out = torch.bmm(a, b)
         x = x.detach().reshape(x.shape[0], -1)
-        out.register_hook(functools.partial(gathered_backward, hooks, batch.generation, x, owner, ids, left))
+        on_gradient(out, functools.partial(gathered_backward, hooks, batch.generation, x, owner, ids, left))
         return out
 
     def _attention(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
@@ -948,6 +954,32 @@ class UseRules:
                 return None
             replaced[id(t)] = expanded
         return func(*_swap(args, replaced), **{k: _swap_one(v, replaced) for k, v in kwargs.items()})
+
+    def _assign(self, batch: ActiveBatch, args: tuple) -> Any:
+        """``h[index] = value`` with ``value`` computed from parameters alone written into the batch's ``h``
+        (wav2vec2/HuBERT's ``masked_spec_embed`` at the masked time steps, a mask token): ``value`` expanded over
+        the entries it is written to, rows of the examples (:meth:`_meeting` with their owners), so each example's
+        gradient of it sums its own entries' gradients. Returns ``h``; None where the entries written do not fall
+        in rows of one example each."""
+        if len(args) != 3 or not isinstance(args[2], torch.Tensor) or self.sequence_first:
+            return None
+        h, index, value = args
+        dim = batch_dim(h)
+        if dim is None or dim < 0 or getattr(h, OWNER, None) is not None or batch_dim(value) is not None:
+            return None
+        layout = [1] * h.dim()
+        layout[dim] = batch.size
+        who = torch.arange(batch.size, device=h.device).reshape(layout).expand(h.shape)[index]
+        if who.dim() == 0 or who.numel() == 0:
+            return None
+        owner = who.reshape(who.shape[0], -1)[:, 0]
+        if not bool((who == owner.reshape(-1, *[1] * (who.dim() - 1))).all()):
+            return None
+        expanded = self._meeting(batch, value, self._sources([value]), who.shape, 0, owner)
+        if expanded is None:
+            return None
+        torch.Tensor.__setitem__(h, index, expanded)
+        return h
 
     def _meeting(
         self,

@@ -89,6 +89,45 @@ def test_attention_returning_its_weights_keeps_the_examples_dim(batch_first):
     torch.testing.assert_close(got, linear_rows(ref, "head"), rtol=1e-5, atol=1e-6)
 
 
+class InPlace(nn.Module):
+    """A Linear with a bias on ``[B, T, d]`` (its output a view of ``addmm``'s) whose output the model then
+    modifies in place."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc, self.head, self.how = nn.Linear(4, 5), nn.Linear(5, 3), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.how == "relu":
+            h = F.relu(h, inplace=True)
+        elif self.how == "add":
+            h += x.sum(-1, keepdim=True)
+        elif self.how == "masked":
+            h[x[..., 0] > 0] = 0.0
+        else:
+            h.mul_(2.0)
+        return self.head(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("how", ["relu", "add", "masked", "scaled"])
+def test_a_layer_output_modified_in_place_keeps_its_rows(how):
+    """``F.relu(h, inplace=True)``, ``h += r``, ``h[mask] = 0``, ``h.mul_(s)`` on a Linear's ``[B, T, d]`` output:
+    a hook on that output (a view) was never called, the layer's rows silently zero; hooked at the view's base,
+    they equal each example's own gradient."""
+    torch.manual_seed(0)
+    model, x, y = InPlace(how), torch.randn(4, 3, 4), torch.tensor([0, 1, 2, 0])
+    cap, rows, told = capture(model, lambda: F.cross_entropy(model(x), y).backward())
+    assert not told and cap.coverage.gaps() == []
+    s = cap.spec.slot("fc")
+    for i in range(4):
+        model.zero_grad()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        expected = torch.cat([model.fc.weight.grad, model.fc.bias.grad[:, None]], 1).flatten()
+        got = rows[0].grads[i, s.offset : s.offset + s.size]  # each example's own (the mean undone)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_an_embedding_scaled_by_batch_frequencies_is_reported():
     """``scale_grad_by_freq`` divides by each index's count in the whole batch: no per-example split (the rows
     were silently off)."""

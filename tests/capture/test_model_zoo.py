@@ -95,6 +95,7 @@ WHOLE = [
     "weights-in-products",
     "bare-convolutions",
     "swin",
+    "wav2vec2",
 ]
 
 

@@ -585,6 +585,55 @@ def swin() -> ZooCase:
     return ZooCase("swin", model, {"pixel_values": pixels, "labels": labels}, _hf_loss, "mean", note=note)
 
 
+class SpeechClassifier(nn.Module):
+    """A tiny ``Wav2Vec2Model`` (conv feature encoder, weight-normed positional convolution, SpecAugment's
+    ``masked_spec_embed`` written into the masked time steps) with a mean-pooled head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.Wav2Vec2Config(
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            conv_dim=(8, 8),
+            conv_stride=(4, 2),
+            conv_kernel=(8, 3),
+            num_conv_pos_embeddings=4,
+            num_conv_pos_embedding_groups=2,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            feat_proj_dropout=0.0,
+            layerdrop=0.0,
+            apply_spec_augment=True,
+        )
+        self.encoder = transformers.Wav2Vec2Model(config)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, audio: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(audio, mask_time_indices=masked).last_hidden_state.mean(1))
+
+
+def _speech_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    return F.cross_entropy(forward(batch["audio"], batch["masked"]), batch["y"])
+
+
+def wav2vec2() -> ZooCase:
+    torch.manual_seed(0)
+    model = SpeechClassifier().train()
+    with torch.no_grad():
+        model.encoder.masked_spec_embed.normal_()
+    audio = torch.randn(4, 96, generator=_gen(76))
+    masked = torch.zeros(4, 11, dtype=torch.bool)
+    masked[0, 2:5], masked[2, 0:2], masked[3, 7:11] = True, True, True  # the second example unmasked
+    batch = {"audio": audio, "masked": masked, "y": torch.randint(0, 3, (4,), generator=_gen(77))}
+    note = "conv feature encoder, weight_norm positional conv, masked_spec_embed at masked steps"
+    return ZooCase("wav2vec2", model, batch, _speech_loss, note=note)
+
+
 def _mixtral(name: str, experts: str, intermediate: int = 24) -> ZooCase:
     import transformers
 
@@ -1509,6 +1558,7 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "whisper-large-ids": whisper_large_ids,
     "vit": vit,
     "swin": swin,
+    "wav2vec2": wav2vec2,
     "mixtral": mixtral,
     "mixtral-square": mixtral_square,
     "mixtral-eager": mixtral_eager,
