@@ -232,8 +232,9 @@ def _candidate_layers(model: nn.Module) -> tuple[list[LayerInfo], dict[int, str]
     bypassed = set()  # attention reads out_proj.weight without calling the module
     for raw_name, module in model.named_modules():
         name = clean_name(raw_name)
-        info = None if computed_weight(module) else layer_info(name, module) or attention_info(name, module)
-        info = info or row_major_info(name, module)
+        info = None
+        if not computed_weight(module):
+            info = layer_info(name, module) or attention_info(name, module) or row_major_info(name, module)
         if isinstance(module, nn.MultiheadAttention):
             bypassed.add(id(module.out_proj))
         found = [info] if info is not None else recurrent_info(name, module) or []

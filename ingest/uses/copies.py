@@ -1,7 +1,7 @@
 """Products no other rule splits, made exact by giving each example its own copy of the parameter operand: a
 weight in ``torch.einsum``, a batched matrix product with a weight broadcast or expanded over the examples
-(``torch.bmm(x, W.expand(B, ...))``, ``x @ W_heads``), ``F.linear`` or a convolution whose weight is computed from
-parameters (``weight_norm``, parametrizations) or is a bare parameter (``F.conv2d(x, self.weight)``).
+(``torch.bmm(x, W.expand(B, ...))``, ``x @ W_heads``), ``F.linear`` or a convolution (transposed too) whose weight
+is computed from parameters (``weight_norm``, parametrizations) or is a bare parameter (``F.conv2d(x, self.weight)``).
 
 The parameter operand is expanded along a new dim of the examples (a *copy*: see
 :meth:`~ingest.uses.rules.UseRules._copy`, which hooks it as a meeting) and the op rewritten so that example ``b``
@@ -128,13 +128,17 @@ def linear_with_copies(x: Any, weight: Any, bias: Any, size: int, copy: Copy) ->
     return _with_bias(out, bias, dim, out.dim() - 1, size, copy, weight_copy is not weight)
 
 
-def conv_with_copies(func: Any, bound: dict[str, Any], size: int, copy: Copy) -> torch.Tensor | None:
-    """``convNd(x, W, b, ...)`` with ``W`` and ``b`` computed from parameters (``weight_norm``) or bare ones: each
-    example convolved with its own copy of ``W``, the examples run as groups of one convolution."""
+def conv_with_copies(
+    func: Any, bound: dict[str, Any], size: int, copy: Copy, transposed: bool = False
+) -> torch.Tensor | None:
+    """``convNd(x, W, b, ...)`` or ``conv_transposeNd`` with ``W`` and ``b`` computed from parameters
+    (``weight_norm``: HiFi-GAN's upsampling convolutions) or bare ones: each example convolved with its own copy of
+    ``W``, the examples run as groups of one convolution."""
     x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
     if _examples_dim(x) != 0 or x.dim() != weight.dim():
         return None
-    options = {k: bound[k] for k in ("stride", "padding", "dilation") if k in bound}
+    names = ("stride", "padding", "output_padding", "dilation") if transposed else ("stride", "padding", "dilation")
+    options = {k: bound[k] for k in names if k in bound}
     groups = int(bound.get("groups", 1))
     weight_copy = copy(weight, weight.unsqueeze(0), torch.Size((size, *weight.shape)), 0)
     if weight_copy is None:
@@ -144,7 +148,7 @@ def conv_with_copies(func: Any, bound: dict[str, Any], size: int, copy: Copy) ->
     else:
         flat = weight_copy.reshape(size * weight.shape[0], *weight.shape[1:])
         out = func(x.reshape(1, -1, *x.shape[2:]), flat, None, groups=groups * size, **options)
-        out = out.reshape(size, weight.shape[0], *out.shape[2:])
+        out = out.reshape(size, -1, *out.shape[2:])
     return _with_bias(out, bias, 0, 1, size, copy, weight_copy is not weight)
 
 

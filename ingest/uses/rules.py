@@ -225,8 +225,8 @@ class UseRules:
 
     def _with_copies(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
         """A product no other rule splits, over per-example copies of its parameter operand (:mod:`ingest.uses.copies`:
-        ``einsum``, ``bmm``/``matmul`` with a weight broadcast over the examples, ``F.linear`` and ``convNd`` with a
-        computed or bare weight); None for any other op."""
+        ``einsum``, ``bmm``/``matmul`` with a weight broadcast over the examples, ``F.linear``, ``convNd`` and
+        ``conv_transposeNd`` with a computed or bare weight); None for any other op."""
         copy = functools.partial(self._copy, batch)
         if op_name(func).rpartition(".")[2] == "einsum" and not kwargs:
             return einsum_with_copies(args, batch.size, copy)
@@ -235,8 +235,9 @@ class UseRules:
         if func is F.linear:
             bound = {**dict(zip(("input", "weight", "bias"), args)), **kwargs}
             return linear_with_copies(bound["input"], bound["weight"], bound.get("bias"), batch.size, copy)
-        if func in CONVOLUTIONS:
-            return conv_with_copies(func, bind_arguments(func, args, kwargs), batch.size, copy)
+        if func in CONVOLUTIONS or func in TRANSPOSED_CONVOLUTIONS:
+            bound = bind_arguments(func, args, kwargs)
+            return conv_with_copies(func, bound, batch.size, copy, func in TRANSPOSED_CONVOLUTIONS)
         return None
 
     def _copy(

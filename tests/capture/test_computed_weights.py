@@ -36,6 +36,9 @@ class Computed(nn.Module):
         if how == "conv":  # wav2vec2's positional convolution: weight_norm over the kernel's dim, grouped
             self.a = parametrizations.weight_norm(nn.Conv1d(8, 8, 3, padding=1, groups=2), dim=2)
             self.b = _legacy(nn.utils.weight_norm, nn.Conv1d(8, 8, 3, padding=1), dim=2)
+        elif how == "vocoder":  # HiFi-GAN's upsampling: weight_norm on a strided transposed convolution
+            self.a = parametrizations.weight_norm(nn.ConvTranspose1d(8, 8, 4, stride=2, padding=1, groups=2))
+            self.b = _legacy(nn.utils.weight_norm, nn.ConvTranspose1d(8, 8, 3, padding=1, output_padding=0))
         elif how == "linear":
             self.a = parametrizations.weight_norm(nn.Linear(8, 8))
             self.b = _legacy(nn.utils.weight_norm, nn.Linear(8, 8))
@@ -45,7 +48,7 @@ class Computed(nn.Module):
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.how == "conv":
+        if self.how in ("conv", "vocoder"):
             return self.head(F.gelu(self.b(F.gelu(self.a(x.transpose(1, 2))))).mean(-1))
         return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))).mean(1))
 
@@ -69,7 +72,7 @@ def _slot_reference(name: str, ref: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([ref[f"{name}.weight"], ref[f"{name}.bias"][..., None]], -1)  # [B, d_out, d_in + 1]
 
 
-@pytest.mark.parametrize("how", ["conv", "linear", "spectral-orthogonal"])
+@pytest.mark.parametrize("how", ["conv", "vocoder", "linear", "spectral-orthogonal"])
 def test_parameters_behind_a_computed_weight_are_captured_exactly(how) -> None:
     torch.manual_seed(0)
     model = Computed(how)
