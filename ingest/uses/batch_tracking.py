@@ -365,12 +365,10 @@ def result_batch(
         if selected is not None and dim == 0 and out.shape[0] == selected.shape[0]:
             return 0, selected.to(out.device)  # rows of chosen examples: each row's example is known
         new = _result_dim(func, args, source, dim, out, size, kwargs)
-        if new >= 0 or dim != 0 or name not in RESHAPES or out.dim() == 0:
+        merged = _merged(name, source, dim, out, size) if new < 0 else None
+        if merged is None:
             return new, None
-        merged = out.shape[0]  # leading dims merged into dim 0 (tokens flattened across the batch)?
-        if merged % size == 0 and any(math.prod(source.shape[: j + 1]) == merged for j in range(1, source.dim())):
-            return 0, torch.arange(size, device=out.device).repeat_interleave(merged // size)
-        return -1, None
+        return merged[0], torch.arange(size, device=out.device).repeat_interleave(merged[1])
     # rows of the examples along ``dim`` (example ``owner[j]`` at position ``j``): followed as a dim of their own
     if dim < 0:
         return -1, None
@@ -387,11 +385,47 @@ def result_batch(
             if out.dim() > 0 and out.shape[0] == index.numel():
                 return 0, owner[index]
             return -1, None
-    if dim == 0 and name in RESHAPES and out.dim() > 0 and out.shape[0] == size and rows % size == 0:
-        regular = torch.arange(size, device=owner.device).repeat_interleave(rows // size)
-        return (0, None) if torch.equal(owner, regular) else (-1, None)  # back to one row per example
     new = _result_dim(func, args, source, dim, out, rows, kwargs)  # transposed, permuted, reduced, unbound, ...
-    return (new, owner) if new >= 0 else (-1, None)
+    if new >= 0:
+        return new, owner
+    merged = _merged(name, source, dim, out, rows)  # the rows merged with the dims after them (heads folded in)
+    if merged is not None:
+        return merged[0], owner.repeat_interleave(merged[1])
+    split = _split(name, source, dim, out, rows)  # the rows split into blocks of k ([B x H, ...] -> [B, H, ...])
+    if split is None:
+        return -1, None
+    blocks = owner.reshape(-1, split[1])
+    if not torch.equal(blocks, blocks[:, :1].expand_as(blocks)):
+        return -1, None  # a block holds rows of several examples
+    owner = blocks[:, 0]
+    regular = owner.numel() == size and torch.equal(owner, torch.arange(size, device=owner.device))
+    return split[0], None if regular else owner  # one row per example, in order: the examples' own dim again
+
+
+def _split(name: str, source: torch.Tensor, dim: int, out: torch.Tensor, rows: int) -> tuple[int, int] | None:
+    """``(at, k)`` where a reshape folds ``source``'s dim ``dim`` (``rows`` rows of the examples) into ``out``'s dim
+    ``at`` of ``rows / k`` entries, each ``k`` consecutive rows (``[B x H, T, d]`` viewed ``[B, H, T, d]``)."""
+    if dim < 0 or name not in RESHAPES or out.dim() == 0:
+        return None
+    before = math.prod(source.shape[:dim])
+    at = next((i for i in range(out.dim()) if math.prod(out.shape[:i]) == before), -1)
+    if at < 0 or out.shape[at] >= rows or rows % max(out.shape[at], 1):
+        return None
+    return at, rows // out.shape[at]  # a reshape keeps the entries' order: each block is k consecutive rows
+
+
+def _merged(name: str, source: torch.Tensor, dim: int, out: torch.Tensor, rows: int) -> tuple[int, int] | None:
+    """``(at, k)`` where a reshape unfolds ``source``'s dim ``dim`` (``rows`` entries: the examples, or rows of them)
+    with the dims after it into ``out``'s dim ``at`` of ``rows x k`` entries, each row's in ``k`` consecutive ones
+    (tokens flattened across the batch, heads or windows folded into it: ``[B x H, T, d]``); None otherwise."""
+    if dim < 0 or name not in RESHAPES or out.dim() == 0:
+        return None
+    before = math.prod(source.shape[:dim])
+    at = next((i for i in range(out.dim()) if math.prod(out.shape[:i]) == before), -1)
+    merged = out.shape[at] if at >= 0 else 0
+    if merged <= rows or merged % rows:
+        return None
+    return at, merged // rows  # a reshape keeps the entries' order: each row's entries fill k consecutive rows
 
 
 def _result_dim(

@@ -10,8 +10,9 @@ the copies, a convolution runs the examples as groups. Autograd then hands each 
 copy, and a batched vector-Jacobian product through the parameter-only part gives each parameter's. The rewritten
 op computes the same values; its cost is the per-example gradient it materialises (``[B, *weight.shape]``).
 
-``copy(t, aligned, shape, at)`` (the rule's) takes the operand ``t`` as the model gave it, ``aligned``: ``t`` as
-a view of the rewritten op's operand with a dim of size 1 at ``at``, and the ``shape`` to expand it to; it returns
+``copy(t, aligned, shape, at, owner)`` (the rule's) takes the operand ``t`` as the model gave it, ``aligned``: ``t``
+as a view of the rewritten op's operand with a dim of size 1 at ``at``, the ``shape`` to expand it to, and ``owner``
+where the copies are rows of the examples (an einsum over heads folded into the batch: each row's example); it returns
 the expanded, hooked copy, ``t`` itself when ``t`` carries no captured parameter (nothing to split), or None when a
 parameter behind ``t`` has no slot that can take it (the use is then reported)."""
 
@@ -25,7 +26,7 @@ import torch
 
 from ingest.uses.batch_tracking import OWNER, batch_dim, einsum_terms, matmul_dim
 
-Copy = Callable[[torch.Tensor, torch.Tensor, torch.Size, int], "torch.Tensor | None"]
+Copy = Callable[[torch.Tensor, torch.Tensor, torch.Size, int, "torch.Tensor | None"], "torch.Tensor | None"]
 
 
 def _examples_dim(x: Any) -> int | None:
@@ -44,19 +45,22 @@ def einsum_with_copies(args: tuple, size: int, copy: Copy) -> torch.Tensor | Non
         return None
     terms, output, operands = spelled
     batched = [(term, t) for term, t in zip(terms, operands) if batch_dim(t) is not None]
-    dims = [_examples_dim(t) for _, t in batched]
-    if not batched or None in dims or any(d >= len(term) for d, (term, _) in zip(dims, batched)):
+    dims = [batch_dim(t) for _, t in batched]
+    if not batched or min(dims) < 0 or any(d >= len(term) for d, (term, _) in zip(dims, batched)):
         return None
     letters = {term[d] for d, (term, _) in zip(dims, batched)}
     letter = letters.pop()
-    if letters or letter not in output:
+    owners = [getattr(t, OWNER, None) for _, t in batched]  # rows of the examples (heads or windows folded in)
+    owner = owners[0]
+    if letters or letter not in output or any(o is not owner and not _same(o, owner) for o in owners):
         return None
+    rows = batched[0][1].shape[dims[0]]
     new_terms, new_operands, copied = [], [], False
     for term, t in zip(terms, operands):
         if batch_dim(t) is None and t.requires_grad:
             if letter in term:
                 return None
-            c = copy(t, t.unsqueeze(0), torch.Size((size, *t.shape)), 0)
+            c = copy(t, t.unsqueeze(0), torch.Size((rows, *t.shape)), 0, owner)
             if c is None:
                 return None
             if c is not t:
@@ -64,6 +68,11 @@ def einsum_with_copies(args: tuple, size: int, copy: Copy) -> torch.Tensor | Non
         new_terms.append(term)
         new_operands.append(t)
     return torch.einsum(f"{','.join(new_terms)}->{output}", *new_operands) if copied else None
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether two rows' owners (or their absence) name the same examples."""
+    return a is None and b is None or (a is not None and b is not None and a.shape == b.shape and torch.equal(a, b))
 
 
 def product_with_copies(func: Any, args: tuple, size: int, copy: Copy) -> torch.Tensor | None:
@@ -89,7 +98,7 @@ def product_with_copies(func: Any, args: tuple, size: int, copy: Copy) -> torch.
         return None
     shape = list(aligned.shape)
     shape[at] = size
-    c = copy(t, aligned, torch.Size(shape), at)
+    c = copy(t, aligned, torch.Size(shape), at, None)
     if c is None or c is t:
         return None
     return func(c, b) if t is a else func(a, c)
@@ -102,7 +111,7 @@ def _matrix_product_with_copies(
     product keeps: ``M``'s copies met by einsum."""
     if t.dim() != 2 or x.dim() > 20:
         return None
-    c = copy(t, t.unsqueeze(0), torch.Size((size, *t.shape)), 0)
+    c = copy(t, t.unsqueeze(0), torch.Size((size, *t.shape)), 0, None)
     if c is None or c is t:
         return None
     term = string.ascii_lowercase[: x.dim()]
@@ -117,7 +126,7 @@ def linear_with_copies(x: Any, weight: Any, bias: Any, size: int, copy: Copy) ->
     dim = _examples_dim(x)
     if dim is None or dim == x.dim() - 1 or x.dim() > 20:
         return None
-    weight_copy = copy(weight, weight.unsqueeze(0), torch.Size((size, *weight.shape)), 0)
+    weight_copy = copy(weight, weight.unsqueeze(0), torch.Size((size, *weight.shape)), 0, None)
     if weight_copy is None:
         return None
     if weight_copy is weight:
@@ -140,7 +149,7 @@ def conv_with_copies(
     names = ("stride", "padding", "output_padding", "dilation") if transposed else ("stride", "padding", "dilation")
     options = {k: bound[k] for k in names if k in bound}
     groups = int(bound.get("groups", 1))
-    weight_copy = copy(weight, weight.unsqueeze(0), torch.Size((size, *weight.shape)), 0)
+    weight_copy = copy(weight, weight.unsqueeze(0), torch.Size((size, *weight.shape)), 0, None)
     if weight_copy is None:
         return None
     if weight_copy is weight:
@@ -163,7 +172,7 @@ def _with_bias(
     shape[channels] = bias.shape[0]
     aligned = bias.reshape(shape)
     shape[dim] = size
-    bias_copy = copy(bias, aligned, torch.Size(shape), dim)
+    bias_copy = copy(bias, aligned, torch.Size(shape), dim, None)
     if bias_copy is None or (bias_copy is bias and not copied):
         return None
     return out + (aligned if bias_copy is bias else bias_copy)

@@ -245,13 +245,14 @@ def transposed_conv_backward(
 
 
 def grouped_conv_backward(
-    hook: LayerHook, generation: int, patches: torch.Tensor, groups: int, dy: torch.Tensor
+    hook: LayerHook, generation: int, patches: torch.Tensor, groups: int, size: int, dy: torch.Tensor
 ) -> None:
-    """A grouped convolution's per-example gradient ``[B, C_out, C_in/groups x kernel (+1)]``, materialised."""
+    """A grouped convolution's per-example gradient ``[B, C_out, C_in/groups x kernel (+1)]``, materialised (the
+    input's rows the examples', or ``k`` rows of each in order: windows)."""
     with torch.no_grad():
-        size, positions = patches.shape[:2]
-        x = patches.reshape(size, positions, groups, -1).float()
-        g = channels_last(dy.detach()).reshape(size, positions, groups, -1).float()
+        x = patches.reshape(size, -1, groups, patches.shape[-1] // groups).float()
+        g = channels_last(dy.detach())
+        g = g.reshape(size, -1, groups, g.shape[-1] // groups).float()
         grad = torch.einsum("blgo,blgi->bgoi", g, x).reshape(size, -1, x.shape[-1])
         if hook.slot.has_bias:
             grad = torch.cat([grad, g.sum(dim=1).reshape(size, -1, 1)], dim=-1)

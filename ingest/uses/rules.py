@@ -241,18 +241,25 @@ class UseRules:
         return None
 
     def _copy(
-        self, batch: ActiveBatch, t: torch.Tensor, aligned: torch.Tensor, shape: torch.Size, at: int
+        self,
+        batch: ActiveBatch,
+        t: torch.Tensor,
+        aligned: torch.Tensor,
+        shape: torch.Size,
+        at: int,
+        owner: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """Per-example copies of the parameter operand ``t`` (``aligned``: ``t`` with a dim of size 1 at ``at``),
-        expanded to ``shape`` and hooked as a meeting; ``t`` itself where it carries no captured parameter; None
-        where a parameter has no slot that takes a whole copy's gradient, or the capture is per position."""
+        expanded to ``shape`` and hooked as a meeting (``owner``: copies per row of the examples, summed per
+        example); ``t`` itself where it carries no captured parameter; None where a parameter has no slot that
+        takes a whole copy's gradient, or the capture is per position."""
         params = self._sources([t])
         if not params or not t.requires_grad:
             return t
         targets = self._meeting_targets(params, MEETING_KINDS)
         if targets is None or any(first_hook(h).PER_POSITION for h in targets):
             return None
-        return self._meeting(batch, aligned, params, shape, at)
+        return self._meeting(batch, aligned, params, shape, at, owner)
 
     def _missed(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
         """The parameters a use no rule splits leaves out: ``sources`` but a hooked module's own bias inside its
@@ -301,7 +308,7 @@ class UseRules:
         if (bias is not None and not own and self._sources([bias]) and apart is None) or (hook or apart) is None:
             return None
         owner = getattr(x, OWNER, None)
-        if owner is not None and not self.sequence_first:  # rows of examples along dim 0
+        if owner is not None and not self.sequence_first and irregular_rows(x, batch.size):  # rows of examples
             if hook is None or apart is not None or batch_dim(x) != 0 or x.dim() < 2:
                 return None
             flatten = None if x.dim() == 2 else _flat_rows
@@ -352,6 +359,8 @@ class UseRules:
         hook = self._slot(weight, ("parameter",))
         if hook is None or hook.PER_POSITION or batch_dim(x) != 0 or weight.dim() != 1 or self.sequence_first:
             return None
+        if getattr(x, OWNER, None) is not None:
+            return None  # rows of the examples: each row's slopes are not summed per example here
         out = torch.prelu(x, weight)
         channels = weight.shape[0] if x.dim() > 1 else 1
         if channels > 1 and x.shape[1] != channels:
@@ -513,6 +522,8 @@ class UseRules:
         dim = batch_dim(x)
         if dim is None or dim < 0 or x.dim() < 2:
             return None
+        if getattr(x, OWNER, None) is not None:  # rows of the examples: in order, k per example (windows, tokens)
+            return None if irregular_rows(x, size) else functools.partial(_rows_first, size=size)
         return (lambda t: t) if dim == 0 else (lambda t: t.movedim(dim, 0))
 
     def _embedding(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
@@ -686,7 +697,8 @@ class UseRules:
             route, saved = hook._save(patches, batch.size)
             on_gradient(out, functools.partial(hook_backward, hook, batch.generation, route, saved, channels_last))
         else:
-            on_gradient(out, functools.partial(grouped_conv_backward, hook, batch.generation, patches, groups))
+            backward = functools.partial(grouped_conv_backward, hook, batch.generation, patches, groups, batch.size)
+            on_gradient(out, backward)
         return out
 
     def _transposed_convolution(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -696,7 +708,7 @@ class UseRules:
         bound = bind_arguments(func, args, kwargs)
         x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
         slots = self._weight_and_bias(weight, bias)
-        if slots is None or batch_dim(x) != 0 or self.sequence_first:
+        if slots is None or batch_dim(x) != 0 or self.sequence_first or getattr(x, OWNER, None) is not None:
             return None
         hook, apart = slots
         out = func(*args, **kwargs)
@@ -729,6 +741,8 @@ class UseRules:
         positions; a captured bias is each example's ``dy`` summed."""
         slots = self._weight_and_bias(weight, bias)
         if slots is None or batch_dim(x1) != 0 or batch_dim(x2) != 0 or self.sequence_first:
+            return None
+        if getattr(x1, OWNER, None) is not None or getattr(x2, OWNER, None) is not None:
             return None
         hook, apart = slots
         out = F.bilinear(x1, x2, weight, bias)
@@ -773,7 +787,7 @@ class UseRules:
         bound = {**dict(zip(CHANNEL_NORMALIZATIONS[func], args)), **kwargs}
         x, scale, shift = bound["input"], bound.get("weight"), bound.get("bias")
         eps = bound.get("eps", 1e-5)
-        if batch_dim(x) != 0 or x.dim() < 2 or self.sequence_first:
+        if batch_dim(x) != 0 or x.dim() < 2 or self.sequence_first or irregular_rows(x, batch.size):
             return None
         with torch.no_grad():
             if func is F.group_norm:
@@ -792,10 +806,10 @@ class UseRules:
                 )
         hooks = [(p, self._slot(p, ("norm",))) for p in (scale, shift) if p is not None]
         out = func(*args, **kwargs)
-        channels_last = functools.partial(torch.movedim, source=1, destination=-1)
-        backward = functools.partial(
-            normalization_backward, hooks, scale, batch.generation, channels_last(x_hat), 1, channels_last
-        )
+        layout = functools.partial(torch.movedim, source=1, destination=-1)  # channels last
+        if getattr(x, OWNER, None) is not None:  # rows of the examples, k each in order (windows)
+            layout = functools.partial(_rows_first, size=batch.size, layout=layout)
+        backward = functools.partial(normalization_backward, hooks, scale, batch.generation, layout(x_hat), 1, layout)
         on_gradient(out, backward)
         return out
 
@@ -1040,6 +1054,12 @@ def _examples_dim(tensors: Iterable[Any]) -> int | None:
     """The examples' dim of the first batch operand among ``tensors`` (None: none, or its dim is unknown)."""
     dim = next((batch_dim(t) for t in tensors if batch_dim(t) is not None), None)
     return None if dim is None or dim < 0 else dim
+
+
+def _rows_first(t: torch.Tensor, size: int, layout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    """``t`` (after ``layout``), rows of the examples in order, ``k`` each, along dim 0, as ``[B, k, ...]``."""
+    t = t if layout is None else layout(t)
+    return t.reshape(size, -1, *t.shape[1:])
 
 
 def _flat_rows(t: torch.Tensor) -> torch.Tensor:

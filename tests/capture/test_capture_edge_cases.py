@@ -128,6 +128,46 @@ def test_a_layer_output_modified_in_place_keeps_its_rows(how):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+class FlatHead(nn.Module):
+    """Output layers on tokens flattened across the batch: one tied to the embedding (``F.linear(h, E, b)``), one
+    of bare matrices (``F.linear(h, W, c)``), each with a bare bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.bias = nn.Embedding(12, 8), nn.Parameter(torch.randn(12))
+        self.weight, self.other_bias = nn.Parameter(torch.randn(12, 8)), nn.Parameter(torch.randn(12))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        h = torch.tanh(self.embed(ids)).reshape(b * t, -1)
+        return (F.linear(h, self.embed.weight, self.bias) + F.linear(h, self.weight, self.other_bias)).view(b, t, -1)
+
+
+def test_output_layers_with_biases_on_flattened_tokens_are_exact():
+    """A tied output layer with a bias on ``[B x T, d]`` tokens crashed the training step in backward (each bias's
+    gradient summed over B x T rows as if they were B examples); a bare one was reported. Both are exact."""
+    torch.manual_seed(0)
+    model, ids = FlatHead(), torch.randint(0, 12, (4, 5))
+
+    def loss(i: slice = slice(None)) -> torch.Tensor:
+        logits = model(ids[i])
+        return F.cross_entropy(logits.transpose(1, 2), ids[i].roll(1, 1), reduction="none").mean(1).mean()
+
+    cap, rows, told = capture(model, lambda: loss().backward())
+    assert not told and cap.coverage.gaps() == []
+    for i in range(4):
+        model.zero_grad()
+        loss(slice(i, i + 1)).backward()
+        for name in ("bias", "weight", "other_bias"):
+            s = cap.spec.slot(name)
+            got = rows[0].grads[i, s.offset : s.offset + s.size]
+            torch.testing.assert_close(got, getattr(model, name).grad.flatten(), rtol=1e-5, atol=1e-6)
+        s = cap.spec.slot("embed")
+        torch.testing.assert_close(
+            rows[0].grads[i, s.offset : s.offset + s.size], model.embed.weight.grad.T.flatten(), rtol=1e-5, atol=1e-6
+        )
+
+
 def test_an_embedding_scaled_by_batch_frequencies_is_reported():
     """``scale_grad_by_freq`` divides by each index's count in the whole batch: no per-example split (the rows
     were silently off)."""

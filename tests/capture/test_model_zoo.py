@@ -96,6 +96,7 @@ WHOLE = [
     "bare-convolutions",
     "swin",
     "wav2vec2",
+    "window-attention",
 ]
 
 

@@ -33,6 +33,7 @@ from torch.func import functional_call, grad
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from ingest.capture import CaptureConfig, GradientCapture
+from ingest.projection import LAYER_KINDS
 
 Batch = dict[str, torch.Tensor]
 #: ``loss(forward, batch) -> scalar``: the training loss of ``batch`` where ``forward(**model_kwargs)`` runs the
@@ -159,7 +160,7 @@ def slot_keys(slot: Any, grads: dict[str, torch.Tensor]) -> list[str]:
         base = slot.name.removesuffix(".in_proj") if slot.name != "in_proj" else ""
         prefix = f"{base}." if base else ""
         keys = [f"{prefix}in_proj_weight"] + ([f"{prefix}in_proj_bias"] if slot.has_bias else [])
-    elif slot.kind == "parameter":
+    elif slot.kind in ("parameter", "norm"):
         stacked = _stacked(slot.name, grads)
         keys = [stacked[0] if stacked else slot.name]
     elif slot.kind == "recurrent":  # <rnn>.weight_ih_l0 with <rnn>.bias_ih_l0
@@ -179,7 +180,7 @@ def reference_slot(slot: Any, grads: dict[str, torch.Tensor]) -> torch.Tensor:
     keys = slot_keys(slot, grads)
     g = grads[keys[0]]
     b = g.shape[0]
-    if slot.kind == "parameter":
+    if slot.kind in ("parameter", "norm"):
         stacked = _stacked(slot.name, grads)
         if stacked is not None:
             return g[:, stacked[1]]
@@ -632,6 +633,55 @@ def wav2vec2() -> ZooCase:
     batch = {"audio": audio, "masked": masked, "y": torch.randint(0, 3, (4,), generator=_gen(77))}
     note = "conv feature encoder, weight_norm positional conv, masked_spec_embed at masked steps"
     return ZooCase("wav2vec2", model, batch, _speech_loss, note=note)
+
+
+class WindowAttention(nn.Module):
+    """SAM/ViTDet's windowed attention: the image padded and partitioned into windows folded into the batch
+    (``[B x windows, ws, ws, C]``), heads folded in too (``qkv.reshape(3, B' x H, N, d)``), decomposed relative
+    positions read by ``einsum`` from bare tables; a LayerNorm, grouped convolution, GroupNorm and a bare
+    ``F.linear`` on the windows; then the windows put back and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj, self.norm = nn.Linear(8, 24), nn.Linear(8, 8), nn.LayerNorm(8)
+        self.rel_h, self.rel_w = nn.Parameter(0.3 * torch.randn(5, 4)), nn.Parameter(0.3 * torch.randn(5, 4))
+        self.conv, self.group_norm = nn.Conv1d(8, 8, 3, padding=1, groups=2), nn.GroupNorm(2, 8)
+        self.mix, self.mix_bias = nn.Parameter(0.3 * torch.randn(8, 8)), nn.Parameter(0.1 * torch.randn(8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, size, ws, heads = x.shape[0], x.shape[1], 3, 2
+        h = F.pad(x, (0, 0, 0, 1, 0, 1))  # 5 x 5 -> 6 x 6: four 3 x 3 windows
+        w = h.view(b, 2, ws, 2, ws, 8).permute(0, 1, 3, 2, 4, 5).reshape(-1, ws, ws, 8)  # [B x 4, 3, 3, 8]
+        w = self.norm(w)
+        n = w.shape[0]
+        q, k, v = self.qkv(w).reshape(n, ws * ws, 3, heads, 4).permute(2, 0, 3, 1, 4).reshape(3, n * heads, ws * ws, 4)
+        scores = q @ k.transpose(-2, -1) / 2
+        offsets = torch.arange(ws)[:, None] - torch.arange(ws)[None, :] + ws - 1
+        r_q = q.reshape(n * heads, ws, ws, 4)
+        rel_h = torch.einsum("bhwc,hkc->bhwk", r_q, self.rel_h[offsets])
+        rel_w = torch.einsum("bhwc,wkc->bhwk", r_q, self.rel_w[offsets])
+        scores = scores.view(n * heads, ws, ws, ws, ws) + rel_h[:, :, :, :, None] + rel_w[:, :, :, None, :]
+        out = scores.view(n * heads, ws * ws, ws * ws).softmax(-1) @ v
+        out = self.proj(out.view(n, heads, ws * ws, 4).transpose(1, 2).reshape(n, ws * ws, 8))
+        out = self.group_norm(self.conv(out.transpose(1, 2))).transpose(1, 2)
+        out = torch.tanh(F.linear(out, self.mix, self.mix_bias))
+        h = out.view(b, 2, 2, ws, ws, 8).permute(0, 1, 3, 2, 4, 5).reshape(b, 6, 6, 8)[:, :size, :size]
+        return self.head(h.mean((1, 2)))
+
+
+def window_attention() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 5, 5, 8, generator=_gen(78)), "y": torch.randint(0, 3, (4,), generator=_gen(79))}
+    note = "windows and heads folded into the batch, decomposed relative positions by einsum"
+    return ZooCase(
+        "window-attention",
+        WindowAttention().train(),
+        batch,
+        _sequence_loss,
+        note=note,
+        options={"layer_types": LAYER_KINDS},
+    )
 
 
 def _mixtral(name: str, experts: str, intermediate: int = 24) -> ZooCase:
@@ -1559,6 +1609,7 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "vit": vit,
     "swin": swin,
     "wav2vec2": wav2vec2,
+    "window-attention": window_attention,
     "mixtral": mixtral,
     "mixtral-square": mixtral_square,
     "mixtral-eager": mixtral_eager,
