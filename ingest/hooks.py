@@ -17,6 +17,8 @@ backpropagated in a nested backward, which is refused with a clear error.
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -44,11 +46,47 @@ from ingest.per_example import (
 from ingest.projection import LayerSlot, projection_matrix
 
 #: Set by the op-level capture (:mod:`ingest.uses`) on a hooked module's output whose use it captured itself.
+log = logging.getLogger(__name__)
+
 TAKEN_MARK = "_gradstore_taken"
 
 
 class RecomputationError(RuntimeError):
     """A captured module was recomputed and backpropagated inside a backward (reentrant checkpointing)."""
+
+
+def guarded(backward: Callable[..., None]) -> Callable[..., None]:
+    """``backward`` (an output-gradient hook forming a use's per-example gradient) made unable to stop training: an
+    error in it turns the slots it feeds "not captured" (warned when the backward ends) instead of raising out of
+    the user's ``backward()``; a refused recomputation still raises."""
+
+    @functools.wraps(backward)
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            backward(*args, **kwargs)
+        except RecomputationError:
+            raise
+        except Exception as error:
+            hooks = list(dict.fromkeys(_hooks_in(args)))
+            if not hooks:
+                raise
+            log.warning("capture: %s failed; its slots turn not captured", backward.__name__, exc_info=True)
+            how = f"forming its per-example gradient failed ({type(error).__name__}: {error}; please report it)"
+            for hook in hooks:
+                hook.owner.missed(hook, how)
+
+    return run
+
+
+def _hooks_in(values: Any) -> Iterator[LayerHook]:
+    """The layer hooks among a backward's arguments (inside lists, tuples and dicts too)."""
+    for value in values:
+        if isinstance(value, LayerHook):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _hooks_in(value)
+        elif isinstance(value, dict):
+            yield from _hooks_in(value.values())
 
 
 @dataclass
@@ -321,6 +359,7 @@ class LayerHook:
             self.owner.missed(self, "a backward with create_graph=True (double backward, e.g. a gradient penalty)")
         return batch
 
+    @guarded
     def _backward(self, generation: int, route: str, saved: torch.Tensor, dy: torch.Tensor) -> None:
         batch = self.live_batch(generation)
         if batch is None:

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ingest.hooks import LayerHook, RecomputationError
+from ingest.hooks import LayerHook, RecomputationError, guarded
 from ingest.per_example import embedding_exact
 
 
+@guarded
 def hook_backward(
     hook: LayerHook,
     generation: int,
@@ -27,6 +28,7 @@ def hook_backward(
     hook._backward(generation, route, saved, dy if layout is None else layout(dy))
 
 
+@guarded
 def rows_backward(
     hook: LayerHook,
     generation: int,
@@ -38,6 +40,7 @@ def rows_backward(
     hook.add_rows(generation, x, dy if widen is None else widen(dy), owner)
 
 
+@guarded
 def bias_backward(
     hook: LayerHook, generation: int, widen: Callable[[torch.Tensor], torch.Tensor], dy: torch.Tensor
 ) -> None:
@@ -47,6 +50,7 @@ def bias_backward(
     hook.add_gradient(generation, full.reshape(full.shape[0], -1, full.shape[-1]).sum(1, keepdim=True))
 
 
+@guarded
 def matmul_backward(
     hook: LayerHook,
     generation: int,
@@ -70,6 +74,7 @@ def matmul_backward(
         hook.add_rows(generation, dy, rows, owner, bias=False)
 
 
+@guarded
 def lookup_backward(
     hook: LayerHook,
     generation: int,
@@ -86,6 +91,7 @@ def lookup_backward(
     hook.add_gradient(generation, grad)
 
 
+@guarded
 def table_backward(
     hook: LayerHook,
     generation: int,
@@ -106,6 +112,7 @@ def table_backward(
     hook.add_lookup(generation, index, values, owner, rows)
 
 
+@guarded
 def bag_backward(
     hook: LayerHook, generation: int, entries: torch.Tensor, owner: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor
 ) -> None:
@@ -115,6 +122,7 @@ def bag_backward(
     hook.add_lookup(generation, entries, values, owner, True)
 
 
+@guarded
 def bag_max_backward(
     hook: LayerHook,
     generation: int,
@@ -133,6 +141,7 @@ def bag_max_backward(
     hook.add_lookup(generation, entries, values, owner, True)
 
 
+@guarded
 def slope_backward(
     hook: LayerHook, param: torch.Tensor, generation: int, negative: torch.Tensor, channels: int, dy: torch.Tensor
 ) -> None:
@@ -162,6 +171,7 @@ def widen_rows(
     return widen
 
 
+@guarded
 def grouped_mm_backward(
     hooks: dict[int, LayerHook],
     generation: int,
@@ -182,6 +192,7 @@ def grouped_mm_backward(
         start = end
 
 
+@guarded
 def gathered_backward(
     hooks: dict[int, LayerHook],
     generation: int,
@@ -200,6 +211,7 @@ def gathered_backward(
             hooks[e].add_rows(generation, dy[rows], x[rows], owner[rows])
 
 
+@guarded
 def normalization_backward(
     hooks: list[tuple[torch.Tensor, LayerHook | None]],
     scale: torch.Tensor | None,
@@ -225,6 +237,7 @@ def channels_last(dy: torch.Tensor) -> torch.Tensor:
     return dy.flatten(2).transpose(1, 2)
 
 
+@guarded
 def transposed_conv_backward(
     hook: LayerHook, generation: int, x: torch.Tensor, geometry: tuple[Any, ...], groups: int, dy: torch.Tensor
 ) -> None:
@@ -244,6 +257,7 @@ def transposed_conv_backward(
         hook.add_rows(generation, patches, group, owner)
 
 
+@guarded
 def grouped_conv_backward(
     hook: LayerHook, generation: int, patches: torch.Tensor, groups: int, size: int, dy: torch.Tensor
 ) -> None:
@@ -259,6 +273,7 @@ def grouped_conv_backward(
     hook.add_gradient(generation, grad)
 
 
+@guarded
 def meeting_backward(
     operand: torch.Tensor,
     params: list[torch.Tensor],

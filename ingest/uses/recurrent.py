@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ingest.hooks import LayerHook
+from ingest.hooks import LayerHook, guarded
 from ingest.uses.batch_tracking import OWNER, batch_dim
 
 #: The fused sequence ops (``torch.lstm`` is ``torch._VF.lstm``) and the one-step cell ops, by the cell they run.
@@ -250,6 +250,7 @@ def recompute(call: RecurrentCall) -> tuple[list[torch.Tensor], list[LayerRows]]
     return [out.transpose(0, 1) if call.examples_dim == 0 else out, *states], rows
 
 
+@guarded
 def recurrent_backward(
     call: RecurrentCall,
     slots: Sequence[tuple[LayerHook | None, LayerHook | None, LayerHook | None]],

@@ -621,3 +621,29 @@ def test_batch_norm_in_training_mode_stays_reported() -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(100, 2))
     cap, _, caught = _capture(model, torch.randn(3, 3, 5, 5), layer_types=("linear", "conv", "norm"))
     assert {"1.weight", "1.bias", "1 (mixes examples)"} <= {p.name for p in cap.coverage.gaps()} and caught
+
+
+def test_a_failure_forming_rows_in_backward_never_stops_training(monkeypatch) -> None:
+    """An error inside a capture hook during ``backward()`` (a rule that does not fit a model's layout) turns that
+    slot "not captured" and warns; the training step's gradients are the plain ones (the error raised out of the
+    user's ``backward()``, stopping training)."""
+    from ingest.hooks import LayerHook
+
+    real = LayerHook._block
+
+    def failing(self, route, saved, dy):
+        if self.slot.name == "0":
+            raise RuntimeError("a layout this rule does not fit")
+        return real(self, route, saved, dy)
+
+    monkeypatch.setattr(LayerHook, "_block", failing)
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(5, 3)
+    expected = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    model.zero_grad()
+    cap, rows, caught = _capture(model, x)
+    record = {p.name: p for p in cap.coverage.parameters}
+    assert not record["0.weight"].captured and "a layout this rule does not fit" in record["0.weight"].reason
+    assert record["2.weight"].captured and len(rows) == 1 and len(caught) == 1
+    for param, plain in zip(model.parameters(), expected):
+        torch.testing.assert_close(param.grad, plain)
