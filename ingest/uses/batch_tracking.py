@@ -462,6 +462,8 @@ def _result_dim(
         new = _einsum_dim(args, source, dim)
     elif func in MATMULS and len(args) == 2:
         new = matmul_dim(args, source, dim, out.dim())
+    elif name == "as_strided" and args and args[0] is source:
+        new = 0 if dim == 0 and _rows_kept(source, out) else -1
     elif name in REORDERS:  # rot90, mT, as_strided...: where the dim goes is not followed
         new = -1
     elif name == "__getitem__" and len(args) >= 2:
@@ -476,6 +478,28 @@ def _result_dim(
         before = math.prod(source.shape[:dim])
         new = next((i for i in range(out.dim() + 1) if math.prod(out.shape[:i]) == before), -1)
     return new if 0 <= new < out.dim() and out.shape[new] == size else -1
+
+
+def _rows_kept(source: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``out``, a strided view (``as_strided``) of ``source``, a dense tensor in any dim order, keeps its
+    rows along dim 0: the same row stride and start, every other stride either within one row's span or a whole
+    number of all the rows' periods, nothing past ``source``'s entries (Longformer's overlapping chunks)."""
+    if out.dim() == 0 or source.dim() == 0 or out.shape[0] != source.shape[0]:
+        return False
+    step, rows = source.stride(0), source.shape[0]
+    if out.stride(0) != step or out.storage_offset() != source.storage_offset():
+        return False
+    dense = 1
+    for d in sorted(range(source.dim()), key=source.stride):
+        if source.shape[d] > 1 and source.stride(d) != dense:
+            return False
+        dense *= source.shape[d]
+    others = [(n, t) for n, t in zip(out.shape[1:], out.stride()[1:]) if n > 1]
+    if sum((n - 1) * t for n, t in others if t < step) >= step or any(
+        t >= step and t % (step * rows) for _, t in others
+    ):
+        return False
+    return sum((n - 1) * t for n, t in zip(out.shape, out.stride())) < source.numel()
 
 
 def _arguments(args: tuple, kwargs: dict, *spellings: tuple[str, ...]) -> tuple[Any, ...] | None:

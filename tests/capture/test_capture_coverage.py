@@ -647,3 +647,35 @@ def test_a_failure_forming_rows_in_backward_never_stops_training(monkeypatch) ->
     assert record["2.weight"].captured and len(rows) == 1 and len(caught) == 1
     for param, plain in zip(model.parameters(), expected):
         torch.testing.assert_close(param.grad, plain)
+
+
+@pytest.mark.parametrize("shifted", [False, True], ids=["within-rows", "across-rows"])
+def test_a_strided_view_is_followed_only_within_each_row(shifted) -> None:
+    """``as_strided`` keeping each row's entries in its row (Longformer's overlapping chunks) keeps the examples'
+    dim: the layer after it is exact; with rows 4 entries apart, each row reads the next example's entries too:
+    that layer is recorded as not captured, never taken as the examples'."""
+
+    class Strided(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 9), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x))  # [B, 9]; chunks of 4 entries 4 apart, each row's from its own row or not
+            chunks = h.as_strided((h.shape[0], 2, 4), (4 if shifted else 9, 4, 1), h.storage_offset())
+            return self.b(chunks).sum(1)
+
+    torch.manual_seed(0)
+    model, x = Strided(), torch.randn(4, 3)
+    cap, rows, caught = _capture(model, x, loss_reduction="sum")
+    gaps = {p.name for p in cap.coverage.gaps()}
+    if shifted:
+        assert {"b.weight", "b.bias"} <= gaps and len(caught) == 1
+        return
+    assert gaps == set() and not caught
+    s = cap.spec.slot("b")
+    for i in range(4):
+        model.zero_grad()
+        model(x[i : i + 1]).sum().backward()
+        expected = torch.cat([model.b.weight.grad, model.b.bias.grad[:, None]], 1).flatten()
+        torch.testing.assert_close(rows[0].grads[i, s.offset : s.offset + s.size], expected, rtol=1e-5, atol=1e-6)

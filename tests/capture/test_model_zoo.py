@@ -97,6 +97,7 @@ WHOLE = [
     "swin",
     "wav2vec2",
     "window-attention",
+    "longformer",
 ]
 
 

@@ -758,6 +758,35 @@ def bert() -> ZooCase:
     return ZooCase("bert", model, batch, _hf_loss, "mean", note=note)
 
 
+def longformer() -> ZooCase:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LongformerConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        attention_window=[4],
+        max_position_embeddings=40,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        sep_token_id=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
+    model = transformers.LongformerForSequenceClassification(config).train()
+    ids, mask = _right_padded([8, 6, 4, 7], 8, 40, seed=15, low=3)
+    labels = torch.randint(0, 3, (4,), generator=_gen(16))
+    note = "sliding-window chunks by as_strided over heads folded into the batch, global attention on the first token"
+    return ZooCase(
+        "longformer", model, {"input_ids": ids, "attention_mask": mask, "labels": labels}, _hf_loss, note=note
+    )
+
+
 class SmallCNN(nn.Module):
     """8x8 images: Conv2d -> ReLU -> grouped strided Conv2d -> ReLU -> Linear head (no BatchNorm)."""
 
@@ -1615,6 +1644,7 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "mixtral-eager": mixtral_eager,
     "mixtral-batched-mm": mixtral_batched,
     "bert": bert,
+    "longformer": longformer,
     "cnn": cnn,
     "cnn1d": cnn1d,
     "cnn3d": cnn3d,
