@@ -77,8 +77,8 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 def product_with_copies(func: Any, args: tuple, size: int, copy: Copy) -> torch.Tensor | None:
     """A matrix product ``x @ W`` / ``W @ x`` (``matmul``, ``bmm``) of a batch operand whose examples lie along a
-    broadcast (leading) dim and a parameter operand broadcast over it or expanded to it (stride 0): the operand's
-    copies along that dim. None when the examples lie in the matrices' own dims or the operand spans them."""
+    broadcast (leading) dim and a parameter operand broadcast over it, expanded or repeated to it (DETR's object
+    queries): the operand's copies along that dim. None when the examples lie in the matrices' own dims."""
     if len(args) != 2 or not all(isinstance(t, torch.Tensor) for t in args):
         return None
     a, b = args
@@ -94,7 +94,7 @@ def product_with_copies(func: Any, args: tuple, size: int, copy: Copy) -> torch.
     aligned = t.reshape((1,) * (n - t.dim()) + tuple(t.shape))
     if aligned.shape[at] == size and aligned.stride(at) == 0:
         aligned = aligned.narrow(at, 0, 1)  # expanded over the batch by the model: one copy per example
-    if aligned.shape[at] != 1:
+    if aligned.shape[at] not in (1, size):  # one row, or one per example already (repeated over the batch)
         return None
     shape = list(aligned.shape)
     shape[at] = size

@@ -199,7 +199,7 @@ class UseRules:
             elif func in CHANNEL_NORMALIZATIONS:
                 result = self._channel_normalization(batch, func, args, kwargs)
             elif func is F.scaled_dot_product_attention:
-                result = self._attention_bias(batch, args, kwargs)
+                result = self._attention_operands(batch, args, kwargs)
             elif op_name(func).endswith("__setitem__") and not kwargs:
                 result = self._assign(batch, args)
             elif func in ELEMENTWISE or func in CONCATENATIONS:
@@ -907,29 +907,41 @@ class UseRules:
 
     # parameter-only tensors meeting the batch -----------------------------------------------------
 
-    def _attention_bias(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
-        """``F.scaled_dot_product_attention`` whose ``attn_mask`` is computed from parameters alone (T5's relative
-        position bias): the mask expanded over the examples (dim 0 of a batch-first query) and hooked, as where a
-        parameter-only tensor meets the batch in an elementwise op (:meth:`_meet`); over rows of the examples
-        where the query's are (Swin's windows, each window's bias its example's)."""
+    def _attention_operands(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
+        """``F.scaled_dot_product_attention`` with operands computed from parameters alone: an ``attn_mask`` (T5's
+        relative position bias, Swin's tables) expanded over the examples (or over rows of them, where the batch
+        operands' are: Swin's windows), a query, key or value of the batch's size or of one row (DETR's object
+        queries, learned latents): each hooked as where a parameter-only tensor meets the batch (:meth:`_meet`),
+        so each example's gradient of it gives theirs."""
         names = ("query", "key", "value", "attn_mask")
         bound = {**dict(zip(names, args)), **kwargs}
-        query, key, mask = bound.get("query"), bound.get("key"), bound.get("attn_mask")
-        if mask is None or batch_dim(query) != 0 or batch_dim(mask) is not None or self.sequence_first:
+        first = next((bound[n] for n in names[:3] if batch_dim(bound.get(n)) is not None), None)
+        if first is None or batch_dim(first) != 0 or self.sequence_first:
             return None
-        params = self._sources([mask])
-        targets = self._meeting_targets(params, ("embedding", "parameter", "linear", "attention"))
-        if targets is None or any(first_hook(h).PER_POSITION for h in targets):
+        owner, rows = getattr(first, OWNER, None), first.shape[0]
+        replaced: dict[str, torch.Tensor] = {}
+        for name in names:
+            t = bound.get(name)
+            params = self._sources([t]) if isinstance(t, torch.Tensor) and batch_dim(t) is None else []
+            if not params:
+                continue
+            targets = self._meeting_targets(params, MEETING_KINDS)
+            if targets is None or any(first_hook(h).PER_POSITION for h in targets):
+                return None
+            if name == "attn_mask":
+                shape = torch.broadcast_shapes(t.shape, (*bound["query"].shape[:-1], bound["key"].shape[-2]))
+            elif t.dim() == first.dim() and t.shape[0] in (1, rows):
+                shape = torch.Size((rows, *t.shape[1:]))
+            else:
+                return None
+            met = self._meeting(batch, t, params, shape, 0, owner)
+            if met is None:
+                return None
+            replaced[name] = met
+        if not replaced:
             return None
-        shape = torch.broadcast_shapes(mask.shape, (*query.shape[:-1], key.shape[-2]))
-        owner = getattr(query, OWNER, None)  # Swin's windows: rows of the examples
-        expanded = self._meeting(batch, mask, params, shape, 0, owner)
-        if expanded is None:
-            return None
-        if len(args) > 3:
-            args = (*args[:3], expanded, *args[4:])
-        else:
-            kwargs = {**kwargs, "attn_mask": expanded}
+        args = tuple(replaced.get(n, a) for n, a in zip(names, args)) + args[len(names) :]
+        kwargs = {k: replaced.get(k, v) for k, v in kwargs.items()}
         return F.scaled_dot_product_attention(*args, **kwargs)
 
     def _meet(self, batch: ActiveBatch, func: Any, args: tuple, kwargs: dict) -> Any:

@@ -98,6 +98,7 @@ WHOLE = [
     "wav2vec2",
     "window-attention",
     "longformer",
+    "detr",
 ]
 
 

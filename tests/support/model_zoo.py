@@ -787,6 +787,49 @@ def longformer() -> ZooCase:
     )
 
 
+def _detection_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    out = forward(pixel_values=batch["pixel_values"])
+    classes = F.cross_entropy(out.logits.transpose(1, 2), batch["classes"], reduction="none").mean(1)
+    return (classes + out.pred_boxes.pow(2).mean((1, 2))).mean()
+
+
+def detr() -> ZooCase:
+    import transformers
+
+    torch.manual_seed(0)
+    backbone = transformers.ResNetConfig(
+        num_channels=3,
+        embedding_size=8,
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        layer_type="basic",
+        out_features=["stage2"],
+    )
+    config = transformers.DetrConfig(
+        use_timm_backbone=False,
+        use_pretrained_backbone=False,
+        backbone_config=backbone,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=16,
+        decoder_ffn_dim=16,
+        num_queries=4,
+        num_labels=3,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        auxiliary_loss=False,
+    )
+    model = transformers.DetrForObjectDetection(config).train()
+    pixels = torch.randn(4, 3, 32, 32, generator=_gen(17))
+    classes = torch.randint(0, 4, (4, 4), generator=_gen(18))
+    note = "object queries repeated over the batch meet it in SDPA, frozen batch norm backbone (no matching loss)"
+    return ZooCase("detr", model, {"pixel_values": pixels, "classes": classes}, _detection_loss, note=note)
+
+
 class SmallCNN(nn.Module):
     """8x8 images: Conv2d -> ReLU -> grouped strided Conv2d -> ReLU -> Linear head (no BatchNorm)."""
 
@@ -1645,6 +1688,7 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "mixtral-batched-mm": mixtral_batched,
     "bert": bert,
     "longformer": longformer,
+    "detr": detr,
     "cnn": cnn,
     "cnn1d": cnn1d,
     "cnn3d": cnn3d,
