@@ -5,6 +5,7 @@ flattened across the batch), and the attributes it marks tensors with."""
 from __future__ import annotations
 
 import math
+import string
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -249,18 +250,31 @@ def landings(func: Any, args: tuple, out: torch.Tensor) -> list[int] | None:
 
 
 def einsum_terms(args: tuple) -> tuple[list[str], str, list[Any]] | None:
-    """``(input terms, output term, operands)`` of ``torch.einsum(equation, *operands)`` (or a list of them), the
-    output spelled out where the equation leaves it implicit (its letters used once, in alphabetical order); None
-    for an equation with an ellipsis, the sublist form, or terms that do not match the operands."""
-    if not args or not isinstance(args[0], str) or "." in args[0]:
+    """``(input terms, output term, operands)`` of ``torch.einsum(equation, *operands)`` (or a list of them), spelled
+    out: an ellipsis as letters of its own (right-aligned across the operands), the output where the equation leaves
+    it implicit (the ellipsis's dims, then the letters used once, in alphabetical order); None for the sublist form
+    or terms that do not match the operands."""
+    if not args or not isinstance(args[0], str):
         return None
     operands = list(args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
     inputs, arrow, output = args[0].replace(" ", "").partition("->")
     terms = inputs.split(",")
-    if len(terms) != len(operands):
+    if len(terms) != len(operands) or not all(isinstance(t, torch.Tensor) for t in operands):
+        return None
+    spread = ""
+    if "..." in inputs:
+        counts = [t.dim() - len(term.replace("...", "")) if "..." in term else 0 for term, t in zip(terms, operands)]
+        free = [c for c in string.ascii_letters if c not in args[0]]
+        if min(counts) < 0 or max(counts) > len(free):
+            return None
+        spread = "".join(free[: max(counts)])
+        terms = [term.replace("...", spread[len(spread) - n :]) for term, n in zip(terms, counts)]
+        output = output.replace("...", spread)
+    if any("." in term for term in terms) or "." in output:
         return None
     if not arrow:
-        output = "".join(sorted(c for c in set(inputs) - {","} if inputs.count(c) == 1))
+        joined = "".join(terms)
+        output = spread + "".join(sorted(c for c in set(joined) - set(spread) if joined.count(c) == 1))
     return terms, output, operands
 
 

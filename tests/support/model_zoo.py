@@ -1615,7 +1615,7 @@ def packed_bags(include_last_offset: bool) -> Callable[[], ZooCase]:
 
 class WeightsInProducts(nn.Module):
     """Bare weights in the products people write by hand: ``einsum`` (a matrix with a bias, per-head matrices
-    stacked ``[H, d, e]``, the output implicit), ``bmm`` with the weight expanded over the batch, per-head
+    stacked ``[H, d, e]``, an ellipsis, the output implicit), ``bmm`` with the weight expanded over the batch, per-head
     matrices broadcast in ``@``, and a matrix computed from parameters (``A - A^T``) on the tokens' right."""
 
     def __init__(self) -> None:
@@ -1626,6 +1626,7 @@ class WeightsInProducts(nn.Module):
         self.expanded = nn.Parameter(0.3 * torch.randn(8, 8))
         self.per_head = nn.Parameter(0.3 * torch.randn(2, 4, 4))
         self.skew = nn.Parameter(0.3 * torch.randn(8, 8))
+        self.spread = nn.Parameter(0.3 * torch.randn(8, 8))
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -1634,6 +1635,7 @@ class WeightsInProducts(nn.Module):
         h = torch.einsum("btd,hde->bhte", h, self.heads)  # [B, H, T, 4]
         h = torch.tanh(h @ self.per_head).transpose(1, 2).reshape(b, t, 8)
         h = torch.tanh(torch.bmm(h, self.expanded.expand(b, 8, 8)))
+        h = torch.tanh(torch.einsum("...d,de->...e", h, self.spread))
         h = torch.einsum("btd,de", h, self.skew - self.skew.T)  # implicit output "bet"
         return self.head(h.mean(-1))
 
