@@ -370,6 +370,8 @@ def result_batch(
     """Where the examples are in ``out``, an output of ``func`` on ``source`` (whose examples' dim is ``dim``, or
     whose dim 0 mixes them as ``owner`` says): ``(dim, owner)``, ``(-1, None)`` when unknown."""
     name = op_attribute(func)
+    if _adds_own_rows(name, args, source, dim, owner, size):
+        return dim, owner  # rows added or copied at the positions of their own examples (a MoE's combine)
     mixed = None if func in STATISTICS else mixed_dims(func, args, kwargs, source.dim())  # a norm keeps the rows
     if mixed is not None and dim in mixed:
         return -1, None  # an example's entries moved to or combined with other rows: whose they are is not followed
@@ -414,6 +416,24 @@ def result_batch(
     owner = blocks[:, 0]
     regular = owner.numel() == size and torch.equal(owner, torch.arange(size, device=owner.device))
     return split[0], None if regular else owner  # one row per example, in order: the examples' own dim again
+
+
+def _adds_own_rows(name: str, args: tuple, target: torch.Tensor, dim: int, owner: Any, size: int) -> bool:
+    """Whether ``target.index_add(dim, index, rows)`` (or ``index_copy``) puts each of ``rows`` at a position of
+    ``target`` of the same example: a MoE layer's ``out.index_add(0, tokens, expert(h[tokens]))``."""
+    if name.rstrip("_") not in ("index_add", "index_copy") or len(args) < 4 or args[0] is not target or dim < 0:
+        return False
+    along, index, rows = args[1], args[2], args[3]
+    if not isinstance(along, int) or along % target.dim() != dim or not isinstance(rows, torch.Tensor):
+        return False
+    if not isinstance(index, torch.Tensor) or index.dim() != 1 or batch_dim(rows) != dim:
+        return False
+    mine = owner if owner is not None else torch.arange(size, device=target.device)
+    theirs = getattr(rows, OWNER, None)
+    theirs = theirs if theirs is not None else torch.arange(size, device=target.device)
+    if mine.numel() != target.shape[dim] or theirs.numel() != index.numel():
+        return False
+    return bool(torch.equal(mine[index.to(mine.device)], theirs.to(mine.device)))
 
 
 def _split(name: str, source: torch.Tensor, dim: int, out: torch.Tensor, rows: int) -> tuple[int, int] | None:

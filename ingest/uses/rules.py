@@ -202,6 +202,8 @@ class UseRules:
                 result = self._attention_operands(batch, args, kwargs)
             elif op_name(func).endswith("__setitem__") and not kwargs:
                 result = self._assign(batch, args)
+            elif func in (torch.gather, torch.Tensor.gather):
+                result = self._gather(batch, args, kwargs)
             elif func in ELEMENTWISE or func in CONCATENATIONS:
                 result = self._meet(batch, func, args, kwargs)
             elif func in SEQUENCES or func in CELLS:
@@ -981,6 +983,28 @@ class UseRules:
                 return None
             replaced[id(t)] = expanded
         return func(*_swap(args, replaced), **{k: _swap_one(v, replaced) for k, v in kwargs.items()})
+
+    def _gather(self, batch: ActiveBatch, args: tuple, kwargs: dict) -> Any:
+        """``torch.gather(table, dim, ids)`` of a table computed from parameters alone, expanded or repeated over
+        the batch (learned positions read at each example's position ids) by the batch's ``ids``: the table met
+        per example (one copy each, hooked as in :meth:`_meet`), each example's gradient its own reads'."""
+        bound = {**dict(zip(("input", "dim", "index"), args)), **kwargs}
+        table, index = bound.get("input"), bound.get("index")
+        at = batch_dim(index)
+        if not isinstance(table, torch.Tensor) or batch_dim(table) is not None or at is None or at < 0:
+            return None
+        if getattr(index, OWNER, None) is not None or table.dim() != index.dim() or self.sequence_first:
+            return None
+        aligned = table
+        if table.shape[at] == batch.size and table.stride(at) == 0:
+            aligned = table.narrow(at, 0, 1)  # expanded over the batch: one copy per example
+        if aligned.shape[at] not in (1, batch.size):
+            return None
+        shape = torch.Size([batch.size if d == at else n for d, n in enumerate(aligned.shape)])
+        met = self._meeting(batch, aligned, self._sources([table]), shape, at)
+        if met is None:
+            return None
+        return torch.gather(met, bound["dim"], index, **{k: v for k, v in kwargs.items() if k == "sparse_grad"})
 
     def _assign(self, batch: ActiveBatch, args: tuple) -> Any:
         """``h[index] = value`` with ``value`` computed from parameters alone written into the batch's ``h``

@@ -99,6 +99,7 @@ WHOLE = [
     "window-attention",
     "longformer",
     "detr",
+    "routed-tokens",
 ]
 
 

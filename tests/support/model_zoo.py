@@ -1669,6 +1669,46 @@ def bare_convolutions() -> ZooCase:
     return ZooCase("bare-convolutions", BareConvolutions().train(), batch, _sequence_loss, note="F.convNd(x, W, b)")
 
 
+class RoutedTokens(nn.Module):
+    """Learned positions read at each example's own position ids (``torch.gather`` of a table expanded over the
+    batch), then a hand-written top-2 mixture of experts on tokens flattened across the batch, combined by
+    ``index_add`` at the tokens' own rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.positions = nn.Embedding(20, 6), nn.Parameter(0.3 * torch.randn(1, 8, 6))
+        self.router = nn.Linear(6, 3)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 6)) for _ in range(3))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        where = (torch.arange(t)[None] + offsets[:, None]).clamp(max=7)  # left padding: positions start later
+        h = self.embed(ids) + torch.gather(self.positions.expand(b, -1, -1), 1, where[..., None].expand(-1, -1, 6))
+        h = h.reshape(b * t, 6)
+        weights, chosen = torch.topk(self.router(h).softmax(-1), 2, dim=-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            out = out.index_add(0, token, expert(h[token]) * weights[token, slot, None])
+        return self.head(out.view(b, t, 6).mean(1))
+
+
+def _routed_loss(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
+    return F.cross_entropy(forward(batch["ids"], batch["offsets"]), batch["y"])
+
+
+def routed_tokens() -> ZooCase:
+    torch.manual_seed(0)
+    batch = {
+        "ids": torch.randint(0, 20, (4, 5), generator=_gen(80)),
+        "offsets": torch.tensor([0, 2, 1, 3]),
+        "y": torch.randint(0, 3, (4,), generator=_gen(81)),
+    }
+    note = "positions by torch.gather of an expanded table, top-2 experts combined by index_add"
+    return ZooCase("routed-tokens", RoutedTokens().train(), batch, _routed_loss, note=note)
+
+
 ZOO: dict[str, Callable[[], ZooCase]] = {
     "gpt2": gpt2,
     "llama": llama,
@@ -1724,4 +1764,5 @@ ZOO: dict[str, Callable[[], ZooCase]] = {
     "packed-bags-last": packed_bags(True),
     "weights-in-products": weights_in_products,
     "bare-convolutions": bare_convolutions,
+    "routed-tokens": routed_tokens,
 }
