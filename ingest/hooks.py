@@ -322,10 +322,11 @@ class LayerHook:
     def _refuse_recomputation(self, grad: torch.Tensor) -> None:
         raise RecomputationError(
             f"capture: module {self.slot.name!r} was recomputed and backpropagated inside backward "
-            "(reentrant gradient checkpointing, or a custom autograd.Function that reruns it in its backward). Use "
-            "non-reentrant checkpointing (use_reentrant=False, e.g. gradient_checkpointing_enable("
-            "gradient_checkpointing_kwargs={'use_reentrant': False})), disable gradient checkpointing while "
-            "capturing, or leave the module out of the capture (exclude=...)."
+            "(reentrant gradient checkpointing, reversible layers such as Reformer's, or a custom autograd.Function "
+            "that reruns it in its backward). Use non-reentrant checkpointing (use_reentrant=False, e.g. "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), disable "
+            "gradient checkpointing while capturing, or leave the module out of the capture (exclude=...: "
+            "reversible layers recompute their forward in backward by design)."
         )
 
     # backward ----------------------------------------------------------------------------------

@@ -325,9 +325,10 @@ def first_hook(target: LayerHook | list[LayerHook]) -> LayerHook:
 def refuse_recomputation(name: str, grad: torch.Tensor) -> None:
     raise RecomputationError(
         f"capture: parameter {name!r} was used in a recomputation backpropagated inside backward (reentrant "
-        "gradient checkpointing, or a custom autograd.Function that reruns it in its backward). Use non-reentrant "
-        "checkpointing (use_reentrant=False), disable gradient checkpointing while capturing, or leave the "
-        "parameter out of the capture (exclude=...)."
+        "gradient checkpointing, reversible layers such as Reformer's, or a custom autograd.Function that reruns it "
+        "in its backward). Use non-reentrant checkpointing (use_reentrant=False), disable gradient checkpointing "
+        "while capturing, or leave the parameter out of the capture (exclude=...: reversible layers recompute their "
+        "forward in backward by design)."
     )
 
 
