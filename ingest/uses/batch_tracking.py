@@ -477,6 +477,10 @@ def _result_dim(
             return -1
         a, b = int(pair[0]) % n, int(pair[1]) % n
         new = b if dim == a else a if dim == b else dim
+    elif name in ("unsqueeze", "unsqueeze_", "stack"):  # a new dim at ``at``: the dims from it on move one up
+        at = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        at = int(at) % out.dim() if isinstance(at, int) else -1
+        new = -1 if at < 0 else dim + (1 if dim >= at else 0)
     elif name == "unbind":  # the dim taken apart is gone; an example's entries alone when it is theirs
         taken = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % n
         new = -1 if dim == taken else dim - (1 if dim > taken else 0)

@@ -40,7 +40,7 @@ from ingest.uses.batch_tracking import (
     tensors_in,
 )
 from ingest.uses.gradients import refuse_recomputation
-from ingest.uses.ops import ELEMENTWISE, bind_arguments, op_name
+from ingest.uses.ops import CONCATENATIONS, ELEMENTWISE, bind_arguments, op_name
 from ingest.uses.recurrent import SEQUENCES, is_packed
 from ingest.uses.rules import UseOwner, UseRules
 
@@ -248,7 +248,8 @@ class ParameterUses(UseRules, TorchFunctionMode):
             operands = list(tensors_in([*args, *kwargs.values()]))
             mixing = crossed or any(getattr(t, POOLED, False) and t.requires_grad for t in operands)
             outs = list(tensors_in([result]))
-            if func in ELEMENTWISE and size > 1 and _misaligned(operands, size):
+            side_by_side = func in CONCATENATIONS and _beside(func, args, kwargs, first)
+            if (func in ELEMENTWISE or side_by_side) and size > 1 and _misaligned(operands, size):
                 mixing = True  # reported below; the result's rows taken as the batch's in order (shares) after it
                 in_order = [t for t in operands if batch_dim(t) is not None and batch_dim(t) >= 0]
                 if any(getattr(t, OWNER, None) is None for t in in_order):
@@ -359,6 +360,16 @@ def _mark_rows(param: torch.Tensor, result: Any) -> None:
         block = row_block(piece, param)
         if block is not None and piece is not param:
             setattr(piece, ROWS, (param, *block))
+
+
+def _beside(func: Any, args: tuple, kwargs: dict, first: torch.Tensor) -> bool:
+    """Whether a concatenation puts its operands side by side along another dim than the examples' (``stack``
+    always does): each result row then combines the operands' rows at one position."""
+    if func is torch.stack:
+        return True
+    along = bind_arguments(func, args, kwargs).get("dim", 0)
+    dim = batch_dim(first)
+    return dim is not None and dim >= 0 and isinstance(along, int) and along % max(first.dim(), 1) != dim
 
 
 def _misaligned(operands: list[torch.Tensor], size: int) -> bool:

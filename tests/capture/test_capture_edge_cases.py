@@ -168,6 +168,37 @@ def test_output_layers_with_biases_on_flattened_tokens_are_exact():
         )
 
 
+class Stacked(nn.Module):
+    """Two branches stacked before the examples' dim (``torch.stack([h1, h2])``: ``[2, B, d]``) or unsqueezed."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.head, self.how = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h1, h2 = torch.tanh(self.a(x)), torch.tanh(self.b(x))
+        if self.how == "stacked":
+            return self.head(torch.stack([h1, h2])).sum(0)
+        return self.head(h1.unsqueeze(0) + h2.unsqueeze(0)).squeeze(0)
+
+
+@pytest.mark.parametrize("how", ["stacked", "unsqueezed"])
+def test_a_new_dim_before_the_examples_keeps_their_dim(how):
+    """With two examples, ``torch.stack([h1, h2])`` was taken as the examples along its new dim 0 (its size): the
+    head's rows were silently the branches', not the examples'; ``h.unsqueeze(0)`` lost the examples' dim (the
+    head reported). Both keep the examples' dim one further: rows equal each example's own gradient."""
+    torch.manual_seed(0)
+    model, x, y = Stacked(how), torch.randn(2, 4), torch.tensor([0, 2])
+    cap, rows, told = capture(model, lambda: F.cross_entropy(model(x), y).backward())
+    assert not told and cap.coverage.gaps() == []
+    s = cap.spec.slot("head")
+    for i in range(2):
+        model.zero_grad()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        expected = torch.cat([model.head.weight.grad, model.head.bias.grad[:, None]], 1).flatten()
+        torch.testing.assert_close(rows[0].grads[i, s.offset : s.offset + s.size], expected, rtol=1e-5, atol=1e-6)
+
+
 def test_an_embedding_scaled_by_batch_frequencies_is_reported():
     """``scale_grad_by_freq`` divides by each index's count in the whole batch: no per-example split (the rows
     were silently off)."""
