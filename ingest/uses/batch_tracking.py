@@ -508,8 +508,8 @@ def _result_dim(
         new = 0 if _picks_per_example(args[1], dim, size) else _indexed_dim(args[1], dim, n)
     elif name in REDUCTIONS and out.dim() < n:
         new = _reduced_dim(args[1] if len(args) > 1 else (kwargs or {}).get("dim"), dim, n)
-    elif func in ELEMENTWISE:  # broadcasting: aligned from the right
-        new = dim + out.dim() - n
+    elif func in ELEMENTWISE or name in ("expand", "expand_as", "broadcast_to", "repeat", "tile"):
+        new = dim + out.dim() - n  # broadcasting (new dims in front): aligned from the right
     elif out.dim() == n and name not in RESHAPES:
         new = dim
     else:  # a reshape, or a change of rank: the dim after the same number of leading entries

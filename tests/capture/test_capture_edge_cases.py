@@ -177,16 +177,22 @@ class Stacked(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h1, h2 = torch.tanh(self.a(x)), torch.tanh(self.b(x))
+        scale = torch.tensor([1.0, 2.0])[:, None, None]
         if self.how == "stacked":
             return self.head(torch.stack([h1, h2])).sum(0)
+        if self.how == "expanded":
+            return self.head(h1.expand(2, *h1.shape) * scale + h2).sum(0)
+        if self.how == "repeated":
+            return self.head(h1.repeat(2, 1, 1) * scale + h2).sum(0)
         return self.head(h1.unsqueeze(0) + h2.unsqueeze(0)).squeeze(0)
 
 
-@pytest.mark.parametrize("how", ["stacked", "unsqueezed"])
+@pytest.mark.parametrize("how", ["stacked", "expanded", "repeated", "unsqueezed"])
 def test_a_new_dim_before_the_examples_keeps_their_dim(how):
-    """With two examples, ``torch.stack([h1, h2])`` was taken as the examples along its new dim 0 (its size): the
-    head's rows were silently the branches', not the examples'; ``h.unsqueeze(0)`` lost the examples' dim (the
-    head reported). Both keep the examples' dim one further: rows equal each example's own gradient."""
+    """With two examples, ``torch.stack([h1, h2])``, ``h.expand(2, B, d)`` and ``h.repeat(2, 1, 1)`` were taken as
+    the examples along their new dim 0 (its size): the head's rows were silently the copies', not the examples';
+    ``h.unsqueeze(0)`` lost the examples' dim (the head reported). All keep the examples' dim one further: rows
+    equal each example's own gradient."""
     torch.manual_seed(0)
     model, x, y = Stacked(how), torch.randn(2, 4), torch.tensor([0, 2])
     cap, rows, told = capture(model, lambda: F.cross_entropy(model(x), y).backward())
