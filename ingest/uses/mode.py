@@ -237,16 +237,21 @@ class ParameterUses(UseRules, TorchFunctionMode):
             if pooled and func is F.batch_norm and first is getattr(self.owner, "statistics_input", None):
                 pooled = False  # a BatchNorm module's: reported by its own pre-hook, rows taken as shares after it
             crossed = False  # a product of batch operands whose examples land apart (x @ x.T) or are summed over
+            lost = False  # ... or whose examples' dim is not followed in one of them (what it does is not known)
             for out in tensors_in([result]):  # an in-place op returns (and so marks) its first operand
                 new, new_owner = result_batch(func, args, kwargs, first, dim, owner, out, size)
                 setattr(out, BATCHED, new)
                 setattr(out, OWNER, new_owner)
                 lands = landings(func, args, out) if size > 1 and owner is None else None
-                crossed = crossed or bool(lands and (len(set(lands)) > 1 or min(lands) < 0))
-                if pooled or (new < 0 and (getattr(first, POOLED, False) or crossed)):
-                    setattr(out, POOLED, True)
+                crossing, unknown = _crossing(lands, args, kwargs)
+                crossed, lost = crossed or crossing, lost or unknown
+                inherited = getattr(first, POOLED, False)
+                if pooled or (new < 0 and (inherited or crossing or unknown)):
+                    setattr(out, POOLED, True if pooled or crossing or inherited is True else LOST)
             operands = list(tensors_in([*args, *kwargs.values()]))
-            mixing = crossed or any(getattr(t, POOLED, False) and t.requires_grad for t in operands)
+            marks = {getattr(t, POOLED, False) for t in operands if t.requires_grad}
+            mixing = crossed or bool(marks - {False})
+            unfollowed = not crossed and True not in marks and (lost or LOST in marks)
             outs = list(tensors_in([result]))
             side_by_side = func in CONCATENATIONS and _beside(func, args, kwargs, first)
             if (func in ELEMENTWISE or side_by_side) and size > 1 and _misaligned(operands, size):
@@ -262,7 +267,13 @@ class ParameterUses(UseRules, TorchFunctionMode):
             elif any(getattr(t, ACROSS, False) for t in operands) and not self._sources(operands):  # to the output
                 for out in outs:
                     setattr(out, ACROSS, True)
-            if mixing and any((batch_dim(t) if batch_dim(t) is not None else -1) >= 0 for t in outs):
+            if mixing and unfollowed and any((batch_dim(t) if batch_dim(t) is not None else -1) >= 0 for t in outs):
+                self.owner.mixed(
+                    "ops not followed",
+                    f"the examples' rows are not followed through an op before {op_name(func)} (a view or op the "
+                    "capture does not track): each row may hold other examples' shares of the batch gradient",
+                )
+            elif mixing and any((batch_dim(t) if batch_dim(t) is not None else -1) >= 0 for t in outs):
                 self.owner.mixed(
                     "ops across the examples",
                     f"the forward combines each example with a tensor computed across the examples ({op_name(func)} "
@@ -360,6 +371,22 @@ def _mark_rows(param: torch.Tensor, result: Any) -> None:
         block = row_block(piece, param)
         if block is not None and piece is not param:
             setattr(piece, ROWS, (param, *block))
+
+
+#: :data:`POOLED`'s mark on a tensor computed from a product with an operand whose examples' dim was not followed:
+#: it may combine the examples, or not (what the op did is not known).
+LOST = "lost"
+
+
+def _crossing(lands: list[int] | None, args: tuple, kwargs: dict) -> tuple[bool, bool]:
+    """``(crossing, unknown)`` of a product's operands' landings (:func:`landings`): the examples of operands
+    whose examples' dim is known land apart or are summed over; an operand's examples' dim is not known."""
+    if not lands:
+        return False, False
+    dims = [batch_dim(t) for t in tensors_in([*args, *kwargs.values()]) if batch_dim(t) is not None]
+    known = [at for at, d in zip(lands, dims) if d >= 0]
+    crossing = len(set(known)) > 1 or any(at < 0 for at in known)
+    return crossing, len(known) < len(lands)
 
 
 def _beside(func: Any, args: tuple, kwargs: dict, first: torch.Tensor) -> bool:

@@ -680,3 +680,25 @@ def test_a_strided_view_is_followed_only_within_each_row(shifted) -> None:
         model(x[i : i + 1]).sum().backward()
         expected = torch.cat([model.b.weight.grad, model.b.bias.grad[:, None]], 1).flatten()
         torch.testing.assert_close(rows[0].grads[i, s.offset : s.offset + s.size], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_product_after_the_examples_are_lost_is_not_called_a_mix() -> None:
+    """A product with an operand whose examples' dim is not followed (after ``rot90``, an op the tracking does
+    not follow) may or may not combine the examples: recorded as "ops not followed", with what is known, not as
+    ops across the examples (SAM's and Longformer's exact rows were called mixed that way)."""
+
+    class Lost(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x))  # [B, 4, 4]
+            turned = torch.rot90(h, 1, (1, 2))
+            return self.b(h + turned @ turned.transpose(1, 2)).sum(1)
+
+    torch.manual_seed(0)
+    cap, _, caught = _capture(Lost(), torch.randn(3, 4, 4))
+    mixed = [p for p in cap.coverage.gaps() if p.name.endswith("(mixes examples)")]
+    assert [p.name for p in mixed] == ["ops not followed (mixes examples)"] and len(caught) == 1
+    assert "not followed through an op before" in str(mixed[0].reason)
