@@ -442,15 +442,21 @@ def test_rows_chosen_along_the_examples_are_each_examples_own(how) -> None:
             torch.testing.assert_close(rows[0].grads[i, s.offset : s.offset + s.size], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_a_product_with_rows_in_another_order_is_reported() -> None:
-    """``h[perm] @ W``: the product rule takes its rows as the examples in order, which these are not; reported
-    (it silently gave each row's gradient to the example at its position) while the layers around stay exact."""
+def _capture_chosen(how: str) -> tuple[GradientCapture, list]:
+    """One capture of :class:`ChosenRows` ``how`` on a summed output, and the warnings it raised."""
     torch.manual_seed(0)
-    model = ChosenRows("permuted-product-and-back")
+    model = ChosenRows(how)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with GradientCapture(model, lambda batch: None, CaptureConfig.from_options(projection=None)) as cap:
             model(torch.randn(4, 3), torch.zeros(4)).sum().backward()
+    return cap, caught
+
+
+def test_a_product_with_rows_in_another_order_is_reported() -> None:
+    """``h[perm] @ W``: the product rule takes its rows as the examples in order, which these are not; reported
+    (it silently gave each row's gradient to the example at its position) while the layers around stay exact."""
+    cap, caught = _capture_chosen("permuted-product-and-back")
     gaps = {p.name: str(p.reason) for p in cap.coverage.gaps()}
     assert list(gaps) == ["mix"] and "rows of mixed examples" in gaps["mix"] and len(caught) == 1
 
@@ -458,12 +464,7 @@ def test_a_product_with_rows_in_another_order_is_reported() -> None:
 def test_rows_returned_in_another_order_are_recorded_as_mixing() -> None:
     """The forward returns rows chosen by a permutation without putting them back (``head(h[perm])``): each row's
     loss is another example's; recorded as mixing at the model's output (it was recorded as the head's gap)."""
-    torch.manual_seed(0)
-    model = ChosenRows("permuted")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with GradientCapture(model, lambda batch: None, CaptureConfig.from_options(projection=None)) as cap:
-            model(torch.randn(4, 3), torch.zeros(4)).sum().backward()
+    cap, caught = _capture_chosen("permuted")
     mixed = [p.name for p in cap.coverage.gaps() if p.name.endswith("(mixes examples)")]
     assert mixed == ["the model's output (mixes examples)"] and len(caught) == 1
 

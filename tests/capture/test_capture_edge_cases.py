@@ -89,6 +89,19 @@ def test_attention_returning_its_weights_keeps_the_examples_dim(batch_first):
     torch.testing.assert_close(got, linear_rows(ref, "head"), rtol=1e-5, atol=1e-6)
 
 
+def assert_linear_rows(model: nn.Module, x: torch.Tensor, y: torch.Tensor, name: str) -> None:
+    """A capture of one cross-entropy step records no gap, and Linear ``name``'s rows equal each example's own
+    gradient (backward of the example alone: the model's examples are independent)."""
+    cap, rows, told = capture(model, lambda: F.cross_entropy(model(x), y).backward())
+    assert not told and cap.coverage.gaps() == []
+    s, layer = cap.spec.slot(name), model.get_submodule(name)
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        expected = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1).flatten()
+        torch.testing.assert_close(rows[0].grads[i, s.offset : s.offset + s.size], expected, rtol=1e-5, atol=1e-6)
+
+
 class InPlace(nn.Module):
     """A Linear with a bias on ``[B, T, d]`` (its output a view of ``addmm``'s) whose output the model then
     modifies in place."""
@@ -116,16 +129,7 @@ def test_a_layer_output_modified_in_place_keeps_its_rows(how):
     a hook on that output (a view) was never called, the layer's rows silently zero; hooked at the view's base,
     they equal each example's own gradient."""
     torch.manual_seed(0)
-    model, x, y = InPlace(how), torch.randn(4, 3, 4), torch.tensor([0, 1, 2, 0])
-    cap, rows, told = capture(model, lambda: F.cross_entropy(model(x), y).backward())
-    assert not told and cap.coverage.gaps() == []
-    s = cap.spec.slot("fc")
-    for i in range(4):
-        model.zero_grad()
-        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
-        expected = torch.cat([model.fc.weight.grad, model.fc.bias.grad[:, None]], 1).flatten()
-        got = rows[0].grads[i, s.offset : s.offset + s.size]  # each example's own (the mean undone)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert_linear_rows(InPlace(how), torch.randn(4, 3, 4), torch.tensor([0, 1, 2, 0]), "fc")
 
 
 class FlatHead(nn.Module):
@@ -194,15 +198,7 @@ def test_a_new_dim_before_the_examples_keeps_their_dim(how):
     ``h.unsqueeze(0)`` lost the examples' dim (the head reported). All keep the examples' dim one further: rows
     equal each example's own gradient."""
     torch.manual_seed(0)
-    model, x, y = Stacked(how), torch.randn(2, 4), torch.tensor([0, 2])
-    cap, rows, told = capture(model, lambda: F.cross_entropy(model(x), y).backward())
-    assert not told and cap.coverage.gaps() == []
-    s = cap.spec.slot("head")
-    for i in range(2):
-        model.zero_grad()
-        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
-        expected = torch.cat([model.head.weight.grad, model.head.bias.grad[:, None]], 1).flatten()
-        torch.testing.assert_close(rows[0].grads[i, s.offset : s.offset + s.size], expected, rtol=1e-5, atol=1e-6)
+    assert_linear_rows(Stacked(how), torch.randn(2, 4), torch.tensor([0, 2]), "head")
 
 
 def test_an_embedding_scaled_by_batch_frequencies_is_reported():
