@@ -25,6 +25,9 @@ TAKEN = TAKEN_MARK
 #: Attribute set on a batch tensor whose dim 0 mixes the examples (tokens flattened across the batch, then
 #: gathered): a long tensor, the example of each entry along dim 0.
 OWNER = "_gradstore_owner"
+#: Attribute set on an :data:`OWNER` tensor whose rows are all one example's (``x[i]`` in a loop over the
+#: examples): that example.
+EXAMPLE = "_gradstore_example"
 #: Attribute cached on an :data:`OWNER` tensor: whether its rows are other than each example's in order
 #: (:func:`irregular_rows`).
 IRREGULAR = "_gradstore_irregular"
@@ -370,6 +373,9 @@ def result_batch(
     """Where the examples are in ``out``, an output of ``func`` on ``source`` (whose examples' dim is ``dim``, or
     whose dim 0 mixes them as ``owner`` says): ``(dim, owner)``, ``(-1, None)`` when unknown."""
     name = op_attribute(func)
+    assembled = _assembled(func, args, kwargs, out, size)
+    if assembled is not None:
+        return assembled
     if _adds_own_rows(name, args, source, dim, owner, size):
         return dim, owner  # rows added or copied at the positions of their own examples (a MoE's combine)
     mixed = None if func in STATISTICS else mixed_dims(func, args, kwargs, source.dim())  # a norm keeps the rows
@@ -380,6 +386,11 @@ def result_batch(
         selected = _selected_rows(args[1], source, size) if chosen else None
         if selected is not None and dim == 0 and out.shape[0] == selected.shape[0]:
             return 0, selected.to(out.device)  # rows of chosen examples: each row's example is known
+        single = _single_example(args[1], dim, size) if chosen else None
+        if single is not None and out.dim() > 0:  # x[i] in a loop over the examples: its rows all example i's
+            rows = torch.full((out.shape[0],), single, dtype=torch.long, device=out.device)
+            setattr(rows, EXAMPLE, single)
+            return 0, rows
         new = _result_dim(func, args, source, dim, out, size, kwargs)
         merged = _merged(name, source, dim, out, size) if new < 0 else None
         if merged is None:
@@ -416,6 +427,43 @@ def result_batch(
     owner = blocks[:, 0]
     regular = owner.numel() == size and torch.equal(owner, torch.arange(size, device=owner.device))
     return split[0], None if regular else owner  # one row per example, in order: the examples' own dim again
+
+
+def _single_example(index: Any, dim: int, size: int) -> int | None:
+    """The example ``t[index]`` takes alone (an int at the examples' dim ``dim``, slices or ``...`` elsewhere)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in index or len(index) <= dim or not all(isinstance(i, (int, slice)) for i in index):
+        return None
+    if not all(isinstance(i, slice) for i in index[:dim]) or not isinstance(index[dim], int):
+        return None
+    return index[dim] % size if -size <= index[dim] < size else None
+
+
+def assembled_examples(func: Any, args: tuple, kwargs: dict) -> list[int] | None:
+    """The examples ``torch.stack`` puts along its new dim where each stacked tensor is one example's alone (the
+    results of a loop over the examples, ``x[i]``'s rows :data:`EXAMPLE`), else None."""
+    if func is not torch.stack:
+        return None
+    tensors = args[0] if args else kwargs.get("tensors")
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        return None
+    examples = [getattr(getattr(t, OWNER, None), EXAMPLE, None) for t in tensors]
+    if None in examples or any(batch_dim(t) != batch_dim(tensors[0]) for t in tensors):
+        return None
+    return examples
+
+
+def _assembled(func: Any, args: tuple, kwargs: dict, out: torch.Tensor, size: int) -> tuple[int, Any] | None:
+    """Where ``torch.stack`` of one example's tensors each puts the examples: its new dim (theirs in order, or rows
+    of them along dim 0), else None (not such a stack)."""
+    examples = assembled_examples(func, args, kwargs)
+    if examples is None:
+        return None
+    at = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    at = int(at) % out.dim()
+    if examples == list(range(size)):
+        return at, None
+    return (0, torch.tensor(examples, device=out.device)) if at == 0 else (-1, None)
 
 
 def _adds_own_rows(name: str, args: tuple, target: torch.Tensor, dim: int, owner: Any, size: int) -> bool:

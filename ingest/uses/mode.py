@@ -28,6 +28,7 @@ from ingest.uses.batch_tracking import (
     SLICE,
     SOURCES,
     TAKEN,
+    assembled_examples,
     batch_dim,
     batch_operand,
     landings,
@@ -254,6 +255,7 @@ class ParameterUses(UseRules, TorchFunctionMode):
             unfollowed = not crossed and True not in marks and (lost or LOST in marks)
             outs = list(tensors_in([result]))
             side_by_side = func in CONCATENATIONS and _beside(func, args, kwargs, first)
+            side_by_side = side_by_side and assembled_examples(func, args, kwargs) is None  # a loop's results
             if (func in ELEMENTWISE or side_by_side) and size > 1 and _misaligned(operands, size):
                 mixing = True  # reported below; the result's rows taken as the batch's in order (shares) after it
                 in_order = [t for t in operands if batch_dim(t) is not None and batch_dim(t) >= 0]

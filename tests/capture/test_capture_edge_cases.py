@@ -201,6 +201,28 @@ def test_a_new_dim_before_the_examples_keeps_their_dim(how):
     assert_linear_rows(Stacked(how), torch.randn(2, 4), torch.tensor([0, 2]), "head")
 
 
+class PerExample(nn.Module):
+    """A forward that loops over the examples (``x[i]``), each through a Linear and a bare scale, stacked back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.scale, self.head = nn.Linear(4, 4), nn.Parameter(torch.randn(4)), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [torch.tanh(self.fc(x[i])) * self.scale for i in range(x.shape[0])]
+        return self.head(torch.stack(outs).mean(1))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_loop_over_the_examples_is_exact(size):
+    """``torch.stack([f(x[i]) for i in range(B)])``: each ``x[i]``'s rows are example ``i``'s, the stack puts the
+    examples back along its new dim (every parameter was reported: 0% captured, no rows)."""
+    torch.manual_seed(0)
+    model, x, y = PerExample(), torch.randn(size, 5, 4), torch.arange(size) % 3
+    assert_linear_rows(model, x, y, "fc")
+    assert_linear_rows(model, x, y, "head")
+
+
 def test_an_embedding_scaled_by_batch_frequencies_is_reported():
     """``scale_grad_by_freq`` divides by each index's count in the whole batch: no per-example split (the rows
     were silently off)."""
