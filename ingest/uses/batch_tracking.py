@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from ingest.hooks import TAKEN_MARK
 from ingest.uses.ops import CHANNEL_NORMALIZATIONS, ELEMENTWISE, MATMULS, NORMALIZATIONS, REDUCTIONS, RESHAPES
 
+#: Batched matrix products ``(a, b)``, read as :data:`~ingest.uses.ops.MATMULS` are.
+BATCHED_MATMULS = frozenset([torch.bmm, torch.Tensor.bmm])
 #: Ops that may move dims while keeping the rank, whose outputs' examples' dim is not followed (unknown).
 REORDERS = frozenset(
     ["rot90", "mT", "mH", "adjoint", "as_strided", "tensordot", "movedim", "moveaxis", "t", "t_", "T", "H"]
@@ -233,13 +235,20 @@ def matmul_dim(args: tuple, source: torch.Tensor, dim: int, out_dims: int) -> in
 
 
 def landings(func: Any, args: tuple, out: torch.Tensor) -> list[int] | None:
-    """Where each batch operand's examples land in ``out`` for a product of operands (``a @ b``, ``einsum``):
-    -1 where they are contracted (summed over) or not known; None for other ops."""
-    if func in MATMULS and len(args) == 2:
+    """Where each batch operand's examples land in ``out`` for a product of operands (``a @ b``, ``bmm``,
+    ``einsum``) or a broadcasting elementwise op: -1 where they are contracted (summed over) or not known; None for
+    other ops."""
+    if (func in MATMULS or func in BATCHED_MATMULS) and len(args) == 2:
         return [  # an operand from the batch whose examples' dim is unknown: taken as landing apart
             matmul_dim(args, t, batch_dim(t), out.dim()) if batch_dim(t) >= 0 else -1
             for t in args[:2]
             if isinstance(t, torch.Tensor) and batch_dim(t) is not None
+        ]
+    if func in ELEMENTWISE:  # broadcasting: aligned from the right (h[:, None] - h[None]: every pair of examples)
+        return [
+            batch_dim(t) + out.dim() - t.dim() if batch_dim(t) >= 0 else -1
+            for t in tensors_in(args)
+            if batch_dim(t) is not None and t.dim() > 0
         ]
     spelled = einsum_terms(args) if getattr(func, "__name__", "") == "einsum" else None
     if spelled is not None:
@@ -546,7 +555,7 @@ def _result_dim(
         new = {n - 1: n - 2, n - 2: n - 1}.get(dim, dim)
     elif name == "einsum":
         new = _einsum_dim(args, source, dim)
-    elif func in MATMULS and len(args) == 2:
+    elif (func in MATMULS or func in BATCHED_MATMULS) and len(args) == 2:
         new = matmul_dim(args, source, dim, out.dim())
     elif name == "as_strided" and args and args[0] is source:
         new = 0 if dim == 0 and _rows_kept(source, out) else -1

@@ -882,7 +882,8 @@ class UseRules:
                 setattr(met, BATCHED, 1)
                 query = met
                 args, kwargs = ((met, *args[1:]), kwargs) if args else (args, {**kwargs, "query": met})
-        if query.dim() == 3 and query.shape[1] != batch.size:  # not this batch's layout: its inner uses unseen
+        misfed = query.dim() == 3 and (query.shape[1] != batch.size or batch_dim(query) == 0)  # [B, T, E] given
+        if misfed:  # not this batch's layout (sequence-first [T, B, E] expected): its inner uses unseen
             params = self._sources([*tensors_in(args), *tensors_in(kwargs.values())])
             self.owner.uncovered(self._names(params), "multi_head_attention_forward on an input not laid out [T, B, E]")
             if batch_dim(query) == 0:  # the examples capture took are the attention's sequence

@@ -493,6 +493,8 @@ class AcrossExamples(nn.Module):
             "list-index-times": lambda: h[[1, 2, 3, 4, 0]] * h,
             "stacked-with-mixup": lambda: torch.stack([h, h[torch.tensor([4, 3, 2, 1, 0])]], 1).sum(1),
             "loop-with-neighbours": lambda: torch.stack([h[i] + h[(i + 1) % 5] for i in range(5)]),
+            "pairwise-differences": lambda: (h[:, None] - h[None]).pow(2).sum(1),
+            "bmm-gram": lambda: torch.bmm(h[None], h.T[None])[0],
             "flattened-mean": lambda: h - h.reshape(-1).mean(),
             "token-rows-std": lambda: h / h.unsqueeze(1).expand(5, 2, 5).reshape(10, 5).std(0),
         }[self.how]()
@@ -502,6 +504,7 @@ class AcrossExamples(nn.Module):
 ACROSS_EXAMPLES = ["batch-norm", "gram", "einsum-gram", "stack-reversed", "times-gram", "median-centred"]
 ACROSS_EXAMPLES += ["quantile-scaled", "functional-batch-norm", "layer-norm-over-batch", "manifold-mixup"]
 ACROSS_EXAMPLES += ["flattened-mean", "token-rows-std", "stacked-with-mixup", "loop-with-neighbours"]
+ACROSS_EXAMPLES += ["pairwise-differences", "bmm-gram"]
 
 
 @pytest.mark.parametrize("how", [*ACROSS_EXAMPLES, "list-index-times"])

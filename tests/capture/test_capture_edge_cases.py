@@ -36,6 +36,26 @@ class Attention(nn.Module):
         return self.head(out.mean(1))
 
 
+def test_a_sequence_first_attention_fed_the_batch_first_is_reported_whatever_the_sizes():
+    """``nn.MultiheadAttention`` (sequence-first) fed ``[B, T, E]`` attends along the examples: reported as such;
+    with ``T == B`` its shapes fit a ``[T, B, E]`` input and every row was silently wrong (100% captured)."""
+
+    class Misfed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.attention, self.head = nn.Linear(6, 6), nn.MultiheadAttention(6, 2), nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x)
+            return self.head(self.attention(h, h, h)[0].mean(1))
+
+    torch.manual_seed(0)
+    model = Misfed()
+    cap, _, told = capture(model, lambda: F.cross_entropy(model(torch.randn(5, 5, 6)), torch.arange(5) % 3).backward())
+    gaps = {p.name: str(p.reason) for p in cap.coverage.gaps()}
+    assert "attention.in_proj_weight" in gaps and "attention along the examples (mixes examples)" in gaps and told
+
+
 class Small(nn.Module):
     def __init__(self) -> None:
         super().__init__()
