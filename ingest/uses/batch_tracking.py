@@ -567,12 +567,42 @@ def _result_dim(
         new = _reduced_dim(args[1] if len(args) > 1 else (kwargs or {}).get("dim"), dim, n)
     elif func in ELEMENTWISE or name in ("expand", "expand_as", "broadcast_to", "repeat", "tile"):
         new = dim + out.dim() - n  # broadcasting (new dims in front): aligned from the right
+    elif name in ("addmm", "baddbmm") and len(args) >= 3 and any(source is t for t in args[1:3]):
+        new = matmul_dim(args[1:3], source, dim, out.dim())  # b + x @ W: the product's rows
+    elif name == "scaled_dot_product_attention":  # [..., L, E]: the batch dims are the query's, key's and value's
+        new = dim if dim < n - 2 else -1
+    elif name in STACKED_ROWS:
+        new = -1  # vstack/hstack/...: a new dim in front, or a concatenation, by the operands' ranks: not followed
     elif out.dim() == n and name not in RESHAPES:
-        new = dim
+        new = dim if _follows(name, args, kwargs, source, out) else -1
     else:  # a reshape, or a change of rank: the dim after the same number of leading entries
         before = math.prod(source.shape[:dim])
         new = next((i for i in range(out.dim() + 1) if math.prod(out.shape[:i]) == before), -1)
     return new if 0 <= new < out.dim() and out.shape[new] == size else -1
+
+
+#: Concatenations whose result's layout depends on their operands' ranks (a new dim in front for 1-D ones).
+STACKED_ROWS = frozenset(["vstack", "row_stack", "hstack", "column_stack", "dstack"])
+
+
+def _follows(name: str, args: tuple, kwargs: dict, source: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether an op keeping the rank lays ``out`` out as its batch operand ``source``: its first operand (a unary
+    op, ``F.linear(x, W)``), the index of a ``gather``, a pointwise op's operand broadcast with its first; not
+    ``cdist(C, h)`` or ``F.linear(C, h)`` (``[K, B]``: the batch operand's rows on the last dim, whatever the
+    sizes say)."""
+    first = args[0] if args else kwargs.get("input")
+    if first is source:
+        return True
+    if name in ("gru_cell", "lstm_cell", "rnn_tanh_cell", "rnn_relu_cell"):
+        return True  # [B, H]: the input's and the state's examples
+    if name in ("gather", "take_along_dim"):
+        return source is (args[2] if len(args) > 2 else kwargs.get("index", kwargs.get("indices")))
+    if not isinstance(first, torch.Tensor):
+        return True  # a number first: pointwise (torch.pow(2.0, h))
+    try:
+        return torch.broadcast_shapes(first.shape, source.shape) == out.shape
+    except RuntimeError:
+        return False
 
 
 def _rows_kept(source: torch.Tensor, out: torch.Tensor) -> bool:

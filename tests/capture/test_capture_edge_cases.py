@@ -243,6 +243,40 @@ def test_a_loop_over_the_examples_is_exact(size):
     assert_linear_rows(model, x, y, "head")
 
 
+class Scored(nn.Module):
+    """Scores laid out ``[K, B]`` (the batch operand second: distances to ``K`` centres, ``F.linear(C, h)``; two
+    per-example scores stacked by ``vstack``), transposed back, then a Linear."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.embed, self.after, self.how = nn.Linear(6, 6), nn.Linear(4, 4), how
+        self.register_buffer("centres", torch.randn(4, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if self.how == "cdist":
+            scores = torch.cdist(self.centres, h)
+        elif self.how == "linear":
+            scores = F.linear(self.centres, h)
+        else:
+            scores = torch.vstack([h[:, 0], h[:, 1], h[:, 2], h[:, 3]])
+        return self.after(scores.T)
+
+
+@pytest.mark.parametrize("how", ["cdist", "linear", "vstack"])
+def test_a_batch_operand_laid_out_last_is_never_taken_as_the_examples(how):
+    """With as many examples as centres (or stacked scores), ``[K, B]`` scores have the batch's size along dim 0:
+    they were taken as the examples there, the Linear after them silently split along its input's features. The
+    examples' dim is not followed through such ops: that Linear is recorded as not captured."""
+    torch.manual_seed(0)
+    model = Scored(how)
+    cap, _, told = capture(
+        model, lambda: F.cross_entropy(model(torch.randn(4, 6)), torch.tensor([0, 1, 3, 2])).backward()
+    )
+    gaps = {p.name for p in cap.coverage.gaps()}
+    assert {"after.weight", "after.bias"} <= gaps and "embed.weight" not in gaps and told
+
+
 def test_an_embedding_scaled_by_batch_frequencies_is_reported():
     """``scale_grad_by_freq`` divides by each index's count in the whole batch: no per-example split (the rows
     were silently off)."""
