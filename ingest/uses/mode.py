@@ -42,8 +42,8 @@ from ingest.uses.batch_tracking import (
 )
 from ingest.uses.gradients import refuse_recomputation
 from ingest.uses.ops import CONCATENATIONS, ELEMENTWISE, bind_arguments, op_name
-from ingest.uses.recurrent import SEQUENCES, is_packed
-from ingest.uses.rules import UseOwner, UseRules
+from ingest.uses.recurrent import SEQUENCES, RecurrentCall, is_packed, read_call
+from ingest.uses.rules import SEQUENCE_FIRST_HINT, UseOwner, UseRules
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +212,13 @@ class ParameterUses(UseRules, TorchFunctionMode):
             owner = getattr(first, OWNER, None)
             packed = is_packed(args) and owner is not None and batch_dim(first) == 0
             sequence = not is_packed(args) and owner is None
+            if sequence and size > 1 and first is args[0] and _along_examples(func, args, kwargs, first):
+                sequence = False  # a sequence-first layer fed [B, T, ...]: it recurs along the examples
+                self.owner.mixed(
+                    "recurrence along the examples",
+                    f"{op_name(func)} recurs along dim {batch_dim(first)} of its input, where the examples are "
+                    f"({SEQUENCE_FIRST_HINT}, or pass batch_first=True): each example's state carries the others'",
+                )
             for i, out in enumerate(tensors_in([result])):
                 if packed and i == 0:  # the packed output's rows are the input's
                     setattr(out, BATCHED, 0)
@@ -389,6 +396,15 @@ def _crossing(lands: list[int] | None, args: tuple, kwargs: dict) -> tuple[bool,
     known = [at for at, d in zip(lands, dims) if d >= 0]
     crossing = len(set(known)) > 1 or any(at < 0 for at in known)
     return crossing, len(known) < len(lands)
+
+
+def _along_examples(func: Any, args: tuple, kwargs: dict, x: torch.Tensor) -> bool:
+    """Whether a fused recurrent layer's time dim is its input ``x``'s examples' dim."""
+    call = read_call(func, args, kwargs)
+    if not isinstance(call, RecurrentCall) or call.sizes is not None:
+        return False
+    dim = batch_dim(x)
+    return dim is not None and dim >= 0 and dim == 1 - call.examples_dim
 
 
 def _beside(func: Any, args: tuple, kwargs: dict, first: torch.Tensor) -> bool:

@@ -56,6 +56,26 @@ def test_a_sequence_first_attention_fed_the_batch_first_is_reported_whatever_the
     assert "attention.in_proj_weight" in gaps and "attention along the examples (mixes examples)" in gaps and told
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_a_sequence_first_recurrence_fed_the_batch_first_is_recorded_as_mixing(frozen):
+    """``nn.LSTM`` (sequence-first) fed ``[B, T, d]`` recurs along the examples: recorded as mixing (the layers
+    around it kept rows as if each example's own; with the LSTM frozen nothing at all was said)."""
+
+    class Misfed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.rnn, self.head = nn.Linear(6, 6), nn.LSTM(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(self.embed(x))[0].mean(1))
+
+    torch.manual_seed(0)
+    model = Misfed()
+    model.rnn.requires_grad_(not frozen)
+    cap, _, told = capture(model, lambda: F.cross_entropy(model(torch.randn(4, 5, 6)), torch.arange(4) % 3).backward())
+    assert "recurrence along the examples (mixes examples)" in {p.name for p in cap.coverage.gaps()} and told
+
+
 class Small(nn.Module):
     def __init__(self) -> None:
         super().__init__()
