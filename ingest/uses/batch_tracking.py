@@ -301,6 +301,8 @@ def pools_examples(func: Any, args: tuple, kwargs: dict, dim: int, n: int) -> bo
     if getattr(func, "__name__", "") not in REDUCTIONS:
         return False
     reduced = args[1] if len(args) > 1 else kwargs.get("dim")
+    if isinstance(reduced, torch.Tensor):
+        return False  # torch.max(a, b), torch.min(a, b): elementwise, not a reduction
     return reduced is None or _reduced_dim(reduced, dim, n) == -1 if n else False
 
 
