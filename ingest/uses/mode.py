@@ -199,8 +199,6 @@ class ParameterUses(UseRules, TorchFunctionMode):
         """Mark ``result``: where its examples are (from ``first``, the batch operand), or the parameters behind it."""
         if first is not None and mark_packing(func, args, kwargs, result, size):
             return
-        if first is not None and op_name(func).rpartition(".")[2].startswith("new_"):
-            return  # h.new_ones(T, T), ids.new_tensor(...): constants of the batch tensor's dtype and device
         if first is not None and func is F.embedding_bag and getattr(first, OWNER, None) is not None:
             # flat ids bagged: one row per example where the bags are the batch's (ingest.bags), else unknown
             bound = bind_arguments(F.embedding_bag, args, kwargs)
