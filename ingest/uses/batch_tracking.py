@@ -404,9 +404,7 @@ def result_batch(
             return 0, rows
         new = _result_dim(func, args, source, dim, out, size, kwargs)
         merged = _merged(name, source, dim, out, size) if new < 0 else None
-        if merged is None:
-            return new, None
-        return merged[0], torch.arange(size, device=out.device).repeat_interleave(merged[1])
+        return (new, None) if merged is None else merged
     # rows of the examples along ``dim`` (example ``owner[j]`` at position ``j``): followed as a dim of their own
     if dim < 0:
         return -1, None
@@ -428,16 +426,21 @@ def result_batch(
         return new, owner
     merged = _merged(name, source, dim, out, rows)  # the rows merged with the dims after them (heads folded in)
     if merged is not None:
-        return merged[0], owner.repeat_interleave(merged[1])
+        return merged[0], owner[merged[1].to(owner.device)]
     split = _split(name, source, dim, out, rows)  # the rows split into blocks of k ([B x H, ...] -> [B, H, ...])
     if split is None:
         return -1, None
-    blocks = owner.reshape(-1, split[1])
-    if not torch.equal(blocks, blocks[:, :1].expand_as(blocks)):
-        return -1, None  # a block holds rows of several examples
+    at, k = split
+    blocks = owner.reshape(-1, k)
+    if not torch.equal(blocks, blocks[:, :1].expand_as(blocks)):  # a block holds rows of several examples:
+        inner = at + 1 < out.dim() and out.shape[at + 1] == k and torch.equal(blocks, blocks[:1].expand_as(blocks))
+        if not inner:  # unless each block is the same rows along the next dim ([T x B, d] viewed [T, B, d])
+            return -1, None
+        regular = k == size and torch.equal(blocks[0], torch.arange(size, device=owner.device))
+        return at + 1, None if regular else blocks[0]
     owner = blocks[:, 0]
     regular = owner.numel() == size and torch.equal(owner, torch.arange(size, device=owner.device))
-    return split[0], None if regular else owner  # one row per example, in order: the examples' own dim again
+    return at, None if regular else owner  # one row per example, in order: the examples' own dim again
 
 
 def _single_example(index: Any, dim: int, size: int) -> int | None:
@@ -507,18 +510,27 @@ def _split(name: str, source: torch.Tensor, dim: int, out: torch.Tensor, rows: i
     return at, rows // out.shape[at]  # a reshape keeps the entries' order: each block is k consecutive rows
 
 
-def _merged(name: str, source: torch.Tensor, dim: int, out: torch.Tensor, rows: int) -> tuple[int, int] | None:
-    """``(at, k)`` where a reshape unfolds ``source``'s dim ``dim`` (``rows`` entries: the examples, or rows of them)
-    with the dims after it into ``out``'s dim ``at`` of ``rows x k`` entries, each row's in ``k`` consecutive ones
-    (tokens flattened across the batch, heads or windows folded into it: ``[B x H, T, d]``); None otherwise."""
+def _merged(name: str, source: torch.Tensor, dim: int, out: torch.Tensor, rows: int) -> tuple[int, Any] | None:
+    """``(at, index)`` where a reshape folds ``source``'s dim ``dim`` (``rows`` entries: the examples, or rows of
+    them) with dims around it into ``out``'s dim ``at``: entry ``r`` there lies in row ``index[r]`` of ``dim``
+    (tokens flattened across the batch, heads or windows folded into it: ``[B x H, T, d]``; a sequence-first
+    ``[T, B, d]`` flattened to ``[T x B, d]``, each row's example ``r % B``); None where an entry of ``at`` would
+    span two rows, or nothing is folded."""
     if dim < 0 or name not in RESHAPES or out.dim() == 0:
         return None
-    before = math.prod(source.shape[:dim])
-    at = next((i for i in range(out.dim()) if math.prod(out.shape[:i]) == before), -1)
-    merged = out.shape[at] if at >= 0 else 0
-    if merged <= rows or merged % rows:
-        return None
-    return at, merged // rows  # a reshape keeps the entries' order: each row's entries fill k consecutive rows
+    after = math.prod(source.shape[dim + 1 :])  # the entries of one row of ``dim``
+    for start in range(dim, -1, -1):  # folded from dim ``start`` of ``source`` on
+        before = math.prod(source.shape[:start])
+        for at in (i for i in range(out.dim()) if math.prod(out.shape[:i]) == before):
+            merged, total = out.shape[at], math.prod(source.shape[start:])
+            if merged <= 1 or total % merged or (start == dim and merged <= rows):
+                continue
+            step = total // merged  # the entries of ``source`` each entry of ``at`` covers, in order
+            if after % step:
+                continue  # an entry of ``at`` would span two rows
+            index = (torch.arange(merged, device=out.device) // (after // step)) % rows
+            return at, index
+    return None
 
 
 def _result_dim(

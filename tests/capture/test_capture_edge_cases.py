@@ -318,6 +318,29 @@ def test_an_elementwise_max_is_not_a_reduction():
     assert_linear_rows(model, x, y, "a")
 
 
+class FlatSequenceFirst(nn.Module):
+    """A sequence-first ``[T, B, d]`` flattened to ``[T x B, d]`` for a Linear, then viewed back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).transpose(0, 1)
+        t, b, d = h.shape
+        return self.head(torch.tanh(self.b(h.reshape(t * b, d))).view(t, b, d).mean(0))
+
+
+@pytest.mark.parametrize("size", [3, 5])
+def test_a_sequence_first_tensor_flattened_keeps_each_rows_example(size):
+    """``[T, B, d]`` flattened to ``[T x B, d]``: row ``r`` is example ``r % B``'s (the Linear on it and everything
+    after the view back were reported)."""
+    torch.manual_seed(0)
+    model, x, y = FlatSequenceFirst(), torch.randn(size, 5, 6), torch.arange(size) % 3
+    assert_linear_rows(model, x, y, "b")
+    assert_linear_rows(model, x, y, "head")
+
+
 def test_an_embedding_scaled_by_batch_frequencies_is_reported():
     """``scale_grad_by_freq`` divides by each index's count in the whole batch: no per-example split (the rows
     were silently off)."""
