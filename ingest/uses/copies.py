@@ -35,11 +35,11 @@ def _examples_dim(x: Any) -> int | None:
     return dim if dim is not None and dim >= 0 and getattr(x, OWNER, None) is None else None
 
 
-def einsum_with_copies(args: tuple, size: int, copy: Copy) -> torch.Tensor | None:
+def einsum_with_copies(args: tuple, copy: Copy) -> torch.Tensor | None:
     """``torch.einsum(equation, *operands)`` with each parameter operand given the examples' letter (the batch
-    operands' letter at their examples' dim, kept in the output). None for an equation with an ellipsis, batch
-    operands whose examples are unknown or lie under different letters, an examples' letter summed over or on a
-    parameter's own term."""
+    operands' letter at their examples' dim, kept in the output; one copy per row where those are rows of the
+    examples). None for the sublist form, batch operands whose examples are unknown or lie under different letters
+    or rows, an examples' letter summed over or on a parameter's own term."""
     spelled = einsum_terms(args)
     if spelled is None or not all(isinstance(t, torch.Tensor) for t in spelled[2]):
         return None

@@ -231,7 +231,7 @@ class UseRules:
         ``conv_transposeNd`` with a computed or bare weight); None for any other op."""
         copy = functools.partial(self._copy, batch)
         if op_name(func).rpartition(".")[2] == "einsum" and not kwargs:
-            return einsum_with_copies(args, batch.size, copy)
+            return einsum_with_copies(args, copy)
         if (func in MATMULS or func in (torch.bmm, torch.Tensor.bmm)) and not kwargs:
             return product_with_copies(func, args, batch.size, copy)
         if func is F.linear:
