@@ -387,6 +387,9 @@ def result_batch(
     assembled = _assembled(func, args, kwargs, out, size)
     if assembled is not None:
         return assembled
+    joined = _joined(func, args, kwargs, size)
+    if joined is not None:
+        return joined
     if _adds_own_rows(name, args, source, dim, owner, size):
         return dim, owner  # rows added or copied at the positions of their own examples (a MoE's combine)
     mixed = None if func in STATISTICS else mixed_dims(func, args, kwargs, source.dim())  # a norm keeps the rows
@@ -403,6 +406,9 @@ def result_batch(
             setattr(rows, EXAMPLE, single)
             return 0, rows
         new = _result_dim(func, args, source, dim, out, size, kwargs)
+        part = _part(name, source, dim, out, size) if new < 0 else None
+        if part is not None:  # a slice, chunk or split of the examples: rows of those examples
+            return dim, part
         merged = _merged(name, source, dim, out, size) if new < 0 else None
         return (new, None) if merged is None else merged
     # rows of the examples along ``dim`` (example ``owner[j]`` at position ``j``): followed as a dim of their own
@@ -443,6 +449,25 @@ def result_batch(
     return at, None if regular else owner  # one row per example, in order: the examples' own dim again
 
 
+#: Views of a run of entries along one dim (a slice ``h[a:b]``, ``chunk``, ``split``, ``narrow``).
+PARTS = frozenset(["__getitem__", "chunk", "split", "tensor_split", "narrow", "unsafe_chunk", "unsafe_split"])
+
+
+def _part(name: str, source: torch.Tensor, dim: int, out: torch.Tensor, size: int) -> torch.Tensor | None:
+    """The examples of ``out``, a view of a run of ``source``'s examples along their dim ``dim`` (the other dims
+    whole): ``arange(start, stop)`` from where the view starts, else None."""
+    if name not in PARTS or dim < 0 or out.dim() != source.dim() or out.shape[dim] >= size:
+        return None
+    if out.untyped_storage().data_ptr() != source.untyped_storage().data_ptr() or out.stride() != source.stride():
+        return None
+    if any(a != b for d, (a, b) in enumerate(zip(out.shape, source.shape)) if d != dim):
+        return None
+    start, rest = divmod(out.storage_offset() - source.storage_offset(), source.stride(dim))
+    if rest or start < 0 or start + out.shape[dim] > size:
+        return None
+    return torch.arange(start, start + out.shape[dim], device=out.device)
+
+
 def _single_example(index: Any, dim: int, size: int) -> int | None:
     """The example ``t[index]`` takes alone (an int at the examples' dim ``dim``, slices or ``...`` elsewhere)."""
     index = index if isinstance(index, tuple) else (index,)
@@ -478,6 +503,29 @@ def _assembled(func: Any, args: tuple, kwargs: dict, out: torch.Tensor, size: in
     if examples == list(range(size)):
         return at, None
     return (0, torch.tensor(examples, device=out.device)) if at == 0 else (-1, None)
+
+
+def _joined(func: Any, args: tuple, kwargs: dict, size: int) -> tuple[int, Any] | None:
+    """Where ``torch.cat`` of rows of the examples along their dim (the halves of a batch) puts them: that dim,
+    the examples' own again where the rows are theirs in order, else rows of them; None for another op or where an
+    operand's examples lie elsewhere."""
+    if func not in (torch.cat, torch.concat, torch.concatenate):
+        return None
+    tensors = args[0] if args else kwargs.get("tensors")
+    if not isinstance(tensors, (list, tuple)) or not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    dims = {batch_dim(t) for t in tensors}
+    along = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if len(dims) != 1 or None in dims or not isinstance(along, int):
+        return None
+    dim = dims.pop()
+    if dim < 0 or along % tensors[0].dim() != dim:
+        return None
+    owners = [getattr(t, OWNER, None) for t in tensors]
+    owners = [torch.arange(size, device=t.device) if o is None else o for o, t in zip(owners, tensors)]
+    owner = torch.cat([o.to(owners[0].device) for o in owners])
+    regular = owner.numel() == size and torch.equal(owner, torch.arange(size, device=owner.device))
+    return dim, None if regular else owner
 
 
 def _adds_own_rows(name: str, args: tuple, target: torch.Tensor, dim: int, owner: Any, size: int) -> bool:

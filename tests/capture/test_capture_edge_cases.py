@@ -341,6 +341,54 @@ def test_a_sequence_first_tensor_flattened_keeps_each_rows_example(size):
     assert_linear_rows(model, x, y, "head")
 
 
+class Halves(nn.Module):
+    """The batch cut in halves (a slice, ``chunk``), each through a layer or not, concatenated back; or the
+    halves subtracted (pairs of examples: a siamese batch)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.head, self.how = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, n = torch.tanh(self.a(x)), x.shape[0] // 2
+        if self.how == "sliced":
+            return self.head(torch.cat([self.b(h[:n]), self.b(h[n:])]))
+        first, second = h.chunk(2)
+        if self.how == "chunked":
+            return self.head(torch.cat([torch.tanh(self.b(first)), second]))
+        pairs = self.b(first - second)
+        return self.head(torch.cat([pairs, pairs]))
+
+
+@pytest.mark.parametrize("how", ["sliced", "chunked"])
+def test_halves_of_the_batch_keep_their_examples(how):
+    """``h[:n]``, ``h[n:]``, ``h.chunk(2)`` are rows of those examples and ``torch.cat`` of them along the examples
+    puts them back: every row equals the example's own gradient (the layers on the halves and after were reported)."""
+    torch.manual_seed(0)
+    model, x, y = Halves(how), torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    cap, rows, told = capture(
+        model, lambda: F.cross_entropy(model(x), y, reduction="sum").backward(), loss_reduction="sum"
+    )
+    assert not told and cap.coverage.gaps() == []
+    for name in ("a", "b", "head"):
+        s, layer = cap.spec.slot(name), model.get_submodule(name)
+        for i in range(4):  # each example's own loss through the full batch (its rows depend on it alone)
+            model.zero_grad()
+            F.cross_entropy(model(x)[i : i + 1], y[i : i + 1], reduction="sum").backward()
+            expected = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1).flatten()
+            torch.testing.assert_close(rows[0].grads[i, s.offset : s.offset + s.size], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_halves_of_the_batch_combined_are_recorded_as_mixing():
+    """``first - second`` of a batch cut in halves pairs examples (a siamese batch): recorded as mixing."""
+    torch.manual_seed(0)
+    model = Halves("paired")
+    cap, _, told = capture(
+        model, lambda: F.cross_entropy(model(torch.randn(4, 4)), torch.tensor([0, 1, 2, 0])).backward()
+    )
+    assert any(p.name.endswith("(mixes examples)") for p in cap.coverage.gaps()) and told
+
+
 def test_an_embedding_scaled_by_batch_frequencies_is_reported():
     """``scale_grad_by_freq`` divides by each index's count in the whole batch: no per-example split (the rows
     were silently off)."""
