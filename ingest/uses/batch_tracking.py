@@ -101,6 +101,14 @@ def mark_owned_rows(t: torch.Tensor, owner: torch.Tensor) -> None:
     setattr(t, OWNER, owner)
 
 
+def _in_order(owner: torch.Tensor, size: int, k: int = 1) -> bool:
+    """Whether rows of the examples named by ``owner`` are each example's ``k`` rows in order, one block after
+    another (``arange(B).repeat_interleave(k)``; ``k = 1``: the examples themselves, in order)."""
+    if owner.numel() != size * k:
+        return False
+    return torch.equal(owner, torch.arange(size, device=owner.device).repeat_interleave(k))
+
+
 def irregular_rows(t: Any, size: int) -> bool:
     """Whether ``t`` holds rows of the examples along another dim than 0, or along dim 0 other than each example's
     rows in order, one block after another (``arange(B).repeat_interleave(k)``: tokens flattened across the batch):
@@ -114,10 +122,7 @@ def irregular_rows(t: Any, size: int) -> bool:
     cached = getattr(owner, IRREGULAR, None)
     if cached is None:
         rows = owner.numel()
-        cached = rows == 0 or rows % size != 0
-        if not cached:
-            regular = torch.arange(size, device=owner.device).repeat_interleave(rows // size)
-            cached = not torch.equal(owner, regular)
+        cached = rows == 0 or rows % size != 0 or not _in_order(owner, size, rows // size)
         setattr(owner, IRREGULAR, cached)
     return cached
 
@@ -234,19 +239,19 @@ def matmul_dim(args: tuple, source: torch.Tensor, dim: int, out_dims: int) -> in
     return out_dims - (b.dim() - dim)
 
 
-def landings(func: Any, args: tuple, out: torch.Tensor) -> list[int] | None:
+def landings(func: Any, args: tuple, out: torch.Tensor) -> list[int | None] | None:
     """Where each batch operand's examples land in ``out`` for a product of operands (``a @ b``, ``bmm``,
-    ``einsum``) or a broadcasting elementwise op: -1 where they are contracted (summed over) or not known; None for
-    other ops."""
+    ``einsum``) or a broadcasting elementwise op: -1 where they are contracted (summed over), None for an operand
+    whose examples' dim is not known; None (no list) for other ops."""
     if (func in MATMULS or func in BATCHED_MATMULS) and len(args) == 2:
-        return [  # an operand from the batch whose examples' dim is unknown: taken as landing apart
-            matmul_dim(args, t, batch_dim(t), out.dim()) if batch_dim(t) >= 0 else -1
+        return [
+            matmul_dim(args, t, batch_dim(t), out.dim()) if batch_dim(t) >= 0 else None
             for t in args[:2]
             if isinstance(t, torch.Tensor) and batch_dim(t) is not None
         ]
     if func in ELEMENTWISE:  # broadcasting: aligned from the right (h[:, None] - h[None]: every pair of examples)
         return [
-            batch_dim(t) + out.dim() - t.dim() if batch_dim(t) >= 0 else -1
+            batch_dim(t) + out.dim() - t.dim() if batch_dim(t) >= 0 else None
             for t in tensors_in(args)
             if batch_dim(t) is not None and t.dim() > 0
         ]
@@ -254,7 +259,7 @@ def landings(func: Any, args: tuple, out: torch.Tensor) -> list[int] | None:
     if spelled is not None:
         terms, output, operands = spelled
         return [
-            output.find(term[batch_dim(t)]) if batch_dim(t) >= 0 and batch_dim(t) < len(term) else -1
+            (output.find(term[batch_dim(t)]) if batch_dim(t) < len(term) else -1) if batch_dim(t) >= 0 else None
             for term, t in zip(terms, operands)
             if isinstance(t, torch.Tensor) and batch_dim(t) is not None
         ]
@@ -335,7 +340,7 @@ def order_along(t: Any, dim: int, size: int) -> torch.Tensor | None:
 
 def set_order(out: torch.Tensor, dim: int, order: torch.Tensor, size: int) -> None:
     """Mark ``out``'s dim ``dim`` as holding the examples in ``order`` (theirs again where it is the identity)."""
-    restored = order.numel() == size and torch.equal(order, torch.arange(size, device=order.device))
+    restored = _in_order(order, size)
     setattr(out, BATCHED, dim if restored else -1)
     setattr(out, ORDER, None if restored else (dim, order))
     setattr(out, OWNER, None)
@@ -442,11 +447,9 @@ def result_batch(
         inner = at + 1 < out.dim() and out.shape[at + 1] == k and torch.equal(blocks, blocks[:1].expand_as(blocks))
         if not inner:  # unless each block is the same rows along the next dim ([T x B, d] viewed [T, B, d])
             return -1, None
-        regular = k == size and torch.equal(blocks[0], torch.arange(size, device=owner.device))
-        return at + 1, None if regular else blocks[0]
+        return at + 1, None if _in_order(blocks[0], size) else blocks[0]
     owner = blocks[:, 0]
-    regular = owner.numel() == size and torch.equal(owner, torch.arange(size, device=owner.device))
-    return at, None if regular else owner  # one row per example, in order: the examples' own dim again
+    return at, None if _in_order(owner, size) else owner  # one row per example, in order: the examples' own dim
 
 
 #: Views of a run of entries along one dim (a slice ``h[a:b]``, ``chunk``, ``split``, ``narrow``).
@@ -524,8 +527,7 @@ def _joined(func: Any, args: tuple, kwargs: dict, size: int) -> tuple[int, Any] 
     owners = [getattr(t, OWNER, None) for t in tensors]
     owners = [torch.arange(size, device=t.device) if o is None else o for o, t in zip(owners, tensors)]
     owner = torch.cat([o.to(owners[0].device) for o in owners])
-    regular = owner.numel() == size and torch.equal(owner, torch.arange(size, device=owner.device))
-    return dim, None if regular else owner
+    return dim, None if _in_order(owner, size) else owner
 
 
 def _adds_own_rows(name: str, args: tuple, target: torch.Tensor, dim: int, owner: Any, size: int) -> bool:
@@ -702,7 +704,7 @@ def _arguments(args: tuple, kwargs: dict, *spellings: tuple[str, ...]) -> tuple[
 
 def _einsum_dim(args: tuple, source: torch.Tensor, dim: int) -> int:
     """Where dim ``dim`` of operand ``source`` lands in ``torch.einsum(equation, *operands)`` (-1: summed over,
-    an ellipsis, or not found)."""
+    or not found)."""
     spelled = einsum_terms(args)
     if spelled is None:
         return -1
@@ -751,7 +753,7 @@ def _picks_per_example(index: Any, dim: int, size: int) -> bool:
         return False
     if not all(i.dim() <= 1 and i.numel() in (1, size) for i in index[1:] if isinstance(i, torch.Tensor)):
         return False
-    return bool(torch.equal(first, torch.arange(size, device=first.device)))
+    return _in_order(first, size)
 
 
 def _indexed_dim(index: Any, dim: int, n: int) -> int:

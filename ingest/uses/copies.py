@@ -75,6 +75,17 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is None and b is None or (a is not None and b is not None and a.shape == b.shape and torch.equal(a, b))
 
 
+def over_the_batch(t: torch.Tensor, at: int, size: int) -> tuple[torch.Tensor, torch.Size] | None:
+    """``(aligned, shape)``: a parameter operand ``t`` whose dim ``at`` meets the examples as one row (broadcast),
+    expanded over them (stride 0: its one row) or repeated (one per example already), and the shape its copies
+    take there; None where that dim is another size."""
+    if t.shape[at] == size and t.stride(at) == 0:
+        t = t.narrow(at, 0, 1)  # expanded over the batch by the model: one copy per example
+    if t.shape[at] not in (1, size):
+        return None
+    return t, torch.Size([size if d == at else n for d, n in enumerate(t.shape)])
+
+
 def product_with_copies(func: Any, args: tuple, size: int, copy: Copy) -> torch.Tensor | None:
     """A matrix product ``x @ W`` / ``W @ x`` (``matmul``, ``bmm``) of a batch operand whose examples lie along a
     broadcast (leading) dim and a parameter operand broadcast over it, expanded or repeated to it (DETR's object
@@ -91,14 +102,8 @@ def product_with_copies(func: Any, args: tuple, size: int, copy: Copy) -> torch.
         return None
     if at >= n - 2:  # the examples among the matrices' rows (columns): a matrix copy per example, by einsum
         return _matrix_product_with_copies(x, t, t is a, dim, size, copy)
-    aligned = t.reshape((1,) * (n - t.dim()) + tuple(t.shape))
-    if aligned.shape[at] == size and aligned.stride(at) == 0:
-        aligned = aligned.narrow(at, 0, 1)  # expanded over the batch by the model: one copy per example
-    if aligned.shape[at] not in (1, size):  # one row, or one per example already (repeated over the batch)
-        return None
-    shape = list(aligned.shape)
-    shape[at] = size
-    c = copy(t, aligned, torch.Size(shape), at, None)
+    spread = over_the_batch(t.reshape((1,) * (n - t.dim()) + tuple(t.shape)), at, size)
+    c = None if spread is None else copy(t, *spread, at, None)
     if c is None or c is t:
         return None
     return func(c, b) if t is a else func(a, c)

@@ -251,7 +251,7 @@ class ParameterUses(UseRules, TorchFunctionMode):
                 setattr(out, BATCHED, new)
                 setattr(out, OWNER, new_owner)
                 lands = landings(func, args, out) if size > 1 and owner is None else None
-                crossing, unknown = _crossing(lands, args, kwargs)
+                crossing, unknown = _crossing(lands)
                 crossed, lost = crossed or crossing, lost or unknown
                 inherited = getattr(first, POOLED, False)
                 if pooled or (new < 0 and (inherited or crossing or unknown)):
@@ -387,15 +387,11 @@ def _mark_rows(param: torch.Tensor, result: Any) -> None:
 LOST = "lost"
 
 
-def _crossing(lands: list[int] | None, args: tuple, kwargs: dict) -> tuple[bool, bool]:
+def _crossing(lands: list[int | None] | None) -> tuple[bool, bool]:
     """``(crossing, unknown)`` of a product's operands' landings (:func:`landings`): the examples of operands
     whose examples' dim is known land apart or are summed over; an operand's examples' dim is not known."""
-    if not lands:
-        return False, False
-    dims = [batch_dim(t) for t in tensors_in([*args, *kwargs.values()]) if batch_dim(t) is not None]
-    known = [at for at, d in zip(lands, dims) if d >= 0]
-    crossing = len(set(known)) > 1 or any(at < 0 for at in known)
-    return crossing, len(known) < len(lands)
+    known = [at for at in lands or () if at is not None]
+    return len(set(known)) > 1 or any(at < 0 for at in known), len(known) < len(lands or ())
 
 
 def _along_examples(func: Any, args: tuple, kwargs: dict, x: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ from ingest.hooks import ActiveBatch, LayerHook
 from ingest.output_hooks import on_gradient
 from ingest.uses.batch_tracking import (
     BATCHED,
+    BATCHED_MATMULS,
     BROADCAST_HOOK,
     GATHER,
     OWNER,
@@ -28,7 +29,13 @@ from ingest.uses.batch_tracking import (
     irregular_rows,
     tensors_in,
 )
-from ingest.uses.copies import conv_with_copies, einsum_with_copies, linear_with_copies, product_with_copies
+from ingest.uses.copies import (
+    conv_with_copies,
+    einsum_with_copies,
+    linear_with_copies,
+    over_the_batch,
+    product_with_copies,
+)
 from ingest.uses.gradients import (
     bag_backward,
     bag_max_backward,
@@ -76,7 +83,7 @@ from ingest.uses.recurrent import (
 log = logging.getLogger(__name__)
 
 #: Ops whose rules read the example of each row of a batch operand (:data:`~ingest.uses.batch_tracking.OWNER`).
-ROWS_RULES = frozenset([F.linear, F.embedding_bag, torch.bmm, torch.Tensor.bmm, *GROUPED_MM, *SEQUENCES, *CELLS])
+ROWS_RULES = frozenset([F.linear, F.embedding_bag, *BATCHED_MATMULS, *GROUPED_MM, *SEQUENCES, *CELLS])
 ROWS_RULES |= ELEMENTWISE | CONCATENATIONS
 
 #: The kinds of slot whose parameters take a meeting's per-example gradient whole (:meth:`UseRules._meeting`).
@@ -182,7 +189,7 @@ class UseRules:
                 result = self._bilinear(batch, *args, **kwargs)
             elif func in GROUPED_MM or op_name(func).endswith("grouped_mm_fallback"):
                 result = self._grouped(batch, func, args, kwargs)
-            elif func in (torch.bmm, torch.Tensor.bmm) and not kwargs:
+            elif func in BATCHED_MATMULS and not kwargs:
                 result = self._gathered(batch, *args)
             elif func in MATMULS and not kwargs and len(args) == 2:
                 result = self._matmul(batch, *args)
@@ -232,7 +239,7 @@ class UseRules:
         copy = functools.partial(self._copy, batch)
         if op_name(func).rpartition(".")[2] == "einsum" and not kwargs:
             return einsum_with_copies(args, copy)
-        if (func in MATMULS or func in (torch.bmm, torch.Tensor.bmm)) and not kwargs:
+        if (func in MATMULS or func in BATCHED_MATMULS) and not kwargs:
             return product_with_copies(func, args, batch.size, copy)
         if func is F.linear:
             bound = {**dict(zip(("input", "weight", "bias"), args)), **kwargs}
@@ -996,13 +1003,10 @@ class UseRules:
             return None
         if getattr(index, OWNER, None) is not None or table.dim() != index.dim() or self.sequence_first:
             return None
-        aligned = table
-        if table.shape[at] == batch.size and table.stride(at) == 0:
-            aligned = table.narrow(at, 0, 1)  # expanded over the batch: one copy per example
-        if aligned.shape[at] not in (1, batch.size):
+        spread = over_the_batch(table, at, batch.size)
+        if spread is None:
             return None
-        shape = torch.Size([batch.size if d == at else n for d, n in enumerate(aligned.shape)])
-        met = self._meeting(batch, aligned, self._sources([table]), shape, at)
+        met = self._meeting(batch, spread[0], self._sources([table]), spread[1], at)
         if met is None:
             return None
         return torch.gather(met, bound["dim"], index, **{k: v for k, v in kwargs.items() if k == "sparse_grad"})
