@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import lance
+import numpy as np
 import pyarrow as pa
 
 from gradstore.core import commits
@@ -134,8 +135,11 @@ class RunCatalog:
         Re-creating an existing run with ``exist_ok=True`` checks that the projection spec is the same.
         """
         check_run_name(run_id)
-        if dim <= 0:
-            raise InvalidArgumentError(f"dim must be positive, got {dim}")
+        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)) or dim <= 0:
+            raise InvalidArgumentError(
+                f"dim must be a positive whole number (the length of the run's gradient rows), got {dim!r}"
+            )
+        dim = int(dim)
         projection_json = json.dumps(projection, sort_keys=True) if projection is not None else None
         existing = self.run(run_id) if self.has_run(run_id) else None
         if existing is not None:

@@ -22,7 +22,8 @@ adds capture, attribution and selection.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
@@ -50,6 +51,7 @@ from gradstore.core.vectors import DEFAULT_STORAGE_DTYPE, check_storage_dtype
 from gradstore.core.writer import GradientWriter, WriterConfig
 from gradstore.errors import (
     GradstoreError,
+    InvalidArgumentError,
     NotAStoreError,
     SchemaMismatchError,
     StoreCorruptError,
@@ -327,6 +329,30 @@ class StoreCore:
         return relation
 
 
+def _check_open_arguments(uri: Any, read_consistency: Any, storage_options: Any, row_files: Any) -> None:
+    """Refuse arguments of :func:`connect` of a type it cannot use (an ``InvalidArgumentError`` saying what to
+    pass), before anything is opened or created."""
+    if not isinstance(uri, (str, os.PathLike)) or not str(uri):
+        raise InvalidArgumentError(
+            f"uri must be a local directory (a str or pathlib.Path) or an object-store URI such as 's3://bucket/x', "
+            f"got {uri!r}"
+        )
+    if not isinstance(read_consistency, timedelta):
+        raise InvalidArgumentError(
+            f"read_consistency must be a datetime.timedelta (how stale a read may be), got {read_consistency!r}: "
+            "e.g. timedelta(seconds=5)"
+        )
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise InvalidArgumentError(
+            f"storage_options must be a dict of object-store option names to values, got {storage_options!r}"
+        )
+    if not isinstance(row_files, (bool, str, os.PathLike, RowFiles)):
+        raise InvalidArgumentError(
+            "row_files must be True (the user's cache directory), False (none), a directory (a str or pathlib.Path) "
+            f"or a gradstore.core.row_cache.RowFiles, got {row_files!r}"
+        )
+
+
 def connect(
     uri: str | Path,
     store_class: type[StoreCore] = StoreCore,
@@ -338,6 +364,7 @@ def connect(
     row_files: bool | str | Path | RowFiles = True,
 ) -> StoreCore:
     """Create or open the store at ``uri`` as an instance of ``store_class`` (see :func:`gradstore.open`)."""
+    _check_open_arguments(uri, read_consistency, storage_options, row_files)
     uri = str(uri)
     options = storage.storage_options(uri, storage_options)
     if storage_dtype is not None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,10 +61,23 @@ class GradientIO:
     @writes("write gradients")
     def writer(self, run_id: str, config: WriterConfig | None = None, **thresholds: Any) -> GradientWriter:
         """A streaming writer for ``run_id`` (see :class:`gradstore.core.writer.GradientWriter`) into the run's
-        own gradient table. Keyword arguments override :class:`~gradstore.core.writer.WriterConfig` fields.
+        own gradient table. Keyword arguments override :class:`~gradstore.core.writer.WriterConfig` fields; any
+        other keyword, or a ``config`` that is not a ``WriterConfig``, is an ``InvalidArgumentError``.
         """
+        if config is not None and not isinstance(config, WriterConfig):
+            raise InvalidArgumentError(
+                f"config must be a gradstore.WriterConfig (or None), got {type(config).__name__}: pass the thresholds "
+                "as keywords or as WriterConfig(...)"
+            )
         if thresholds:
-            config = WriterConfig(**{**(config or WriterConfig()).__dict__, **thresholds})
+            known = [field.name for field in dataclasses.fields(WriterConfig)]
+            unknown = sorted(set(thresholds) - set(known))
+            if unknown:
+                raise InvalidArgumentError(
+                    f"writer() got unknown keyword(s) {unknown}: the writer's thresholds are {known} "
+                    "(gradstore.WriterConfig)"
+                )
+            config = dataclasses.replace(config or WriterConfig(), **thresholds)
         return GradientWriter(
             commits.InertTable(self.catalog.gradient_table(run_id)),
             run_id=run_id,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -38,6 +39,11 @@ from gradstore.errors import InvalidArgumentError, NonFiniteGradientError, Schem
 log = logging.getLogger(__name__)
 
 _STOP = object()
+
+#: The prefix of the ids of queries given as raw vectors (``vector:0``, ``vector:1``, ... in results and in the
+#: ``scores`` table): reserved, so no stored row's ``example_id`` begins with it and no such query's answers mix with
+#: those of a stored query.
+VECTOR_QUERY_PREFIX = "vector:"
 
 
 @dataclass(frozen=True)
@@ -66,8 +72,21 @@ class WriterConfig:
     def __post_init__(self) -> None:
         if self.nonfinite not in ("raise", "drop"):
             raise InvalidArgumentError(f"nonfinite must be 'raise' or 'drop', got {self.nonfinite!r}")
-        if self.commit_rows < 1 or self.max_pending_commits < 1:
-            raise InvalidArgumentError("commit_rows and max_pending_commits must be >= 1")
+        for name, least in (("commit_rows", 1), ("commit_bytes", 1), ("max_pending_commits", 1), ("max_fragments", 0)):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < least:
+                raise InvalidArgumentError(f"{name} must be a whole number >= {least}, got {value!r}")
+        seconds = self.commit_seconds
+        if (
+            isinstance(seconds, (bool, np.bool_))
+            or not isinstance(seconds, (int, float, np.integer, np.floating))
+            or not math.isfinite(seconds)
+            or seconds < 0
+        ):
+            raise InvalidArgumentError(
+                f"commit_seconds must be a finite number of seconds >= 0 (0: commit at every append), got "
+                f"{seconds!r}: to commit by rows and bytes only, pass a large number (e.g. 3600)"
+            )
 
 
 def new_id_block(existing_prefix_taken) -> int:
@@ -132,13 +151,20 @@ class GradientWriter:
         Metadata columns (scalars broadcast to all rows, or length-``n`` sequences): ``checkpoint``,
         ``step``, ``epoch``, ``example_hash``, ``split``, ``rank``, ``loss``, ``num_tokens``,
         ``learning_rate``. ``checkpoint`` defaults to capture's default label (``"train"``), so rows written
-        by hand are selected as captured ones are. Returns the rows' ``grad_id``s (empty for dropped rows).
+        by hand are selected as captured ones are. Ids beginning with :data:`VECTOR_QUERY_PREFIX` are refused.
+        Returns the rows' ``grad_id``s (empty for dropped rows).
         """
         self._raise_if_failed()
         vectors = _as_float32_rows(grads, self.dim)
         ids = [str(i) for i in example_ids]
         if len(ids) != len(vectors):
             raise SchemaMismatchError(f"{len(vectors)} gradient rows but {len(ids)} example ids")
+        reserved = next((i for i in ids if i.startswith(VECTOR_QUERY_PREFIX)), None)
+        if reserved is not None:
+            raise InvalidArgumentError(
+                f"example id {reserved!r} begins with {VECTOR_QUERY_PREFIX!r}, the prefix reserved for the ids of "
+                "queries given as vectors (their scores would mix with this row's): name the example otherwise"
+            )
         metadata = checked_metadata({"checkpoint": S.DEFAULT_CHECKPOINT, **metadata}, len(ids))
         vectors, ids, metadata = self._check_finite(vectors, ids, metadata)
         n = len(ids)

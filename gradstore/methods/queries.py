@@ -5,7 +5,7 @@ Accepted forms:
 - a ``str``: a SQL filter on the gradients table (e.g. ``"split = 'query' AND example_id LIKE 'q1%'"``);
 - a list of example ids: the run's query rows with those ids (``KeyError`` naming any missing id);
 - a :class:`QueryBatch` (a model and a batch): captured on the fly with the run's projection, not stored;
-- an array ``[q, dim]``: raw query vectors (ids ``"q0"``, ``"q1"``, ...).
+- an array ``[q, dim]``: raw query vectors (ids ``"vector:0"``, ``"vector:1"``, ...: :func:`vector_query_ids`).
 
 Stored queries (the first three forms) are read at the *query checkpoint*: ``query_checkpoint=`` when given;
 else the checkpoint of the training rows when the run has query rows there; else the one checkpoint the run's
@@ -27,6 +27,7 @@ from gradstore.capture.session import config_for_run
 from gradstore.core import StoreCore, sql_in
 from gradstore.core.catalog import check_spec
 from gradstore.core.filters import check_filter
+from gradstore.core.writer import VECTOR_QUERY_PREFIX
 from gradstore.errors import InvalidArgumentError, MissingIdsError
 from gradstore.methods.rows import row_checkpoints
 from gradstore.search.arguments import check_query_vectors, query_array
@@ -59,6 +60,13 @@ class Queries:
 
     ids: list[str]
     vectors: np.ndarray  # float32 [q, dim]
+
+
+def vector_query_ids(n: int) -> list[str]:
+    """The ids of ``n`` queries given as raw vectors: ``"vector:0"``, ``"vector:1"``, ... The prefix
+    (:data:`~gradstore.core.writer.VECTOR_QUERY_PREFIX`) is refused as the start of a stored row's example id, so
+    these never name a stored query as well."""
+    return [f"{VECTOR_QUERY_PREFIX}{i}" for i in range(n)]
 
 
 def check_queries(queries: QueryInput, name: str = "queries") -> QueryInput:
@@ -126,7 +134,7 @@ def resolve_queries(
         resolved = capture_queries(store, queries, run, checkpoint)
     elif isinstance(queries, (np.ndarray, torch.Tensor)):
         vectors = query_array(queries)
-        resolved = Queries([f"q{i}" for i in range(len(vectors))], vectors)
+        resolved = Queries(vector_query_ids(len(vectors)), vectors)
     elif queries is None or isinstance(queries, str):
         where = "split = 'query'" if queries is None else check_filter(queries)
         try:

@@ -45,21 +45,39 @@ class ScoringSpace:
 
     def _check_float32(self, raw: torch.Tensor, prepared: torch.Tensor) -> None:
         """Refuse float32 prepared queries that left float32's range: an overflow, or a nonzero query prepared to
-        below float32's smallest normal number where its float64 preparation is not zero (rows of extreme norms
-        make ``P^-1 q`` so; silent zero scores otherwise)."""
-        vanished = (prepared.abs().amax(dim=1) < torch.finfo(torch.float32).tiny) & (raw.abs().amax(dim=1) > 0)
+        below float32's smallest normal number where its float64 preparation is not zero (silent zero scores
+        otherwise). The error names the cause: the queries' own scale where the same queries scaled to a largest
+        entry of 1 prepare within range (every method's ranking is unchanged by scaling a query), else the stored
+        rows' norms (and the damping), which make ``P^-1 q`` so."""
+        tiny, huge = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+        vanished = (prepared.abs().amax(dim=1) < tiny) & (raw.abs().amax(dim=1) > 0)
         if vanished.any():
             exact = self.queries(raw[vanished].to(torch.float64), torch.float64)
-            vanished = exact.abs().amax(dim=1) > 0
-        if not torch.isfinite(prepared).all() or vanished.any():
-            damping = getattr(self.preconditioner, "damping", None)
-            cause = "the stored rows' norms" + ("" if damping is None else f" or the damping ({damping:g})")
+            vanished[vanished.clone()] = exact.abs().amax(dim=1) > 0
+        bad = vanished | ~torch.isfinite(prepared).all(dim=1)
+        if not bad.any():
+            return
+        queries = raw[bad].to(torch.float64)
+        largest = queries.abs().amax(dim=1, keepdim=True)
+        unit = self.queries(queries / largest, torch.float64).abs().amax(dim=1)
+        if bool(((unit >= tiny) & (unit <= huge)).all()):
+            positions = torch.nonzero(bad).flatten().tolist()
+            shown = ", ".join(f"{value:.3g}" for value in largest.flatten().tolist()[:5])
             raise InvalidArgumentError(
-                f"method {self.method.name!r}: preconditioned queries leave float32's range ({cause} are extreme), "
-                "so a float32 search would rank on infinities or zeros; use score_matrix (float64), "
-                + ("" if damping is None else "a damping nearer 1 (relative to the mean eigenvalue), ")
-                + "or store the rows rescaled to norms nearer 1"
+                f"method {self.method.name!r}: query vector(s) {positions[:10]} are too "
+                f"{'small' if bool(vanished.any()) else 'large'} for float32 (largest entries {shown}): prepared, "
+                "they leave float32's range, so a float32 search would rank on zeros or infinities. Rescale these "
+                "queries (e.g. divide each by its largest entry: the ranking is the same, the scores scale by it), "
+                "or use score_matrix (float64)"
             )
+        damping = getattr(self.preconditioner, "damping", None)
+        cause = "the stored rows' norms" + ("" if damping is None else f" or the damping ({damping:g})")
+        raise InvalidArgumentError(
+            f"method {self.method.name!r}: preconditioned queries leave float32's range ({cause} are extreme), "
+            "so a float32 search would rank on infinities or zeros; use score_matrix (float64), "
+            + ("" if damping is None else "a damping nearer 1 (relative to the mean eigenvalue), ")
+            + "or store the rows rescaled to norms nearer 1"
+        )
 
     def rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows in the searched space (unchanged for query-side preconditioning; float64 stays float64)."""

@@ -42,8 +42,9 @@ def check_rerank(rerank: int, kind: str) -> int:
 
 
 def query_array(queries: np.ndarray | torch.Tensor) -> np.ndarray:
-    """Query vectors given as a numeric array or tensor ``[q, dim]`` (one vector ``[dim]``: one query) as float32
-    ``[q, dim]``; anything else is an :class:`~gradstore.errors.InvalidArgumentError` saying what to pass."""
+    """Query vectors given as a real numeric array or tensor ``[q, dim]`` (one vector ``[dim]``: one query) as
+    float32 ``[q, dim]``; anything else (complex values too) is an :class:`~gradstore.errors.InvalidArgumentError`
+    saying what to pass."""
     if isinstance(queries, torch.Tensor):
         queries = queries.detach().cpu().numpy()
     if not isinstance(queries, np.ndarray) or not np.issubdtype(queries.dtype, np.number):
@@ -51,6 +52,11 @@ def query_array(queries: np.ndarray | torch.Tensor) -> np.ndarray:
         raise InvalidArgumentError(
             f"query vectors must be a numeric numpy array or torch tensor [queries, dim], got {shown}: "
             "pass np.asarray(vectors, np.float32)"
+        )
+    if np.issubdtype(queries.dtype, np.complexfloating):
+        raise InvalidArgumentError(
+            f"query vectors must be real, got an array of {queries.dtype} (gradients are real; the imaginary part "
+            "would be dropped): pass the real vectors, e.g. vectors.real"
         )
     vectors = np.asarray(queries, np.float32)
     vectors = vectors[None] if vectors.ndim == 1 else vectors

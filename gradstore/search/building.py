@@ -97,7 +97,7 @@ def build_index(
         same = {resolved.name: resolved}.get  # another method's index of this name is rebuilt, not loaded
         existing = load_index(store, fits, name, same, missing_ok=True, device=device)
         if existing is not None and _same_build(existing.manifest, spec, resolved, damping, kind):
-            existing.space = ScoringSpace(resolved, preconditioner)
+            existing.use_fit(preconditioner)
             if _add_new_rows(existing):
                 return existing  # else rows were deleted since: a FAISS index is built again without them
     manifest = {
@@ -121,7 +121,7 @@ def build_index(
         **expected_manifest(store, selection.run),
     }
     index = AttributionIndex(
-        store, manifest, ScoringSpace(resolved, preconditioner), device=device, fit_selection=spec.selection
+        store, manifest, ScoringSpace(resolved, preconditioner), device=device, fits=fits, spec=spec
     )
     if faiss_index is not None:
         engine = engine or LocalEngine()

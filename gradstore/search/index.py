@@ -54,9 +54,10 @@ from gradstore.errors import (
     InvalidArgumentError,
     StaleIndexWarning,
     StorePermissionError,
+    surface,
 )
 from gradstore.preconditioning import Preconditioning
-from gradstore.preconditioning.fitting import Selection
+from gradstore.preconditioning.fitting import FitCache, FitSpec, Selection
 from gradstore.preconditioning.scoring import ScoringSpace, as_float32
 from gradstore.search.arguments import check_k, check_query_vectors, check_rerank, query_array
 from gradstore.search.rerank import RowLocator
@@ -68,6 +69,7 @@ from indexers import (
     ExactIndex,
     FaissIndex,
     FewerResultsWarning,
+    Preconditioner,
     PreparedRows,
     VectorBlocks,
     found_counts,
@@ -114,7 +116,9 @@ class AttributionIndex:
         cache_bytes: int | None = None,
         first_space: ScoringSpace | None = None,
         device: str | torch.device | None = None,
-        fit_selection: Selection | None = None,
+        *,
+        fits: FitCache,
+        spec: FitSpec,
     ) -> None:
         self.device = check_device(manifest["kind"], manifest["dim"], device)
         """The device searches were asked to run on (:func:`check_device`), ``None`` for the default; where they
@@ -125,9 +129,14 @@ class AttributionIndex:
         self.first_space = first_space or space
         """The space the FAISS rows were made in: the fit as it was when the index was built (a refit of rows
         appended since re-scores candidates, it does not move the rows already indexed)."""
-        self.fit_selection = fit_selection or self.selection
-        """The rows the method's fit is made of (default: the index's own): the checkpoint's true-Fisher rows for
+        self.fits = fits
+        self.spec = spec
+        """What the method's fit depends on (:class:`~gradstore.preconditioning.fitting.FitSpec`), taken from
+        ``fits`` (the store's :class:`~gradstore.preconditioning.fitting.FitCache`) again when its rows change."""
+        self.fit_selection = spec.selection
+        """The rows the method's fit is made of: the index's own, or the checkpoint's true-Fisher rows for
         methods fitted on those (:func:`~gradstore.preconditioning.fitting.curvature_selection`)."""
+        self._fit_state = list(self.fit_selection.state(store))  # the rows the fit of ``space`` was made of
         self.faiss_index = faiss_index
         self.indexed_ids = np.empty(0, np.int64) if indexed_ids is None else indexed_ids  # grad_ids in FAISS
         self.cache_bytes = cache_bytes
@@ -174,6 +183,7 @@ class AttributionIndex:
         """Queries in the space the stored rows are searched in."""
         return self.space.queries(queries)
 
+    @surface
     def search(
         self,
         queries: np.ndarray | torch.Tensor,
@@ -184,7 +194,8 @@ class AttributionIndex:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k (``largest``) or bottom-k scores and ``grad_id``s for raw query vectors ``[q, dim]``. ``engine``
         (``"local"``, ``"ray"`` or an :class:`~gradstore.core.engine.Engine`): where an exact index reads and scores
-        its rows; a FAISS index searches in this process (its ``rerank=`` too), so it takes none but the local one."""
+        its rows; a FAISS index searches in this process (its ``rerank=`` too), so it takes none but the local one.
+        ``largest`` is ``True`` or ``False`` (anything else is an ``InvalidArgumentError``)."""
         engine = None if engine is None else resolve_engine(engine)
         if self.faiss_index is not None and engine is not None and not isinstance(engine, LocalEngine):
             raise InvalidArgumentError(
@@ -219,7 +230,6 @@ class AttributionIndex:
         k = check_k(k)
         rerank = check_rerank(rerank, self.manifest["kind"])
         queries = check_query_vectors(query_array(queries), self.manifest["dim"], f"index {self.name!r}")
-        prepared = self.space.queries(queries)
         if self.faiss_index is not None:
             if False in sides:
                 raise InvalidArgumentError(
@@ -228,6 +238,7 @@ class AttributionIndex:
             self._warn_if_stale(rerank)
             first = self.first_stage(queries, rows=False)
             if rerank > 0:
+                prepared = self._current_space().queries(queries)
                 _, candidates = self._searchable().search(first, rerank * k, warn=False)
                 scores, ids = exact_rerank(
                     self.store, self.selection.run, self.space, prepared, candidates, k, self._locator
@@ -237,6 +248,7 @@ class AttributionIndex:
                 scores, ids = self._searchable().search(first, k, warn=False)
             self._warn_if_short(ids, k, rerank)
             return {True: (scores, ids)}
+        prepared = self._current_space().queries(queries)
         engine = engine or LocalEngine()
         if not isinstance(engine, LocalEngine) and self.device is not None and self.device.type != "cpu":
             raise InvalidArgumentError(
@@ -248,6 +260,25 @@ class AttributionIndex:
             return {side: self._exact().search(prepared, rows, k, largest=side) for side in sides}
         shards = self.selection.shards(self.store, engine.parallelism)
         return top_k(engine, shards, self.space, prepared, k, sides)
+
+    def _current_space(self) -> ScoringSpace:
+        """:attr:`space` with the fit of the rows the method is fitted on now: where rows were appended to (or
+        deleted from) them since this index got its fit, in this process or another, the store's fit of the rows
+        now (:class:`~gradstore.preconditioning.fitting.FitCache`: a pass over them when none is stored), as
+        ``attribute`` and a newly loaded index score with. Exact search and ``rerank=`` score in it; a FAISS index's
+        own rows stay in the fit they were added in (:meth:`_warn_if_stale`)."""
+        if self.space.preconditioner.passes == 0:  # a method without a fit
+            return self.space
+        now = list(self.fit_selection.state(self.store))
+        if now != self._fit_state:
+            self.space = ScoringSpace(self.method, self.fits.get(self.spec, self.manifest.get("damping")))
+            self._fit_state = now
+        return self.space
+
+    def use_fit(self, preconditioner: Preconditioner) -> None:
+        """Score with ``preconditioner``, the fit of the rows :attr:`fit_selection` holds now."""
+        self.space = ScoringSpace(self.method, preconditioner)
+        self._fit_state = list(self.fit_selection.state(self.store))
 
     def _warn_if_short(self, ids: np.ndarray, k: int, rerank: int) -> None:
         """One :class:`~indexers.FewerResultsWarning` when some queries of a FAISS search got fewer than

@@ -90,9 +90,7 @@ def _load_index(
     selection = Selection(manifest["run_id"], manifest["checkpoint"], manifest["split"], manifest["where"])
     spec = fit_spec(store, selection, method, manifest.get("blocks") or "auto")
     preconditioner = fits.get(spec, manifest.get("damping"))
-    index = AttributionIndex(
-        store, manifest, ScoringSpace(method, preconditioner), device=device, fit_selection=spec.selection
-    )
+    index = AttributionIndex(store, manifest, ScoringSpace(method, preconditioner), device=device, fits=fits, spec=spec)
     if manifest["kind"] != "exact":
         identity = files_identity(store, name, manifest_bytes)
         cached = None if identity is None else store.index_cache.get(name, identity)

@@ -37,6 +37,7 @@ from gradstore.errors import (
     UnknownRunError,
 )
 from gradstore.methods import DEFAULT_METHOD
+from gradstore.methods.queries import vector_query_ids
 from gradstore.serve import readonly
 from gradstore.serve.admission import Admission
 from gradstore.serve.auth import AuthError
@@ -514,9 +515,10 @@ class Service:
             version = self._version(args.get("run"))
             table = self._store_call("attribute", args, lambda: self.store.attribute(vectors, **args))
         query_ids = table.column("query_id")
-        alone = pa.array(["q0"] * table.num_rows, pa.string()).cast(table.schema.field("query_id").type)
+        ids = vector_query_ids(len(vectors))
+        alone = pa.array(ids[:1] * table.num_rows, pa.string()).cast(table.schema.field("query_id").type)
         table = table.set_column(table.schema.get_field_index("query_id"), "query_id", alone)
-        return [(table.filter(pc.equal(query_ids, f"q{i}")), version) for i in range(len(vectors))]
+        return [(table.filter(pc.equal(query_ids, ids[i])), version) for i in range(len(vectors))]
 
 
 def _check_text(key: str, value: str) -> None:

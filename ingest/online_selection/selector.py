@@ -5,6 +5,7 @@ exact terms from ``.grad`` before the step."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -82,6 +83,14 @@ class OnlineSelector:
             raise CaptureUsageError(f"policy must have a decide(n, scores, losses, generator) method, got {policy!r}")
         if similarity not in ("dot", "cosine"):
             raise CaptureUsageError(f"similarity must be 'dot' or 'cosine', got {similarity!r}")
+        if not isinstance(renormalize, bool):
+            raise CaptureUsageError(f"renormalize must be True or False, got {renormalize!r}")
+        if collective is not None and not isinstance(collective, bool):
+            raise CaptureUsageError(f"collective must be True, False or None (DDP detected), got {collective!r}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 1 << 64:
+            raise CaptureUsageError(
+                f"seed must be a whole number in [0, 2**64) (it seeds RandomSelection's draws), got {seed!r}"
+            )
         if getattr(policy, "needs_scores", False) and target is None:
             raise CaptureUsageError(
                 f"{type(policy).__name__} ranks examples by score: pass target= (a [dim] gradient, e.g. the mean "
@@ -119,12 +128,12 @@ class OnlineSelector:
         self.policy = policy
         self.target = target
         self.similarity = similarity
-        self.renormalize = bool(renormalize)
+        self.renormalize = renormalize
         self.optimizer = optimizer or capture.optimizer
         self.on_decision = on_decision
         self.generator = torch.Generator().manual_seed(int(seed))
         self.model = capture.model
-        self.collective = is_ddp(self.model) if collective is None else bool(collective)
+        self.collective = is_ddp(self.model) if collective is None else collective
         refuse_sharded(self.model)
         self.modules = removable_modules(self.model)
         self._params = list({id(p): p for m, _ in self.modules for p in m.parameters(recurse=False)}.values())

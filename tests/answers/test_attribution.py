@@ -227,6 +227,33 @@ def test_results_are_written_to_scores_and_macros_match_pandas(captured):
     assert sorted(many.example_id) == sorted(top[top >= 2].index)
 
 
+def test_vector_queries_are_named_apart_from_stored_queries(tmp_path):
+    """Raw query vectors are ``vector:0``, ``vector:1``, ...: attributing one (written) leaves the answers of the
+    stored query ``q0`` alone in ``scores`` and ``top_proponents``, and a writer refuses example ids of that prefix.
+    They were ``q0``, ``q1``: the vector's answer replaced the stored query's."""
+    rng = np.random.default_rng(0)
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    store.create_run("r", dim=8)
+    rows = rng.standard_normal((40, 8)).astype(np.float32)
+    with store.writer("r") as writer:
+        writer.append(rows, [f"t{i}" for i in range(40)], split="train")
+        writer.append(rng.standard_normal((2, 8)).astype(np.float32), ["q0", "q1"], split="query")
+        with pytest.raises(gradstore.InvalidArgumentError, match="'vector:0' begins with 'vector:', the prefix"):
+            writer.append(np.ones((2, 8), np.float32), ["t-ok", "vector:0"], split="query")
+    stored = store.attribute(["q0"], run="r", k=3, method="grad-dot").column("example_id").to_pylist()
+    vectors = -rng.standard_normal((2, 8)).astype(np.float32)
+    raw = store.attribute(vectors, run="r", k=3, method="grad-dot")
+    assert raw.column("query_id").to_pylist() == ["vector:0"] * 3 + ["vector:1"] * 3
+    assert raw.column("example_id").to_pylist()[:3] == [f"t{i}" for i in np.argsort(-(vectors[0] @ rows.T))[:3]]
+
+    def top(query: str) -> list[str]:
+        return [r[0] for r in store.sql(f"select example_id from top_proponents('{query}', 3)").fetchall()]
+
+    assert top("q0") == stored and top("vector:0") == raw.column("example_id").to_pylist()[:3]
+    assert store.sql("select count(*) from scores where query_id = 'q0'").fetchall() == [(3,)]
+    assert store.read_gradients("r", split="query").metadata.column("example_id").to_pylist() == ["q0", "q1"]
+
+
 def test_faiss_flat_index_equals_exact_and_is_incremental(captured):
     store, _, _ = captured
     exact = store.attribute(run="run", k=5, method="grad-dot", checkpoint="c0", write=False)

@@ -8,12 +8,13 @@ import gc
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ingest import CaptureConfig, GradientCapture, ProjectionConfig
+from ingest import CaptureConfig, CaptureUsageError, GradientCapture, ProjectionConfig
 from ingest.online_selection import (
     DropBelowThreshold,
     ExactRemovalError,
@@ -570,6 +571,18 @@ def test_misuse_is_refused_with_what_to_do():
         KeepTopFraction(1.5)
     with pytest.raises(ValueError, match=r"\[dim\]"):
         OnlineSelector(cap, KeepTopFraction(0.5), torch.zeros(3))
+    for keywords, message in (  # a value that was taken as its truth value, or a ValueError from int()
+        ({"renormalize": "no"}, "renormalize must be True or False, got 'no'"),
+        ({"renormalize": 0}, "renormalize must be True or False, got 0"),
+        ({"collective": "yes"}, "collective must be True, False or None"),
+        ({"seed": "x"}, r"seed must be a whole number in \[0, 2\*\*64\) \(it seeds .*, got 'x'"),
+        ({"seed": 1.5}, "seed must be a whole number"),
+        ({"seed": -1}, "seed must be a whole number"),
+    ):
+        with pytest.raises(CaptureUsageError, match=message):
+            OnlineSelector(cap, RandomSelection(0.5), **keywords)
+    seeded = OnlineSelector(cap, RandomSelection(0.5), seed=np.int64(3))
+    assert torch.equal(seeded.generator.get_state(), torch.Generator().manual_seed(3).get_state())
 
 
 # ---------------------------------------------------------------- the store side (gradstore.capture.online)
@@ -655,6 +668,9 @@ def test_store_selection_errors_are_gradstore_errors(tmp_path):
             select_online(cap, KeepTopFraction(0.5))
         with pytest.raises(InvalidArgumentError, match="commit_every"):
             select_online(cap, RandomSelection(0.5), commit_every=0)
+        for keywords, message in (({"seed": "x"}, "seed must be a whole number"), ({"renormalize": "no"}, "True or")):
+            with pytest.raises(InvalidArgumentError, match=message):  # were a ValueError, and accepted as True
+                select_online(cap, RandomSelection(0.5), **keywords)
         model(torch.randn(2, 5)).sum().backward()
     with pytest.raises(InvalidArgumentError, match="split='query'"):
         query_target(store, "run")

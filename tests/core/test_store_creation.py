@@ -110,6 +110,35 @@ def test_a_store_with_a_read_consistency_interval_sees_its_own_writes(store_path
     assert (store.count(), store.count("examples"), store.checkpoints("r").num_rows) == (2, 1, 1)
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"row_files": 5}, "row_files must be True .*, got 5"),
+        ({"row_files": None}, "row_files must be True"),
+        ({"read_consistency": 5}, "read_consistency must be a datetime.timedelta"),
+        ({"storage_options": "s3"}, "storage_options must be a dict"),
+    ],
+)
+def test_open_refuses_arguments_of_a_type_it_cannot_use(store_path, arguments, message):
+    """Before: ``row_files=5`` was a StoreCorruptError ("cannot open store"), naming no argument."""
+    gradstore.open(store_path)
+    with pytest.raises(gradstore.InvalidArgumentError, match=message):
+        gradstore.open(store_path, **arguments)
+    with pytest.raises(gradstore.InvalidArgumentError, match="uri must be a local directory"):
+        gradstore.open(5)
+    assert not Path("5").exists()
+
+
+@pytest.mark.parametrize("dim", [2.5, 0, -3, True, "8", None])
+def test_create_run_refuses_a_dim_that_is_not_a_positive_whole_number(store_path, dim):
+    """Before: ``dim=2.5`` was a SchemaMismatchError about another process creating the run."""
+    store = gradstore.open(store_path)
+    with pytest.raises(gradstore.InvalidArgumentError, match=r"dim must be a positive whole number .*, got "):
+        store.create_run("z", dim=dim)
+    assert not store.core.has_run("z")
+    assert store.create_run("z", dim=np.int64(8))["dim"] == 8 and type(store.run("z")["dim"]) is int
+
+
 def _create_gradients_table(path: str, dim: int, barrier, results) -> None:
     store = gradstore.open(path)
     barrier.wait()

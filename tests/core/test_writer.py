@@ -41,6 +41,40 @@ def test_time_threshold_commits_without_flush(store):
     writer.close()
 
 
+@pytest.mark.parametrize(
+    ("thresholds", "message"),
+    [
+        ({"commit_rowz": 5}, r"unknown keyword\(s\) \['commit_rowz'\]: the writer's thresholds are \['commit_rows', "),
+        ({"commit_seconds": float("nan")}, "commit_seconds must be a finite number of seconds >= 0"),
+        ({"commit_seconds": -5.0}, r"finite number of seconds >= 0 \(0: commit at every append\), got -5.0"),
+        ({"commit_seconds": float("inf")}, "pass a large number"),
+        ({"commit_seconds": "30"}, "commit_seconds must be a finite number"),
+        ({"commit_rows": 2.5}, "commit_rows must be a whole number >= 1, got 2.5"),
+        ({"commit_bytes": 0}, "commit_bytes must be a whole number >= 1"),
+        ({"max_fragments": -1}, "max_fragments must be a whole number >= 0"),
+        ({"max_pending_commits": True}, "max_pending_commits must be a whole number >= 1"),
+        ({"config": {"commit_rows": 5}}, "config must be a gradstore.WriterConfig"),
+    ],
+)
+def test_a_writer_refuses_thresholds_it_cannot_use(store, thresholds, message):
+    """An unknown keyword (a typo) or a threshold no writer can use (NaN or negative seconds) is an
+    ``InvalidArgumentError`` naming what to pass, not a ``TypeError`` or a writer that never commits by time."""
+    store.create_run("r", dim=4)
+    with pytest.raises(gradstore.InvalidArgumentError, match=message):
+        store.writer("r", **thresholds)
+
+
+def test_a_writer_of_commit_seconds_0_commits_every_append(store):
+    store.create_run("r", dim=4)
+    writer = store.writer("r", commit_seconds=0, commit_rows=np.int64(8))
+    writer.append(np.ones((1, 4)), ["a"])
+    deadline = time.monotonic() + 10
+    while store.count() < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.count() == 1  # committed without a flush
+    writer.close()
+
+
 def test_compaction_keeps_fragments_bounded(store):
     store.create_run("r", dim=8)
     config = WriterConfig(commit_rows=10, max_fragments=6)

@@ -291,3 +291,46 @@ def test_rows_of_extreme_norm_score_exactly_or_refuse(tmp_path):
     for damping in (1e300, 1e-300, 0.0):  # beyond what float64 resolves: refused, never scored as zeros
         with pytest.raises(gradstore.InvalidArgumentError, match=r"damping must be a number in \[1e-15, 1e\+15\]"):
             store.attribute(q, run="r", method="fisher", damping=damping, blocks="full", k=3)
+
+
+@pytest.mark.parametrize("method", ["grad-dot", "fisher"])
+def test_a_query_too_small_for_float32_is_refused_naming_the_query(tmp_path, method):
+    """Queries of entries ~1e-40 (below float32's normal range) on rows of ordinary norms: a float32 search would
+    rank on zeros, so it is refused, and the error names the queries' scale (with grad-dot nothing else scales
+    them), not the stored rows' norms; the same queries rescaled are scored."""
+    rng = np.random.default_rng(4)
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    store.create_run("r", dim=16)
+    with store.writer("r") as writer:
+        writer.append(rng.standard_normal((40, 16)).astype(np.float32), [f"t{i}" for i in range(40)], split="train")
+    q = rng.standard_normal((2, 16)).astype(np.float32)
+    tiny = (q * np.float32(1e-40)).astype(np.float32)
+    too_small = r"query vector\(s\) \[0, 1\] are too small for float32"
+    with pytest.raises(gradstore.InvalidArgumentError, match=too_small) as caught:
+        store.attribute(tiny, run="r", method=method, k=3, write=False)
+    assert "stored rows' norms" not in str(caught.value) and "Rescale these queries" in str(caught.value)
+    rescaled = tiny / np.abs(tiny).max(axis=1, keepdims=True)
+    got = store.attribute(rescaled, run="r", method=method, k=3, write=False)
+    want = store.attribute(q, run="r", method=method, k=3, write=False)
+    assert got.column("example_id").to_pylist() == want.column("example_id").to_pylist()
+
+
+def test_auto_blocks_of_a_run_written_by_hand_are_one_full_block_at_any_dim(tmp_path):
+    """docs/store.md: a run without a projection spec gets one full ``dim x dim`` Fisher block from
+    ``blocks="auto"`` whatever its dim (2,100 here, beyond the 2,048 the doc once named), equal to numpy's."""
+    rng = np.random.default_rng(5)
+    dim = 2100
+    g = rng.standard_normal((30, dim)).astype(np.float32)
+    q = rng.standard_normal((2, dim)).astype(np.float32)
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    store.create_run("r", dim=dim)
+    with store.writer("r") as writer:
+        writer.append(g, [f"t{i}" for i in range(30)], split="train")
+    auto = store.score_matrix(q, run="r", method="fisher", damping=0.1)
+    full = store.score_matrix(q, run="r", method="fisher", damping=0.1, blocks="full")
+    np.testing.assert_array_equal(auto.scores, full.scores)
+    g64 = g.astype(np.float64)
+    fisher = g64.T @ g64 / 30
+    want = np.linalg.solve(fisher + 0.1 * np.trace(fisher) / dim * np.eye(dim), q.T.astype(np.float64)).T @ g64.T
+    got = auto.scores[:, np.argsort([int(e[1:]) for e in auto.example_ids])]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max())

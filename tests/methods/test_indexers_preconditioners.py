@@ -136,6 +136,10 @@ def test_ekfac_without_factors_reads_the_source_twice() -> None:
     kfac = make_preconditioner("kfac", kronecker_layout=LAYOUT, eigen_correction=True).fit(counted)
     assert len(passes) == 2  # factors from the gradients, then the eigenvalue correction
     np.testing.assert_allclose(apply(kfac, QUERIES), apply(kfac.fit(GRADS), QUERIES), rtol=1e-10)
+    # docs/indexers.md: an array or a source, nothing else (it said "a re-iterable such as a list")
+    for other in ([GRADS], iter(chunks(GRADS)())):
+        with pytest.raises(TypeError, match="expected a VectorBlocks source or a \\[rows, dim\\] array"):
+            make_preconditioner("kfac", kronecker_layout=LAYOUT, eigen_correction=True).fit(other)
 
 
 FITTED_KINDS = [

@@ -120,6 +120,11 @@ def test_an_index_searches_only_with_the_arguments_attribute_takes(small):
         (graph, (query, 3), {"engine": "ray"}, gradstore.InvalidArgumentError, "searched by FAISS in this process"),
         (graph, (query, 3), {"engine": "spark"}, gradstore.InvalidArgumentError, "engine must be one of"),
         (exact, (query, 3), {"engine": "spark"}, gradstore.InvalidArgumentError, "engine must be one of"),
+        (exact, (query, 3), {"largest": "no"}, gradstore.InvalidArgumentError, "largest= takes True or False"),
+        (graph, (query, 3), {"largest": 0}, gradstore.InvalidArgumentError, "largest= takes True or False"),
+        (exact, (query, 3), {"bogus": 1}, gradstore.InvalidArgumentError, "takes no argument bogus="),
+        (exact, (query + 1j, 3), {}, gradstore.InvalidArgumentError, "must be real, got an array of complex64"),
+        (graph, (torch.ones(1, DIM, dtype=torch.complex64), 3), {}, gradstore.InvalidArgumentError, "must be real"),
     ]
     for index, args, kwargs, error, message in refused:
         with pytest.raises(error, match=message):
@@ -242,3 +247,41 @@ def test_a_faiss_index_saved_without_its_fits_rows_is_rebuilt(tmp_path):
         store.index("old").search(np.ones((1, DIM), np.float32), 3)
     rebuilt = store.build_index("r", method="fisher", kind="Flat", name="old")
     assert rebuilt.manifest["fit_state"][0] == 200 and store.index("old").manifest["fit_state"][0] == 200
+
+
+def test_a_held_index_scores_rows_appended_since_with_the_fit_of_the_rows_now(tmp_path):
+    """Indexes held since before rows were appended (here by another handle of the store, as by another process):
+    the exact one scores every row with the fisher fit of all the rows now, as ``attribute`` does, without a
+    warning (it was the build's fit, silently); a FAISS one's ``rerank=`` re-scores its candidates with it too."""
+    store = _store(tmp_path / "store", rows=100)
+    rng = np.random.default_rng(2)
+    query = rng.standard_normal((2, DIM)).astype(np.float32)
+    held = store.build_index("r", method="fisher", damping=0.1, name="held")
+    flat = store.build_index("r", method="fisher", damping=0.1, kind="Flat", name="flat")
+    built_ids = store.read_gradients("r").grad_ids
+    other = gradstore.open(tmp_path / "store", create=False)
+    with other.writer("r") as writer:  # larger rows: the fit of all rows is another one
+        writer.append(
+            (3 * rng.standard_normal((200, DIM))).astype(np.float32), [f"new{i}" for i in range(200)], split="train"
+        )
+
+    block = store.read_gradients("r")
+    rows = block.vectors.astype(np.float64)
+    fisher = rows.T @ rows / len(rows)
+    now = np.linalg.solve(fisher + 0.1 * np.trace(fisher) / DIM * np.eye(DIM), query.T.astype(np.float64)).T @ rows.T
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scores, ids = held.search(query, 5)
+    top = np.argsort(-now, axis=1)[:, :5]
+    np.testing.assert_array_equal(ids, block.grad_ids[top])
+    np.testing.assert_allclose(scores, np.take_along_axis(now, top, axis=1), rtol=1e-4)
+    attributed = store.attribute(query, run="r", method="fisher", damping=0.1, k=5, write=False)
+    assert attributed.column("grad_id").to_pylist() == ids.ravel().tolist()
+
+    indexed = np.isin(block.grad_ids, built_ids)  # the FAISS index holds the 100 rows it was built with
+    with pytest.warns(gradstore.StaleIndexWarning, match="holds 100 rows and its selection 300 now"):
+        reranked_scores, reranked = flat.search(query, 5, rerank=20)  # 100 candidates: every row it holds
+    among = np.where(indexed, now, -np.inf)
+    top = np.argsort(-among, axis=1)[:, :5]
+    np.testing.assert_array_equal(reranked, block.grad_ids[top])
+    np.testing.assert_allclose(reranked_scores, np.take_along_axis(now, top, axis=1), rtol=1e-4)

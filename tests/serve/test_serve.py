@@ -201,7 +201,7 @@ def test_batched_scores_differ_from_lone_ones_only_by_float32_rounding(tmp_path)
         together = store.attribute(vectors, run=RUN, k=10, method=method, write=False)
         for i, vector in enumerate(vectors):
             lone = store.attribute(vector[None], run=RUN, k=10, method=method, write=False)
-            mine = together.filter(pa.compute.equal(together["query_id"], f"q{i}"))
+            mine = together.filter(pa.compute.equal(together["query_id"], f"vector:{i}"))
             mine = mine.set_column(0, "query_id", lone["query_id"])
             _within_batching_tolerance(mine, lone)
 
