@@ -117,6 +117,11 @@ class UnstableRecursionError(GradstoreError, ArithmeticError):
     dynamics and stability")."""
 
 
+class NonFiniteScoresError(GradstoreError, ArithmeticError):
+    """A method's scores hold NaN/Inf (float overflow: rows, queries or a trajectory's products beyond float32, as
+    after training that diverged); nothing is written."""
+
+
 class GradstoreWarning(UserWarning):
     """Base class of the warnings gradstore issues on purpose."""
 
@@ -127,14 +132,26 @@ class StaleIndexWarning(GradstoreWarning):
     fit's, not the current fit's that exact search and ``rerank=`` score with: ``refit=True`` rebuilds it)."""
 
 
+class StaleCurvatureWarning(GradstoreWarning):
+    """A checkpoint's Kronecker factors (``curvature=True``) do not describe its rows: rows were added to it by a
+    capture without ``curvature=True`` (or deleted), or a resumed capture could not recover the factors of the rows
+    before its first step. ``kfac``/``ekfac`` score every row with them as they are."""
+
+
 class UnstableStepWarning(GradstoreWarning):
     """A recorded step's curvature would make a trajectory method's linearised recursion expand (e.g.
     ``lr * lambda_max(H) > 2`` for plain SGD): its eigenvalues were clipped to the stable range."""
 
 
 class UnmodelledOptimizerWarning(GradstoreWarning):
-    """The trajectory methods read steps taken by an optimizer whose update rule they do not model (RMSprop,
-    Adagrad, NAdam, ...): each such step is taken as ``lr x gradient``."""
+    """The trajectory methods read steps whose update they do not model: taken by an optimizer whose update rule
+    they do not model (RMSprop, Adagrad, NAdam, ...: each such step is taken as ``lr x gradient``), on gradients
+    other than the backward's (clipping), or weighting their rows unevenly (micro-batches of different sizes)."""
+
+
+class UnscaledRowsWarning(GradstoreWarning):
+    """A capture saw the optimizer step on the backward's gradients divided by a power of two (an AMP
+    ``GradScaler`` not given to it as ``grad_scaler=``): its rows carry the scaler's scale."""
 
 
 class ReplayMismatchWarning(GradstoreWarning):

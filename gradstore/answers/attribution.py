@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import pyarrow as pa
 
 from gradstore.core import StoreCore, one_snapshot
 from gradstore.core import schema as S
 from gradstore.core.engine import Engine, EngineName, resolve_engine
+from gradstore.errors import NonFiniteScoresError
 from gradstore.methods import ScoreOptions
 from gradstore.methods.checkpoint_sum import tracin_top_k
 from gradstore.methods.queries import QueryInput
@@ -65,6 +67,7 @@ def attribute(
     table = method.attribute(
         store, fits, queries, options, run=run, k=k, opponents=opponents, engine=resolve_engine(engine)
     )
+    _check_finite(table.column("score").to_numpy(zero_copy_only=False), options, run)
     if write:
         store.append_results(S.SCORES, table)
     return table
@@ -75,7 +78,21 @@ def score_matrix(
     store: StoreCore, fits: FitCache, queries: QueryInput, options: ScoreOptions, *, run: str
 ) -> ScoreMatrix:
     """Queries x training rows scores (for small problems: it is dense); nothing is written to ``scores``."""
-    return options.check("score_matrix").matrix(store, fits, queries, options, run=run)
+    matrix = options.check("score_matrix").matrix(store, fits, queries, options, run=run)
+    _check_finite(matrix.scores, options, run)
+    return matrix
+
+
+def _check_finite(scores: np.ndarray, options: ScoreOptions, run: str) -> None:
+    """``NonFiniteScoresError`` where ``scores`` hold NaN/Inf: a ranking of them would be arbitrary."""
+    bad = int(np.count_nonzero(~np.isfinite(scores)))
+    if bad:
+        raise NonFiniteScoresError(
+            f"{options.method} on run {run!r} gave {bad} of {scores.size} score(s) that are NaN/Inf (float overflow: "
+            "the stored rows or queries are too large for their products, or a trajectory method's products over "
+            "the steps grew beyond float32, as after training that diverged: check the run's training losses). "
+            "Nothing was written: score the rows of a checkpoint before the divergence"
+        )
 
 
 def self_influence(

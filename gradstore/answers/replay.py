@@ -124,6 +124,25 @@ class Optimizer:
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not number or not (low <= value < high and math.isfinite(value)):
                 raise InvalidArgumentError(f"the replay optimizer's {name} must be {valid}, got {value!r}")
+        unused = (
+            {"betas": (betas, (0.9, 0.999)), "eps": (self.eps, 1e-8)}
+            if self.kind == "sgd"
+            else {
+                "momentum": (self.momentum, 0.0),
+                "dampening": (self.dampening, 0.0),
+                "nesterov": (self.nesterov, False),
+            }
+        )
+        given = [
+            name
+            for name, (value, default) in unused.items()
+            if tuple(np.atleast_1d(value)) != tuple(np.atleast_1d(default))
+        ]
+        if given:
+            takes = "momentum, dampening, nesterov, weight_decay" if self.kind == "sgd" else "betas, eps, weight_decay"
+            raise InvalidArgumentError(
+                f"{self.kind} does not use {', '.join(given)} (it takes {takes}): leave them out"
+            )
         if self.kind == "sgd" and self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise InvalidArgumentError("nesterov momentum requires a momentum and zero dampening (as torch.optim.SGD)")
         for name in ("momentum", "dampening", "weight_decay", "eps"):
@@ -140,15 +159,15 @@ class Optimizer:
         """The :class:`Optimizer` of ``optimizer``: an :class:`Optimizer`, a name (``"sgd"``, ``"adam"``,
         ``"adamw"``) with ``hyper``-parameters, a ``torch.optim`` class (``SGD``, ``Adam``, ``AdamW``) with
         ``hyper``-parameters (its own defaults otherwise), or an instance of one (its hyper-parameters, one
-        parameter group; where its groups differ, each group's as :attr:`groups`). ``lr`` is ignored (each step's
-        is the recorded one)."""
+        parameter group; where its groups differ, each group's as :attr:`groups`). ``lr`` (as the torch optimizer
+        takes it) is not read: each step's is the recorded one."""
         if isinstance(optimizer, cls):
             if hyper:
                 raise InvalidArgumentError("an Optimizer carries its hyper-parameters: give no keywords with it")
             return optimizer
         if isinstance(optimizer, torch.optim.Optimizer):
             specs = [
-                cls.of(type(optimizer), **{**{k: v for k, v in group.items() if k not in NOT_HYPER}, **hyper})
+                cls.of(type(optimizer), **{**{k: v for k, v in group.items() if k not in (*NOT_HYPER, "lr")}, **hyper})
                 for group in optimizer.param_groups
             ]
             if group_differences(optimizer) is None:
@@ -160,8 +179,11 @@ class Optimizer:
                 raise InvalidArgumentError(
                     f"replay implements torch.optim.SGD, Adam and AdamW, not {optimizer.__name__}: give one of them"
                 )
+            kind = names[optimizer]
+            if kind == "adam" and hyper.get("decoupled_weight_decay"):
+                kind = "adamw"  # Adam(decoupled_weight_decay=True) is AdamW
             defaults = {"sgd": {}, "adam": {"weight_decay": 0.0}, "adamw": {"weight_decay": 1e-2}}[names[optimizer]]
-            return cls.of(names[optimizer], **{**defaults, **hyper})
+            return cls.of(kind, **{**defaults, **hyper})
         if not isinstance(optimizer, str):
             raise InvalidArgumentError(
                 "optimizer= is 'sgd', 'adam', 'adamw', a gradstore.answers.replay.Optimizer, or a torch.optim "
@@ -189,7 +211,7 @@ class Optimizer:
 
     def step(self, params: Tensors, state: Tensors, grads: Tensors, lr: float, index: int) -> tuple[Tensors, Tensors]:
         """The parameters and state after the step of 0-based ``index`` with gradients ``grads``."""
-        return _step((self,) * len(params), params, state, grads, (lr,) * len(params), index)
+        return _step((self,) * len(params), params, state, grads, (lr,) * len(params), (index,) * len(params))
 
 
 def _init(specs: Sequence[Optimizer], params: Tensors) -> Tensors:
@@ -201,17 +223,30 @@ def _init(specs: Sequence[Optimizer], params: Tensors) -> Tensors:
 
 
 def _step(
-    specs: Sequence[Optimizer], params: Tensors, state: Tensors, grads: Tensors, rates: Sequence[float], index: int
+    specs: Sequence[Optimizer],
+    params: Tensors,
+    state: Tensors,
+    grads: Tensors,
+    rates: Sequence[float],
+    counts: Sequence[int],
+    skip: frozenset[int] = frozenset(),
 ) -> tuple[Tensors, Tensors]:
-    """The parameters and state (:func:`_init`'s layout) after the step of 0-based ``index``: parameter ``i``
-    updated by ``specs[i]``'s hyper-parameters at learning rate ``rates[i]`` (its parameter group's)."""
+    """The parameters and state (:func:`_init`'s layout) after a step: parameter ``i`` updated by ``specs[i]``'s
+    hyper-parameters at learning rate ``rates[i]`` (its parameter group's), its ``counts[i]``-th update (0-based:
+    SGD's momentum buffer starts at the first, Adam's bias corrections count them); the parameters in ``skip`` had
+    no gradient (``torch.optim`` leaves them and their state as they are)."""
     if specs and specs[0].kind == "sgd":
         new_params, buffers = [], []
         for i, (spec, p, g, lr) in enumerate(zip(specs, params, grads, rates)):
+            if i in skip:
+                new_params.append(p)
+                if state:
+                    buffers.append(state[i])
+                continue
             if spec.weight_decay:
                 g = g + spec.weight_decay * p
             if spec.momentum:
-                b = g if index == 0 else spec.momentum * state[i] + (1 - spec.dampening) * g
+                b = g if counts[i] == 0 else spec.momentum * state[i] + (1 - spec.dampening) * g
                 buffers.append(b)
                 g = g + spec.momentum * b if spec.nesterov else b
             elif state:  # another group's momentum: this parameter's buffer stays unused
@@ -219,9 +254,14 @@ def _step(
             new_params.append(p - lr * g)
         return tuple(new_params), tuple(buffers)
     n = len(params)
-    count = float(index + 1)
     new_params, ms, vs = [], [], []
-    for spec, p, g, m, v, lr in zip(specs, params, grads, state[:n], state[n:], rates):
+    for i, (spec, p, g, m, v, lr) in enumerate(zip(specs, params, grads, state[:n], state[n:], rates)):
+        if i in skip:
+            new_params.append(p)
+            ms.append(m)
+            vs.append(v)
+            continue
+        count = float(counts[i] + 1)
         beta1, beta2 = spec.betas
         if spec.weight_decay:
             if spec.kind == "adamw":
@@ -342,7 +382,7 @@ def replay(
     spec = Optimizer.of(optimizer)
     label = in_loop_checkpoint(store, run, checkpoint)
     _check_not_selected(store, run)
-    record = _check_recorded_optimizer(store, run, label, spec)
+    record = _check_recorded_optimizer(store, run, label, spec, reduction)
     batches, step_numbers, rates = _recorded_batches(store, run, label)
     steps = len(batches)
     if segments is None:
@@ -385,12 +425,17 @@ def replay(
             )
         return out
 
+    # each step's gradient over its rows' mean (the loss scale, a sum's batch size), as capture recorded it
+    totals = [record.totals.get(s) for s in step_numbers]
+    factors = [record.scale if m is None else m if reduction == "mean" else m / len(b) for m, b in zip(totals, batches)]
+
     def step(t: int, params: Tensors, state: Tensors, weights: torch.Tensor) -> tuple[Tensors, Tensors]:
         batch = data.get(batches[t], f"training step {t}")
 
         def objective_loss(p: Tensors) -> torch.Tensor:
             weighted = weights * losses(p, batch, len(batches[t]), f"the batch of step {t}")
-            return weighted.mean() if reduction == "mean" else weighted.sum()
+            reduced = weighted.mean() if reduction == "mean" else weighted.sum()
+            return reduced if factors[t] == 1.0 else reduced * factors[t]
 
         grads = torch.func.grad(objective_loss)(params)
         return plan.step(t, params, state, grads)
@@ -544,7 +589,7 @@ class _Adjoint:
 #: The ``optimizer_steps`` columns a replay's optimizer must agree with.
 _RECORDED = ("optimizer", "momentum", "dampening", "nesterov", "weight_decay", "beta2", "eps", "weight_decays")
 #: What capture recorded of each step that the replay cannot reproduce (absent in stores of earlier versions).
-_STEP_NOTES = ("group_differences", "gradients")
+_STEP_NOTES = ("group_differences", "gradients", "row_weights", "without_gradients", "initial_state", "adam_step")
 #: Capture's record of the parameter groups and the initial weights (absent in stores of earlier versions).
 _GROUP_COLUMNS = ("group_parameters", "group_hyperparameters", "initial_weights")
 
@@ -560,6 +605,9 @@ class _Record:
     groups: list[Optimizer] | None = None
     rates: dict[int, list[float]] = field(default_factory=dict)
     initial: tuple[int, dict[str, list[float]]] | None = None
+    totals: dict[int, float] = field(default_factory=dict)  # step -> its gradient over the mean of its rows
+    scale: float = 1.0  # the factor of a step whose rows' weights are not recorded (a sum overriding the default)
+    without: dict[int, list[str]] = field(default_factory=dict)  # step -> the parameters it had no gradient for
 
 
 def _check_not_selected(store: StoreCore, run: str) -> None:
@@ -579,7 +627,9 @@ def _check_not_selected(store: StoreCore, run: str) -> None:
         )
 
 
-def _check_recorded_optimizer(store: StoreCore, run: str, label: str, spec: Optimizer) -> _Record:
+def _check_recorded_optimizer(
+    store: StoreCore, run: str, label: str, spec: Optimizer, reduction: Reduction = "mean"
+) -> _Record:
     """Refuse an optimizer that contradicts the one capture recorded for the run's steps (``optimizer_steps``:
     kind and hyper-parameters, read from the training's optimizer; a ``spec`` with :attr:`Optimizer.groups`
     is checked group by group, else against the group of the first captured layer's weight), and a run whose
@@ -617,6 +667,8 @@ def _check_recorded_optimizer(store: StoreCore, run: str, label: str, spec: Opti
         )
     record = _groups_record(run, kind, table)
     _check_steps(run, table, grouped=record.groups is not None)
+    _check_start(run, kind, table)
+    _step_record(store, run, table, record, reduction)
     if table.column("weight_decays").null_count != table.num_rows and record.groups is None:
         raise InvalidArgumentError(
             f"run {run!r}'s optimizer applied different weight decays to its parameter groups; the replay applies "
@@ -763,6 +815,54 @@ def _check_steps(run: str, table: Any, grouped: bool) -> None:
                 "(a GradScaler not given to capture as grad_scaler=), which the replay cannot reproduce exactly: "
                 "replay a run trained without them (e.g. max_grad_norm=None)"
             )
+
+
+def _check_start(run: str, kind: str, table: Any) -> None:
+    """Refuse a run whose first recorded step did not start from an empty optimizer state (a capture begun
+    mid-training: momentum buffers or Adam's moments and step count from steps the store does not hold), which
+    the replay, starting from ``Optimizer.init``, cannot reproduce."""
+    first = table.slice(0, 1).to_pylist()[0]
+    held = first.get("initial_state") == "held"
+    counted = kind in ("adam", "adamw") and (first.get("adam_step") or 1) > 1
+    if held or counted:
+        what = f"Adam's step count {first['adam_step']}" if counted else "state (momentum buffers, moments)"
+        raise InvalidArgumentError(
+            f"run {run!r}'s capture began mid-training: before its first recorded step {first['step']} the optimizer "
+            f"already held {what} from steps the store does not hold, and the replay starts from an empty optimizer "
+            "state, so it cannot reproduce this training: capture from the run's first optimizer step"
+        )
+
+
+def _step_record(store: StoreCore, run: str, table: Any, record: _Record, reduction: Reduction) -> None:
+    """Fill ``record``'s per-step weights of the rows (``row_weights``, formed by capture under the run's
+    ``loss_reduction``; refusing rows weighted unevenly within a step, which a replay of per-example losses reduced
+    by one mean cannot reproduce, except a ``"token_mean"`` run's, whose ``loss_fn`` weighs the tokens; where the
+    replay's ``reduction`` overrides the run's default, its ``"sum"`` weighs every row alike, at the loss scale) and
+    parameters without gradients (``without_gradients``)."""
+    names = table.column_names
+    steps = table.column("step").to_pylist()
+    options = store.run_config(run).get("capture") or {}
+    captured = options.get("loss_reduction") or "mean"
+    if captured != "token_mean" and reduction != captured:
+        record.scale = float(options.get("loss_scale") or 1.0)
+    elif "row_weights" in names and captured != "token_mean":
+        for step, recorded in zip(steps, table.column("row_weights").to_pylist()):
+            if not recorded:
+                continue
+            weights = json.loads(recorded)
+            if not math.isclose(weights["least"], weights["most"], rel_tol=1e-5):
+                raise InvalidArgumentError(
+                    f"run {run!r}'s step {step} weighted its examples unevenly (each example's weight in the step's "
+                    f"gradient from {weights['least']:.4g} to {weights['most']:.4g} times the mean: gradient "
+                    "accumulation over micro-batches of different sizes, each reduced by its own mean); the replay "
+                    "reduces each step's losses by one mean or sum, so it cannot reproduce this training: accumulate "
+                    "micro-batches of equal size, or reduce each by the step's total count"
+                )
+            record.totals[step] = float(weights["total"])
+    if "without_gradients" in names:
+        for step, missing in zip(steps, table.column("without_gradients").to_pylist()):
+            if missing:
+                record.without[step] = json.loads(missing)
 
 
 def _run_reduction(store: StoreCore, run: str, reduction: Reduction | None) -> Reduction:
@@ -934,7 +1034,7 @@ def _check_initial_weights(run: str, model: nn.Module, record: _Record, first: i
             )
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Plan:
     """What the replay updates and how: the trained parameters' ``names`` (the model's order), each one's
     hyper-parameters (``specs``, its parameter group's) and group (``group_of``), and per step each group's
@@ -944,6 +1044,14 @@ class _Plan:
     group_of: list[int]
     specs: list[Optimizer]
     rates: list[list[float]]
+    skips: list[frozenset[int]] = field(default_factory=list)  # per step: the parameters without a gradient
+    _counts: list[tuple[int, ...]] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        counts = [0] * len(self.names)
+        for skip in self.skips:  # each parameter's updates before each step (where some step skips one)
+            self._counts.append(tuple(counts))
+            counts = [c + (i not in skip) for i, c in enumerate(counts)]
 
     def init(self, params: Tensors) -> Tensors:
         """The optimizer's state before the first step."""
@@ -951,7 +1059,10 @@ class _Plan:
 
     def step(self, t: int, params: Tensors, state: Tensors, grads: Tensors) -> tuple[Tensors, Tensors]:
         """The parameters and state after step ``t`` (0-based)."""
-        return _step(self.specs, params, state, grads, [self.rates[t][g] for g in self.group_of], t)
+        rates = [self.rates[t][g] for g in self.group_of]
+        if not self.skips:
+            return _step(self.specs, params, state, grads, rates, (t,) * len(params))
+        return _step(self.specs, params, state, grads, rates, self._counts[t], self.skips[t])
 
 
 def _plan(
@@ -981,7 +1092,10 @@ def _plan(
     per_step = [record.rates.get(step, [rate] * len(groups)) for step, rate in zip(steps, rates)]
     group_of = [group[name] for name in names]
     applied = spec if len(groups) == 1 else replace(spec, groups=tuple(groups))
-    return _Plan(names, group_of, [groups[g] for g in group_of], per_step), applied
+    position = {name: i for i, name in enumerate(names)}
+    skips = [frozenset(position[n] for n in record.without.get(step, ()) if n in position) for step in steps]
+    skips = skips if any(skips) else []
+    return _Plan(names, group_of, [groups[g] for g in group_of], per_step, skips), applied
 
 
 class _Batches:

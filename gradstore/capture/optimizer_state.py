@@ -26,6 +26,8 @@ taken as ``d_layer R g``; the per-row/column structure that the ``normalizer="ad
 from __future__ import annotations
 
 import json
+import math
+import warnings
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from types import SimpleNamespace
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 
+from gradstore.errors import UnscaledRowsWarning
 from ingest.normalizers import adam_second_moment, bias_correction, raw_second_moment
 
 #: Layer kinds whose unprojected block is the ``[d_out, d_in (+1)]`` gradient flattened row by row.
@@ -89,6 +92,7 @@ def step_record(
         "preconditioner": preconditioner(optimizer, hooks, float(group["eps"])) if adam else None,
         "rows_normalizer": rows_normalizer,
         "weight_decays": weight_decays(optimizer, hooks),
+        "learning_rates": learning_rates(optimizer, hooks),
         "group_differences": group_differences(optimizer),
         "created_at": datetime.now(timezone.utc),
     }
@@ -116,6 +120,7 @@ class StepGradients:
         self._backward: torch.Tensor | None = None
         self._outcome: torch.Tensor | None = None
         self._pending: list[tuple[dict[str, Any], torch.Tensor]] = []
+        self._told = False  # warned of an AMP GradScaler not given to capture
         self._handle = parameter.register_post_accumulate_grad_hook(self._after_backward)
 
     def remove(self) -> None:
@@ -134,8 +139,11 @@ class StepGradients:
             self._outcome = None
             return
         now = grad.detach().sum()
-        if self.grad_scaler is None:
-            self._outcome = torch.ne(now, backward)  # True: "modified"
+        if self.grad_scaler is None:  # 0 "backward", 1 "modified", 3 "modified": divided by a power of two
+            ratio = backward / now
+            mantissa, _ = torch.frexp(ratio)
+            scaled = (ratio >= 2) & (mantissa == 0.5) & torch.isfinite(ratio)
+            self._outcome = torch.where(now == backward, 0, torch.where(scaled, 3, 1))
             return
         scale = getattr(self.grad_scaler, "_scale", None)
         scale = scale.to(now.device) if isinstance(scale, torch.Tensor) else float(self.grad_scaler.get_scale())
@@ -156,8 +164,97 @@ class StepGradients:
         if self._pending:
             codes = torch.stack([outcome for _, outcome in self._pending]).tolist()
             for (row, _), code in zip(self._pending, codes):
-                row["gradients"] = self.NAMES[code if self.grad_scaler is not None else 2 * code]
+                row["gradients"] = self.NAMES[code if self.grad_scaler is not None else min(2, 2 * code)]
+            if 3 in codes and self.grad_scaler is None and not self._told:
+                self._told = True
+                warnings.warn(
+                    "capture: the optimizer stepped on the backward's gradients divided by a power of two (e.g. step "
+                    f"{self._pending[codes.index(3)][0]['step']}), as an AMP GradScaler's unscaling does: if so, the "
+                    "captured rows are multiplied by its scale. Give the scaler to the capture (store.capture(..., "
+                    "grad_scaler=scaler)) so its scale is divided out of the rows",
+                    UnscaledRowsWarning,
+                    stacklevel=2,
+                )
             self._pending = []
+
+
+class StepWeights:
+    """How each optimizer step weighted its training rows (``optimizer_steps.row_weights``): the step's gradient is
+    ``sum_i w_i g_i`` over the rows ``g_i`` (each example's own gradient) that its backwards captured, with
+    ``w_i = 1 / scale_i`` (:func:`ingest.scaling.example_scales`: ``1 / B`` for a batch mean, 1 for a sum, divided
+    by the loss scale; gradient accumulation's micro-batches each reduced on its own). Recorded per step as JSON
+    ``{"total": sum_i w_i, "least": B min_i w_i, "most": B max_i w_i}`` (``B`` the step's rows): the trajectory
+    methods take a step as the mean of its rows (``w_i = 1 / B``: total, least and most 1), so ``total`` is the
+    step's size relative to that, and ``least < most`` says the rows were weighted unevenly (micro-batches of
+    different sizes each reduced by its own mean, token-weighted losses). Per backward a list append; every 256
+    steps one pass of segment reductions over all their scales and one transfer."""
+
+    #: Backwards held for one step before they are folded into their sums (a pass with no optimizer step).
+    FOLD = 1024
+
+    def __init__(self) -> None:
+        self._scales: list[torch.Tensor] = []
+        self._folded: list[float] | None = None  # [sum, min, max, count] of the scales folded before the step
+        self._pending: list[tuple[dict[str, Any], list[torch.Tensor], list[float] | None]] = []
+
+    def add(self, scales: torch.Tensor) -> None:
+        """A captured training backward's per-example scales ``[B]`` (its rows are part of the next step)."""
+        self._scales.append(scales.detach())
+        if len(self._scales) >= self.FOLD:
+            self._folded = _merged(self._folded, _summaries([self._scales])[0])
+            self._scales = []
+
+    def mark(self, row: dict[str, Any]) -> None:
+        """Give ``row`` (the ``optimizer_steps`` row of the step just taken) its ``row_weights``, read at
+        :meth:`resolve`; ``None`` where the step had no captured training rows."""
+        row["row_weights"] = None
+        if self._scales or self._folded is not None:
+            self._pending.append((row, self._scales, self._folded))
+        self._scales, self._folded = [], None
+        if len(self._pending) >= 256:
+            self.resolve()
+
+    def resolve(self) -> None:
+        """Write the held steps' ``row_weights``."""
+        if not self._pending:
+            return
+        summaries = _summaries([scales for _, scales, _ in self._pending])
+        for (row, _, folded), summary in zip(self._pending, summaries):
+            total, least, most, count = _merged(folded, summary)
+            if count:
+                row["row_weights"] = json.dumps({"total": total, "least": count * least, "most": count * most})
+        self._pending = []
+
+
+def _summaries(steps: list[list[torch.Tensor]]) -> list[list[float]]:
+    """Per step, ``[sum, min, max, count]`` of the weights ``1 / scale`` of its scales (0 where a scale is 0: an
+    example whose loss has no term, e.g. no label token): segment reductions over all of them, one transfer."""
+    parts = [(i, s) for i, scales in enumerate(steps) for s in scales if s.numel()]
+    out = torch.zeros(len(steps), 4, dtype=torch.float64)
+    if parts:
+        device = parts[0][1].device
+        sizes = [s.numel() for _, s in parts]
+        index = torch.repeat_interleave(torch.tensor([i for i, _ in parts]), torch.tensor(sizes)).to(device)
+        joined = torch.cat([s.to(device).reshape(-1) for _, s in parts]).double()
+        weights = torch.where(joined > 0, 1.0 / joined.clamp(min=1e-300), torch.zeros_like(joined))
+        found = torch.zeros(len(steps), 3, dtype=torch.float64, device=device)
+        found[:, 1], found[:, 2] = math.inf, -math.inf
+        found[:, 0].index_add_(0, index, weights)
+        found[:, 1].scatter_reduce_(0, index, weights, "amin")
+        found[:, 2].scatter_reduce_(0, index, weights, "amax")
+        out[:, :3] = found.cpu()
+        for i, size in zip((i for i, _ in parts), sizes):
+            out[i, 3] += size
+    return out.tolist()
+
+
+def _merged(a: list[float] | None, b: list[float]) -> list[float]:
+    """Two ``[sum, min, max, count]`` as one (``a`` may be absent; an empty one, count 0, adds nothing)."""
+    if a is None or not a[3]:
+        return b
+    if not b[3]:
+        return a
+    return [a[0] + b[0], min(a[1], b[1]), max(a[2], b[2]), a[3] + b[3]]
 
 
 def check_parameter(hooks: Sequence[Any]) -> torch.Tensor | None:
@@ -176,6 +273,7 @@ def check_parameter(hooks: Sequence[Any]) -> torch.Tensor | None:
 #: ``param_names``: the names of an optimizer built from ``named_parameters()``).
 NOT_HYPER = frozenset(
     {"params", "param_names", "initial_lr", "name", "foreach", "fused", "capturable", "differentiable"}
+    | {"max_lr", "min_lr", "base_momentum", "max_momentum"}  # OneCycleLR's and CyclicLR's own entries
 )
 
 
@@ -213,8 +311,14 @@ class ParameterGroups:
         """Whether ``optimizer`` steps some of the model's parameters."""
         return any(id(p) in self._names for group in optimizer.param_groups for p in group["params"])
 
+    def trained(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The model's parameters that ``optimizer`` steps."""
+        return [p for group in optimizer.param_groups for p in group["params"] if id(p) in self._names]
+
     def mark(self, row: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
-        """Give ``row`` (the step's, with its ``checkpoint``) the groups' columns."""
+        """Give ``row`` (the step's, with its ``checkpoint``) the groups' columns and ``without_gradients`` (the
+        names of the model's trainable parameters in the optimizer whose ``.grad`` is ``None`` after the step: the
+        optimizer left them as they were; ``None`` when every one had a gradient)."""
         groups = optimizer.param_groups
         key = tuple((id(group["params"]), len(group["params"])) for group in groups)
         row["group_parameters"] = None
@@ -224,6 +328,13 @@ class ParameterGroups:
             row["group_parameters"] = json.dumps(members)
         hyper = [{k: v for k, v in group.items() if k not in NOT_HYPER} for group in groups]
         row["group_hyperparameters"] = json.dumps(hyper, default=_number)
+        missing = [
+            self._names[id(p)]
+            for group in groups
+            for p in group["params"]
+            if p.grad is None and p.requires_grad and id(p) in self._names
+        ]
+        row["without_gradients"] = json.dumps(missing) if missing else None
 
 
 def _number(value: Any) -> Any:
@@ -325,6 +436,20 @@ def _sharded_moment(optimizer: torch.optim.Optimizer, weight: torch.Tensor, bias
         correction = 1.0 - group.get("betas", (0.9, 0.999))[1] ** max(float(state.get("step", 1)), 1.0)
         out.append(moment.to_local().reshape(-1) / correction)
     return torch.cat(out) if out else None
+
+
+def learning_rates(optimizer: torch.optim.Optimizer, hooks: Sequence[Any]) -> str | None:
+    """Where the captured parameters' groups differ in learning rate: JSON ``[[weight's lr, bias's lr or null],
+    ...]``, one pair per captured layer in the rows' order (their slots' offsets); ``None`` when all are alike (the
+    rows' ``learning_rate`` holds it)."""
+    of = {id(p): float(g["lr"]) for g in optimizer.param_groups for p in g["params"]}
+    pairs = [
+        [of.get(id(h.parameter)), of.get(id(h.bias)) if h.slot.has_bias and h.bias is not None else None]
+        for h in sorted(hooks, key=lambda h: h.slot.offset)
+    ]
+    if len({v for pair in pairs for v in pair if v is not None}) <= 1:
+        return None
+    return json.dumps(pairs)
 
 
 def weight_decays(optimizer: torch.optim.Optimizer, hooks: Sequence[Any]) -> list[float] | None:

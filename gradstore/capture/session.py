@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from gradstore.capture.optimizer_state import (
     ParameterGroups,
     StepGradients,
+    StepWeights,
     check_parameter,
     step_record,
     weights_fingerprint,
@@ -202,6 +203,9 @@ class StoreCapture:
         self._checked_optimizer: torch.optim.Optimizer | None = None
         self._model = model
         self._groups = ParameterGroups(model)
+        self._weights = StepWeights()  # how each step weighted its training rows
+        self.capture.add_row_listener(self._weigh_rows)
+        self._initial_state: str | None = None  # whether the optimizer held state before the first step
         self._first_step_hook: Any = None
         self._initial_weights: str | None = None  # the weights' fingerprint before the first step, until recorded
         self._writer_config = writer_config
@@ -247,6 +251,8 @@ class StoreCapture:
         ours = self.capture.optimizer
         if optimizer is ours or (ours is None and self._groups.trains(optimizer)):
             self._initial_weights = weights_fingerprint(self._model)
+            held = any(optimizer.state.get(p) for p in self._groups.trained(optimizer))
+            self._initial_state = "held" if held else "empty"
             self._first_step_hook.remove()
             self._first_step_hook = None
 
@@ -336,10 +342,18 @@ class StoreCapture:
         if self._gradients is not None:
             self._gradients.mark(row)
         self._groups.mark(row, optimizer)
+        self._weights.mark(row)
         row["initial_weights"], self._initial_weights = self._initial_weights, None
+        row["initial_state"], self._initial_state = self._initial_state, None
         self._optimizer_rows.append(row)
 
+    def _weigh_rows(self, batch: Any, rows: torch.Tensor) -> None:
+        """A captured backward's rows: a training batch's per-example scales count in its step's weights."""
+        if batch.meta.get("split") == "train":
+            self._weights.add(batch.scales)
+
     def _write_optimizer_steps(self) -> None:
+        self._weights.resolve()
         if self._gradients is not None:
             self._gradients.resolve()
         if self._optimizer_rows:

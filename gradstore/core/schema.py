@@ -223,6 +223,17 @@ OPTIMIZER_STEPS_SCHEMA = _tagged(
         pa.field("group_parameters", pa.string()),
         # JSON: each parameter group's hyper-parameters at the step ([{"lr": ..., ...}, ...])
         pa.field("group_hyperparameters", pa.string()),
+        # JSON: where the captured parameters' groups differ in learning rate, [[weight's lr, bias's lr | null], ...]
+        # per captured layer in the rows' order; null: every one at the row's learning_rate
+        pa.field("learning_rates", pa.string()),
+        # JSON: how the step weighted its captured training rows relative to their mean ({"total", "least", "most"}:
+        # gradstore.capture.optimizer_state.StepWeights); null: no training rows captured, or an earlier version
+        pa.field("row_weights", pa.string()),
+        # JSON: the names of the optimizer's parameters that had no gradient at the step (it left them as they were)
+        pa.field("without_gradients", pa.string()),
+        # "empty" or "held": whether the optimizer held state (momentum, Adam's moments) before the first step a
+        # capture records (a capture that starts mid-training: "held")
+        pa.field("initial_state", pa.string()),
         # JSON: {name: [float64 sum, sum of squares]} of the model's parameters before the first step a capture records
         pa.field("initial_weights", pa.string()),
         pa.field("created_at", _TIMESTAMP),

@@ -119,8 +119,61 @@ def _mean(value: float | torch.Tensor) -> float:
     return float(value.mean()) if isinstance(value, torch.Tensor) else value
 
 
-def coefficients(row: dict, lr: float, dim: int, layers: Sequence[tuple[int, int]]) -> Coefficients:
-    """The step's :class:`Coefficients` from its ``optimizer_steps`` row (``lr``: the rows' learning rate)."""
+def coefficients(
+    row: dict, lr: float, dim: int, layers: Sequence[tuple[int, int]], slots: Sequence | None = None
+) -> Coefficients:
+    """The step's :class:`Coefficients` from its ``optimizer_steps`` row (``lr``: the rows' learning rate;
+    ``slots``: the run's layer slots, for learning rates recorded per layer), its size relative to the mean of its
+    rows (:func:`row_weights`) and the learning rates of its layers where their parameter groups differ (folded into
+    ``P`` as ``lr_i / lr``)."""
+    co = _optimizer_coefficients(row, lr, dim, layers)
+    rates = layer_rates(row.get("learning_rates"), slots, dim) if slots is not None else None
+    if rates is not None:
+        ratio = rates / lr if lr else torch.ones_like(rates)
+        rho = co.rho
+        if co.optimizer == "adamw":  # decoupled weight decay at each coordinate's own learning rate
+            rho = 1.0 - (1.0 - torch.as_tensor(co.rho, dtype=torch.float64)) * ratio
+        co = replace(co, rho=rho, p=ratio if co.p is None else co.p * ratio)
+    total = row_weights(row)[0]
+    if total != 1.0:  # the step's gradient is total x the mean of its rows: u and H scale, the weight decay does not
+        co = replace(co, a=co.a * total, b=co.b * total, l2=co.l2 / total if total else co.l2)
+    return co
+
+
+def row_weights(row: dict) -> tuple[float, bool]:
+    """The step's gradient over the mean of its captured rows (``optimizer_steps.row_weights``'s ``total``: 1 for a
+    batch mean, the batch's size for a sum, the loss scale, ...) and whether its rows were weighted unevenly; ``(1,
+    False)`` where not recorded."""
+    recorded = row.get("row_weights")
+    if not recorded:
+        return 1.0, False
+    weights = json.loads(recorded)
+    total, least, most = (float(weights[k]) for k in ("total", "least", "most"))
+    return total, not math.isclose(least, most, rel_tol=1e-5)
+
+
+def layer_rates(recorded: str | None, slots: Sequence, dim: int) -> torch.Tensor | None:
+    """The learning rate of every coordinate ``[dim]`` (float64) from a step's ``learning_rates`` (JSON, a
+    ``[weight's, bias's]`` pair per layer in the rows' order; the bias's applies to the bias column of a layer
+    stored unprojected); ``None`` where not recorded or not in these ``slots``' layout."""
+    if not recorded:
+        return None
+    pairs = json.loads(recorded)
+    ordered = sorted(slots, key=lambda slot: slot.offset)
+    if len(pairs) != len(ordered) or sum(slot.size for slot in ordered) != dim:
+        return None
+    out = torch.empty(dim, dtype=torch.float64)
+    for (weight, bias), slot in zip(pairs, ordered):
+        block = out[slot.offset : slot.offset + slot.size]
+        block.fill_(float(weight))
+        exact = slot.mode == "exact" and slot.kind in ("linear", "conv") and slot.has_bias and bias is not None
+        if exact and slot.size % max(1, slot.d_out) == 0:
+            block.view(slot.d_out, -1)[:, -1] = float(bias)
+    return out
+
+
+def _optimizer_coefficients(row: dict, lr: float, dim: int, layers: Sequence[tuple[int, int]]) -> Coefficients:
+    """The step's :class:`Coefficients` from its optimizer's kind and hyper-parameters alone."""
     kind = row.get("optimizer")
     mu = float(row.get("momentum") or 0.0)
     wd: float | torch.Tensor = float(row.get("weight_decay") or 0.0)
@@ -174,33 +227,77 @@ def with_dynamics(store: StoreCore, run: str, label: str, steps: Sequence) -> li
     rows = {row["step"]: row for row in _rows(table)}  # ranks and resumed steps: the last
     if not rows:
         return list(steps)
-    dim = store.run_dim(run)
-    spec = store.run(run)["projection"]
-    layers = [(s.offset, s.size) for s in store.run_spec(run, "dvemb").layers] if spec else [(0, dim)]
-    _warn_unmodelled(run, [rows[s.step] for s in steps if s.step in rows])
+    dim, layers, slots = _layout(store, run, "dvemb")
     return [
-        replace(s, coefficients=coefficients(rows[s.step], s.learning_rate, dim, layers)) if s.step in rows else s
+        replace(s, coefficients=coefficients(rows[s.step], s.learning_rate, dim, layers, slots))
+        if s.step in rows
+        else s
         for s in steps
     ]
 
 
+def _layout(store: StoreCore, run: str, method: str) -> tuple[int, list[tuple[int, int]], Sequence | None]:
+    """The run's dimension, its layers' ``(offset, size)`` (one block without a projection spec) and slots."""
+    dim = store.run_dim(run)
+    if not store.run(run)["projection"]:
+        return dim, [(0, dim)], None
+    slots = store.run_spec(run, method).layers
+    return dim, [(s.offset, s.size) for s in slots], slots
+
+
 #: The optimizers whose dynamics :func:`coefficients` models (capture's ``optimizer_kind``).
 MODELLED = ("sgd", "adam", "adamw")
+#: ``optimizer_steps`` columns :func:`warn_unmodelled` reads (those absent in a store of an earlier version skipped).
+_NOTED = ("step", "optimizer", "gradients", "row_weights")
 
 
-def _warn_unmodelled(run: str, rows: Sequence[dict]) -> None:
-    """One :class:`~gradstore.errors.UnmodelledOptimizerWarning` when some recorded steps were taken by an
-    optimizer the dynamics do not model (RMSprop, Adagrad, NAdam, ...): those steps are ``lr x gradient``."""
+def warn_unmodelled(store: StoreCore, run: str, label: str | None, method: str) -> None:
+    """One :class:`~gradstore.errors.UnmodelledOptimizerWarning` per kind of recorded step of ``run`` (under
+    ``label``; any label with ``None``) that ``method``'s dynamics do not model: steps of an optimizer they do not
+    model (RMSprop, Adagrad, NAdam, ...: taken as ``lr x gradient``), steps on gradients other than the backward's
+    (clipping that cut the norm, a GradScaler not given to capture), rows weighted unevenly within a step
+    (micro-batches of different sizes each reduced by its own mean; a ``"token_mean"`` run's token weighting is
+    its documented approximation, not warned)."""
+    if not store.has_table(S.OPTIMIZER_STEPS):
+        return
+    columns = [c for c in _NOTED if c in store.dataset(S.OPTIMIZER_STEPS).schema.names]
+    table = store.scan(S.OPTIMIZER_STEPS, columns, gradient_filter(run, label, None), cache=False)
+    if table.num_rows == 0:
+        return
+    rows = table.to_pylist()
+    exact = "for exact metagradients use store.replay (it refuses what it cannot reproduce)"
     kinds = sorted({str(r.get("optimizer")) for r in rows if r.get("optimizer") not in (None, *MODELLED)})
     if kinds:
-        warnings.warn(
+        _warn(
             f"run {run!r} was trained with {', '.join(kinds)}, whose update rule the trajectory methods do not "
             f"model (they model {', '.join(MODELLED)}): each of its steps is taken as lr x gradient, a plain SGD "
-            "step, so scores weight the steps as such; for exact metagradients of any of the modelled optimizers "
-            "use store.replay, else a single-checkpoint method (fisher, grad-dot) does not depend on the dynamics",
-            UnmodelledOptimizerWarning,
-            stacklevel=4,
+            f"step, so {method}'s scores weight the steps as such; {exact} with one of the modelled optimizers, "
+            "else a single-checkpoint method (fisher, grad-dot) does not depend on the dynamics"
         )
+    modified = sorted(r["step"] for r in rows if r.get("gradients") == "modified")
+    if modified:
+        _warn(
+            f"run {run!r}'s optimizer stepped on other gradients than the backward produced in {len(modified)} of its "
+            f"{len(rows)} recorded steps (e.g. step {modified[0]}): gradient clipping that cut the norm "
+            "(clip_grad_norm_, the HF Trainer's max_grad_norm) or a rescaling between backward() and step() (a "
+            f"GradScaler not given to capture as grad_scaler=: then the rows are scaled too); {method} takes each step "
+            "as the backward's gradient, so the clipped steps weigh more than they did: give capture the GradScaler, "
+            "or read the scores as approximate"
+        )
+    reduction = (store.run_config(run).get("capture") or {}).get("loss_reduction")
+    uneven = sorted(r["step"] for r in rows if row_weights(r)[1])
+    if uneven and reduction != "token_mean":
+        _warn(
+            f"run {run!r}'s steps weighted their rows unevenly in {len(uneven)} of its {len(rows)} recorded steps "
+            f"(e.g. step {uneven[0]}: gradient accumulation over micro-batches of different sizes, each reduced by "
+            f"its own mean): {method} takes a step as the mean of its rows (times the step's total weight), so "
+            "examples of small micro-batches weigh less than they did; accumulate micro-batches of equal size, or "
+            "reduce each by the step's total count (loss.sum() / total)"
+        )
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, UnmodelledOptimizerWarning, stacklevel=5)
 
 
 def check_descent(store: StoreCore, run: str) -> None:
@@ -329,11 +426,13 @@ def warn_clipped(clipped: Sequence[Clipped], run: str, method: str = "dvemb") ->
     worst = max(clipped, key=_excess)
     warnings.warn(
         f"{method} on run {run!r}: the curvature of {len(steps)} recorded step(s) (steps {steps[:8]}"
-        f"{' ...' if len(steps) > 8 else ''}) makes the linearised recursion expand beyond what training did "
+        f"{' ...' if len(steps) > 8 else ''}) makes the linearised recursion expand "
         f"(the step operator's eigenvalues leave the unit disc: lr * lambda_max(H) > 2 for plain SGD, "
         f"> 2 (1 + momentum) for heavy ball); worst at step {worst.step}: largest curvature eigenvalue "
         f"{worst.largest:.4g} against the stable bound {worst.bound:.4g}. Those eigenvalues were clipped to the "
-        "bound (docs/concepts.md, 'Optimizer dynamics and stability')",
+        "bound, which is approximate where training itself expanded for a few steps (a model quadratic in its "
+        "weights: gradstore.methods.dynamics.STABILITY = 'off' keeps those exact; docs/concepts.md, 'Optimizer "
+        "dynamics and stability')",
         UnstableStepWarning,
         stacklevel=2,
     )
@@ -513,17 +612,15 @@ def segment_coefficients(store: StoreCore, run: str, ends: Sequence[tuple[int, i
         return [None] * len(ends)
     check_descent(store, run)
     rows = {row["step"]: row for row in _rows(store.scan(S.OPTIMIZER_STEPS, None, gradient_filter(run), cache=False))}
-    _warn_unmodelled(run, [rows[s] for first, end in ends for s in range(first, end) if s in rows])
-    dim = store.run_dim(run)
-    spec = store.run(run)["projection"]
-    layers = [(s.offset, s.size) for s in store.run_spec(run, "source").layers] if spec else [(0, dim)]
+    warn_unmodelled(store, run, None, "source")
+    dim, layers, slots = _layout(store, run, "source")
     out: list[Coefficients | None] = []
     for first, end in ends:
         recorded = [rows[s] for s in range(first, end) if s in rows]
         if not recorded:
             out.append(None)
             continue
-        every = [coefficients(r, float(r["learning_rate"]), dim, layers) for r in recorded]
+        every = [coefficients(r, float(r["learning_rate"]), dim, layers, slots) for r in recorded]
         if all(c.is_plain for c in every):
             out.append(None)
             continue

@@ -38,15 +38,30 @@ OPTIMIZERS = {
     # parameter groups: no weight decay on the bias (recorded per coordinate)
     "sgd-momentum-groups": (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.05, "bias_weight_decay": 0.0}, 0.1),
     "adamw-groups": (torch.optim.AdamW, {"betas": (0.8, 0.95), "weight_decay": 0.1, "bias_weight_decay": 0.0}, 0.05),
+    # the bias in a group of its own, listed first, at another learning rate (recorded per layer, per coordinate)
+    "sgd-momentum-bias-lr": (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.05, "bias_lr": 0.2}, 0.1),
+    "adamw-bias-lr": (torch.optim.AdamW, {"betas": (0.8, 0.95), "weight_decay": 0.1, "bias_lr": 3.0}, 0.05),
+    # the loop multiplies its losses by a constant it gives capture as loss_scale: the steps are that much larger
+    "sgd-momentum-loss-scale": (torch.optim.SGD, {"momentum": 0.9, "loss_scale": 2.0}, 0.05),
+    "adam-loss-scale": (torch.optim.Adam, {"betas": (0.9, 0.99), "weight_decay": 0.01, "loss_scale": 0.5}, 0.05),
 }
+
+
+def variant_options(name: str) -> tuple[float, float]:
+    """The bias's learning rate over the weight's and the loss scale of optimizer variant ``name``."""
+    options = OPTIMIZERS[name][1]
+    return options.get("bias_lr", 1.0), options.get("loss_scale", 1.0)
 
 
 def optimizer_for(model: nn.Linear, name: str) -> torch.optim.Optimizer:
     cls, options, base = OPTIMIZERS[name]
-    options = dict(options)
+    options = {k: v for k, v in options.items() if k not in ("bias_lr", "loss_scale")}
     bias_decay = options.pop("bias_weight_decay", None)
-    if bias_decay is None:
+    bias_lr, _ = variant_options(name)
+    if bias_decay is None and bias_lr == 1.0:
         return cls(model.parameters(), lr=base, **options)
+    if bias_lr != 1.0:
+        return cls([{"params": [model.bias], "lr": base * bias_lr}, {"params": [model.weight]}], lr=base, **options)
     groups = [{"params": [model.weight]}, {"params": [model.bias], "weight_decay": bias_decay}]
     return cls(groups, lr=base, **options)
 
@@ -77,19 +92,21 @@ def train_captured(store: gradstore.GradStore, name: str, steps: int = T) -> nn.
     model = init_model()
     optimizer = optimizer_for(model, name)
     rates = schedule(base)
-    with store.capture(model, RUN, optimizer=optimizer, projection=None) as cap:
+    bias_lr, scale = variant_options(name)
+    options = {"loss_scale": scale} if scale != 1.0 else {}
+    with store.capture(model, RUN, optimizer=optimizer, projection=None, **options) as cap:
         for t in range(steps):
             for group in optimizer.param_groups:
-                group["lr"] = rates[t]
+                group["lr"] = rates[t] * (bias_lr if group["params"][0] is model.bias else 1.0)
             ids = [str(int(i)) for i in batches[t]]
             cap.set_split(TRUE_FISHER_SPLIT)
             for output in range(OUT):  # sqrt(OUT) x each output's gradient: C^T C / (OUT B) = the batch Hessian
                 cap.set_ids(ids)
-                (math.sqrt(OUT) * model(x[batches[t]])[:, output]).mean().backward()
+                (scale * math.sqrt(OUT) * model(x[batches[t]])[:, output]).mean().backward()
                 optimizer.zero_grad()
             cap.set_split("train")
             cap.set_ids(ids)
-            (0.5 * ((model(x[batches[t]]) - y[batches[t]]) ** 2).sum(1)).mean().backward()
+            (scale * 0.5 * ((model(x[batches[t]]) - y[batches[t]]) ** 2).sum(1)).mean().backward()
             optimizer.step()
             optimizer.zero_grad()
     return model
@@ -97,7 +114,7 @@ def train_captured(store: gradstore.GradStore, name: str, steps: int = T) -> nn.
 
 def capture_queries(store: gradstore.GradStore, model: nn.Linear, step: int = T) -> None:
     _, _, qx, qy, _ = problem()
-    with store.capture(model, RUN, checkpoint="final", projection=None) as cap:
+    with store.capture(model, RUN, checkpoint="final", projection=None, loss_scale=1.0) as cap:
         cap.set_step(step)
         cap.set_split("query")
         cap.set_ids(["qa", "qb"])
@@ -119,12 +136,14 @@ def replay(name: str, frozen: bool = True, steps: int = T) -> tuple[np.ndarray, 
     qt = torch.cat([qx, torch.ones(2, 1, dtype=torch.float64)], 1)
     wd = torch.full_like(theta, options.get("weight_decay", 0.0))
     wd[:, -1] = options.get("bias_weight_decay", options.get("weight_decay", 0.0))
+    bias_lr, scale = variant_options(name)
     buffer, m, v = None, torch.zeros_like(theta), torch.zeros_like(theta)
     peak = torch.zeros_like(theta)  # AMSGrad's running maximum of v
     for t in range(steps):
-        lr, batch = rates[t], batches[t]
+        lr, batch = torch.full_like(theta, rates[t]), batches[t]
+        lr[:, -1] *= bias_lr
         residual = xt[batch] @ theta.T - y[batch]
-        loss = (weights[batch] * 0.5 * (residual**2).sum(1)).mean()
+        loss = scale * (weights[batch] * 0.5 * (residual**2).sum(1)).mean()
         (grad,) = torch.autograd.grad(loss, theta, create_graph=True)
         if cls is torch.optim.SGD:
             grad = grad + wd * theta
@@ -617,3 +636,93 @@ def test_a_run_that_maximized_its_loss_is_refused_by_the_trajectory_methods(tmp_
         with pytest.raises(InvalidArgumentError, match=r"maximize=True \(4 recorded step\(s\), from step 0\)"):
             store.score_matrix(["qa", "qb"], run=RUN, method=method)
     assert store.attribute(["qa"], run=RUN, k=2, method="grad-dot", checkpoint="final", write=False).num_rows == 2
+
+
+def in_loop(path, *, before_step=None, sizes=(B,), scale: float = 1.0) -> gradstore.GradStore:
+    """A store of 4 SGD-momentum steps, each over micro-batches of ``sizes`` (each one's mean loss divided by their
+    number, ``loss_scale`` told), the loss multiplied by ``scale``, ``before_step(model)`` between the backwards and
+    the step; query rows at step 4."""
+    x, y, _, _, batches = problem()
+    model = init_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    store = gradstore.open(path, storage_dtype="float32")
+    with store.capture(model, RUN, optimizer=optimizer, projection=None, loss_scale=1 / len(sizes)) as cap:
+        for t in range(4):
+            start = 0
+            for size in sizes:
+                part = batches[t][start : start + size]
+                start += size
+                cap.set_ids([str(int(i)) for i in part])
+                (scale * 0.5 * ((model(x[part]) - y[part]) ** 2).sum(1)).mean().div(len(sizes)).backward()
+            if before_step is not None:
+                before_step(model)
+            optimizer.step()
+            optimizer.zero_grad()
+    capture_queries(store, model, step=4)
+    return store
+
+
+def test_steps_the_dynamics_take_as_the_backwards_mean_warn_where_they_were_not(tmp_path):
+    """Clipping that cut the norm (the step was not the backward's gradient), and micro-batches of unequal sizes
+    each reduced by its own mean (examples weighed unevenly), are recorded by capture; dvemb and source say so
+    (UnmodelledOptimizerWarning) instead of scoring such steps as if they were the rows' mean, silently. Equal
+    micro-batches, and a run without either, warn nothing."""
+    clipped = in_loop(tmp_path / "clip", before_step=lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3))
+    uneven = in_loop(tmp_path / "uneven", sizes=(1, 3))
+    for store, message in ((clipped, "stepped on other gradients than the backward produced in 4 of its 4"),
+                           (uneven, "weighted their rows unevenly in 4 of its 4 recorded steps")):  # fmt: skip
+        with pytest.warns(gradstore.UnmodelledOptimizerWarning, match=message):
+            store.score_matrix(["qa", "qb"], run=RUN, method="dvemb")
+    for store in (in_loop(tmp_path / "plain"), in_loop(tmp_path / "even", sizes=(2, 2))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            store.score_matrix(["qa", "qb"], run=RUN, method="dvemb")
+
+
+def test_rows_of_a_grad_scaler_not_given_to_capture_are_warned(tmp_path):
+    """A loop scaling its loss by a power of two and unscaling the gradients before the step (an AMP GradScaler
+    not given to capture) leaves rows that carry the scale: capture says so and what to pass. A loop that does not
+    rescale warns nothing."""
+
+    def unscale(model):
+        for p in model.parameters():
+            p.grad.div_(1024.0)
+
+    with pytest.warns(gradstore.UnscaledRowsWarning, match="grad_scaler=scaler"):
+        in_loop(tmp_path / "scaled", before_step=unscale, scale=1024.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        in_loop(tmp_path / "plain")
+
+
+def test_scores_of_a_diverged_run_are_refused_not_ranked(tmp_path):
+    """A run trained far beyond its stability bound (``lr lambda_max = 21``, weights ~1e32 after 26 steps) leaves
+    rows whose products overflow float32: ``score_matrix`` and ``attribute`` raise ``NonFiniteScoresError`` saying
+    so, and nothing is written to ``scores`` (they returned infinities and ranked NaN scores)."""
+    x, y, qx, qy, _ = problem()
+    design = torch.cat([x, torch.ones(N, 1, dtype=torch.float64)], 1)
+    rate = 21.0 / float(torch.linalg.eigvalsh(design.T @ design / N).max())
+    model = init_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=rate)
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    ids = [str(i) for i in range(N)]
+    with store.capture(model, RUN, optimizer=optimizer, projection=None) as cap:
+        for _ in range(26):
+            cap.set_split(TRUE_FISHER_SPLIT)
+            for output in range(OUT):
+                cap.set_ids(ids)
+                (math.sqrt(OUT) * model(x)[:, output]).mean().backward()
+                optimizer.zero_grad()
+            cap.set_split("train")
+            cap.set_ids(ids)
+            (0.5 * ((model(x) - y) ** 2).sum(1)).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    capture_queries(store, model, step=26)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnstableStepWarning)
+        with pytest.raises(gradstore.NonFiniteScoresError, match="dvemb on run 'quad' gave .* NaN/Inf"):
+            store.score_matrix(["qa", "qb"], run=RUN, method="dvemb")
+        with pytest.raises(gradstore.NonFiniteScoresError, match="Nothing was written"):
+            store.attribute(["qa", "qb"], run=RUN, method="dvemb", k=3)
+    assert store.sql("select count(*) from scores").fetchall() == [(0,)]

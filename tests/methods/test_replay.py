@@ -732,3 +732,174 @@ def test_a_loss_fn_giving_nan_or_no_gradient_is_refused_not_stored(store):
     with pytest.raises(MissingReplayError):
         store.attribute(["q0"], run=RUN, method="replay")
     assert np.isfinite(store.replay(QUERIES, loss_fn=loss_fn, write=False, **common).scores).all()
+
+
+def test_a_loss_scaled_run_replays_exactly(store):
+    """A loop multiplying its loss by a constant it gives capture as ``loss_scale`` took steps that much larger:
+    the replay takes each step's objective at the scale capture recorded (``row_weights``), exact against the
+    unrolled run (here plain SGD, where the scale is the learning rate's)."""
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.3)  # noqa: E731
+    train_loop(store, "scaled", sgd, backward=lambda loss: (2.0 * loss).backward(), loss_scale=2.0)
+    replayed = store.replay(
+        QUERIES, run="scaled", model_fn=model_fn, batch_fn=batch_fn, loss_fn=loss_fn, optimizer="sgd", write=False
+    )
+    np.testing.assert_allclose(by_example(replayed), unrolled("sgd", schedule=False, lr=0.6), rtol=1e-9)
+
+
+def accumulated(
+    store, run: str, sizes: tuple[int, ...], optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.3)
+):
+    """Each step's batch in micro-batches of ``sizes``, each micro-batch's mean loss divided by their number (the
+    usual gradient accumulation, told to capture as ``loss_scale``), one optimizer step after them."""
+    x, y, batches, _, _ = data()
+    model = model_fn()
+    optimizer = optimizer_of(model)
+    with store.capture(model, run, optimizer=optimizer, projection=None, loss_scale=1 / len(sizes)) as cap:
+        for t in range(T):
+            start = 0
+            for size in sizes:
+                part = batches[t][start : start + size]
+                start += size
+                cap.set_ids([str(i) for i in part])
+                (loss_fn(model, (x[part], y[part])).mean() / len(sizes)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return model
+
+
+def test_gradient_accumulation_replays_equal_micro_batches_and_refuses_unequal_ones(store):
+    """Micro-batches of equal size, each reduced by its mean and divided by their number, make the step the mean
+    over the whole batch: replayed exactly. Of unequal sizes (1 + 3) an example of the small one weighed three times
+    another's, which a replay reducing the step's losses by one mean cannot reproduce: refused, naming it."""
+    common = {"model_fn": model_fn, "batch_fn": batch_fn, "loss_fn": loss_fn, "optimizer": "sgd", "write": False}
+    accumulated(store, "even", (2, 2))
+    replayed = store.replay(QUERIES, run="even", **common)
+    np.testing.assert_allclose(by_example(replayed), unrolled("sgd", schedule=False), rtol=1e-9)
+    accumulated(store, "uneven", (1, 3))
+    with pytest.raises(InvalidArgumentError, match="weighted its examples unevenly.*micro-batches of different sizes"):
+        store.replay(QUERIES, run="uneven", **common)
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum", "adam"])
+def test_a_capture_begun_mid_training_is_refused(store, name):
+    """Steps taken before the capture left momentum buffers (Adam's moments and step count) that the store does not
+    hold; the replay starts from an empty optimizer state, so it refuses the run."""
+    x, y, batches, _, _ = data()
+    model = model_fn()
+    kind, hyper = OPTIMIZERS[name]
+    optimizer = kind(model.parameters(), **hyper)
+    for t in range(2):  # before the capture
+        loss_fn(model, (x[batches[t]], y[batches[t]])).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with store.capture(model, "late", optimizer=optimizer, projection=None) as cap:
+        for t in range(2, T):
+            cap.set_ids([str(i) for i in batches[t]])
+            loss_fn(model, (x[batches[t]], y[batches[t]])).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    with pytest.raises(InvalidArgumentError, match="began mid-training.*capture from the run's first optimizer step"):
+        store.replay(
+            QUERIES, run="late", model_fn=model_fn, batch_fn=batch_fn, loss_fn=loss_fn, optimizer=optimizer, write=False
+        )
+
+
+class Gated(nn.Module):
+    """The MLP plus a parameter used only by batches that hold example ``"0"`` (an expert no token was routed to)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = model_fn()
+        self.extra = nn.Linear(D, 1).double()
+
+    def forward(self, x: torch.Tensor, gate: bool) -> torch.Tensor:
+        out = self.body(x).squeeze(-1)
+        return out + self.extra(x).squeeze(-1) if gate else out
+
+
+def gated_model() -> Gated:
+    torch.manual_seed(2)
+    return Gated()
+
+
+def gated_batch(ids):
+    x, y = batch_fn(ids)
+    return x, y, "0" in ids
+
+
+def gated_loss(model, batch):
+    x, y, gate = batch
+    return 0.5 * (model(x, gate) - y) ** 2
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("name", ["sgd-momentum", "adamw"])
+def test_parameters_without_a_gradient_are_replayed_as_the_optimizer_left_them(store, name, set_to_none):
+    """``torch.optim`` skips a parameter whose ``.grad`` is ``None`` (no momentum, weight decay or Adam step count
+    for it at that step); one whose gradient was zeroed in place (``zero_grad(set_to_none=False)``) is stepped.
+    Capture records which had none (``without_gradients``); the replay's final weights are the training's."""
+    x, y, batches, _, _ = data()
+    model = gated_model()
+    kind, hyper = OPTIMIZERS[name]
+    optimizer = kind(model.parameters(), **hyper)
+    with store.capture(model, RUN, optimizer=optimizer, projection=None) as cap:
+        for t in range(T):
+            ids = [str(i) for i in batches[t]]
+            cap.set_ids(ids)
+            gated_loss(model, gated_batch(ids)).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+    skipped = store.sql("select count(*) from optimizer_steps where without_gradients is not null").fetchall()[0][0]
+    assert (skipped > 0) == set_to_none and 0 < skipped < T if set_to_none else skipped == 0
+    replayed = store.replay(
+        QUERIES, run=RUN, model_fn=gated_model, batch_fn=gated_batch, loss_fn=gated_loss, optimizer=optimizer,
+        write=False,
+    )  # fmt: skip
+    for name_, parameter in model.named_parameters():
+        torch.testing.assert_close(replayed.final[name_], parameter.detach(), rtol=1e-12, atol=1e-13)
+
+
+def test_schedulers_own_entries_and_decoupled_adam_are_not_hyper_parameters_to_refuse(store):
+    """OneCycleLR keeps its ``max_lr``/``min_lr`` in the parameter groups (bookkeeping, not the update's): the
+    run replays exactly with the torch optimizer given; ``Adam(decoupled_weight_decay=True)`` is AdamW."""
+    held = {}
+
+    def make(model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        held["schedule"] = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=0.3, total_steps=T, cycle_momentum=False
+        )
+        return optimizer
+
+    def step(model, optimizer):
+        optimizer.step()
+        held["schedule"].step()
+
+    _, optimizer = train_loop(store, "cycle", make, step=step)
+    replayed = store.replay(
+        QUERIES, run="cycle", model_fn=model_fn, batch_fn=batch_fn, loss_fn=loss_fn, optimizer=optimizer, write=False
+    )
+    model = model_fn()
+    assert set(replayed.final) == {n for n, _ in model.named_parameters()}
+    rates = [r[0] for r in replayed.group_learning_rates]
+    assert len(set(rates)) > 2  # the cycle's learning rates, as recorded
+    decoupled = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1, decoupled_weight_decay=True)
+    assert Optimizer.of(decoupled) == Optimizer.of("adamw", weight_decay=0.1)
+
+
+@pytest.mark.parametrize(
+    "build, named",
+    [
+        (lambda: Optimizer("sgd", betas=(0.1, 0.2)), "sgd does not use betas"),
+        (lambda: Optimizer("sgd", eps=5.0), "sgd does not use eps"),
+        (lambda: Optimizer("adam", momentum=0.9), "adam does not use momentum"),
+        (lambda: Optimizer("adamw", nesterov=True), "adamw does not use nesterov"),
+    ],
+)
+def test_an_optimizer_setting_the_replay_would_not_use_is_refused(build, named):
+    """Every setting of the replay's optimizer means something: one its kind does not use is an InvalidArgumentError
+    naming it; a torch optimizer's own lr is not read (each step's is the recorded one)."""
+    with pytest.raises(InvalidArgumentError, match=named):
+        build()
+    model = model_fn()
+    assert Optimizer.of(torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.5)) == Optimizer("sgd", momentum=0.5)
