@@ -23,20 +23,18 @@ import torch
 
 from gradstore.capture.session import StoreCapture
 from gradstore.core import schema as S
+from gradstore.core.filters import gradient_filter
 from gradstore.errors import (
     CaptureUsageError,
     GradstoreError,
     InvalidArgumentError,
     UnknownRunError,
+    surface,
     translated,
 )
 from ingest import online_selection as ingest_online
 from ingest.online_selection import (
-    DropBelowThreshold,
-    KeepTopFraction,
-    LossBased,
     OnlineSelector,
-    RandomSelection,
     RefreshedTarget,
     SelectionPolicy,
     StepDecision,
@@ -73,6 +71,45 @@ def _translated(error: BaseException) -> GradstoreError | None:
     return translated(error)
 
 
+def _checked(post_init: Any) -> None:
+    """Run an ingest policy's ``__post_init__``: a refused argument raises gradstore's ``CaptureUsageError``."""
+    try:
+        post_init()
+    except Exception as error:
+        ours = _translated(error)
+        if ours is None:
+            raise
+        raise ours from error
+
+
+class KeepTopFraction(ingest_online.KeepTopFraction):
+    """Keep the ``fraction`` (in ``(0, 1]``) of the step's examples with the highest scores (at least one)."""
+
+    def __post_init__(self) -> None:
+        _checked(super().__post_init__)
+
+
+class DropBelowThreshold(ingest_online.DropBelowThreshold):
+    """Drop the examples whose score is below ``threshold`` (a number, not NaN; ``-inf`` keeps every example)."""
+
+    def __post_init__(self) -> None:
+        _checked(super().__post_init__)
+
+
+class LossBased(ingest_online.LossBased):
+    """Keep the ``fraction`` of examples with the lowest loss (``keep="low"``) or the highest (``keep="high"``)."""
+
+    def __post_init__(self) -> None:
+        _checked(super().__post_init__)
+
+
+class RandomSelection(ingest_online.RandomSelection):
+    """Keep a uniformly random ``fraction`` of the step's examples (seeded by ``select_online(..., seed=)``)."""
+
+    def __post_init__(self) -> None:
+        _checked(super().__post_init__)
+
+
 def query_target(
     store: Any, run: str, *, split: str = "query", checkpoint: str | None = None, where: str | None = None
 ) -> torch.Tensor:
@@ -83,6 +120,16 @@ def query_target(
         raise UnknownRunError(f"the store holds no run {run!r}: capture its query rows first (split='query')")
     block = core.read_gradients(run, split=split, checkpoint=checkpoint, where=where)
     if len(block) == 0:
+        unfiltered = (
+            0
+            if where is None
+            else core.tables.count(core.gradient_table_name(run), gradient_filter(run, checkpoint, split))
+        )
+        if unfiltered:
+            raise InvalidArgumentError(
+                f"where={where!r} matched none of run {run!r}'s {unfiltered} rows of split {split!r}"
+                f"{'' if checkpoint is None else f' at {checkpoint!r}'}: loosen the filter, or pass target= a vector"
+            )
         raise InvalidArgumentError(
             f"run {run!r} has no rows of split {split!r}{'' if checkpoint is None else f' at {checkpoint!r}'}: "
             "capture the target examples with store.capture(..., split='query') first, or pass target= a vector"
@@ -182,6 +229,7 @@ class OnlineSelection:
         )
 
 
+@surface
 def select_online(
     capture: StoreCapture,
     policy: SelectionPolicy,
@@ -206,7 +254,9 @@ def select_online(
     rows themselves are written as usual (every example's, dropped or not). Decisions go to the
     ``online_selection`` table every ``commit_every`` steps and on exit. Layers other than Linear, Embedding and
     Conv1D with trainable parameters are refused (:class:`ExactRemovalError`, a ``CaptureUsageError``); so are
-    a capture with a ``grad_scaler`` and a ``target`` of the wrong dimension.
+    a capture with a ``grad_scaler`` and a ``target`` of the wrong dimension. Any other keyword, or a flag
+    (``renormalize``, ``collective``) given anything but ``True``/``False`` (``None`` for ``collective``), is an
+    ``InvalidArgumentError``.
     """
     if not isinstance(capture, StoreCapture):
         raise InvalidArgumentError(

@@ -678,6 +678,56 @@ def test_store_selection_errors_are_gradstore_errors(tmp_path):
         query_target(store, "nope")
 
 
+def test_store_policies_and_select_online_refuse_with_gradstore_errors(tmp_path):
+    """The policies and ``select_online`` of ``gradstore.capture.online``: a refused argument is a GradstoreError
+    (they were ingest's ``CaptureUsageError``, a ``TypeError`` for an unknown keyword, and ``renormalize="no"``
+    was taken as true); ``query_target`` says when its filter matched none of the rows."""
+    import gradstore
+    from gradstore.capture.online import (
+        DropBelowThreshold,
+        KeepTopFraction,
+        LossBased,
+        RandomSelection,
+        query_target,
+        select_online,
+    )
+    from gradstore.errors import CaptureUsageError as StoreCaptureUsageError
+    from gradstore.errors import InvalidArgumentError
+
+    refused = [
+        (lambda: KeepTopFraction(1.5), r"KeepTopFraction.fraction must be a number in \(0, 1\], got 1.5"),
+        (lambda: RandomSelection(0), "RandomSelection.fraction must be a number"),
+        (lambda: DropBelowThreshold(math.nan), "pass a finite threshold"),
+        (lambda: LossBased(0.5, keep="mid"), "LossBased.keep must be 'low' or 'high', got 'mid'"),
+    ]
+    for make, message in refused:
+        with pytest.raises(StoreCaptureUsageError, match=message):
+            make()
+    assert KeepTopFraction(0.5).decide(4, torch.arange(4.0), None, torch.Generator()).tolist() == [
+        False,
+        False,
+        True,
+        True,
+    ]
+    store = gradstore.open(tmp_path / "store", storage_dtype="float32")
+    model = mlp().double()
+    with store.capture(model, "run", split="query", k_in=4, k_out=4) as cap:
+        cap.set_ids([f"q{i}" for i in range(3)])
+        F.cross_entropy(model(data(1, 3)[0]), data(1, 3)[1]).backward()
+    with pytest.raises(InvalidArgumentError, match="where='step = 999' matched none of run 'run''s 3 rows of split"):
+        query_target(store, "run", where="step = 999")
+    with store.capture(model, "run", k_in=4, k_out=4) as cap:
+        for keywords, message in (
+            ({"bogus": 1}, "select_online\\(\\) takes no argument bogus="),
+            ({"renormalize": "no"}, "renormalize= takes True or False, got 'no'"),
+            ({"collective": 1}, "collective= takes True, False or None"),
+            ({"seed": "x"}, "seed must be a whole number"),
+        ):
+            with pytest.raises(InvalidArgumentError, match=message):
+                select_online(cap, RandomSelection(0.5), **keywords)
+        model(data(2, 2)[0]).sum().backward()
+
+
 # ---------------------------------------------------------------- the Hugging Face Trainer (gradstore.hf_online)
 
 
