@@ -173,7 +173,13 @@ class GradStore:
 
         Per capture: ``split`` (``"train"``/``"query"``), ``checkpoint``, ``learning_rate`` (overrides the
         optimizer's; for checkpoint passes without one), ``curvature`` (also record Kronecker covariances of the
-        training rows and, apart, of the ``"true-fisher"`` rows, for ``kfac``/``ekfac``), ``normalizer``, ``fused``
+        training rows and, apart, of the ``"true-fisher"`` rows, for ``kfac``/``ekfac``: each capture adds its sums
+        and token counts to the checkpoint's, so captures of parts of a checkpoint's rows save the factors of one
+        capture over all of them; a capture that adds rows of a split to a checkpoint with factors of that split
+        without ``curvature=True`` leaves them describing only part of its rows: ``StaleCurvatureWarning`` then, and
+        whenever ``kfac``/``ekfac`` fit them; with ``resume=True`` the factors count the committed rows a capture
+        replays again: they replace the checkpoint's where it replayed all of them, are added where it replayed just
+        the rows whose factors a crash lost, else are saved stale with the warning), ``normalizer``, ``fused``
         (project inside the Linear/Conv1D layers' own GEMMs: the same rows, cheaper where batches hold more tokens
         than a layer is wide; :mod:`ingest.fused`), ``rank``.
         Per run: ``projection`` (``"factorized"`` ``k_out x k_in`` per layer, ``"dense"``, or ``None`` for exact
