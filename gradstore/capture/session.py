@@ -316,16 +316,25 @@ class StoreCapture:
 
     def _record_run(self) -> None:
         """Record the checkpoints seen (step, epoch, learning rate) and their curvature statistics (of the training
-        rows and, apart, of the true-Fisher rows)."""
+        rows and, apart, of the true-Fisher rows): added to the checkpoint's, or, where none are captured, the saved
+        ones checked against its rows (:meth:`~gradstore.core.curvature_files.Curvature.record_capture`)."""
         self._write_optimizer_steps()
         for checkpoint, seen in self._seen.items():
             self.store.record_checkpoint(self.run_id, checkpoint, **seen)
+        checkpoints = [*self._seen, self.capture.checkpoint]  # true-Fisher rows alone leave no checkpoint seen
+        captured = {}
         if self.capture.config.curvature:
-            for checkpoint in self._seen:
-                for split in CURVATURE_SPLITS:
-                    stats = self.capture.curvature(checkpoint, split)
-                    if stats:
-                        self.store.curvature.save(self.run_id, checkpoint, stats, split)
+            captured = {(c, split): self.capture.curvature(c, split) for c in checkpoints for split in CURVATURE_SPLITS}
+        committed = self._committed  # resume=True: the committed rows it replays
+        self.store.curvature.record_capture(
+            self.run_id,
+            checkpoints,
+            captured,
+            trained=set(self._seen),
+            resumed_from=None if committed is None else committed.from_step,
+            committed=() if committed is None else committed.keys,
+            skipped=self.rows_skipped,
+        )
 
     def _record_optimizer_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
         """After each optimizer step: what it applied (:mod:`gradstore.capture.optimizer_state`; whether its
