@@ -98,13 +98,21 @@ def step_record(
     }
 
 
+def _fingerprint(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's sum of squares in float64: zero only for a zero gradient (a plain sum cancels by construction
+    where the parameter's gradient sums to ~0, e.g. a bias feeding a LayerNorm, and then missed clipping), scaled
+    by ``c^2`` by any rescaling ``c`` (exactly, for a power of two)."""
+    return grad.detach().double().square().sum()
+
+
 class StepGradients:
     """Whether each optimizer step applied the gradients the backward produced (``optimizer_steps.gradients``).
 
-    A fingerprint: the sum of one small trainable parameter's ``.grad``, taken by a post-accumulate-grad hook after
-    every backward (with gradient accumulation, the last one's is the accumulated gradient's) and again before the
-    optimizer step (:meth:`before_step`, from its step pre-hook). Equal: ``"backward"``; equal once multiplied by
-    the ``grad_scaler``'s scale (the scaler unscaled the gradients, exactly for its power-of-two scales):
+    A fingerprint: the sum of squares of one small trainable parameter's ``.grad`` (:func:`_fingerprint`), taken
+    by a post-accumulate-grad hook after every backward (with gradient accumulation, the last one's is the
+    accumulated gradient's) and again before the optimizer step (:meth:`before_step`, from its step pre-hook).
+    Equal: ``"backward"``; equal once multiplied by the square of the ``grad_scaler``'s scale (the scaler unscaled
+    the gradients, exactly for its power-of-two scales):
     ``"unscaled"``; else ``"modified"`` (clipping such as ``clip_grad_norm_`` that cut the norm, any rescaling
     between the backward and the step, non-finite gradients); ``None`` where no backward reached the parameter
     since the last step.
@@ -129,7 +137,7 @@ class StepGradients:
 
     def _after_backward(self, parameter: torch.Tensor) -> None:
         if parameter.grad is not None:
-            self._backward = parameter.grad.detach().sum()
+            self._backward = _fingerprint(parameter.grad)
 
     def before_step(self) -> None:
         """Compare the gradient the optimizer is about to apply with the last backward's."""
@@ -138,16 +146,16 @@ class StepGradients:
         if backward is None or grad is None:
             self._outcome = None
             return
-        now = grad.detach().sum()
+        now = _fingerprint(grad)
         if self.grad_scaler is None:  # 0 "backward", 1 "modified", 3 "modified": divided by a power of two
-            ratio = backward / now
-            mantissa, _ = torch.frexp(ratio)
-            scaled = (ratio >= 2) & (mantissa == 0.5) & torch.isfinite(ratio)
+            ratio = backward / now  # a power-of-two scale S divides the sum of squares by S^2: a power of four
+            mantissa, exponent = torch.frexp(ratio)
+            scaled = (ratio >= 4) & (mantissa == 0.5) & (exponent % 2 == 1) & torch.isfinite(ratio)
             self._outcome = torch.where(now == backward, 0, torch.where(scaled, 3, 1))
             return
         scale = getattr(self.grad_scaler, "_scale", None)
         scale = scale.to(now.device) if isinstance(scale, torch.Tensor) else float(self.grad_scaler.get_scale())
-        self._outcome = torch.where(now == backward, 0, torch.where(now * scale == backward, 1, 2))
+        self._outcome = torch.where(now == backward, 0, torch.where(now * scale * scale == backward, 1, 2))
 
     def mark(self, row: dict[str, Any]) -> None:
         """Give ``row`` (the ``optimizer_steps`` row of the step just taken) the step's outcome, read at
@@ -447,8 +455,8 @@ def learning_rates(optimizer: torch.optim.Optimizer, hooks: Sequence[Any]) -> st
         [of.get(id(h.parameter)), of.get(id(h.bias)) if h.slot.has_bias and h.bias is not None else None]
         for h in sorted(hooks, key=lambda h: h.slot.offset)
     ]
-    if len({v for pair in pairs for v in pair if v is not None}) <= 1:
-        return None
+    if any(weight is None for weight, _ in pairs) or len({v for pair in pairs for v in pair if v is not None}) <= 1:
+        return None  # all alike, or a layer whose weight no group holds (frozen, sharded): not recorded
     return json.dumps(pairs)
 
 

@@ -903,3 +903,33 @@ def test_an_optimizer_setting_the_replay_would_not_use_is_refused(build, named):
         build()
     model = model_fn()
     assert Optimizer.of(torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.5)) == Optimizer("sgd", momentum=0.5)
+
+
+def test_clipping_is_recorded_where_the_checked_gradient_sums_to_zero(tmp_path):
+    """The fingerprint of a step's gradients is a sum of squares: a 2-class head's bias (the smallest captured
+    parameter, the one fingerprinted) has a gradient summing to zero by construction, so a plain sum recorded
+    clipped steps as the backward's (and rounding noise once looked like a GradScaler's power of two). Every
+    clipped step is recorded "modified", with no UnscaledRowsWarning; an unclipped run records "backward"."""
+    generator = torch.Generator().manual_seed(3)
+    x, y = torch.randn(32, D, generator=generator), torch.randint(0, 2, (32,), generator=generator)
+
+    def run(name: str, clip: float | None) -> list:
+        torch.manual_seed(4)
+        model = nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        store = gradstore.open(tmp_path / name)
+        with store.capture(model, "run", optimizer=optimizer, projection=None) as cap:
+            for t in range(8):
+                batch = slice(4 * t, 4 * t + 4)
+                cap.set_ids([str(i) for i in range(32)][batch])
+                nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                optimizer.zero_grad()
+        return [row[0] for row in store.sql("select gradients from optimizer_steps order by step").fetchall()]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradstore.UnscaledRowsWarning)
+        assert run("clipped", 1e-4) == ["modified"] * 8
+        assert run("plain", None) == ["backward"] * 8
