@@ -123,8 +123,11 @@ class Coverage:
     def summary(self) -> str:
         """One line: the share captured and the gaps."""
         mixing = [p for p in self.gaps() if p.name.endswith(MIXES)]
-        gaps = [p for p in self.gaps() if not p.name.endswith(MIXES)]
+        rowless = [p for p in self.gaps() if p.name == ROWLESS]
+        gaps = [p for p in self.gaps() if not p.name.endswith(MIXES) and p.name != ROWLESS]
         text = f"{self.fraction:.1%} of {self.trainable:,} trainable parameter entries captured"
+        if rowless:
+            text += f" where rows were formed, but some steps have none: {rowless[0].reason}"
         if gaps:
             share = sum(p.numel for p in gaps) / max(self.trainable, 1)
             listed = "; ".join(f"{p.name} ({p.reason})" for p in gaps[:6]) + ("; ..." if len(gaps) > 6 else "")

@@ -382,8 +382,8 @@ def replay(
     spec = Optimizer.of(optimizer)
     label = in_loop_checkpoint(store, run, checkpoint)
     _check_not_selected(store, run)
-    record = _check_recorded_optimizer(store, run, label, spec, reduction)
     batches, step_numbers, rates = _recorded_batches(store, run, label)
+    record = _check_recorded_optimizer(store, run, label, spec, reduction, step_numbers[0])
     steps = len(batches)
     if segments is None:
         segments = math.ceil(math.sqrt(steps))
@@ -489,8 +489,11 @@ def replay(
                     params, state = step(t, params, state, at[t])
         for t in reversed(range(start, end)):
             params, state = kept.pop(t)
-            _, vjp = torch.func.vjp(lambda p, s, w, t=t: step(t, p, s, w), params, state, at[t])
-            meta.index_add_(1, columns[t], adjoint.back(vjp))
+            try:
+                _, vjp = torch.func.vjp(lambda p, s, w, t=t: step(t, p, s, w), params, state, at[t])
+                meta.index_add_(1, columns[t], adjoint.back(vjp))
+            except RuntimeError as error:
+                raise _second_order_error(error, t) from error
     _check_finite((meta,), "the metagradients")
     scores = (-meta).detach().cpu().numpy().astype(np.float64)
     result = Replay(
@@ -525,6 +528,20 @@ def replay(
             ),
         )
     return result
+
+
+def _second_order_error(error: RuntimeError, t: int) -> Exception:
+    """The error differentiating step ``t``'s gradient raised, as an ``InvalidArgumentError`` saying what to do
+    where an operation of the model has no second derivative (PyTorch's fused attention kernels); else itself."""
+    text = str(error)
+    if "derivative for" not in text and "not implemented" not in text:
+        return error
+    return InvalidArgumentError(
+        f"the replay differentiates each step's gradient once more (a second derivative), which an operation of the "
+        f"model does not implement ({text.splitlines()[0]}; at step {t}): build model_fn()'s model with operations "
+        "that have one, e.g. a Hugging Face model with attn_implementation='eager' instead of the fused "
+        "scaled_dot_product_attention kernels"
+    )
 
 
 def _first_losses(losses: Callable[..., torch.Tensor], params: Tensors, batch: Any, size: int) -> torch.Tensor:
@@ -628,7 +645,7 @@ def _check_not_selected(store: StoreCore, run: str) -> None:
 
 
 def _check_recorded_optimizer(
-    store: StoreCore, run: str, label: str, spec: Optimizer, reduction: Reduction = "mean"
+    store: StoreCore, run: str, label: str, spec: Optimizer, reduction: Reduction = "mean", first: int = 0
 ) -> _Record:
     """Refuse an optimizer that contradicts the one capture recorded for the run's steps (``optimizer_steps``:
     kind and hyper-parameters, read from the training's optimizer; a ``spec`` with :attr:`Optimizer.groups`
@@ -667,7 +684,7 @@ def _check_recorded_optimizer(
         )
     record = _groups_record(run, kind, table)
     _check_steps(run, table, grouped=record.groups is not None)
-    _check_start(run, kind, table)
+    _check_start(run, kind, table, first)
     _step_record(store, run, table, record, reduction)
     if table.column("weight_decays").null_count != table.num_rows and record.groups is None:
         raise InvalidArgumentError(
@@ -813,21 +830,34 @@ def _check_steps(run: str, table: Any, grouped: bool) -> None:
                 f"its {len(outcomes)} recorded steps{which}: gradient clipping that cut the norm (clip_grad_norm_, "
                 "the HF Trainer's max_grad_norm), or another rescaling between loss.backward() and optimizer.step() "
                 "(a GradScaler not given to capture as grad_scaler=), which the replay cannot reproduce exactly: "
-                "replay a run trained without them (e.g. max_grad_norm=None)"
+                "replay a run trained without them (the HF Trainer: max_grad_norm=0)"
             )
 
 
-def _check_start(run: str, kind: str, table: Any) -> None:
-    """Refuse a run whose first recorded step did not start from an empty optimizer state (a capture begun
-    mid-training: momentum buffers or Adam's moments and step count from steps the store does not hold), which
-    the replay, starting from ``Optimizer.init``, cannot reproduce."""
-    first = table.slice(0, 1).to_pylist()[0]
-    held = first.get("initial_state") == "held"
-    counted = kind in ("adam", "adamw") and (first.get("adam_step") or 1) > 1
-    if held or counted:
-        what = f"Adam's step count {first['adam_step']}" if counted else "state (momentum buffers, moments)"
+def _check_start(run: str, kind: str, table: Any, first: int) -> None:
+    """Refuse a run whose first replayed step (``first``, the first with rows) did not start from the optimizer's
+    empty state: the optimizer stepped before it under the capture (a ``normalizer="adam_*"`` capture records no
+    rows at the first step), or before the capture (a capture begun mid-training: momentum buffers, Adam's moments
+    and step count from steps the store does not hold). The replay starts from ``Optimizer.init``."""
+    steps = table.column("step").to_pylist()
+    earlier = [step for step in steps if step < first]
+    if earlier:
         raise InvalidArgumentError(
-            f"run {run!r}'s capture began mid-training: before its first recorded step {first['step']} the optimizer "
+            f"run {run!r}'s optimizer took {len(earlier)} recorded step(s) (from step {earlier[0]}) before the first "
+            f"step with training rows, {first} (a capture with normalizer='adam_*' records no rows at the first "
+            "step), so the replay, which needs every step's batch from the run's first, cannot reproduce them: "
+            "capture the run's training rows from its first optimizer step (without a normalizer)"
+        )
+    at = [row for row in table.slice(0, 1).to_pylist() if row["step"] == first]
+    if not at:
+        return
+    row = at[0]
+    held = row.get("initial_state") == "held"
+    counted = kind in ("adam", "adamw") and (row.get("adam_step") or 1) > 1
+    if held or counted:
+        what = f"Adam's step count {row['adam_step']}" if counted else "state (momentum buffers, moments)"
+        raise InvalidArgumentError(
+            f"run {run!r}'s capture began mid-training: before its first recorded step {first} the optimizer "
             f"already held {what} from steps the store does not hold, and the replay starts from an empty optimizer "
             "state, so it cannot reproduce this training: capture from the run's first optimizer step"
         )
@@ -882,7 +912,8 @@ def _run_reduction(store: StoreCore, run: str, reduction: Reduction | None) -> R
         raise InvalidArgumentError(
             f"run {run!r} was captured with loss_reduction='token_mean' (each step's loss the mean over its batch's "
             "tokens), which the replay's 'mean' does not form: return from loss_fn each example's summed token "
-            "losses divided by the batch's token count, and pass reduction='sum'"
+            "losses divided by the count the training loss divided by (the batch's label tokens, or the loop's "
+            "num_items_in_batch), and pass reduction='sum'"
         )
     if reduction is None:
         return recorded

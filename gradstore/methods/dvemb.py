@@ -166,7 +166,7 @@ def _build(store: StoreCore, run: str, label: str, structure: str, where: str | 
     stored = _read_state(store, run, where)
     stability = dynamics.stability_rule()
     steps = recorded_steps(store, run, label)  # their dynamics are read chunk by chunk, as their rows
-    dynamics.warn_unmodelled(store, run, label, "dvemb")
+    dynamics.warn_unmodelled(store, run, label, "dvemb", [s.step for s in steps])
     kinds = dynamics.summary(store, run, label, steps)  # (every step plain SGD, some step with momentum)
     spans = _spans(store, run, structure)
     source = _source_state(store, run, label)

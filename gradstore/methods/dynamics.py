@@ -251,13 +251,14 @@ MODELLED = ("sgd", "adam", "adamw")
 _NOTED = ("step", "optimizer", "gradients", "row_weights")
 
 
-def warn_unmodelled(store: StoreCore, run: str, label: str | None, method: str) -> None:
+def warn_unmodelled(store: StoreCore, run: str, label: str | None, method: str, row_steps: Sequence[int] = ()) -> None:
     """One :class:`~gradstore.errors.UnmodelledOptimizerWarning` per kind of recorded step of ``run`` (under
     ``label``; any label with ``None``) that ``method``'s dynamics do not model: steps of an optimizer they do not
     model (RMSprop, Adagrad, NAdam, ...: taken as ``lr x gradient``), steps on gradients other than the backward's
     (clipping that cut the norm, a GradScaler not given to capture), rows weighted unevenly within a step
     (micro-batches of different sizes each reduced by its own mean; a ``"token_mean"`` run's token weighting is
-    its documented approximation, not warned)."""
+    its documented approximation, not warned); recorded optimizer steps between ``row_steps`` (the steps with
+    rows) that have none where those are not every ``s``-th step (a capture that lost some steps' rows)."""
     if not store.has_table(S.OPTIMIZER_STEPS):
         return
     columns = [c for c in _NOTED if c in store.dataset(S.OPTIMIZER_STEPS).schema.names]
@@ -284,6 +285,17 @@ def warn_unmodelled(store: StoreCore, run: str, label: str | None, method: str) 
             "as the backward's gradient, so the clipped steps weigh more than they did: give capture the GradScaler, "
             "or read the scores as approximate"
         )
+    spans = {b - a for a, b in zip(row_steps, row_steps[1:])}
+    if len(spans) > 1:
+        inside = sorted({r["step"] for r in rows if row_steps[0] < r["step"] < row_steps[-1]} - set(row_steps))
+        if inside:
+            _warn(
+                f"run {run!r}'s optimizer took {len(inside)} recorded step(s) without training rows between its "
+                f"steps with rows (e.g. step {inside[0]}), not every s-th step: the capture was paused there or lost "
+                "those steps' rows (its coverage warning says why; e.g. a torch.compile'd wrapper: capture the module "
+                f"it compiles, or use model.compile() in place). {method} takes each step with rows as standing for "
+                "the steps up to the next one"
+            )
     reduction = (store.run_config(run).get("capture") or {}).get("loss_reduction")
     uneven = sorted(r["step"] for r in rows if row_weights(r)[1])
     if uneven and reduction != "token_mean":

@@ -726,3 +726,32 @@ def test_scores_of_a_diverged_run_are_refused_not_ranked(tmp_path):
         with pytest.raises(gradstore.NonFiniteScoresError, match="Nothing was written"):
             store.attribute(["qa", "qb"], run=RUN, method="dvemb", k=3)
     assert store.sql("select count(*) from scores").fetchall() == [(0,)]
+
+
+def test_steps_without_rows_between_steps_with_rows_warn(tmp_path):
+    """Rows of some steps missing at no regular stride (a capture paused there, or one that lost them: a
+    torch.compile'd wrapper dropped whole steps) make dvemb stand each step with rows in for the steps up to the
+    next: it says so. Every second step captured on purpose (a regular stride) warns nothing."""
+    x, y, _, _, batches = problem()
+
+    def run(path, paused: set[int]) -> gradstore.GradStore:
+        model = init_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        store = gradstore.open(path, storage_dtype="float32")
+        with store.capture(model, RUN, optimizer=optimizer, projection=None) as cap:
+            for t in range(T):
+                cap.set_ids([str(int(i)) for i in batches[t]])
+                if t in paused:
+                    cap.pause()
+                (0.5 * ((model(x[batches[t]]) - y[batches[t]]) ** 2).sum(1)).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                cap.resume()
+        capture_queries(store, model)
+        return store
+
+    with pytest.warns(gradstore.UnmodelledOptimizerWarning, match="1 recorded step.* without training rows.*step 2"):
+        run(tmp_path / "lost", {2}).score_matrix(["qa", "qb"], run=RUN, method="dvemb")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(tmp_path / "stride", {1, 3, 5, 7}).score_matrix(["qa", "qb"], run=RUN, method="dvemb")

@@ -690,7 +690,7 @@ def test_a_token_mean_run_replays_with_sum_only():
 
     assert _run_reduction(TokenMeanRun(), "lm", "sum") == "sum"
     for reduction in (None, "mean"):
-        with pytest.raises(InvalidArgumentError, match="token count, and pass reduction='sum'"):
+        with pytest.raises(InvalidArgumentError, match="num_items_in_batch), and pass reduction='sum'"):
             _run_reduction(TokenMeanRun(), "lm", reduction)
 
 
@@ -933,3 +933,52 @@ def test_clipping_is_recorded_where_the_checked_gradient_sums_to_zero(tmp_path):
         warnings.simplefilter("error", gradstore.UnscaledRowsWarning)
         assert run("clipped", 1e-4) == ["modified"] * 8
         assert run("plain", None) == ["backward"] * 8
+
+
+def test_a_run_whose_first_step_has_no_rows_is_refused(store):
+    """A capture in Adam's geometry (``normalizer="adam_sqrt"``) records no rows at the first step: the replay
+    would start at the second from ``model_fn()``'s initial weights and an empty state (its final weights were
+    off by more than training moved them). It refuses, naming the step without rows."""
+    adam = lambda m: torch.optim.Adam(m.parameters(), lr=0.05)  # noqa: E731
+    train_loop(store, "geometry", adam, normalizer="adam_sqrt")
+    with pytest.raises(InvalidArgumentError, match="before the first step with training rows, 1"):
+        store.replay(
+            QUERIES, run="geometry", model_fn=model_fn, batch_fn=batch_fn, loss_fn=loss_fn, optimizer="adam",
+            write=False,
+        )  # fmt: skip
+
+
+class Attending(nn.Module):
+    """A linear layer, then PyTorch's fused attention over each example's ``D`` features as tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(1, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x.unsqueeze(-1).float()).unsqueeze(1)  # [B, 1 head, D tokens, 8]
+        return nn.functional.scaled_dot_product_attention(h, h, h).sum((1, 2, 3)).double()
+
+
+def test_an_operation_without_a_second_derivative_is_named_with_what_to_do(store):
+    """The replay differentiates each step's gradient: a model whose fused attention kernel has no second
+    derivative (PyTorch's CPU flash attention) is an InvalidArgumentError naming it and the eager alternative,
+    not a bare RuntimeError."""
+    x, y, batches, _, _ = data()
+
+    def make() -> nn.Module:
+        torch.manual_seed(5)
+        return Attending()
+
+    model = make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with store.capture(model, "attention", optimizer=optimizer, projection=None) as cap:
+        for t in range(3):
+            cap.set_ids([str(i) for i in batches[t]])
+            loss_fn(model, (x[batches[t]], y[batches[t]])).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    with pytest.raises(InvalidArgumentError, match="second derivative.*attn_implementation='eager'"):
+        store.replay(
+            QUERIES, run="attention", model_fn=make, batch_fn=batch_fn, loss_fn=loss_fn, optimizer="sgd", write=False
+        )
