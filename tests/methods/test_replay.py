@@ -690,7 +690,7 @@ def test_a_token_mean_run_replays_with_sum_only():
 
     assert _run_reduction(TokenMeanRun(), "lm", "sum") == "sum"
     for reduction in (None, "mean"):
-        with pytest.raises(InvalidArgumentError, match="num_items_in_batch), and pass reduction='sum'"):
+        with pytest.raises(InvalidArgumentError, match=r"num_items_in_batch\), and pass reduction='sum'"):
             _run_reduction(TokenMeanRun(), "lm", reduction)
 
 
