@@ -253,8 +253,17 @@ class RunCatalog:
         epoch: int | None = None,
         learning_rate: float | None = None,
     ) -> None:
-        """Record (or update) a checkpoint of a run with its step, epoch and learning rate."""
+        """Record (or update) a checkpoint of a run with its step, epoch and learning rate; a value not given
+        (``None``) keeps the one recorded (a checkpoint pass without ``learning_rate=`` leaves the training's)."""
         self.run(run_id)
+        if step is None or epoch is None or learning_rate is None:
+            where = f"run_id = {sql_literal(run_id)} AND checkpoint = {sql_literal(checkpoint)}"
+            recorded = self.tables.scan(S.CHECKPOINTS, where=where).to_pylist()
+            if recorded:
+                last = recorded[-1]
+                step = last["step"] if step is None else step
+                epoch = last["epoch"] if epoch is None else epoch
+                learning_rate = last["learning_rate"] if learning_rate is None else learning_rate
         row = pa.Table.from_pylist(
             [
                 {

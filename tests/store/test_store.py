@@ -226,3 +226,15 @@ def test_checkpoints_are_upserted(store):
     ]
     with pytest.raises(gradstore.UnknownRunError):
         store.record_checkpoint("x", "c")
+
+
+def test_a_checkpoint_recorded_again_keeps_what_the_new_record_does_not_give(tmp_path):
+    """``record_checkpoint`` with a value left out (``None``: a checkpoint pass captured without
+    ``learning_rate=``) keeps the recorded one; given values replace."""
+    store = gradstore.open(tmp_path / "store")
+    store.create_run("r", dim=4)
+    store.core.record_checkpoint("r", "c", step=3, epoch=1, learning_rate=0.5)
+    store.core.record_checkpoint("r", "c", step=3)
+    assert store.sql("select step, epoch, learning_rate from checkpoints").fetchall() == [(3, 1, 0.5)]
+    store.core.record_checkpoint("r", "c", step=4, epoch=2, learning_rate=0.25)
+    assert store.sql("select step, epoch, learning_rate from checkpoints").fetchall() == [(4, 2, 0.25)]
