@@ -16,6 +16,7 @@ The background thread also keeps the fragment count bounded by compacting small 
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import math
@@ -23,6 +24,8 @@ import os
 import queue
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +37,13 @@ from gradstore.core import commits
 from gradstore.core import schema as S
 from gradstore.core.append_metadata import checked_metadata, metadata_column, take
 from gradstore.core.vectors import MAX_NORM, encode, row_peaks, too_large_rows
-from gradstore.errors import InvalidArgumentError, NonFiniteGradientError, SchemaMismatchError, WriterClosedError
+from gradstore.errors import (
+    GradstoreWarning,
+    InvalidArgumentError,
+    NonFiniteGradientError,
+    SchemaMismatchError,
+    WriterClosedError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +106,34 @@ def new_id_block(existing_prefix_taken) -> int:
             return prefix
 
 
+#: Writers not closed yet: closed (their rows committed) when the interpreter exits, with a warning.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_writers() -> None:
+    """At interpreter exit, commit the rows of every writer the program did not close (its background thread is a
+    daemon: the rows it buffers would be lost with it) and say so."""
+    for writer in list(_OPEN):
+        pending = writer._buffer.rows if writer._buffer is not None else 0
+        try:
+            writer.close()
+        except Exception as error:  # at exit: report, never raise
+            warnings.warn(
+                f"gradstore: a writer of run {writer.run_id!r} left open failed to commit at exit: {error!r}",
+                GradstoreWarning,
+                stacklevel=1,
+            )
+            continue
+        warnings.warn(
+            f"gradstore: a writer of run {writer.run_id!r} was left open; its last {pending} buffered row(s) were "
+            "committed at exit. Close writers (`with store.writer(run) as writer:` or writer.close()): rows "
+            "buffered by an open writer are lost if the process is killed",
+            GradstoreWarning,
+            stacklevel=1,
+        )
+
+
 class GradientWriter:
     """Buffered, background-committing appender of gradient rows for one run.
 
@@ -143,6 +180,7 @@ class GradientWriter:
         self.compactions = 0
         self._thread = threading.Thread(target=self._run, name=f"gradstore-writer-{run_id}", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
 
     # ------------------------------------------------------------------ public API
     def append(self, grads: Any, example_ids: Sequence[str], **metadata: Any) -> np.ndarray:
@@ -213,6 +251,7 @@ class GradientWriter:
                 self.flush()
         finally:
             self._closed = True
+            _OPEN.discard(self)
             self._queue.put(_STOP)
             self._thread.join()
         if self._error is not None:

@@ -269,3 +269,21 @@ def test_buffers_reused_across_commits_keep_every_rows_own_values(store_path):
     block = store.read_gradients("r")
     order = np.argsort(block.metadata.column("example_id").to_numpy(zero_copy_only=False).astype(int))
     np.testing.assert_array_equal(block.vectors[order], rows)
+
+
+def test_a_writer_left_open_commits_its_rows_at_exit_and_says_so(tmp_path):
+    """A program that appends rows and exits without closing its writer (the background thread is a daemon) lost
+    them silently: they are committed at interpreter exit, with a warning saying to close writers."""
+    store = gradstore.open(tmp_path / "store")
+    store.create_run("r", dim=8)
+    child = textwrap.dedent(
+        f"""
+        import numpy as np, gradstore
+        writer = gradstore.open({str(tmp_path / "store")!r}).writer("r")
+        writer.append(np.ones((100, 8), np.float32), [f"a{{i}}" for i in range(100)], split="train")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "was left open; its last 100 buffered row(s) were committed at exit" in done.stderr
+    assert gradstore.open(tmp_path / "store").count() == 100
