@@ -169,6 +169,21 @@ def engine_of(engine: EngineChoice, address: str | None):
     return resolve_engine(engine.value, address)
 
 
+def write_parquet(table, out: Path) -> None:
+    """Write ``table`` to ``out`` as Parquet (:func:`check_parquet_name`)."""
+    check_parquet_name(out)
+    import pyarrow.parquet as pq
+
+    pq.write_table(table, out)
+
+
+def check_parquet_name(out: Path) -> None:
+    """Refuse an ``--out`` name with another format's suffix (``.csv``, ``.json``): it would hold Parquet bytes."""
+    if out.suffix.lower() not in ("", ".parquet", ".pq"):
+        fail(InvalidArgumentError(f"--out {out} names a {out.suffix} file but the results are written as Parquet: "
+                                  "give a .parquet name (gradstore sql --format csv writes CSV)"))  # fmt: skip
+
+
 def print_table(table, limit: int = 50) -> None:
     typer.echo(table.to_pandas().to_string(index=False, max_rows=limit))
 

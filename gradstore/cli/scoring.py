@@ -31,11 +31,13 @@ from gradstore.cli.common import (
     StoreArg,
     WhereOption,
     app,
+    check_parquet_name,
     csv_list,
     engine_of,
     one_line_errors,
     open_store,
     print_table,
+    write_parquet,
 )
 from gradstore.errors import InvalidArgumentError
 from gradstore.methods import DEFAULT_METHOD, OPTION_HELP, ScoreOptions
@@ -106,6 +108,8 @@ def attribute(
 ) -> None:
     """Top-k proponents (and opponents) of query examples; results are appended to the scores table unless
     --no-write (a store this process cannot write answers with --no-write)."""
+    if out is not None:
+        check_parquet_name(out)
     if queries is not None and where is not None:
         raise InvalidArgumentError(
             "--queries and --where both select the query rows: give one (ids with --queries, a filter with --where)"
@@ -132,9 +136,7 @@ def attribute(
         options=options,
     )
     if out is not None:
-        import pyarrow.parquet as pq
-
-        pq.write_table(table, out)
+        write_parquet(table, out)
     print_table(table.select(["query_id", "rank", "example_id", "score", "method"]))
 
 
@@ -161,6 +163,8 @@ def select(
     where: WhereOption = None,
 ) -> None:
     """LESS-style data selection: the training examples most aligned with a target set."""
+    if out is not None:
+        check_parquet_name(out)
     from gradstore.answers.selection import export_selection
 
     count_or_fraction = int(budget) if budget > 1 and budget.is_integer() else budget

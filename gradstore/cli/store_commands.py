@@ -17,6 +17,7 @@ from gradstore.cli.common import (
     fail,
     one_line_errors,
     open_store,
+    write_parquet,
 )
 from gradstore.errors import InvalidArgumentError
 
@@ -54,7 +55,7 @@ def sql(
     query: Annotated[str, typer.Argument(help="One read-only DuckDB SQL statement.")],
     format: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write to this file.")] = None,
-    max_rows: Annotated[int, typer.Option(help="Rows shown in table format.")] = 50,
+    max_rows: Annotated[int, typer.Option(min=1, help="Rows shown in table format.")] = 50,
 ) -> None:
     """Run DuckDB SQL over the store's tables (runs, checkpoints, gradients, examples, scores, ...)."""
     table = open_store(store).sql(query).arrow()
@@ -63,9 +64,7 @@ def sql(
     if format is OutputFormat.parquet:
         if out is None:
             fail(InvalidArgumentError("--format parquet needs --out FILE"))
-        import pyarrow.parquet as pq
-
-        pq.write_table(table, out)
+        write_parquet(table, out)
         typer.echo(f"wrote {table.num_rows} rows to {out}", err=True)
         return
     frame = table.to_pandas()

@@ -120,6 +120,11 @@ def test_attribution_commands(tmp_path):
     chosen = tmp_path / "chosen.parquet"
     selected = runner.invoke(app, ["select", str(path), "--run", "demo", "--budget", "4", "--out", str(chosen)])
     assert selected.exit_code == 0 and pq.read_table(chosen).num_rows == 4
+    for command in (["select", "--budget", "4"], ["attribute", "--queries", query]):  # Parquet under a .csv name
+        named = runner.invoke(
+            app, [command[0], str(path), "--run", "demo", *command[1:], "--out", str(tmp_path / "x.csv")]
+        )
+        assert named.exit_code == 1 and "written as Parquet" in named.output and not (tmp_path / "x.csv").exists()
     index = runner.invoke(app, ["build-index", str(path), "--run", "demo", "--kind", "Flat"])
     assert index.exit_code == 0 and json.loads(index.output)["recall_at_10"] == 1.0
     exact_index = runner.invoke(app, ["build-index", str(path), "--run", "demo", "--method", "grad-dot"])
