@@ -70,7 +70,7 @@ class RunCatalog:
         dims = self.dims
         if len(dims) > 1:
             raise InvalidArgumentError(
-                f"store {self.tables.uri} holds runs of several dims {dims}: use store.run_dim(run) for a run's dim"
+                f"store {self.tables.uri} holds runs of several dims {dims}: use store.core.run_dim(run) (a run's dim)"
             )
         return dims[0] if dims else None
 
