@@ -70,6 +70,7 @@ from gradstore.core import StoreCore, gradient_filter, sql_literal
 from gradstore.core import schema as S
 from gradstore.errors import GradstoreError, InvalidArgumentError, MissingIdsError, ReplayMismatchWarning
 from gradstore.methods import replay as stored
+from gradstore.methods.dynamics import row_weights
 from gradstore.methods.trajectory import in_loop_checkpoint, recorded_steps
 
 Reduction = Literal["mean", "sum"]
@@ -879,16 +880,16 @@ def _step_record(store: StoreCore, run: str, table: Any, record: _Record, reduct
         for step, recorded in zip(steps, table.column("row_weights").to_pylist()):
             if not recorded:
                 continue
-            weights = json.loads(recorded)
-            if not math.isclose(weights["least"], weights["most"], rel_tol=1e-5):
+            weights = row_weights({"row_weights": recorded})
+            if weights.uneven:
                 raise InvalidArgumentError(
                     f"run {run!r}'s step {step} weighted its examples unevenly (each example's weight in the step's "
-                    f"gradient from {weights['least']:.4g} to {weights['most']:.4g} times the mean: gradient "
+                    f"gradient from {weights.least:.4g} to {weights.most:.4g} times the mean: gradient "
                     "accumulation over micro-batches of different sizes, each reduced by its own mean); the replay "
                     "reduces each step's losses by one mean or sum, so it cannot reproduce this training: accumulate "
                     "micro-batches of equal size, or reduce each by the step's total count"
                 )
-            record.totals[step] = float(weights["total"])
+            record.totals[step] = weights.total
     if "without_gradients" in names:
         for step, missing in zip(steps, table.column("without_gradients").to_pylist()):
             if missing:

@@ -134,22 +134,35 @@ def coefficients(
         if co.optimizer == "adamw":  # decoupled weight decay at each coordinate's own learning rate
             rho = 1.0 - (1.0 - torch.as_tensor(co.rho, dtype=torch.float64)) * ratio
         co = replace(co, rho=rho, p=ratio if co.p is None else co.p * ratio)
-    total = row_weights(row)[0]
+    total = row_weights(row).total
     if total != 1.0:  # the step's gradient is total x the mean of its rows: u and H scale, the weight decay does not
         co = replace(co, a=co.a * total, b=co.b * total, l2=co.l2 / total if total else co.l2)
     return co
 
 
-def row_weights(row: dict) -> tuple[float, bool]:
-    """The step's gradient over the mean of its captured rows (``optimizer_steps.row_weights``'s ``total``: 1 for a
-    batch mean, the batch's size for a sum, the loss scale, ...) and whether its rows were weighted unevenly; ``(1,
-    False)`` where not recorded."""
+@dataclass(frozen=True)
+class RowWeights:
+    """How a step weighted its captured rows (``optimizer_steps.row_weights``): ``total``, its gradient over the
+    mean of its rows (1 for a batch mean, the batch's size for a sum, the loss scale, ...); ``least``/``most``, the
+    smallest and largest row's weight over the mean's."""
+
+    total: float = 1.0
+    least: float = 1.0
+    most: float = 1.0
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the rows were weighted unevenly (micro-batches of different sizes each reduced by its mean)."""
+        return not math.isclose(self.least, self.most, rel_tol=1e-5)
+
+
+def row_weights(row: dict) -> RowWeights:
+    """A step's :class:`RowWeights` from its ``optimizer_steps`` row (all 1 where not recorded)."""
     recorded = row.get("row_weights")
     if not recorded:
-        return 1.0, False
+        return RowWeights()
     weights = json.loads(recorded)
-    total, least, most = (float(weights[k]) for k in ("total", "least", "most"))
-    return total, not math.isclose(least, most, rel_tol=1e-5)
+    return RowWeights(*(float(weights[k]) for k in ("total", "least", "most")))
 
 
 def layer_rates(recorded: str | None, slots: Sequence, dim: int) -> torch.Tensor | None:
@@ -297,7 +310,7 @@ def warn_unmodelled(store: StoreCore, run: str, label: str | None, method: str, 
                 "the steps up to the next one"
             )
     reduction = (store.run_config(run).get("capture") or {}).get("loss_reduction")
-    uneven = sorted(r["step"] for r in rows if row_weights(r)[1])
+    uneven = sorted(r["step"] for r in rows if row_weights(r).uneven)
     if uneven and reduction != "token_mean":
         _warn(
             f"run {run!r}'s steps weighted their rows unevenly in {len(uneven)} of its {len(rows)} recorded steps "
