@@ -42,7 +42,7 @@ layer's."""
 
 
 @dataclass(frozen=True)
-class Replay:
+class ResumedRows:
     """What a resumed capture (``resume=True``) replayed, as :meth:`Curvature.record_capture` sees it."""
 
     from_step: int  # the step of its first batch
@@ -311,7 +311,7 @@ class Curvature:
         replay = None
         if resumed_from is not None and skipped > 0:
             counts = Counter((key[0], key[2]) for key in committed)
-            replay = Replay(resumed_from, {pair: counts[pair] for pair in pairs if stats[pair]}, skipped)
+            replay = ResumedRows(resumed_from, {pair: counts[pair] for pair in pairs if stats[pair]}, skipped)
         for (checkpoint, split), factors in stats.items():
             if factors and replay is not None and replay.replayed((checkpoint, split)) != 0:
                 self._save_replayed(run_id, checkpoint, split, factors, replay)
@@ -320,9 +320,11 @@ class Curvature:
             elif self.has(run_id, checkpoint, split):
                 self._check_kept(run_id, checkpoint, split, trained)
 
-    def _save_replayed(self, run_id: str, checkpoint: str, split: str, stats: LayerCurvature, replay: Replay) -> None:
-        """Save the factors of a resumed capture that replayed ``r`` (:meth:`Replay.replayed`) of the ``n`` rows of
-        the split committed before it, whose saved factors describe all but ``u`` of them (the rows committed since
+    def _save_replayed(
+        self, run_id: str, checkpoint: str, split: str, stats: LayerCurvature, replay: ResumedRows
+    ) -> None:
+        """Save the factors of a resumed capture that replayed ``r`` (:meth:`ResumedRows.replayed`) of the ``n`` rows
+        of the split committed before it, whose saved factors describe all but ``u`` of them (the rows committed since
         they were saved: a crash lost their factors; ``u = n`` without saved factors). Its factors count the ``r``
         rows again and the rows it wrote. Replacing the saved ones is exact where ``r = n`` (the checkpoint replayed
         from its first batch), adding to them where ``r = u`` (the replay re-ran exactly the rows whose factors were
